@@ -1,0 +1,28 @@
+"""neuron: tensor-parallel LLM inference with an OpenAI-compatible server.
+
+`from neuron import LLM, SamplingParams` is the offline API. Imports are lazy so that the wire
+protocol (neuron.rpc) stays usable without torch.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "neuron.llm",
+    "RequestOutput": "neuron.llm",
+    "CompletionOutput": "neuron.llm",
+    "SamplingParams": "neuron.sampling",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'neuron' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]

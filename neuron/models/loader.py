@@ -1,0 +1,123 @@
+"""Finding a checkpoint on this machine and reading only this rank's slices of it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from neuron.errors import ConfigError, ModelNotFound
+from neuron.tp.layers import Reader
+
+
+def hub_cache_dirs(explicit: str | None = None) -> list[Path]:
+    """Where a repo id may live, in order: an explicit setting, HF_HUB_CACHE, HF_HOME/hub, the default."""
+    dirs = []
+    if explicit:
+        dirs.append(Path(explicit))
+    if os.environ.get("HF_HUB_CACHE"):
+        dirs.append(Path(os.environ["HF_HUB_CACHE"]))
+    if os.environ.get("HF_HOME"):
+        dirs.append(Path(os.environ["HF_HOME"]) / "hub")
+    dirs.append(Path.home() / ".cache" / "huggingface" / "hub")
+    return dirs
+
+
+def _snapshot(repo_dir: Path, revision: str) -> Path | None:
+    ref = repo_dir / "refs" / revision
+    commit = ref.read_text().strip() if ref.is_file() else revision
+    snap = repo_dir / "snapshots" / commit
+    if snap.is_dir():
+        return snap
+    snaps = sorted((repo_dir / "snapshots").glob("*")) if (repo_dir / "snapshots").is_dir() else []
+    return snaps[-1] if len(snaps) == 1 else None
+
+
+def resolve_model_path(model: str, cache_dir: str | None = None, revision: str = "main") -> Path:
+    """A local directory as is, or a repo id ("org/name") found in the local Hugging Face cache."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if path.exists():
+        raise ModelNotFound(f"{model} is a file; pass the checkpoint's directory")
+    searched = []
+    for cache in hub_cache_dirs(cache_dir):
+        repo_dir = cache / f"models--{model.replace('/', '--')}"
+        searched.append(str(repo_dir))
+        if repo_dir.is_dir() and (snap := _snapshot(repo_dir, revision)) is not None:
+            return snap
+    raise ModelNotFound(
+        f"model {model!r} is neither a directory nor in the local Hugging Face cache "
+        f"(looked in: {', '.join(searched)}). neuron does not download: fetch it first, "
+        f"e.g. `huggingface-cli download {model}`, or pass a local path."
+    )
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path.name} is missing in {path.parent}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+
+
+def read_generation_config(model_dir: Path) -> dict:
+    path = model_dir / "generation_config.json"
+    return read_json(path) if path.is_file() else {}
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's weight files: those named by its index, or every *.safetensors file."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(read_json(index).get("weight_map", {}).values()))
+        files = [model_dir / n for n in names]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no .safetensors weights in {model_dir} (other formats are not supported)")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ConfigError(f"weight files named by the index are missing: {', '.join(missing)}")
+    return files
+
+
+class CheckpointReader(Reader):
+    """Reads tensors or slices of them across a checkpoint's safetensors files. A slice read never
+    materialises the full tensor, so a rank holds only its own share."""
+
+    def __init__(self, paths: list[str | Path]):
+        self._files = [safe_open(str(p), framework="pt", device="cpu") for p in paths]
+        self._where = {name: f for f in self._files for name in f.keys()}
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        f = self._where.get(name)
+        if f is None:
+            raise ConfigError(f"weight {name!r} is missing from the checkpoint")
+        if dim is None:
+            return f.get_tensor(name)
+        sl = f.get_slice(name)
+        shape = sl.get_shape()
+        end = shape[dim] if end is None else end
+        index = tuple(slice(start, end) if d == dim else slice(None) for d in range(len(shape)))
+        return sl[index]
+
+    def close(self) -> None:
+        self._files.clear()
+        self._where.clear()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

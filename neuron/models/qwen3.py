@@ -1,0 +1,212 @@
+"""Qwen3 dense, tensor-parallel and batched: every step carries several sequences, each with its
+own KV slot and position offset; the single-sequence step is the batch of one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from neuron.errors import ConfigError
+from neuron.models.kv import KVCache, StepBatch
+from neuron.tp.comm import Communicator
+from neuron.tp.layers import (
+    ColumnParallelLinear,
+    HeadLayout,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    Reader,
+    RMSNorm,
+    RowParallelLinear,
+    Shard,
+    VocabParallelEmbedding,
+)
+
+SUPPORTED_ROPE_TYPES = ("default",)
+
+
+@dataclass(slots=True)
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Qwen3Config":
+        try:
+            heads = int(d["num_attention_heads"])
+            hidden = int(d["hidden_size"])
+            cfg = cls(
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_layers=int(d["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=_rope_theta(d),
+                max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=bool(d.get("attention_bias", False)),
+            )
+        except KeyError as exc:
+            raise ConfigError(f"config.json lacks required field {exc.args[0]!r}") from None
+        if d.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
+        if d.get("use_sliding_window"):
+            raise ConfigError("sliding-window attention (use_sliding_window=true) is not supported")
+        return cfg
+
+
+def _rope_theta(d: dict) -> float:
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)}); "
+            "remove rope_scaling from config.json to run at the native context length"
+        )
+    return float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+
+
+class Rotary:
+    """RoPE tables for every position up to the model length, indexed per token."""
+
+    def __init__(self, head_dim: int, theta: float, max_len: int, dtype, device):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        freqs = torch.arange(max_len, dtype=torch.float)[:, None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class Attention:
+    def __init__(self, layer: int, qkv, o_proj, q_norm, k_norm, layout: HeadLayout):
+        self.layer = layer
+        self.qkv, self.o_proj = qkv, o_proj
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.heads, self.kv_heads, self.head_dim = layout.local_heads, layout.local_kv_heads, layout.head_dim
+
+    def __call__(self, h: torch.Tensor, batch: StepBatch, rotary: Rotary, cache: KVCache) -> torch.Tensor:
+        t = h.shape[0]
+        q, k, v = self.qkv(h)
+        q = rotary(self.q_norm(q.view(t, self.heads, self.head_dim)), batch.positions)
+        k = rotary(self.k_norm(k.view(t, self.kv_heads, self.head_dim)), batch.positions)
+        cache.write(self.layer, batch, k, v.view(t, self.kv_heads, self.head_dim))
+        return self.o_proj(cache.attend(self.layer, batch, q).reshape(t, -1))
+
+
+class MLP:
+    def __init__(self, gate_up: MergedColumnParallelLinear, down: RowParallelLinear):
+        self.gate_up, self.down = gate_up, down
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer:
+    def __init__(self, attn: Attention, mlp: MLP, input_norm: RMSNorm, post_norm: RMSNorm):
+        self.attn, self.mlp = attn, mlp
+        self.input_norm, self.post_norm = input_norm, post_norm
+
+    def __call__(self, x, batch: StepBatch, rotary: Rotary, cache: KVCache) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), batch, rotary, cache)
+        return x + self.mlp(self.post_norm(x))
+
+
+class Qwen3ForCausalLM:
+    """This rank's share of a Qwen3 model plus its KV slots."""
+
+    def __init__(self, config: Qwen3Config, comm: Communicator, dtype: torch.dtype, device: torch.device):
+        self.config = config
+        self.comm = comm
+        self.dtype = dtype
+        self.device = device
+        self.shard = Shard(comm.rank, comm.world_size)
+        self.layout = HeadLayout(config.num_heads, config.num_kv_heads, config.head_dim, self.shard)
+        self.layout.validate()
+        self.shard.even(config.intermediate_size, "intermediate_size")
+        self.layers: list[DecoderLayer] = []
+        self.cache: KVCache | None = None
+
+    def load(self, r: Reader, progress: Callable[[int, int], None] | None = None) -> None:
+        c, s, dt, dev = self.config, self.shard, self.dtype, self.device
+        self.embed = VocabParallelEmbedding.load(r, "model.embed_tokens.weight", c.vocab_size, s, self.comm, dt, dev)
+        head = "model.embed_tokens.weight" if c.tie_word_embeddings or not r.has("lm_head.weight") else "lm_head.weight"
+        self.lm_head = ParallelLMHead.load(r, head, c.vocab_size, s, self.comm, dt, dev)
+        self.norm = RMSNorm.load(r, "model.norm.weight", c.rms_norm_eps, dt, dev)
+        self.layers = []
+        for i in range(c.num_layers):
+            self.layers.append(self._load_layer(r, i))
+            if progress:
+                progress(i + 1, c.num_layers)
+
+    def _load_layer(self, r: Reader, i: int) -> DecoderLayer:
+        c, s, dt, dev = self.config, self.shard, self.dtype, self.device
+        p = f"model.layers.{i}"
+        qkv = QKVParallelLinear.load(r, f"{p}.self_attn", self.layout, dt, dev, bias=c.attention_bias)
+        o_proj = RowParallelLinear.load(
+            r, f"{p}.self_attn.o_proj", c.num_heads * c.head_dim, s, self.comm, dt, dev, bias=c.attention_bias
+        )
+        q_norm = RMSNorm.load(r, f"{p}.self_attn.q_norm.weight", c.rms_norm_eps, dt, dev)
+        k_norm = RMSNorm.load(r, f"{p}.self_attn.k_norm.weight", c.rms_norm_eps, dt, dev)
+        gate_up = MergedColumnParallelLinear.load(
+            r, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], c.intermediate_size, s, dt, dev
+        )
+        down = RowParallelLinear.load(r, f"{p}.mlp.down_proj", c.intermediate_size, s, self.comm, dt, dev)
+        attn = Attention(i, qkv, o_proj, q_norm, k_norm, self.layout)
+        input_norm = RMSNorm.load(r, f"{p}.input_layernorm.weight", c.rms_norm_eps, dt, dev)
+        post_norm = RMSNorm.load(r, f"{p}.post_attention_layernorm.weight", c.rms_norm_eps, dt, dev)
+        return DecoderLayer(attn, MLP(gate_up, down), input_norm, post_norm)
+
+    def allocate(self, max_slots: int, max_model_len: int) -> None:
+        c = self.config
+        if max_model_len > c.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                f"{c.max_position_embeddings}"
+            )
+        self.rotary = Rotary(c.head_dim, c.rope_theta, max_model_len, self.dtype, self.device)
+        self.cache = KVCache(
+            c.num_layers, max_slots, max_model_len, self.layout.local_kv_heads, c.head_dim, self.dtype, self.device
+        )
+
+    def weight_bytes(self) -> int:
+        tensors = [self.embed.weight, self.lm_head.weight, self.norm.weight]
+        for layer in self.layers:
+            a, m = layer.attn, layer.mlp
+            tensors += [a.qkv.weight, a.o_proj.weight, m.gate_up.weight, m.down.weight]
+        unique = {t.data_ptr(): t for t in tensors}
+        return sum(t.numel() * t.element_size() for t in unique.values())
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> torch.Tensor | None:
+        """Run the new tokens of every sequence; return rank 0's float32 logits of each sequence's
+        last token ([num_seqs, vocab]), None on other ranks."""
+        assert self.cache is not None
+        x = self.embed(batch.token_ids)
+        for layer in self.layers:
+            x = layer(x, batch, self.rotary, self.cache)
+        last = x if batch.all_decode else x[batch.last_index]
+        logits = self.lm_head(self.norm(last))
+        return None if logits is None else logits.float()

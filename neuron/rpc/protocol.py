@@ -1,0 +1,171 @@
+"""The leader <-> worker wire protocol: one JSON object per line, tagged by `op`.
+
+Every request carries an integer `seq`; its reply echoes it. A reply whose `seq` is not the one
+awaited is stale and is discarded by the leader. Adding an op is how the protocol evolves.
+This module never imports torch: the mock workers and fuzzers speak it without it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+def _snake(name: str) -> str:
+    return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+
+
+class Message(msgspec.Struct, tag_field="op", tag=_snake, omit_defaults=True):
+    seq: int
+
+
+# ---- requests (leader -> worker) ------------------------------------------------------------
+
+
+class Ping(Message):
+    """Liveness and identity check; answered with `pong`."""
+
+
+class Init(Message):
+    """Join the communicator. `comm_id` is the NCCL unique id (hex) or the gloo store address."""
+
+    backend: str
+    comm_id: str
+    timeout_s: float = 60.0
+
+
+class CommSanityCheck(Message):
+    """All-reduce a 1 on every rank; the reply's sum must equal the world size."""
+
+
+class LoadDenseShard(Message):
+    """Load this rank's slices of a dense checkpoint and preallocate its KV slots."""
+
+    model_id: str
+    config_json: str
+    safetensors_paths: list[str]
+    dtype: str
+    quant: str | None = None
+    max_slots: int = 8
+    max_model_len: int = 2048
+
+
+class StepSeq(msgspec.Struct, array_like=True):
+    """One sequence of a batched step: its KV slot, its new token ids, where they start."""
+
+    slot: int
+    token_ids: list[int]
+    offset: int
+
+
+class GenerateStep(Message):
+    """Run one batched forward. Workers reply `generate_step_ok`; only rank 0 keeps logits."""
+
+    model_id: str
+    seqs: list[StepSeq]
+
+
+class GenerateStepWithImages(Message):
+    """A step whose sequences carry images; every rank walks the same prefill chunks."""
+
+    model_id: str
+    seqs: list[StepSeq]
+    image_token_id: int
+    image_data_uris: list[str]
+    chunk_size: int
+
+
+class ClearKvCache(Message):
+    """Forget the KV state of these slots (all slots when `slots` is absent)."""
+
+    model_id: str
+    slots: list[int] | None = None
+
+
+class UnloadModel(Message):
+    """Drop a model's weights and KV cache."""
+
+    model_id: str
+
+
+class Shutdown(Message):
+    """Reply `bye` and exit 0."""
+
+
+# ---- replies (worker -> leader) -------------------------------------------------------------
+
+
+class Pong(Message):
+    rank: int
+    world_size: int
+    device: str
+    protocol: int = PROTOCOL_VERSION
+
+
+class InitOk(Message):
+    backend: str
+
+
+class SanityResult(Message):
+    observed_sum: float
+
+
+class LoadDenseShardOk(Message):
+    model_id: str
+    weight_bytes: int = 0
+
+
+class GenerateStepOk(Message):
+    elapsed_ms: float = 0.0
+
+
+class KvCacheCleared(Message):
+    pass
+
+
+class Unloaded(Message):
+    model_id: str
+
+
+class Bye(Message):
+    pass
+
+
+class Error(Message):
+    """Any request may get this instead. `kind` is a short machine tag (see ErrorKind)."""
+
+    kind: str
+    message: str
+
+
+class ErrorKind:
+    BAD_REQUEST = "bad_request"
+    UNKNOWN_OP = "unknown_op"
+    LINE_TOO_LONG = "line_too_long"
+    COMM_INIT_FAILED = "comm_init_failed"
+    NOT_INITIALISED = "not_initialised"
+    MODEL_NOT_LOADED = "model_not_loaded"
+    LOAD_FAILED = "load_failed"
+    UNSUPPORTED_ARCH = "unsupported_arch"
+    FORWARD_FAILED = "forward_failed"
+    INTERNAL = "internal"
+
+
+Request = (
+    Ping
+    | Init
+    | CommSanityCheck
+    | LoadDenseShard
+    | GenerateStep
+    | GenerateStepWithImages
+    | ClearKvCache
+    | UnloadModel
+    | Shutdown
+)
+Reply = (
+    Pong | InitOk | SanityResult | LoadDenseShardOk | GenerateStepOk | KvCacheCleared | Unloaded | Bye | Error
+)
+
+REQUEST_OPS = frozenset(t.__struct_config__.tag for t in Request.__args__)
+REPLY_OPS = frozenset(t.__struct_config__.tag for t in Reply.__args__)
