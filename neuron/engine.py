@@ -1,0 +1,300 @@
+"""The engine: owns the ranks, schedules requests, samples, detokenises, reports progress.
+
+Only the engine's own thread talks to the ranks. Other threads submit and abort requests through
+a thread-safe inbox that is read at step boundaries, so a cancelled request leaves between steps
+and the ranks never see half a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+
+from neuron import settings
+from neuron.errors import ConfigError, NeuronError
+from neuron.models import check_supported
+from neuron.models.loader import read_generation_config, read_json, resolve_model_path
+from neuron.rpc.protocol import StepSeq
+from neuron.sampling import SamplingParams, SequenceSampler, sample
+from neuron.scheduler import Scheduled, Scheduler, Sequence, Status
+from neuron.tokenizer import IncrementalDetokenizer, Tokenizer
+from neuron.tp.runner import ModelRunner, RunnerConfig
+
+log = logging.getLogger("neuron.engine")
+
+
+class RequestError(NeuronError):
+    """A request the engine refuses before any device work; `code` is the OpenAI error code."""
+
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # path or repo id; None serves the embedded default
+    tp: int = 1
+    device: str | None = None  # None: cuda when present, else cpu
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int | None = None
+    hf_cache_dir: str | None = None
+    served_model_name: str | None = None
+
+
+@dataclass(slots=True)
+class Update:
+    """What one step did for one request."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Tracked:
+    seq: Sequence
+    detok: IncrementalDetokenizer | None
+    stop: list[str] = field(default_factory=list)
+    text: str = ""  # decoded output, stop strings not yet cut
+    emitted: int = 0  # characters of `text` already reported
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, worker_cmd=None):
+        self.cfg = cfg
+        if cfg.model is None:
+            from neuron.models.default import default_model_dir
+
+            self.model_dir = default_model_dir()
+        else:
+            self.model_dir = resolve_model_path(cfg.model, cfg.hf_cache_dir)
+        self.model_name = cfg.served_model_name or (cfg.model or "neuron-default")
+        self.config = read_json(self.model_dir / "config.json")
+        check_supported(self.config)  # before any worker starts
+        if cfg.tp < 1:
+            raise ConfigError(f"tensor-parallel size must be >= 1, got {cfg.tp}")
+        self.device = cfg.device or default_device()
+        self.max_model_len = self._max_model_len()
+        self.vocab_size = int(self.config["vocab_size"])
+        self.tokenizer = Tokenizer.from_dir(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
+        self.generation_config = read_generation_config(self.model_dir)
+        self.eos_token_ids = self._eos_ids()
+        chunk = settings.prefill_chunk_tokens()
+        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens or max(chunk, cfg.max_num_seqs), chunk)
+        runner_cfg = RunnerConfig(self.model_dir, cfg.tp, self.device, cfg.dtype, cfg.max_num_seqs, self.max_model_len)
+        kwargs = {"worker_cmd": worker_cmd} if worker_cmd else {}
+        self.runner = ModelRunner(runner_cfg, **kwargs)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}
+        self.step_count = 0
+
+    def start(self) -> "LLMEngine":
+        self.runner.start()
+        return self
+
+    def _max_model_len(self) -> int:
+        native = int(self.config.get("max_position_embeddings", 2048))
+        wanted = self.cfg.max_model_len
+        if wanted is None:
+            return min(native, 8192)
+        if not 1 < wanted <= native:
+            raise ConfigError(f"max_model_len must be in 2..{native} (the model's max_position_embeddings), got {wanted}")
+        return wanted
+
+    def _eos_ids(self) -> list[int]:
+        ids = self.generation_config.get("eos_token_id", self.config.get("eos_token_id"))
+        ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return sorted(set(ids))
+
+    def default_sampling(self) -> dict:
+        """Sampling defaults from generation_config.json, applied where a request is silent."""
+        g = self.generation_config
+        return {k: g[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty") if k in g}
+
+    # ---- requests (any thread) ----
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Refuse a request that cannot run; return its max_tokens clamped to the context."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty", param="prompt")
+        if n >= self.max_model_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has {n} "
+                "tokens (no room to generate)", code="context_length_exceeded", param="messages")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                               param="prompt")
+        room = self.max_model_len - n
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        max_tokens = self.validate(prompt_token_ids, params)
+        sampler = SequenceSampler(params, prompt_token_ids, self.vocab_size, self.runner.devices[0])
+        seq = Sequence(request_id, list(prompt_token_ids), params, sampler, max_tokens)
+        self._inbox.put(("add", seq))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    # ---- the loop (engine thread only) ----
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or not self._inbox.empty()
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def _drain_inbox(self) -> list[Update]:
+        updates = []
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return updates
+            if kind == "add":
+                self._admit(item)
+            elif (tr := self._tracked.get(item)) is not None:
+                self.scheduler.finish(tr.seq, "abort")
+                updates.append(self._final(tr))
+
+    def _admit(self, seq: Sequence) -> None:
+        p = seq.params
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, p.skip_special_tokens)
+        self._tracked[seq.request_id] = _Tracked(seq, detok, list(p.stop or []))
+        self.scheduler.add(seq)
+
+    def step(self) -> list[Update]:
+        """Admit and abort what arrived, run one batched step, sample, and report."""
+        updates = self._drain_inbox()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return updates
+        self.step_count += 1
+        try:
+            logits = self.runner.step([StepSeq(s.seq.slot, s.token_ids, s.offset) for s in batch])
+        except NeuronError as exc:
+            return updates + self._fail_all(str(exc))
+        for s in batch:
+            s.seq.num_computed = s.offset + len(s.token_ids)
+        ready = [(i, s) for i, s in enumerate(batch) if s.completes_prompt]
+        if ready:
+            rows = logits[[i for i, _ in ready]] if len(ready) != len(batch) else logits
+            result = sample(rows, [s.seq.sampler for _, s in ready], self.eos_token_ids)
+            for (_, s), token, lp in zip(ready, result.token_ids, result.logprobs):
+                updates.append(self._advance(s, token, lp))
+        return updates
+
+    def _advance(self, s: Scheduled, token: int, logprobs: dict[int, float] | None) -> Update:
+        seq = s.seq
+        tr = self._tracked[seq.request_id]
+        seq.output_token_ids.append(token)
+        seq.sampler.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        reason, stop_reason = self._stop_check(seq, token)
+        if tr.detok is not None:
+            if not (reason == "stop" and stop_reason is None):  # the EOS token itself is not output
+                tr.text += tr.detok.push(token)
+            if reason is None and tr.stop:
+                reason, stop_reason = self._stop_strings(tr)
+            if reason is not None and not isinstance(stop_reason, str):
+                tr.text += tr.detok.flush()
+        lps = None if logprobs is None else [logprobs]
+        if reason is None:
+            return self._partial(tr, [token], lps)
+        self.scheduler.finish(seq, reason, stop_reason)
+        return self._final(tr, [token], lps)
+
+    def _stop_check(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+        p = seq.params
+        n_out = len(seq.output_token_ids)
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+            if p.stop_token_ids and token in p.stop_token_ids:
+                return "stop", token
+        if n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _stop_strings(self, tr: _Tracked) -> tuple[str | None, str | None]:
+        if len(tr.seq.output_token_ids) < tr.seq.params.min_tokens:
+            return None, None
+        start = max(0, tr.emitted - max(len(s) for s in tr.stop))
+        for stop in tr.stop:
+            at = tr.text.find(stop, start)
+            if at != -1:
+                tr.text = tr.text[:at]
+                return "stop", stop
+        return None, None
+
+    def _held_back(self, tr: _Tracked) -> int:
+        """Characters kept back while they might still begin a stop string."""
+        return max((len(s) for s in tr.stop), default=1) - 1
+
+    def _partial(self, tr: _Tracked, tokens, logprobs) -> Update:
+        safe = max(tr.emitted, len(tr.text) - self._held_back(tr))
+        delta = tr.text[tr.emitted : safe]
+        tr.emitted = safe
+        seq = tr.seq
+        return Update(seq.request_id, tokens, delta, logprobs, False,
+                      num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids))
+
+    def _final(self, tr: _Tracked, tokens=None, logprobs=None, error: str | None = None) -> Update:
+        seq = tr.seq
+        delta = tr.text[tr.emitted :]
+        tr.emitted = len(tr.text)
+        self._tracked.pop(seq.request_id, None)
+        return Update(seq.request_id, tokens or [], delta, logprobs, True, seq.finish_reason, seq.stop_reason,
+                      error, len(seq.prompt_token_ids), len(seq.output_token_ids))
+
+    def _fail_all(self, message: str) -> list[Update]:
+        log.error("step failed: %s", message)
+        updates = []
+        for seq in self.scheduler.all_sequences():
+            self.scheduler.finish(seq, "error")
+            updates.append(self._final(self._tracked[seq.request_id], error=message))
+        return updates
+
+    def kv_slot_usage(self) -> float:
+        return len(self.scheduler.running) / self.scheduler.max_num_seqs
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+
+
+def encode_prompt(engine: LLMEngine, prompt: str) -> list[int]:
+    if engine.tokenizer is None:
+        raise RequestError("this checkpoint has no tokenizer.json: send token ids instead of text", param="prompt")
+    return engine.tokenizer.encode(prompt)
+
+
+__all__ = ["EngineConfig", "LLMEngine", "RequestError", "Status", "Update", "encode_prompt"]

@@ -1,0 +1,316 @@
+"""Choosing the next token of every sequence in a batched step, from rank-0 logits.
+
+Order of operations (vLLM / Hugging Face): min_tokens masks EOS and stop ids, then the
+repetition, frequency and presence penalties, then greedy argmax or temperature, top_k, top_p,
+min_p and a draw from the sequence's own generator. Logprobs are always those of the raw logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+MAX_LOGPROBS = 20
+
+# Dividing by a temperature this small overflows float32; the result would be argmax anyway.
+_GREEDY_BELOW = 1e-5
+
+# torch.Generator.manual_seed accepts exactly this range.
+_SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+class InvalidParams(ValueError):
+    """A sampling parameter is out of range; `param` names it for the HTTP 400 body."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _check(ok: bool, param: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise InvalidParams(param, f"{param} must be {allowed}, got {value!r}")
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling settings, named and defaulted as in vLLM."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = list(self.stop_token_ids)
+        self._check_sampling()
+        self._check_penalties()
+        self._check_lengths()
+        self._check_outputs()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_BELOW or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def _check_sampling(self) -> None:
+        # Each check is a comparison NaN fails, so NaN is rejected too.
+        _check(self.n >= 1, "n", ">= 1", self.n)
+        _check(self.temperature >= 0, "temperature", ">= 0", self.temperature)
+        _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        top_k_ok = self.top_k in (0, -1) or self.top_k >= 1
+        _check(top_k_ok, "top_k", "0 or -1 (disabled) or >= 1", self.top_k)
+        _check(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        if self.seed is not None:
+            lo, hi = _SEED_RANGE
+            _check(lo <= self.seed <= hi, "seed", f"in [{lo}, {hi}]", self.seed)
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2 <= value <= 2, name, "in [-2, 2]", value)
+        _check(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
+
+    def _check_lengths(self) -> None:
+        _check(self.min_tokens >= 0, "min_tokens", ">= 0", self.min_tokens)
+        if self.max_tokens is None:
+            return
+        _check(self.max_tokens >= 1, "max_tokens", ">= 1 or null", self.max_tokens)
+        cap = f"<= max_tokens ({self.max_tokens})"
+        _check(self.min_tokens <= self.max_tokens, "min_tokens", cap, self.min_tokens)
+
+    def _check_outputs(self) -> None:
+        if self.stop is not None:
+            stop_ok = all(isinstance(s, str) and s for s in self.stop)
+            _check(stop_ok, "stop", "a list of non-empty strings", self.stop)
+        if self.stop_token_ids is not None:
+            ids_ok = all(t >= 0 for t in self.stop_token_ids)
+            _check(ids_ok, "stop_token_ids", "a list of ids >= 0", self.stop_token_ids)
+        if self.logprobs is not None:
+            allowed = f"in [0, {MAX_LOGPROBS}] or null"
+            _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", allowed, self.logprobs)
+
+
+class SequenceSampler:
+    """What one generated sequence needs at each step: its params, penalty counts, generator."""
+
+    __slots__ = ("params", "vocab_size", "output_token_ids", "generator", "_prompt_mask", "_counts")
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_token_ids: list[int],
+        vocab_size: int,
+        device: str | torch.device = "cpu",
+    ):
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.params = params
+        self.vocab_size = vocab_size
+        self.output_token_ids: list[int] = []
+        self.generator = self._seeded_generator(device)
+        # Penalty state exists only for sequences that use it: the common case allocates nothing.
+        self._prompt_mask: torch.Tensor | None = None
+        self._counts: torch.Tensor | None = None
+        if params.penalised:
+            self._counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        if params.repetition_penalty != 1.0:
+            self._prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            ids = [t for t in prompt_token_ids if 0 <= t < vocab_size]
+            self._prompt_mask[torch.tensor(ids, dtype=torch.long, device=device)] = True
+
+    def _seeded_generator(self, device: str | torch.device) -> torch.Generator | None:
+        # Unseeded sequences draw from the global RNG; a seeded one owns its stream, so its
+        # tokens do not depend on what else shares the batch.
+        if self.params.seed is None:
+            return None
+        return torch.Generator(device=device).manual_seed(self.params.seed)
+
+    def append(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        if self._counts is not None and 0 <= token_id < self.vocab_size:
+            self._counts[token_id] += 1
+
+    @property
+    def below_min_tokens(self) -> bool:
+        return len(self.output_token_ids) < self.params.min_tokens
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.params.penalised or self.below_min_tokens
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Argmax of the raw logits is the whole answer for this row."""
+        return self.params.greedy and self.params.logprobs is None and not self.adjusts_logits
+
+    def adjust(self, row: torch.Tensor, eos_token_ids: Sequence[int]) -> None:
+        """Apply min_tokens and the penalties to this sequence's row of logits, in place."""
+        if self.below_min_tokens:
+            self._block_stops(row, eos_token_ids)
+        if self._prompt_mask is not None:
+            seen = self._prompt_mask | (self._counts > 0)
+            penalty = self.params.repetition_penalty
+            row.copy_(torch.where(seen, torch.where(row > 0, row / penalty, row * penalty), row))
+        p = self.params
+        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            row -= p.presence_penalty * (self._counts > 0) + p.frequency_penalty * self._counts
+
+    def _block_stops(self, row: torch.Tensor, eos_token_ids: Sequence[int]) -> None:
+        ids = [*eos_token_ids, *(self.params.stop_token_ids or ())]
+        ids = [t for t in ids if 0 <= t < row.shape[-1]]
+        if ids:
+            row[torch.tensor(ids, dtype=torch.long, device=row.device)] = float("-inf")
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    # Per row: None unless its params ask for logprobs; else the sampled id first, then the top ids.
+    logprobs: list[dict[int, float] | None]
+
+
+def sample(
+    logits: torch.Tensor, samplers: list[SequenceSampler], eos_token_ids: Sequence[int] = ()
+) -> SampleResult:
+    """Pick one token per row of `logits` ([B, V]); does not modify `logits`."""
+    if logits.dim() != 2 or logits.shape[0] != len(samplers):
+        raise ValueError(
+            f"logits must be [{len(samplers)}, V] (one row per sampler), got {list(logits.shape)}"
+        )
+    if all(s.plain_greedy for s in samplers):
+        return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(samplers))
+    raw = logits.float()
+    chosen = _choose(_adjusted(raw, samplers, eos_token_ids), samplers)
+    return SampleResult(chosen.tolist(), _logprobs(raw, chosen, samplers))
+
+
+def _adjusted(
+    raw: torch.Tensor, samplers: list[SequenceSampler], eos_token_ids: Sequence[int]
+) -> torch.Tensor:
+    rows = [i for i, s in enumerate(samplers) if s.adjusts_logits]
+    if not rows:
+        return raw
+    x = raw.clone()  # logprobs are reported from `raw`, so penalties work on a copy
+    for i in rows:
+        samplers[i].adjust(x[i], eos_token_ids)
+    return x
+
+
+def _choose(x: torch.Tensor, samplers: list[SequenceSampler]) -> torch.Tensor:
+    drawn = [i for i, s in enumerate(samplers) if not s.params.greedy]
+    if not drawn:
+        return x.argmax(dim=-1)
+    if len(drawn) == len(samplers):
+        return _draw(x, samplers)
+    chosen = x.argmax(dim=-1)
+    idx = torch.tensor(drawn, dtype=torch.long, device=x.device)
+    chosen[idx] = _draw(x[idx], [samplers[i] for i in drawn])
+    return chosen
+
+
+def _draw(x: torch.Tensor, samplers: list[SequenceSampler]) -> torch.Tensor:
+    params = [s.params for s in samplers]
+    temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)
+    probs = _filtered_probs(x / temps[:, None], params)
+    # Every row draws over its full vocab-order row, so a seeded generator advances the same way
+    # and yields the same token whatever else shares the batch.
+    picks = [torch.multinomial(probs[j], 1, generator=s.generator) for j, s in enumerate(samplers)]
+    return torch.cat(picks)
+
+
+def _filtered_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Softmax of `x` with the tokens that top_k, top_p and min_p drop set to zero.
+
+    The filters only zero entries and never recompute the others, so a row's probabilities do not
+    depend on the filters the other rows of the batch ask for."""
+    probs = x.softmax(dim=-1)
+    if any(p.top_k > 0 or p.top_p < 1 for p in params):
+        probs = _top_k_top_p(probs, params)
+    if any(p.min_p > 0 for p in params):
+        probs = _min_p(probs, params)
+    return probs
+
+
+def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    vocab = probs.shape[-1]
+    ks = [p.top_k if p.top_k > 0 else vocab for p in params]
+    width = min(max(ks), vocab)
+    # When every row has a top_k only the best max(k) can survive, and topk is far cheaper than
+    # sorting the whole vocabulary.
+    if width < vocab:
+        ranked, ids = probs.topk(width, dim=-1)
+    else:
+        ranked, ids = probs.sort(dim=-1, descending=True)
+    k = torch.tensor(ks, device=probs.device)
+    ranked = ranked.masked_fill(torch.arange(width, device=probs.device) >= k[:, None], 0.0)
+    if any(p.top_p < 1 for p in params):
+        ranked = _top_p_ranked(ranked, params)
+    return torch.zeros_like(probs).scatter_(-1, ids, ranked)
+
+
+def _top_p_ranked(ranked: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Nucleus filter on probabilities sorted high to low, relative to the top_k survivors."""
+    cumulative = ranked.cumsum(dim=-1)
+    mass_before = cumulative - ranked
+    top_ps = torch.tensor([p.top_p for p in params], dtype=ranked.dtype, device=ranked.device)
+    budget = top_ps[:, None] * cumulative[:, -1:]
+    # A token stays while the mass strictly ahead of it is below the budget, so the first always
+    # stays; rows with top_p == 1 are exempt so cumsum rounding cannot trim their tail.
+    outside = (mass_before >= budget) & (top_ps < 1)[:, None]
+    return ranked.masked_fill(outside, 0.0)
+
+
+def _min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    min_ps = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)
+    floor = min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
+    return probs.masked_fill(probs < floor, 0.0)
+
+
+def _logprobs(
+    raw: torch.Tensor, chosen: torch.Tensor, samplers: list[SequenceSampler]
+) -> list[dict[int, float] | None]:
+    out: list[dict[int, float] | None] = [None] * len(samplers)
+    rows = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
+    if not rows:
+        return out
+    idx = torch.tensor(rows, dtype=torch.long, device=raw.device)
+    lp = torch.log_softmax(raw[idx], dim=-1)
+    k = max(samplers[i].params.logprobs for i in rows)
+    top_vals, top_ids = lp.topk(k, dim=-1)
+    chosen_ids = chosen[idx]
+    chosen_lp = lp.gather(-1, chosen_ids[:, None]).squeeze(-1)
+    # One device-to-host transfer per tensor, not one per entry.
+    top_vals, top_ids, chosen_ids, chosen_lp = (
+        t.tolist() for t in (top_vals, top_ids, chosen_ids, chosen_lp)
+    )
+    for j, i in enumerate(rows):
+        n = samplers[i].params.logprobs
+        entry = {chosen_ids[j]: chosen_lp[j]}
+        entry.update(zip(top_ids[j][:n], top_vals[j][:n]))
+        out[i] = entry
+    return out

@@ -1,0 +1,269 @@
+"""Tokenizer, chat templates and streaming detokenisation.
+
+Tokenisation is the `tokenizers` library reading the checkpoint's tokenizer.json; chat templates
+are rendered with jinja2 in the same sandbox and with the same helpers as transformers, so a
+checkpoint's template produces the prompt its authors tested.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as _Backend
+
+from neuron.errors import NeuronError
+
+# Named special tokens transformers hands to every chat template.
+_NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# Names a message's reasoning may come under; templates read `reasoning_content`.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class TokenizerError(NeuronError, ValueError):
+    """A tokenizer that cannot be loaded, or a chat that its template cannot render."""
+
+
+def _token_content(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise TokenizerError(f"{path} is not valid JSON: {exc}") from None
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer: encode, decode, and render chats with its template."""
+
+    def __init__(
+        self,
+        backend: _Backend,
+        *,
+        eos_token: str | None = None,
+        chat_template: str | None = None,
+        named_tokens: dict[str, str] | None = None,
+        templates: dict[str, str] | None = None,
+    ):
+        self._backend = backend
+        self._named_tokens = dict(named_tokens or {})
+        if eos_token is not None:
+            self._named_tokens["eos_token"] = eos_token
+        self._templates = dict(templates or {})
+        self.chat_template = chat_template
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.eos_token_id = backend.token_to_id(eos_token) if eos_token else None
+        self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        """Load tokenizer.json, tokenizer_config.json and chat_template.jinja from a checkpoint folder."""
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise TokenizerError(f"{path} has no tokenizer.json; neuron needs a checkpoint with a fast tokenizer file")
+        try:
+            backend = _Backend.from_file(str(tok_file))
+        except Exception as exc:
+            raise TokenizerError(f"cannot read {tok_file}: {exc}") from None
+        cfg_file = path / "tokenizer_config.json"
+        cfg = _read_json(cfg_file) if cfg_file.is_file() else {}
+        _add_missing_tokens(backend, cfg.get("added_tokens_decoder") or {})
+        named = {k: v for k in _NAMED_TOKENS if (v := _token_content(cfg.get(k))) is not None}
+        templates = _templates_from_config(cfg.get("chat_template"))
+        jinja_file = path / "chat_template.jinja"
+        if jinja_file.is_file():
+            templates["default"] = jinja_file.read_text(encoding="utf-8")
+        return cls(
+            backend,
+            eos_token=named.get("eos_token"),
+            chat_template=templates.get("default"),
+            named_tokens=named,
+            templates=templates,
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        try:
+            return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        except (OverflowError, TypeError) as exc:
+            raise TokenizerError(f"cannot decode token ids: {exc}") from None
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, id: int) -> str | None:
+        return self._backend.id_to_token(id) if id >= 0 else None
+
+    def is_special(self, id: int) -> bool:
+        return id in self._special_ids
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        **template_kwargs,
+    ) -> str:
+        """The prompt for `messages`, rendered as transformers' apply_chat_template(tokenize=False) would."""
+        messages = _normalise_messages(messages)
+        template = self._templates.get("tool_use") if tools else None
+        template = template or self.chat_template
+        if template is None:
+            return _chatml(messages, add_generation_prompt)
+        context = {"documents": None, **self._named_tokens, **template_kwargs}
+        context |= {"messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt}
+        try:
+            return _compile(template).render(**context)
+        except TokenizerError:
+            raise
+        except Exception as exc:  # a template is untrusted code; any failure is the chat's, not ours
+            raise TokenizerError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+
+
+def _add_missing_tokens(backend: _Backend, added: dict) -> None:
+    """Register tokens that tokenizer_config.json declares but tokenizer.json lacks, as transformers does."""
+    for _, spec in sorted(added.items(), key=lambda kv: int(kv[0])):
+        content = spec.get("content")
+        if not isinstance(content, str) or backend.token_to_id(content) is not None:
+            continue
+        token = AddedToken(
+            content,
+            single_word=spec.get("single_word", False),
+            lstrip=spec.get("lstrip", False),
+            rstrip=spec.get("rstrip", False),
+            normalized=spec.get("normalized", not spec.get("special", False)),
+            special=spec.get("special", False),
+        )
+        if token.special:
+            backend.add_special_tokens([token])
+        else:
+            backend.add_tokens([token])
+
+
+def _templates_from_config(value) -> dict[str, str]:
+    """tokenizer_config's chat_template: one string, or a list of {"name", "template"} entries."""
+    if isinstance(value, str):
+        return {"default": value}
+    if isinstance(value, list):
+        return {t["name"]: t["template"] for t in value if isinstance(t, dict) and "name" in t and "template" in t}
+    return {}
+
+
+def _normalise_messages(messages: list[dict]) -> list[dict]:
+    """Copy the chat as transformers does: drop None values and alias reasoning field names."""
+    if not isinstance(messages, list) or not messages:
+        raise TokenizerError("a chat needs at least one message")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict):
+            raise TokenizerError(f"chat messages must be objects with a role, got {type(m).__name__}")
+        m = {k: v for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
+
+
+def _text_of(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return ""
+
+
+def _chatml(messages: list[dict], add_generation_prompt: bool) -> str:
+    """The prompt format used when a checkpoint ships no template."""
+    turns = [f"<|im_start|>{m.get('role', 'user')}\n{_text_of(m.get('content'))}<|im_end|>\n" for m in messages]
+    return "".join(turns) + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def _raise_exception(message):
+    raise TokenizerError(f"chat template rejected the chat: {message}")
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # Jinja's own tojson escapes HTML characters; templates expect plain JSON.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format):
+    return datetime.now().strftime(format)
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(template)
+
+
+# Tokens decoded before the first new one, so decoders that look at context (leading spaces) see it.
+_CONTEXT_TOKENS = 5
+# A character spans at most 4 bytes, so text held back this long is invalid bytes, not a split character.
+_MAX_HELD_TOKENS = 16
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas that never split a character.
+
+    Each push decodes only a short window, ids[prefix:], and emits what it adds to the text of
+    ids[prefix:read]. A delta that ends in U+FFFD may be an incomplete UTF-8 sequence, so it is
+    held back until a later token completes it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])  # the window: ids from the prefix offset on
+        self._read = len(self._ids)  # window index up to which text has been emitted
+        self._parts: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self._parts)
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        prefix, new = self._decode_window()
+        held = len(self._ids) - self._read
+        if new.endswith("\ufffd") and held < _MAX_HELD_TOKENS:
+            return ""
+        if len(new) <= len(prefix) and held < _MAX_HELD_TOKENS:
+            return ""
+        return self._emit(new[len(prefix) :])
+
+    def flush(self) -> str:
+        """Whatever is still held back, at the end of the sequence."""
+        prefix, new = self._decode_window()
+        return self._emit(new[len(prefix) :])
+
+    def _decode_window(self) -> tuple[str, str]:
+        decode = self._tokenizer.decode
+        return decode(self._ids[: self._read], self._skip), decode(self._ids, self._skip)
+
+    def _emit(self, delta: str) -> str:
+        del self._ids[: self._read]  # the tokens just read become the next prefix
+        self._read = len(self._ids)
+        if delta:
+            self._parts.append(delta)
+        return delta

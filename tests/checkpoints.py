@@ -1,0 +1,64 @@
+"""Tiny random Qwen3 checkpoints built by the tests themselves with transformers (the oracle)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    # Wider than the usual 0.02 so random logits are well separated: greedy ties would make
+    # token-equality tests flaky for reasons unrelated to correctness.
+    initializer_range=0.25,
+    eos_token_id=None,
+    bos_token_id=None,
+)
+
+# Shapes chosen to break easy assumptions: a vocabulary no tp divides, one KV head (replicated
+# on every rank), head_dim unrelated to hidden/heads, untied embeddings.
+ODD = dict(BASE, vocab_size=301, num_key_value_heads=1, head_dim=24, tie_word_embeddings=False, rope_theta=1e6)
+
+
+def build_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(**{**BASE, **overrides})
+    model = Qwen3ForCausalLM(config).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def reference_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy tokens and the log-softmax of its logits at each step."""
+    from transformers import Qwen3ForCausalLM
+
+    model = _cached_model(str(path))
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+        return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
+    )
+    tokens = out.sequences[0, len(prompt):].tolist()
+    return tokens, [torch.log_softmax(step[0].float(), -1) for step in out.logits]
+
+
+_MODELS: dict = {}
+
+
+def _cached_model(path: str):
+    from transformers import Qwen3ForCausalLM
+
+    if path not in _MODELS:
+        _MODELS[path] = Qwen3ForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    return _MODELS[path]

@@ -1,0 +1,71 @@
+"""Greedy tokens and logprobs through the offline API equal transformers' at several tp sizes."""
+
+from __future__ import annotations
+
+import pytest
+
+from checkpoints import reference_greedy
+from neuron import LLM, SamplingParams
+
+NEW_TOKENS = 8
+# Unequal prompts; the 40-token one spans several prefill chunks (NEURON_PREFILL_CHUNK_TOKENS=16).
+PROMPTS = [[5, 17, 200, 3], list(range(10, 50)), [7], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+
+
+def _check(llm: LLM, checkpoint) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert len(outs) == len(PROMPTS)
+    for prompt, out in zip(PROMPTS, outs):
+        got = out.outputs[0]
+        ref_tokens, ref_logprobs = reference_greedy(checkpoint, prompt, NEW_TOKENS)
+        assert got.token_ids == ref_tokens, f"prompt {prompt[:5]}..."
+        assert got.finish_reason == "length"
+        assert len(got.logprobs) == NEW_TOKENS
+        for step, (token, lp) in enumerate(zip(got.token_ids, got.logprobs)):
+            assert token in lp
+            for tid, value in lp.items():
+                assert abs(value - ref_logprobs[step][tid].item()) <= 1e-3
+            top = ref_logprobs[step].topk(5).indices.tolist()
+            assert set(top) <= set(lp)
+
+
+@pytest.fixture(autouse=True)
+def _small_chunks(monkeypatch):
+    monkeypatch.setenv("NEURON_PREFILL_CHUNK_TOKENS", "16")
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_odd_checkpoint(odd_checkpoint, tp):
+    """vocab 301 (no tp divides it), one KV head replicated, head_dim 24 != 64/4, untied."""
+    with LLM(str(odd_checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
+        _check(llm, odd_checkpoint)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_tied_checkpoint(tied_checkpoint, tp):
+    with LLM(str(tied_checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
+        _check(llm, tied_checkpoint)
+
+
+def test_chunked_prefill_equals_single_shot(odd_checkpoint, monkeypatch):
+    """The same prompt prefilled in 3-token chunks and in one shot gives identical logprobs."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True)
+    results = []
+    for chunk in ("3", "512"):
+        monkeypatch.setenv("NEURON_PREFILL_CHUNK_TOKENS", chunk)
+        with LLM(str(odd_checkpoint), device="cpu", dtype="float32") as llm:
+            results.append(llm.generate({"prompt_token_ids": PROMPTS[1]}, params)[0].outputs[0])
+    assert results[0].token_ids == results[1].token_ids
+    for a, b in zip(results[0].logprobs, results[1].logprobs):
+        assert a.keys() == b.keys()
+        assert max(abs(a[k] - b[k]) for k in a) < 1e-4
+
+
+def test_batch_equals_alone(odd_checkpoint):
+    """A prompt's tokens do not depend on what else is in the batch (slots never mix)."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLM(str(odd_checkpoint), tensor_parallel_size=2, device="cpu", dtype="float32", max_num_seqs=2) as llm:
+        together = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        alone = [llm.generate({"prompt_token_ids": p}, params)[0] for p in PROMPTS]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]

@@ -1,0 +1,363 @@
+import math
+
+import pytest
+import torch
+
+from neuron import sampling
+from neuron.sampling import InvalidParams, SamplingParams, SequenceSampler, sample
+
+V = 64
+
+
+def _sampler(prompt: list[int] | None = None, vocab: int = V, **kw) -> SequenceSampler:
+    return SequenceSampler(SamplingParams(**kw), prompt or [], vocab)
+
+
+def _row(*values: float) -> torch.Tensor:
+    return torch.tensor([values], dtype=torch.float32)
+
+
+def _generate(sampler: SequenceSampler, steps: list[torch.Tensor]) -> list[int]:
+    out = []
+    for logits in steps:
+        token = sample(logits, [sampler]).token_ids[0]
+        sampler.append(token)
+        out.append(token)
+    return out
+
+
+# ---- validation ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"n": 0}, "n"),
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"presence_penalty": -2.5}, "presence_penalty"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"seed": 2**64}, "seed"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"stop": ["ok", ""]}, "stop"),
+        ({"stop_token_ids": [3, -1]}, "stop_token_ids"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+    ],
+)
+def test_invalid_params_name_the_parameter(kwargs, param):
+    with pytest.raises(InvalidParams) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+    assert isinstance(info.value, ValueError)
+    assert param in str(info.value)
+
+
+def test_message_states_the_allowed_range():
+    with pytest.raises(InvalidParams, match=r"temperature must be >= 0, got -1"):
+        SamplingParams(temperature=-1)
+
+
+def test_edge_values_are_accepted():
+    p = SamplingParams(
+        temperature=0, top_p=1.0, top_k=-1, min_p=1.0, presence_penalty=-2, frequency_penalty=2,
+        max_tokens=None, min_tokens=100, logprobs=20, seed=0,
+    )
+    assert p.max_tokens is None and p.top_k == -1
+
+
+def test_stop_string_is_normalised_to_a_list():
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=["a", "b"]).stop == ["a", "b"]
+    assert SamplingParams().stop is None
+
+
+def test_greedy_property():
+    assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(temperature=0.8, top_k=1).greedy
+    assert not SamplingParams().greedy
+    assert not SamplingParams(temperature=0.5, top_k=2).greedy
+
+
+# ---- greedy and logprobs ------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(0))
+    result = sample(logits, [_sampler(temperature=0) for _ in range(5)])
+    assert result.token_ids == logits.argmax(-1).tolist()
+    assert result.logprobs == [None] * 5
+
+
+def test_plain_greedy_batch_takes_the_single_argmax_path(monkeypatch):
+    def fail(*_):
+        raise AssertionError("plain greedy batch left the argmax path")
+
+    monkeypatch.setattr(sampling, "_choose", fail)
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert sample(logits, [_sampler(temperature=0)] * 3).token_ids == logits.argmax(-1).tolist()
+
+
+def test_logits_shape_must_match_samplers():
+    with pytest.raises(ValueError, match="one row per sampler"):
+        sample(torch.zeros(2, V), [_sampler(temperature=0)])
+
+
+def test_logprobs_are_raw_log_softmax_with_sampled_and_top_ids():
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(2))
+    # Row 1 is sampled with a penalty and a temperature: its logprobs must still be the raw ones.
+    samplers = [
+        _sampler(temperature=0, logprobs=3),
+        _sampler([1, 2, 3], temperature=0.7, repetition_penalty=1.5, logprobs=5, seed=3),
+    ]
+    before = logits.clone()
+    result = sample(logits, samplers)
+    assert torch.equal(logits, before)
+    expected = torch.log_softmax(logits, dim=-1)
+    for row, n in ((0, 3), (1, 5)):
+        entry = result.logprobs[row]
+        token = result.token_ids[row]
+        top = expected[row].topk(n).indices.tolist()
+        assert token in entry and set(top) <= set(entry)
+        assert len(entry) in (n, n + 1)
+        for tid, lp in entry.items():
+            assert lp == pytest.approx(expected[row, tid].item(), abs=1e-6)
+
+
+def test_logprobs_zero_holds_only_the_sampled_token():
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(4))
+    result = sample(logits, [_sampler(temperature=1.0, seed=5, logprobs=0)])
+    token = result.token_ids[0]
+    assert list(result.logprobs[0]) == [token]
+    assert result.logprobs[0][token] == pytest.approx(torch.log_softmax(logits, -1)[0, token].item())
+
+
+def test_logprobs_of_bfloat16_logits_are_float32_and_unpenalised():
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(6)).bfloat16()
+    best = int(logits.argmax())
+    s = _sampler([best], temperature=0, repetition_penalty=1.9, presence_penalty=2.0, logprobs=2)
+    s.append(best)
+    before = logits.clone()
+    result = sample(logits, [s])
+    assert torch.equal(logits, before)
+    token = result.token_ids[0]
+    assert token != best
+    raw = torch.log_softmax(logits.float(), -1)[0]
+    assert result.logprobs[0][token] == pytest.approx(raw[token].item(), abs=1e-6)
+    assert result.logprobs[0][best] == pytest.approx(raw[best].item(), abs=1e-6)
+
+
+# ---- filters ------------------------------------------------------------------------------------
+
+# Probabilities 0.4, 0.3, 0.2, 0.1: flat enough that an unfiltered draw often misses token 0.
+_FOUR = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log()
+
+
+def _draws(n: int, vocab: int = 4, logits: torch.Tensor = _FOUR, **kw) -> set[int]:
+    return {sample(logits, [_sampler(vocab=vocab, seed=seed, **kw)]).token_ids[0] for seed in range(n)}
+
+
+def test_unfiltered_draws_reach_every_token():
+    assert _draws(200) == {0, 1, 2, 3}
+
+
+def test_top_k_one_is_greedy_even_with_temperature():
+    assert _draws(50, temperature=5.0, top_k=1) == {0}
+
+
+def test_top_k_keeps_the_k_best():
+    assert _draws(200, temperature=3.0, top_k=2) == {0, 1}
+
+
+def test_tiny_top_p_keeps_only_the_top_token():
+    assert _draws(50, top_p=1e-6) == {0}
+
+
+@pytest.mark.parametrize(
+    ("top_p", "kept"), [(0.35, {0}), (0.5, {0, 1}), (0.8, {0, 1, 2}), (0.95, {0, 1, 2, 3})]
+)
+def test_top_p_keeps_the_nucleus(top_p, kept):
+    # Mass ahead of each token: 0, 0.4, 0.7, 0.9; a token stays while that is below top_p.
+    assert _draws(300, top_p=top_p) == kept
+
+
+def test_top_p_is_relative_to_the_top_k_survivors():
+    # After top_k=2 the survivors renormalise to 0.57 and 0.43; token 1 has 0.57 ahead of it,
+    # which is not below 0.55, so only token 0 remains (raw mass ahead would be 0.4 < 0.55).
+    assert _draws(200, top_k=2, top_p=0.55) == {0}
+    assert _draws(200, top_k=2, top_p=0.6) == {0, 1}
+
+
+def test_min_p_drops_tokens_below_the_fraction_of_the_best():
+    # Floor 0.3 * 0.4 = 0.12: token 3 (0.1) goes, token 2 (0.2) stays.
+    assert _draws(300, min_p=0.3) == {0, 1, 2}
+    assert _draws(300, min_p=0.6) == {0, 1}
+
+
+# ---- penalties ----------------------------------------------------------------------------------
+
+
+def _greedy_pick(logits: torch.Tensor, sampler: SequenceSampler) -> int:
+    return sample(logits, [sampler]).token_ids[0]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    s = _sampler([0, 2], vocab=4, repetition_penalty=2.0)
+    s.append(3)
+    row = torch.tensor([2.0, 1.5, -1.0, 0.5])
+    s.adjust(row, ())
+    assert row.tolist() == [1.0, 1.5, -2.0, 0.25]
+
+
+@pytest.mark.parametrize(
+    ("logits", "penalty", "expected"),
+    [
+        ((2.0, 1.5, 0.0), 1.0, 0),
+        ((2.0, 1.5, 0.0), 2.0, 1),  # 2.0 / 2 = 1.0 < 1.5
+        ((2.0, 1.5, 0.0), 1.2, 0),  # 2.0 / 1.2 = 1.67 still beats 1.5
+        ((-1.0, -1.5, -3.0), 2.0, 1),  # negative logits are pushed down: -1 * 2 = -2 < -1.5
+    ],
+)
+def test_repetition_penalty_changes_the_greedy_choice(logits, penalty, expected):
+    s = _sampler([0], vocab=3, temperature=0, repetition_penalty=penalty)
+    assert _greedy_pick(_row(*logits), s) == expected
+
+
+def test_presence_and_frequency_penalties_follow_the_openai_formula():
+    s = _sampler(vocab=4, presence_penalty=0.5, frequency_penalty=0.25)
+    for token in (1, 1, 1, 2):
+        s.append(token)
+    row = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    s.adjust(row, ())
+    assert row.tolist() == [1.0, 1.0 - 0.5 - 0.75, 1.0 - 0.5 - 0.25, 1.0]
+
+
+def test_presence_penalty_applies_to_output_not_prompt():
+    logits = _row(3.0, 2.5, 0.0)
+    in_prompt = _sampler([0, 0, 0], vocab=3, temperature=0, presence_penalty=1.0)
+    assert _greedy_pick(logits, in_prompt) == 0
+    in_output = _sampler(vocab=3, temperature=0, presence_penalty=1.0)
+    in_output.append(0)
+    assert _greedy_pick(logits, in_output) == 1
+
+
+@pytest.mark.parametrize(("repeats", "expected"), [(2, 0), (3, 1)])
+def test_frequency_penalty_scales_with_count(repeats, expected):
+    # 3.0 - 0.2 * repeats against 2.5: 2.6 keeps token 0, 2.4 loses it.
+    s = _sampler(vocab=3, temperature=0, frequency_penalty=0.2)
+    for _ in range(repeats):
+        s.append(0)
+    assert _greedy_pick(_row(3.0, 2.5, 0.0), s) == expected
+
+
+# ---- seeds --------------------------------------------------------------------------------------
+
+
+def _steps(n: int, batch: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, V, generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 1.3, "top_p": 0.9},
+        {"temperature": 0.8},
+        {"top_k": 5},
+        {"min_p": 0.05, "repetition_penalty": 1.3},
+    ],
+)
+def test_same_seed_same_tokens_whatever_the_batch(params):
+    params = {**params, "seed": 1234}
+    alone_steps = _steps(12, 1, seed=7)
+    alone = _generate(_sampler(**params), alone_steps)
+
+    # Same row, now at index 2 of a batch whose other rows use other filters, seeded or not.
+    target = _sampler(**params)
+    others = [
+        _sampler(seed=99, top_k=3),
+        _sampler(temperature=0.5, top_p=0.8, min_p=0.1),
+        _sampler(temperature=0, logprobs=1),
+    ]
+    noise = _steps(12, 4, seed=8)
+    batched = []
+    samplers = [others[0], others[1], target, others[2]]
+    for own, rest in zip(alone_steps, noise):
+        tokens = sample(torch.cat([rest[:2], own, rest[2:3]]), samplers).token_ids
+        for s, t in zip(samplers, tokens):
+            s.append(t)
+        batched.append(tokens[2])
+    assert batched == alone
+
+
+def test_different_seeds_usually_differ():
+    steps = _steps(10, 1, seed=11)
+    sequences = {tuple(_generate(_sampler(seed=seed), steps)) for seed in range(10)}
+    assert len(sequences) >= 8
+
+
+def test_unseeded_draws_vary():
+    logits = torch.zeros(1, V)
+    assert len({sample(logits, [_sampler()]).token_ids[0] for _ in range(50)}) > 1
+
+
+# ---- min_tokens ---------------------------------------------------------------------------------
+
+EOS = 5
+
+
+def test_min_tokens_blocks_eos_until_reached():
+    logits = torch.zeros(1, V)
+    logits[0, EOS] = 10.0
+    logits[0, 7] = 1.0
+    s = _sampler(temperature=0, min_tokens=2)
+    picks = []
+    for _ in range(3):
+        picks.append(sample(logits, [s], eos_token_ids=[EOS]).token_ids[0])
+        s.append(picks[-1])
+    assert picks == [7, 7, EOS]
+
+
+def test_min_tokens_blocks_stop_token_ids_when_sampling():
+    logits = torch.zeros(1, V)
+    logits[0, [EOS, 9]] = 30.0  # almost all the mass
+    s = _sampler(seed=0, min_tokens=1, stop_token_ids=[9])
+    token = sample(logits, [s], eos_token_ids=[EOS]).token_ids[0]
+    assert token not in (EOS, 9)
+    s.append(token)
+    assert sample(logits, [s], eos_token_ids=[EOS]).token_ids[0] in (EOS, 9)
+
+
+# ---- mixed batch --------------------------------------------------------------------------------
+
+
+def test_mixed_batch():
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(21))
+    prompt = [int(logits[1].argmax())]
+    samplers = [
+        _sampler(temperature=0),
+        _sampler(prompt, temperature=0, repetition_penalty=10.0),
+        _sampler(temperature=0.9, seed=42, logprobs=2),
+        _sampler(temperature=0.8, top_k=1),
+        _sampler(temperature=0, min_tokens=1),
+    ]
+    eos = int(logits[4].argmax())
+    result = sample(logits, samplers, eos_token_ids=[eos])
+    argmax = logits.argmax(-1).tolist()
+    assert result.token_ids[0] == argmax[0]
+    assert result.token_ids[1] != argmax[1]  # the prompt's token is penalised away
+    alone = sample(logits[2:3], [_sampler(temperature=0.9, seed=42, logprobs=2)])
+    assert result.token_ids[2] == alone.token_ids[0]
+    assert result.logprobs[2] == alone.logprobs[0]
+    assert result.token_ids[3] == argmax[3]
+    assert result.token_ids[4] != eos
+    assert [lp is None for lp in result.logprobs] == [True, True, False, True, True]
