@@ -49,21 +49,20 @@ class StepBatch:
         for n in lengths:
             total += n
             ends.append(total - 1)
-
-        def t(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
-
+        per_token = torch.tensor([flat_ids, positions, slot_of_token], dtype=torch.long, device=device)
+        kv_len = [o + n for o, n in zip(offsets, lengths)]
+        per_seq = torch.tensor([ends, slots, kv_len], dtype=torch.long, device=device)
         return cls(
-            token_ids=t(flat_ids),
-            positions=t(positions),
-            slot_of_token=t(slot_of_token),
+            token_ids=per_token[0],
+            positions=per_token[1],
+            slot_of_token=per_token[2],
             slots=slots,
             offsets=offsets,
             lengths=lengths,
-            last_index=t(ends),
+            last_index=per_seq[0],
             all_decode=len(lengths) == len(flat_ids),
-            slots_t=t(slots),
-            kv_len=t([o + n for o, n in zip(offsets, lengths)]),
+            slots_t=per_seq[1],
+            kv_len=per_seq[2],
         )
 
 

@@ -92,11 +92,14 @@ class Rotary:
         self.cos = emb.cos().to(device=device, dtype=dtype)
         self.sin = emb.sin().to(device=device, dtype=dtype)
 
-    def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def tables(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for this step's positions, shaped to broadcast over heads."""
+        return self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class Attention:
@@ -106,11 +109,11 @@ class Attention:
         self.q_norm, self.k_norm = q_norm, k_norm
         self.heads, self.kv_heads, self.head_dim = layout.local_heads, layout.local_kv_heads, layout.head_dim
 
-    def __call__(self, h: torch.Tensor, batch: StepBatch, rotary: Rotary, cache: KVCache) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, batch: StepBatch, rope: tuple, cache: KVCache) -> torch.Tensor:
         t = h.shape[0]
         q, k, v = self.qkv(h)
-        q = rotary(self.q_norm(q.view(t, self.heads, self.head_dim)), batch.positions)
-        k = rotary(self.k_norm(k.view(t, self.kv_heads, self.head_dim)), batch.positions)
+        q = apply_rotary(self.q_norm(q.view(t, self.heads, self.head_dim)), *rope)
+        k = apply_rotary(self.k_norm(k.view(t, self.kv_heads, self.head_dim)), *rope)
         cache.write(self.layer, batch, k, v.view(t, self.kv_heads, self.head_dim))
         return self.o_proj(cache.attend(self.layer, batch, q).reshape(t, -1))
 
@@ -129,8 +132,8 @@ class DecoderLayer:
         self.attn, self.mlp = attn, mlp
         self.input_norm, self.post_norm = input_norm, post_norm
 
-    def __call__(self, x, batch: StepBatch, rotary: Rotary, cache: KVCache) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), batch, rotary, cache)
+    def __call__(self, x, batch: StepBatch, rope: tuple, cache: KVCache) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), batch, rope, cache)
         return x + self.mlp(self.post_norm(x))
 
 
@@ -205,8 +208,9 @@ class Qwen3ForCausalLM:
         last token ([num_seqs, vocab]), None on other ranks."""
         assert self.cache is not None
         x = self.embed(batch.token_ids)
+        rope = self.rotary.tables(batch.positions)
         for layer in self.layers:
-            x = layer(x, batch, self.rotary, self.cache)
+            x = layer(x, batch, rope, self.cache)
         last = x if batch.all_decode else x[batch.last_index]
         logits = self.lm_head(self.norm(last))
         return None if logits is None else logits.float()
