@@ -15,6 +15,8 @@ _encoder = msgspec.json.Encoder()
 _request_decoder = msgspec.json.Decoder(Request)
 _reply_decoder = msgspec.json.Decoder(Reply)
 _loose_decoder = msgspec.json.Decoder()
+# msgspec raises RecursionError, not DecodeError, on deeply nested input such as "[[[[...".
+_UNDECODABLE = (msgspec.DecodeError, RecursionError)
 
 
 def max_line_bytes() -> int:
@@ -57,10 +59,10 @@ def decode_request(line: bytes) -> Request | Error:
     `unknown_op` (with its seq) for a well-formed object whose op we do not speak."""
     try:
         return _request_decoder.decode(line)
-    except msgspec.DecodeError as exc:
+    except _UNDECODABLE as exc:
         try:
             loose = _loose_decoder.decode(line)
-        except msgspec.DecodeError:
+        except _UNDECODABLE:
             return Error(seq=-1, kind=ErrorKind.BAD_REQUEST, message=f"undecodable line: {exc}")
         seq = _seq_of(loose)
         op = loose.get("op") if isinstance(loose, dict) else None
@@ -73,7 +75,7 @@ def decode_reply(line: bytes) -> Reply | None:
     """Decode a worker reply; None for a line that is not one (the caller logs and skips it)."""
     try:
         return _reply_decoder.decode(line)
-    except msgspec.DecodeError:
+    except _UNDECODABLE:
         return None
 
 

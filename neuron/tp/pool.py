@@ -89,12 +89,12 @@ class Worker:
         """The reply to `seq`, skipping stale ones; raises WorkerError on exit, error or deadline."""
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise WorkerError(self.rank, "timeout", f"no reply to seq {seq} before the deadline")
-            try:
-                reply = self.replies.get(timeout=remaining)
+            try:  # past the deadline, still take what already arrived: the drain must consume it
+                reply = self.replies.get(timeout=remaining) if remaining > 0 else self.replies.get_nowait()
             except queue.Empty:
-                continue
+                if remaining > 0:
+                    continue
+                raise WorkerError(self.rank, "timeout", f"no reply to seq {seq} before the deadline") from None
             if reply is _EOF:
                 self.replies.put(_EOF)  # later waits fail fast too
                 raise WorkerError(self.rank, "worker_exited", self._exit_text())
