@@ -1,0 +1,115 @@
+"""The offline API as users meet it: text prompts, token prompts, stop rules, lifecycle."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from neuron import LLM, SamplingParams
+from neuron.engine import RequestError
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    import os
+
+    os.environ["NEURON_CACHE_DIR"] = str(tmp_path_factory.mktemp("neuron-cache"))
+    with LLM(tensor_parallel_size=2, device="cpu", max_model_len=256) as llm:
+        yield llm
+
+
+def test_text_and_token_prompts_in_one_batch(llm):
+    tok = llm.get_tokenizer()
+    ids = tok.encode("The quick brown fox")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    a, b = llm.generate(["The quick brown fox", {"prompt_token_ids": ids}], params)
+    assert a.prompt_token_ids == ids
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.outputs[0].text == tok.decode(a.outputs[0].token_ids)
+    assert a.outputs[0].finish_reason == "length" and len(a.outputs[0].token_ids) == 12
+
+
+def test_seed_reproducible(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=7, ignore_eos=True)
+    first = llm.generate("Hello", params)[0].outputs[0].token_ids
+    again = llm.generate(["Hello", "other prompt"], params)[0].outputs[0].token_ids
+    assert first == again
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    ref = llm.generate("Once upon", greedy)[0].outputs[0].token_ids
+    stop_at = ref[3]
+    cut = llm.generate("Once upon", SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[stop_at],
+                                                   ignore_eos=True))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop_at
+    assert cut.token_ids == ref[: ref.index(stop_at) + 1]
+
+
+def test_stop_string_ends_text_before_it(llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    full = llm.generate("In the", greedy)[0].outputs[0].text
+    stop = full[5:8]
+    assert stop
+    out = llm.generate("In the", SamplingParams(temperature=0.0, max_tokens=16, stop=[stop], ignore_eos=True))[0]
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == full[: full.index(stop)]
+
+
+def test_logprobs_shape(llm):
+    out = llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True))[0]
+    c = out.outputs[0]
+    assert len(c.logprobs) == 4
+    for token, lp in zip(c.token_ids, c.logprobs):
+        assert token in lp and 3 <= len(lp) <= 4
+        assert lp[token] == max(lp.values())  # greedy picks the most likely
+    assert c.cumulative_logprob == pytest.approx(sum(lp[t] for lp, t in zip(c.logprobs, c.token_ids)))
+
+
+def test_context_is_clamped_and_overlong_prompt_rejected(llm):
+    out = llm.generate({"prompt_token_ids": [5] * 250}, SamplingParams(temperature=0.0, max_tokens=100,
+                                                                        ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(RequestError) as err:
+        llm.generate({"prompt_token_ids": [5] * 256}, SamplingParams(max_tokens=1))
+    assert err.value.code == "context_length_exceeded"
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        llm.generate({"prompt_token_ids": [10**7]}, SamplingParams(max_tokens=1))
+
+
+def test_chat(llm):
+    out = llm.chat([{"role": "user", "content": "Hello there"}], SamplingParams(temperature=0.0, max_tokens=5))
+    assert out[0].prompt.startswith("<|im_start|>user\nHello there<|im_end|>")
+    assert 1 <= len(out[0].outputs[0].token_ids) <= 5
+
+
+def test_workers_exit_with_the_interpreter(tmp_path):
+    """Forgetting shutdown() must not leave workers behind."""
+    script = textwrap.dedent(f"""
+        import os
+        os.environ["NEURON_CACHE_DIR"] = {str(tmp_path)!r}
+        from neuron import LLM
+        llm = LLM(tensor_parallel_size=2, device="cpu", max_model_len=64)
+        print(llm.engine.runner.pool.workers[0].proc.pid, flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout.strip().splitlines()[-1])
+    import os
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split()[2] == "Z":
+                return
+        time.sleep(0.1)
+    pytest.fail(f"worker {pid} outlived its leader")
