@@ -47,6 +47,7 @@ class Worker:
     proc: subprocess.Popen
     replies: queue.Queue = field(default_factory=queue.Queue)
     on_exit: Callable[["Worker"], None] | None = None
+    killed_for_deadline: bool = False
 
     def start_threads(self) -> None:
         threading.Thread(target=self._read_stdout, name=f"rank{self.rank}-stdout", daemon=True).start()
@@ -97,6 +98,8 @@ class Worker:
                 raise WorkerError(self.rank, "timeout", f"no reply to seq {seq} before the deadline") from None
             if reply is _EOF:
                 self.replies.put(_EOF)  # later waits fail fast too
+                if self.killed_for_deadline:
+                    raise WorkerError(self.rank, "timeout", "missed the step deadline; the rank was killed")
                 raise WorkerError(self.rank, "worker_exited", self._exit_text())
             if reply.seq != seq:
                 log.warning("rank %d: discarding stale %s (seq %d, awaiting %d)", self.rank,
@@ -137,6 +140,7 @@ class WorkerPool:
         self.broken: str | None = None
         self._seq = itertools.count(1)
         self._on_worker_exit: Callable[[Worker], None] | None = None
+        self._closing = False
 
     # ---- lifecycle ----
 
@@ -154,6 +158,11 @@ class WorkerPool:
         return self.broadcast(lambda seq: p.Ping(seq=seq), deadline_s)
 
     def _worker_exited(self, worker: Worker) -> None:
+        if self._closing:
+            return
+        code = worker.proc.poll()
+        log.error("rank %d exited unexpectedly (code %s)", worker.rank, code)
+        self.broken = self.broken or f"rank {worker.rank} exited (code {code})"
         if self._on_worker_exit:
             self._on_worker_exit(worker)
 
@@ -163,6 +172,7 @@ class WorkerPool:
 
     def shutdown(self, grace_s: float = 5.0) -> None:
         """Ask every worker to exit, then reap it; kill whoever outstays the grace period."""
+        self._closing = True
         for w in self.workers:
             if w.alive():
                 try:
@@ -186,6 +196,7 @@ class WorkerPool:
 
     def kill(self) -> None:
         """Tear down at once (the pool is beyond saving)."""
+        self._closing = True
         for w in self.workers:
             if w.alive():
                 w.proc.kill()
@@ -220,6 +231,7 @@ class WorkerPool:
                 errors.append(exc)
         result = None
         local_error: BaseException | None = None
+        watchdog = self._watch(deadline_s) if local is not None and self.workers else None
         if local is not None:
             try:
                 result = local()
@@ -231,8 +243,30 @@ class WorkerPool:
                 replies.append(w.expect(seq, deadline))
             except WorkerError as exc:
                 errors.append(exc)
+        if watchdog is not None:
+            watchdog.cancel()
+        lost = [e for e in errors if e.kind in ("timeout", "worker_exited")]
+        if lost:  # a rank gone or stuck is the cause; rank 0's collective error is its echo
+            raise min(lost, key=lambda e: e.rank)
         if local_error is not None:
             raise local_error
         if errors:
-            raise min(errors, key=lambda e: getattr(e, "rank", 0))
+            raise min(errors, key=lambda e: e.rank)
         return result, replies
+
+    def _watch(self, deadline_s: float) -> threading.Timer:
+        """Past the deadline, kill the workers that still owe a reply. A rank stopped inside a
+        collective would otherwise hold rank 0 in the all-reduce until the collective timeout;
+        killed, its connections close and every backend reports that at once."""
+        timer = threading.Timer(deadline_s, self._kill_owing)
+        timer.daemon = True
+        timer.start()
+        return timer
+
+    def _kill_owing(self) -> None:
+        for w in self.workers:
+            if w.alive() and w.replies.empty():
+                log.error("rank %d missed the step deadline; killing it", w.rank)
+                w.killed_for_deadline = True
+                w.proc.kill()
+        self.broken = self.broken or "a rank missed the step deadline"

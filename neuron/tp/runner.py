@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -58,10 +59,36 @@ class ModelRunner:
         check_supported(self.config)
         self.paths = [str(f) for f in safetensors_files(cfg.model_dir)]
         self.devices = rank_devices(cfg.device, cfg.tp)
-        self.rank0 = Rank(0, cfg.tp, self.devices[0])
-        self.pool = WorkerPool(cfg.tp, self.rank0, self.devices, worker_cmd, env)
         self.backend = choose_backend(self.devices)
         self.weight_bytes: list[int] = []
+        self._worker_cmd, self._env = worker_cmd, env
+        self.on_failure: Callable[[str], None] | None = None
+        self._fresh_ranks()
+
+    def _fresh_ranks(self) -> None:
+        self.rank0 = Rank(0, self.cfg.tp, self.devices[0])
+        self.pool = WorkerPool(self.cfg.tp, self.rank0, self.devices, self._worker_cmd, self._env)
+        self.pool.on_worker_exit(self._worker_lost)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the ranks can no longer run steps, or None while they can."""
+        return self.pool.broken
+
+    def _worker_lost(self, worker) -> None:
+        """From the worker's reader thread, the moment it exits: free rank 0 from any collective
+        and tell whoever listens, without waiting for the next step or its deadline."""
+        if self.rank0.comm is not None:
+            self.rank0.comm.abort()
+        if self.on_failure is not None:
+            self.on_failure(self.pool.broken or f"rank {worker.rank} exited")
+
+    def restart(self) -> None:
+        """Kill and reap every worker, drop rank 0's state, and bring the model up again."""
+        self.pool.kill()
+        self.rank0.close()
+        self._fresh_ranks()
+        self.start()
 
     @property
     def vocab_size(self) -> int:
