@@ -200,8 +200,8 @@ class LLMEngine:
         self.step_count += 1
         try:
             logits = self.runner.step([StepSeq(s.seq.slot, s.token_ids, s.offset) for s in batch])
-        except NeuronError as exc:
-            return updates + self._fail_all(str(exc))
+        except Exception as exc:  # every in-flight request gets a clean error, none a hang
+            return updates + self.fail_in_flight(str(exc))
         for s in batch:
             s.seq.num_computed = s.offset + len(s.token_ids)
         ready = [(i, s) for i, s in enumerate(batch) if s.completes_prompt]
@@ -276,8 +276,21 @@ class LLMEngine:
         return Update(seq.request_id, tokens or [], delta, logprobs, True, seq.finish_reason, seq.stop_reason,
                       error, len(seq.prompt_token_ids), len(seq.output_token_ids))
 
-    def _fail_all(self, message: str) -> list[Update]:
-        log.error("step failed: %s", message)
+    @property
+    def failure(self) -> str | None:
+        """Why the ranks cannot run steps (a worker died, a step missed its deadline), else None."""
+        return self.runner.failure
+
+    def recover(self) -> list[Update]:
+        """Fail what is in flight, then tear the ranks down and bring them up again. Returns the
+        failed requests' final updates; raises if the ranks cannot be brought back."""
+        updates = self.fail_in_flight(f"recovering from: {self.failure}")
+        self.runner.restart()
+        return updates
+
+    def fail_in_flight(self, message: str) -> list[Update]:
+        """End every admitted request with an error; their slots return to the free list."""
+        log.error("failing in-flight requests: %s", message)
         updates = []
         for seq in self.scheduler.all_sequences():
             self.scheduler.finish(seq, "error")

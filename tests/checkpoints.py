@@ -62,3 +62,7 @@ def _cached_model(path: str):
     if path not in _MODELS:
         _MODELS[path] = Qwen3ForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     return _MODELS[path]
+
+# Three ranks need head counts and widths that 3 divides.
+TP3 = dict(BASE, vocab_size=301, hidden_size=48, intermediate_size=96, num_attention_heads=6,
+           num_key_value_heads=1, head_dim=8)

@@ -25,6 +25,7 @@ from neuron.rpc import protocol as p
 log = logging.getLogger("neuron.pool")
 
 _EOF = object()
+_DRAIN_GRACE_S = 2.0
 
 
 class LocalRank(Protocol):
@@ -238,6 +239,8 @@ class WorkerPool:
             except BaseException as exc:  # noqa: BLE001 - re-raised after the drain
                 local_error = exc
         replies = []
+        if watchdog is not None and watchdog.finished.is_set():
+            deadline += _DRAIN_GRACE_S  # ranks freed by the watchdog still owe their error reply
         for w in sent:
             try:
                 replies.append(w.expect(seq, deadline))
@@ -264,9 +267,21 @@ class WorkerPool:
         return timer
 
     def _kill_owing(self) -> None:
-        for w in self.workers:
-            if w.alive() and w.replies.empty():
-                log.error("rank %d missed the step deadline; killing it", w.rank)
-                w.killed_for_deadline = True
-                w.proc.kill()
+        owing = [w for w in self.workers if w.alive() and w.replies.empty()]
+        # A frozen rank holds the live ones inside the collective with it: kill it alone, and the
+        # others' collectives fail and they answer. Only if none is frozen are all owing ones killed.
+        culprits = [w for w in owing if _is_stopped(w.proc.pid)] or owing
+        for w in culprits:
+            log.error("rank %d missed the step deadline; killing it", w.rank)
+            w.killed_for_deadline = True
+            w.proc.kill()
         self.broken = self.broken or "a rank missed the step deadline"
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether a process is stopped (SIGSTOP, a debugger); Linux only, False elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
