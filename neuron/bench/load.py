@@ -1,0 +1,299 @@
+"""The load generator: streams requests to an OpenAI-compatible endpoint and times every chunk.
+
+Requests go out at a fixed concurrency or as Poisson arrivals at a given rate (both may be set:
+arrivals then wait for a free slot). Every request streams with `include_usage`, so output token
+counts come from the server when it reports them and from the number of content chunks otherwise.
+Inter-token latency is measured between content chunks, as a client sees it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import httpx
+import msgspec
+
+from neuron.bench.prompts import BenchRequest, build_requests
+from neuron.errors import ConfigError, NeuronError
+
+if TYPE_CHECKING:
+    from neuron.bench.report import Summary
+
+ENDPOINTS = {"completions": "/completions", "chat": "/chat/completions"}
+
+
+class BenchError(NeuronError):
+    """The benchmark could not start: the server is unreachable or does not list a model."""
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    base_url: str
+    model: str | None = None  # None: the first model the server lists
+    api_key: str | None = None
+    num_requests: int = 100
+    concurrency: int | None = None  # None: no limit
+    request_rate: float = math.inf  # requests per second, Poisson arrivals; inf: all at once
+    endpoint: str = "completions"
+    input_len: tuple[int, int] = (128, 128)  # inclusive range, drawn per request
+    output_len: tuple[int, int] = (128, 128)
+    prompts_file: str | None = None  # JSONL: {"prompt": ..., "max_tokens": optional}
+    text_prompts: bool = False  # completions only; chat always sends text
+    seed: int = 0
+    ignore_eos: bool = False
+    timeout: float = 300.0  # seconds, per request, first byte to last
+    warmup: int = 0  # requests sent and discarded before timing starts
+    progress: bool = False  # a progress bar on stderr
+
+    def __post_init__(self) -> None:
+        self.base_url = self.base_url.rstrip("/")
+        if self.endpoint not in ENDPOINTS:
+            raise ConfigError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
+        if self.num_requests < 1:
+            raise ConfigError("num_requests must be at least 1")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ConfigError("concurrency must be at least 1")
+        if not self.request_rate > 0:
+            raise ConfigError("request_rate must be positive (inf sends everything at once)")
+        for name in ("input_len", "output_len"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ConfigError(f"{name} must be a range A:B with 1 <= A <= B, got {lo}:{hi}")
+        if not self.timeout > 0:
+            raise ConfigError("timeout must be positive")
+        if self.warmup < 0:
+            raise ConfigError("warmup must be 0 or more")
+
+    @property
+    def token_id_prompts(self) -> bool:
+        return self.endpoint == "completions" and not self.text_prompts
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings, without the API key, fit for a report."""
+        d = asdict(self)
+        del d["api_key"], d["progress"]
+        d["request_rate"] = None if math.isinf(self.request_rate) else self.request_rate
+        return d
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    index: int
+    start_s: float  # when it was sent, since timing started
+    prompt_tokens: int
+    ok: bool = False
+    error: str = ""
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)  # gaps between consecutive content chunks
+    e2e_s: float | None = None
+    output_tokens: int = 0
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first."""
+        if not self.ok or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+@dataclass(slots=True)
+class BenchResult:
+    config: BenchConfig
+    model: str
+    records: list[RequestRecord]  # finished requests, in the order they were sent
+    duration_s: float
+    interrupted: bool = False  # stopped early; requests still in flight are not in `records`
+
+    def summary(self) -> Summary:
+        from neuron.bench.report import summarize
+
+        return summarize(self.records, self.duration_s)
+
+
+class _Failed(Exception):
+    pass
+
+
+async def run_benchmark(config: BenchConfig, stop: anyio.Event | None = None) -> BenchResult:
+    """Run the load described by `config`; setting `stop` ends it early with what has finished."""
+    requests = build_requests(config.num_requests, seed=config.seed, input_len=config.input_len,
+                              output_len=config.output_len, token_ids=config.token_id_prompts,
+                              prompts_file=config.prompts_file)
+    if config.endpoint == "chat" and any(isinstance(r.prompt, list) for r in requests):
+        raise ConfigError("the chat endpoint takes text prompts; token-id prompts need --endpoint completions")
+    async with _client(config) as client:
+        model = config.model or await first_model(client, config.base_url)
+        runner = _Runner(client, config, model)
+        result = BenchResult(config, model, [], 0.0)
+        async with anyio.create_task_group() as tg:
+            if stop is not None:
+                tg.start_soon(_cancel_when_set, stop, tg.cancel_scope)
+            if config.warmup:
+                warm = [requests[i % len(requests)] for i in range(config.warmup)]
+                await runner.run(warm, [], perf_counter(), paced=False)
+            t0 = perf_counter()
+            try:
+                await runner.run(requests, result.records, t0, progress=config.progress)
+            finally:
+                result.duration_s = perf_counter() - t0
+            tg.cancel_scope.cancel()
+    result.interrupted = stop is not None and stop.is_set()
+    result.records.sort(key=lambda r: r.index)
+    return result
+
+
+async def first_model(client: httpx.AsyncClient, base_url: str) -> str:
+    url = f"{base_url}/models"
+    try:
+        resp = await client.get(url)
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, LookupError, TypeError) as e:
+        raise BenchError(f"cannot read a model name from {url} ({type(e).__name__}: {e}); pass --model") from None
+
+
+def _client(config: BenchConfig) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    slots = config.concurrency or max(config.num_requests, config.warmup)
+    limits = httpx.Limits(max_connections=slots, max_keepalive_connections=slots)
+    return httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(config.timeout), limits=limits)
+
+
+async def _cancel_when_set(stop: anyio.Event, scope: anyio.CancelScope) -> None:
+    await stop.wait()
+    scope.cancel()
+
+
+class _Runner:
+    def __init__(self, client: httpx.AsyncClient, config: BenchConfig, model: str):
+        self.client, self.config, self.model = client, config, model
+        self.url = config.base_url + ENDPOINTS[config.endpoint]
+        self.chat = config.endpoint == "chat"
+
+    async def run(self, requests: list[BenchRequest], records: list[RequestRecord], t0: float,
+                  paced: bool = True, progress: bool = False) -> None:
+        cfg = self.config
+        limiter = anyio.CapacityLimiter(cfg.concurrency or len(requests))
+        bar = _progress_bar(len(requests)) if progress else None
+        arrivals = random.Random(cfg.seed)
+        next_at = 0.0
+        try:
+            async with anyio.create_task_group() as tg:
+                for i, req in enumerate(requests):
+                    if paced and not math.isinf(cfg.request_rate):
+                        await anyio.sleep(max(0.0, t0 + next_at - perf_counter()))
+                        next_at += arrivals.expovariate(cfg.request_rate)
+                    tg.start_soon(self._limited, limiter, i, req, records, t0, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    async def _limited(self, limiter: anyio.CapacityLimiter, index: int, req: BenchRequest,
+                       records: list[RequestRecord], t0: float, bar) -> None:
+        async with limiter:
+            records.append(await self.send(index, req, t0))
+        if bar is not None:
+            bar.update()
+
+    async def send(self, index: int, req: BenchRequest, t0: float) -> RequestRecord:
+        start = perf_counter()
+        rec = RequestRecord(index, start - t0, req.prompt_len)
+        chunks: list[float] = []
+        try:
+            with anyio.fail_after(self.config.timeout):
+                await self._stream(self._body(req), rec, chunks)
+            if not chunks:
+                raise _Failed("the stream ended without any output")
+            rec.ok = True
+        except (TimeoutError, httpx.TimeoutException):
+            rec.error = f"timed out after {self.config.timeout:g} s"
+        except _Failed as e:
+            rec.error = str(e)
+        except httpx.HTTPError as e:
+            rec.error = f"{type(e).__name__}: {e}"
+        except msgspec.DecodeError as e:
+            rec.error = f"malformed stream data: {e}"
+        end = perf_counter()
+        rec.e2e_s = end - start
+        if chunks:
+            rec.ttft_s = chunks[0] - start
+            rec.itl_s = [b - a for a, b in zip(chunks, chunks[1:])]
+            rec.output_tokens = rec.output_tokens or len(chunks)
+        return rec
+
+    def _body(self, req: BenchRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "max_tokens": req.max_tokens, "stream": True,
+                                "stream_options": {"include_usage": True}}
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": req.prompt}]
+        else:
+            body["prompt"] = req.prompt
+        if self.config.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+    async def _stream(self, body: dict[str, Any], rec: RequestRecord, chunks: list[float]) -> None:
+        async with self.client.stream("POST", self.url, json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                raise _Failed(f"HTTP {resp.status_code}: {_shorten(text)}")
+            async for data in sse_data(resp):
+                if data == "[DONE]":
+                    break
+                chunk = msgspec.json.decode(data)
+                if not isinstance(chunk, dict):
+                    raise _Failed(f"unexpected stream data: {_shorten(data)}")
+                if "error" in chunk:
+                    raise _Failed(f"server error: {_error_text(chunk['error'])}")
+                if _content(chunk, self.chat):
+                    chunks.append(perf_counter())
+                usage = chunk.get("usage")
+                if isinstance(usage, dict):
+                    rec.output_tokens = usage.get("completion_tokens") or rec.output_tokens
+                    rec.prompt_tokens = usage.get("prompt_tokens") or rec.prompt_tokens
+
+
+async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
+    """The data of each server-sent event; a multi-line data field is joined with newlines."""
+    data: list[str] = []
+    async for line in response.aiter_lines():
+        if line.startswith("data:"):
+            value = line[5:]
+            data.append(value[1:] if value.startswith(" ") else value)
+        elif not line and data:
+            yield "\n".join(data)
+            data = []
+    if data:
+        yield "\n".join(data)
+
+
+def _content(chunk: dict[str, Any], chat: bool) -> str:
+    choices = chunk.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return ""
+    if not chat:
+        return choices[0].get("text") or ""
+    delta = choices[0].get("delta") or {}
+    return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+
+
+def _error_text(error: Any) -> str:
+    return _shorten(str(error.get("message", error) if isinstance(error, dict) else error))
+
+
+def _shorten(text: str, limit: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _progress_bar(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)

@@ -1,0 +1,398 @@
+"""`neuron bench` against a fake OpenAI-compatible server that streams known tokens at known times."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from neuron.bench import BenchConfig, BenchError, RequestRecord, describe, run_benchmark, summarize
+from neuron.bench import cli as bench_cli
+from neuron.bench.prompts import TOKEN_ID_RANGE, build_requests
+from neuron.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Behaviour:
+    first_delay: float = 0.0  # seconds before the first token
+    token_delay: float = 0.0  # seconds between tokens
+    tokens_per_chunk: int = 1
+    send_usage: bool = True
+    fail_every: int = 0  # every n-th request answers 500
+    error_every: int = 0  # every n-th request sends an error event after one token
+
+
+@dataclass
+class FakeServer:
+    url: str = ""
+    b: Behaviour = field(default_factory=Behaviour)
+    count: int = 0
+    epoch: int = 0  # streams cut off in an earlier test must not change this test's counts
+    in_flight: int = 0
+    max_in_flight: int = 0
+    arrivals: list[float] = field(default_factory=list)
+    bodies: list[dict] = field(default_factory=list)
+    headers: list[dict] = field(default_factory=list)
+
+    def reset(self, **behaviour) -> None:
+        self.b = Behaviour(**behaviour)
+        self.epoch += 1
+        self.count = self.in_flight = self.max_in_flight = 0
+        self.arrivals, self.bodies, self.headers = [], [], []
+
+    async def models(self, request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+    async def generate(self, request: Request):
+        body = await request.json()
+        self.count += 1
+        n = self.count
+        self.arrivals.append(time.perf_counter())
+        self.bodies.append(body)
+        self.headers.append(dict(request.headers))
+        if self.b.fail_every and n % self.b.fail_every == 0:
+            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        chat = request.url.path.endswith("/chat/completions")
+        return StreamingResponse(self._stream(body, chat, n, self.epoch), media_type="text/event-stream")
+
+    async def _stream(self, body: dict, chat: bool, n: int, epoch: int):
+        total, per = body["max_tokens"], self.b.tokens_per_chunk
+        try:
+            await asyncio.sleep(self.b.first_delay)
+            for i in range(0, total, per):
+                if i:
+                    await asyncio.sleep(self.b.token_delay)
+                k = min(per, total - i)
+                choice = {"index": 0, "delta": {"content": "x " * k}} if chat else {"index": 0, "text": "x " * k}
+                yield _event({"choices": [choice]})
+                if self.b.error_every and n % self.b.error_every == 0:
+                    yield _event({"error": {"message": "engine failed"}})
+                    return
+        finally:
+            self.in_flight -= epoch == self.epoch
+        if self.b.send_usage:
+            yield _event({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": total}})
+        yield "data: [DONE]\n\n"
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+@pytest.fixture(scope="module")
+def server():
+    fake = FakeServer()
+    app = Starlette(routes=[Route("/v1/models", fake.models),
+                            Route("/v1/completions", fake.generate, methods=["POST"]),
+                            Route("/v1/chat/completions", fake.generate, methods=["POST"])])
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    fake.url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not srv.started:
+        assert time.monotonic() < deadline, "fake server did not start"
+        time.sleep(0.01)
+    yield fake
+    srv.should_exit = True
+    thread.join(5)
+    sock.close()
+
+
+@pytest.fixture
+def fake(server):
+    server.reset()
+    return server
+
+
+def _config(fake: FakeServer, **kw) -> BenchConfig:
+    kw.setdefault("input_len", (16, 16))
+    kw.setdefault("output_len", (5, 5))
+    return BenchConfig(fake.url, **kw)
+
+
+def _cli(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="neuron")
+    bench_cli.add_parser(ap.add_subparsers())
+    args = ap.parse_args(["bench", *argv])
+    return args.run(args)
+
+
+# ---- statistics on known data
+
+
+def test_describe_exact_percentiles():
+    s = describe([float(v) for v in range(1, 101)])
+    assert (s.mean, s.p50) == (50.5, 50.5)
+    assert s.p90 == pytest.approx(90.1) and s.p99 == pytest.approx(99.01)
+    assert describe([4.0]) == describe([4.0, 4.0])
+    assert describe([]).p99 is None
+
+
+def test_summarize_known_records():
+    ok = RequestRecord(0, 0.0, 10, ok=True, ttft_s=0.1, itl_s=[0.02, 0.04], e2e_s=0.4, output_tokens=4)
+    one = RequestRecord(1, 0.0, 20, ok=True, ttft_s=0.3, itl_s=[], e2e_s=0.3, output_tokens=1)
+    bad = RequestRecord(2, 0.0, 30, error="HTTP 500: boom", e2e_s=0.01)
+    s = summarize([ok, one, bad, RequestRecord(3, 0.0, 5, error="HTTP 500: boom")], duration_s=2.0)
+    assert (s.completed, s.failed, s.errors) == (2, 2, {"HTTP 500: boom": 2})
+    assert (s.input_tokens, s.output_tokens) == (30, 5)
+    assert s.request_throughput == 1.0 and s.output_throughput == 2.5 and s.total_token_throughput == 17.5
+    assert s.ttft_ms.mean == pytest.approx(200.0) and s.e2e_ms.p50 == pytest.approx(350.0)
+    assert s.tpot_ms.mean == pytest.approx(100.0)  # (400 - 100) / 3; a one-token output has no TPOT
+    assert s.itl_ms.mean == pytest.approx(30.0) and s.itl_ms.p50 == pytest.approx(30.0)
+
+
+# ---- prompts
+
+
+def test_prompts_are_seeded_token_ids_or_words():
+    a = build_requests(4, seed=1, input_len=(8, 12), output_len=(3, 3), token_ids=True)
+    assert a == build_requests(4, seed=1, input_len=(8, 12), output_len=(3, 3), token_ids=True)
+    assert a != build_requests(4, seed=2, input_len=(8, 12), output_len=(3, 3), token_ids=True)
+    lo, hi = TOKEN_ID_RANGE
+    assert all(8 <= len(r.prompt) == r.prompt_len <= 12 and all(lo <= t <= hi for t in r.prompt) for r in a)
+    words = build_requests(2, seed=1, input_len=(6, 6), output_len=(3, 3), token_ids=False)
+    assert all(isinstance(r.prompt, str) and len(r.prompt.split()) == 6 for r in words)
+
+
+def test_prompts_file_cycles_and_validates(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hello there", "max_tokens": 3}\n\n{"prompt": [5, 6, 7]}\n')
+    reqs = build_requests(3, seed=0, input_len=(1, 1), output_len=(9, 9), token_ids=True, prompts_file=str(f))
+    assert [(r.prompt, r.prompt_len, r.max_tokens) for r in reqs] == \
+        [("hello there", 2, 3), ([5, 6, 7], 3, 9), ("hello there", 2, 3)]
+    f.write_text('{"text": "no prompt key"}\n')
+    with pytest.raises(ConfigError, match=r"p.jsonl:1: needs \"prompt\""):
+        build_requests(1, seed=0, input_len=(1, 1), output_len=(1, 1), token_ids=True, prompts_file=str(f))
+    with pytest.raises(ConfigError, match="cannot read prompts file"):
+        build_requests(1, seed=0, input_len=(1, 1), output_len=(1, 1), token_ids=True,
+                       prompts_file=str(tmp_path / "missing.jsonl"))
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="num_requests"):
+        BenchConfig("http://127.0.0.1:1/v1", num_requests=0)
+    with pytest.raises(ConfigError, match="endpoint"):
+        BenchConfig("http://127.0.0.1:1/v1", endpoint="embeddings")
+    with pytest.raises(ConfigError, match="input_len"):
+        BenchConfig("http://127.0.0.1:1/v1", input_len=(5, 2))
+    with pytest.raises(SystemExit):
+        _cli(["--random-input-len", "5:2"])
+    with pytest.raises(SystemExit):
+        _cli(["--concurrency", "2", "--request-rate", "3"])
+
+
+# ---- the load generator against the fake server
+
+
+async def test_streaming_timings_and_request_body(fake):
+    fake.reset(first_delay=0.05, token_delay=0.02)
+    result = await run_benchmark(_config(fake, num_requests=6, concurrency=3, ignore_eos=True, api_key="k"))
+    s = result.summary()
+    assert (result.model, s.completed, s.failed, s.output_tokens, s.input_tokens) == ("fake-model", 6, 0, 30, 42)
+    body = fake.bodies[0]
+    assert body["model"] == "fake-model" and body["max_tokens"] == 5 and body["ignore_eos"] is True
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert len(body["prompt"]) == 16 and all(isinstance(t, int) for t in body["prompt"])
+    assert fake.headers[0]["authorization"] == "Bearer k"
+    for r in result.records:
+        assert 45 <= r.ttft_s * 1e3 < 400 and len(r.itl_s) == 4
+        assert all(15 <= g * 1e3 < 300 for g in r.itl_s)
+        assert 125 <= r.e2e_s * 1e3 < 1000 and 15 <= r.tpot_s * 1e3 < 300
+    assert 45 <= s.ttft_ms.p50 <= s.ttft_ms.p99 < 400 and 15 <= s.itl_ms.p50 < 300
+    assert s.duration_s >= 2 * 0.125 and s.request_throughput == pytest.approx(6 / s.duration_s)
+
+
+async def test_text_prompts_and_chat(fake):
+    await run_benchmark(_config(fake, num_requests=2, text_prompts=True, model="m"))
+    await run_benchmark(_config(fake, num_requests=2, endpoint="chat", model="m"))
+    text, chat = fake.bodies[0], fake.bodies[2]
+    assert isinstance(text["prompt"], str) and len(text["prompt"].split()) == 16
+    assert chat["messages"][0]["role"] == "user" and len(chat["messages"][0]["content"].split()) == 16
+    assert "prompt" not in chat and fake.count == 4
+
+
+async def test_output_tokens_from_usage_else_chunks(fake):
+    fake.reset(tokens_per_chunk=2)
+    with_usage = await run_benchmark(_config(fake, num_requests=2, output_len=(6, 6)))
+    assert [(r.output_tokens, len(r.itl_s), r.prompt_tokens) for r in with_usage.records] == [(6, 2, 7)] * 2
+    fake.reset(tokens_per_chunk=2, send_usage=False)
+    without = await run_benchmark(_config(fake, num_requests=2, output_len=(6, 6)))
+    assert [(r.output_tokens, r.prompt_tokens) for r in without.records] == [(3, 16)] * 2
+
+
+async def test_failures_are_counted_with_their_reason(fake):
+    fake.reset(fail_every=3, error_every=4)
+    result = await run_benchmark(_config(fake, num_requests=12, concurrency=1))
+    s = result.summary()
+    assert (s.completed, s.failed) == (6, 6)  # 500 for 3, 6, 9, 12; an error event for 4 and 8
+    assert s.errors == {'HTTP 500: {"error":{"message":"boom"}}': 4, "server error: engine failed": 2}
+
+
+async def test_request_timeout_fails_the_request(fake):
+    fake.reset(first_delay=5.0)
+    t = time.perf_counter()
+    result = await run_benchmark(_config(fake, num_requests=2, timeout=0.2))
+    assert time.perf_counter() - t < 2
+    assert [r.error for r in result.records] == ["timed out after 0.2 s"] * 2
+
+
+async def test_concurrency_limit_is_respected(fake):
+    fake.reset(token_delay=0.01)
+    result = await run_benchmark(_config(fake, num_requests=12, concurrency=3))
+    assert result.summary().completed == 12 and fake.max_in_flight == 3
+
+
+async def test_unlimited_rate_sends_everything_at_once(fake):
+    fake.reset(first_delay=0.1)
+    await run_benchmark(_config(fake, num_requests=8))
+    assert fake.max_in_flight == 8 and max(fake.arrivals) - min(fake.arrivals) < 0.08
+
+
+async def test_request_rate_spreads_arrivals(fake):
+    rate, n = 40.0, 20
+    result = await run_benchmark(_config(fake, num_requests=n, request_rate=rate, output_len=(1, 1)))
+    span = max(fake.arrivals) - min(fake.arrivals)
+    expected = (n - 1) / rate  # Poisson arrivals: the span is this on average; the seed fixes the draw
+    assert 0.4 * expected < span < 2 * expected and result.duration_s >= span
+    starts = [r.start_s for r in result.records]
+    assert starts == sorted(starts) and fake.max_in_flight < n
+
+
+async def test_warmup_requests_are_not_recorded(fake):
+    result = await run_benchmark(_config(fake, num_requests=3, warmup=2))
+    assert fake.count == 5 and [r.index for r in result.records] == [0, 1, 2]
+
+
+async def test_stop_event_ends_the_run_with_what_finished(fake):
+    fake.reset(token_delay=0.2)
+    stop = anyio.Event()
+
+    async def press_stop():
+        await anyio.sleep(0.5)
+        stop.set()
+
+    t = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(press_stop)
+        result = await run_benchmark(_config(fake, num_requests=8, concurrency=2, output_len=(2, 2)), stop)
+    assert time.perf_counter() - t < 1.5 and result.interrupted
+    assert 2 <= len(result.records) < 8 and all(r.ok for r in result.records)
+    assert 0.4 < result.duration_s < 1.0
+
+
+async def test_model_discovery_failure_says_what_to_do(fake):
+    with pytest.raises(BenchError, match="pass --model"):
+        await run_benchmark(BenchConfig(fake.url.removesuffix("/v1") + "/nope", num_requests=1))
+
+
+async def test_chat_rejects_token_id_prompts(fake, tmp_path):
+    f = tmp_path / "ids.jsonl"
+    f.write_text('{"prompt": [1, 2, 3]}\n')
+    with pytest.raises(ConfigError, match="chat endpoint takes text"):
+        await run_benchmark(_config(fake, endpoint="chat", prompts_file=str(f), input_len=(1, 1)))
+
+
+# ---- the command line
+
+
+def test_cli_prints_table_and_writes_json(fake, tmp_path, capsys):
+    fake.reset(token_delay=0.005)
+    out = tmp_path / "run.json"
+    rc = _cli(["--base-url", fake.url, "-n", "5", "-c", "2", "--input-len", "8", "--random-output-len", "3:6",
+               "--json-out", str(out)])
+    table = capsys.readouterr().out
+    assert rc == 0
+    for text in ("fake-model", "Completed / failed", "5 / 0", "Request throughput (req/s)",
+                 "Output token throughput (tok/s)", "TTFT", "TPOT", "ITL", "E2E", "p99"):
+        assert text in table
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"model", "interrupted", "config", "summary", "requests"}
+    assert doc["config"]["concurrency"] == 2 and doc["config"]["request_rate"] is None
+    assert "api_key" not in doc["config"]
+    summary = doc["summary"]
+    assert summary["completed"] == 5 and summary["failed"] == 0 and summary["errors"] == {}
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert set(summary[key]) == {"mean", "p50", "p90", "p99"} and summary[key]["p50"] > 0
+    assert len(doc["requests"]) == 5 and doc["requests"][0]["ok"] is True
+    fields = {"index", "start_s", "ttft_s", "itl_s", "e2e_s", "tpot_s", "output_tokens", "prompt_tokens", "error"}
+    assert fields <= set(doc["requests"][0])
+    assert sorted(r["output_tokens"] for r in doc["requests"]) == sorted(b["max_tokens"] for b in fake.bodies)
+
+
+def test_cli_reports_failures_and_exit_code(fake, capsys):
+    fake.reset(fail_every=1)
+    assert _cli(["--base-url", fake.url, "--model", "m", "-n", "2", "--output-len", "2"]) == 1
+    table = capsys.readouterr().out
+    assert "0 / 2" in table and "HTTP 500" in table
+
+
+def test_cli_unreachable_server_is_a_clear_error(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert _cli(["--base-url", f"http://127.0.0.1:{port}/v1", "-n", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("neuron bench: cannot read a model name") and "pass --model" in err
+
+
+def test_cli_plot(fake, tmp_path, capsys):
+    png = tmp_path / "lat.png"
+    rc = _cli(["--base-url", fake.url, "-n", "3", "--output-len", "3", "--plot", str(png)])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert rc == 2 and fake.count == 0 and not png.exists()
+        assert "pip install matplotlib" in capsys.readouterr().err
+    else:
+        assert rc == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process")
+def test_ctrl_c_stops_and_still_reports(fake, tmp_path):
+    fake.reset(token_delay=0.1)
+    out = tmp_path / "run.json"
+    code = ("import argparse, sys; from neuron.bench import cli; ap = argparse.ArgumentParser(); "
+            "cli.add_parser(ap.add_subparsers()); a = ap.parse_args(sys.argv[1:]); sys.exit(a.run(a))")
+    argv = ["bench", "--base-url", fake.url, "-n", "50", "-c", "2", "--output-len", "3", "--json-out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        deadline = time.monotonic() + 10
+        while fake.count < 4:  # two finished, two more in flight
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stdout and "interrupted" in stderr and "TTFT" in stdout
+    doc = json.loads(out.read_text())
+    assert doc["interrupted"] is True and 2 <= doc["summary"]["completed"] < 50
+    assert not math.isnan(doc["summary"]["duration_s"])
