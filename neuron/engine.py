@@ -281,12 +281,20 @@ class LLMEngine:
         """Why the ranks cannot run steps (a worker died, a step missed its deadline), else None."""
         return self.runner.failure
 
+    def on_failure(self, callback) -> None:
+        """`callback(reason)` runs (on another thread) the moment a rank dies, even between steps."""
+        self.runner.on_failure = callback
+
     def recover(self) -> list[Update]:
         """Fail what is in flight, then tear the ranks down and bring them up again. Returns the
         failed requests' final updates; raises if the ranks cannot be brought back."""
         updates = self.fail_in_flight(f"recovering from: {self.failure}")
-        self.runner.restart()
+        self.restart()
         return updates
+
+    def restart(self) -> None:
+        """Kill and reap every rank and load the model again (nothing may be in flight)."""
+        self.runner.restart()
 
     def fail_in_flight(self, message: str) -> list[Update]:
         """End every admitted request with an error; their slots return to the free list."""

@@ -43,3 +43,15 @@ def startup_timeout_s() -> float:
 
 def load_timeout_s() -> float:
     return env_float("NEURON_LOAD_TIMEOUT_S", 600.0)
+
+
+def recovery_attempts() -> int:
+    return max(1, env_int("NEURON_RECOVERY_ATTEMPTS", 3))
+
+
+def recovery_backoff_s() -> float:
+    return max(0.0, env_float("NEURON_RECOVERY_BACKOFF_S", 1.0))
+
+
+def shutdown_grace_s() -> float:
+    return max(0.0, env_float("NEURON_SHUTDOWN_GRACE_S", 10.0))

@@ -1,0 +1,42 @@
+"""Prometheus metrics, in a registry of the server's own so two servers in one process never collide."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+STATES = ("loading", "ready", "recovering", "failed", "shutting_down")
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("neuron_requests", "HTTP API requests by endpoint and response status",
+                                ["endpoint", "status"], registry=r)
+        self.finished = Counter("neuron_request_finished", "Generations by finish reason", ["reason"], registry=r)
+        self.prompt_tokens = Counter("neuron_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.recoveries = Counter("neuron_recoveries", "Times the ranks failed and were rebuilt", registry=r)
+        self.generation_tokens = Counter("neuron_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("neuron_time_to_first_token_seconds", "Arrival to first generated token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("neuron_inter_token_latency_seconds", "Time between consecutive generated tokens",
+                             buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("neuron_e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS,
+                             registry=r)
+        self.running = Gauge("neuron_num_requests_running", "Sequences holding a KV slot", registry=r)
+        self.waiting = Gauge("neuron_num_requests_waiting", "Sequences waiting for a KV slot", registry=r)
+        self.kv_usage = Gauge("neuron_kv_slot_usage_ratio", "Fraction of KV slots in use (0..1)", registry=r)
+        self.state = Enum("neuron_engine_state", "Engine lifecycle state", states=list(STATES), registry=r)
+        self.state.state("loading")
+
+    def engine_load(self, running: int, waiting: int, kv_usage: float) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_usage)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,139 @@
+"""A live server in the test process (Uvicorn on a free 127.0.0.1 port, in a thread), and a
+scripted stand-in for the engine for tests about the HTTP layer rather than the model."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from neuron.engine import EngineConfig, LLMEngine, RequestError, Update
+from neuron.server.app import ServerConfig, build_app
+from neuron.server.async_engine import AsyncEngine
+from neuron.server.cli import served_name
+
+
+class LiveServer:
+    def __init__(self, engine: AsyncEngine, cfg: ServerConfig | None = None):
+        self.engine = engine
+        app = build_app(engine, cfg or ServerConfig())
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=2)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="test-server", daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.base_url = f"{self.url}/v1"
+        return self
+
+    def wait_ready(self, timeout_s: float = 120) -> "LiveServer":
+        deadline = time.monotonic() + timeout_s
+        while httpx.get(f"{self.url}/health").status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not ready: {httpx.get(self.url + '/health').text}")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+
+
+def real_engine(model: str | None, tp: int, name: str | None = None, max_waiting: int = 64, **kw) -> AsyncEngine:
+    cfg = EngineConfig(model=model, tp=tp, device="cpu", dtype="float32", served_model_name=name, **kw)
+    return AsyncEngine(lambda: LLMEngine(cfg).start(), model_name=served_name(cfg), max_running=cfg.max_num_seqs,
+                       max_waiting=max_waiting)
+
+
+ERROR = object()  # a script step that fails the request, as a broken pool would
+
+
+class ScriptedEngine:
+    """Stands in for LLMEngine: answers each request with the text pieces of the first script whose
+    key occurs in its prompt, one piece per step. A float step sleeps that many seconds; clearing
+    `gate` stalls every request."""
+
+    def __init__(self, tokenizer, scripts: dict[str, list], max_model_len: int = 512):
+        self.tokenizer = tokenizer
+        self.scripts = scripts
+        self.model_name = "stub"
+        self.max_model_len = max_model_len
+        self.vocab_size = tokenizer.vocab_size
+        self.eos_token_ids: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._active: dict[str, tuple[int, list]] = {}
+
+    failure = None
+
+    def on_failure(self, callback) -> None:
+        pass
+
+    def default_sampling(self) -> dict:
+        return {}
+
+    def add_request(self, request_id, prompt_token_ids, params) -> None:
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError("prompt too long", code="context_length_exceeded", param="messages")
+        prompt = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
+        script = next((s for key, s in self.scripts.items() if key in prompt), ["ok"])
+        self._inbox.put((request_id, (len(prompt_token_ids), list(script))))
+
+    def abort(self, request_id) -> None:
+        self._inbox.put((request_id, None))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._active) or not self._inbox.empty()
+
+    def num_running(self) -> int:
+        return len(self._active)
+
+    def num_waiting(self) -> int:
+        return 0
+
+    def kv_slot_usage(self) -> float:
+        return 0.0
+
+    def step(self) -> list[Update]:
+        while not self._inbox.empty():
+            rid, item = self._inbox.get()
+            if item is None:
+                self._active.pop(rid, None)
+            else:
+                self._active[rid] = item
+        if not self.gate.wait(0.01):
+            return []
+        updates = []
+        for rid, (n_prompt, pieces) in list(self._active.items()):
+            piece = pieces.pop(0)
+            if isinstance(piece, float):
+                time.sleep(piece)
+                continue
+            if piece is ERROR:
+                del self._active[rid]
+                updates.append(Update(rid, [], "", None, True, "error", error="rank 1 exited"))
+                continue
+            done = not pieces
+            if done:
+                del self._active[rid]
+            updates.append(Update(rid, [1], piece, None, done, "stop" if done else None, None, None, n_prompt))
+        return updates
+
+    def shutdown(self) -> None:
+        pass
+
+
+def scripted_engine(engine: ScriptedEngine, max_running: int = 4, max_waiting: int = 4, factory=None) -> AsyncEngine:
+    return AsyncEngine(factory or (lambda: engine), model_name="stub", max_running=max_running,
+                       max_waiting=max_waiting)

@@ -1,0 +1,150 @@
+"""The chat output parser (reasoning, content, tool calls) and message validation, without a server."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from neuron.server.chat import OutputParser, Parsed, normalise_messages, parse_tool_call, prompt_opens_reasoning
+from neuron.server.errors import APIError
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def parse(text: str, pieces: list[str] | None = None, **kw) -> Parsed:
+    kw.setdefault("reasoning", True)
+    parser = OutputParser(**kw)
+    out = Parsed()
+    for piece in pieces if pieces is not None else [text]:
+        out.extend(parser.feed(piece))
+    out.extend(parser.finish())
+    return out
+
+
+def random_pieces(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(0, 12)))) if len(text) > 1 else []
+    bounds = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def test_reasoning_then_answer():
+    out = parse("<think>\nLet me think.\n</think>\n\nThe answer is 4.")
+    assert out.reasoning == "\nLet me think.\n"
+    assert out.content == "The answer is 4."
+    assert out.tool_calls == []
+
+
+def test_no_think_tags_is_all_content():
+    out = parse("Just an answer, no thinking.")
+    assert (out.reasoning, out.content) == ("", "Just an answer, no thinking.")
+
+
+def test_prompt_opened_think():
+    """Templates that end the prompt with `<think>`: the output starts inside the reasoning."""
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n")
+    out = parse("considering...\n</think>\n\nDone.", in_reasoning=True)
+    assert (out.reasoning, out.content) == ("considering...\n", "Done.")
+
+
+def test_unterminated_reasoning_stays_reasoning():
+    out = parse("<think>still going when max_tokens hit")
+    assert (out.reasoning, out.content) == ("still going when max_tokens hit", "")
+
+
+def test_think_tag_only_recognised_at_the_start():
+    out = parse("Use the <think> tag like this.")
+    assert out.content == "Use the <think> tag like this." and out.reasoning == ""
+
+
+def test_reasoning_disabled_keeps_tags_as_text():
+    out = parse("<think>x</think>y", reasoning=False)
+    assert out.content == "<think>x</think>y" and out.reasoning == ""
+
+
+def test_tool_call():
+    out = parse(f"<think>need weather</think>\n\n{CALL}", tools=True)
+    assert out.reasoning == "need weather"
+    assert out.content == ""
+    assert len(out.tool_calls) == 1
+    call = out.tool_calls[0]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+
+
+def test_several_tool_calls_and_surrounding_text():
+    second = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    out = parse(f"Let me check.\n{CALL}\n{second}\n", tools=True)
+    assert out.content == "Let me check."
+    assert [c.name for c in out.tool_calls] == ["get_weather", "get_time"]
+    assert json.loads(out.tool_calls[1].arguments) == {}
+
+
+def test_invalid_tool_json_stays_content():
+    bad = "<tool_call>\n{not json}\n</tool_call>"
+    out = parse(f"before {bad} after", tools=True)
+    assert out.content == f"before {bad} after"
+    assert out.tool_calls == []
+
+
+def test_unclosed_tool_call_is_content():
+    out = parse('text <tool_call>{"name": "f", "arguments": {}', tools=True)
+    assert out.content == 'text <tool_call>{"name": "f", "arguments": {}'
+    assert out.tool_calls == []
+
+
+def test_tool_tags_are_text_without_tools():
+    out = parse(CALL, tools=False)
+    assert out.content == CALL and out.tool_calls == []
+
+
+def test_trailing_whitespace_kept_without_tool_call():
+    assert parse("Hello\n", tools=True).content == "Hello\n"
+    assert parse("Hello\n", tools=False).content == "Hello\n"
+
+
+def test_arguments_given_as_string():
+    call = parse_tool_call('{"name": "f", "arguments": "{\\"x\\": 1}"}')
+    assert call is not None and json.loads(call.arguments) == {"x": 1}
+    assert parse_tool_call('{"name": "f", "arguments": "not json"}') is None
+    assert parse_tool_call('{"arguments": {}}') is None
+    assert parse_tool_call("[1, 2]") is None
+
+
+@pytest.mark.parametrize("text,kw", [
+    ("<think>\nLet me think.\n</think>\n\nThe answer is 4.", {}),
+    (f"  <think>a<b</think>\n\nx <tool_call> y {CALL}\n{CALL} tail <tool_ca", {"tools": True}),
+    ("plain </think> text <thin", {}),
+    ("more reasoning</think>\n\nanswer <tool_call>{}</tool_call>", {"in_reasoning": True, "tools": True}),
+    ("<thi", {}),
+    ("\n\n", {"tools": True}),
+])
+def test_any_split_parses_like_the_whole(text, kw):
+    """Streaming equals non-streaming: every way of cutting the text gives the same result."""
+    whole = parse(text, **kw)
+    rng = random.Random(0)
+    for _ in range(200):
+        assert parse(text, random_pieces(text, rng), **kw) == whole
+    assert parse(text, list(text), **kw) == whole
+
+
+def test_messages_developer_role_and_text_parts():
+    msgs = normalise_messages([
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ])
+    assert msgs[0]["role"] == "system"
+    assert msgs[1]["content"] == "a\nb"
+
+
+def test_messages_reject_images_and_bad_roles():
+    with pytest.raises(APIError) as e:
+        normalise_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    assert e.value.code == "vision_unsupported" and e.value.status == 400
+    with pytest.raises(APIError) as e:
+        normalise_messages([{"role": "wizard", "content": "hi"}])
+    assert e.value.param == "messages[0].role"
+    with pytest.raises(APIError):
+        normalise_messages([])
