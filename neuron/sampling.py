@@ -176,6 +176,8 @@ class SequenceSampler:
             seen = self._prompt_mask | (self._counts > 0)
             penalty = self.params.repetition_penalty
             row.copy_(torch.where(seen, torch.where(row > 0, row / penalty, row * penalty), row))
+            # An extreme penalty overflows to +-inf; +inf would turn the softmax into NaN.
+            torch.nan_to_num_(row, nan=float("-inf"), posinf=torch.finfo(row.dtype).max, neginf=float("-inf"))
         p = self.params
         if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
             row -= p.presence_penalty * (self._counts > 0) + p.frequency_penalty * self._counts
