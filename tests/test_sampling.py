@@ -368,7 +368,7 @@ def test_extreme_repetition_penalty_stays_finite():
     return a valid token instead of failing the whole step on NaN probabilities."""
     logits = torch.tensor([[3.0, 1.0, -2.0, 0.5]])
     for temperature in (0.0, 1.0):
-        params = SamplingParams(temperature=temperature, repetition_penalty=1e-38, seed=0)
+        params = SamplingParams(temperature=temperature, repetition_penalty=1e-40, seed=0)
         s = SequenceSampler(params, [0, 1], vocab_size=4)
         out = sample(logits.clone(), [s])
         assert out.token_ids[0] in (0, 1)  # the penalised-up tokens dominate, as the formula says
