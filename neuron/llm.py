@@ -76,13 +76,20 @@ class LLM:
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        tokenized = [self._tokenize(prompt) for prompt in prompts]
+        for (_, ids), p in zip(tokenized, params_list):  # refuse the whole call before queueing any of it
+            if p.n != 1:
+                raise ValueError("n > 1 is not supported; pass the prompt several times instead")
+            self.engine.validate(ids, p)
+        if self.engine.failure is not None:  # a rank died since the last call: bring the ranks back first
+            self.engine.recover()
         outputs: dict[str, RequestOutput] = {}
         order = []
-        for prompt, p in zip(prompts, params_list):
-            text, ids = self._tokenize(prompt)
+        for (text, ids), p in zip(tokenized, params_list):
             rid = str(next(self._ids))
             self.engine.add_request(rid, ids, p)
-            outputs[rid] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], None, [] if p.logprobs is not None else None, None)])
+            logprobs = [] if p.logprobs is not None else None
+            outputs[rid] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], None, logprobs, None)])
             order.append(rid)
         self._run(outputs)
         return [outputs[rid] for rid in order]

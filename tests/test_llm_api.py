@@ -113,3 +113,31 @@ def test_workers_exit_with_the_interpreter(tmp_path):
                 return
         time.sleep(0.1)
     pytest.fail(f"worker {pid} outlived its leader")
+
+
+def test_a_bad_prompt_refuses_the_whole_call(llm):
+    """Nothing of a refused call stays queued to leak into the next one."""
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    with pytest.raises(RequestError):
+        llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": []}], params)
+    assert not llm.engine.has_unfinished()
+    with pytest.raises(ValueError, match="n > 1"):
+        llm.generate("Hi", SamplingParams(n=2))
+    assert len(llm.generate("Hi", params)) == 1
+
+
+def test_recovers_after_a_worker_dies(llm):
+    import os
+    import signal
+    import time
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    before = llm.generate("Recovery check", params)[0].outputs[0].token_ids
+    victim = llm.engine.runner.pool.workers[0].proc
+    os.kill(victim.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while llm.engine.failure is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert llm.engine.failure is not None  # noticed between calls, without a step
+    after = llm.generate("Recovery check", params)[0].outputs[0].token_ids
+    assert after == before
