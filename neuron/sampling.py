@@ -260,7 +260,7 @@ def _filtered_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
 
 def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     vocab = probs.shape[-1]
-    ks = [p.top_k if p.top_k > 0 else vocab for p in params]
+    ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     width = min(max(ks), vocab)
     # When every row has a top_k only the best max(k) can survive, and topk is far cheaper than
     # sorting the whole vocabulary.
@@ -284,6 +284,7 @@ def _top_p_ranked(ranked: torch.Tensor, params: list[SamplingParams]) -> torch.T
     # A token stays while the mass strictly ahead of it is below the budget, so the first always
     # stays; rows with top_p == 1 are exempt so cumsum rounding cannot trim their tail.
     outside = (mass_before >= budget) & (top_ps < 1)[:, None]
+    outside[:, 0] = False  # a top_p that rounds to 0 in float32 would otherwise keep nothing
     return ranked.masked_fill(outside, 0.0)
 
 

@@ -372,3 +372,11 @@ def test_extreme_repetition_penalty_stays_finite():
         s = SequenceSampler(params, [0, 1], vocab_size=4)
         out = sample(logits.clone(), [s])
         assert out.token_ids[0] in (0, 1)  # the penalised-up tokens dominate, as the formula says
+
+
+@pytest.mark.parametrize("params", [dict(top_p=1e-50), dict(top_k=2**63), dict(top_k=2**40, top_p=1e-50)])
+def test_extreme_filters_keep_the_top_token(params):
+    """Values far outside float32 or the vocabulary still sample the most likely token."""
+    logits = torch.tensor([[0.5, 4.0, 1.0, -1.0]])
+    s = SequenceSampler(SamplingParams(temperature=1.0, seed=1, **params), [], vocab_size=4)
+    assert sample(logits.clone(), [s]).token_ids == [1]
