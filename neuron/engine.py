@@ -13,8 +13,9 @@ import time
 from dataclasses import dataclass, field
 
 from neuron import settings
+from neuron.block_manager import BlockManager
 from neuron.errors import ConfigError, NeuronError
-from neuron.models import check_supported
+from neuron.models import check_supported, supports_prefix_caching, text_config
 from neuron.models.loader import read_generation_config, read_json, resolve_model_path
 from neuron.rpc.protocol import StepSeq
 from neuron.sampling import SamplingParams, SequenceSampler, sample
@@ -45,6 +46,14 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     hf_cache_dir: str | None = None
     served_model_name: str | None = None
+    # The KV cache. None takes the environment's setting: NEURON_KV_BLOCK_SIZE (16 tokens),
+    # NEURON_KV_CACHE_MEMORY (per rank, bytes or "4GiB"; unset: free GPU memory on CUDA, room for
+    # max_num_seqs x max_model_len tokens on CPU), NEURON_GPU_MEMORY_UTILIZATION (0.9),
+    # NEURON_NO_PREFIX_CACHING (prefix caching is on unless it is set).
+    block_size: int | None = None
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float | None = None
+    enable_prefix_caching: bool | None = None
 
 
 @dataclass(slots=True)
@@ -94,13 +103,15 @@ class LLMEngine:
             raise ConfigError(f"tensor-parallel size must be >= 1, got {cfg.tp}")
         self.device = cfg.device or default_device()
         self.max_model_len = self._max_model_len()
-        self.vocab_size = int(self.config["vocab_size"])
+        self.vocab_size = int(text_config(self.config)["vocab_size"])
         self.tokenizer = Tokenizer.from_dir(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
         self.generation_config = read_generation_config(self.model_dir)
         self.eos_token_ids = self._eos_ids()
         chunk = settings.prefill_chunk_tokens()
-        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens or max(chunk, cfg.max_num_seqs), chunk)
-        runner_cfg = RunnerConfig(self.model_dir, cfg.tp, self.device, cfg.dtype, cfg.max_num_seqs, self.max_model_len)
+        step_tokens = cfg.max_num_batched_tokens or max(chunk, cfg.max_num_seqs)
+        self.scheduler = Scheduler(cfg.max_num_seqs, step_tokens, chunk)
+        runner_cfg = RunnerConfig(self.model_dir, cfg.tp, self.device, cfg.dtype, cfg.max_num_seqs, self.max_model_len,
+                                  max_num_batched_tokens=max(step_tokens, cfg.max_num_seqs), **self._kv_settings())
         kwargs = {"worker_cmd": worker_cmd} if worker_cmd else {}
         self.runner = ModelRunner(runner_cfg, **kwargs)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -109,10 +120,35 @@ class LLMEngine:
 
     def start(self) -> "LLMEngine":
         self.runner.start()
+        self._new_blocks()
         return self
 
+    def _kv_settings(self) -> dict:
+        cfg = self.cfg
+        try:
+            block_size = cfg.block_size or settings.kv_block_size()
+            memory = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else settings.kv_cache_memory()
+            kv_bytes = 0 if memory is None else settings.parse_bytes(memory, "kv_cache_memory")
+            utilization = cfg.gpu_memory_utilization or settings.gpu_memory_utilization()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if block_size < 1:
+            raise ConfigError(f"KV block size must be >= 1, got {block_size}")
+        if not 0.0 < utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+        if cfg.enable_prefix_caching and not supports_prefix_caching(self.config):
+            raise ConfigError(f"prefix caching is not available for model_type {self.config.get('model_type')!r}: "
+                              "its recurrent layers keep state that cannot be shared between sequences")
+        return dict(block_size=block_size, kv_cache_bytes=kv_bytes, gpu_memory_utilization=utilization)
+
+    def _new_blocks(self) -> None:
+        """A block manager over the pool the ranks just allocated (empty: a new pool holds nothing)."""
+        caching = self.cfg.enable_prefix_caching
+        caching = (settings.prefix_caching() if caching is None else caching) and supports_prefix_caching(self.config)
+        self.scheduler.use_blocks(BlockManager(self.runner.num_kv_blocks, self.runner.cfg.block_size, caching))
+
     def _max_model_len(self) -> int:
-        native = int(self.config.get("max_position_embeddings", 2048))
+        native = int(text_config(self.config).get("max_position_embeddings", 2048))
         wanted = self.cfg.max_model_len
         if wanted is None:
             return min(native, 8192)
@@ -121,7 +157,9 @@ class LLMEngine:
         return wanted
 
     def _eos_ids(self) -> list[int]:
-        ids = self.generation_config.get("eos_token_id", self.config.get("eos_token_id"))
+        ids = self.generation_config.get(
+            "eos_token_id", self.config.get("eos_token_id", text_config(self.config).get("eos_token_id"))
+        )
         ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.append(self.tokenizer.eos_token_id)
@@ -199,11 +237,11 @@ class LLMEngine:
             return updates
         self.step_count += 1
         try:
-            logits = self.runner.step([StepSeq(s.seq.slot, s.token_ids, s.offset) for s in batch])
+            logits = self.runner.step([StepSeq(s.seq.slot, s.token_ids, s.offset, s.new_blocks, s.fresh)
+                                       for s in batch])
         except Exception as exc:  # every in-flight request gets a clean error, none a hang
             return updates + self.fail_in_flight(str(exc))
-        for s in batch:
-            s.seq.num_computed = s.offset + len(s.token_ids)
+        self.scheduler.computed(batch)
         ready = [(i, s) for i, s in enumerate(batch) if s.completes_prompt]
         if ready:
             rows = logits[[i for i, _ in ready]] if len(ready) != len(batch) else logits
@@ -293,8 +331,10 @@ class LLMEngine:
         return updates
 
     def restart(self) -> None:
-        """Kill and reap every rank and load the model again (nothing may be in flight)."""
+        """Kill and reap every rank and load the model again (nothing may be in flight). The new
+        pool holds no KV, so the prefix cache starts empty."""
         self.runner.restart()
+        self._new_blocks()
 
     def fail_in_flight(self, message: str) -> list[Update]:
         """End every admitted request with an error; their slots return to the free list."""
@@ -307,6 +347,14 @@ class LLMEngine:
 
     def kv_slot_usage(self) -> float:
         return len(self.scheduler.running) / self.scheduler.max_num_seqs
+
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks held by sequences."""
+        return self.scheduler.blocks.usage()
+
+    def prefix_cache_counts(self) -> tuple[int, int]:
+        """Prompt tokens looked up in the prefix cache and those found, since start (cumulative)."""
+        return self.scheduler.prefix_cache_queries, self.scheduler.prefix_cache_hits
 
     def shutdown(self) -> None:
         self.runner.shutdown()

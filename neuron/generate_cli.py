@@ -17,6 +17,12 @@ def add_parser(sub) -> None:
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     ap.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    ap.add_argument("--kv-cache-memory", default=None,
+                    help="KV cache per rank, bytes or with a unit (4GiB); default: free GPU memory on CUDA, "
+                         "room for every sequence at full length on CPU")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="share of each GPU's memory neuron may use (default 0.9)")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="recompute shared prompt prefixes")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
@@ -30,7 +36,9 @@ def run(args) -> int:
     setup_logging()
     prompts = args.prompt or ["Hello, my name is"]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    with LLM(args.model, tensor_parallel_size=args.tp, device=args.device, dtype=args.dtype) as llm:
+    with LLM(args.model, tensor_parallel_size=args.tp, device=args.device, dtype=args.dtype,
+             kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+             enable_prefix_caching=False if args.no_prefix_caching else None) as llm:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params) if args.chat \
             else llm.generate(prompts, params)
     for prompt, out in zip(prompts, outs):

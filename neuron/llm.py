@@ -50,12 +50,18 @@ class LLM:
         max_model_len: int | None = None,
         max_num_seqs: int = 16,
         download_dir: str | None = None,
+        block_size: int | None = None,
+        kv_cache_memory: int | str | None = None,
+        gpu_memory_utilization: float | None = None,
+        enable_prefix_caching: bool | None = None,
         **kwargs,
     ):
         if kwargs:
             raise TypeError(f"LLM() got unsupported arguments: {', '.join(sorted(kwargs))}")
         cfg = EngineConfig(model=model, tp=tensor_parallel_size, device=device, dtype=dtype,
-                           max_model_len=max_model_len, max_num_seqs=max_num_seqs, hf_cache_dir=download_dir)
+                           max_model_len=max_model_len, max_num_seqs=max_num_seqs, hf_cache_dir=download_dir,
+                           block_size=block_size, kv_cache_memory=kv_cache_memory,
+                           gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching)
         self.engine = LLMEngine(cfg).start()
         self._ids = itertools.count()
         self._finalizer = weakref.finalize(self, _shutdown_engine, self.engine)

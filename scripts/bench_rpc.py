@@ -1,5 +1,6 @@
-"""What the wire costs per step: a decode `generate_step` for a batch of B sequences sent to a live
-worker and its reply read back, without the forward (the worker has no model loaded, so it decodes
+"""What the wire costs per step: a decode `generate_step` for a batch of B sequences (one in 16
+crossing into a new KV block, as in a steady decode with 16-token blocks) sent to a live worker
+and its reply read back, without the forward (the worker has no model loaded, so it decodes
 the whole request and answers `model_not_loaded`; encoding, pipes and decoding are all paid).
 
     python scripts/bench_rpc.py --batch 64 --n 2000
@@ -24,7 +25,8 @@ def main() -> int:
     args = ap.parse_args()
     proc = subprocess.Popen([sys.executable, "-m", "neuron", "--worker", "--rank", "1", "--tp-size", "2"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    seqs = [p.StepSeq(slot=i, token_ids=[100_000 + i], offset=1000 + i) for i in range(args.batch)]
+    seqs = [p.StepSeq(slot=i, token_ids=[100_000 + i], offset=1000 + i, new_blocks=[] if i % 16 else [5000 + i])
+            for i in range(args.batch)]
     samples, size = [], 0
     try:
         for seq in range(1, args.n + 1):

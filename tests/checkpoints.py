@@ -45,9 +45,10 @@ def reference_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> tupl
     from transformers import Qwen3ForCausalLM
 
     model = _cached_model(str(path))
-    out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
-        return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
+    ids = torch.tensor([prompt])
+    out = model.generate(  # an explicit mask: generate would otherwise treat token 0 as padding
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+        output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
     )
     tokens = out.sequences[0, len(prompt):].tolist()
     return tokens, [torch.log_softmax(step[0].float(), -1) for step in out.logits]

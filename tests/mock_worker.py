@@ -66,7 +66,8 @@ class Mock:
             case p.CommSanityCheck():
                 return p.SanityResult(seq=seq, observed_sum=float(self.world_size))
             case p.LoadDenseShard():
-                return p.LoadDenseShardOk(seq=seq, model_id=req.model_id)
+                blocks = req.max_slots * -(-req.max_model_len // req.block_size)  # a CPU rank's default pool
+                return p.LoadDenseShardOk(seq=seq, model_id=req.model_id, num_kv_blocks=blocks)
             case p.GenerateStep() | p.GenerateStepWithImages():
                 return p.GenerateStepOk(seq=seq, elapsed_ms=float(self.rank))
             case p.ClearKvCache():

@@ -20,9 +20,12 @@ REQUESTS = [
     p.CommSanityCheck(seq=13),
     p.LoadDenseShard(seq=14, model_id="qwen3-tiny", config_json='{"hidden_size": 64}',
                      safetensors_paths=["/m/a.safetensors", "/m/b.safetensors"], dtype="bfloat16",
-                     quant="int8", max_slots=3, max_model_len=512),
+                     quant="int8", max_slots=3, max_model_len=512, block_size=32, kv_cache_bytes=3 << 30,
+                     gpu_memory_utilization=0.45, max_num_batched_tokens=2048),
     p.GenerateStep(seq=15, model_id="qwen3-tiny",
-                   seqs=[p.StepSeq(slot=0, token_ids=[1, 2, 3], offset=0), p.StepSeq(slot=2, token_ids=[9], offset=41)]),
+                   seqs=[p.StepSeq(slot=0, token_ids=[1, 2, 3], offset=32, new_blocks=[7, 4, 9], fresh=True),
+                         p.StepSeq(slot=2, token_ids=[9], offset=48, new_blocks=[12]),
+                         p.StepSeq(slot=1, token_ids=[5], offset=41)]),
     p.GenerateStepWithImages(seq=16, model_id="qwen3.5-tiny", seqs=[p.StepSeq(slot=1, token_ids=[5, 6], offset=4)],
                              image_token_id=151655, image_data_uris=["data:image/png;base64,AAAA"], chunk_size=256),
     p.ClearKvCache(seq=17, model_id="qwen3-tiny", slots=[0, 3]),
@@ -34,7 +37,7 @@ REPLIES = [
     p.Pong(seq=21, rank=2, world_size=4, device="cuda:2", protocol=p.PROTOCOL_VERSION + 1),
     p.InitOk(seq=22, backend="gloo"),
     p.SanityResult(seq=23, observed_sum=4.0),
-    p.LoadDenseShardOk(seq=24, model_id="qwen3-tiny", weight_bytes=123_456),
+    p.LoadDenseShardOk(seq=24, model_id="qwen3-tiny", weight_bytes=123_456, num_kv_blocks=4096),
     p.GenerateStepOk(seq=25, elapsed_ms=3.25),
     p.KvCacheCleared(seq=26),
     p.Unloaded(seq=27, model_id="qwen3-tiny"),
@@ -83,6 +86,14 @@ def test_defaults_are_omitted_and_restored():
     line = codec.encode(p.ClearKvCache(seq=3, model_id="m"))
     assert json.loads(line) == {"op": "clear_kv_cache", "seq": 3, "model_id": "m"}
     assert codec.decode_request(line) == p.ClearKvCache(seq=3, model_id="m", slots=None)
+
+
+def test_step_seq_stays_small_and_compatible():
+    """A decode step's sequence is a short array; a sender that knows no blocks is still understood."""
+    assert codec.encode(p.StepSeq(slot=2, token_ids=[9], offset=41)) == b"[2,[9],41,[],false]\n"
+    line = b'{"op":"generate_step","seq":5,"model_id":"m","seqs":[[2,[9],41]]}\n'
+    step = codec.decode_request(line)
+    assert step.seqs == [p.StepSeq(slot=2, token_ids=[9], offset=41, new_blocks=[], fresh=False)]
 
 
 def test_hand_written_ping():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from neuron.errors import UnsupportedModel
 
-SUPPORTED_MODEL_TYPES = ("qwen3",)
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_5", "qwen3_5_text")
 
 
 def check_supported(config: dict) -> str:
@@ -17,6 +17,18 @@ def check_supported(config: dict) -> str:
     return model_type
 
 
+def supports_prefix_caching(config: dict) -> bool:
+    """Whether a cached prefix's KV blocks restore a sequence's whole state. Not for models with
+    recurrent (linear-attention) layers, whose per-slot state the blocks do not hold."""
+    return config.get("model_type") not in ("qwen3_5", "qwen3_5_text")
+
+
+def text_config(config: dict) -> dict:
+    """The language model's settings (vocabulary, context length): nested in multimodal configs."""
+    nested = config.get("text_config")
+    return nested if isinstance(nested, dict) else config
+
+
 def build_model(config: dict, comm, dtype, device):
     """This rank's (unloaded) share of the model named by `config`."""
     model_type = check_supported(config)
@@ -24,4 +36,8 @@ def build_model(config: dict, comm, dtype, device):
         from neuron.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
         return Qwen3ForCausalLM(Qwen3Config.from_dict(config), comm, dtype, device)
+    if model_type in ("qwen3_5", "qwen3_5_text"):
+        from neuron.models.qwen3_5 import Qwen35Config, Qwen35ForCausalLM
+
+        return Qwen35ForCausalLM(Qwen35Config.from_dict(config), comm, dtype, device)
     raise AssertionError(model_type)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from neuron.errors import ConfigError
-from neuron.models.kv import KVCache, StepBatch
+from neuron.models.kv import PagedKVCache, StepBatch
 from neuron.tp.comm import Communicator
 from neuron.tp.layers import (
     ColumnParallelLinear,
@@ -109,7 +109,7 @@ class Attention:
         self.q_norm, self.k_norm = q_norm, k_norm
         self.heads, self.kv_heads, self.head_dim = layout.local_heads, layout.local_kv_heads, layout.head_dim
 
-    def __call__(self, h: torch.Tensor, batch: StepBatch, rope: tuple, cache: KVCache) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, batch: StepBatch, rope: tuple, cache: PagedKVCache) -> torch.Tensor:
         t = h.shape[0]
         q, k, v = self.qkv(h)
         q = apply_rotary(self.q_norm(q.view(t, self.heads, self.head_dim)), *rope)
@@ -132,13 +132,13 @@ class DecoderLayer:
         self.attn, self.mlp = attn, mlp
         self.input_norm, self.post_norm = input_norm, post_norm
 
-    def __call__(self, x, batch: StepBatch, rope: tuple, cache: KVCache) -> torch.Tensor:
+    def __call__(self, x, batch: StepBatch, rope: tuple, cache: PagedKVCache) -> torch.Tensor:
         x = x + self.attn(self.input_norm(x), batch, rope, cache)
         return x + self.mlp(self.post_norm(x))
 
 
 class Qwen3ForCausalLM:
-    """This rank's share of a Qwen3 model plus its KV slots."""
+    """This rank's share of a Qwen3 model plus its KV block pool."""
 
     def __init__(self, config: Qwen3Config, comm: Communicator, dtype: torch.dtype, device: torch.device):
         self.config = config
@@ -150,7 +150,7 @@ class Qwen3ForCausalLM:
         self.layout.validate()
         self.shard.even(config.intermediate_size, "intermediate_size")
         self.layers: list[DecoderLayer] = []
-        self.cache: KVCache | None = None
+        self.cache: PagedKVCache | None = None
 
     def load(self, r: Reader, progress: Callable[[int, int], None] | None = None) -> None:
         c, s, dt, dev = self.config, self.shard, self.dtype, self.device
@@ -182,7 +182,26 @@ class Qwen3ForCausalLM:
         post_norm = RMSNorm.load(r, f"{p}.post_attention_layernorm.weight", c.rms_norm_eps, dt, dev)
         return DecoderLayer(attn, MLP(gate_up, down), input_norm, post_norm)
 
-    def allocate(self, max_slots: int, max_model_len: int) -> None:
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Bytes of one KV block on this rank: K and V of `block_size` tokens in every layer."""
+        c = self.config
+        per_token = 2 * c.num_layers * self.layout.local_kv_heads * c.head_dim
+        return per_token * block_size * torch.finfo(self.dtype).bits // 8
+
+    def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int) -> int:
+        """A generous bound on one step's transient memory, kept free of KV blocks on GPUs."""
+        c, lay = self.config, self.layout
+        size = torch.finfo(self.dtype).bits // 8
+        width = 4 * c.hidden_size + (lay.local_heads + 2 * lay.local_kv_heads) * c.head_dim * 2 \
+            + 3 * c.intermediate_size // self.shard.world
+        hidden = step_tokens * width * size
+        # attention: a chunk's scores against a full context, or every slot's gathered K and V
+        scores = lay.local_heads * step_tokens * max_model_len * 4
+        gathered = 2 * max_slots * max_model_len * lay.local_kv_heads * c.head_dim * size
+        logits = 3 * max_slots * c.vocab_size * 4  # rank 0 gathers the full vocabulary
+        return 2 * (hidden + max(scores, gathered) + logits) + 256 * 2**20
+
+    def allocate(self, num_blocks: int, block_size: int, max_slots: int, max_model_len: int) -> None:
         c = self.config
         if max_model_len > c.max_position_embeddings:
             raise ConfigError(
@@ -190,9 +209,8 @@ class Qwen3ForCausalLM:
                 f"{c.max_position_embeddings}"
             )
         self.rotary = Rotary(c.head_dim, c.rope_theta, max_model_len, self.dtype, self.device)
-        self.cache = KVCache(
-            c.num_layers, max_slots, max_model_len, self.layout.local_kv_heads, c.head_dim, self.dtype, self.device
-        )
+        self.cache = PagedKVCache(c.num_layers, num_blocks, block_size, max_slots, max_model_len,
+                                  self.layout.local_kv_heads, c.head_dim, self.dtype, self.device)
 
     def weight_bytes(self) -> int:
         tensors = [self.embed.weight, self.lm_head.weight, self.norm.weight]

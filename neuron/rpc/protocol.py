@@ -40,7 +40,10 @@ class CommSanityCheck(Message):
 
 
 class LoadDenseShard(Message):
-    """Load this rank's slices of a dense checkpoint and preallocate its KV slots."""
+    """Load this rank's slices of a dense checkpoint and allocate its KV block pool. The pool holds
+    `kv_cache_bytes` when set; otherwise on CUDA this rank's `gpu_memory_utilization` share of its
+    device minus weights and an activation reserve for steps of `max_num_batched_tokens`, and on
+    CPU `max_slots` sequences of `max_model_len` tokens. The reply says how many blocks fit."""
 
     model_id: str
     config_json: str
@@ -49,14 +52,23 @@ class LoadDenseShard(Message):
     quant: str | None = None
     max_slots: int = 8
     max_model_len: int = 2048
+    block_size: int = 16
+    kv_cache_bytes: int = 0
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int = 512
 
 
 class StepSeq(msgspec.Struct, array_like=True):
-    """One sequence of a batched step: its KV slot, its new token ids, where they start."""
+    """One sequence of a batched step: its slot, its new token ids, where they start, and the KV
+    block ids its slot's block table gains this step (none most steps, one when decode crosses a
+    block boundary). `fresh`: the sequence's first step in this slot; the table restarts as
+    `new_blocks`, whose first `offset` positions already hold its cached prefix."""
 
     slot: int
     token_ids: list[int]
     offset: int
+    new_blocks: list[int] = []
+    fresh: bool = False
 
 
 class GenerateStep(Message):
@@ -77,7 +89,7 @@ class GenerateStepWithImages(Message):
 
 
 class ClearKvCache(Message):
-    """Forget the KV state of these slots (all slots when `slots` is absent)."""
+    """Forget the block tables of these slots (all slots when `slots` is absent)."""
 
     model_id: str
     slots: list[int] | None = None
@@ -114,6 +126,7 @@ class SanityResult(Message):
 class LoadDenseShardOk(Message):
     model_id: str
     weight_bytes: int = 0
+    num_kv_blocks: int = 0  # the leader schedules with the smallest pool of all ranks
 
 
 class GenerateStepOk(Message):

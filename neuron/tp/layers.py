@@ -66,6 +66,14 @@ class ColumnParallelLinear:
         b = _place(r.read(f"{prefix}.bias", 0, start, end), dtype, device) if bias else None
         return cls(w, b)
 
+    @classmethod
+    def load_ranges(cls, r: Reader, parts: list[tuple[str, int, int]], dtype, device, bias=False):
+        """Rows [start, end) of each named projection, stacked into one matmul: for fused
+        checkpoints whose per-head groups make a rank's share several runs of rows."""
+        w = torch.cat([r.read(f"{name}.weight", 0, a, b) for name, a, b in parts])
+        b = torch.cat([r.read(f"{name}.bias", 0, a, b) for name, a, b in parts]) if bias else None
+        return cls(_place(w, dtype, device), None if b is None else _place(b, dtype, device))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 

@@ -13,7 +13,7 @@ import torch
 
 from neuron.errors import ConfigError, UnsupportedModel
 from neuron.models import build_model
-from neuron.models.kv import StepBatch, StepRejected
+from neuron.models.kv import StepRejected, plan_num_blocks
 from neuron.models.loader import CheckpointReader
 from neuron.rpc import protocol as p
 from neuron.tp.comm import Communicator, GlooCommunicator, NcclCommunicator, SingleRank, make_store
@@ -85,7 +85,8 @@ class Rank:
         self._need_comm().all_reduce(t)
         return float(t.item())
 
-    def load(self, req: p.LoadDenseShard, progress: Callable[[int, int], None] | None = None) -> int:
+    def load(self, req: p.LoadDenseShard, progress: Callable[[int, int], None] | None = None) -> tuple[int, int]:
+        """Load the shard and allocate the KV block pool; returns (weight bytes, KV blocks)."""
         comm = self._need_comm()
         try:
             config = json.loads(req.config_json)
@@ -93,22 +94,35 @@ class Rank:
             model = build_model(config, comm, dtype, self.device)
             with CheckpointReader(req.safetensors_paths) as reader:
                 model.load(reader, progress)
-            model.allocate(req.max_slots, req.max_model_len)
+            num_blocks = self._plan_kv(model, req)
+            model.allocate(num_blocks, req.block_size, req.max_slots, req.max_model_len)
         except UnsupportedModel as exc:
             raise RankFailure(p.ErrorKind.UNSUPPORTED_ARCH, str(exc)) from exc
         except (ConfigError, ValueError, OSError) as exc:
             raise RankFailure(p.ErrorKind.LOAD_FAILED, str(exc)) from exc
         self.models[req.model_id] = model
-        return model.weight_bytes()
+        return model.weight_bytes(), num_blocks
+
+    def _plan_kv(self, model, req: p.LoadDenseShard) -> int:
+        if req.block_size < 1:
+            raise ConfigError(f"KV block size must be >= 1, got {req.block_size}")
+        block_bytes = model.kv_block_bytes(req.block_size)
+        reserve = model.activation_bytes(req.max_num_batched_tokens, req.max_slots, req.max_model_len)
+        num_blocks = plan_num_blocks(block_bytes, req.block_size, max_slots=req.max_slots,
+                                     max_model_len=req.max_model_len, kv_cache_bytes=req.kv_cache_bytes,
+                                     gpu_memory_utilization=req.gpu_memory_utilization,
+                                     activation_reserve=reserve, device=self.device)
+        log.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, req.block_size,
+                 num_blocks * block_bytes / 2**20)
+        return num_blocks
 
     def step(self, model_id: str, seqs: list[p.StepSeq]) -> torch.Tensor | None:
         model = self._model(model_id)
-        triples = [(s.slot, s.token_ids, s.offset) for s in seqs]
         try:
-            model.cache.check(triples, model.config.vocab_size)
+            model.cache.check(seqs, model.config.vocab_size)
         except StepRejected as exc:
             raise RankFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
-        batch = StepBatch.build(triples, self.device)
+        batch = model.cache.prepare(seqs)
         try:
             logits = model.forward(batch)
         except Exception as exc:
@@ -166,9 +180,9 @@ class Rank:
                 return p.SanityResult(seq=seq, observed_sum=self.sanity())
             case p.LoadDenseShard():
                 t0 = time.perf_counter()
-                nbytes = self.load(req)
+                nbytes, num_blocks = self.load(req)
                 log.info("loaded %s shard: %.1f MiB in %.0f ms", req.model_id, nbytes / 2**20, _ms(t0))
-                return p.LoadDenseShardOk(seq=seq, model_id=req.model_id, weight_bytes=nbytes)
+                return p.LoadDenseShardOk(seq=seq, model_id=req.model_id, weight_bytes=nbytes, num_kv_blocks=num_blocks)
             case p.GenerateStep():
                 t0 = time.perf_counter()
                 self.step(req.model_id, req.seqs)

@@ -20,7 +20,7 @@ import torch
 
 from neuron import settings
 from neuron.errors import ConfigError, PoolBroken, WorkerError
-from neuron.models import check_supported
+from neuron.models import check_supported, text_config
 from neuron.models.loader import read_json, safetensors_files
 from neuron.rpc import protocol as p
 from neuron.tp.comm import choose_backend, make_store, nccl_unique_id_hex
@@ -42,6 +42,10 @@ class RunnerConfig:
     max_slots: int = 8
     max_model_len: int = 2048
     model_id: str = "model"
+    block_size: int = 16
+    kv_cache_bytes: int = 0  # per rank; 0: from free GPU memory, or max_slots x max_model_len on CPU
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int = 512
 
 
 def rank_devices(device: str, tp: int) -> list[str]:
@@ -61,6 +65,7 @@ class ModelRunner:
         self.devices = rank_devices(cfg.device, cfg.tp)
         self.backend = choose_backend(self.devices)
         self.weight_bytes: list[int] = []
+        self.num_kv_blocks = 0
         self._worker_cmd, self._env = worker_cmd, env
         self.on_failure: Callable[[str], None] | None = None
         self._fresh_ranks()
@@ -92,7 +97,7 @@ class ModelRunner:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.config["vocab_size"])
+        return int(text_config(self.config)["vocab_size"])
 
     def start(self) -> "ModelRunner":
         t0 = time.perf_counter()
@@ -127,19 +132,35 @@ class ModelRunner:
     def _load(self) -> None:
         c = self.cfg
         config_json = json.dumps(self.config)
-        dtype = c.dtype
+        share = c.gpu_memory_utilization / self._ranks_sharing_device()
 
         def make(seq: int) -> p.LoadDenseShard:
             return p.LoadDenseShard(seq=seq, model_id=c.model_id, config_json=config_json,
-                                    safetensors_paths=self.paths, dtype=dtype, max_slots=c.max_slots,
-                                    max_model_len=c.max_model_len)
+                                    safetensors_paths=self.paths, dtype=c.dtype, max_slots=c.max_slots,
+                                    max_model_len=c.max_model_len, block_size=c.block_size,
+                                    kv_cache_bytes=c.kv_cache_bytes, gpu_memory_utilization=share,
+                                    max_num_batched_tokens=c.max_num_batched_tokens)
 
         req = make(0)
-        with _Progress(f"loading {c.model_dir.name}", int(self.config["num_hidden_layers"])) as bar:
-            local_bytes, replies = self._run(make, lambda: self.rank0.load(req, bar.update),
-                                             settings.load_timeout_s())
+        with _Progress(f"loading {c.model_dir.name}", int(text_config(self.config)["num_hidden_layers"])) as bar:
+            (local_bytes, local_blocks), replies = self._run(make, lambda: self.rank0.load(req, bar.update),
+                                                             settings.load_timeout_s())
         self.weight_bytes = [local_bytes] + [r.weight_bytes for r in replies]
-        log.info("weights per rank: %s MiB", ", ".join(f"{b / 2**20:.1f}" for b in self.weight_bytes))
+        # Ranks size their pools alone (free memory differs per device); every block id the
+        # leader hands out must exist on all of them.
+        self.num_kv_blocks = min([local_blocks] + [r.num_kv_blocks for r in replies])
+        log.info("weights per rank: %s MiB; KV cache: %d blocks of %d tokens (%d tokens)",
+                 ", ".join(f"{b / 2**20:.1f}" for b in self.weight_bytes), self.num_kv_blocks, c.block_size,
+                 self.num_kv_blocks * c.block_size)
+        if self.num_kv_blocks * c.block_size < c.max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {self.num_kv_blocks * c.block_size} tokens, fewer than max_model_len "
+                f"{c.max_model_len}: give it more memory (--kv-cache-memory, --gpu-memory-utilization) or "
+                "lower --max-model-len")
+
+    def _ranks_sharing_device(self) -> int:
+        """Ranks on one GPU split its memory (several ranks share a device only in tests)."""
+        return max(self.devices.count(d) for d in self.devices)
 
     def step(self, seqs: list[p.StepSeq]) -> torch.Tensor:
         """One batched forward on every rank; rank 0's logits of each sequence's last token."""

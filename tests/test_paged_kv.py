@@ -1,0 +1,318 @@
+"""Paged KV cache: the leader's block manager, the ranks' block tables, prefix caching, preemption,
+and memory that follows real sequence lengths. Outputs are checked against transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from checkpoints import reference_greedy
+from neuron import LLM, SamplingParams
+from neuron.block_manager import BlockManager, chain_hash
+from neuron.errors import ConfigError
+from neuron.models.kv import PagedKVCache, StepRejected
+from neuron.rpc.protocol import StepSeq
+from neuron.scheduler import Scheduler, Sequence, Status
+
+
+def seq(tokens: list[int], rid: str = "r") -> Sequence:
+    return Sequence(rid, list(tokens), SamplingParams(), None, 16)
+
+
+def computed(bm: BlockManager, s: Sequence) -> None:
+    """As after a step that ran all of the sequence's tokens."""
+    s.num_computed = s.num_tokens
+    bm.cache_computed(s)
+
+
+# ---- block manager ----
+
+
+def test_allocate_and_release_plain_blocks():
+    bm = BlockManager(8, 4)
+    a = seq(range(10))
+    assert bm.allocate(a)
+    assert len(a.block_table) == 3 and bm.num_free == 5
+    assert [bm.blocks[b].ref_count for b in a.block_table] == [1, 1, 1]
+    bm.release(a)
+    assert a.block_table == [] and bm.num_free == 8 and not bm.evictable  # nothing computed, nothing cached
+
+
+def test_out_of_blocks_admission_changes_nothing():
+    bm = BlockManager(4, 4)
+    a, b = seq(range(12), "a"), seq(range(100, 108), "b")
+    assert bm.allocate(a)
+    assert not bm.allocate(b)  # needs 2, 1 free
+    assert b.block_table == [] and bm.num_free == 1
+    bm.release(a)
+    assert bm.allocate(b)
+
+
+def test_shared_prefix_is_reused_with_refcounts():
+    bm = BlockManager(16, 4)
+    a = seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], "a")
+    assert bm.allocate(a)
+    computed(bm, a)
+    assert a.num_cached_blocks == 2  # the third block is partial: never shared
+    b = seq([1, 2, 3, 4, 5, 6, 7, 8, 99, 98], "b")
+    assert bm.allocate(b)
+    assert b.num_cached_blocks == 2 and b.block_table[:2] == a.block_table[:2]
+    assert b.block_table[2] not in a.block_table
+    assert [bm.blocks[x].ref_count for x in b.block_table] == [2, 2, 1]
+    bm.release(a)
+    assert [bm.blocks[x].ref_count for x in b.block_table] == [1, 1, 1]
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    bm = BlockManager(16, 4)
+    a = seq(range(8), "a")
+    assert bm.allocate(a)
+    computed(bm, a)
+    again = seq(range(8), "again")
+    assert bm.allocate(again)
+    assert again.num_cached_blocks == 1  # block 2 holds the last token, whose logits are needed
+
+
+def test_hash_chain_names_the_whole_prefix():
+    assert chain_hash(None, [1, 2]) != chain_hash(chain_hash(None, [0, 0]), [1, 2])
+    bm = BlockManager(16, 2)
+    a = seq([1, 2, 3, 4, 0], "a")
+    assert bm.allocate(a)
+    computed(bm, a)
+    b = seq([9, 9, 3, 4, 0], "b")  # same second block, different first: no hit at all
+    assert bm.allocate(b) and b.num_cached_blocks == 0
+
+
+def test_released_cached_blocks_are_evicted_least_recently_used_first():
+    bm = BlockManager(6, 2)
+    a = seq([1, 2, 3, 4, 5], "a")
+    assert bm.allocate(a)
+    computed(bm, a)
+    head, tail, partial = a.block_table
+    bm.release(a)
+    assert list(bm.evictable) == [tail, head] and partial in bm.free
+    assert bm.num_free == 6
+    filler = seq(range(100, 110), "filler")  # 5 blocks: the 4 plain free ones, then evicts `tail`
+    assert bm.allocate(filler)
+    assert tail in filler.block_table and head not in filler.block_table
+    assert bm.blocks[tail].hash is None and bm.blocks[head].hash is not None
+    b = seq([1, 2, 3, 4, 5], "b")
+    assert not bm.allocate(b)  # 3 blocks needed, the cached head and 1 free
+    bm.release(filler)
+    assert bm.allocate(b)
+    assert b.block_table[0] == head and b.num_cached_blocks == 1
+
+
+def test_generated_tokens_fill_cacheable_blocks():
+    bm = BlockManager(8, 2)
+    a = seq([1, 2, 3], "a")
+    assert bm.allocate(a)
+    computed(bm, a)
+    a.output_token_ids += [4]
+    assert bm.can_append(a)
+    bm.append(a)
+    a.output_token_ids += [5]  # token 4 now computed with the step that samples 5
+    a.num_computed = 4
+    bm.cache_computed(a)
+    assert a.num_cached_blocks == 2
+    b = seq([1, 2, 3, 4, 7], "b")
+    assert bm.allocate(b) and b.num_cached_blocks == 2
+
+
+def test_prefix_caching_off():
+    bm = BlockManager(8, 2, enable_prefix_caching=False)
+    a = seq([1, 2, 3, 4, 5], "a")
+    assert bm.allocate(a)
+    computed(bm, a)
+    bm.release(a)
+    assert not bm.cached and not bm.evictable
+    b = seq([1, 2, 3, 4, 5], "b")
+    assert bm.allocate(b) and b.num_cached_blocks == 0
+
+
+# ---- scheduler ----
+
+
+def test_decode_out_of_blocks_preempts_the_newest():
+    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=64, blocks=BlockManager(4, 2))
+    old, new = seq([1, 2, 3, 4], "old"), seq([5, 6, 7], "new")
+    sched.add(old)
+    sched.add(new)
+    batch = sched.schedule()
+    assert [s.seq for s in batch] == [old, new] and all(s.fresh for s in batch)
+    sched.computed(batch)
+    old.output_token_ids.append(10)
+    new.output_token_ids.append(11)
+    batch = sched.schedule()  # old needs a third block: none free, so `new` gives its blocks back
+    assert [s.seq for s in batch] == [old]
+    assert batch[0].new_blocks and not batch[0].fresh
+    assert new.status is Status.WAITING and new.block_table == [] and new.slot is None
+    assert list(sched.waiting) == [new] and sched.num_preemptions == 1
+    sched.computed(batch)
+    sched.finish(old, "stop")
+    batch = sched.schedule()  # recomputed from a fresh table: its own cached first block, then the rest
+    assert batch[0].seq is new and batch[0].fresh
+    assert (batch[0].offset, batch[0].token_ids, len(batch[0].new_blocks)) == (2, [7, 11], 2)
+
+
+# ---- a rank's cache ----
+
+
+def _cache() -> PagedKVCache:
+    import torch
+
+    return PagedKVCache(layers=1, num_blocks=8, block_size=4, slots=2, max_len=16, kv_heads=1, head_dim=2,
+                        dtype=torch.float32, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("step, message", [
+    ([StepSeq(0, [1], 0, [8], True)], "outside the pool"),
+    ([StepSeq(0, [1], 0)], "0 blocks"),
+    ([StepSeq(0, [1] * 5, 0, [1], True)], "only 1 blocks"),
+    ([StepSeq(0, [1], 2, [1], True)], "whole blocks"),
+    ([StepSeq(0, [1], 4, [1], True)], "only 1 blocks"),
+    ([StepSeq(0, [1, 2], 0, [3, 3], True)], "twice"),
+    ([StepSeq(0, [1], 0, [2], True), StepSeq(1, [1], 0, [2], True)], "written by two"),
+    ([StepSeq(0, [1] * 17, 0, [0, 1, 2, 3, 4], True)], "max_model_len"),
+])
+def test_rank_refuses_steps_outside_its_blocks(step, message):
+    with pytest.raises(StepRejected, match=message):
+        _cache().check(step, vocab_size=10)
+
+
+def test_rank_tables_grow_by_the_blocks_a_step_carries():
+    cache = _cache()
+    for s in ([StepSeq(0, [1, 2, 3], 0, [5], True)], [StepSeq(0, [4], 3)], [StepSeq(0, [5], 4, [2])]):
+        cache.check(s, vocab_size=10)
+        cache.commit(cache.prepare(s))
+    assert cache.tables[0] == [5, 2] and cache.filled[0] == 5
+    assert cache.slot_rows[0, :5].tolist() == [20, 21, 22, 23, 8]
+    with pytest.raises(StepRejected, match="only 5 positions filled"):
+        cache.check([StepSeq(0, [1], 6)], vocab_size=10)
+    cache.check([StepSeq(1, [7], 4, [5, 6], True)], vocab_size=10)  # a cached first block, shared
+    cache.clear([0])
+    assert cache.tables[0] == [] and cache.filled[0] == 0
+
+
+# ---- end to end (transformers is the oracle) ----
+
+SYSTEM = [(7 * i + 3) % 290 + 1 for i in range(45)]  # no 0: the oracle's pad_token_id
+NEW = 6
+
+
+def _greedy(max_tokens: int = NEW) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=3, ignore_eos=True)
+
+
+def _assert_equal(got, ref_tokens, ref_logprobs, tol=1e-3):
+    assert got.token_ids == ref_tokens
+    for step, lp in enumerate(got.logprobs):
+        for tid, value in lp.items():
+            assert abs(value - ref_logprobs[step][tid].item()) <= tol
+
+
+def _record_steps(llm: LLM) -> list[list[StepSeq]]:
+    runner, steps = llm.engine.runner, []
+    original = runner.step
+
+    def step(seqs):
+        steps.append(list(seqs))
+        return original(seqs)
+
+    runner.step = step
+    return steps
+
+
+def _block_bytes(checkpoint, tp: int, block_size: int) -> int:
+    c = json.loads((checkpoint / "config.json").read_text())
+    kv_heads = max(1, c["num_key_value_heads"] // tp)
+    return 2 * c["num_hidden_layers"] * kv_heads * c["head_dim"] * block_size * 4
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_shared_system_prompt_prefills_only_the_tail(odd_checkpoint, tp):
+    first, second = SYSTEM + [11, 12, 13], SYSTEM + [21, 22, 23, 24, 25]
+    with LLM(str(odd_checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32", block_size=8) as llm:
+        llm.generate({"prompt_token_ids": first}, _greedy())
+        assert llm.engine.prefix_cache_counts() == (len(first), 0)
+        steps = _record_steps(llm)
+        out = llm.generate({"prompt_token_ids": second}, _greedy())[0].outputs[0]
+        queries, hits = llm.engine.prefix_cache_counts()
+    cached = 40  # the system prompt's 5 full blocks of 8
+    assert (queries, hits) == (len(first) + len(second), cached)
+    sent = [t for step in steps for s in step for t in s.token_ids]
+    assert len(sent) == len(second) - cached + NEW - 1
+    assert steps[0][0].fresh and steps[0][0].offset == cached and len(steps[0][0].new_blocks) == 7
+    assert all(len(s.new_blocks) <= 1 for step in steps[1:] for s in step)
+    _assert_equal(out, *reference_greedy(odd_checkpoint, second, NEW))
+    with LLM(str(odd_checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32", block_size=8,
+             enable_prefix_caching=False) as llm:
+        plain = llm.generate({"prompt_token_ids": second}, _greedy())[0].outputs[0]
+        assert llm.engine.prefix_cache_counts() == (0, 0)
+    assert plain.token_ids == out.token_ids
+    for a, b in zip(plain.logprobs, out.logprobs):
+        assert max(abs(a[k] - b[k]) for k in a) < 1e-4
+
+
+PROMPTS = [[5, 17, 200, 3, 9, 1], list(range(10, 22)), [7, 8, 9], [250, 1, 2, 3, 4, 5, 6, 7, 8]]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_preemption_under_a_tiny_budget_keeps_outputs(odd_checkpoint, tp):
+    """16 blocks of 4 tokens hold one 64-token sequence; four sequences of ~30 tokens contend."""
+    params = _greedy(20)
+    budget = 16 * _block_bytes(odd_checkpoint, tp, 4)
+    with LLM(str(odd_checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32", max_model_len=64,
+             block_size=4, kv_cache_memory=budget) as llm:
+        assert llm.engine.runner.num_kv_blocks == 16
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.kv_cache_usage() == 0.0
+    for prompt, out in zip(PROMPTS, outs):
+        _assert_equal(out.outputs[0], *reference_greedy(odd_checkpoint, prompt, 20))
+
+
+def test_memory_follows_real_lengths(odd_checkpoint):
+    """A pool too small for 8 x max_model_len still runs 8 short sequences at once."""
+    prompts = [[(13 * i + j) % 299 + 1 for j in range(12)] for i in range(8)]
+    budget = 40 * _block_bytes(odd_checkpoint, 2, 8)  # 320 tokens; 8 x 128 would need 1024
+    with LLM(str(odd_checkpoint), tensor_parallel_size=2, device="cpu", dtype="float32", max_model_len=128,
+             max_num_seqs=8, block_size=8, kv_cache_memory=budget) as llm:
+        pool = llm.engine.runner.rank0.models["model"].cache.k[0]
+        assert llm.engine.runner.num_kv_blocks == 40 and pool.shape[1] == 40 * 8
+        steps = _record_steps(llm)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(12))
+        assert max(len(step) for step in steps) == 8
+        assert llm.engine.scheduler.num_preemptions == 0
+    for prompt, out in zip(prompts[:2], outs[:2]):
+        _assert_equal(out.outputs[0], *reference_greedy(odd_checkpoint, prompt, 12))
+
+
+def test_cleared_tables_and_a_reused_cache(odd_checkpoint):
+    prompt = SYSTEM + [1, 2]
+    with LLM(str(odd_checkpoint), device="cpu", dtype="float32", block_size=8) as llm:
+        first = llm.generate({"prompt_token_ids": prompt}, _greedy())[0].outputs[0]
+        llm.engine.runner.clear()  # the tables go; the blocks' contents and the leader's cache stay
+        again = llm.generate({"prompt_token_ids": prompt}, _greedy())[0].outputs[0]
+        assert llm.engine.prefix_cache_counts()[1] == 40
+    assert again.token_ids == first.token_ids
+
+
+def test_a_pool_smaller_than_one_sequence_is_refused(odd_checkpoint):
+    with pytest.raises(ConfigError, match="fewer than max_model_len 64"):
+        LLM(str(odd_checkpoint), device="cpu", dtype="float32", max_model_len=64, block_size=4,
+            kv_cache_memory=8 * _block_bytes(odd_checkpoint, 1, 4))
+
+
+def test_prefix_cache_metrics():
+    from neuron.server.metrics import Metrics
+
+    m = Metrics()
+    m.kv_cache(0.25, 100, 40)
+    m.kv_cache(0.5, 150, 40)
+    text = m.render().decode()
+    assert "neuron_prefix_cache_queries_total 150.0" in text
+    assert "neuron_prefix_cache_hits_total 40.0" in text
+    assert "neuron_prefix_cache_hit_rate 0.266" in text
+    assert "neuron_kv_cache_usage_ratio 0.5" in text
