@@ -1,0 +1,248 @@
+"""Qwen3.5 hybrid text model: parity with transformers through the offline API at tp 1 and 2, in
+both checkpoint layouts, plus the pieces a parity run cannot isolate (the chunked delta rule, the
+multimodal rotary tables, the recurrent state's refusal to rewind)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from neuron import LLM, SamplingParams
+from neuron.errors import ConfigError
+from neuron.models import build_model
+from neuron.models.gated_deltanet import DeltaNetHeads, delta_chunked, delta_step
+from neuron.models.kv import StepRejected
+from neuron.models.loader import CheckpointReader, safetensors_files
+from neuron.models.qwen3_5 import MRotary
+from neuron.rpc.protocol import StepSeq
+from neuron.tp.comm import SingleRank
+from neuron.tp.layers import Shard
+
+NEW_TOKENS = 8
+LONG = [(i * 37 + 11) % 301 for i in range(150)]  # many 16-token prefill chunks; 3 delta-rule chunks in one shot
+PROMPTS = [[5, 17, 200, 3], LONG, [7], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+
+TEXT = dict(
+    vocab_size=301,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    head_dim=32,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    # Wide enough that random logits are well separated (no greedy ties), as in checkpoints.py.
+    initializer_range=0.25,
+    eos_token_id=None,
+    bos_token_id=None,
+)
+# Multimodal layout: key heads split across 2 ranks, one KV head replicated, untied head,
+# interleaved M-RoPE sections over a quarter of the head.
+MULTIMODAL_TEXT = dict(
+    TEXT,
+    num_key_value_heads=1,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25,
+                     "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    tie_word_embeddings=False,
+)
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, temporal_patch_size=2,
+              spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16)
+# Text-only layout: one key head shared by the value heads of both ranks, default layer pattern, tied.
+TEXT_ONLY = dict(TEXT, num_key_value_heads=2, linear_num_key_heads=1, linear_num_value_heads=2,
+                 tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def multimodal_checkpoint(tmp_path_factory):
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(3)
+    config = Qwen3_5Config(text_config=MULTIMODAL_TEXT, vision_config=VISION, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("qwen3_5")
+    Qwen3_5ForConditionalGeneration(config).eval().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def text_checkpoint(tmp_path_factory):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(4)
+    path = tmp_path_factory.mktemp("qwen3_5_text")
+    Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TEXT_ONLY)).eval().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+_REFERENCES: dict = {}
+
+
+def _reference(path) -> torch.nn.Module:
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+
+    if str(path) not in _REFERENCES:
+        model_type = json.loads((path / "config.json").read_text())["model_type"]
+        cls = Qwen3_5ForConditionalGeneration if model_type == "qwen3_5" else Qwen3_5ForCausalLM
+        _REFERENCES[str(path)] = cls.from_pretrained(path, dtype=torch.float32).eval()
+    return _REFERENCES[str(path)]
+
+
+def reference_greedy(path, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    ids = torch.tensor([prompt])
+    out = _reference(path).generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+        return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
+    )
+    return out.sequences[0, len(prompt):].tolist(), [torch.log_softmax(s[0].float(), -1) for s in out.logits]
+
+
+def _params(max_tokens=NEW_TOKENS, logprobs=5) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=True)
+
+
+def _generate(path, tp: int, prompts, max_tokens=NEW_TOKENS, logprobs=5):
+    with LLM(str(path), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
+        return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                   _params(max_tokens, logprobs))]
+
+
+def _check_against_reference(path, prompts, outs) -> None:
+    for prompt, got in zip(prompts, outs):
+        ref_tokens, ref_logprobs = reference_greedy(path, prompt)
+        assert got.token_ids == ref_tokens, f"prompt {prompt[:5]}..."
+        for step, lp in enumerate(got.logprobs):
+            assert set(ref_logprobs[step].topk(5).indices.tolist()) <= set(lp)
+            for tid, value in lp.items():
+                assert abs(value - ref_logprobs[step][tid].item()) <= 1e-3
+
+
+def _check_parity(path, tp: int) -> None:
+    """All prompts in one batch of unequal lengths (decodes and prefill chunks share steps), then
+    the long one again: its blocks are still cached, but a prefix cannot restore recurrent state."""
+    with LLM(str(path), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
+        outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params())]
+        again = llm.generate({"prompt_token_ids": LONG}, _params())[0].outputs[0]
+    _check_against_reference(path, PROMPTS, outs)
+    assert again.token_ids == outs[1].token_ids
+
+
+@pytest.fixture(autouse=True)
+def _small_chunks(monkeypatch):
+    monkeypatch.setenv("NEURON_PREFILL_CHUNK_TOKENS", "16")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_multimodal_layout_parity(multimodal_checkpoint, tp):
+    _check_parity(multimodal_checkpoint, tp)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_text_only_layout_parity(text_checkpoint, tp):
+    _check_parity(text_checkpoint, tp)
+
+
+def test_chunked_prefill_equals_single_shot(multimodal_checkpoint, monkeypatch):
+    """The long prompt in 16-token steps and in one 150-token step give the same logprobs."""
+    results = []
+    for chunk in ("16", "512"):
+        monkeypatch.setenv("NEURON_PREFILL_CHUNK_TOKENS", chunk)
+        results.append(_generate(multimodal_checkpoint, 1, [LONG], max_tokens=4, logprobs=3)[0])
+    assert results[0].token_ids == results[1].token_ids
+    for a, b in zip(results[0].logprobs, results[1].logprobs):
+        assert a.keys() == b.keys()
+        assert max(abs(a[k] - b[k]) for k in a) < 1e-4
+
+
+def test_preempted_sequences_start_over(multimodal_checkpoint):
+    """A KV pool too small for the batch preempts sequences; their recurrent state is rebuilt."""
+    block_bytes = 2 * 2 * 32 * 16 * 4  # K and V, 2 full-attention layers, one KV head of 32, 16 tokens
+    with LLM(str(multimodal_checkpoint), device="cpu", dtype="float32", max_model_len=192,
+             kv_cache_memory=12 * block_bytes) as llm:
+        outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params())]
+        assert llm.engine.scheduler.num_preemptions > 0
+    _check_against_reference(multimodal_checkpoint, PROMPTS, outs)
+
+
+def _recurrent(s, q, k, v, g, beta):
+    outs = []
+    for i in range(q.shape[0]):
+        s, o = delta_step(s[None], q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1], beta[i : i + 1])
+        s = s[0]
+        outs.append(o)
+    return s, torch.cat(outs)
+
+
+def test_delta_rule_chunks_equal_token_by_token():
+    torch.manual_seed(0)
+    t, h, dk, dv = 150, 3, 8, 5
+    q = torch.nn.functional.normalize(torch.randn(t, h, dk), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(t, h, dk), dim=-1)
+    v, beta = torch.randn(t, h, dv), torch.rand(t, h)
+    g = -torch.rand(t, h) * 3  # strong decay too: exp(-3) per token
+    s0 = torch.randn(h, dk, dv)
+    s_ref, o_ref = _recurrent(s0, q, k, v, g, beta)
+    for chunk in (64, 16, 7):
+        s, o = delta_chunked(s0, q, k, v, g, beta, chunk=chunk)
+        assert torch.allclose(o, o_ref, atol=1e-4) and torch.allclose(s, s_ref, atol=1e-4)
+    s_mid, o_head = delta_chunked(s0, q[:70], k[:70], v[:70], g[:70], beta[:70])
+    s, o_tail = delta_chunked(s_mid, q[70:], k[70:], v[70:], g[70:], beta[70:])
+    assert torch.allclose(torch.cat([o_head, o_tail]), o_ref, atol=1e-4) and torch.allclose(s, s_ref, atol=1e-4)
+
+
+def test_mrope_tables_follow_the_reference_sections():
+    """Image positions differ per axis; the tables interleave them as transformers does."""
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    config = Qwen3_5TextConfig(head_dim=64, rope_parameters={
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5, "mrope_section": [6, 5, 5]})
+    ref = Qwen3_5TextRotaryEmbedding(config)
+    pos = torch.stack([torch.arange(20), torch.arange(20) // 4 + 3, torch.arange(20) % 4 + 3])
+    ref_cos, ref_sin = ref(torch.zeros(1, dtype=torch.float32), pos[:, None, :])
+    rot = MRotary(32, 1e4, [6, 5, 5], 64, torch.float32, torch.device("cpu"))
+    cos, sin = rot.tables(pos)
+    assert torch.allclose(cos[:, 0], ref_cos[0]) and torch.allclose(sin[:, 0], ref_sin[0])
+    text_cos, _ = rot.tables(pos[0])
+    assert torch.equal(text_cos, rot.tables(pos[0].expand(3, -1))[0])
+
+
+def test_recurrent_state_cannot_rewind(multimodal_checkpoint):
+    config = json.loads((multimodal_checkpoint / "config.json").read_text())
+    model = build_model(config, SingleRank(), torch.float32, torch.device("cpu"))
+    with CheckpointReader(safetensors_files(multimodal_checkpoint)) as r:
+        model.load(r)
+    model.allocate(8, 4, 2, 64)
+    cache = model.cache
+    first = [StepSeq(0, [1, 2, 3], 0, [0], True)]
+    cache.check(first, 301)
+    batch = cache.prepare(first)
+    model.forward(batch)
+    cache.commit(batch)
+    cache.check([StepSeq(0, [4], 3)], 301)
+    with pytest.raises(StepRejected, match="recurrent state"):
+        cache.check([StepSeq(0, [3], 2)], 301)
+    with pytest.raises(StepRejected, match="cached prefix"):
+        cache.check([StepSeq(1, [5], 4, [1, 2], True)], 301)
+    cache.check([StepSeq(0, [9, 9], 0, [3], True)], 301)  # a new sequence in a reused slot starts afresh
+    cache.prepare([StepSeq(0, [4], 3)])  # a step that never commits
+    with pytest.raises(StepRejected, match="failed step"):
+        cache.check([StepSeq(0, [4], 3)], 301)
+
+
+def test_head_sharding_layouts():
+    """Value heads split evenly; key heads either split with them or repeat within their group."""
+    split = [DeltaNetHeads(4, 8, 16, 16, Shard(r, 2)) for r in range(2)]
+    assert [(h.k_range(), h.v_range()) for h in split] == [((0, 2), (0, 4)), ((2, 4), (4, 8))]
+    shared = [DeltaNetHeads(1, 4, 16, 16, Shard(r, 4)) for r in range(4)]
+    assert {h.k_range() for h in shared} == {(0, 1)}
+    with pytest.raises(ConfigError):
+        DeltaNetHeads(2, 6, 16, 16, Shard(0, 4)).validate()
+    with pytest.raises(ConfigError):
+        DeltaNetHeads(3, 6, 16, 16, Shard(0, 2)).validate()  # 3 value heads per rank straddle groups of 2
