@@ -71,7 +71,10 @@ def main(rank: int, world_size: int, device: str) -> int:
     _die_with_parent()
     stdout = sys.stdout.buffer
     sys.stdout = sys.stderr  # a stray print must never corrupt the protocol stream
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the leader, which shuts us down
+    # Ctrl-C and a process-group SIGTERM reach the leader too, which drains its requests and then
+    # shuts us down; we still die with it (stdin EOF, PR_SET_PDEATHSIG) and to SIGKILL.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         return serve(rank, world_size, device, sys.stdin.buffer, stdout)
     except BrokenPipeError:

@@ -3,7 +3,11 @@ scripted stand-in for the engine for tests about the HTTP layer rather than the 
 
 from __future__ import annotations
 
+import os
 import queue
+import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,14 +18,16 @@ from neuron.engine import EngineConfig, LLMEngine, RequestError, Update
 from neuron.server.app import ServerConfig, build_app
 from neuron.server.async_engine import AsyncEngine
 from neuron.server.cli import served_name
+from neuron.server.shutdown import GracefulServer
 
 
 class LiveServer:
     def __init__(self, engine: AsyncEngine, cfg: ServerConfig | None = None):
         self.engine = engine
-        app = build_app(engine, cfg or ServerConfig())
+        cfg = cfg or ServerConfig()
+        app = build_app(engine, cfg)
         config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=2)
-        self._server = uvicorn.Server(config)
+        self._server = GracefulServer(config, engine, cfg.shutdown_grace_s)
         self._thread = threading.Thread(target=self._server.run, name="test-server", daemon=True)
 
     def __enter__(self) -> "LiveServer":
@@ -44,6 +50,14 @@ class LiveServer:
             time.sleep(0.05)
         return self
 
+    def begin_shutdown(self) -> None:
+        """What SIGTERM does to `neuron serve`: drain, then stop."""
+        self._server.begin_shutdown()
+
+    def wait_stopped(self, timeout_s: float = 30) -> bool:
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
     def __exit__(self, *exc) -> None:
         self._server.should_exit = True
         self._thread.join(30)
@@ -56,6 +70,7 @@ def real_engine(model: str | None, tp: int, name: str | None = None, max_waiting
 
 
 ERROR = object()  # a script step that fails the request, as a broken pool would
+RAISE = object()  # a script step on which step() raises, as a bug in sampling would
 
 
 class ScriptedEngine:
@@ -74,6 +89,7 @@ class ScriptedEngine:
         self.gate.set()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[str, tuple[int, list]] = {}
+        self.was_shut_down = False
 
     failure = None
 
@@ -86,6 +102,8 @@ class ScriptedEngine:
     def add_request(self, request_id, prompt_token_ids, params) -> None:
         if len(prompt_token_ids) >= self.max_model_len:
             raise RequestError("prompt too long", code="context_length_exceeded", param="messages")
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise RequestError("token id outside the vocabulary", param="prompt")
         prompt = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
         script = next((s for key, s in self.scripts.items() if key in prompt), ["ok"])
         self._inbox.put((request_id, (len(prompt_token_ids), list(script))))
@@ -104,6 +122,12 @@ class ScriptedEngine:
 
     def kv_slot_usage(self) -> float:
         return 0.0
+
+    def kv_cache_usage(self) -> float:
+        return 0.0
+
+    def prefix_cache_counts(self) -> tuple[int, int]:
+        return 0, 0
 
     def step(self) -> list[Update]:
         while not self._inbox.empty():
@@ -124,16 +148,79 @@ class ScriptedEngine:
                 del self._active[rid]
                 updates.append(Update(rid, [], "", None, True, "error", error="rank 1 exited"))
                 continue
+            if piece is RAISE:
+                raise RuntimeError("invalid multinomial distribution")
             done = not pieces
             if done:
                 del self._active[rid]
             updates.append(Update(rid, [1], piece, None, done, "stop" if done else None, None, None, n_prompt))
         return updates
 
+    def fail_in_flight(self, message: str) -> list[Update]:
+        failed = [Update(rid, [], "", None, True, "error", error=message) for rid in self._active]
+        self._active.clear()
+        return failed
+
     def shutdown(self) -> None:
-        pass
+        self.was_shut_down = True
 
 
 def scripted_engine(engine: ScriptedEngine, max_running: int = 4, max_waiting: int = 4, factory=None) -> AsyncEngine:
     return AsyncEngine(factory or (lambda: engine), model_name="stub", max_running=max_running,
                        max_waiting=max_waiting)
+
+
+class ServeProcess:
+    """`python -m neuron serve ARGS --port 0` as a subprocess: its URL (from the log line that says it
+    is ready), its log lines, and its worker processes."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None):
+        cmd = [sys.executable, "-m", "neuron", "serve", *args, "--port", "0", "--log-level", "info"]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+        self.pid = self.proc.pid
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
+
+    def __enter__(self) -> "ServeProcess":
+        deadline = time.monotonic() + 120
+        while not any("ready: serving" in line for line in self.lines):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start:\n" + "".join(self.lines[-30:]))
+            time.sleep(0.05)
+        ready = next(line for line in self.lines if "ready: serving" in line)
+        self.url = re.search(r"(http://127\.0\.0\.1:\d+)/v1", ready).group(1)
+        self.base_url = f"{self.url}/v1"
+        return self
+
+    def workers(self) -> list[int]:
+        return child_pids(self.pid)
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (state first, then ppid), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def child_pids(pid: int) -> list[int]:
+    """Live processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := _stat(int(entry))) is not None:
+            if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+                found.append(int(entry))
+    return found
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie that its new parent has not reaped yet counts)."""
+    fields = _stat(pid)
+    return fields is None or fields[0] in ("Z", "X")

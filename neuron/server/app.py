@@ -7,7 +7,7 @@ import logging
 import re
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 import msgspec
@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from neuron import settings
 from neuron.server.async_engine import AsyncEngine, EngineState
 from neuron.server.common import ready_engine
 from neuron.server.errors import APIError, bad_request, internal
@@ -34,6 +35,7 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     keepalive_s: float = 10.0  # SSE comment interval while a stream has nothing to say
+    shutdown_grace_s: float = field(default_factory=settings.shutdown_grace_s)  # for in-flight requests
 
 
 def build_app(engine: AsyncEngine, cfg: ServerConfig) -> Starlette:

@@ -7,7 +7,9 @@ event loop with `call_soon_threadsafe`. A request a client abandons therefore le
 a step boundary, and nothing but the engine thread ever touches the ranks.
 
 The lifecycle lives in one place, `AsyncEngine.state`: loading -> ready, and from there failed,
-recovering (a pool being rebuilt) or shutting_down.
+recovering (a pool being rebuilt) or shutting_down. Shutting down is two steps: `drain` closes
+admission and gives in-flight requests a grace period (the engine keeps stepping), then `stop` ends
+the engine thread and shuts the ranks down.
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ class RequestStream:
         self._queue: asyncio.Queue[Update] = asyncio.Queue()
         self._read_final = False
         self.closed = False
+        # How an early end (finish reason "error") is reported: a failing rank (`generation_failed`,
+        # retrying helps), the server stopping (`shutting_down`), or a bug (`internal_error`).
+        self.failure_kind = "generation_failed"
 
     @property
     def finished(self) -> bool:
@@ -134,6 +139,7 @@ class AsyncEngine:
         self._error: str | None = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._stopping = threading.Event()  # the engine thread should end (admission closes earlier)
         self._streams: dict[str, RequestStream] = {}
         self._listeners: list[Callable[[EngineState], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -161,15 +167,31 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="neuron-engine", daemon=True)
         self._thread.start()
 
+    async def drain(self, grace_s: float, hurry: asyncio.Event | None = None) -> int:
+        """Refuse new requests, give the running ones up to `grace_s` (or until `hurry` is set) to
+        finish, then cancel the rest with a clean error. Returns how many were cancelled."""
+        self._set_state(EngineState.SHUTTING_DOWN)
+        deadline = time.monotonic() + grace_s
+        while self._streams and time.monotonic() < deadline and not (hurry is not None and hurry.is_set()):
+            await asyncio.sleep(0.05)
+        left = len(self._streams)
+        if left:
+            log.warning("cancelling %d request(s) still running after the %.1f s shutdown grace period", left,
+                        grace_s)
+            self._fail_streams("the server is shutting down; the request was cancelled", "shutting_down")
+        return left
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop the engine thread and shut the engine down; blocks, so call it off the event loop."""
         self._set_state(EngineState.SHUTTING_DOWN)
+        self._stopping.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 log.warning("engine thread still busy after %.0f s; leaving it to exit on its own", timeout_s)
-            self._call_in_loop(self._fail_streams, "the server is shutting down")
+            self._call_in_loop(self._fail_streams, "the server is shutting down; the request was cancelled",
+                               "shutting_down")
 
     def _set_state(self, state: EngineState, error: str | None = None) -> None:
         with self._lock:
@@ -213,13 +235,15 @@ class AsyncEngine:
                 self.engine.abort(stream.request_id)
                 self._wake.set()
 
-    def _deliver(self, updates: list[Update]) -> None:
+    def _deliver(self, updates: list[Update], failure_kind: str | None = None) -> None:
         for update in updates:
             stream = self._streams.get(update.request_id)
             if stream is None:  # closed by its client; the engine has dropped it or will
                 continue
             if update.finished:
                 del self._streams[update.request_id]
+                if failure_kind is not None and update.finish_reason == "error":
+                    stream.failure_kind = failure_kind
             stream._put(update)
             if update.finished:
                 self._finished(stream, update)
@@ -233,9 +257,12 @@ class AsyncEngine:
                  stream.request_id, stream.finish_reason, stream.num_prompt_tokens, stream.num_output_tokens,
                  ttft * 1e3, (now - stream.arrival) * 1e3, f", error: {update.error}" if update.error else "")
 
-    def _fail_streams(self, message: str) -> None:
+    def _fail_streams(self, message: str, failure_kind: str | None = None) -> None:
+        """End every open request with an error, and abort it in case the engine still runs it."""
         for rid in list(self._streams):
-            self._deliver([Update(rid, [], "", None, True, "error", error=message)])
+            if self.engine is not None:
+                self.engine.abort(rid)
+            self._deliver([Update(rid, [], "", None, True, "error", error=message)], failure_kind)
 
     # ---- the engine thread ----
 
@@ -261,7 +288,7 @@ class AsyncEngine:
             engine.shutdown()
 
     def _loop_forever(self, engine: LLMEngine) -> None:
-        while self._state is not EngineState.SHUTTING_DOWN:
+        while not self._stopping.is_set():
             if engine.failure is not None:
                 if not self._recover(engine):
                     return
@@ -271,20 +298,38 @@ class AsyncEngine:
                 self._wake.wait(_IDLE_WAIT_S)
                 self._wake.clear()
                 continue
-            updates = engine.step()
+            try:
+                updates = engine.step()
+            except Exception as exc:
+                self._contain(engine, exc)
+                continue
             if updates:
                 self._call_in_loop(self._deliver, updates)
             self.metrics.engine_load(engine.num_running(), engine.num_waiting(), engine.kv_slot_usage())
+            self.metrics.kv_cache(engine.kv_cache_usage(), *engine.prefix_cache_counts())
+
+    def _contain(self, engine: LLMEngine, exc: Exception) -> None:
+        """A bug on the leader's side of a step (scheduling, sampling, detokenising) fails the requests
+        in flight, not the server: rank failures never get here (the engine turns them into
+        `failure`), so the ranks finished the step together and stay in step. Every open stream
+        ends, including any whose final update the failed step had already made and then lost."""
+        log.exception("engine step failed; failing the requests in flight")
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        self._call_in_loop(self._deliver, engine.fail_in_flight(message), "internal_error")
+        self._call_in_loop(self._fail_streams, message, "internal_error")
 
     def _recover(self, engine: LLMEngine) -> bool:
         """Fail what is in flight, then rebuild the ranks with backoff; after the last failed attempt
         the state is `failed` and stays so (no restart loop). Returns whether the engine is ready."""
         reason = engine.failure
         self._set_state(EngineState.RECOVERING, reason)
-        self.metrics.recoveries.inc()
         updates = engine.fail_in_flight(f"the model failed and is recovering: {reason}")
         if updates:
             self._call_in_loop(self._deliver, updates)
+        if self._state is EngineState.SHUTTING_DOWN:  # no point rebuilding ranks about to be shut down
+            self._call_in_loop(self._fail_streams, f"the model failed while the server shuts down: {reason}")
+            return False
+        self.metrics.recoveries.inc()
         attempts, backoff = settings.recovery_attempts(), settings.recovery_backoff_s()
         for attempt in range(1, attempts + 1):
             t0 = time.monotonic()

@@ -43,6 +43,16 @@ def _non_negative(value: str) -> int:
     return _int(value, 0)
 
 
+def _seconds(value: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+    if not s >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return s
+
+
 def _port(value: str) -> int:
     return _int(value, 0, 65535)
 
@@ -75,6 +85,12 @@ def add_parser(sub) -> None:
     _option(ap, "--max-num-seqs", "sequences decoded together; each holds one KV-cache slot", 16, type=_positive)
     _option(ap, "--max-num-batched-tokens", "token budget of one step (default: the prefill chunk size)",
             type=_positive)
+    _option(ap, "--kv-cache-memory", "KV-cache budget per rank, in bytes or with a unit (e.g. 4GiB) "
+            "(default: CPU, enough for max-num-seqs full-length sequences; CUDA, from --gpu-memory-utilization)")
+    _option(ap, "--gpu-memory-utilization", "share of each GPU's memory neuron may use for weights, activations "
+            "and the KV cache", 0.9, type=float)
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="do not reuse the KV blocks of prompt prefixes seen before [NEURON_NO_PREFIX_CACHING=1]")
     _option(ap, "--max-waiting", "requests that may wait for a free slot; beyond that the server answers 503 "
             "with Retry-After", 256, type=_non_negative)
     _option(ap, "--served-model-name", "the name clients pass as `model` (default: MODEL as given)")
@@ -83,6 +99,8 @@ def add_parser(sub) -> None:
             type=_positive)
     _option(ap, "--keepalive-s", "seconds between SSE keep-alive comments while a stream waits for tokens", 10.0,
             type=float)
+    _option(ap, "--shutdown-grace-s", "on SIGTERM or Ctrl-C, seconds in-flight requests get to finish before they "
+            "are cancelled (new ones get 503 at once); a second signal cuts it short", 10.0, type=_seconds)
     _option(ap, "--log-level", "debug, info, warning or error", "info")
     ap.set_defaults(run=run)
 
@@ -98,30 +116,37 @@ def run(args) -> int:
     engine_cfg = EngineConfig(model=args.model, tp=args.tp, device=args.device, dtype=args.dtype,
                               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens,
-                              served_model_name=args.served_model_name)
+                              served_model_name=args.served_model_name, kv_cache_memory=args.kv_cache_memory,
+                              gpu_memory_utilization=args.gpu_memory_utilization,
+                              enable_prefix_caching=False if args.no_prefix_caching else None)
     server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                              max_body_bytes=args.max_body_bytes, keepalive_s=args.keepalive_s)
+                              max_body_bytes=args.max_body_bytes, keepalive_s=args.keepalive_s,
+                              shutdown_grace_s=args.shutdown_grace_s)
     try:
         return asyncio.run(serve(engine_cfg, server_cfg, args.max_waiting, args.log_level))
-    except KeyboardInterrupt:  # Uvicorn re-raises the Ctrl-C it handled once it has shut down cleanly
+    except KeyboardInterrupt:  # a Ctrl-C before Uvicorn took over the signals: nothing was running yet
         return 0
 
 
 async def serve(engine_cfg, server_cfg, max_waiting: int, log_level: str = "info") -> int:
-    """Run the server until it is stopped (0) or the model fails to load (1)."""
+    """Run the server until a signal stops it (0, after a graceful shutdown) or the model fails to
+    load (1)."""
     import uvicorn
 
     from neuron.engine import LLMEngine
     from neuron.server.app import build_app
     from neuron.server.async_engine import AsyncEngine, EngineState
+    from neuron.server.shutdown import GracefulServer
 
     engine = AsyncEngine(lambda: LLMEngine(engine_cfg).start(), model_name=served_name(engine_cfg),
                          max_running=engine_cfg.max_num_seqs, max_waiting=max_waiting)
     app = build_app(engine, server_cfg)
     # Uvicorn's own logs stay at warning: neuron logs one line per request itself.
     quiet = "warning" if log_level.lower() in ("info", "debug") else log_level.lower()
-    server = uvicorn.Server(uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_level=quiet,
-                                           timeout_graceful_shutdown=5))
+    # Uvicorn's own graceful timeout only backs up ours: by then every request has had its answer.
+    config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_level=quiet,
+                            timeout_graceful_shutdown=5)
+    server = GracefulServer(config, engine, server_cfg.shutdown_grace_s)
     task = asyncio.create_task(server.serve())
     while not task.done() and not (server.started and engine.state is not EngineState.LOADING):
         await asyncio.sleep(0.05)
@@ -133,6 +158,9 @@ async def serve(engine_cfg, server_cfg, max_waiting: int, log_level: str = "info
         log.error("the model failed to load; stopping")
         server.should_exit = True
     await task
+    # The lifespan has stopped the engine already, unless a signal came while Uvicorn was starting.
+    await asyncio.to_thread(engine.stop)
+    log.info("stopped")
     return 1 if failed else 0
 
 

@@ -12,7 +12,7 @@ import msgspec
 from neuron.engine import RequestError
 from neuron.sampling import InvalidParams, SamplingParams
 from neuron.server.async_engine import AsyncEngine, EngineState, NotReady, Overloaded, RequestStream
-from neuron.server.errors import APIError, bad_request, unavailable, unsupported
+from neuron.server.errors import APIError, bad_request, generation_failed, internal, unavailable, unsupported
 from neuron.server.protocol import SamplingRequest, TopLogprob, UsageInfo
 from neuron.tokenizer import Tokenizer
 
@@ -60,8 +60,20 @@ def ready_engine(engine: AsyncEngine):
 
 
 def _not_ready(exc: NotReady) -> APIError:
+    if exc.state is EngineState.SHUTTING_DOWN:  # the server, not the model: another replica can answer
+        return unavailable(str(exc), code="shutting_down")
     retry = _RETRY_AFTER_S if exc.state in (EngineState.LOADING, EngineState.RECOVERING) else None
     return unavailable(str(exc), code=f"model_{exc.state.value}", retry_after_s=retry)
+
+
+def stream_error(stream: RequestStream, error: str | None) -> APIError:
+    """Why a request ended early: cut short by a failing rank (the server recovers by itself, so a
+    retry helps), cancelled by the server shutting down, or a bug (see the server log)."""
+    if stream.failure_kind == "shutting_down":
+        return unavailable(error or "the server is shutting down", code="shutting_down")
+    if stream.failure_kind == "internal_error":
+        return internal(f"generation failed: {error}; see the server log")
+    return generation_failed(error)
 
 
 # A penalty this far from 1 means nothing more than greedy does, while smaller ones overflow float32

@@ -32,11 +32,35 @@ class Metrics:
         self.kv_usage = Gauge("neuron_kv_slot_usage_ratio", "Fraction of KV slots in use (0..1)", registry=r)
         self.state = Enum("neuron_engine_state", "Engine lifecycle state", states=list(STATES), registry=r)
         self.state.state("loading")
+        self._kv_cache_metrics(r)
 
     def engine_load(self, running: int, waiting: int, kv_usage: float) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(kv_usage)
+
+    # ---- KV cache, mirrored from the engine by kv_cache() ----
+
+    def _kv_cache_metrics(self, r: CollectorRegistry) -> None:
+        self.kv_cache_usage = Gauge("neuron_kv_cache_usage_ratio", "Fraction of KV-cache blocks held by sequences "
+                                    "(0..1)", registry=r)
+        self.prefix_queries = Counter("neuron_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("neuron_prefix_cache_hits", "Prompt tokens found in the prefix cache (prefill "
+                                   "skipped)", registry=r)
+        self.prefix_hit_rate = Gauge("neuron_prefix_cache_hit_rate", "Prefix-cache hits over queries since start, "
+                                     "in tokens (0..1)", registry=r)
+        self._prefix_seen = (0, 0)
+
+    def kv_cache(self, usage: float, queries: int, hits: int) -> None:
+        """The engine's block usage and its cumulative prefix-cache counts (engine.prefix_cache_counts())."""
+        self.kv_cache_usage.set(usage)
+        seen_queries, seen_hits = self._prefix_seen
+        self.prefix_queries.inc(max(0, queries - seen_queries))
+        self.prefix_hits.inc(max(0, hits - seen_hits))
+        self._prefix_seen = (queries, hits)
+        if queries:
+            self.prefix_hit_rate.set(hits / queries)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

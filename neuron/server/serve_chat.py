@@ -14,8 +14,8 @@ from neuron.engine import Update
 from neuron.server.async_engine import AsyncEngine, RequestStream
 from neuron.server.chat import THINK_CLOSE, THINK_OPEN, OutputParser, Parsed, normalise_messages, prompt_opens_reasoning
 from neuron.server.common import (TokenRenderer, check_common, check_model, clamp, new_id, now, open_stream,
-                                  ready_engine, sampling_params, sse, usage)
-from neuron.server.errors import bad_request, generation_failed, unsupported
+                                  ready_engine, sampling_params, sse, stream_error, usage)
+from neuron.server.errors import bad_request, unsupported
 from neuron.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                     ChatCompletionResponse, ChatLogprobs, ChatMessage, DeltaMessage, DeltaToolCall,
                                     FunctionCall, TokenLogprob, ToolCall)
@@ -122,7 +122,7 @@ async def _collect(ctx: ChatRequestContext, stream: RequestStream) -> bytes:
             logprobs += lp.content
         last = update
     if last.finish_reason == "error":
-        raise generation_failed(last.error)
+        raise stream_error(stream, last.error)
     parsed.extend(ctx.parser.finish())
     calls = ctx.tool_calls(parsed)
     content = parsed.content if parsed.content or not (calls or parsed.reasoning) else None
@@ -152,7 +152,7 @@ async def _events(ctx: ChatRequestContext, stream: RequestStream, keepalive_s: f
                 yield KEEPALIVE
                 continue
             if update.finish_reason == "error":
-                yield sse(generation_failed(update.error).body())
+                yield sse(stream_error(stream, update.error).body())
                 return
             parsed = ctx.parser.feed(update.text)
             if update.finished:

@@ -11,8 +11,8 @@ from starlette.responses import Response
 from neuron.engine import RequestError, Update, encode_prompt
 from neuron.server.async_engine import AsyncEngine, RequestStream
 from neuron.server.common import (TokenRenderer, check_common, check_model, clamp, new_id, now, open_stream,
-                                  ready_engine, sampling_params, sse, usage)
-from neuron.server.errors import bad_request, generation_failed, unsupported
+                                  ready_engine, sampling_params, sse, stream_error, usage)
+from neuron.server.errors import bad_request, unsupported
 from neuron.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from neuron.server.sse import DONE, KEEPALIVE, EventStreamResponse, unless_disconnected, updates_with_keepalive
 
@@ -102,7 +102,7 @@ async def _collect(ctx: _Context, stream: RequestStream) -> bytes:
                 getattr(logprobs, name).extend(getattr(lp, name))
         last = update
     if last.finish_reason == "error":
-        raise generation_failed(last.error)
+        raise stream_error(stream, last.error)
     choice = CompletionChoice(0, "".join(text), logprobs if ctx.req.logprobs is not None else None,
                               last.finish_reason, last.stop_reason)
     return msgspec.json.encode(CompletionResponse(ctx.id, ctx.created, ctx.model, [choice], usage(stream)))
@@ -120,7 +120,7 @@ async def _events(ctx: _Context, stream: RequestStream, keepalive_s: float) -> A
                 yield KEEPALIVE
                 continue
             if update.finish_reason == "error":
-                yield sse(generation_failed(update.error).body())
+                yield sse(stream_error(stream, update.error).body())
                 return
             logprobs = ctx.logprobs(update)
             if update.text or logprobs or update.finished:
