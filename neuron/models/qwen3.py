@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from neuron.errors import ConfigError
+from neuron.models.base import CausalLM
 from neuron.models.kv import PagedKVCache, StepBatch
 from neuron.tp.comm import Communicator
 from neuron.tp.layers import (
-    ColumnParallelLinear,
     HeadLayout,
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -137,7 +137,7 @@ class DecoderLayer:
         return x + self.mlp(self.post_norm(x))
 
 
-class Qwen3ForCausalLM:
+class Qwen3ForCausalLM(CausalLM):
     """This rank's share of a Qwen3 model plus its KV block pool."""
 
     def __init__(self, config: Qwen3Config, comm: Communicator, dtype: torch.dtype, device: torch.device):
@@ -203,32 +203,11 @@ class Qwen3ForCausalLM:
 
     def allocate(self, num_blocks: int, block_size: int, max_slots: int, max_model_len: int) -> None:
         c = self.config
-        if max_model_len > c.max_position_embeddings:
-            raise ConfigError(
-                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                f"{c.max_position_embeddings}"
-            )
+        self.check_model_len(max_model_len, c.max_position_embeddings)
         self.rotary = Rotary(c.head_dim, c.rope_theta, max_model_len, self.dtype, self.device)
         self.cache = PagedKVCache(c.num_layers, num_blocks, block_size, max_slots, max_model_len,
                                   self.layout.local_kv_heads, c.head_dim, self.dtype, self.device)
 
-    def weight_bytes(self) -> int:
-        tensors = [self.embed.weight, self.lm_head.weight, self.norm.weight]
-        for layer in self.layers:
-            a, m = layer.attn, layer.mlp
-            tensors += [a.qkv.weight, a.o_proj.weight, m.gate_up.weight, m.down.weight]
-        unique = {t.data_ptr(): t for t in tensors}
-        return sum(t.numel() * t.element_size() for t in unique.values())
-
-    @torch.inference_mode()
-    def forward(self, batch: StepBatch) -> torch.Tensor | None:
-        """Run the new tokens of every sequence; return rank 0's float32 logits of each sequence's
-        last token ([num_seqs, vocab]), None on other ranks."""
-        assert self.cache is not None
-        x = self.embed(batch.token_ids)
-        rope = self.rotary.tables(batch.positions)
-        for layer in self.layers:
-            x = layer(x, batch, rope, self.cache)
-        last = x if batch.all_decode else x[batch.last_index]
-        logits = self.lm_head(self.norm(last))
-        return None if logits is None else logits.float()
+    def layer_tensors(self, layer) -> list[torch.Tensor]:
+        a, m = layer.attn, layer.mlp
+        return [a.qkv.weight, a.o_proj.weight, m.gate_up.weight, m.down.weight]

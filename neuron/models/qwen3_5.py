@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from neuron.errors import ConfigError
+from neuron.models.base import CausalLM
 from neuron.models.gated_deltanet import CHUNK, DeltaNetHeads, DeltaNetState, GatedDeltaNet
 from neuron.models.kv import PagedKVCache, StepBatch, StepRejected
 from neuron.models.qwen3 import MLP
@@ -265,7 +266,7 @@ class DecoderLayer:
         return x + self.mlp(self.post_norm(x))
 
 
-class Qwen35ForCausalLM:
+class Qwen35ForCausalLM(CausalLM):
     """This rank's share of a Qwen3.5 text model plus its per-slot state."""
 
     def __init__(self, config: Qwen35Config, comm: Communicator, dtype: torch.dtype, device: torch.device):
@@ -344,11 +345,7 @@ class Qwen35ForCausalLM:
 
     def allocate(self, num_blocks: int, block_size: int, max_slots: int, max_model_len: int) -> None:
         c = self.config
-        if max_model_len > c.max_position_embeddings:
-            raise ConfigError(
-                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                f"{c.max_position_embeddings}"
-            )
+        self.check_model_len(max_model_len, c.max_position_embeddings)
         self.rotary = MRotary(c.rotary_dim, c.rope_theta, c.mrope_section, max_model_len, self.dtype, self.device)
         kv = PagedKVCache(c.layer_types.count(FULL), num_blocks, block_size, max_slots, max_model_len,
                           self.layout.local_kv_heads, c.head_dim, self.dtype, self.device)
@@ -356,22 +353,5 @@ class Qwen35ForCausalLM:
                                self.dtype, self.device)
         self.cache = HybridCache(kv, linear)
 
-    def weight_bytes(self) -> int:
-        tensors = [self.embed.weight, self.lm_head.weight, self.norm.weight]
-        for layer in self.layers:
-            tensors += layer.mixer.tensors() + [layer.mlp.gate_up.weight, layer.mlp.down.weight]
-        unique = {t.data_ptr(): t for t in tensors}
-        return sum(t.numel() * t.element_size() for t in unique.values())
-
-    @torch.inference_mode()
-    def forward(self, batch: StepBatch) -> torch.Tensor | None:
-        """Run the new tokens of every sequence; return rank 0's float32 logits of each sequence's
-        last token ([num_seqs, vocab]), None on other ranks."""
-        assert self.cache is not None
-        x = self.embed(batch.token_ids)
-        rope = self.rotary.tables(batch.positions)
-        for layer in self.layers:
-            x = layer(x, batch, rope, self.cache)
-        last = x if batch.all_decode else x[batch.last_index]
-        logits = self.lm_head(self.norm(last))
-        return None if logits is None else logits.float()
+    def layer_tensors(self, layer) -> list[torch.Tensor]:
+        return layer.mixer.tensors() + [layer.mlp.gate_up.weight, layer.mlp.down.weight]

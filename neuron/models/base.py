@@ -1,0 +1,39 @@
+"""What the decoder-only models share: embed, run the layers, norm, vocabulary-parallel head."""
+
+from __future__ import annotations
+
+import torch
+
+from neuron.errors import ConfigError
+
+
+class CausalLM:
+    """Subclasses set `embed`, `layers`, `norm`, `lm_head`, `rotary` and `cache`, and list each
+    layer's weights in `layer_tensors`."""
+
+    def check_model_len(self, max_model_len: int, native: int) -> None:
+        if max_model_len > native:
+            raise ConfigError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {native}")
+
+    def layer_tensors(self, layer) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def weight_bytes(self) -> int:
+        tensors = [self.embed.weight, self.lm_head.weight, self.norm.weight]
+        for layer in self.layers:
+            tensors += self.layer_tensors(layer)
+        unique = {t.data_ptr(): t for t in tensors}  # tied embeddings count once
+        return sum(t.numel() * t.element_size() for t in unique.values())
+
+    @torch.inference_mode()
+    def forward(self, batch) -> torch.Tensor | None:
+        """Run the new tokens of every sequence; return rank 0's float32 logits of each sequence's
+        last token ([num_seqs, vocab]), None on other ranks."""
+        assert self.cache is not None
+        x = self.embed(batch.token_ids)
+        rope = self.rotary.tables(batch.positions)
+        for layer in self.layers:
+            x = layer(x, batch, rope, self.cache)
+        last = x if batch.all_decode else x[batch.last_index]
+        logits = self.lm_head(self.norm(last))
+        return None if logits is None else logits.float()
