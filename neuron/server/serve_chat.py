@@ -19,7 +19,7 @@ from neuron.server.errors import bad_request, unsupported
 from neuron.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                     ChatCompletionResponse, ChatLogprobs, ChatMessage, DeltaMessage, DeltaToolCall,
                                     FunctionCall, TokenLogprob, ToolCall)
-from neuron.server.sse import DONE, KEEPALIVE, EventStreamResponse, unless_disconnected, updates_with_keepalive
+from neuron.server.sse import DONE, KEEPALIVE, EventStreamResponse, json_unless_disconnected, updates_with_keepalive
 from neuron.tokenizer import TokenizerError
 
 
@@ -107,11 +107,7 @@ async def create_chat_completion(request: Request, engine: AsyncEngine, req: Cha
     stream = open_stream(engine, ctx.id, prompt_ids, params, prompt_param="messages")
     if req.stream:
         return EventStreamResponse(_events(ctx, stream, keepalive_s), on_close=stream.close)
-    try:
-        connected, body = await unless_disconnected(request, _collect(ctx, stream))
-    finally:
-        stream.close()
-    return Response(body, media_type="application/json") if connected else Response(status_code=499)
+    return await json_unless_disconnected(request, stream, _collect(ctx, stream))
 
 
 async def _collect(ctx: ChatRequestContext, stream: RequestStream) -> bytes:

@@ -14,7 +14,7 @@ from neuron.server.common import (TokenRenderer, check_common, check_model, clam
                                   ready_engine, sampling_params, sse, stream_error, usage)
 from neuron.server.errors import bad_request, unsupported
 from neuron.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from neuron.server.sse import DONE, KEEPALIVE, EventStreamResponse, unless_disconnected, updates_with_keepalive
+from neuron.server.sse import DONE, KEEPALIVE, EventStreamResponse, json_unless_disconnected, updates_with_keepalive
 
 # OpenAI's default for this endpoint.
 DEFAULT_MAX_TOKENS = 16
@@ -86,11 +86,7 @@ async def create_completion(request: Request, engine: AsyncEngine, req: Completi
     stream = open_stream(engine, ctx.id, ids, params, prompt_param="prompt")
     if req.stream:
         return EventStreamResponse(_events(ctx, stream, keepalive_s), on_close=stream.close)
-    try:
-        connected, body = await unless_disconnected(request, _collect(ctx, stream))
-    finally:
-        stream.close()
-    return Response(body, media_type="application/json") if connected else Response(status_code=499)
+    return await json_unless_disconnected(request, stream, _collect(ctx, stream))
 
 
 async def _collect(ctx: _Context, stream: RequestStream) -> bytes:

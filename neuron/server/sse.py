@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from neuron.engine import Update
@@ -98,3 +98,14 @@ async def updates_with_keepalive(stream: RequestStream, every_s: float) -> Async
     finally:
         if pending is not None:
             pending.cancel()
+
+
+
+async def json_unless_disconnected(request, stream, collect) -> Response:
+    """Await the JSON body `collect` builds; a client that leaves first aborts the request (its
+    stream is closed) and gets nothing more."""
+    try:
+        connected, body = await unless_disconnected(request, collect)
+    finally:
+        stream.close()
+    return Response(body, media_type="application/json") if connected else Response(status_code=499)
