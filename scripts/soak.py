@@ -33,34 +33,14 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from neuron.procfs import alive, child_pids
+
 PROMPTS = ["The morning train", "To make bread", "Rivers carry water", "The library opens", "In the autumn",
            "def add(a, b):", "She opened the door", "Questions and answers", "A list of colours:", "Once upon a time"]
 KINDS = ("stream", "whole", "dropped_stream", "dropped_whole")
 
 
 # ---- the server's processes ----
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (fields := _stat(int(entry))) is not None:
-            if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
-                found.append(int(entry))
-    return sorted(found)
-
-
-def alive(pid: int) -> bool:
-    fields = _stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
 
 
 def rss_kib(pid: int) -> int:
@@ -95,7 +75,7 @@ class Sample:
 
 
 def sample(pid: int, t0: float, done: int) -> Sample:
-    pids = [pid, *children(pid)]
+    pids = [pid, *child_pids(pid)]
     return Sample(round(time.monotonic() - t0, 2), done, {p: rss_kib(p) for p in pids}, {p: open_fds(p) for p in pids})
 
 
@@ -129,7 +109,7 @@ class Server:
 
     def stop(self, timeout_s: float = 60) -> tuple[int | None, list[int]]:
         """SIGTERM; the exit code and the workers still alive afterwards."""
-        workers = children(self.pid)
+        workers = child_pids(self.pid)
         self.proc.send_signal(signal.SIGTERM)
         try:
             code = self.proc.wait(timeout_s)

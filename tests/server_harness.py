@@ -14,7 +14,9 @@ import time
 import httpx
 import uvicorn
 
+from neuron import procfs
 from neuron.engine import EngineConfig, LLMEngine, RequestError, Update
+from neuron.procfs import child_pids
 from neuron.server.app import ServerConfig, build_app
 from neuron.server.async_engine import AsyncEngine
 from neuron.server.cli import served_name
@@ -201,26 +203,6 @@ class ServeProcess:
         self.proc.wait(30)
 
 
-def _stat(pid: int) -> list[str] | None:
-    """Fields of /proc/PID/stat after the command name (state first, then ppid), or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
-def child_pids(pid: int) -> list[int]:
-    """Live processes whose parent is `pid` (Linux /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (fields := _stat(int(entry))) is not None:
-            if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
-                found.append(int(entry))
-    return found
-
-
 def gone(pid: int) -> bool:
     """The process has exited (a zombie that its new parent has not reaped yet counts)."""
-    fields = _stat(pid)
-    return fields is None or fields[0] in ("Z", "X")
+    return not procfs.alive(pid)

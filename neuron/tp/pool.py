@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from neuron import procfs
 from neuron.errors import PoolBroken, WorkerError
 from neuron.rpc import codec
 from neuron.rpc import protocol as p
@@ -270,18 +271,10 @@ class WorkerPool:
         owing = [w for w in self.workers if w.alive() and w.replies.empty()]
         # A frozen rank holds the live ones inside the collective with it: kill it alone, and the
         # others' collectives fail and they answer. Only if none is frozen are all owing ones killed.
-        culprits = [w for w in owing if _is_stopped(w.proc.pid)] or owing
+        culprits = [w for w in owing if procfs.stopped(w.proc.pid)] or owing
         for w in culprits:
             log.error("rank %d missed the step deadline; killing it", w.rank)
             w.killed_for_deadline = True
             w.proc.kill()
         self.broken = self.broken or "a rank missed the step deadline"
 
-
-def _is_stopped(pid: int) -> bool:
-    """Whether a process is stopped (SIGSTOP, a debugger); Linux only, False elsewhere."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False

@@ -1,0 +1,39 @@
+"""Process state from Linux /proc (watchdog, tests, soak). Elsewhere every answer is "unknown"."""
+
+from __future__ import annotations
+
+import os
+
+
+def state(pid: int) -> str | None:
+    """The state letter of /proc/PID/stat (R, S, T, Z, ...), or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces and ')'
+    except (OSError, IndexError):
+        return None
+    return fields[0] if fields else None
+
+
+def parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """Running or sleeping; a zombie its parent has not reaped yet counts as gone."""
+    return state(pid) not in (None, "Z", "X")
+
+
+def stopped(pid: int) -> bool:
+    """Stopped by SIGSTOP or a debugger."""
+    return state(pid) in ("T", "t")
+
+
+def child_pids(pid: int) -> list[int]:
+    """Live processes whose parent is `pid`."""
+    entries = os.listdir("/proc") if os.path.isdir("/proc") else []
+    return sorted(int(e) for e in entries if e.isdigit() and parent(int(e)) == pid and alive(int(e)))
