@@ -338,9 +338,11 @@ class LLMEngine:
 
     def fail_in_flight(self, message: str) -> list[Update]:
         """End every admitted request with an error; their slots return to the free list."""
-        log.error("failing in-flight requests: %s", message)
+        seqs = self.scheduler.all_sequences()
+        if seqs:
+            log.error("failing %d in-flight request(s): %s", len(seqs), message)
         updates = []
-        for seq in self.scheduler.all_sequences():
+        for seq in seqs:
             self.scheduler.finish(seq, "error")
             updates.append(self._final(self._tracked[seq.request_id], error=message))
         return updates
