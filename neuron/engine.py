@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import time
 from dataclasses import dataclass, field
 
 from neuron import settings
@@ -116,7 +115,6 @@ class LLMEngine:
         self.runner = ModelRunner(runner_cfg, **kwargs)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
-        self.step_count = 0
 
     def start(self) -> "LLMEngine":
         self.runner.start()
@@ -235,7 +233,6 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return updates
-        self.step_count += 1
         try:
             logits = self.runner.step([StepSeq(s.seq.slot, s.token_ids, s.offset, s.new_blocks, s.fresh)
                                        for s in batch])
@@ -255,8 +252,6 @@ class LLMEngine:
         tr = self._tracked[seq.request_id]
         seq.output_token_ids.append(token)
         seq.sampler.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
         reason, stop_reason = self._stop_check(seq, token)
         if tr.detok is not None:
             if not (reason == "stop" and stop_reason is None):  # the EOS token itself is not output

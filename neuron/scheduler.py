@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -46,8 +45,6 @@ class Sequence:
     num_blocks_sent: int = 0  # leading blocks of the table the ranks already have
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
 
     @property
     def num_tokens(self) -> int:
