@@ -100,8 +100,9 @@ class BlockManager:
         seq.num_cached_blocks = 0
 
     def cache_computed(self, seq: Sequence) -> None:
-        """Enter the sequence's newly full and computed blocks into the prefix cache."""
-        if not self.enable_prefix_caching:
+        """Enter the sequence's newly full and computed blocks into the prefix cache. Not those of
+        a sequence with images: its placeholder tokens do not say which image filled them."""
+        if not self.enable_prefix_caching or seq.images:
             return
         full = min(seq.num_computed // self.block_size, len(seq.block_table))
         if seq.num_cached_blocks >= full:
@@ -122,7 +123,7 @@ class BlockManager:
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached run of the sequence's full blocks; at least one token
         is always left to compute, since its logits are needed."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.images:
             return []
         hits = []
         for h in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):

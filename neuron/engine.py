@@ -11,9 +11,11 @@ import logging
 import queue
 from dataclasses import dataclass, field
 
+import torch
+
 from neuron import settings
 from neuron.block_manager import BlockManager
-from neuron.errors import ConfigError, NeuronError
+from neuron.errors import ConfigError, NeuronError, WorkerError
 from neuron.models import check_supported, supports_prefix_caching, text_config
 from neuron.models.loader import read_generation_config, read_json, resolve_model_path
 from neuron.rpc.protocol import StepSeq
@@ -21,6 +23,8 @@ from neuron.sampling import SamplingParams, SequenceSampler, sample
 from neuron.scheduler import Scheduled, Scheduler, Sequence, Status
 from neuron.tokenizer import IncrementalDetokenizer, Tokenizer
 from neuron.tp.runner import ModelRunner, RunnerConfig
+from neuron.vision import ImageError, ImageInput, VisionSpec, check_image, expand_placeholders, image_spans
+from neuron.vision import vision_activation_bytes
 
 log = logging.getLogger("neuron.engine")
 
@@ -81,8 +85,6 @@ class _Tracked:
 
 
 def default_device() -> str:
-    import torch
-
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -106,6 +108,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
         self.generation_config = read_generation_config(self.model_dir)
         self.eos_token_ids = self._eos_ids()
+        self.vision = self._vision_spec()
         chunk = settings.prefill_chunk_tokens()
         step_tokens = cfg.max_num_batched_tokens or max(chunk, cfg.max_num_seqs)
         self.scheduler = Scheduler(cfg.max_num_seqs, step_tokens, chunk)
@@ -145,6 +148,19 @@ class LLMEngine:
         caching = (settings.prefix_caching() if caching is None else caching) and supports_prefix_caching(self.config)
         self.scheduler.use_blocks(BlockManager(self.runner.num_kv_blocks, self.runner.cfg.block_size, caching))
 
+    def _vision_spec(self) -> VisionSpec | None:
+        """How the checkpoint takes images; None when it has no vision tower (config or weights)."""
+        if self.config.get("model_type") != "qwen3_5":
+            return None
+        spec = VisionSpec.from_checkpoint(self.config, self.model_dir)
+        if spec is None:
+            return None
+        from neuron.models.loader import CheckpointReader, safetensors_files
+
+        with CheckpointReader(safetensors_files(self.model_dir)) as reader:
+            has_tower = reader.has("model.visual.patch_embed.proj.weight")
+        return spec if has_tower else None
+
     def _max_model_len(self) -> int:
         native = int(text_config(self.config).get("max_position_embeddings", 2048))
         wanted = self.cfg.max_model_len
@@ -170,7 +186,8 @@ class LLMEngine:
 
     # ---- requests (any thread) ----
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 images: list[ImageInput] | None = None) -> int:
         """Refuse a request that cannot run; return its max_tokens clamped to the context."""
         n = len(prompt_token_ids)
         if n == 0:
@@ -183,14 +200,53 @@ class LLMEngine:
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
                                param="prompt")
+        self._check_placeholders(prompt_token_ids, images or [])
         room = self.max_model_len - n
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        max_tokens = self.validate(prompt_token_ids, params)
+    def check_images(self, uris: list) -> list[ImageInput]:
+        """Decode and size a request's images before any device work (raises ImageError: 400 for
+        a model without vision, a URI that is not base64 `data:`, or bytes that are no image; 413
+        over NEURON_VISION_MAX_PIXELS; 503 when the vision tower's activations cannot fit the GPU)."""
+        if self.vision is None:
+            raise ImageError("this model does not accept images; send text content only", code="vision_unsupported")
+        images = [check_image(uri, self.vision) for uri in uris]
+        if self.device.startswith("cuda") and images:
+            free, _ = torch.cuda.mem_get_info(self.runner.devices[0])
+            width = 2 if self.cfg.dtype != "float32" else 4
+            need = vision_activation_bytes(self.vision, images, width)
+            if need > free:
+                raise ImageError(f"the images need about {need / 2**20:.0f} MiB of GPU memory for the vision "
+                                 f"tower; {free / 2**20:.0f} MiB are free. Send fewer or smaller images",
+                                 status=503, code="insufficient_vram")
+        return images
+
+    def expand_images(self, prompt_token_ids: list[int], images: list[ImageInput]) -> list[int]:
+        """The prompt with its one placeholder per image widened to the tokens the image fills."""
+        if self.vision is None:
+            raise ImageError("this model does not accept images; send text content only", code="vision_unsupported")
+        return expand_placeholders(list(prompt_token_ids), self.vision.image_token_id, images)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    images: list[ImageInput] | None = None) -> None:
+        """Queue a request. With images, the prompt's placeholders are already expanded
+        (`expand_images`) and must hold each image's run of tokens, in order."""
+        max_tokens = self.validate(prompt_token_ids, params, images)
         sampler = SequenceSampler(params, prompt_token_ids, self.vocab_size, self.runner.devices[0])
-        seq = Sequence(request_id, list(prompt_token_ids), params, sampler, max_tokens)
+        seq = Sequence(request_id, list(prompt_token_ids), params, sampler, max_tokens, images=list(images or []))
         self._inbox.put(("add", seq))
+
+    def _check_placeholders(self, prompt_token_ids: list[int], images: list[ImageInput]) -> None:
+        if self.vision is None:
+            if images:
+                raise ImageError("this model does not accept images; send text content only",
+                                 code="vision_unsupported")
+            return
+        try:
+            image_spans(prompt_token_ids, self.vision.image_token_id, [i.num_tokens for i in images])
+        except ValueError as exc:
+            raise RequestError(f"the prompt's image placeholders do not match its images: {exc}",
+                               param="prompt") from None
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -233,11 +289,27 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return updates
+        plain = [s for s in batch if not s.with_images]
+        imaged = [s for s in batch if s.with_images]
         try:
-            logits = self.runner.step([StepSeq(s.seq.slot, s.token_ids, s.offset, s.new_blocks, s.fresh)
-                                       for s in batch])
+            parts = [self.runner.step(self._steps(plain))] if plain else []
         except Exception as exc:  # every in-flight request gets a clean error, none a hang
             return updates + self.fail_in_flight(str(exc))
+        if imaged:
+            try:
+                parts.append(self._prefill_with_images(imaged))
+            except WorkerError as exc:
+                if exc.kind != "bad_request" or self.failure is not None:
+                    return updates + self.fail_in_flight(str(exc))
+                # Refused alike on every rank before any device work: only these requests fail.
+                updates += self._fail(imaged, str(exc))
+                imaged = []
+            except Exception as exc:
+                return updates + self.fail_in_flight(str(exc))
+        batch = plain + imaged  # the order of the logits rows
+        if not batch:
+            return updates
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         self.scheduler.computed(batch)
         ready = [(i, s) for i, s in enumerate(batch) if s.completes_prompt]
         if ready:
@@ -245,6 +317,23 @@ class LLMEngine:
             result = sample(rows, [s.seq.sampler for _, s in ready], self.eos_token_ids)
             for (_, s), token, lp in zip(ready, result.token_ids, result.logprobs):
                 updates.append(self._advance(s, token, lp))
+        return updates
+
+    @staticmethod
+    def _steps(part: list[Scheduled]) -> list[StepSeq]:
+        return [StepSeq(s.seq.slot, s.token_ids, s.offset, s.new_blocks, s.fresh) for s in part]
+
+    def _prefill_with_images(self, imaged: list[Scheduled]):
+        uris = [image.uri for s in imaged for image in s.seq.images]
+        return self.runner.step_with_images(self._steps(imaged), self.vision.image_token_id, uris,
+                                            self.scheduler.prefill_chunk)
+
+    def _fail(self, scheduled: list[Scheduled], message: str) -> list[Update]:
+        log.error("failing %d request(s): %s", len(scheduled), message)
+        updates = []
+        for s in scheduled:
+            self.scheduler.finish(s.seq, "error")
+            updates.append(self._final(self._tracked[s.seq.request_id], error=message))
         return updates
 
     def _advance(self, s: Scheduled, token: int, logprobs: dict[int, float] | None) -> Update:
@@ -363,4 +452,4 @@ def encode_prompt(engine: LLMEngine, prompt: str) -> list[int]:
     return engine.tokenizer.encode(prompt)
 
 
-__all__ = ["EngineConfig", "LLMEngine", "RequestError", "Status", "Update", "encode_prompt"]
+__all__ = ["EngineConfig", "ImageError", "LLMEngine", "RequestError", "Status", "Update", "encode_prompt"]

@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import atexit
+import base64
+import io
 import itertools
 import weakref
 from dataclasses import dataclass, field
@@ -15,6 +17,7 @@ from typing import Sequence
 from neuron.engine import EngineConfig, LLMEngine, encode_prompt
 from neuron.errors import NeuronError
 from neuron.sampling import SamplingParams
+from neuron.vision import ImageInput
 
 
 @dataclass(slots=True)
@@ -82,18 +85,18 @@ class LLM:
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        tokenized = [self._tokenize(prompt) for prompt in prompts]
-        for (_, ids), p in zip(tokenized, params_list):  # refuse the whole call before queueing any of it
+        tokenized = [self._tokenize(prompt) for prompt in prompts]  # refuses the whole call before queueing any
+        for (_, ids, images), p in zip(tokenized, params_list):
             if p.n != 1:
                 raise ValueError("n > 1 is not supported; pass the prompt several times instead")
-            self.engine.validate(ids, p)
+            self.engine.validate(ids, p, images)
         if self.engine.failure is not None:  # a rank died since the last call: bring the ranks back first
             self.engine.recover()
         outputs: dict[str, RequestOutput] = {}
         order = []
-        for (text, ids), p in zip(tokenized, params_list):
+        for (text, ids, images), p in zip(tokenized, params_list):
             rid = str(next(self._ids))
-            self.engine.add_request(rid, ids, p)
+            self.engine.add_request(rid, ids, p, images)
             logprobs = [] if p.logprobs is not None else None
             outputs[rid] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], None, logprobs, None)])
             order.append(rid)
@@ -102,21 +105,45 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              **template_kwargs) -> list[RequestOutput]:
+        """Chat turns through the checkpoint's template. Content may be a list of parts: text
+        (`{"type": "text", "text": ...}`) and, for vision models, images (`{"type": "image_url",
+        "image_url": {"url": "data:..."}}` or `{"type": "image", "image": <PIL image>}`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self._need_tokenizer()
-        prompts = [tok.apply_chat_template(c, add_generation_prompt=True, **template_kwargs) for c in conversations]
+        prompts = []
+        for conversation in conversations:
+            shaped, images = chat_images(conversation)
+            text = tok.apply_chat_template(shaped, add_generation_prompt=True, **template_kwargs)
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
         return self.generate(prompts, sampling_params)
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], list[ImageInput]]:
+        """Text, token ids (image placeholders expanded) and checked images of one prompt."""
         if isinstance(prompt, str):
-            return prompt, encode_prompt(self.engine, prompt)
+            return prompt, encode_prompt(self.engine, prompt), []
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return prompt["prompt"], encode_prompt(self.engine, prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        return None, list(prompt)
+                text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                text, ids = prompt["prompt"], encode_prompt(self.engine, prompt["prompt"])
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            images = self._images(prompt.get("multi_modal_data"))
+            if not images:
+                return text, ids, []
+            return text, self.engine.expand_images(ids, images), images
+        return None, list(prompt), []
+
+    def _images(self, data: dict | None) -> list[ImageInput]:
+        """`multi_modal_data={"image": ...}`: one image or a list, each a base64 `data:` URI or a
+        PIL image, filling the prompt's image placeholders in order."""
+        if not data:
+            return []
+        unknown = set(data) - {"image"}
+        if unknown:
+            raise ValueError(f"multi_modal_data supports only 'image', got {', '.join(sorted(unknown))}")
+        items = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
+        return self.engine.check_images([image_data_uri(x) for x in items])
 
     def _need_tokenizer(self):
         if self.engine.tokenizer is None:
@@ -152,6 +179,42 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def image_data_uri(image) -> str:
+    """A `data:` URI as given, or a PIL image encoded as PNG."""
+    if isinstance(image, str):
+        return image
+    if hasattr(image, "save"):
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    raise ValueError(f"an image must be a base64 data: URI or a PIL image, got {type(image).__name__}")
+
+
+def chat_images(messages: list[dict]) -> tuple[list[dict], list]:
+    """Messages shaped for a chat template (each image part becomes `{"type": "image"}`, which
+    templates render as the image placeholder) and the images, in order."""
+    shaped, images = [], []
+    for m in messages:
+        content = m.get("content")
+        if not isinstance(content, list):
+            shaped.append(m)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                url = part.get("image_url")
+                images.append(url.get("url") if isinstance(url, dict) else url)
+                parts.append({"type": "image"})
+            elif kind == "image":
+                images.append(part.get("image"))
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        shaped.append({**m, "content": parts})
+    return shaped, images
 
 
 def _shutdown_engine(engine: LLMEngine) -> None:

@@ -6,6 +6,8 @@ into free slots while the KV blocks for their prompt (less any cached prefix) ar
 prompt is prefilled in chunks across steps, mixed with decodes. A decode that finds no free
 block preempts the most recently admitted sequence: its blocks are freed and it waits again, to
 be recomputed (prompt and generated tokens) when admitted anew.
+A sequence with images is prefilled whole in the step that admits it (the ranks chunk it
+themselves, beside the step's other sequences), and no other is admitted in that step.
 The scheduler is the only one who assigns slots and blocks: a slot belongs to one sequence at a time.
 """
 
@@ -45,6 +47,7 @@ class Sequence:
     num_blocks_sent: int = 0  # leading blocks of the table the ranks already have
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    images: list = field(default_factory=list)  # ImageInputs filling the prompt's placeholders, in order
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +74,11 @@ class Scheduled:
     offset: int
     new_blocks: list[int] = field(default_factory=list)  # blocks the ranks' table of the slot gains
     fresh: bool = False  # the sequence's first step in its slot
+
+    @property
+    def with_images(self) -> bool:
+        """The sequence's whole prefill with its images (a step of its own on the ranks)."""
+        return bool(self.seq.images) and self.fresh
 
     @property
     def completes_prompt(self) -> bool:
@@ -126,6 +134,9 @@ class Scheduler:
                 break  # first come, first served: later requests wait too
             self.waiting.popleft()
             self._start(seq)
+            if seq.images:
+                batch.append(self._scheduled(seq, seq.pending()))
+                break
             budget -= self._chunk(seq, budget, batch)
         return batch
 

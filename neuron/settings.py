@@ -29,6 +29,11 @@ def prefill_chunk_tokens() -> int:
     return max(1, env_int("NEURON_PREFILL_CHUNK_TOKENS", 512))
 
 
+def vision_max_pixels() -> int:
+    """Images with more pixels than this (width x height, before resizing) are refused with 413."""
+    return max(1, env_int("NEURON_VISION_MAX_PIXELS", 64 * 2**20))
+
+
 def step_timeout_s() -> float:
     return env_float("NEURON_TP_STEP_TIMEOUT_S", 120.0)
 

@@ -29,8 +29,8 @@ def text_config(config: dict) -> dict:
     return nested if isinstance(nested, dict) else config
 
 
-def build_model(config: dict, comm, dtype, device):
-    """This rank's (unloaded) share of the model named by `config`."""
+def build_model(config: dict, comm, dtype, device, model_dir=None):
+    """This rank's (unloaded) share of the model named by `config` (read from `model_dir`)."""
     model_type = check_supported(config)
     if model_type == "qwen3":
         from neuron.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
@@ -38,6 +38,9 @@ def build_model(config: dict, comm, dtype, device):
         return Qwen3ForCausalLM(Qwen3Config.from_dict(config), comm, dtype, device)
     if model_type in ("qwen3_5", "qwen3_5_text"):
         from neuron.models.qwen3_5 import Qwen35Config, Qwen35ForCausalLM
+        from neuron.vision import VisionSpec
 
-        return Qwen35ForCausalLM(Qwen35Config.from_dict(config), comm, dtype, device)
+        vision = VisionSpec.from_checkpoint(config, model_dir) if model_type == "qwen3_5" else None
+        return Qwen35ForCausalLM(Qwen35Config.from_dict(config), comm, dtype, device, vision,
+                                 config.get("vision_config"))
     raise AssertionError(model_type)

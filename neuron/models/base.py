@@ -30,8 +30,11 @@ class CausalLM:
         """Run the new tokens of every sequence; return rank 0's float32 logits of each sequence's
         last token ([num_seqs, vocab]), None on other ranks."""
         assert self.cache is not None
-        x = self.embed(batch.token_ids)
-        rope = self.rotary.tables(batch.positions)
+        return self.run(self.embed(batch.token_ids), batch.positions, batch)
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor | None:
+        """The layers, norm and head over input embeddings `x` at `positions`."""
+        rope = self.rotary.tables(positions)
         for layer in self.layers:
             x = layer(x, batch, rope, self.cache)
         last = x if batch.all_decode else x[batch.last_index]

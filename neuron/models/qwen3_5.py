@@ -3,11 +3,14 @@
 
 Checkpoints come in two layouts: the multimodal one (`model_type` "qwen3_5", text weights under
 `model.language_model.`, the vision tower under `model.visual.`) and the text-only one
-("qwen3_5_text", under `model.`). Both run text prompts here.
+("qwen3_5_text", under `model.`). Both run text prompts; the multimodal one also prefills
+prompts with images (`prefill_with_images`): its replicated vision tower embeds the images, whose
+embeddings replace the prompt's placeholder tokens at multimodal (time, height, width) positions.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,6 +22,7 @@ from neuron.models.base import CausalLM
 from neuron.models.gated_deltanet import CHUNK, DeltaNetHeads, DeltaNetState, GatedDeltaNet
 from neuron.models.kv import PagedKVCache, StepBatch, StepRejected
 from neuron.models.qwen3 import MLP
+from neuron.models.qwen3_5_vision import VisionTower
 from neuron.rpc.protocol import StepSeq
 from neuron.tp.comm import Communicator
 from neuron.tp.layers import (
@@ -31,6 +35,7 @@ from neuron.tp.layers import (
     Shard,
     VocabParallelEmbedding,
 )
+from neuron.vision import ImageError, VisionSpec, image_spans, mrope_positions, preprocess
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -215,6 +220,9 @@ class HybridCache:
         self.kv = kv
         self.linear = linear
         self.state_at: list[int | None] = [0] * kv.num_slots  # None: a step failed mid-way
+        # Text after images sits at `offset + shift` on every rotary axis: an image's tokens
+        # advance positions by its grid's longer side, not by their count.
+        self.shift = [0] * kv.num_slots
 
     def check(self, seqs: list[StepSeq], vocab_size: int) -> None:
         self.kv.check(seqs, vocab_size)
@@ -239,7 +247,19 @@ class HybridCache:
         self.linear.begin(seqs)
         for s in seqs:
             self.state_at[s.slot] = None  # until the step commits
+            if s.fresh:
+                self.shift[s.slot] = 0
         return batch
+
+    def positions(self, batch: StepBatch) -> torch.Tensor:
+        """The step's rotary positions: each token's offset plus its slot's shift."""
+        shifts = [self.shift[slot] for slot in batch.slots]
+        if not any(shifts):
+            return batch.positions
+        per_seq = torch.tensor(shifts, dtype=torch.long, device=batch.positions.device)
+        if not batch.all_decode:
+            per_seq = per_seq.repeat_interleave(torch.tensor(batch.lengths, device=per_seq.device))
+        return batch.positions + per_seq
 
     def commit(self, batch: StepBatch) -> None:
         self.kv.commit(batch)
@@ -251,6 +271,7 @@ class HybridCache:
         self.kv.clear(slots)
         for slot in range(self.kv.num_slots) if slots is None else slots:
             self.state_at[slot] = 0
+            self.shift[slot] = 0
 
 
 class DecoderLayer:
@@ -269,9 +290,14 @@ class DecoderLayer:
 class Qwen35ForCausalLM(CausalLM):
     """This rank's share of a Qwen3.5 text model plus its per-slot state."""
 
-    def __init__(self, config: Qwen35Config, comm: Communicator, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: Qwen35Config, comm: Communicator, dtype: torch.dtype, device: torch.device,
+                 vision: VisionSpec | None = None, vision_config: dict | None = None):
         c = config
         self.config = c
+        self.vision_spec = vision
+        self.vision: VisionTower | None = None
+        if vision is not None:
+            self.vision = VisionTower(vision_config or {}, dtype, device)
         self.comm = comm
         self.dtype = dtype
         self.device = device
@@ -296,6 +322,10 @@ class Qwen35ForCausalLM(CausalLM):
             self.layers.append(self._load_layer(r, f"{p}.layers.{i}", i))
             if progress:
                 progress(i + 1, c.num_layers)
+        if self.vision is not None and not r.has("model.visual.patch_embed.proj.weight"):
+            self.vision = self.vision_spec = None  # a text-only export of a multimodal model
+        if self.vision is not None:
+            self.vision.load(r, "model.visual")
 
     def _load_layer(self, r: Reader, p: str, i: int) -> DecoderLayer:
         c, s, dt, dev = self.config, self.shard, self.dtype, self.device
@@ -355,3 +385,99 @@ class Qwen35ForCausalLM(CausalLM):
 
     def layer_tensors(self, layer) -> list[torch.Tensor]:
         return layer.mixer.tensors() + [layer.mlp.gate_up.weight, layer.mlp.down.weight]
+
+    def weight_bytes(self) -> int:
+        vision = self.vision.tensors() if self.vision is not None else []
+        return super().weight_bytes() + sum(t.numel() * t.element_size() for t in vision)
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> torch.Tensor | None:
+        assert self.cache is not None
+        return self.run(self.embed(batch.token_ids), self.cache.positions(batch), batch)
+
+    @torch.inference_mode()
+    def prefill_with_images(self, seqs: list[StepSeq], image_token_id: int, image_data_uris: list[str],
+                            chunk_size: int) -> torch.Tensor | None:
+        """Prefill whole sequences whose tokens hold image placeholders, in chunks of `chunk_size`
+        tokens (every rank walks the same chunks, so the collectives pair up). The images go to
+        the sequences in order, each taking the next run of placeholders its grid fills. Returns
+        rank 0's logits of each sequence's last token. Everything is checked before the first
+        collective; a bad request raises StepRejected on every rank alike."""
+        assert self.cache is not None
+        if self.vision is None:
+            raise StepRejected("this model has no vision tower")
+        if chunk_size < 1:
+            raise StepRejected(f"chunk_size must be >= 1, got {chunk_size}")
+        for s in seqs:
+            if not s.fresh or s.offset != 0:
+                raise StepRejected(f"slot {s.slot}: a step with images prefills a whole sequence from "
+                                   "position 0 (fresh, offset 0)")
+        self.cache.check(seqs, self.config.vocab_size)
+        pixels, grids = [], []
+        for i, uri in enumerate(image_data_uris):
+            try:
+                patches, grid = preprocess(uri, self.vision_spec)
+            except ImageError as exc:
+                raise StepRejected(f"image {i}: {exc}") from None
+            pixels.append(patches)
+            grids.append(grid)
+        merge2 = self.vision_spec.merge_size ** 2
+        layouts, used = [], 0
+        for s in seqs:
+            want = s.token_ids.count(image_token_id)
+            counts, take = [], used
+            while sum(counts) < want and take < len(grids):
+                counts.append(math.prod(grids[take]) // merge2)
+                take += 1
+            try:
+                spans = image_spans(s.token_ids, image_token_id, counts)
+            except ValueError as exc:
+                raise StepRejected(f"slot {s.slot}: {exc}") from None
+            positions, shift = mrope_positions(len(s.token_ids), spans, grids[used:take], self.vision_spec.merge_size)
+            source = torch.full((len(s.token_ids),), -1, dtype=torch.long)
+            first = sum(math.prod(g) // merge2 for g in grids[:used])
+            for start, end in spans:
+                source[start:end] = torch.arange(first, first + end - start)
+                first += end - start
+            layouts.append((positions.to(self.device), source.to(self.device), shift))
+            used = take
+        if used != len(grids):
+            raise StepRejected(f"{len(grids)} image(s) but the tokens hold placeholders for {used}")
+        embeds = self.vision(torch.cat(pixels), grids) if grids else None
+        return self._walk_chunks(seqs, layouts, embeds, chunk_size)
+
+    def _walk_chunks(self, seqs: list[StepSeq], layouts: list, embeds: torch.Tensor | None,
+                     chunk_size: int) -> torch.Tensor | None:
+        lengths = [len(s.token_ids) for s in seqs]
+        last: list[torch.Tensor | None] = [None] * len(seqs)
+        for k in range(max(math.ceil(n / chunk_size) for n in lengths)):
+            sub, members = [], []
+            for i, s in enumerate(seqs):
+                a, b = k * chunk_size, min((k + 1) * chunk_size, lengths[i])
+                if a < b:
+                    first = k == 0
+                    sub.append(StepSeq(s.slot, s.token_ids[a:b], a, s.new_blocks if first else [], s.fresh and first))
+                    members.append((i, a, b))
+            batch = self.cache.prepare(sub)
+            x = self.embed(batch.token_ids)
+            positions, rows, sources, base = [], [], [], 0
+            for i, a, b in members:
+                pos, source, _ = layouts[i]
+                positions.append(pos[:, a:b])
+                src = source[a:b]
+                hit = (src >= 0).nonzero().squeeze(1)
+                if hit.numel():
+                    rows.append(hit + base)
+                    sources.append(src[hit])
+                base += b - a
+            if rows:
+                x[torch.cat(rows)] = embeds[torch.cat(sources)].to(x.dtype)
+            logits = self.run(x, torch.cat(positions, dim=1), batch)
+            self.cache.commit(batch)
+            if logits is not None:
+                for j, (i, a, b) in enumerate(members):
+                    if b == lengths[i]:
+                        last[i] = logits[j]
+        for s, (_, _, shift) in zip(seqs, layouts):
+            self.cache.shift[s.slot] = shift
+        return None if last[0] is None else torch.stack(last)

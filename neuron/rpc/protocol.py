@@ -79,7 +79,10 @@ class GenerateStep(Message):
 
 
 class GenerateStepWithImages(Message):
-    """A step whose sequences carry images; every rank walks the same prefill chunks."""
+    """Prefill whole sequences (fresh, offset 0) whose tokens hold runs of `image_token_id`: the
+    images, in order, fill those runs, each the next run its patch grid covers. Every rank
+    decodes the same `data:` URIs the same way, runs its replicated vision tower, and walks the
+    prompts in the same chunks of `chunk_size` tokens, so the collectives pair up."""
 
     model_id: str
     seqs: list[StepSeq]

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -91,7 +92,8 @@ class Rank:
         try:
             config = json.loads(req.config_json)
             dtype = resolve_dtype(req.dtype, str(self.device))
-            model = build_model(config, comm, dtype, self.device)
+            model_dir = Path(req.safetensors_paths[0]).parent if req.safetensors_paths else None
+            model = build_model(config, comm, dtype, self.device, model_dir)
             with CheckpointReader(req.safetensors_paths) as reader:
                 model.load(reader, progress)
             num_blocks = self._plan_kv(model, req)
@@ -129,6 +131,18 @@ class Rank:
             raise RankFailure(p.ErrorKind.FORWARD_FAILED, f"{type(exc).__name__}: {exc}") from exc
         model.cache.commit(batch)
         return logits
+
+    def step_with_images(self, req: p.GenerateStepWithImages) -> torch.Tensor | None:
+        """Prefill sequences whose prompts hold images, walking the same chunks as every rank."""
+        model = self._model(req.model_id)
+        if getattr(model, "vision", None) is None:
+            raise RankFailure(p.ErrorKind.UNSUPPORTED_ARCH, f"model {req.model_id!r} has no vision tower")
+        try:
+            return model.prefill_with_images(req.seqs, req.image_token_id, req.image_data_uris, req.chunk_size)
+        except StepRejected as exc:
+            raise RankFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
+        except Exception as exc:
+            raise RankFailure(p.ErrorKind.FORWARD_FAILED, f"{type(exc).__name__}: {exc}") from exc
 
     def clear(self, model_id: str, slots: list[int] | None) -> None:
         try:
@@ -188,7 +202,9 @@ class Rank:
                 self.step(req.model_id, req.seqs)
                 return p.GenerateStepOk(seq=seq, elapsed_ms=_ms(t0))
             case p.GenerateStepWithImages():
-                raise RankFailure(p.ErrorKind.UNSUPPORTED_ARCH, "no loaded architecture takes images")
+                t0 = time.perf_counter()
+                self.step_with_images(req)
+                return p.GenerateStepOk(seq=seq, elapsed_ms=_ms(t0))
             case p.ClearKvCache():
                 self.clear(req.model_id, req.slots)
                 return p.KvCacheCleared(seq=seq)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -167,6 +168,20 @@ class ModelRunner:
         model_id = self.cfg.model_id
         logits, _ = self._run(lambda seq: p.GenerateStep(seq=seq, model_id=model_id, seqs=seqs),
                               lambda: self.rank0.step(model_id, seqs), settings.step_timeout_s())
+        return logits
+
+    def step_with_images(self, seqs: list[p.StepSeq], image_token_id: int, image_data_uris: list[str],
+                         chunk_size: int) -> torch.Tensor:
+        """Prefill sequences with images on every rank; rank 0's logits of each one's last token.
+        The deadline allows each prefill chunk a step's time."""
+        model_id = self.cfg.model_id
+        chunks = max(1, max(math.ceil(len(s.token_ids) / chunk_size) for s in seqs))
+
+        def make(seq: int) -> p.GenerateStepWithImages:
+            return p.GenerateStepWithImages(seq=seq, model_id=model_id, seqs=seqs, image_token_id=image_token_id,
+                                            image_data_uris=image_data_uris, chunk_size=chunk_size)
+
+        logits, _ = self._run(make, lambda: self.rank0.step_with_images(make(0)), settings.step_timeout_s() * chunks)
         return logits
 
     def clear(self, slots: list[int] | None = None) -> None:

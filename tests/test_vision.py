@@ -1,0 +1,393 @@
+"""Qwen3.5 with images: the pieces against transformers (preprocessing, resize rule, multimodal
+positions, the vision tower), then greedy parity through the offline API at tp 1 and 2 with zero,
+one and two images, a long prompt prefilled in chunks with an image across chunk boundaries, a
+second checkpoint shaped differently, preemption, and the guards that refuse bad images before
+any device work."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from neuron import LLM, SamplingParams
+from neuron.engine import RequestError
+from neuron.models.loader import CheckpointReader, safetensors_files
+from neuron.models.qwen3_5_vision import VisionTower
+from neuron.rpc import protocol as p
+from neuron.tp.rank import Rank, RankFailure
+from neuron.vision import (
+    ImageError,
+    VisionSpec,
+    check_image,
+    expand_placeholders,
+    image_spans,
+    mrope_positions,
+    preprocess,
+    smart_resize,
+)
+from test_qwen3_5 import MULTIMODAL_TEXT
+from vision_checkpoint import (
+    build_vision_checkpoint,
+    image_data_uri,
+    reference_greedy_mm,
+    reference_pixels,
+)
+
+NEW_TOKENS = 6
+TOL = 1e-3
+
+# Shaped unlike the main checkpoint: three layers (full attention first), six heads over two KV
+# heads, half-width rotary with even M-RoPE sections, a wider linear-attention value head, a
+# two-block vision tower with three heads, 2-pixel patches and a 5x5 position grid.
+ODD_TEXT = dict(
+    MULTIMODAL_TEXT,
+    hidden_size=96,
+    intermediate_size=80,
+    num_hidden_layers=3,
+    layer_types=["full_attention", "linear_attention", "linear_attention"],
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=24,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    linear_conv_kernel_dim=3,
+    rope_parameters={"rope_type": "default", "rope_theta": 5e4, "partial_rotary_factor": 0.5,
+                     "mrope_section": [2, 2, 2], "mrope_interleaved": True},
+)
+ODD_VISION = dict(depth=2, hidden_size=48, intermediate_size=40, num_heads=3, patch_size=2, temporal_patch_size=2,
+                  spatial_merge_size=2, out_hidden_size=96, num_position_embeddings=25)
+ODD_PREPROCESSOR = {"patch_size": 2, "temporal_patch_size": 2, "merge_size": 2,
+                    "size": {"shortest_edge": 64, "longest_edge": 1024},
+                    "image_mean": [0.48, 0.46, 0.41], "image_std": [0.27, 0.26, 0.28]}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_vision_checkpoint(tmp_path_factory.mktemp("vision"), seed=11)
+
+
+@pytest.fixture(scope="module")
+def odd_checkpoint(tmp_path_factory):
+    return build_vision_checkpoint(tmp_path_factory.mktemp("vision_odd"), seed=5, text=ODD_TEXT, vision=ODD_VISION,
+                                   preprocessor=ODD_PREPROCESSOR)
+
+
+def _config(path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def _spec(path) -> VisionSpec:
+    return VisionSpec.from_checkpoint(_config(path), path)
+
+
+def _ids(path) -> dict:
+    c = _config(path)
+    return {k: c[k] for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id")}
+
+
+def _prompt(path, *pieces) -> list[int]:
+    """Token ids from text ids and `None` for an image (vision start, one placeholder, vision end)."""
+    ids = _ids(path)
+    out = []
+    for piece in pieces:
+        out += ([ids["vision_start_token_id"], ids["image_token_id"], ids["vision_end_token_id"]]
+                if piece is None else list(piece))
+    return out
+
+
+def _png(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+# ---- the pieces ----
+
+
+@pytest.mark.parametrize("height,width", [(3, 3), (17, 9), (20, 28), (100, 64), (5, 400), (61, 61)])
+def test_smart_resize_matches_transformers(height, width):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as reference
+
+    for factor, lo, hi in [(8, 256, 4096), (32, 65536, 16777216), (4, 64, 1024)]:
+        assert smart_resize(height, width, factor, lo, hi) == reference(height, width, factor, lo, hi)
+
+
+def test_preprocessing_matches_transformers_processor(checkpoint):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    rgba = Image.fromarray(rng.integers(0, 256, (30, 22, 4), dtype=np.uint8), "RGBA")
+    gray = Image.fromarray(rng.integers(0, 256, (12, 40), dtype=np.uint8), "L")
+    uris = [image_data_uri(20, 28, 1), image_data_uri(150, 90, 2), _png(rgba), _png(gray), image_data_uri(3, 5, 3)]
+    spec = _spec(checkpoint)
+    ref_pixels, ref_grids = reference_pixels(uris)
+    mine = [preprocess(u, spec) for u in uris]
+    assert [list(g) for _, g in mine] == ref_grids.tolist()
+    assert [check_image(u, spec).grid for u in uris] == [g for _, g in mine]
+    torch.testing.assert_close(torch.cat([x for x, _ in mine]), ref_pixels, rtol=0, atol=1e-6)
+
+
+def test_positions_match_transformers_rope_index(checkpoint):
+    from vision_checkpoint import _cached_model
+
+    spec = _spec(checkpoint)
+    uris = [image_data_uri(20, 28, 1), image_data_uri(40, 16, 2)]
+    images = [check_image(u, spec) for u in uris]
+    ids = expand_placeholders(_prompt(checkpoint, [5, 6, 7], None, [8], None, [9, 10, 11, 12]),
+                              spec.image_token_id, images)
+    spans = image_spans(ids, spec.image_token_id, [i.num_tokens for i in images])
+    positions, shift = mrope_positions(len(ids), spans, [i.grid for i in images], spec.merge_size)
+    model = _cached_model(str(checkpoint))
+    t = torch.tensor([ids])
+    ref, delta = model.model.get_rope_index(t, (t == spec.image_token_id).int(),
+                                            image_grid_thw=torch.tensor([i.grid for i in images]))
+    assert torch.equal(positions, ref[:, 0])
+    assert shift == delta.item() and shift < 0
+
+
+def test_vision_tower_matches_transformers(odd_checkpoint):
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    uris = [image_data_uri(20, 28, 1), image_data_uri(9, 30, 2)]
+    pixels, grids = reference_pixels(uris, ODD_PREPROCESSOR)
+    config = _config(odd_checkpoint)
+    tower = VisionTower(config["vision_config"], torch.float32, torch.device("cpu"))
+    with CheckpointReader(safetensors_files(odd_checkpoint)) as r:
+        tower.load(r)
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(odd_checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.cat(model.model.get_image_features(pixels, grids).pooler_output)
+    mine = tower(pixels, [tuple(g) for g in grids.tolist()])
+    torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+# ---- parity through the offline API ----
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2-chunk16"])
+def llm(request, checkpoint):
+    """tp=1 prefills in one chunk; tp=2 in 16-token chunks, so images straddle chunk boundaries."""
+    mp = pytest.MonkeyPatch()
+    if request.param == 2:
+        mp.setenv("NEURON_PREFILL_CHUNK_TOKENS", "16")
+    engine = LLM(str(checkpoint), tensor_parallel_size=request.param, max_model_len=384, max_num_seqs=4)
+    mp.undo()
+    yield engine
+    engine.shutdown()
+
+
+def _cases(path):
+    uris = [image_data_uri(20, 28, 1), image_data_uri(36, 24, 2), image_data_uri(48, 40, 3)]
+    long_text = [(i * 29 + 7) % 1300 for i in range(70)]
+    return [
+        (_prompt(path, [10, 20, 30, 40]), []),
+        (_prompt(path, [11, 12], None, [13, 14, 15]), uris[:1]),
+        (_prompt(path, [16], None, [17, 18], None, [19]), uris[:2]),
+        # an image in the middle of a long prompt: at 16-token chunks it spans two chunk boundaries
+        (_prompt(path, long_text[:40], None, long_text[40:]), uris[2:]),
+    ]
+
+
+def _reference(path, ids, uris):
+    spec = _spec(path)
+    images = [check_image(u, spec) for u in uris]
+    expanded = expand_placeholders(ids, spec.image_token_id, images)
+    pixels = grids = None
+    if uris:
+        pixels, grids = reference_pixels(uris, json.loads((path / "preprocessor_config.json").read_text()))
+    return reference_greedy_mm(path, expanded, pixels, grids, NEW_TOKENS)
+
+
+def _assert_parity(out, ref_tokens, ref_logprobs):
+    c = out.outputs[0]
+    assert c.token_ids == ref_tokens
+    for step, (lp, ref) in enumerate(zip(c.logprobs, ref_logprobs)):
+        token = c.token_ids[step]
+        assert abs(lp[token] - ref[token].item()) <= TOL, (step, lp[token], ref[token].item())
+
+
+def test_parity_with_images(llm, checkpoint):
+    """All cases in one batch: image prefills run beside text prefill and decodes."""
+    cases = _cases(checkpoint)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"image": uris}} for ids, uris in cases]
+    outs = llm.generate(prompts, params)
+    for out, (ids, uris) in zip(outs, cases):
+        _assert_parity(out, *_reference(checkpoint, ids, uris))
+        assert len(out.prompt_token_ids) > len(ids) or not uris  # placeholders were expanded
+
+
+def test_same_image_alone_equals_in_batch(llm, checkpoint):
+    ids, uris = _cases(checkpoint)[2]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": uris}}, params)[0]
+    again = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": uris}}] * 3, params)
+    assert all(o.outputs[0].token_ids == alone.outputs[0].token_ids for o in again)
+
+
+def test_chat_with_pil_image(llm, checkpoint):
+    """LLM.chat takes image parts (a PIL image here) through the checkpoint's template."""
+    from PIL import Image
+
+    from neuron.tokenizer import Tokenizer
+
+    image = Image.fromarray(np.random.default_rng(9).integers(0, 256, (24, 20, 3), dtype=np.uint8))
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "hi"}]}]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    out = llm.chat(messages, params)[0]
+    tok = Tokenizer.from_dir(checkpoint)
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}],
+                                   add_generation_prompt=True)
+    _assert_parity(out, *_reference(checkpoint, tok.encode(text), [_png(image)]))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_parity_on_a_checkpoint_shaped_differently(odd_checkpoint, tp):
+    cases = [(_prompt(odd_checkpoint, [3, 4, 5], None, [6, 7]), [image_data_uri(14, 22, 4)]),
+             (_prompt(odd_checkpoint, [8], None, [9], None, [10, 11]),
+              [image_data_uri(12, 12, 5), image_data_uri(30, 10, 6)])]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    with LLM(str(odd_checkpoint), tensor_parallel_size=tp, max_model_len=256, max_num_seqs=2) as llm:
+        outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": u}} for ids, u in cases], params)
+    for out, (ids, uris) in zip(outs, cases):
+        _assert_parity(out, *_reference(odd_checkpoint, ids, uris))
+
+
+def test_preempted_image_request_is_recomputed_equal(checkpoint):
+    """A KV pool too small for three image requests at once: some are preempted and recomputed
+    (images included) and still match transformers."""
+    text = [(i * 31 + 3) % 1300 for i in range(30)]
+    cases = [(_prompt(checkpoint, text[:20 + k], None, text[20 + k:]), [image_data_uri(20, 28, 20 + k)])
+             for k in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    block_bytes = 2 * 2 * 1 * 32 * 16 * 4  # K and V, 2 full-attention layers, 1 KV head, head_dim 32, 16 tokens
+    with LLM(str(checkpoint), max_model_len=160, max_num_seqs=3, kv_cache_memory=10 * block_bytes) as llm:
+        outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": u}} for ids, u in cases], params)
+        assert llm.engine.scheduler.num_preemptions > 0
+    for out, (ids, uris) in zip(outs, cases):
+        spec = _spec(checkpoint)
+        expanded = expand_placeholders(ids, spec.image_token_id, [check_image(u, spec) for u in uris])
+        pixels, grids = reference_pixels(uris, json.loads((checkpoint / "preprocessor_config.json").read_text()))
+        ref_tokens, _ = reference_greedy_mm(checkpoint, expanded, pixels, grids, 80)
+        assert out.outputs[0].token_ids == ref_tokens
+
+
+# ---- guards: refused before any device work ----
+
+
+def _bad_images():
+    png = image_data_uri(20, 20, 1)
+    truncated = "data:image/png;base64," + base64.b64encode(base64.b64decode(png.partition(",")[2])[:60]).decode()
+    return [
+        ("https://example.com/cat.png", 400, "invalid_image_url"),
+        ("/etc/passwd", 400, "invalid_image_url"),
+        ("data:image/png,rawbytes", 400, "invalid_image_url"),
+        ("data:image/png;base64,@@not base64@@", 400, "invalid_image"),
+        ("data:image/png;base64," + base64.b64encode(b"plain text, not an image").decode(), 400, "invalid_image"),
+        (truncated, 400, "invalid_image"),
+        (image_data_uri(1, 300, 2), 400, "invalid_image"),  # aspect ratio over 200:1
+    ]
+
+
+@pytest.mark.parametrize("uri,status,code", _bad_images())
+def test_bad_images_are_refused_with_their_status(llm, checkpoint, uri, status, code):
+    before = llm.engine.scheduler.num_preemptions, llm.engine.has_unfinished()
+    ids = _prompt(checkpoint, [1, 2], None, [3])
+    good = {"prompt_token_ids": _prompt(checkpoint, [4], None), "multi_modal_data": {"image": image_data_uri(8, 8)}}
+    with pytest.raises(ImageError) as info:
+        llm.generate([good, {"prompt_token_ids": ids, "multi_modal_data": {"image": [uri]}}],
+                     SamplingParams(max_tokens=2))
+    assert (info.value.status, info.value.code) == (status, code)
+    assert (llm.engine.scheduler.num_preemptions, llm.engine.has_unfinished()) == before  # nothing was queued
+
+
+def test_images_over_the_pixel_limit_get_413(llm, checkpoint, monkeypatch):
+    monkeypatch.setenv("NEURON_VISION_MAX_PIXELS", "1000")
+    ids = _prompt(checkpoint, [1], None)
+    with pytest.raises(ImageError) as info:
+        llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image_data_uri(40, 40)}})
+    assert (info.value.status, info.value.code) == (413, "image_too_large")
+    assert "NEURON_VISION_MAX_PIXELS" in str(info.value)
+    assert not llm.engine.has_unfinished()
+
+
+def test_placeholder_count_must_match_the_images(llm, checkpoint):
+    two = _prompt(checkpoint, [1], None, [2], None)
+    with pytest.raises(ImageError, match="2 image placeholder"):
+        llm.generate({"prompt_token_ids": two, "multi_modal_data": {"image": [image_data_uri(8, 8)]}})
+    with pytest.raises(RequestError, match="placeholder"):  # placeholders with no images at all
+        llm.generate({"prompt_token_ids": two})
+
+
+def test_gpu_memory_guard_answers_503(llm, checkpoint, monkeypatch):
+    """On CUDA the engine compares the vision tower's activation bound with free GPU memory."""
+    engine = llm.engine
+    monkeypatch.setattr(engine, "device", "cuda:0")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1024, 2**30))
+    with pytest.raises(ImageError) as info:
+        engine.check_images([image_data_uri(20, 20)])
+    assert (info.value.status, info.value.code) == (503, "insufficient_vram")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**34, 2**35))
+    assert len(engine.check_images([image_data_uri(20, 20)])) == 1
+
+
+def test_text_models_refuse_images(tmp_path):
+    from checkpoints import BASE, build_checkpoint
+
+    path = build_checkpoint(tmp_path / "qwen3", **BASE)
+    with LLM(str(path), max_model_len=64) as llm:
+        with pytest.raises(ImageError) as info:
+            llm.generate({"prompt_token_ids": [1, 2, 3], "multi_modal_data": {"image": image_data_uri(8, 8)}})
+        assert (info.value.status, info.value.code) == (400, "vision_unsupported")
+
+
+# ---- the rank refuses a bad generate_step_with_images alike on every rank, changing nothing ----
+
+
+@pytest.fixture(scope="module")
+def rank(checkpoint):
+    r = Rank(0, 1)
+    r.load(p.LoadDenseShard(seq=1, model_id="m", config_json=(checkpoint / "config.json").read_text(),
+                            safetensors_paths=[str(f) for f in safetensors_files(checkpoint)], dtype="float32",
+                            max_slots=2, max_model_len=128, block_size=16))
+    yield r
+    r.close()
+
+
+def _step(ids, uris, image_token_id, chunk=16, fresh=True):
+    blocks = list(range(math.ceil(len(ids) / 16)))
+    return p.GenerateStepWithImages(seq=2, model_id="m", seqs=[p.StepSeq(0, ids, 0, blocks, fresh)],
+                                    image_token_id=image_token_id, image_data_uris=uris, chunk_size=chunk)
+
+
+def test_rank_refuses_mismatched_images_before_any_work(rank, checkpoint):
+    spec = _spec(checkpoint)
+    uri = image_data_uri(20, 28, 1)
+    ids = expand_placeholders(_prompt(checkpoint, [1, 2], None, [3]), spec.image_token_id, [check_image(uri, spec)])
+    tid = spec.image_token_id
+    cases = [
+        (_step(ids, [], tid), "placeholder"),  # placeholders but no image
+        (_step(ids, [uri, uri], tid), "image"),  # one image too many
+        (_step(ids[:-3], [uri], tid), "placeholder"),  # too few placeholders for the grid
+        (_step(ids, ["data:image/png;base64,AAAA"], tid), "image 0"),
+        (_step(ids, [uri], tid, chunk=0), "chunk_size"),
+        (_step(ids, [uri], tid, fresh=False), "position 0"),
+    ]
+    for req, match in cases:
+        reply = rank.handle(req)
+        assert isinstance(reply, p.Error) and reply.kind == p.ErrorKind.BAD_REQUEST, reply
+        assert match in reply.message
+    ok = rank.handle(_step(ids, [uri], tid))
+    assert isinstance(ok, p.GenerateStepOk)
+    with pytest.raises(RankFailure) as info:
+        rank.step_with_images(p.GenerateStepWithImages(seq=3, model_id="nope", seqs=[], image_token_id=tid,
+                                                       image_data_uris=[], chunk_size=4))
+    assert info.value.kind == p.ErrorKind.MODEL_NOT_LOADED

@@ -1,0 +1,136 @@
+"""A tiny random Qwen3.5 vision checkpoint with a real tokenizer and chat template, built by the
+tests with transformers, and transformers' own greedy decode on it (the oracle)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import AddedToken
+
+from neuron.models.default import build_tokenizer, tokenizer_config
+from test_qwen3_5 import MULTIMODAL_TEXT, VISION
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+# Small pixel bounds, so test images take a few dozen placeholder tokens at most.
+PREPROCESSOR = {
+    "patch_size": 4,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "size": {"shortest_edge": 256, "longest_edge": 4096},
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "image_processor_type": "Qwen2VLImageProcessor",
+}
+
+# ChatML; a content list renders its text parts as text and its image parts as Qwen's placeholder.
+CHAT_TEMPLATE = """\
+{%- for message in messages -%}
+    {{- "<|im_start|>" + message.role + "\\n" -}}
+    {%- if message.content is string -%}
+        {{- message.content -}}
+    {%- elif message.content is iterable -%}
+        {%- for part in message.content -%}
+            {%- if part.type == "text" -%}
+                {{- part.text -}}
+            {%- elif part.type in ("image", "image_url") -%}
+                {{- "<|vision_start|><|image_pad|><|vision_end|>" -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+    {{- "<|im_end|>\\n" -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- "<|im_start|>assistant\\n" -}}
+{%- endif -%}
+"""
+
+
+def build_vision_checkpoint(path: Path, seed: int = 0, text: dict | None = None, vision: dict | None = None,
+                            preprocessor: dict | None = None) -> Path:
+    """Write a random fp32 Qwen3_5ForConditionalGeneration, its tokenizer and preprocessor into
+    `path`; `text`, `vision` and `preprocessor` replace the default shapes."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
+    tok.save(str(path / "tokenizer.json"))
+    ids = {t.content: i for i, t in tok.get_added_tokens_decoder().items()}
+    tok_config = tokenizer_config(ids) | {"chat_template": CHAT_TEMPLATE}
+    for entry in tok_config["added_tokens_decoder"].values():
+        entry["special"] |= entry["content"] in VISION_TOKENS
+    _write_json(path / "tokenizer_config.json", tok_config)
+    _write_json(path / "preprocessor_config.json", preprocessor or PREPROCESSOR)
+
+    vocab_size = -(-tok.get_vocab_size(with_added_tokens=True) // 64) * 64
+    text = dict(text or MULTIMODAL_TEXT, vocab_size=vocab_size, initializer_range=0.25)
+    config = Qwen3_5Config(
+        text_config=text, vision_config=dict(vision or VISION, initializer_range=0.25), tie_word_embeddings=False,
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(seed)
+    Qwen3_5ForConditionalGeneration(config).eval().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def image_data_uri(width: int, height: int, seed: int = 0) -> str:
+    """A PNG of deterministic random pixels, as a base64 data: URI."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def reference_pixels(uris: list[str], preprocessor: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """pixel_values and image_grid_thw from transformers' own image processor, set up as
+    preprocessor_config.json says (independent of neuron's preprocessing)."""
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    kw = {k: v for k, v in (preprocessor or PREPROCESSOR).items() if k != "image_processor_type"}
+    processor = Qwen2VLImageProcessorPil(**kw)
+    images = [Image.open(io.BytesIO(base64.b64decode(u.partition(",")[2]))) for u in uris]  # it converts to RGB itself
+    out = processor(images=images, return_tensors="pt")
+    return out["pixel_values"], out["image_grid_thw"]
+
+
+def reference_greedy_mm(path: Path, input_ids: list[int], pixel_values: torch.Tensor | None,
+                        image_grid_thw: torch.Tensor | None, max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy tokens on an expanded multimodal prompt (no images when pixel_values
+    is None), and the log-softmax of its logits at each step."""
+    model = _cached_model(str(path))
+    ids = torch.tensor([input_ids])
+    images = {} if pixel_values is None else {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+    out = model.generate(  # an explicit mask: generate would otherwise treat token 0 as padding
+        ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == model.config.image_token_id).int(),
+        max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
+        eos_token_id=None, pad_token_id=0, **images,
+    )
+    tokens = out.sequences[0, len(input_ids):].tolist()
+    return tokens, [torch.log_softmax(step[0].float(), -1) for step in out.logits]
+
+
+_MODELS: dict = {}
+
+
+def _cached_model(path: str):
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    if path not in _MODELS:
+        _MODELS[path] = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    return _MODELS[path]
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
