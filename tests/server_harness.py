@@ -94,6 +94,7 @@ class ScriptedEngine:
         self.was_shut_down = False
 
     failure = None
+    vision = None
 
     def on_failure(self, callback) -> None:
         pass
@@ -101,7 +102,7 @@ class ScriptedEngine:
     def default_sampling(self) -> dict:
         return {}
 
-    def add_request(self, request_id, prompt_token_ids, params) -> None:
+    def add_request(self, request_id, prompt_token_ids, params, images=None) -> None:
         if len(prompt_token_ids) >= self.max_model_len:
             raise RequestError("prompt too long", code="context_length_exceeded", param="messages")
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):

@@ -131,12 +131,37 @@ def test_any_split_parses_like_the_whole(text, kw):
 
 
 def test_messages_developer_role_and_text_parts():
-    msgs = normalise_messages([
+    msgs, images = normalise_messages([
         {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
     ])
     assert msgs[0]["role"] == "system"
-    assert msgs[1]["content"] == "a\nb"
+    assert msgs[1]["content"] == "a\nb" and images == []
+
+
+def test_messages_with_images_keep_their_parts():
+    msgs, images = normalise_messages([
+        {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "user", "content": [
+            {"type": "text", "text": "compare"},
+            {"type": "image_url", "image_url": {"url": "data:one", "detail": "low"}},
+            {"type": "image_url", "image_url": "data:two"},
+        ]},
+        {"role": "user", "content": [{"type": "input_image", "image_url": "data:three"}]},
+    ], vision=True)
+    assert msgs[0]["content"] == "a\nb"  # no images: the joined string, as without vision
+    assert msgs[1]["content"] == [{"type": "text", "text": "compare"}, {"type": "image"}, {"type": "image"}]
+    assert msgs[2]["content"] == [{"type": "image"}]
+    assert images == ["data:one", "data:two", "data:three"]
+
+
+@pytest.mark.parametrize("part", [{"type": "image_url"}, {"type": "image_url", "image_url": {}},
+                                  {"type": "image_url", "image_url": {"url": 3}}, {"type": "input_image"},
+                                  {"type": "image", "image_url": ""}])
+def test_image_parts_need_a_url(part):
+    with pytest.raises(APIError) as e:
+        normalise_messages([{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}], vision=True)
+    assert e.value.status == 400 and e.value.param == "messages[0].content[1].image_url"
 
 
 def test_messages_reject_images_and_bad_roles():

@@ -26,6 +26,7 @@ from neuron.engine import LLMEngine, Update
 from neuron.errors import NeuronError
 from neuron.sampling import SamplingParams
 from neuron.server.metrics import Metrics
+from neuron.vision import ImageInput
 
 log = logging.getLogger("neuron.server")
 
@@ -212,13 +213,15 @@ class AsyncEngine:
 
     # ---- requests (event-loop thread) ----
 
-    def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Submit a request; raises NotReady, Overloaded or the engine's RequestError."""
+    def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+             images: list[ImageInput] | None = None) -> RequestStream:
+        """Submit a request (its image placeholders already expanded); raises NotReady, Overloaded
+        or the engine's RequestError."""
         if self._state is not EngineState.READY:
             raise NotReady(self._state, self._error)
         if len(self._streams) >= self.capacity:
             raise Overloaded(f"all {self.capacity} running and waiting places are taken")
-        self.engine.add_request(request_id, prompt_token_ids, params)
+        self.engine.add_request(request_id, prompt_token_ids, params, images=images)
         stream = RequestStream(self, request_id, len(prompt_token_ids))
         self._streams[request_id] = stream
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))

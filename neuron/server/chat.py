@@ -21,14 +21,17 @@ _ROLES = ("system", "user", "assistant", "tool")
 _IMAGE_PARTS = ("image_url", "input_image", "image")
 
 
-def normalise_messages(messages: list[dict]) -> list[dict]:
-    """Validate OpenAI chat messages and shape them for a chat template."""
+def normalise_messages(messages: list[dict], vision: bool = False) -> tuple[list[dict], list[str]]:
+    """Validate OpenAI chat messages and shape them for a chat template. Returns the messages and
+    the URLs of their images in order of appearance; without `vision`, an image is a 400."""
     if not messages:
         raise bad_request("messages must contain at least one message", param="messages")
-    return [_message(m, i) for i, m in enumerate(messages)]
+    images: list[str] | None = [] if vision else None
+    out = [_message(m, i, images) for i, m in enumerate(messages)]
+    return out, images or []
 
 
-def _message(m: dict, i: int) -> dict:
+def _message(m: dict, i: int, images: list[str] | None) -> dict:
     where = f"messages[{i}]"
     role = m.get("role")
     if role == "developer":  # OpenAI's newer name for the system turn
@@ -36,29 +39,49 @@ def _message(m: dict, i: int) -> dict:
     if role not in _ROLES:
         raise bad_request(f"{where}.role must be one of system, developer, user, assistant, tool; got {role!r}",
                           param=f"{where}.role")
-    out = {**m, "role": role, "content": _content(m.get("content"), f"{where}.content")}
+    out = {**m, "role": role, "content": _content(m.get("content"), f"{where}.content", images)}
     if role == "assistant" and out.get("tool_calls") is not None and not isinstance(out["tool_calls"], list):
         raise bad_request(f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
     return out
 
 
-def _content(content, where: str) -> str | None:
-    """A string, null, or a list of text parts (joined by newlines, as templates expect a string)."""
+def _content(content, where: str, images: list[str] | None) -> str | list[dict] | None:
+    """A string, null, or a list of parts. Text parts alone are joined by newlines (templates expect
+    a string); with images the list stays, as `{"type": "text"}` and `{"type": "image"}` parts,
+    which Qwen-style templates render as text and image placeholders."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"{where} must be a string or a list of content parts", param=where)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in _IMAGE_PARTS:
-            raise APIError(400, "this model does not accept images; send text content only", param=f"{where}[{j}]",
+    parts = [_part(part, f"{where}[{j}]", images) for j, part in enumerate(content)]
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
+
+
+def _part(part, where: str, images: list[str] | None) -> dict:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in _IMAGE_PARTS:
+        if images is None:
+            raise APIError(400, "this model does not accept images; send text content only", param=where,
                            code="vision_unsupported")
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise bad_request(f"{where}[{j}] must be a text part {{\"type\": \"text\", \"text\": ...}}",
-                              param=f"{where}[{j}]")
-        texts.append(part["text"])
-    return "\n".join(texts)
+        images.append(_image_url(part, where))
+        return {"type": "image"}
+    if kind != "text" or not isinstance(part.get("text"), str):
+        also = "" if images is None else " or an image part (type image_url)"
+        raise bad_request(f"{where} must be a text part {{\"type\": \"text\", \"text\": ...}}{also}", param=where)
+    return {"type": "text", "text": part["text"]}
+
+
+def _image_url(part: dict, where: str) -> str:
+    """`{"image_url": {"url": ...}}` (chat completions) or `{"image_url": "..."}` (input_image)."""
+    url = part.get("image_url")
+    if isinstance(url, dict):
+        url = url.get("url")
+    if not isinstance(url, str) or not url:
+        raise bad_request(f"{where} needs an image URL: {{\"type\": \"image_url\", \"image_url\": {{\"url\": "
+                          "\"data:image/png;base64,...\"}}", param=f"{where}.image_url")
+    return url
 
 
 def prompt_opens_reasoning(prompt: str) -> bool:

@@ -15,6 +15,7 @@ from neuron.server.async_engine import AsyncEngine, EngineState, NotReady, Overl
 from neuron.server.errors import APIError, bad_request, generation_failed, internal, unavailable, unsupported
 from neuron.server.protocol import SamplingRequest, TopLogprob, UsageInfo
 from neuron.tokenizer import Tokenizer
+from neuron.vision import ImageInput
 
 # OpenAI's defaults, used where neither the request nor generation_config.json says otherwise.
 _OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
@@ -106,9 +107,9 @@ def sampling_params(req: SamplingRequest, defaults: dict, *, max_tokens: int | N
 
 
 def open_stream(engine: AsyncEngine, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                prompt_param: str) -> RequestStream:
+                prompt_param: str, images: list[ImageInput] | None = None) -> RequestStream:
     try:
-        return engine.open(request_id, prompt_ids, params)
+        return engine.open(request_id, prompt_ids, params, images)
     except NotReady as exc:
         raise _not_ready(exc) from None
     except Overloaded as exc:

@@ -15,12 +15,13 @@ from neuron.server.async_engine import AsyncEngine, RequestStream
 from neuron.server.chat import THINK_CLOSE, THINK_OPEN, OutputParser, Parsed, normalise_messages, prompt_opens_reasoning
 from neuron.server.common import (TokenRenderer, check_common, check_model, clamp, new_id, now, open_stream,
                                   ready_engine, sampling_params, sse, stream_error, usage)
-from neuron.server.errors import bad_request, unsupported
+from neuron.server.errors import APIError, bad_request, unsupported
 from neuron.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                     ChatCompletionResponse, ChatLogprobs, ChatMessage, DeltaMessage, DeltaToolCall,
                                     FunctionCall, TokenLogprob, ToolCall)
 from neuron.server.sse import DONE, KEEPALIVE, EventStreamResponse, json_unless_disconnected, updates_with_keepalive
 from neuron.tokenizer import TokenizerError
+from neuron.vision import ImageError, ImageInput
 
 
 class ChatRequestContext:
@@ -79,15 +80,25 @@ def _check(req: ChatCompletionRequest) -> None:
                           param="chat_template_kwargs")
 
 
-def _render(tokenizer, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-    messages = normalise_messages(req.messages)
+def _render(llm, req: ChatCompletionRequest) -> tuple[str, list[int], list[ImageInput]]:
+    """The prompt and its token ids, each image placeholder expanded to the image's tokens. Images
+    are decoded and checked here (CPU work, so off the event loop), before any device work."""
+    messages, uris = normalise_messages(req.messages, vision=llm.vision is not None)
     tools = req.tools if _uses_tools(req) else None
     try:
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
-                                               **(req.chat_template_kwargs or {}))
+        prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
+                                                   **(req.chat_template_kwargs or {}))
     except TokenizerError as exc:
         raise bad_request(str(exc), param="messages") from None
-    return prompt, tokenizer.encode(prompt)
+    ids = llm.tokenizer.encode(prompt)
+    if not uris:
+        return prompt, ids, []
+    try:
+        images = llm.check_images(uris)
+        return prompt, llm.expand_images(ids, images), images
+    except ImageError as exc:
+        kind = "server_error" if exc.status >= 500 else "invalid_request_error"
+        raise APIError(exc.status, str(exc), type=kind, code=exc.code, param="messages") from None
 
 
 async def create_chat_completion(request: Request, engine: AsyncEngine, req: ChatCompletionRequest,
@@ -102,9 +113,9 @@ async def create_chat_completion(request: Request, engine: AsyncEngine, req: Cha
     max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     params = sampling_params(req, llm.default_sampling(), max_tokens=getattr(req, max_name), logprobs=top_logprobs,
                              renames={"logprobs": "top_logprobs", "max_tokens": max_name})
-    prompt, prompt_ids = await anyio.to_thread.run_sync(_render, llm.tokenizer, req)
+    prompt, prompt_ids, images = await anyio.to_thread.run_sync(_render, llm, req)
     ctx = ChatRequestContext(req, engine.model_name, llm.tokenizer, prompt, top_logprobs)
-    stream = open_stream(engine, ctx.id, prompt_ids, params, prompt_param="messages")
+    stream = open_stream(engine, ctx.id, prompt_ids, params, prompt_param="messages", images=images)
     if req.stream:
         return EventStreamResponse(_events(ctx, stream, keepalive_s), on_close=stream.close)
     return await json_unless_disconnected(request, stream, _collect(ctx, stream))
