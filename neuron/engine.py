@@ -18,6 +18,7 @@ from neuron.block_manager import BlockManager
 from neuron.errors import ConfigError, NeuronError, WorkerError
 from neuron.models import check_supported, supports_prefix_caching, text_config
 from neuron.models.loader import read_generation_config, read_json, resolve_model_path
+from neuron.rpc.codec import max_line_bytes
 from neuron.rpc.protocol import StepSeq
 from neuron.sampling import SamplingParams, SequenceSampler, sample
 from neuron.scheduler import Scheduled, Scheduler, Sequence, Status
@@ -27,6 +28,8 @@ from neuron.vision import ImageError, ImageInput, VisionSpec, check_image, expan
 from neuron.vision import vision_activation_bytes
 
 log = logging.getLogger("neuron.engine")
+
+_STEP_LINE_MARGIN = 1 << 20  # room in a protocol line for a step's tokens beside its images
 
 
 class RequestError(NeuronError):
@@ -210,6 +213,10 @@ class LLMEngine:
         over NEURON_VISION_MAX_PIXELS; 503 when the vision tower's activations cannot fit the GPU)."""
         if self.vision is None:
             raise ImageError("this model does not accept images; send text content only", code="vision_unsupported")
+        size, limit = sum(len(u) for u in uris if isinstance(u, str)), max_line_bytes() - _STEP_LINE_MARGIN
+        if size > limit:  # the images travel to every worker in one protocol line
+            raise ImageError(f"the request's images take {size} bytes encoded; at most {limit} fit one step "
+                             "(NEURON_MAX_LINE_BYTES)", status=413, code="image_too_large")
         images = [check_image(uri, self.vision) for uri in uris]
         if self.device.startswith("cuda") and images:
             free, _ = torch.cuda.mem_get_info(self.runner.devices[0])

@@ -319,6 +319,14 @@ def test_images_over_the_pixel_limit_get_413(llm, checkpoint, monkeypatch):
     assert not llm.engine.has_unfinished()
 
 
+def test_images_too_large_for_one_protocol_line_get_413(llm, checkpoint, monkeypatch):
+    monkeypatch.setenv("NEURON_MAX_LINE_BYTES", str((1 << 20) + 100))
+    with pytest.raises(ImageError) as info:
+        llm.engine.check_images([image_data_uri(20, 20, 1)] * 2)
+    assert (info.value.status, info.value.code) == (413, "image_too_large")
+    assert "NEURON_MAX_LINE_BYTES" in str(info.value)
+
+
 def test_placeholder_count_must_match_the_images(llm, checkpoint):
     two = _prompt(checkpoint, [1], None, [2], None)
     with pytest.raises(ImageError, match="2 image placeholder"):
@@ -391,3 +399,41 @@ def test_rank_refuses_mismatched_images_before_any_work(rank, checkpoint):
         rank.step_with_images(p.GenerateStepWithImages(seq=3, model_id="nope", seqs=[], image_token_id=tid,
                                                        image_data_uris=[], chunk_size=4))
     assert info.value.kind == p.ErrorKind.MODEL_NOT_LOADED
+
+
+def test_worker_killed_before_an_image_prefill_fails_cleanly_and_recovers(checkpoint):
+    """The image step fails with an error naming the dead rank, the engine rebuilds its ranks, and
+    the same request then matches transformers."""
+    import os
+    import signal
+
+    from neuron.engine import EngineConfig, LLMEngine
+
+    ids, uris = _cases(checkpoint)[1]
+    spec = _spec(checkpoint)
+    images = [check_image(u, spec) for u in uris]
+    expanded = expand_placeholders(ids, spec.image_token_id, images)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), tp=2, device="cpu", dtype="float32", max_num_seqs=2,
+                                    max_model_len=128)).start()
+
+    def run(rid: str) -> tuple[list[int], str | None]:
+        engine.add_request(rid, expanded, params, images)
+        tokens = []
+        for _ in range(100):
+            for u in engine.step():
+                tokens += u.token_ids
+                if u.finished:
+                    return tokens, u.error
+        raise AssertionError("the request did not finish")
+
+    try:
+        os.kill(engine.runner.pool.workers[-1].proc.pid, signal.SIGKILL)
+        tokens, error = run("doomed")
+        assert error is not None and "rank 1" in error
+        engine.recover()
+        tokens, error = run("again")
+        assert error is None
+        assert tokens == _reference(checkpoint, ids, uris)[0]
+    finally:
+        engine.shutdown()
