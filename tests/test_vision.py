@@ -388,6 +388,8 @@ def test_rank_refuses_mismatched_images_before_any_work(rank, checkpoint):
         (_step(ids, ["data:image/png;base64,AAAA"], tid), "image 0"),
         (_step(ids, [uri], tid, chunk=0), "chunk_size"),
         (_step(ids, [uri], tid, fresh=False), "position 0"),
+        (p.GenerateStepWithImages(seq=2, model_id="m", seqs=[], image_token_id=tid, image_data_uris=[uri],
+                                  chunk_size=4), "at least one sequence"),
     ]
     for req, match in cases:
         reply = rank.handle(req)

@@ -408,6 +408,8 @@ class Qwen35ForCausalLM(CausalLM):
             raise StepRejected("this model has no vision tower")
         if chunk_size < 1:
             raise StepRejected(f"chunk_size must be >= 1, got {chunk_size}")
+        if not seqs:
+            raise StepRejected("a step with images needs at least one sequence")
         for s in seqs:
             if not s.fresh or s.offset != 0:
                 raise StepRejected(f"slot {s.slot}: a step with images prefills a whole sequence from "
