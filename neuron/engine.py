@@ -25,7 +25,7 @@ from neuron.scheduler import Scheduled, Scheduler, Sequence, Status
 from neuron.tokenizer import IncrementalDetokenizer, Tokenizer
 from neuron.tp.runner import ModelRunner, RunnerConfig
 from neuron.vision import ImageError, ImageInput, VisionSpec, check_image, expand_placeholders, image_spans
-from neuron.vision import vision_activation_bytes
+from neuron.vision import vision_activation_bytes, vision_unsupported
 
 log = logging.getLogger("neuron.engine")
 
@@ -212,7 +212,7 @@ class LLMEngine:
         a model without vision, a URI that is not base64 `data:`, or bytes that are no image; 413
         over NEURON_VISION_MAX_PIXELS; 503 when the vision tower's activations cannot fit the GPU)."""
         if self.vision is None:
-            raise ImageError("this model does not accept images; send text content only", code="vision_unsupported")
+            raise vision_unsupported()
         size, limit = sum(len(u) for u in uris if isinstance(u, str)), max_line_bytes() - _STEP_LINE_MARGIN
         if size > limit:  # the images travel to every worker in one protocol line
             raise ImageError(f"the request's images take {size} bytes encoded; at most {limit} fit one step "
@@ -231,7 +231,7 @@ class LLMEngine:
     def expand_images(self, prompt_token_ids: list[int], images: list[ImageInput]) -> list[int]:
         """The prompt with its one placeholder per image widened to the tokens the image fills."""
         if self.vision is None:
-            raise ImageError("this model does not accept images; send text content only", code="vision_unsupported")
+            raise vision_unsupported()
         return expand_placeholders(list(prompt_token_ids), self.vision.image_token_id, images)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -246,8 +246,7 @@ class LLMEngine:
     def _check_placeholders(self, prompt_token_ids: list[int], images: list[ImageInput]) -> None:
         if self.vision is None:
             if images:
-                raise ImageError("this model does not accept images; send text content only",
-                                 code="vision_unsupported")
+                raise vision_unsupported()
             return
         try:
             image_spans(prompt_token_ids, self.vision.image_token_id, [i.num_tokens for i in images])
@@ -309,7 +308,7 @@ class LLMEngine:
                 if exc.kind != "bad_request" or self.failure is not None:
                     return updates + self.fail_in_flight(str(exc))
                 # Refused alike on every rank before any device work: only these requests fail.
-                updates += self._fail(imaged, str(exc))
+                updates += self._fail([s.seq for s in imaged], str(exc))
                 imaged = []
             except Exception as exc:
                 return updates + self.fail_in_flight(str(exc))
@@ -335,12 +334,14 @@ class LLMEngine:
         return self.runner.step_with_images(self._steps(imaged), self.vision.image_token_id, uris,
                                             self.scheduler.prefill_chunk)
 
-    def _fail(self, scheduled: list[Scheduled], message: str) -> list[Update]:
-        log.error("failing %d request(s): %s", len(scheduled), message)
+    def _fail(self, seqs: list[Sequence], message: str) -> list[Update]:
+        """End these requests with an error; their slots and blocks return to the scheduler."""
+        if seqs:
+            log.error("failing %d request(s): %s", len(seqs), message)
         updates = []
-        for s in scheduled:
-            self.scheduler.finish(s.seq, "error")
-            updates.append(self._final(self._tracked[s.seq.request_id], error=message))
+        for seq in seqs:
+            self.scheduler.finish(seq, "error")
+            updates.append(self._final(self._tracked[seq.request_id], error=message))
         return updates
 
     def _advance(self, s: Scheduled, token: int, logprobs: dict[int, float] | None) -> Update:
@@ -429,14 +430,7 @@ class LLMEngine:
 
     def fail_in_flight(self, message: str) -> list[Update]:
         """End every admitted request with an error; their slots return to the free list."""
-        seqs = self.scheduler.all_sequences()
-        if seqs:
-            log.error("failing %d in-flight request(s): %s", len(seqs), message)
-        updates = []
-        for seq in seqs:
-            self.scheduler.finish(seq, "error")
-            updates.append(self._final(self._tracked[seq.request_id], error=message))
-        return updates
+        return self._fail(self.scheduler.all_sequences(), message)
 
     def kv_slot_usage(self) -> float:
         return len(self.scheduler.running) / self.scheduler.max_num_seqs

@@ -34,6 +34,10 @@ class ImageError(NeuronError):
         self.code = code
 
 
+def vision_unsupported() -> ImageError:
+    return ImageError("this model does not accept images; send text content only", code="vision_unsupported")
+
+
 @dataclass(frozen=True, slots=True)
 class VisionSpec:
     """How a checkpoint turns images into patches and placeholder tokens (config.json's
@@ -283,4 +287,5 @@ __all__ = [
     "preprocess",
     "smart_resize",
     "vision_activation_bytes",
+    "vision_unsupported",
 ]

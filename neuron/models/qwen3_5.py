@@ -403,9 +403,7 @@ class Qwen35ForCausalLM(CausalLM):
         the sequences in order, each taking the next run of placeholders its grid fills. Returns
         rank 0's logits of each sequence's last token. Everything is checked before the first
         collective; a bad request raises StepRejected on every rank alike."""
-        assert self.cache is not None
-        if self.vision is None:
-            raise StepRejected("this model has no vision tower")
+        assert self.cache is not None and self.vision is not None
         if chunk_size < 1:
             raise StepRejected(f"chunk_size must be >= 1, got {chunk_size}")
         if not seqs:
@@ -424,7 +422,7 @@ class Qwen35ForCausalLM(CausalLM):
             pixels.append(patches)
             grids.append(grid)
         merge2 = self.vision_spec.merge_size ** 2
-        layouts, used = [], 0
+        layouts, used, first = [], 0, 0  # images taken so far, and their embedding rows
         for s in seqs:
             want = s.token_ids.count(image_token_id)
             counts, take = [], used
@@ -437,7 +435,6 @@ class Qwen35ForCausalLM(CausalLM):
                 raise StepRejected(f"slot {s.slot}: {exc}") from None
             positions, shift = mrope_positions(len(s.token_ids), spans, grids[used:take], self.vision_spec.merge_size)
             source = torch.full((len(s.token_ids),), -1, dtype=torch.long)
-            first = sum(math.prod(g) // merge2 for g in grids[:used])
             for start, end in spans:
                 source[start:end] = torch.arange(first, first + end - start)
                 first += end - start
