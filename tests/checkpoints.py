@@ -44,11 +44,17 @@ def reference_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> tupl
     """transformers' greedy tokens and the log-softmax of its logits at each step."""
     from transformers import Qwen3ForCausalLM
 
-    model = _cached_model(str(path))
+    return greedy_with_logprobs(cached_model(Qwen3ForCausalLM, path), prompt, max_new_tokens)
+
+
+def greedy_with_logprobs(model, prompt: list[int], max_new_tokens: int,
+                         **inputs) -> tuple[list[int], list[torch.Tensor]]:
+    """A transformers model's greedy continuation of `prompt` (extra model `inputs` such as
+    pixels passed through), and the log-softmax of its logits at each step."""
     ids = torch.tensor([prompt])
     out = model.generate(  # an explicit mask: generate would otherwise treat token 0 as padding
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-        output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
+        output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0, **inputs,
     )
     tokens = out.sequences[0, len(prompt):].tolist()
     return tokens, [torch.log_softmax(step[0].float(), -1) for step in out.logits]
@@ -57,12 +63,12 @@ def reference_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> tupl
 _MODELS: dict = {}
 
 
-def _cached_model(path: str):
-    from transformers import Qwen3ForCausalLM
-
-    if path not in _MODELS:
-        _MODELS[path] = Qwen3ForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
-    return _MODELS[path]
+def cached_model(cls, path):
+    """`cls.from_pretrained(path)` in float32, loaded once per path and class."""
+    key = (cls, str(path))
+    if key not in _MODELS:
+        _MODELS[key] = cls.from_pretrained(path, dtype=torch.float32).eval()
+    return _MODELS[key]
 
 # Three ranks need head counts and widths that 3 divides.
 TP3 = dict(BASE, vocab_size=301, hidden_size=48, intermediate_size=96, num_attention_heads=6,

@@ -182,16 +182,20 @@ def post(http: httpx.Client, url: str, content: bytes, body) -> None:
 # ---- against the scripted engine ----
 
 
-@pytest.fixture(scope="module")
-def stub_server():
-    tokenizer = Tokenizer.from_dir(default_model_dir())
-    engine = scripted_engine(ScriptedEngine(tokenizer, {}), max_running=4, max_waiting=4)
+def _serving(engine, ready_s: float, http_timeout_s: float):
+    """A live server over `engine` with an HTTP client as `.http`; still healthy when done."""
     with LiveServer(engine, ServerConfig(max_body_bytes=BODY_LIMIT)) as s:
-        s.wait_ready(10)
-        with httpx.Client(base_url=s.base_url, timeout=30) as http:
+        s.wait_ready(ready_s)
+        with httpx.Client(base_url=s.base_url, timeout=http_timeout_s) as http:
             s.http = http
             yield s
         assert httpx.get(f"{s.url}/health").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def stub_server():
+    tokenizer = Tokenizer.from_dir(default_model_dir())
+    yield from _serving(scripted_engine(ScriptedEngine(tokenizer, {}), max_running=4, max_waiting=4), 10, 30)
 
 
 @settings(FUZZ, max_examples=70)
@@ -229,13 +233,7 @@ def test_known_fields_with_any_json(stub_server, extra, chat):
 @pytest.fixture(scope="module")
 def real_server():
     # A short context bounds every generation, whatever max_tokens and ignore_eos say.
-    engine = real_engine(None, 1, max_model_len=320, max_num_seqs=4)
-    with LiveServer(engine, ServerConfig(max_body_bytes=BODY_LIMIT)) as s:
-        s.wait_ready()
-        with httpx.Client(base_url=s.base_url, timeout=60) as http:
-            s.http = http
-            yield s
-        assert httpx.get(f"{s.url}/health").status_code == 200
+    yield from _serving(real_engine(None, 1, max_model_len=320, max_num_seqs=4), 120, 60)
 
 
 @settings(FUZZ, max_examples=40)

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from checkpoints import cached_model, greedy_with_logprobs
 from neuron import LLM, SamplingParams
 from neuron.errors import ConfigError
 from neuron.models import build_model
@@ -81,26 +82,15 @@ def text_checkpoint(tmp_path_factory):
     return path
 
 
-_REFERENCES: dict = {}
-
-
 def _reference(path) -> torch.nn.Module:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
-    if str(path) not in _REFERENCES:
-        model_type = json.loads((path / "config.json").read_text())["model_type"]
-        cls = Qwen3_5ForConditionalGeneration if model_type == "qwen3_5" else Qwen3_5ForCausalLM
-        _REFERENCES[str(path)] = cls.from_pretrained(path, dtype=torch.float32).eval()
-    return _REFERENCES[str(path)]
+    model_type = json.loads((path / "config.json").read_text())["model_type"]
+    return cached_model(Qwen3_5ForConditionalGeneration if model_type == "qwen3_5" else Qwen3_5ForCausalLM, path)
 
 
 def reference_greedy(path, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
-    ids = torch.tensor([prompt])
-    out = _reference(path).generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-        return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
-    )
-    return out.sequences[0, len(prompt):].tolist(), [torch.log_softmax(s[0].float(), -1) for s in out.logits]
+    return greedy_with_logprobs(_reference(path), prompt, NEW_TOKENS)
 
 
 def _params(max_tokens=NEW_TOKENS, logprobs=5) -> SamplingParams:

@@ -31,6 +31,7 @@ from neuron.vision import (
     preprocess,
     smart_resize,
 )
+from checkpoints import cached_model
 from test_qwen3_5 import MULTIMODAL_TEXT
 from vision_checkpoint import (
     build_vision_checkpoint,
@@ -136,7 +137,7 @@ def test_preprocessing_matches_transformers_processor(checkpoint):
 
 
 def test_positions_match_transformers_rope_index(checkpoint):
-    from vision_checkpoint import _cached_model
+    from transformers import Qwen3_5ForConditionalGeneration
 
     spec = _spec(checkpoint)
     uris = [image_data_uri(20, 28, 1), image_data_uri(40, 16, 2)]
@@ -145,7 +146,7 @@ def test_positions_match_transformers_rope_index(checkpoint):
                               spec.image_token_id, images)
     spans = image_spans(ids, spec.image_token_id, [i.num_tokens for i in images])
     positions, shift = mrope_positions(len(ids), spans, [i.grid for i in images], spec.merge_size)
-    model = _cached_model(str(checkpoint))
+    model = cached_model(Qwen3_5ForConditionalGeneration, checkpoint)
     t = torch.tensor([ids])
     ref, delta = model.model.get_rope_index(t, (t == spec.image_token_id).int(),
                                             image_grid_thw=torch.tensor([i.grid for i in images]))
@@ -162,7 +163,7 @@ def test_vision_tower_matches_transformers(odd_checkpoint):
     tower = VisionTower(config["vision_config"], torch.float32, torch.device("cpu"))
     with CheckpointReader(safetensors_files(odd_checkpoint)) as r:
         tower.load(r)
-    model = Qwen3_5ForConditionalGeneration.from_pretrained(odd_checkpoint, dtype=torch.float32).eval()
+    model = cached_model(Qwen3_5ForConditionalGeneration, odd_checkpoint)
     with torch.no_grad():
         ref = torch.cat(model.model.get_image_features(pixels, grids).pooler_output)
     mine = tower(pixels, [tuple(g) for g in grids.tolist()])
@@ -196,14 +197,14 @@ def _cases(path):
     ]
 
 
-def _reference(path, ids, uris):
+def _reference(path, ids, uris, new_tokens=NEW_TOKENS):
     spec = _spec(path)
     images = [check_image(u, spec) for u in uris]
     expanded = expand_placeholders(ids, spec.image_token_id, images)
     pixels = grids = None
     if uris:
         pixels, grids = reference_pixels(uris, json.loads((path / "preprocessor_config.json").read_text()))
-    return reference_greedy_mm(path, expanded, pixels, grids, NEW_TOKENS)
+    return reference_greedy_mm(path, expanded, pixels, grids, new_tokens)
 
 
 def _assert_parity(out, ref_tokens, ref_logprobs):
@@ -273,11 +274,7 @@ def test_preempted_image_request_is_recomputed_equal(checkpoint):
         outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": u}} for ids, u in cases], params)
         assert llm.engine.scheduler.num_preemptions > 0
     for out, (ids, uris) in zip(outs, cases):
-        spec = _spec(checkpoint)
-        expanded = expand_placeholders(ids, spec.image_token_id, [check_image(u, spec) for u in uris])
-        pixels, grids = reference_pixels(uris, json.loads((checkpoint / "preprocessor_config.json").read_text()))
-        ref_tokens, _ = reference_greedy_mm(checkpoint, expanded, pixels, grids, 80)
-        assert out.outputs[0].token_ids == ref_tokens
+        assert out.outputs[0].token_ids == _reference(checkpoint, ids, uris, new_tokens=80)[0]
 
 
 # ---- guards: refused before any device work ----

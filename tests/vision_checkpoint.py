@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from tokenizers import AddedToken
 
+from checkpoints import cached_model, greedy_with_logprobs
 from neuron.models.default import build_tokenizer, tokenizer_config
 from test_qwen3_5 import MULTIMODAL_TEXT, VISION
 
@@ -109,27 +110,13 @@ def reference_greedy_mm(path: Path, input_ids: list[int], pixel_values: torch.Te
                         image_grid_thw: torch.Tensor | None, max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
     """transformers' greedy tokens on an expanded multimodal prompt (no images when pixel_values
     is None), and the log-softmax of its logits at each step."""
-    model = _cached_model(str(path))
-    ids = torch.tensor([input_ids])
-    images = {} if pixel_values is None else {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
-    out = model.generate(  # an explicit mask: generate would otherwise treat token 0 as padding
-        ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == model.config.image_token_id).int(),
-        max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
-        eos_token_id=None, pad_token_id=0, **images,
-    )
-    tokens = out.sequences[0, len(input_ids):].tolist()
-    return tokens, [torch.log_softmax(step[0].float(), -1) for step in out.logits]
-
-
-_MODELS: dict = {}
-
-
-def _cached_model(path: str):
     from transformers import Qwen3_5ForConditionalGeneration
 
-    if path not in _MODELS:
-        _MODELS[path] = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    return _MODELS[path]
+    model = cached_model(Qwen3_5ForConditionalGeneration, path)
+    ids = torch.tensor([input_ids])
+    images = {} if pixel_values is None else {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+    return greedy_with_logprobs(model, input_ids, max_new_tokens,
+                                mm_token_type_ids=(ids == model.config.image_token_id).int(), **images)
 
 
 def _write_json(path: Path, obj: dict) -> None:
