@@ -9,10 +9,10 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LLM": "neuron.llm",
-    "RequestOutput": "neuron.llm",
-    "CompletionOutput": "neuron.llm",
-    "SamplingParams": "neuron.sampling",
+    "LLM": "neuron.entrypoints.llm",
+    "RequestOutput": "neuron.entrypoints.llm",
+    "CompletionOutput": "neuron.entrypoints.llm",
+    "SamplingParams": "neuron.engine.sampling",
 }
 
 

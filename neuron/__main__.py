@@ -1,3 +1,3 @@
-from neuron.cli import main
+from neuron.entrypoints.cli import main
 
 raise SystemExit(main())

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from neuron.procfs import alive, child_pids
+from neuron.utils.procfs import alive, child_pids
 
 PROMPTS = ["The morning train", "To make bread", "Rivers carry water", "The library opens", "In the autumn",
            "def add(a, b):", "She opened the door", "Questions and answers", "A list of colours:", "Once upon a time"]

@@ -14,13 +14,13 @@ import time
 import httpx
 import uvicorn
 
-from neuron import procfs
-from neuron.engine import EngineConfig, LLMEngine, RequestError, Update
-from neuron.procfs import child_pids
-from neuron.server.app import ServerConfig, build_app
-from neuron.server.async_engine import AsyncEngine
-from neuron.server.cli import served_name
-from neuron.server.shutdown import GracefulServer
+from neuron.utils import procfs
+from neuron.engine.llm_engine import EngineConfig, LLMEngine, RequestError, Update
+from neuron.utils.procfs import child_pids
+from neuron.entrypoints.openai.app import ServerConfig, build_app
+from neuron.engine.async_engine import AsyncEngine
+from neuron.entrypoints.serve import served_name
+from neuron.entrypoints.openai.shutdown import GracefulServer
 
 
 class LiveServer:

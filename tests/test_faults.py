@@ -11,8 +11,8 @@ import time
 import pytest
 
 from checkpoints import TP3, build_checkpoint
-from neuron.engine import EngineConfig, LLMEngine
-from neuron.sampling import SamplingParams
+from neuron.engine.llm_engine import EngineConfig, LLMEngine
+from neuron.engine.sampling import SamplingParams
 
 PROMPT = list(range(20, 60))  # 40 tokens: 10 prefill steps of 4
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

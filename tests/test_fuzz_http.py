@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neuron.models.default import default_model_dir
-from neuron.server.app import ServerConfig
-from neuron.tokenizer import Tokenizer
+from neuron.entrypoints.openai.app import ServerConfig
+from neuron.engine.tokenizer import Tokenizer
 from server_harness import LiveServer, ScriptedEngine, real_engine, scripted_engine
 
 BODY_LIMIT = 64 * 1024

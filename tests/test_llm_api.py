@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from neuron import LLM, SamplingParams
-from neuron.engine import RequestError
+from neuron.engine.llm_engine import RequestError
 
 
 @pytest.fixture(scope="module")

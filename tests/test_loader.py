@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from neuron.errors import ConfigError, ModelNotFound, UnsupportedModel
 from neuron.models.loader import CheckpointReader, resolve_model_path, safetensors_files
 from neuron.models.qwen3 import Qwen3Config
-from neuron.tp.layers import Shard
+from neuron.layers.tensor_parallel import Shard
 
 
 def _fake_cache(root, repo: str, commit: str = "abc123"):
@@ -105,7 +105,7 @@ def test_unsupported_model_type_fails_before_workers(tmp_path, monkeypatch):
 
 
 def test_per_rank_weights_are_about_one_over_tp(odd_checkpoint):
-    from neuron.tp.runner import ModelRunner, RunnerConfig
+    from neuron.executor.executor import ModelRunner, RunnerConfig
 
     sizes = {}
     for tp in (1, 2):

@@ -9,11 +9,11 @@ import pytest
 
 from checkpoints import reference_greedy
 from neuron import LLM, SamplingParams
-from neuron.block_manager import BlockManager, chain_hash
+from neuron.engine.block_manager import BlockManager, chain_hash
 from neuron.errors import ConfigError
-from neuron.models.kv import PagedKVCache, StepRejected
+from neuron.models.kv_cache import PagedKVCache, StepRejected
 from neuron.rpc.protocol import StepSeq
-from neuron.scheduler import Scheduler, Sequence, Status
+from neuron.engine.scheduler import Scheduler, Sequence, Status
 
 
 def seq(tokens: list[int], rid: str = "r") -> Sequence:
@@ -306,7 +306,7 @@ def test_a_pool_smaller_than_one_sequence_is_refused(odd_checkpoint):
 
 
 def test_prefix_cache_metrics():
-    from neuron.server.metrics import Metrics
+    from neuron.engine.metrics import Metrics
 
     m = Metrics()
     m.kv_cache(0.25, 100, 40)

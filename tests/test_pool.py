@@ -13,7 +13,7 @@ import pytest
 
 from neuron.errors import PoolBroken, WorkerError
 from neuron.rpc import protocol as p
-from neuron.tp.pool import WorkerPool
+from neuron.executor.pool import WorkerPool
 
 MOCK = Path(__file__).resolve().with_name("mock_worker.py")
 SPAWN_S = 20.0  # generous: interpreter start-up on a loaded machine

@@ -14,12 +14,12 @@ from neuron import LLM, SamplingParams
 from neuron.errors import ConfigError
 from neuron.models import build_model
 from neuron.models.gated_deltanet import DeltaNetHeads, delta_chunked, delta_step
-from neuron.models.kv import StepRejected
+from neuron.models.kv_cache import StepRejected
 from neuron.models.loader import CheckpointReader, safetensors_files
 from neuron.models.qwen3_5 import MRotary
 from neuron.rpc.protocol import StepSeq
-from neuron.tp.comm import SingleRank
-from neuron.tp.layers import Shard
+from neuron.distributed.comm import SingleRank
+from neuron.layers.tensor_parallel import Shard
 
 NEW_TOKENS = 8
 LONG = [(i * 37 + 11) % 301 for i in range(150)]  # many 16-token prefill chunks; 3 delta-rule chunks in one shot

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from neuron import sampling
-from neuron.sampling import InvalidParams, SamplingParams, SequenceSampler, sample
+from neuron.engine import sampling
+from neuron.engine.sampling import InvalidParams, SamplingParams, SequenceSampler, sample
 
 V = 64
 

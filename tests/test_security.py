@@ -11,7 +11,7 @@ import uuid
 import httpx
 import pytest
 
-from neuron.server.app import ServerConfig
+from neuron.entrypoints.openai.app import ServerConfig
 from server_harness import LiveServer, ServeProcess, real_engine
 
 KEY = "s3cret-key"
@@ -35,7 +35,7 @@ def listening(port: int) -> list[str]:
 
 
 def test_defaults_are_loopback(monkeypatch):
-    from neuron.commands import _parser
+    from neuron.entrypoints.cli import _parser
 
     monkeypatch.delenv("NEURON_HOST", raising=False)
     assert ServerConfig().host == "127.0.0.1"

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from neuron.models.default import default_model_dir
-from neuron.tokenizer import Tokenizer
+from neuron.engine.tokenizer import Tokenizer
 from server_harness import RAISE, LiveServer, ScriptedEngine, real_engine, scripted_engine
 
 STEP_TIMEOUT_S = 3.0

@@ -17,8 +17,8 @@ import openai
 import pytest
 
 from neuron.models.default import default_model_dir
-from neuron.server.app import ServerConfig
-from neuron.tokenizer import Tokenizer
+from neuron.entrypoints.openai.app import ServerConfig
+from neuron.engine.tokenizer import Tokenizer
 from server_harness import ERROR, LiveServer, ScriptedEngine, scripted_engine
 
 KEY = "sekrit"
@@ -251,7 +251,7 @@ def test_health_after_failed_load(tokenizer):
 
 
 def test_options_come_from_the_environment(monkeypatch):
-    from neuron.commands import _parser
+    from neuron.entrypoints.cli import _parser
 
     monkeypatch.setenv("NEURON_TP", "2")
     monkeypatch.setenv("NEURON_API_KEY", "from-env")

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from neuron.models.default import default_model_dir
-from neuron.server.app import ServerConfig
-from neuron.tokenizer import Tokenizer
+from neuron.entrypoints.openai.app import ServerConfig
+from neuron.engine.tokenizer import Tokenizer
 from server_harness import LiveServer, ScriptedEngine, ServeProcess, gone, scripted_engine
 
 GRACE_S = 1.5

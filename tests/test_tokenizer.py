@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from neuron.models import default as default_ckpt
-from neuron.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from neuron.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 TEXTS = [
     "Hello, world! How are you today?",

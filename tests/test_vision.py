@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from neuron import LLM, SamplingParams
-from neuron.engine import RequestError
+from neuron.engine.llm_engine import RequestError
 from neuron.models.loader import CheckpointReader, safetensors_files
 from neuron.models.qwen3_5_vision import VisionTower
 from neuron.rpc import protocol as p
-from neuron.tp.rank import Rank, RankFailure
-from neuron.vision import (
+from neuron.worker.worker import Rank, RankFailure
+from neuron.multimodal.image import (
     ImageError,
     VisionSpec,
     check_image,
@@ -238,7 +238,7 @@ def test_chat_with_pil_image(llm, checkpoint):
     """LLM.chat takes image parts (a PIL image here) through the checkpoint's template."""
     from PIL import Image
 
-    from neuron.tokenizer import Tokenizer
+    from neuron.engine.tokenizer import Tokenizer
 
     image = Image.fromarray(np.random.default_rng(9).integers(0, 256, (24, 20, 3), dtype=np.uint8))
     messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "hi"}]}]
@@ -406,7 +406,7 @@ def test_worker_killed_before_an_image_prefill_fails_cleanly_and_recovers(checkp
     import os
     import signal
 
-    from neuron.engine import EngineConfig, LLMEngine
+    from neuron.engine.llm_engine import EngineConfig, LLMEngine
 
     ids, uris = _cases(checkpoint)[1]
     spec = _spec(checkpoint)

@@ -38,7 +38,7 @@ def build_model(config: dict, comm, dtype, device, model_dir=None):
         return Qwen3ForCausalLM(Qwen3Config.from_dict(config), comm, dtype, device)
     if model_type in ("qwen3_5", "qwen3_5_text"):
         from neuron.models.qwen3_5 import Qwen35Config, Qwen35ForCausalLM
-        from neuron.vision import VisionSpec
+        from neuron.multimodal.image import VisionSpec
 
         vision = VisionSpec.from_checkpoint(config, model_dir) if model_type == "qwen3_5" else None
         return Qwen35ForCausalLM(Qwen35Config.from_dict(config), comm, dtype, device, vision,

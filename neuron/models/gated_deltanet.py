@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from neuron.errors import ConfigError
 from neuron.rpc.protocol import StepSeq
-from neuron.tp.comm import Communicator
-from neuron.tp.layers import ColumnParallelLinear, Reader, RowParallelLinear, Shard
+from neuron.distributed.comm import Communicator
+from neuron.layers.tensor_parallel import ColumnParallelLinear, Reader, RowParallelLinear, Shard
 
 CHUNK = 64  # tokens solved together in a prompt; bounds the [chunk, chunk] systems
 

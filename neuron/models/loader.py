@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from neuron.errors import ConfigError, ModelNotFound
-from neuron.tp.layers import Reader
+from neuron.layers.tensor_parallel import Reader
 
 
 def hub_cache_dirs(explicit: str | None = None) -> list[Path]:

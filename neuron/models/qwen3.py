@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from neuron.errors import ConfigError
 from neuron.models.base import CausalLM
-from neuron.models.kv import PagedKVCache, StepBatch
-from neuron.tp.comm import Communicator
-from neuron.tp.layers import (
+from neuron.models.kv_cache import PagedKVCache, StepBatch
+from neuron.distributed.comm import Communicator
+from neuron.layers.tensor_parallel import (
     HeadLayout,
     MergedColumnParallelLinear,
     ParallelLMHead,

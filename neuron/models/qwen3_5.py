@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from neuron.errors import ConfigError
 from neuron.models.base import CausalLM
 from neuron.models.gated_deltanet import CHUNK, DeltaNetHeads, DeltaNetState, GatedDeltaNet
-from neuron.models.kv import PagedKVCache, StepBatch, StepRejected
+from neuron.models.kv_cache import PagedKVCache, StepBatch, StepRejected
 from neuron.models.qwen3 import MLP
 from neuron.models.qwen3_5_vision import VisionTower
 from neuron.rpc.protocol import StepSeq
-from neuron.tp.comm import Communicator
-from neuron.tp.layers import (
+from neuron.distributed.comm import Communicator
+from neuron.layers.tensor_parallel import (
     ColumnParallelLinear,
     HeadLayout,
     MergedColumnParallelLinear,
@@ -35,7 +35,7 @@ from neuron.tp.layers import (
     Shard,
     VocabParallelEmbedding,
 )
-from neuron.vision import ImageError, VisionSpec, image_spans, mrope_positions, preprocess
+from neuron.multimodal.image import ImageError, VisionSpec, image_spans, mrope_positions, preprocess
 
 LINEAR, FULL = "linear_attention", "full_attention"
 

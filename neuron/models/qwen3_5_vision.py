@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from neuron.errors import ConfigError
-from neuron.tp.layers import Reader
+from neuron.layers.tensor_parallel import Reader
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,361 @@
+"""The bridge between asyncio handlers and the engine, which runs on one thread of its own.
+
+Handlers only call `open` (the engine's thread-safe `add_request`) and `RequestStream.close`
+(`abort`), and read their request's asyncio.Queue. The engine thread loads the model, then steps
+while there is work and sleeps on an event otherwise; after each step it hands the updates to the
+event loop with `call_soon_threadsafe`. A request a client abandons therefore leaves the engine at
+a step boundary, and nothing but the engine thread ever touches the ranks.
+
+The lifecycle lives in one place, `AsyncEngine.state`: loading -> ready, and from there failed,
+recovering (a pool being rebuilt) or shutting_down. Shutting down is two steps: `drain` closes
+admission and gives in-flight requests a grace period (the engine keeps stepping), then `stop` ends
+the engine thread and shuts the ranks down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from neuron import config as settings
+from neuron.engine.llm_engine import LLMEngine, Update
+from neuron.errors import NeuronError
+from neuron.engine.sampling import SamplingParams
+from neuron.engine.metrics import Metrics
+from neuron.multimodal.image import ImageInput
+
+log = logging.getLogger("neuron.server")
+
+# How long the idle engine thread sleeps before re-checking its state; new work wakes it at once.
+_IDLE_WAIT_S = 1.0
+
+
+class EngineState(str, enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    RECOVERING = "recovering"
+    FAILED = "failed"
+    SHUTTING_DOWN = "shutting_down"
+
+
+_NOT_READY = {
+    EngineState.LOADING: "the model is still loading",
+    EngineState.RECOVERING: "the model is recovering from a failure",
+    EngineState.FAILED: "the model failed",
+    EngineState.SHUTTING_DOWN: "the server is shutting down",
+}
+
+
+class NotReady(NeuronError):
+    """The engine cannot take requests in its current state."""
+
+    def __init__(self, state: EngineState, detail: str | None = None):
+        super().__init__(_NOT_READY.get(state, f"the model is {state.value}") + (f": {detail}" if detail else ""))
+        self.state = state
+
+
+class Overloaded(NeuronError):
+    """Every running and waiting place is taken."""
+
+
+class RequestStream:
+    """One request's updates, in order, ending with the update that has `finished` set."""
+
+    def __init__(self, owner: "AsyncEngine", request_id: str, num_prompt_tokens: int):
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.arrival = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.num_output_tokens = 0
+        self.finish_reason: str | None = None
+        self._owner = owner
+        self._queue: asyncio.Queue[Update] = asyncio.Queue()
+        self._read_final = False
+        self.closed = False
+        # How an early end (finish reason "error") is reported: a failing rank (`generation_failed`,
+        # retrying helps), the server stopping (`shutting_down`), or a bug (`internal_error`).
+        self.failure_kind = "generation_failed"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def _put(self, update: Update) -> None:
+        """Event-loop thread: record timings and queue the update for the handler."""
+        if update.token_ids:
+            now = time.monotonic()
+            self._owner.metrics.generation_tokens.inc(len(update.token_ids))
+            if self.first_token_at is None:
+                self.first_token_at = now
+                self._owner.metrics.ttft.observe(now - self.arrival)
+            else:
+                self._owner.metrics.itl.observe(now - self.last_token_at)
+            self.last_token_at = now
+            self.num_output_tokens += len(update.token_ids)
+        if update.finished:
+            self.finish_reason = update.finish_reason or "stop"
+        self._queue.put_nowait(update)
+
+    async def next(self) -> Update:
+        return await self._queue.get()
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> Update:
+        if self._read_final:
+            raise StopAsyncIteration
+        update = await self._queue.get()
+        self._read_final = update.finished
+        return update
+
+    def close(self) -> None:
+        """Release the request; if the engine still runs it, abort it. Safe to call twice."""
+        if not self.closed:
+            self.closed = True
+            self._owner._close(self)
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        factory: Callable[[], LLMEngine],
+        *,
+        model_name: str,
+        max_running: int,
+        max_waiting: int,
+        metrics: Metrics | None = None,
+    ):
+        self._factory = factory
+        self.model_name = model_name
+        self.capacity = max_running + max_waiting
+        self.metrics = metrics or Metrics()
+        self.engine: LLMEngine | None = None
+        self._state = EngineState.LOADING
+        self._error: str | None = None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()  # the engine thread should end (admission closes earlier)
+        self._streams: dict[str, RequestStream] = {}
+        self._listeners: list[Callable[[EngineState], None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle ----
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    def on_state_change(self, listener: Callable[[EngineState], None]) -> None:
+        """Call `listener(state)` on the event loop after every transition."""
+        self._listeners.append(listener)
+
+    def start(self) -> None:
+        """Begin loading in the background; call from the event loop that will read the streams."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="neuron-engine", daemon=True)
+        self._thread.start()
+
+    async def drain(self, grace_s: float, hurry: asyncio.Event | None = None) -> int:
+        """Refuse new requests, give the running ones up to `grace_s` (or until `hurry` is set) to
+        finish, then cancel the rest with a clean error. Returns how many were cancelled."""
+        self._set_state(EngineState.SHUTTING_DOWN)
+        deadline = time.monotonic() + grace_s
+        while self._streams and time.monotonic() < deadline and not (hurry is not None and hurry.is_set()):
+            await asyncio.sleep(0.05)
+        left = len(self._streams)
+        if left:
+            log.warning("cancelling %d request(s) still running after the %.1f s shutdown grace period", left,
+                        grace_s)
+            self._fail_streams("the server is shutting down; the request was cancelled", "shutting_down")
+        return left
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the engine thread and shut the engine down; blocks, so call it off the event loop."""
+        self._set_state(EngineState.SHUTTING_DOWN)
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("engine thread still busy after %.0f s; leaving it to exit on its own", timeout_s)
+            self._call_in_loop(self._fail_streams, "the server is shutting down; the request was cancelled",
+                               "shutting_down")
+
+    def _set_state(self, state: EngineState, error: str | None = None) -> None:
+        with self._lock:
+            if self._state is state or self._state is EngineState.SHUTTING_DOWN:
+                return
+            self._state, self._error = state, error
+        level = logging.ERROR if state is EngineState.FAILED else logging.INFO
+        log.log(level, "engine %s%s", state.value, f": {error}" if error else "")
+        self.metrics.state.state(state.value)
+        for listener in self._listeners:
+            self._call_in_loop(listener, state)
+
+    def _call_in_loop(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is left to tell
+            pass
+
+    # ---- requests (event-loop thread) ----
+
+    def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+             images: list[ImageInput] | None = None) -> RequestStream:
+        """Submit a request (its image placeholders already expanded); raises NotReady, Overloaded
+        or the engine's RequestError."""
+        if self._state is not EngineState.READY:
+            raise NotReady(self._state, self._error)
+        if len(self._streams) >= self.capacity:
+            raise Overloaded(f"all {self.capacity} running and waiting places are taken")
+        self.engine.add_request(request_id, prompt_token_ids, params, images=images)
+        stream = RequestStream(self, request_id, len(prompt_token_ids))
+        self._streams[request_id] = stream
+        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+        self._wake.set()
+        return stream
+
+    def _close(self, stream: RequestStream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+        if not stream.finished:
+            log.info("request %s aborted by the client after %d tokens", stream.request_id, stream.num_output_tokens)
+            self.metrics.finished.labels("abort").inc()
+            if self.engine is not None:
+                self.engine.abort(stream.request_id)
+                self._wake.set()
+
+    def _deliver(self, updates: list[Update], failure_kind: str | None = None) -> None:
+        for update in updates:
+            stream = self._streams.get(update.request_id)
+            if stream is None:  # closed by its client; the engine has dropped it or will
+                continue
+            if update.finished:
+                del self._streams[update.request_id]
+                if failure_kind is not None and update.finish_reason == "error":
+                    stream.failure_kind = failure_kind
+            stream._put(update)
+            if update.finished:
+                self._finished(stream, update)
+
+    def _finished(self, stream: RequestStream, update: Update) -> None:
+        now = time.monotonic()
+        self.metrics.finished.labels(stream.finish_reason).inc()
+        self.metrics.e2e.observe(now - stream.arrival)
+        ttft = (stream.first_token_at or now) - stream.arrival
+        log.info("request %s %s: %d prompt + %d output tokens, ttft %.1f ms, total %.1f ms%s",
+                 stream.request_id, stream.finish_reason, stream.num_prompt_tokens, stream.num_output_tokens,
+                 ttft * 1e3, (now - stream.arrival) * 1e3, f", error: {update.error}" if update.error else "")
+
+    def _fail_streams(self, message: str, failure_kind: str | None = None) -> None:
+        """End every open request with an error, and abort it in case the engine still runs it."""
+        for rid in list(self._streams):
+            if self.engine is not None:
+                self.engine.abort(rid)
+            self._deliver([Update(rid, [], "", None, True, "error", error=message)], failure_kind)
+
+    # ---- the engine thread ----
+
+    def _run(self) -> None:
+        try:
+            engine = self._factory()
+        except Exception as exc:
+            if not isinstance(exc, NeuronError):  # ours carry a message to act on; others need the trace
+                log.exception("engine failed to load")
+            self._set_state(EngineState.FAILED, f"{type(exc).__name__}: {exc}")
+            return
+        self.engine = engine
+        engine.on_failure(lambda reason: self._wake.set())  # a rank died: act now, not at the next step
+        try:
+            self._set_state(EngineState.READY)
+            self._loop_forever(engine)
+        except Exception as exc:
+            log.exception("engine loop failed")
+            message = f"{type(exc).__name__}: {exc}"
+            self._set_state(EngineState.FAILED, message)
+            self._call_in_loop(self._fail_streams, message)
+        finally:
+            engine.shutdown()
+
+    def _loop_forever(self, engine: LLMEngine) -> None:
+        while not self._stopping.is_set():
+            if engine.failure is not None:
+                if not self._recover(engine):
+                    return
+                continue
+            if not engine.has_unfinished():
+                self.metrics.engine_load(engine.num_running(), engine.num_waiting(), engine.kv_slot_usage())
+                self._wake.wait(_IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            try:
+                updates = engine.step()
+            except Exception as exc:
+                self._contain(engine, exc)
+                continue
+            if updates:
+                self._call_in_loop(self._deliver, updates)
+            self.metrics.engine_load(engine.num_running(), engine.num_waiting(), engine.kv_slot_usage())
+            self.metrics.kv_cache(engine.kv_cache_usage(), *engine.prefix_cache_counts())
+
+    def _contain(self, engine: LLMEngine, exc: Exception) -> None:
+        """A bug on the leader's side of a step (scheduling, sampling, detokenising) fails the requests
+        in flight, not the server: rank failures never get here (the engine turns them into
+        `failure`), so the ranks finished the step together and stay in step. Every open stream
+        ends, including any whose final update the failed step had already made and then lost."""
+        log.exception("engine step failed; failing the requests in flight")
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        self._call_in_loop(self._deliver, engine.fail_in_flight(message), "internal_error")
+        self._call_in_loop(self._fail_streams, message, "internal_error")
+
+    def _recover(self, engine: LLMEngine) -> bool:
+        """Fail what is in flight, then rebuild the ranks with backoff; after the last failed attempt
+        the state is `failed` and stays so (no restart loop). Returns whether the engine is ready."""
+        reason = engine.failure
+        self._set_state(EngineState.RECOVERING, reason)
+        updates = engine.fail_in_flight(f"the model failed and is recovering: {reason}")
+        if updates:
+            self._call_in_loop(self._deliver, updates)
+        if self._state is EngineState.SHUTTING_DOWN:  # no point rebuilding ranks about to be shut down
+            self._call_in_loop(self._fail_streams, f"the model failed while the server shuts down: {reason}")
+            return False
+        self.metrics.recoveries.inc()
+        attempts, backoff = settings.recovery_attempts(), settings.recovery_backoff_s()
+        for attempt in range(1, attempts + 1):
+            t0 = time.monotonic()
+            try:
+                engine.restart()
+            except Exception as exc:
+                log.error("recovery attempt %d/%d failed: %s", attempt, attempts, exc)
+                if self._state is EngineState.SHUTTING_DOWN or self._shutdown_requested(backoff * 2 ** (attempt - 1)):
+                    return False
+                continue
+            log.info("recovered in %.0f ms (attempt %d)", (time.monotonic() - t0) * 1e3, attempt)
+            self._set_state(EngineState.READY)
+            return True
+        message = f"recovery failed after {attempts} attempts; last failure: {reason}"
+        self._set_state(EngineState.FAILED, message)
+        self._call_in_loop(self._fail_streams, message)
+        return False
+
+    def _shutdown_requested(self, wait_s: float) -> bool:
+        """Sleep for the backoff, waking early for a shutdown."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if self._state is EngineState.SHUTTING_DOWN:
+                return True
+            time.sleep(min(0.1, deadline - time.monotonic()))
+        return self._state is EngineState.SHUTTING_DOWN

@@ -1,0 +1,456 @@
+"""The engine: owns the ranks, schedules requests, samples, detokenises, reports progress.
+
+Only the engine's own thread talks to the ranks. Other threads submit and abort requests through
+a thread-safe inbox that is read at step boundaries, so a cancelled request leaves between steps
+and the ranks never see half a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from dataclasses import dataclass, field
+
+import torch
+
+from neuron import config as settings
+from neuron.engine.block_manager import BlockManager
+from neuron.errors import ConfigError, NeuronError, WorkerError
+from neuron.models import check_supported, supports_prefix_caching, text_config
+from neuron.models.loader import read_generation_config, read_json, resolve_model_path
+from neuron.rpc.codec import max_line_bytes
+from neuron.rpc.protocol import StepSeq
+from neuron.engine.sampling import SamplingParams, SequenceSampler, sample
+from neuron.engine.scheduler import Scheduled, Scheduler, Sequence, Status
+from neuron.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from neuron.executor.executor import ModelRunner, RunnerConfig
+from neuron.multimodal.image import ImageError, ImageInput, VisionSpec, check_image, expand_placeholders, image_spans
+from neuron.multimodal.image import vision_activation_bytes, vision_unsupported
+
+log = logging.getLogger("neuron.engine.llm_engine")
+
+_STEP_LINE_MARGIN = 1 << 20  # room in a protocol line for a step's tokens beside its images
+
+
+class RequestError(NeuronError):
+    """A request the engine refuses before any device work; `code` is the OpenAI error code."""
+
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # path or repo id; None serves the embedded default
+    tp: int = 1
+    device: str | None = None  # None: cuda when present, else cpu
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int | None = None
+    hf_cache_dir: str | None = None
+    served_model_name: str | None = None
+    # The KV cache. None takes the environment's setting: NEURON_KV_BLOCK_SIZE (16 tokens),
+    # NEURON_KV_CACHE_MEMORY (per rank, bytes or "4GiB"; unset: free GPU memory on CUDA, room for
+    # max_num_seqs x max_model_len tokens on CPU), NEURON_GPU_MEMORY_UTILIZATION (0.9),
+    # NEURON_NO_PREFIX_CACHING (prefix caching is on unless it is set).
+    block_size: int | None = None
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float | None = None
+    enable_prefix_caching: bool | None = None
+
+
+@dataclass(slots=True)
+class Update:
+    """What one step did for one request."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Tracked:
+    seq: Sequence
+    detok: IncrementalDetokenizer | None
+    stop: list[str] = field(default_factory=list)
+    text: str = ""  # decoded output, stop strings not yet cut
+    emitted: int = 0  # characters of `text` already reported
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, worker_cmd=None):
+        self.cfg = cfg
+        if cfg.model is None:
+            from neuron.models.default import default_model_dir
+
+            self.model_dir = default_model_dir()
+        else:
+            self.model_dir = resolve_model_path(cfg.model, cfg.hf_cache_dir)
+        self.model_name = cfg.served_model_name or (cfg.model or "neuron-default")
+        self.config = read_json(self.model_dir / "config.json")
+        check_supported(self.config)  # before any worker starts
+        if cfg.tp < 1:
+            raise ConfigError(f"tensor-parallel size must be >= 1, got {cfg.tp}")
+        self.device = cfg.device or default_device()
+        self.max_model_len = self._max_model_len()
+        self.vocab_size = int(text_config(self.config)["vocab_size"])
+        self.tokenizer = Tokenizer.from_dir(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
+        self.generation_config = read_generation_config(self.model_dir)
+        self.eos_token_ids = self._eos_ids()
+        self.vision = self._vision_spec()
+        chunk = settings.prefill_chunk_tokens()
+        step_tokens = cfg.max_num_batched_tokens or max(chunk, cfg.max_num_seqs)
+        self.scheduler = Scheduler(cfg.max_num_seqs, step_tokens, chunk)
+        runner_cfg = RunnerConfig(self.model_dir, cfg.tp, self.device, cfg.dtype, cfg.max_num_seqs, self.max_model_len,
+                                  max_num_batched_tokens=max(step_tokens, cfg.max_num_seqs), **self._kv_settings())
+        kwargs = {"worker_cmd": worker_cmd} if worker_cmd else {}
+        self.runner = ModelRunner(runner_cfg, **kwargs)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}
+
+    def start(self) -> "LLMEngine":
+        self.runner.start()
+        self._new_blocks()
+        return self
+
+    def _kv_settings(self) -> dict:
+        cfg = self.cfg
+        try:
+            block_size = cfg.block_size or settings.kv_block_size()
+            memory = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else settings.kv_cache_memory()
+            kv_bytes = 0 if memory is None else settings.parse_bytes(memory, "kv_cache_memory")
+            utilization = cfg.gpu_memory_utilization or settings.gpu_memory_utilization()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if block_size < 1:
+            raise ConfigError(f"KV block size must be >= 1, got {block_size}")
+        if not 0.0 < utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+        if cfg.enable_prefix_caching and not supports_prefix_caching(self.config):
+            raise ConfigError(f"prefix caching is not available for model_type {self.config.get('model_type')!r}: "
+                              "its recurrent layers keep state that cannot be shared between sequences")
+        return dict(block_size=block_size, kv_cache_bytes=kv_bytes, gpu_memory_utilization=utilization)
+
+    def _new_blocks(self) -> None:
+        """A block manager over the pool the ranks just allocated (empty: a new pool holds nothing)."""
+        caching = self.cfg.enable_prefix_caching
+        caching = (settings.prefix_caching() if caching is None else caching) and supports_prefix_caching(self.config)
+        self.scheduler.use_blocks(BlockManager(self.runner.num_kv_blocks, self.runner.cfg.block_size, caching))
+
+    def _vision_spec(self) -> VisionSpec | None:
+        """How the checkpoint takes images; None when it has no vision tower (config or weights)."""
+        if self.config.get("model_type") != "qwen3_5":
+            return None
+        spec = VisionSpec.from_checkpoint(self.config, self.model_dir)
+        if spec is None:
+            return None
+        from neuron.models.loader import CheckpointReader, safetensors_files
+
+        with CheckpointReader(safetensors_files(self.model_dir)) as reader:
+            has_tower = reader.has("model.visual.patch_embed.proj.weight")
+        return spec if has_tower else None
+
+    def _max_model_len(self) -> int:
+        native = int(text_config(self.config).get("max_position_embeddings", 2048))
+        wanted = self.cfg.max_model_len
+        if wanted is None:
+            return min(native, 8192)
+        if not 1 < wanted <= native:
+            raise ConfigError(f"max_model_len must be in 2..{native} (the model's max_position_embeddings), got {wanted}")
+        return wanted
+
+    def _eos_ids(self) -> list[int]:
+        ids = self.generation_config.get(
+            "eos_token_id", self.config.get("eos_token_id", text_config(self.config).get("eos_token_id"))
+        )
+        ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return sorted(set(ids))
+
+    def default_sampling(self) -> dict:
+        """Sampling defaults from generation_config.json, applied where a request is silent."""
+        g = self.generation_config
+        return {k: g[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty") if k in g}
+
+    # ---- requests (any thread) ----
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 images: list[ImageInput] | None = None) -> int:
+        """Refuse a request that cannot run; return its max_tokens clamped to the context."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty", param="prompt")
+        if n >= self.max_model_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has {n} "
+                "tokens (no room to generate)", code="context_length_exceeded", param="messages")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                               param="prompt")
+        self._check_placeholders(prompt_token_ids, images or [])
+        room = self.max_model_len - n
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def check_images(self, uris: list) -> list[ImageInput]:
+        """Decode and size a request's images before any device work (raises ImageError: 400 for
+        a model without vision, a URI that is not base64 `data:`, or bytes that are no image; 413
+        over NEURON_VISION_MAX_PIXELS; 503 when the vision tower's activations cannot fit the GPU)."""
+        if self.vision is None:
+            raise vision_unsupported()
+        size, limit = sum(len(u) for u in uris if isinstance(u, str)), max_line_bytes() - _STEP_LINE_MARGIN
+        if size > limit:  # the images travel to every worker in one protocol line
+            raise ImageError(f"the request's images take {size} bytes encoded; at most {limit} fit one step "
+                             "(NEURON_MAX_LINE_BYTES)", status=413, code="image_too_large")
+        images = [check_image(uri, self.vision) for uri in uris]
+        if self.device.startswith("cuda") and images:
+            free, _ = torch.cuda.mem_get_info(self.runner.devices[0])
+            width = 2 if self.cfg.dtype != "float32" else 4
+            need = vision_activation_bytes(self.vision, images, width)
+            if need > free:
+                raise ImageError(f"the images need about {need / 2**20:.0f} MiB of GPU memory for the vision "
+                                 f"tower; {free / 2**20:.0f} MiB are free. Send fewer or smaller images",
+                                 status=503, code="insufficient_vram")
+        return images
+
+    def expand_images(self, prompt_token_ids: list[int], images: list[ImageInput]) -> list[int]:
+        """The prompt with its one placeholder per image widened to the tokens the image fills."""
+        if self.vision is None:
+            raise vision_unsupported()
+        return expand_placeholders(list(prompt_token_ids), self.vision.image_token_id, images)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    images: list[ImageInput] | None = None) -> None:
+        """Queue a request. With images, the prompt's placeholders are already expanded
+        (`expand_images`) and must hold each image's run of tokens, in order."""
+        max_tokens = self.validate(prompt_token_ids, params, images)
+        sampler = SequenceSampler(params, prompt_token_ids, self.vocab_size, self.runner.devices[0])
+        seq = Sequence(request_id, list(prompt_token_ids), params, sampler, max_tokens, images=list(images or []))
+        self._inbox.put(("add", seq))
+
+    def _check_placeholders(self, prompt_token_ids: list[int], images: list[ImageInput]) -> None:
+        if self.vision is None:
+            if images:
+                raise vision_unsupported()
+            return
+        try:
+            image_spans(prompt_token_ids, self.vision.image_token_id, [i.num_tokens for i in images])
+        except ValueError as exc:
+            raise RequestError(f"the prompt's image placeholders do not match its images: {exc}",
+                               param="prompt") from None
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    # ---- the loop (engine thread only) ----
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or not self._inbox.empty()
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def _drain_inbox(self) -> list[Update]:
+        updates = []
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return updates
+            if kind == "add":
+                self._admit(item)
+            elif (tr := self._tracked.get(item)) is not None:
+                self.scheduler.finish(tr.seq, "abort")
+                updates.append(self._final(tr))
+
+    def _admit(self, seq: Sequence) -> None:
+        p = seq.params
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, p.skip_special_tokens)
+        self._tracked[seq.request_id] = _Tracked(seq, detok, list(p.stop or []))
+        self.scheduler.add(seq)
+
+    def step(self) -> list[Update]:
+        """Admit and abort what arrived, run one batched step, sample, and report."""
+        updates = self._drain_inbox()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return updates
+        plain = [s for s in batch if not s.with_images]
+        imaged = [s for s in batch if s.with_images]
+        try:
+            parts = [self.runner.step(self._steps(plain))] if plain else []
+        except Exception as exc:  # every in-flight request gets a clean error, none a hang
+            return updates + self.fail_in_flight(str(exc))
+        if imaged:
+            try:
+                parts.append(self._prefill_with_images(imaged))
+            except WorkerError as exc:
+                if exc.kind != "bad_request" or self.failure is not None:
+                    return updates + self.fail_in_flight(str(exc))
+                # Refused alike on every rank before any device work: only these requests fail.
+                updates += self._fail([s.seq for s in imaged], str(exc))
+                imaged = []
+            except Exception as exc:
+                return updates + self.fail_in_flight(str(exc))
+        batch = plain + imaged  # the order of the logits rows
+        if not batch:
+            return updates
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        self.scheduler.computed(batch)
+        ready = [(i, s) for i, s in enumerate(batch) if s.completes_prompt]
+        if ready:
+            rows = logits[[i for i, _ in ready]] if len(ready) != len(batch) else logits
+            result = sample(rows, [s.seq.sampler for _, s in ready], self.eos_token_ids)
+            for (_, s), token, lp in zip(ready, result.token_ids, result.logprobs):
+                updates.append(self._advance(s, token, lp))
+        return updates
+
+    @staticmethod
+    def _steps(part: list[Scheduled]) -> list[StepSeq]:
+        return [StepSeq(s.seq.slot, s.token_ids, s.offset, s.new_blocks, s.fresh) for s in part]
+
+    def _prefill_with_images(self, imaged: list[Scheduled]):
+        uris = [image.uri for s in imaged for image in s.seq.images]
+        return self.runner.step_with_images(self._steps(imaged), self.vision.image_token_id, uris,
+                                            self.scheduler.prefill_chunk)
+
+    def _fail(self, seqs: list[Sequence], message: str) -> list[Update]:
+        """End these requests with an error; their slots and blocks return to the scheduler."""
+        if seqs:
+            log.error("failing %d request(s): %s", len(seqs), message)
+        updates = []
+        for seq in seqs:
+            self.scheduler.finish(seq, "error")
+            updates.append(self._final(self._tracked[seq.request_id], error=message))
+        return updates
+
+    def _advance(self, s: Scheduled, token: int, logprobs: dict[int, float] | None) -> Update:
+        seq = s.seq
+        tr = self._tracked[seq.request_id]
+        seq.output_token_ids.append(token)
+        seq.sampler.append(token)
+        reason, stop_reason = self._stop_check(seq, token)
+        if tr.detok is not None:
+            if not (reason == "stop" and stop_reason is None):  # the EOS token itself is not output
+                tr.text += tr.detok.push(token)
+            if reason is None and tr.stop:
+                reason, stop_reason = self._stop_strings(tr)
+            if reason is not None and not isinstance(stop_reason, str):
+                tr.text += tr.detok.flush()
+        lps = None if logprobs is None else [logprobs]
+        if reason is None:
+            return self._partial(tr, [token], lps)
+        self.scheduler.finish(seq, reason, stop_reason)
+        return self._final(tr, [token], lps)
+
+    def _stop_check(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+        p = seq.params
+        n_out = len(seq.output_token_ids)
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+            if p.stop_token_ids and token in p.stop_token_ids:
+                return "stop", token
+        if n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _stop_strings(self, tr: _Tracked) -> tuple[str | None, str | None]:
+        if len(tr.seq.output_token_ids) < tr.seq.params.min_tokens:
+            return None, None
+        start = max(0, tr.emitted - max(len(s) for s in tr.stop))
+        for stop in tr.stop:
+            at = tr.text.find(stop, start)
+            if at != -1:
+                tr.text = tr.text[:at]
+                return "stop", stop
+        return None, None
+
+    def _held_back(self, tr: _Tracked) -> int:
+        """Characters kept back while they might still begin a stop string."""
+        return max((len(s) for s in tr.stop), default=1) - 1
+
+    def _partial(self, tr: _Tracked, tokens, logprobs) -> Update:
+        safe = max(tr.emitted, len(tr.text) - self._held_back(tr))
+        delta = tr.text[tr.emitted : safe]
+        tr.emitted = safe
+        seq = tr.seq
+        return Update(seq.request_id, tokens, delta, logprobs, False,
+                      num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids))
+
+    def _final(self, tr: _Tracked, tokens=None, logprobs=None, error: str | None = None) -> Update:
+        seq = tr.seq
+        delta = tr.text[tr.emitted :]
+        tr.emitted = len(tr.text)
+        self._tracked.pop(seq.request_id, None)
+        return Update(seq.request_id, tokens or [], delta, logprobs, True, seq.finish_reason, seq.stop_reason,
+                      error, len(seq.prompt_token_ids), len(seq.output_token_ids))
+
+    @property
+    def failure(self) -> str | None:
+        """Why the ranks cannot run steps (a worker died, a step missed its deadline), else None."""
+        return self.runner.failure
+
+    def on_failure(self, callback) -> None:
+        """`callback(reason)` runs (on another thread) the moment a rank dies, even between steps."""
+        self.runner.on_failure = callback
+
+    def recover(self) -> list[Update]:
+        """Fail what is in flight, then tear the ranks down and bring them up again. Returns the
+        failed requests' final updates; raises if the ranks cannot be brought back."""
+        updates = self.fail_in_flight(f"recovering from: {self.failure}")
+        self.restart()
+        return updates
+
+    def restart(self) -> None:
+        """Kill and reap every rank and load the model again (nothing may be in flight). The new
+        pool holds no KV, so the prefix cache starts empty."""
+        self.runner.restart()
+        self._new_blocks()
+
+    def fail_in_flight(self, message: str) -> list[Update]:
+        """End every admitted request with an error; their slots return to the free list."""
+        return self._fail(self.scheduler.all_sequences(), message)
+
+    def kv_slot_usage(self) -> float:
+        return len(self.scheduler.running) / self.scheduler.max_num_seqs
+
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks held by sequences."""
+        return self.scheduler.blocks.usage()
+
+    def prefix_cache_counts(self) -> tuple[int, int]:
+        """Prompt tokens looked up in the prefix cache and those found, since start (cumulative)."""
+        return self.scheduler.prefix_cache_queries, self.scheduler.prefix_cache_hits
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+
+
+def encode_prompt(engine: LLMEngine, prompt: str) -> list[int]:
+    if engine.tokenizer is None:
+        raise RequestError("this checkpoint has no tokenizer.json: send token ids instead of text", param="prompt")
+    return engine.tokenizer.encode(prompt)
+
+
+__all__ = ["EngineConfig", "ImageError", "LLMEngine", "RequestError", "Status", "Update", "encode_prompt"]

@@ -1,0 +1,217 @@
+"""Continuous batching: which sequences run in the next step, and with which tokens.
+
+Each step is one batched forward under a token budget. Decoding sequences go first (one token
+each), then sequences part-way through their prompt continue, then waiting requests are admitted
+into free slots while the KV blocks for their prompt (less any cached prefix) are free. A long
+prompt is prefilled in chunks across steps, mixed with decodes. A decode that finds no free
+block preempts the most recently admitted sequence: its blocks are freed and it waits again, to
+be recomputed (prompt and generated tokens) when admitted anew.
+A sequence with images is prefilled whole in the step that admits it (the ranks chunk it
+themselves, beside the step's other sequences), and no other is admitted in that step.
+The scheduler is the only one who assigns slots and blocks: a slot belongs to one sequence at a time.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from neuron.engine.block_manager import BlockManager
+from neuron.engine.sampling import SamplingParams, SequenceSampler
+
+log = logging.getLogger("neuron.engine.scheduler")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sampler: SequenceSampler
+    max_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    slot: int | None = None
+    num_computed: int = 0  # tokens whose keys and values are in the sequence's blocks
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # hash chain of its full blocks, as far as known
+    num_cached_blocks: int = 0  # leading blocks of the table that are in the prefix cache
+    num_blocks_sent: int = 0  # leading blocks of the table the ranks already have
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    images: list = field(default_factory=list)  # ImageInputs filling the prompt's placeholders, in order
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def pending(self) -> list[int]:
+        """Tokens not yet run through the model (the prompt's rest, or the last sampled token)."""
+        return self.token_slice(self.num_computed, self.num_tokens)
+
+
+@dataclass(slots=True)
+class Scheduled:
+    seq: Sequence
+    token_ids: list[int]
+    offset: int
+    new_blocks: list[int] = field(default_factory=list)  # blocks the ranks' table of the slot gains
+    fresh: bool = False  # the sequence's first step in its slot
+
+    @property
+    def with_images(self) -> bool:
+        """The sequence's whole prefill with its images (a step of its own on the ranks)."""
+        return bool(self.seq.images) and self.fresh
+
+    @property
+    def completes_prompt(self) -> bool:
+        """After this chunk the sequence has no pending tokens, so its logits are sampled."""
+        return self.offset + len(self.token_ids) == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk: int,
+                 blocks: BlockManager | None = None):
+        self.max_num_seqs = max_num_seqs
+        self.budget = max(max_num_batched_tokens, max_num_seqs)
+        self.prefill_chunk = prefill_chunk
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.blocks = blocks
+        self.prefix_cache_queries = 0  # tokens of admitted sequences looked up in the prefix cache
+        self.prefix_cache_hits = 0  # of those, tokens found there (their prefill skipped)
+        self.num_preemptions = 0
+
+    def use_blocks(self, blocks: BlockManager) -> None:
+        """Schedule over a new block pool (at start, and after the ranks were rebuilt)."""
+        assert not self.running, "blocks change only while nothing runs"
+        self.blocks = blocks
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[Scheduled]:
+        batch: list[Scheduled] = []
+        budget = self.budget
+        decoding = [s for s in self.running if s.num_computed == s.num_tokens - 1]
+        prefilling = [s for s in self.running if s.num_computed < s.num_tokens - 1]
+        preempted = False
+        for seq in decoding:
+            if seq.status is not Status.RUNNING or not self._room_for_next_token(seq):
+                preempted = True
+                continue
+            batch.append(self._scheduled(seq, seq.pending()))
+            budget -= 1
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            if seq.status is Status.RUNNING:
+                budget -= self._chunk(seq, budget, batch)
+        while not preempted and self.waiting and self.free_slots and budget > 0:
+            seq = self.waiting[0]
+            if not self.blocks.allocate(seq):
+                break  # first come, first served: later requests wait too
+            self.waiting.popleft()
+            self._start(seq)
+            if seq.images:
+                batch.append(self._scheduled(seq, seq.pending()))
+                break
+            budget -= self._chunk(seq, budget, batch)
+        return batch
+
+    def _start(self, seq: Sequence) -> None:
+        seq.slot = self.free_slots.pop()
+        seq.status = Status.RUNNING
+        seq.num_computed = seq.num_cached_blocks * self.blocks.block_size
+        seq.num_blocks_sent = 0
+        if self.blocks.enable_prefix_caching:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += seq.num_computed
+        self.running.append(seq)
+
+    def _room_for_next_token(self, seq: Sequence) -> bool:
+        """Find the block the sequence's next token needs, preempting the newest sequences
+        (possibly this one) until one is free. False when this sequence was preempted."""
+        if seq.num_computed < len(seq.block_table) * self.blocks.block_size:
+            return True  # the usual case: its last block has room
+        while not self.blocks.can_append(seq):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.blocks.append(seq)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's slot and blocks and queue it first, to be recomputed."""
+        log.info("request %s preempted at %d tokens: out of KV blocks (%d in the pool)", seq.request_id,
+                 seq.num_tokens, self.blocks.num_blocks)
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = Status.WAITING
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _chunk(self, seq: Sequence, budget: int, batch: list[Scheduled]) -> int:
+        tokens = seq.pending()[: min(budget, self.prefill_chunk)]
+        batch.append(self._scheduled(seq, tokens))
+        return len(tokens)
+
+    def _scheduled(self, seq: Sequence, tokens: list[int]) -> Scheduled:
+        """The step of one sequence, with the blocks the ranks have not been told about."""
+        new_blocks = seq.block_table[seq.num_blocks_sent :]
+        fresh = seq.num_blocks_sent == 0
+        seq.num_blocks_sent = len(seq.block_table)
+        return Scheduled(seq, tokens, seq.num_computed, new_blocks, fresh)
+
+    def computed(self, batch: list[Scheduled]) -> None:
+        """The step ran: its tokens are in the KV cache, and newly full blocks become cacheable."""
+        for s in batch:
+            s.seq.num_computed = s.offset + len(s.token_ids)
+            self.blocks.cache_computed(s.seq)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Retire a sequence (finished, aborted or failed) and give its slot and blocks back."""
+        if seq.status is Status.FINISHED:
+            return
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self.free_slots.append(seq.slot)
+            seq.slot = None
+        if seq.block_table:
+            self.blocks.release(seq)
+        seq.num_blocks_sent = 0
+
+    def all_sequences(self) -> list[Sequence]:
+        return list(self.running) + list(self.waiting)

@@ -1,0 +1,1 @@
+"""What users run: the `neuron` command, the offline `LLM` API and the OpenAI-compatible server."""

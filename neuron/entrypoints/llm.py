@@ -1,0 +1,221 @@
+"""The offline API, in the convention users know from vLLM:
+
+    with LLM(model="path-or-repo-id", tensor_parallel_size=2) as llm:
+        outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=16))
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import io
+import itertools
+import weakref
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from neuron.engine.llm_engine import EngineConfig, LLMEngine, encode_prompt
+from neuron.errors import NeuronError
+from neuron.engine.sampling import SamplingParams
+from neuron.multimodal.image import ImageInput
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+
+
+PromptType = str | dict | list[int]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        tensor_parallel_size: int = 1,
+        device: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 16,
+        download_dir: str | None = None,
+        block_size: int | None = None,
+        kv_cache_memory: int | str | None = None,
+        gpu_memory_utilization: float | None = None,
+        enable_prefix_caching: bool | None = None,
+        **kwargs,
+    ):
+        if kwargs:
+            raise TypeError(f"LLM() got unsupported arguments: {', '.join(sorted(kwargs))}")
+        cfg = EngineConfig(model=model, tp=tensor_parallel_size, device=device, dtype=dtype,
+                           max_model_len=max_model_len, max_num_seqs=max_num_seqs, hf_cache_dir=download_dir,
+                           block_size=block_size, kv_cache_memory=kv_cache_memory,
+                           gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching)
+        self.engine = LLMEngine(cfg).start()
+        self._ids = itertools.count()
+        self._finalizer = weakref.finalize(self, _shutdown_engine, self.engine)
+        atexit.register(self._finalizer)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched together; outputs in prompt order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        tokenized = [self._tokenize(prompt) for prompt in prompts]  # refuses the whole call before queueing any
+        for (_, ids, images), p in zip(tokenized, params_list):
+            if p.n != 1:
+                raise ValueError("n > 1 is not supported; pass the prompt several times instead")
+            self.engine.validate(ids, p, images)
+        if self.engine.failure is not None:  # a rank died since the last call: bring the ranks back first
+            self.engine.recover()
+        outputs: dict[str, RequestOutput] = {}
+        order = []
+        for (text, ids, images), p in zip(tokenized, params_list):
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, ids, p, images)
+            logprobs = [] if p.logprobs is not None else None
+            outputs[rid] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], None, logprobs, None)])
+            order.append(rid)
+        self._run(outputs)
+        return [outputs[rid] for rid in order]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             **template_kwargs) -> list[RequestOutput]:
+        """Chat turns through the checkpoint's template. Content may be a list of parts: text
+        (`{"type": "text", "text": ...}`) and, for vision models, images (`{"type": "image_url",
+        "image_url": {"url": "data:..."}}` or `{"type": "image", "image": <PIL image>}`)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self._need_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            shaped, images = chat_images(conversation)
+            text = tok.apply_chat_template(shaped, add_generation_prompt=True, **template_kwargs)
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
+        return self.generate(prompts, sampling_params)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], list[ImageInput]]:
+        """Text, token ids (image placeholders expanded) and checked images of one prompt."""
+        if isinstance(prompt, str):
+            return prompt, encode_prompt(self.engine, prompt), []
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                text, ids = prompt["prompt"], encode_prompt(self.engine, prompt["prompt"])
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            images = self._images(prompt.get("multi_modal_data"))
+            if not images:
+                return text, ids, []
+            return text, self.engine.expand_images(ids, images), images
+        return None, list(prompt), []
+
+    def _images(self, data: dict | None) -> list[ImageInput]:
+        """`multi_modal_data={"image": ...}`: one image or a list, each a base64 `data:` URI or a
+        PIL image, filling the prompt's image placeholders in order."""
+        if not data:
+            return []
+        unknown = set(data) - {"image"}
+        if unknown:
+            raise ValueError(f"multi_modal_data supports only 'image', got {', '.join(sorted(unknown))}")
+        items = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
+        return self.engine.check_images([image_data_uri(x) for x in items])
+
+    def _need_tokenizer(self):
+        if self.engine.tokenizer is None:
+            raise NeuronError("this checkpoint has no tokenizer.json")
+        return self.engine.tokenizer
+
+    def _run(self, outputs: dict[str, RequestOutput]) -> None:
+        pending = len(outputs)
+        while pending:
+            for u in self.engine.step():
+                out = outputs.get(u.request_id)
+                if out is None:
+                    continue
+                c = out.outputs[0]
+                c.token_ids.extend(u.token_ids)
+                c.text += u.text
+                if u.logprobs is not None:
+                    c.logprobs.extend(u.logprobs)
+                if u.finished:
+                    out.finished = True
+                    c.finish_reason, c.stop_reason = u.finish_reason, u.stop_reason
+                    if c.logprobs:
+                        c.cumulative_logprob = sum(lp[t] for lp, t in zip(c.logprobs, c.token_ids))
+                    pending -= 1
+                    if u.error:
+                        raise NeuronError(f"generation failed: {u.error}")
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def image_data_uri(image) -> str:
+    """A `data:` URI as given, or a PIL image encoded as PNG."""
+    if isinstance(image, str):
+        return image
+    if hasattr(image, "save"):
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    raise ValueError(f"an image must be a base64 data: URI or a PIL image, got {type(image).__name__}")
+
+
+def chat_images(messages: list[dict]) -> tuple[list[dict], list]:
+    """Messages shaped for a chat template (each image part becomes `{"type": "image"}`, which
+    templates render as the image placeholder) and the images, in order."""
+    shaped, images = [], []
+    for m in messages:
+        content = m.get("content")
+        if not isinstance(content, list):
+            shaped.append(m)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                url = part.get("image_url")
+                images.append(url.get("url") if isinstance(url, dict) else url)
+                parts.append({"type": "image"})
+            elif kind == "image":
+                images.append(part.get("image"))
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        shaped.append({**m, "content": parts})
+    return shaped, images
+
+
+def _shutdown_engine(engine: LLMEngine) -> None:
+    engine.shutdown()

@@ -1,0 +1,161 @@
+"""The ASGI app: routes, authentication, body limits and the error envelope around every handler."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import re
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import anyio
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from neuron import config as settings
+from neuron.engine.async_engine import AsyncEngine, EngineState
+from neuron.entrypoints.openai.common import ready_engine
+from neuron.entrypoints.openai.api_errors import APIError, bad_request, internal
+from neuron.entrypoints.openai.api_types import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from neuron.entrypoints.openai.serving_chat import create_chat_completion
+from neuron.entrypoints.openai.serving_completions import create_completion
+
+log = logging.getLogger("neuron.server")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+    keepalive_s: float = 10.0  # SSE comment interval while a stream has nothing to say
+    shutdown_grace_s: float = field(default_factory=settings.shutdown_grace_s)  # for in-flight requests
+
+
+def build_app(engine: AsyncEngine, cfg: ServerConfig) -> Starlette:
+    api = _Api(engine, cfg)
+    routes = [
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/v1/models", api.endpoint("models", api.models), methods=["GET"]),
+        Route("/v1/chat/completions", api.endpoint("chat", api.chat), methods=["POST"]),
+        Route("/v1/completions", api.endpoint("completions", api.completions), methods=["POST"]),
+    ]
+
+    @asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        yield
+        await anyio.to_thread.run_sync(engine.stop)
+
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Unknown routes and methods, in the same envelope as everything else."""
+    kind = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None
+    return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=kind).response()
+
+
+class _Api:
+    def __init__(self, engine: AsyncEngine, cfg: ServerConfig):
+        self.engine = engine
+        self.cfg = cfg
+        self.stats = engine.metrics
+        self.started = int(time.time())
+
+    def endpoint(self, name: str, handler):
+        """Wrap a /v1 handler: authentication, the error envelope, and the request counter."""
+
+        async def run(request: Request) -> Response:
+            try:
+                self._authenticate(request)
+                response = await handler(request)
+            except APIError as exc:
+                log.info("%s %s refused: %d %s: %s", request.method, request.url.path, exc.status, exc.code or exc.type,
+                         exc.message)
+                response = exc.response()
+            except Exception:
+                log.exception("%s %s failed", request.method, request.url.path)
+                response = internal("internal server error; see the server log").response()
+            self.stats.requests.labels(name, str(response.status_code)).inc()
+            return response
+
+        return run
+
+    def _authenticate(self, request: Request) -> None:
+        if self.cfg.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.cfg.api_key.encode()):
+            raise APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
+                           type="authentication_error", code="invalid_api_key")
+
+    async def health(self, request: Request) -> Response:
+        state = self.engine.state
+        body = {"status": state.value}
+        if self.engine.error:
+            body["error"] = self.engine.error
+        return JSONResponse(body, 200 if state is EngineState.READY else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.stats.render(), media_type=self.stats.content_type)
+
+    async def models(self, request: Request) -> Response:
+        llm = ready_engine(self.engine)
+        card = ModelCard(self.engine.model_name, self.started, llm.max_model_len)
+        return Response(msgspec.json.encode(ModelList([card])), media_type="application/json")
+
+    async def chat(self, request: Request) -> Response:
+        req = await self._decode(request, ChatCompletionRequest)
+        return await create_chat_completion(request, self.engine, req, self.cfg.keepalive_s)
+
+    async def completions(self, request: Request) -> Response:
+        req = await self._decode(request, CompletionRequest)
+        return await create_completion(request, self.engine, req, self.cfg.keepalive_s)
+
+    async def _decode(self, request: Request, kind: type):
+        return decode_body(await read_body(request, self.cfg.max_body_bytes), kind)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with a 413 as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise bad_request(f"invalid Content-Length header {declared!r}")
+        if int(declared) > limit:
+            raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than this server's limit of {limit} bytes",
+                    code="request_too_large")
+
+
+_AT = re.compile(r"at `\$\.?([^`]*)`")
+_MISSING = re.compile(r"missing required field `([^`]+)`")
+
+
+def decode_body(body: bytes, kind: type):
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        found = _AT.search(message) or _MISSING.search(message)
+        raise bad_request(f"invalid request: {message}", param=found.group(1) if found else None) from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None

@@ -1,0 +1,280 @@
+"""The leader's side of the ranks: worker processes behind pipes plus rank 0 in-process.
+
+Every fan-out is followed by a drain of exactly one reply per worker, on every path, matched by
+`seq`: a reply with another seq is stale and is logged and dropped. Every wait has a deadline,
+and a worker that exits is noticed at once (its reader thread sees EOF), not at the deadline.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from neuron.utils import procfs
+from neuron.errors import PoolBroken, WorkerError
+from neuron.rpc import codec
+from neuron.rpc import protocol as p
+
+log = logging.getLogger("neuron.pool")
+
+_EOF = object()
+_DRAIN_GRACE_S = 2.0
+
+
+class LocalRank(Protocol):
+    """What the pool needs of rank 0 (the real one is neuron.worker.worker.Rank)."""
+
+    def init(self, backend: str, comm_id: str, timeout_s: float, store=None) -> None: ...
+    def sanity(self) -> float: ...
+
+
+def default_worker_cmd(rank: int, world_size: int, device: str) -> list[str]:
+    return [sys.executable, "-m", "neuron", "--worker", "--rank", str(rank), "--tp-size", str(world_size),
+            "--device", device]
+
+
+@dataclass
+class Worker:
+    """One worker process: its pipes, a reader thread feeding `replies`, its stderr passed through."""
+
+    rank: int
+    proc: subprocess.Popen
+    replies: queue.Queue = field(default_factory=queue.Queue)
+    on_exit: Callable[["Worker"], None] | None = None
+    killed_for_deadline: bool = False
+
+    def start_threads(self) -> None:
+        threading.Thread(target=self._read_stdout, name=f"rank{self.rank}-stdout", daemon=True).start()
+        threading.Thread(target=self._pass_stderr, name=f"rank{self.rank}-stderr", daemon=True).start()
+
+    def _read_stdout(self) -> None:
+        limit = codec.max_line_bytes()
+        while True:
+            try:
+                line = codec.read_line(self.proc.stdout, limit)
+            except codec.LineTooLong:
+                log.warning("rank %d sent a line over %d bytes; dropped", self.rank, limit)
+                continue
+            except (OSError, ValueError):
+                line = None
+            if line is None:
+                self.replies.put(_EOF)
+                if self.on_exit:
+                    self.on_exit(self)
+                return
+            reply = codec.decode_reply(line)
+            if reply is None:
+                log.warning("rank %d sent a non-protocol line: %r", self.rank, line[:200])
+                continue
+            self.replies.put(reply)
+
+    def _pass_stderr(self) -> None:
+        for line in iter(self.proc.stderr.readline, b""):
+            sys.stderr.write(line.decode("utf-8", "replace"))
+        sys.stderr.flush()
+
+    def send(self, msg: p.Message) -> None:
+        try:
+            self.proc.stdin.write(codec.encode(msg))
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            raise WorkerError(self.rank, "worker_exited", self._exit_text()) from None
+
+    def expect(self, seq: int, deadline: float) -> p.Reply:
+        """The reply to `seq`, skipping stale ones; raises WorkerError on exit, error or deadline."""
+        while True:
+            remaining = deadline - time.monotonic()
+            try:  # past the deadline, still take what already arrived: the drain must consume it
+                reply = self.replies.get(timeout=remaining) if remaining > 0 else self.replies.get_nowait()
+            except queue.Empty:
+                if remaining > 0:
+                    continue
+                raise WorkerError(self.rank, "timeout", f"no reply to seq {seq} before the deadline") from None
+            if reply is _EOF:
+                self.replies.put(_EOF)  # later waits fail fast too
+                if self.killed_for_deadline:
+                    raise WorkerError(self.rank, "timeout", "missed the step deadline; the rank was killed")
+                raise WorkerError(self.rank, "worker_exited", self._exit_text())
+            if reply.seq != seq:
+                log.warning("rank %d: discarding stale %s (seq %d, awaiting %d)", self.rank,
+                            type(reply).__name__, reply.seq, seq)
+                continue
+            if isinstance(reply, p.Error):
+                raise WorkerError(self.rank, reply.kind, reply.message)
+            return reply
+
+    def _exit_text(self) -> str:
+        try:
+            code = self.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return "worker closed its output but is still running"
+        return f"worker process exited with code {code}"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+class WorkerPool:
+    """Ranks 1..W-1 as subprocesses and rank 0 in-process, driven in lock-step."""
+
+    def __init__(
+        self,
+        world_size: int,
+        local: LocalRank,
+        devices: list[str] | None = None,
+        worker_cmd: Callable[[int, int, str], list[str]] = default_worker_cmd,
+        env: dict[str, str] | None = None,
+    ):
+        self.world_size = world_size
+        self.local = local
+        self.devices = devices or ["cpu"] * world_size
+        self.worker_cmd = worker_cmd
+        self.env = env
+        self.workers: list[Worker] = []
+        self.broken: str | None = None
+        self._seq = itertools.count(1)
+        self._on_worker_exit: Callable[[Worker], None] | None = None
+        self._closing = False
+
+    # ---- lifecycle ----
+
+    def spawn(self, deadline_s: float) -> list[p.Pong]:
+        """Start every worker and wait for each one's `pong`."""
+        env = {**os.environ, **(self.env or {}), "PYTHONUNBUFFERED": "1"}
+        for rank in range(1, self.world_size):
+            cmd = self.worker_cmd(rank, self.world_size, self.devices[rank])
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    env=env, start_new_session=False)
+            worker = Worker(rank, proc, on_exit=self._worker_exited)
+            worker.start_threads()
+            self.workers.append(worker)
+        log.info("spawned %d worker(s)", len(self.workers))
+        return self.broadcast(lambda seq: p.Ping(seq=seq), deadline_s)
+
+    def _worker_exited(self, worker: Worker) -> None:
+        if self._closing:
+            return
+        code = worker.proc.poll()
+        log.error("rank %d exited unexpectedly (code %s)", worker.rank, code)
+        self.broken = self.broken or f"rank {worker.rank} exited (code {code})"
+        if self._on_worker_exit:
+            self._on_worker_exit(worker)
+
+    def on_worker_exit(self, callback: Callable[[Worker], None]) -> None:
+        """Called from the worker's reader thread the moment its output closes."""
+        self._on_worker_exit = callback
+
+    def shutdown(self, grace_s: float = 5.0) -> None:
+        """Ask every worker to exit, then reap it; kill whoever outstays the grace period."""
+        self._closing = True
+        for w in self.workers:
+            if w.alive():
+                try:
+                    w.send(p.Shutdown(seq=next(self._seq)))
+                except WorkerError:
+                    pass
+            try:
+                w.proc.stdin.close()
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace_s
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("rank %d did not exit within %.1fs; killing it", w.rank, grace_s)
+                w.proc.kill()
+                w.proc.wait()
+        self.workers = []
+        self.broken = self.broken or "shut down"
+
+    def kill(self) -> None:
+        """Tear down at once (the pool is beyond saving)."""
+        self._closing = True
+        for w in self.workers:
+            if w.alive():
+                w.proc.kill()
+        for w in self.workers:
+            w.proc.wait()
+        self.workers = []
+        self.broken = self.broken or "killed"
+
+    # ---- fan-out and drain ----
+
+    def broadcast(self, make: Callable[[int], p.Message], deadline_s: float) -> list[p.Reply]:
+        """Send one request to every worker and return their replies (rank 0 does nothing)."""
+        return self.fan_out(make, None, deadline_s)[1]
+
+    def fan_out(self, make: Callable[[int], p.Message], local: Callable[[], Any] | None,
+                deadline_s: float) -> tuple[Any, list[p.Reply]]:
+        """Send to every worker first, run rank 0's part, then ALWAYS drain one reply per worker.
+
+        Raises after the drain: rank 0's own error first, else the lowest failing rank's."""
+        if self.broken:
+            raise PoolBroken(f"worker pool unusable: {self.broken}")
+        seq = next(self._seq)
+        msg = make(seq)
+        deadline = time.monotonic() + deadline_s
+        errors: list[BaseException] = []
+        sent: list[Worker] = []
+        for w in self.workers:
+            try:
+                w.send(msg)
+                sent.append(w)
+            except WorkerError as exc:
+                errors.append(exc)
+        result = None
+        local_error: BaseException | None = None
+        watchdog = self._watch(deadline_s) if local is not None and self.workers else None
+        if local is not None:
+            try:
+                result = local()
+            except BaseException as exc:  # noqa: BLE001 - re-raised after the drain
+                local_error = exc
+        replies = []
+        if watchdog is not None and watchdog.finished.is_set():
+            deadline += _DRAIN_GRACE_S  # ranks freed by the watchdog still owe their error reply
+        for w in sent:
+            try:
+                replies.append(w.expect(seq, deadline))
+            except WorkerError as exc:
+                errors.append(exc)
+        if watchdog is not None:
+            watchdog.cancel()
+        lost = [e for e in errors if e.kind in ("timeout", "worker_exited")]
+        if lost:  # a rank gone or stuck is the cause; rank 0's collective error is its echo
+            raise min(lost, key=lambda e: e.rank)
+        if local_error is not None:
+            raise local_error
+        if errors:
+            raise min(errors, key=lambda e: e.rank)
+        return result, replies
+
+    def _watch(self, deadline_s: float) -> threading.Timer:
+        """Past the deadline, kill the workers that still owe a reply. A rank stopped inside a
+        collective would otherwise hold rank 0 in the all-reduce until the collective timeout;
+        killed, its connections close and every backend reports that at once."""
+        timer = threading.Timer(deadline_s, self._kill_owing)
+        timer.daemon = True
+        timer.start()
+        return timer
+
+    def _kill_owing(self) -> None:
+        owing = [w for w in self.workers if w.alive() and w.replies.empty()]
+        # A frozen rank holds the live ones inside the collective with it: kill it alone, and the
+        # others' collectives fail and they answer. Only if none is frozen are all owing ones killed.
+        culprits = [w for w in owing if procfs.stopped(w.proc.pid)] or owing
+        for w in culprits:
+            log.error("rank %d missed the step deadline; killing it", w.rank)
+            w.killed_for_deadline = True
+            w.proc.kill()
+        self.broken = self.broken or "a rank missed the step deadline"
+

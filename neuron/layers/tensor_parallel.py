@@ -1,0 +1,252 @@
+"""Every tensor-parallel layer of neuron, each rank reading only its slice of the checkpoint.
+
+Column-parallel layers split the output dimension and need no communication; row-parallel
+layers split the input dimension and sum their partial outputs with one all-reduce. A layer is a
+plain object holding tensors: the decode path stays short enough to read and cheap to call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from neuron.errors import ConfigError
+from neuron.distributed.comm import Communicator
+
+
+@dataclass(slots=True, frozen=True)
+class Shard:
+    """Where this rank sits: its index and the number of ranks."""
+
+    rank: int
+    world: int
+
+    def even(self, size: int, what: str) -> tuple[int, int]:
+        """This rank's [start, end) of a dimension that must split evenly."""
+        if size % self.world:
+            raise ConfigError(f"{what} ({size}) is not divisible by the tensor-parallel size {self.world}")
+        per = size // self.world
+        return self.rank * per, (self.rank + 1) * per
+
+    def padded(self, size: int) -> tuple[int, int, int]:
+        """This rank's [start, end) of a dimension that may not divide (the vocabulary), and the
+        common padded shard size; the last shards may be short or empty."""
+        per = -(-size // self.world)
+        start = min(size, self.rank * per)
+        return start, min(size, start + per), per
+
+
+class Reader:
+    """What layers need from a checkpoint: a tensor or a slice of one along a dimension."""
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def has(self, name: str) -> bool:
+        raise NotImplementedError
+
+
+def _place(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return t.to(device=device, dtype=dtype).contiguous()
+
+
+class ColumnParallelLinear:
+    """y = x W^T with W's rows (outputs) split across ranks; each rank keeps its output slice."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight
+        self.bias = bias
+
+    @classmethod
+    def load(cls, r: Reader, prefix: str, out_features: int, shard: Shard, dtype, device, bias=False):
+        start, end = shard.even(out_features, f"{prefix} outputs")
+        w = _place(r.read(f"{prefix}.weight", 0, start, end), dtype, device)
+        b = _place(r.read(f"{prefix}.bias", 0, start, end), dtype, device) if bias else None
+        return cls(w, b)
+
+    @classmethod
+    def load_ranges(cls, r: Reader, parts: list[tuple[str, int, int]], dtype, device, bias=False):
+        """Rows [start, end) of each named projection, stacked into one matmul: for fused
+        checkpoints whose per-head groups make a rank's share several runs of rows."""
+        w = torch.cat([r.read(f"{name}.weight", 0, a, b) for name, a, b in parts])
+        b = torch.cat([r.read(f"{name}.bias", 0, a, b) for name, a, b in parts]) if bias else None
+        return cls(_place(w, dtype, device), None if b is None else _place(b, dtype, device))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear:
+    """y = sum_over_ranks(x_r W_r^T) + b with W's columns (inputs) split across ranks."""
+
+    def __init__(self, weight: torch.Tensor, comm: Communicator, bias: torch.Tensor | None = None):
+        self.weight = weight
+        self.bias = bias
+        self.comm = comm
+
+    @classmethod
+    def load(cls, r: Reader, prefix: str, in_features: int, shard: Shard, comm, dtype, device, bias=False):
+        start, end = shard.even(in_features, f"{prefix} inputs")
+        w = _place(r.read(f"{prefix}.weight", 1, start, end), dtype, device)
+        b = _place(r.read(f"{prefix}.bias"), dtype, device) if bias else None
+        return cls(w, comm, b)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        self.comm.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+@dataclass(slots=True, frozen=True)
+class HeadLayout:
+    """How attention heads land on ranks. Query heads split evenly; KV heads split evenly when
+    there are at least as many as ranks, otherwise each is replicated on world/num_kv ranks."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    shard: Shard
+
+    @property
+    def local_heads(self) -> int:
+        return self.num_heads // self.shard.world
+
+    @property
+    def local_kv_heads(self) -> int:
+        return max(1, self.num_kv_heads // self.shard.world)
+
+    def validate(self) -> None:
+        w = self.shard.world
+        if self.num_heads % w:
+            raise ConfigError(f"num_attention_heads ({self.num_heads}) is not divisible by tp={w}")
+        if self.num_kv_heads >= w and self.num_kv_heads % w:
+            raise ConfigError(f"num_key_value_heads ({self.num_kv_heads}) is not divisible by tp={w}")
+        if self.num_kv_heads < w and w % self.num_kv_heads:
+            raise ConfigError(f"tp={w} is not a multiple of num_key_value_heads ({self.num_kv_heads})")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    def kv_head_range(self) -> tuple[int, int]:
+        w, r = self.shard.world, self.shard.rank
+        if self.num_kv_heads >= w:
+            per = self.num_kv_heads // w
+            return r * per, (r + 1) * per
+        head = r // (w // self.num_kv_heads)
+        return head, head + 1
+
+
+class QKVParallelLinear:
+    """q, k and v projections fused into one column-parallel matmul over this rank's heads."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, layout: HeadLayout):
+        self.weight = weight
+        self.bias = bias
+        self.layout = layout
+        d = layout.head_dim
+        self.sizes = (layout.local_heads * d, layout.local_kv_heads * d, layout.local_kv_heads * d)
+
+    @classmethod
+    def load(cls, r: Reader, prefix: str, layout: HeadLayout, dtype, device, bias=False):
+        layout.validate()
+        d, s = layout.head_dim, layout.shard
+        q0, q1 = s.rank * layout.local_heads * d, (s.rank + 1) * layout.local_heads * d
+        k0, k1 = (h * d for h in layout.kv_head_range())
+        parts = [(f"{prefix}.q_proj", q0, q1), (f"{prefix}.k_proj", k0, k1), (f"{prefix}.v_proj", k0, k1)]
+        w = torch.cat([r.read(f"{name}.weight", 0, a, b) for name, a, b in parts])
+        b = torch.cat([r.read(f"{name}.bias", 0, a, b) for name, a, b in parts]) if bias else None
+        return cls(_place(w, dtype, device), None if b is None else _place(b, dtype, device), layout)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+class MergedColumnParallelLinear:
+    """Several column-parallel projections of the same input (gate and up) in one matmul."""
+
+    def __init__(self, weight: torch.Tensor, sizes: tuple[int, ...]):
+        self.weight = weight
+        self.sizes = sizes
+
+    @classmethod
+    def load(cls, r: Reader, prefixes: list[str], out_features: int, shard: Shard, dtype, device):
+        start, end = shard.even(out_features, f"{prefixes[0]} outputs")
+        w = torch.cat([r.read(f"{p}.weight", 0, start, end) for p in prefixes])
+        return cls(_place(w, dtype, device), (end - start,) * len(prefixes))
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight).split(self.sizes, dim=-1)
+
+
+def _vocab_rows(r: Reader, name: str, vocab: int, shard: Shard, dtype, device) -> tuple[torch.Tensor, int]:
+    """This rank's vocabulary rows, zero-padded to the common shard size."""
+    start, end, per = shard.padded(vocab)
+    rows = r.read(name, 0, start, end) if end > start else None
+    hidden = r.read(name, 0, 0, 1).shape[1] if rows is None else rows.shape[1]
+    w = torch.zeros(per, hidden, dtype=dtype, device=device)
+    if rows is not None:
+        w[: end - start] = rows.to(device=device, dtype=dtype)
+    return w, start
+
+
+class VocabParallelEmbedding:
+    """Each rank embeds the ids in its vocabulary range (zeros elsewhere); an all-reduce sums."""
+
+    def __init__(self, weight: torch.Tensor, start: int, comm: Communicator):
+        self.weight = weight
+        self.start = start
+        self.comm = comm
+
+    @classmethod
+    def load(cls, r: Reader, name: str, vocab: int, shard: Shard, comm, dtype, device):
+        w, start = _vocab_rows(r, name, vocab, shard, dtype, device)
+        return cls(w, start, comm)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.comm.world_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        self.comm.all_reduce(out)
+        return out
+
+
+class ParallelLMHead:
+    """Vocabulary-parallel output projection; the full logits exist on rank 0 only."""
+
+    def __init__(self, weight: torch.Tensor, vocab: int, comm: Communicator):
+        self.weight = weight
+        self.vocab = vocab
+        self.comm = comm
+
+    @classmethod
+    def load(cls, r: Reader, name: str, vocab: int, shard: Shard, comm, dtype, device):
+        w, _ = _vocab_rows(r, name, vocab, shard, dtype, device)
+        return cls(w, vocab, comm)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor | None:
+        local = F.linear(h, self.weight)
+        parts = self.comm.gather_to_rank0(local)
+        if parts is None:
+            return None
+        return torch.cat(parts, dim=-1)[..., : self.vocab]
+
+
+class RMSNorm:
+    """Replicated on every rank; computed in float32 like the reference."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight = weight
+        self.eps = eps
+
+    @classmethod
+    def load(cls, r: Reader, name: str, eps: float, dtype, device):
+        return cls(_place(r.read(name), dtype, device), eps)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)

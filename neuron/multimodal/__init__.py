@@ -1,0 +1,1 @@
+"""Image inputs: decoding, resizing and patching, placeholder expansion and multimodal positions."""

@@ -1,0 +1,1 @@
+"""Helpers with no neuron dependencies: logging set-up and Linux process state."""

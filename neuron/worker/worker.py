@@ -1,0 +1,220 @@
+"""One rank's state and the handling of every protocol request. The leader runs rank 0 of this
+in-process; each worker process runs one of the others behind its stdin/stdout."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from neuron.errors import ConfigError, UnsupportedModel
+from neuron.models import build_model
+from neuron.models.kv_cache import StepRejected, plan_num_blocks
+from neuron.models.loader import CheckpointReader
+from neuron.rpc import protocol as p
+from neuron.distributed.comm import Communicator, GlooCommunicator, NcclCommunicator, SingleRank, make_store
+
+log = logging.getLogger("neuron.rank")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RankFailure(Exception):
+    """A request this rank could not carry out; `kind` is the protocol's error tag."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not supported; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def set_cpu_threads(world_size: int) -> None:
+    """Ranks on one machine share its cores: give each its part instead of oversubscribing."""
+    if "NEURON_NUM_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["NEURON_NUM_THREADS"]))
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // world_size))
+
+
+class Rank:
+    def __init__(self, rank: int, world_size: int, device: str = "cpu"):
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        elif world_size > 1:
+            set_cpu_threads(world_size)
+        self.comm: Communicator | None = SingleRank() if world_size == 1 else None
+        self.models: dict[str, object] = {}
+
+    # ---- operations (rank 0 calls these directly) ----
+
+    def init(self, backend: str, comm_id: str, timeout_s: float, store=None) -> None:
+        if self.comm is not None and self.world_size > 1:
+            self.comm.close()
+        try:
+            if backend == "single" or self.world_size == 1:
+                self.comm = SingleRank()
+            elif backend == "gloo":
+                store = store or make_store(comm_id, self.world_size, False, timeout_s)
+                self.comm = GlooCommunicator(self.rank, self.world_size, store, timeout_s)
+            elif backend == "nccl":
+                self.comm = NcclCommunicator(self.rank, self.world_size, comm_id, self.device)
+            else:
+                raise RankFailure(p.ErrorKind.COMM_INIT_FAILED, f"unknown backend {backend!r}")
+        except RankFailure:
+            raise
+        except Exception as exc:
+            raise RankFailure(p.ErrorKind.COMM_INIT_FAILED, f"{backend} init failed: {exc}") from exc
+
+    def sanity(self) -> float:
+        t = torch.ones(1, device=self.device)
+        self._need_comm().all_reduce(t)
+        return float(t.item())
+
+    def load(self, req: p.LoadDenseShard, progress: Callable[[int, int], None] | None = None) -> tuple[int, int]:
+        """Load the shard and allocate the KV block pool; returns (weight bytes, KV blocks)."""
+        comm = self._need_comm()
+        try:
+            config = json.loads(req.config_json)
+            dtype = resolve_dtype(req.dtype, str(self.device))
+            model_dir = Path(req.safetensors_paths[0]).parent if req.safetensors_paths else None
+            model = build_model(config, comm, dtype, self.device, model_dir)
+            with CheckpointReader(req.safetensors_paths) as reader:
+                model.load(reader, progress)
+            num_blocks = self._plan_kv(model, req)
+            model.allocate(num_blocks, req.block_size, req.max_slots, req.max_model_len)
+        except UnsupportedModel as exc:
+            raise RankFailure(p.ErrorKind.UNSUPPORTED_ARCH, str(exc)) from exc
+        except (ConfigError, ValueError, OSError) as exc:
+            raise RankFailure(p.ErrorKind.LOAD_FAILED, str(exc)) from exc
+        self.models[req.model_id] = model
+        return model.weight_bytes(), num_blocks
+
+    def _plan_kv(self, model, req: p.LoadDenseShard) -> int:
+        if req.block_size < 1:
+            raise ConfigError(f"KV block size must be >= 1, got {req.block_size}")
+        block_bytes = model.kv_block_bytes(req.block_size)
+        reserve = model.activation_bytes(req.max_num_batched_tokens, req.max_slots, req.max_model_len)
+        num_blocks = plan_num_blocks(block_bytes, req.block_size, max_slots=req.max_slots,
+                                     max_model_len=req.max_model_len, kv_cache_bytes=req.kv_cache_bytes,
+                                     gpu_memory_utilization=req.gpu_memory_utilization,
+                                     activation_reserve=reserve, device=self.device)
+        log.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, req.block_size,
+                 num_blocks * block_bytes / 2**20)
+        return num_blocks
+
+    def step(self, model_id: str, seqs: list[p.StepSeq]) -> torch.Tensor | None:
+        model = self._model(model_id)
+        try:
+            model.cache.check(seqs, model.config.vocab_size)
+        except StepRejected as exc:
+            raise RankFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
+        batch = model.cache.prepare(seqs)
+        try:
+            logits = model.forward(batch)
+        except Exception as exc:
+            raise RankFailure(p.ErrorKind.FORWARD_FAILED, f"{type(exc).__name__}: {exc}") from exc
+        model.cache.commit(batch)
+        return logits
+
+    def step_with_images(self, req: p.GenerateStepWithImages) -> torch.Tensor | None:
+        """Prefill sequences whose prompts hold images, walking the same chunks as every rank."""
+        model = self._model(req.model_id)
+        if getattr(model, "vision", None) is None:
+            raise RankFailure(p.ErrorKind.UNSUPPORTED_ARCH, f"model {req.model_id!r} has no vision tower")
+        try:
+            return model.prefill_with_images(req.seqs, req.image_token_id, req.image_data_uris, req.chunk_size)
+        except StepRejected as exc:
+            raise RankFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
+        except Exception as exc:
+            raise RankFailure(p.ErrorKind.FORWARD_FAILED, f"{type(exc).__name__}: {exc}") from exc
+
+    def clear(self, model_id: str, slots: list[int] | None) -> None:
+        try:
+            self._model(model_id).cache.clear(slots)
+        except StepRejected as exc:
+            raise RankFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
+
+    def unload(self, model_id: str) -> None:
+        self._model(model_id)
+        del self.models[model_id]
+
+    def close(self) -> None:
+        self.models.clear()
+        if self.comm is not None:
+            self.comm.close()
+
+    def _need_comm(self) -> Communicator:
+        if self.comm is None:
+            raise RankFailure(p.ErrorKind.NOT_INITIALISED, "communicator not initialised: send init first")
+        return self.comm
+
+    def _model(self, model_id: str):
+        model = self.models.get(model_id)
+        if model is None:
+            raise RankFailure(p.ErrorKind.MODEL_NOT_LOADED, f"model {model_id!r} is not loaded on rank {self.rank}")
+        return model
+
+    # ---- protocol (workers) ----
+
+    def handle(self, req: p.Request) -> p.Reply:
+        """Answer one request; never raises."""
+        try:
+            return self._dispatch(req)
+        except RankFailure as exc:
+            return p.Error(seq=req.seq, kind=exc.kind, message=str(exc))
+        except Exception as exc:
+            log.exception("request %s failed", type(req).__name__)
+            return p.Error(seq=req.seq, kind=p.ErrorKind.INTERNAL, message=f"{type(exc).__name__}: {exc}")
+
+    def _dispatch(self, req: p.Request) -> p.Reply:
+        seq = req.seq
+        match req:
+            case p.Ping():
+                return p.Pong(seq=seq, rank=self.rank, world_size=self.world_size, device=str(self.device))
+            case p.Init():
+                self.init(req.backend, req.comm_id, req.timeout_s)
+                return p.InitOk(seq=seq, backend=self.comm.backend)
+            case p.CommSanityCheck():
+                return p.SanityResult(seq=seq, observed_sum=self.sanity())
+            case p.LoadDenseShard():
+                t0 = time.perf_counter()
+                nbytes, num_blocks = self.load(req)
+                log.info("loaded %s shard: %.1f MiB in %.0f ms", req.model_id, nbytes / 2**20, _ms(t0))
+                return p.LoadDenseShardOk(seq=seq, model_id=req.model_id, weight_bytes=nbytes, num_kv_blocks=num_blocks)
+            case p.GenerateStep():
+                t0 = time.perf_counter()
+                self.step(req.model_id, req.seqs)
+                return p.GenerateStepOk(seq=seq, elapsed_ms=_ms(t0))
+            case p.GenerateStepWithImages():
+                t0 = time.perf_counter()
+                self.step_with_images(req)
+                return p.GenerateStepOk(seq=seq, elapsed_ms=_ms(t0))
+            case p.ClearKvCache():
+                self.clear(req.model_id, req.slots)
+                return p.KvCacheCleared(seq=seq)
+            case p.UnloadModel():
+                self.unload(req.model_id)
+                return p.Unloaded(seq=seq, model_id=req.model_id)
+            case p.Shutdown():
+                return p.Bye(seq=seq)
+        raise RankFailure(p.ErrorKind.UNKNOWN_OP, f"unhandled op {type(req).__name__}")
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000.0
