@@ -21,6 +21,7 @@ and carries an `action` (default `reply`) with its parameters:
     duplicate   the normal reply twice (the second is stale for the next request)
     garbage     a non-JSON line, then the normal reply
     oversized   an error line with this seq longer than NEURON_MAX_LINE_BYTES, then the normal reply
+    version     (ping only) a pong that claims protocol version `protocol`
 
 Unmatched requests get the normal reply. The process exits 0 on `shutdown` or stdin EOF.
 """
@@ -115,6 +116,9 @@ class Mock:
                 self.send(reply)
             case "garbage":
                 self.send_raw(b"this is not json {\n")
+            case "version":
+                reply = p.Pong(seq=req.seq, rank=self.rank, world_size=self.world_size, device="mock",
+                               protocol=int(rule["protocol"]))
             case "oversized":
                 filler = "x" * (codec.max_line_bytes() + 16)
                 self.send(p.Error(seq=req.seq, kind="oversized", message=filler))

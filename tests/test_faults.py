@@ -53,7 +53,7 @@ def engine(request, tmp_path_factory):
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 def test_fault_then_recovery(engine, sig, phase):
-    victim = engine.runner.pool.workers[-1].proc
+    victim = engine.executor.pool.workers[-1].proc
     at_step = 3 if phase == "prefill" else 12  # prefill ends after step 10
     killed_at: list[float] = []
 
@@ -83,7 +83,7 @@ def test_failure_mid_step_from_another_thread(engine):
     """A rank killed while a step is running (not between steps) fails that step cleanly."""
     import threading
 
-    victim = engine.runner.pool.workers[0].proc
+    victim = engine.executor.pool.workers[0].proc
     engine.add_request("mid", PROMPT, PARAMS)
     threading.Timer(0.05, lambda: os.kill(victim.pid, signal.SIGKILL)).start()
     deadline = time.monotonic() + 30

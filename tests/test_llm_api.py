@@ -94,7 +94,7 @@ def test_workers_exit_with_the_interpreter(tmp_path):
         os.environ["NEURON_CACHE_DIR"] = {str(tmp_path)!r}
         from neuron import LLM
         llm = LLM(tensor_parallel_size=2, device="cpu", max_model_len=64)
-        print(llm.engine.runner.pool.workers[0].proc.pid, flush=True)
+        print(llm.engine.executor.pool.workers[0].proc.pid, flush=True)
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -133,7 +133,7 @@ def test_recovers_after_a_worker_dies(llm):
 
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     before = llm.generate("Recovery check", params)[0].outputs[0].token_ids
-    victim = llm.engine.runner.pool.workers[0].proc
+    victim = llm.engine.executor.pool.workers[0].proc
     os.kill(victim.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while llm.engine.failure is None and time.monotonic() < deadline:

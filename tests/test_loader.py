@@ -105,16 +105,16 @@ def test_unsupported_model_type_fails_before_workers(tmp_path, monkeypatch):
 
 
 def test_per_rank_weights_are_about_one_over_tp(odd_checkpoint):
-    from neuron.executor.executor import ModelRunner, RunnerConfig
+    from neuron.executor.executor import Executor, ExecutorConfig
 
     sizes = {}
     for tp in (1, 2):
-        runner = ModelRunner(RunnerConfig(odd_checkpoint, tp=tp, dtype="float32", max_slots=1, max_model_len=64))
-        runner.start()
+        executor = Executor(ExecutorConfig(odd_checkpoint, tp=tp, dtype="float32", max_slots=1, max_model_len=64))
+        executor.start()
         try:
-            sizes[tp] = runner.weight_bytes
+            sizes[tp] = executor.weight_bytes
         finally:
-            runner.shutdown()
+            executor.shutdown()
     full = sizes[1][0]
     for b in sizes[2]:
         assert 0.45 * full < b < 0.62 * full  # norms are replicated, so a little over half

@@ -12,7 +12,7 @@ from neuron import LLM, SamplingParams
 from neuron.engine.block_manager import BlockManager, chain_hash
 from neuron.errors import ConfigError
 from neuron.models.kv_cache import PagedKVCache, StepRejected
-from neuron.rpc.protocol import StepSeq
+from neuron.models.inputs import SeqStep
 from neuron.engine.scheduler import Scheduler, Sequence, Status
 
 
@@ -167,14 +167,14 @@ def _cache() -> PagedKVCache:
 
 
 @pytest.mark.parametrize("step, message", [
-    ([StepSeq(0, [1], 0, [8], True)], "outside the pool"),
-    ([StepSeq(0, [1], 0)], "0 blocks"),
-    ([StepSeq(0, [1] * 5, 0, [1], True)], "only 1 blocks"),
-    ([StepSeq(0, [1], 2, [1], True)], "whole blocks"),
-    ([StepSeq(0, [1], 4, [1], True)], "only 1 blocks"),
-    ([StepSeq(0, [1, 2], 0, [3, 3], True)], "twice"),
-    ([StepSeq(0, [1], 0, [2], True), StepSeq(1, [1], 0, [2], True)], "written by two"),
-    ([StepSeq(0, [1] * 17, 0, [0, 1, 2, 3, 4], True)], "max_model_len"),
+    ([SeqStep(0, [1], 0, [8], True)], "outside the pool"),
+    ([SeqStep(0, [1], 0)], "0 blocks"),
+    ([SeqStep(0, [1] * 5, 0, [1], True)], "only 1 blocks"),
+    ([SeqStep(0, [1], 2, [1], True)], "whole blocks"),
+    ([SeqStep(0, [1], 4, [1], True)], "only 1 blocks"),
+    ([SeqStep(0, [1, 2], 0, [3, 3], True)], "twice"),
+    ([SeqStep(0, [1], 0, [2], True), SeqStep(1, [1], 0, [2], True)], "written by two"),
+    ([SeqStep(0, [1] * 17, 0, [0, 1, 2, 3, 4], True)], "max_model_len"),
 ])
 def test_rank_refuses_steps_outside_its_blocks(step, message):
     with pytest.raises(StepRejected, match=message):
@@ -183,14 +183,14 @@ def test_rank_refuses_steps_outside_its_blocks(step, message):
 
 def test_rank_tables_grow_by_the_blocks_a_step_carries():
     cache = _cache()
-    for s in ([StepSeq(0, [1, 2, 3], 0, [5], True)], [StepSeq(0, [4], 3)], [StepSeq(0, [5], 4, [2])]):
+    for s in ([SeqStep(0, [1, 2, 3], 0, [5], True)], [SeqStep(0, [4], 3)], [SeqStep(0, [5], 4, [2])]):
         cache.check(s, vocab_size=10)
         cache.commit(cache.prepare(s))
     assert cache.tables[0] == [5, 2] and cache.filled[0] == 5
     assert cache.slot_rows[0, :5].tolist() == [20, 21, 22, 23, 8]
     with pytest.raises(StepRejected, match="only 5 positions filled"):
-        cache.check([StepSeq(0, [1], 6)], vocab_size=10)
-    cache.check([StepSeq(1, [7], 4, [5, 6], True)], vocab_size=10)  # a cached first block, shared
+        cache.check([SeqStep(0, [1], 6)], vocab_size=10)
+    cache.check([SeqStep(1, [7], 4, [5, 6], True)], vocab_size=10)  # a cached first block, shared
     cache.clear([0])
     assert cache.tables[0] == [] and cache.filled[0] == 0
 
@@ -212,15 +212,15 @@ def _assert_equal(got, ref_tokens, ref_logprobs, tol=1e-3):
             assert abs(value - ref_logprobs[step][tid].item()) <= tol
 
 
-def _record_steps(llm: LLM) -> list[list[StepSeq]]:
-    runner, steps = llm.engine.runner, []
-    original = runner.step
+def _record_steps(llm: LLM) -> list[list[SeqStep]]:
+    executor, steps = llm.engine.executor, []
+    original = executor.step
 
     def step(seqs):
         steps.append(list(seqs))
         return original(seqs)
 
-    runner.step = step
+    executor.step = step
     return steps
 
 
@@ -265,7 +265,7 @@ def test_preemption_under_a_tiny_budget_keeps_outputs(odd_checkpoint, tp):
     budget = 16 * _block_bytes(odd_checkpoint, tp, 4)
     with LLM(str(odd_checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32", max_model_len=64,
              block_size=4, kv_cache_memory=budget) as llm:
-        assert llm.engine.runner.num_kv_blocks == 16
+        assert llm.engine.executor.num_kv_blocks == 16
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
         assert llm.engine.scheduler.num_preemptions > 0
         assert llm.engine.kv_cache_usage() == 0.0
@@ -279,8 +279,8 @@ def test_memory_follows_real_lengths(odd_checkpoint):
     budget = 40 * _block_bytes(odd_checkpoint, 2, 8)  # 320 tokens; 8 x 128 would need 1024
     with LLM(str(odd_checkpoint), tensor_parallel_size=2, device="cpu", dtype="float32", max_model_len=128,
              max_num_seqs=8, block_size=8, kv_cache_memory=budget) as llm:
-        pool = llm.engine.runner.rank0.models["model"].cache.k[0]
-        assert llm.engine.runner.num_kv_blocks == 40 and pool.shape[1] == 40 * 8
+        pool = llm.engine.executor.rank0.models["model"].cache.k[0]
+        assert llm.engine.executor.num_kv_blocks == 40 and pool.shape[1] == 40 * 8
         steps = _record_steps(llm)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(12))
         assert max(len(step) for step in steps) == 8
@@ -293,7 +293,7 @@ def test_cleared_tables_and_a_reused_cache(odd_checkpoint):
     prompt = SYSTEM + [1, 2]
     with LLM(str(odd_checkpoint), device="cpu", dtype="float32", block_size=8) as llm:
         first = llm.generate({"prompt_token_ids": prompt}, _greedy())[0].outputs[0]
-        llm.engine.runner.clear()  # the tables go; the blocks' contents and the leader's cache stay
+        llm.engine.executor.clear()  # the tables go; the blocks' contents and the leader's cache stay
         again = llm.generate({"prompt_token_ids": prompt}, _greedy())[0].outputs[0]
         assert llm.engine.prefix_cache_counts()[1] == 40
     assert again.token_ids == first.token_ids

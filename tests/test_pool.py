@@ -34,7 +34,7 @@ def make_pool():
     pools: list[WorkerPool] = []
 
     def make(world_size: int, scripts: dict[int, list[dict]] | None = None) -> WorkerPool:
-        pool = WorkerPool(world_size, local=None, worker_cmd=mock_cmd(scripts or {}))
+        pool = WorkerPool(world_size, worker_cmd=mock_cmd(scripts or {}))
         pools.append(pool)
         pool.spawn(SPAWN_S)
         return pool
@@ -90,7 +90,7 @@ def assert_step_replies(replies: list, world_size: int) -> None:
     assert [r.elapsed_ms for r in replies] == [float(rank) for rank in range(1, world_size)]
 
 
-def raise_boom():
+def raise_boom(msg):
     raise RuntimeError("rank 0 failed")
 
 
@@ -102,7 +102,7 @@ def test_spawn_and_ping(make_pool, world_size):
     pool = make_pool(world_size)
     pongs = pool.broadcast(lambda seq: p.Ping(seq=seq), 3.0)
     assert [(x.rank, x.world_size, x.device) for x in pongs] == [(r, world_size, "mock") for r in range(1, world_size)]
-    result, replies = pool.fan_out(step, lambda: "logits", 3.0)
+    result, replies = pool.fan_out(step, lambda msg: "logits", 3.0)
     assert result == "logits"
     assert_step_replies(replies, world_size)
     assert len({r.seq for r in replies}) == 1
@@ -130,7 +130,7 @@ def test_drain_after_rank0_error(make_pool, pool_log):
     assert time.monotonic() - t0 >= 0.5  # it waited for both workers' replies
     assert_drained(pool)
     # The next request reads its own replies; nothing stale was left in the pipes.
-    result, replies = pool.fan_out(step, lambda: "ok", 3.0)
+    result, replies = pool.fan_out(step, lambda msg: "ok", 3.0)
     assert result == "ok"
     assert_step_replies(replies, 3)
     assert pool_log.count("stale") == 0
@@ -149,7 +149,7 @@ def test_one_worker_fails_and_the_other_is_still_drained(make_pool, pool_log):
                          2: [{"op": "generate_step", "nth": 1, "action": "delay", "s": 0.4}]})
     t0 = time.monotonic()
     with pytest.raises(WorkerError) as info:
-        pool.fan_out(step, lambda: None, 3.0)
+        pool.fan_out(step, lambda msg: None, 3.0)
     assert time.monotonic() - t0 >= 0.4
     assert (info.value.rank, info.value.kind) == (1, "forward_failed")
     assert_drained(pool)
@@ -194,7 +194,7 @@ def test_worker_error_names_rank_and_kind(make_pool):
     pool = make_pool(3, {2: [{"op": "generate_step", "nth": 1, "action": "error", "kind": "forward_failed",
                               "message": "out of memory"}]})
     with pytest.raises(WorkerError) as info:
-        pool.fan_out(step, lambda: None, 3.0)
+        pool.fan_out(step, lambda msg: None, 3.0)
     assert (info.value.rank, info.value.kind) == (2, "forward_failed")
     assert "out of memory" in info.value.message
     assert_drained(pool)
@@ -217,7 +217,7 @@ def test_crash_mid_operation_is_noticed_at_once(make_pool):
     deadline = 3.0
     t0 = time.monotonic()
     with pytest.raises(WorkerError) as info:
-        pool.fan_out(step, lambda: None, deadline)
+        pool.fan_out(step, lambda msg: None, deadline)
     assert time.monotonic() - t0 < deadline / 2
     assert (info.value.rank, info.value.kind) == (2, "worker_exited")
     assert "code 7" in info.value.message
@@ -242,7 +242,7 @@ def test_unanswered_request_times_out(make_pool, pool_log, action):
     deadline = 1.0
     t0 = time.monotonic()
     with pytest.raises(WorkerError) as info:
-        pool.fan_out(step, lambda: None, deadline)
+        pool.fan_out(step, lambda msg: None, deadline)
     elapsed = time.monotonic() - t0
     assert deadline <= elapsed < deadline + 1.0
     assert (info.value.rank, info.value.kind) == (1, "timeout")
@@ -253,7 +253,7 @@ def test_unanswered_request_times_out(make_pool, pool_log, action):
 
 
 def test_hang_at_spawn_times_out():
-    pool = WorkerPool(2, local=None, worker_cmd=mock_cmd({1: [{"op": "ping", "action": "hang"}]}))
+    pool = WorkerPool(2, worker_cmd=mock_cmd({1: [{"op": "ping", "action": "hang"}]}))
     try:
         t0 = time.monotonic()
         with pytest.raises(WorkerError) as info:
@@ -306,7 +306,7 @@ def test_broken_pool_raises_at_once(make_pool, pool_log):
     called = []
     t0 = time.monotonic()
     with pytest.raises(PoolBroken, match="rank 1 left a collective"):
-        pool.fan_out(step, lambda: called.append(1), 3.0)
+        pool.fan_out(step, lambda msg: called.append(1), 3.0)
     assert time.monotonic() - t0 < 0.5
     assert called == []
     pool.broken = None  # nothing was sent while broken: the next request meets no stale reply
@@ -320,7 +320,7 @@ def test_watchdog_frees_rank0_stuck_on_a_hung_worker(make_pool):
     pool = make_pool(3, {2: [{"op": "generate_step", "action": "hang"}]})
     hung = pool.workers[1]
 
-    def stuck_in_collective():
+    def stuck_in_collective(msg):
         t_end = time.monotonic() + 20
         while hung.alive() and time.monotonic() < t_end:
             time.sleep(0.01)

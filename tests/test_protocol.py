@@ -20,7 +20,7 @@ REQUESTS = [
     p.CommSanityCheck(seq=13),
     p.LoadDenseShard(seq=14, model_id="qwen3-tiny", config_json='{"hidden_size": 64}',
                      safetensors_paths=["/m/a.safetensors", "/m/b.safetensors"], dtype="bfloat16",
-                     quant="int8", max_slots=3, max_model_len=512, block_size=32, kv_cache_bytes=3 << 30,
+                     max_slots=3, max_model_len=512, block_size=32, kv_cache_bytes=3 << 30,
                      gpu_memory_utilization=0.45, max_num_batched_tokens=2048),
     p.GenerateStep(seq=15, model_id="qwen3-tiny",
                    seqs=[p.StepSeq(slot=0, token_ids=[1, 2, 3], offset=32, new_blocks=[7, 4, 9], fresh=True),
@@ -185,9 +185,11 @@ def test_oversized_line_at_eof():
 
 def test_max_line_bytes_from_env(monkeypatch):
     monkeypatch.delenv("NEURON_MAX_LINE_BYTES", raising=False)
-    assert codec.max_line_bytes() == codec.DEFAULT_MAX_LINE_BYTES
+    assert codec.max_line_bytes() == 64 * 2**20
     monkeypatch.setenv("NEURON_MAX_LINE_BYTES", "4096")
     assert codec.max_line_bytes() == 4096
+    monkeypatch.setenv("NEURON_MAX_LINE_BYTES", "1MiB")
+    assert codec.max_line_bytes() == 2**20
 
 
 # ---- properties ----

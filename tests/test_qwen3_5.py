@@ -17,7 +17,7 @@ from neuron.models.gated_deltanet import DeltaNetHeads, delta_chunked, delta_ste
 from neuron.models.kv_cache import StepRejected
 from neuron.models.loader import CheckpointReader, safetensors_files
 from neuron.models.qwen3_5 import MRotary
-from neuron.rpc.protocol import StepSeq
+from neuron.models.inputs import SeqStep
 from neuron.distributed.comm import SingleRank
 from neuron.layers.tensor_parallel import Shard
 
@@ -210,20 +210,20 @@ def test_recurrent_state_cannot_rewind(multimodal_checkpoint):
         model.load(r)
     model.allocate(8, 4, 2, 64)
     cache = model.cache
-    first = [StepSeq(0, [1, 2, 3], 0, [0], True)]
+    first = [SeqStep(0, [1, 2, 3], 0, [0], True)]
     cache.check(first, 301)
     batch = cache.prepare(first)
     model.forward(batch)
     cache.commit(batch)
-    cache.check([StepSeq(0, [4], 3)], 301)
+    cache.check([SeqStep(0, [4], 3)], 301)
     with pytest.raises(StepRejected, match="recurrent state"):
-        cache.check([StepSeq(0, [3], 2)], 301)
+        cache.check([SeqStep(0, [3], 2)], 301)
     with pytest.raises(StepRejected, match="cached prefix"):
-        cache.check([StepSeq(1, [5], 4, [1, 2], True)], 301)
-    cache.check([StepSeq(0, [9, 9], 0, [3], True)], 301)  # a new sequence in a reused slot starts afresh
-    cache.prepare([StepSeq(0, [4], 3)])  # a step that never commits
+        cache.check([SeqStep(1, [5], 4, [1, 2], True)], 301)
+    cache.check([SeqStep(0, [9, 9], 0, [3], True)], 301)  # a new sequence in a reused slot starts afresh
+    cache.prepare([SeqStep(0, [4], 3)])  # a step that never commits
     with pytest.raises(StepRejected, match="failed step"):
-        cache.check([StepSeq(0, [4], 3)], 301)
+        cache.check([SeqStep(0, [4], 3)], 301)
 
 
 def test_head_sharding_layouts():

@@ -63,7 +63,7 @@ def greedy(server) -> list[int]:
 
 def victim(server):
     """The last worker's process (rank tp-1)."""
-    return server.engine.engine.runner.pool.workers[-1].proc
+    return server.engine.engine.executor.pool.workers[-1].proc
 
 
 def health(server) -> tuple[int, str]:

@@ -20,7 +20,7 @@ from neuron.engine.llm_engine import RequestError
 from neuron.models.loader import CheckpointReader, safetensors_files
 from neuron.models.qwen3_5_vision import VisionTower
 from neuron.rpc import protocol as p
-from neuron.worker.worker import Rank, RankFailure
+from neuron.worker.worker import Worker
 from neuron.multimodal.image import (
     ImageError,
     VisionSpec,
@@ -359,8 +359,8 @@ def test_text_models_refuse_images(tmp_path):
 
 @pytest.fixture(scope="module")
 def rank(checkpoint):
-    r = Rank(0, 1)
-    r.load(p.LoadDenseShard(seq=1, model_id="m", config_json=(checkpoint / "config.json").read_text(),
+    r = Worker(0, 1)
+    r.execute(p.LoadDenseShard(seq=1, model_id="m", config_json=(checkpoint / "config.json").read_text(),
                             safetensors_paths=[str(f) for f in safetensors_files(checkpoint)], dtype="float32",
                             max_slots=2, max_model_len=128, block_size=16))
     yield r
@@ -389,15 +389,14 @@ def test_rank_refuses_mismatched_images_before_any_work(rank, checkpoint):
                                   chunk_size=4), "at least one sequence"),
     ]
     for req, match in cases:
-        reply = rank.handle(req)
+        reply, _ = rank.execute(req)
         assert isinstance(reply, p.Error) and reply.kind == p.ErrorKind.BAD_REQUEST, reply
         assert match in reply.message
-    ok = rank.handle(_step(ids, [uri], tid))
+    ok, _ = rank.execute(_step(ids, [uri], tid))
     assert isinstance(ok, p.GenerateStepOk)
-    with pytest.raises(RankFailure) as info:
-        rank.step_with_images(p.GenerateStepWithImages(seq=3, model_id="nope", seqs=[], image_token_id=tid,
+    missing, _ = rank.execute(p.GenerateStepWithImages(seq=3, model_id="nope", seqs=[], image_token_id=tid,
                                                        image_data_uris=[], chunk_size=4))
-    assert info.value.kind == p.ErrorKind.MODEL_NOT_LOADED
+    assert missing.kind == p.ErrorKind.MODEL_NOT_LOADED
 
 
 def test_worker_killed_before_an_image_prefill_fails_cleanly_and_recovers(checkpoint):
@@ -427,7 +426,7 @@ def test_worker_killed_before_an_image_prefill_fails_cleanly_and_recovers(checkp
         raise AssertionError("the request did not finish")
 
     try:
-        os.kill(engine.runner.pool.workers[-1].proc.pid, signal.SIGKILL)
+        os.kill(engine.executor.pool.workers[-1].proc.pid, signal.SIGKILL)
         tokens, error = run("doomed")
         assert error is not None and "rank 1" in error
         engine.recover()

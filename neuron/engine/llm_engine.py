@@ -18,18 +18,15 @@ from neuron.engine.block_manager import BlockManager
 from neuron.errors import ConfigError, NeuronError, WorkerError
 from neuron.models import check_supported, supports_prefix_caching, text_config
 from neuron.models.loader import read_generation_config, read_json, resolve_model_path
-from neuron.rpc.codec import max_line_bytes
-from neuron.rpc.protocol import StepSeq
+from neuron.models.inputs import SeqStep
 from neuron.engine.sampling import SamplingParams, SequenceSampler, sample
 from neuron.engine.scheduler import Scheduled, Scheduler, Sequence, Status
 from neuron.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from neuron.executor.executor import ModelRunner, RunnerConfig
+from neuron.executor.executor import Executor, ExecutorConfig
 from neuron.multimodal.image import ImageError, ImageInput, VisionSpec, check_image, expand_placeholders, image_spans
 from neuron.multimodal.image import vision_activation_bytes, vision_unsupported
 
 log = logging.getLogger("neuron.engine.llm_engine")
-
-_STEP_LINE_MARGIN = 1 << 20  # room in a protocol line for a step's tokens beside its images
 
 
 class RequestError(NeuronError):
@@ -115,15 +112,15 @@ class LLMEngine:
         chunk = settings.prefill_chunk_tokens()
         step_tokens = cfg.max_num_batched_tokens or max(chunk, cfg.max_num_seqs)
         self.scheduler = Scheduler(cfg.max_num_seqs, step_tokens, chunk)
-        runner_cfg = RunnerConfig(self.model_dir, cfg.tp, self.device, cfg.dtype, cfg.max_num_seqs, self.max_model_len,
+        executor_cfg = ExecutorConfig(self.model_dir, cfg.tp, self.device, cfg.dtype, cfg.max_num_seqs, self.max_model_len,
                                   max_num_batched_tokens=max(step_tokens, cfg.max_num_seqs), **self._kv_settings())
         kwargs = {"worker_cmd": worker_cmd} if worker_cmd else {}
-        self.runner = ModelRunner(runner_cfg, **kwargs)
+        self.executor = Executor(executor_cfg, **kwargs)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
 
     def start(self) -> "LLMEngine":
-        self.runner.start()
+        self.executor.start()
         self._new_blocks()
         return self
 
@@ -149,7 +146,7 @@ class LLMEngine:
         """A block manager over the pool the ranks just allocated (empty: a new pool holds nothing)."""
         caching = self.cfg.enable_prefix_caching
         caching = (settings.prefix_caching() if caching is None else caching) and supports_prefix_caching(self.config)
-        self.scheduler.use_blocks(BlockManager(self.runner.num_kv_blocks, self.runner.cfg.block_size, caching))
+        self.scheduler.use_blocks(BlockManager(self.executor.num_kv_blocks, self.executor.cfg.block_size, caching))
 
     def _vision_spec(self) -> VisionSpec | None:
         """How the checkpoint takes images; None when it has no vision tower (config or weights)."""
@@ -213,13 +210,13 @@ class LLMEngine:
         over NEURON_VISION_MAX_PIXELS; 503 when the vision tower's activations cannot fit the GPU)."""
         if self.vision is None:
             raise vision_unsupported()
-        size, limit = sum(len(u) for u in uris if isinstance(u, str)), max_line_bytes() - _STEP_LINE_MARGIN
+        size, limit = sum(len(u) for u in uris if isinstance(u, str)), self.executor.max_image_bytes
         if size > limit:  # the images travel to every worker in one protocol line
             raise ImageError(f"the request's images take {size} bytes encoded; at most {limit} fit one step "
                              "(NEURON_MAX_LINE_BYTES)", status=413, code="image_too_large")
         images = [check_image(uri, self.vision) for uri in uris]
         if self.device.startswith("cuda") and images:
-            free, _ = torch.cuda.mem_get_info(self.runner.devices[0])
+            free, _ = torch.cuda.mem_get_info(self.executor.devices[0])
             width = 2 if self.cfg.dtype != "float32" else 4
             need = vision_activation_bytes(self.vision, images, width)
             if need > free:
@@ -239,7 +236,7 @@ class LLMEngine:
         """Queue a request. With images, the prompt's placeholders are already expanded
         (`expand_images`) and must hold each image's run of tokens, in order."""
         max_tokens = self.validate(prompt_token_ids, params, images)
-        sampler = SequenceSampler(params, prompt_token_ids, self.vocab_size, self.runner.devices[0])
+        sampler = SequenceSampler(params, prompt_token_ids, self.vocab_size, self.executor.devices[0])
         seq = Sequence(request_id, list(prompt_token_ids), params, sampler, max_tokens, images=list(images or []))
         self._inbox.put(("add", seq))
 
@@ -298,7 +295,7 @@ class LLMEngine:
         plain = [s for s in batch if not s.with_images]
         imaged = [s for s in batch if s.with_images]
         try:
-            parts = [self.runner.step(self._steps(plain))] if plain else []
+            parts = [self.executor.step(self._steps(plain))] if plain else []
         except Exception as exc:  # every in-flight request gets a clean error, none a hang
             return updates + self.fail_in_flight(str(exc))
         if imaged:
@@ -326,12 +323,12 @@ class LLMEngine:
         return updates
 
     @staticmethod
-    def _steps(part: list[Scheduled]) -> list[StepSeq]:
-        return [StepSeq(s.seq.slot, s.token_ids, s.offset, s.new_blocks, s.fresh) for s in part]
+    def _steps(part: list[Scheduled]) -> list[SeqStep]:
+        return [SeqStep(s.seq.slot, s.token_ids, s.offset, s.new_blocks, s.fresh) for s in part]
 
     def _prefill_with_images(self, imaged: list[Scheduled]):
         uris = [image.uri for s in imaged for image in s.seq.images]
-        return self.runner.step_with_images(self._steps(imaged), self.vision.image_token_id, uris,
+        return self.executor.step_with_images(self._steps(imaged), self.vision.image_token_id, uris,
                                             self.scheduler.prefill_chunk)
 
     def _fail(self, seqs: list[Sequence], message: str) -> list[Update]:
@@ -409,11 +406,11 @@ class LLMEngine:
     @property
     def failure(self) -> str | None:
         """Why the ranks cannot run steps (a worker died, a step missed its deadline), else None."""
-        return self.runner.failure
+        return self.executor.failure
 
     def on_failure(self, callback) -> None:
         """`callback(reason)` runs (on another thread) the moment a rank dies, even between steps."""
-        self.runner.on_failure = callback
+        self.executor.on_failure = callback
 
     def recover(self) -> list[Update]:
         """Fail what is in flight, then tear the ranks down and bring them up again. Returns the
@@ -425,7 +422,7 @@ class LLMEngine:
     def restart(self) -> None:
         """Kill and reap every rank and load the model again (nothing may be in flight). The new
         pool holds no KV, so the prefix cache starts empty."""
-        self.runner.restart()
+        self.executor.restart()
         self._new_blocks()
 
     def fail_in_flight(self, message: str) -> list[Update]:
@@ -444,7 +441,7 @@ class LLMEngine:
         return self.scheduler.prefix_cache_queries, self.scheduler.prefix_cache_hits
 
     def shutdown(self) -> None:
-        self.runner.shutdown()
+        self.executor.shutdown()
 
 
 def encode_prompt(engine: LLMEngine, prompt: str) -> list[int]:

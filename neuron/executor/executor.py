@@ -1,9 +1,11 @@
 """Bring a model up across all ranks and run its batched steps.
 
-Start-up: spawn workers and wait for each `pong`, initialise the communicator, check it with a
-sanity all-reduce, then load every rank's shard. After a failure that may have left the ranks out
-of step (a worker gone, a deadline missed, a forward that raised) the runner refuses further steps
-until it is rebuilt.
+Every operation is one protocol message: the executor sends it to the workers and hands the same
+message to rank 0's Worker in-process, then drains one reply per worker. Start-up: spawn workers
+and wait for each `pong` (speaking our protocol version), initialise the communicator, check it
+with a sanity all-reduce, then load every rank's shard. After a failure that may have left the
+ranks out of step (a worker gone, a deadline missed, a forward that raised) the executor refuses
+further steps until it is rebuilt.
 """
 
 from __future__ import annotations
@@ -11,31 +13,34 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from neuron import config as settings
+from neuron.distributed.comm import choose_backend, nccl_unique_id_hex
 from neuron.errors import ConfigError, PoolBroken, WorkerError
-from neuron.models import check_supported, text_config
-from neuron.models.loader import read_json, safetensors_files
-from neuron.rpc import protocol as p
-from neuron.distributed.comm import choose_backend, make_store, nccl_unique_id_hex
 from neuron.executor.pool import WorkerPool, default_worker_cmd
-from neuron.worker.worker import Rank, RankFailure
+from neuron.executor.progress import LoadProgress
+from neuron.models import check_supported, text_config
+from neuron.models.inputs import SeqStep
+from neuron.models.loader import read_json, safetensors_files
+from neuron.rpc import codec
+from neuron.rpc import protocol as p
+from neuron.worker.worker import Worker
 
-log = logging.getLogger("neuron.runner")
+log = logging.getLogger("neuron.executor")
 
 # Failures after which ranks may disagree about where they are: the pool must be rebuilt.
 _DESYNC_KINDS = {"timeout", "worker_exited", p.ErrorKind.FORWARD_FAILED, p.ErrorKind.INTERNAL}
+_STEP_LINE_MARGIN = 1 << 20  # room in a step's protocol line for its tokens beside its images
 
 
 @dataclass(slots=True)
-class RunnerConfig:
+class ExecutorConfig:
     model_dir: Path
     tp: int = 1
     device: str = "cpu"
@@ -57,8 +62,12 @@ def rank_devices(device: str, tp: int) -> list[str]:
     return [device] * tp
 
 
-class ModelRunner:
-    def __init__(self, cfg: RunnerConfig, worker_cmd=default_worker_cmd, env: dict | None = None):
+def as_wire(seqs: list[SeqStep]) -> list[p.StepSeq]:
+    return [p.StepSeq(s.slot, s.token_ids, s.offset, s.new_blocks, s.fresh) for s in seqs]
+
+
+class Executor:
+    def __init__(self, cfg: ExecutorConfig, worker_cmd=default_worker_cmd, env: dict | None = None):
         self.cfg = cfg
         self.config = read_json(cfg.model_dir / "config.json")
         check_supported(self.config)
@@ -72,14 +81,19 @@ class ModelRunner:
         self._fresh_ranks()
 
     def _fresh_ranks(self) -> None:
-        self.rank0 = Rank(0, self.cfg.tp, self.devices[0])
-        self.pool = WorkerPool(self.cfg.tp, self.rank0, self.devices, self._worker_cmd, self._env)
+        self.rank0 = Worker(0, self.cfg.tp, self.devices[0])
+        self.pool = WorkerPool(self.cfg.tp, self.devices, self._worker_cmd, self._env)
         self.pool.on_worker_exit(self._worker_lost)
 
     @property
     def failure(self) -> str | None:
         """Why the ranks can no longer run steps, or None while they can."""
         return self.pool.broken
+
+    @property
+    def max_image_bytes(self) -> int:
+        """Encoded image bytes one step can carry: images travel to every worker in its line."""
+        return codec.max_line_bytes() - _STEP_LINE_MARGIN
 
     def _worker_lost(self, worker) -> None:
         """From the worker's reader thread, the moment it exits: free rank 0 from any collective
@@ -90,43 +104,45 @@ class ModelRunner:
             self.on_failure(self.pool.broken or f"rank {worker.rank} exited")
 
     def restart(self) -> None:
-        """Kill and reap every worker, drop rank 0's state, and bring the model up again."""
+        """Kill and reap every worker, free rank 0's model, and bring the model up again."""
         self.pool.kill()
         self.rank0.close()
         self._fresh_ranks()
         self.start()
 
-    @property
-    def vocab_size(self) -> int:
-        return int(text_config(self.config)["vocab_size"])
-
-    def start(self) -> "ModelRunner":
+    def start(self) -> "Executor":
         t0 = time.perf_counter()
         try:
-            self.pool.spawn(settings.startup_timeout_s())
+            self._check_versions(self.pool.spawn(settings.startup_timeout_s()))
             self._init_comm()
             self._load()
         except BaseException:
             self.pool.kill()
+            self.rank0.close()
             raise
         log.info("model %s ready on tp=%d (%s) in %.0f ms", self.cfg.model_id, self.cfg.tp, self.backend,
                  (time.perf_counter() - t0) * 1000)
         return self
 
+    @staticmethod
+    def _check_versions(pongs: list[p.Pong]) -> None:
+        for pong in pongs:
+            if pong.protocol != p.PROTOCOL_VERSION:
+                raise ConfigError(
+                    f"rank {pong.rank} speaks protocol version {pong.protocol} but this leader speaks "
+                    f"{p.PROTOCOL_VERSION}: the worker runs another neuron installation; start both from the same one")
+
     def _init_comm(self) -> None:
         timeout = settings.collective_timeout_s()
-        store = None
         if self.backend == "gloo":
-            store = make_store("127.0.0.1:0", self.cfg.tp, True, timeout)
-            comm_id = f"127.0.0.1:{store.port}"
+            comm_id = self.rank0.host_store(timeout)
         elif self.backend == "nccl":
             comm_id = nccl_unique_id_hex()
         else:
             comm_id = ""
-        self._run(lambda seq: p.Init(seq=seq, backend=self.backend, comm_id=comm_id, timeout_s=timeout),
-                  lambda: self.rank0.init(self.backend, comm_id, timeout, store), timeout + 30)
-        observed, replies = self._run(lambda seq: p.CommSanityCheck(seq=seq), self.rank0.sanity, timeout)
-        sums = [observed] + [r.observed_sum for r in replies]
+        self._run(lambda seq: p.Init(seq=seq, backend=self.backend, comm_id=comm_id, timeout_s=timeout), timeout + 30)
+        replies, _ = self._run(lambda seq: p.CommSanityCheck(seq=seq), timeout)
+        sums = [r.observed_sum for r in replies]
         if any(abs(s - self.cfg.tp) > 1e-3 for s in sums):
             raise ConfigError(f"communicator sanity check failed: sums {sums}, expected {self.cfg.tp}")
 
@@ -142,14 +158,17 @@ class ModelRunner:
                                     kv_cache_bytes=c.kv_cache_bytes, gpu_memory_utilization=share,
                                     max_num_batched_tokens=c.max_num_batched_tokens)
 
-        req = make(0)
-        with _Progress(f"loading {c.model_dir.name}", int(text_config(self.config)["num_hidden_layers"])) as bar:
-            (local_bytes, local_blocks), replies = self._run(make, lambda: self.rank0.load(req, bar.update),
-                                                             settings.load_timeout_s())
-        self.weight_bytes = [local_bytes] + [r.weight_bytes for r in replies]
+        layers = int(text_config(self.config)["num_hidden_layers"])
+        with LoadProgress(f"loading {c.model_dir.name}", layers) as bar:
+            self.rank0.on_layer_loaded = bar.update
+            try:
+                replies, _ = self._run(make, settings.load_timeout_s())
+            finally:
+                self.rank0.on_layer_loaded = None
+        self.weight_bytes = [r.weight_bytes for r in replies]
         # Ranks size their pools alone (free memory differs per device); every block id the
         # leader hands out must exist on all of them.
-        self.num_kv_blocks = min([local_blocks] + [r.num_kv_blocks for r in replies])
+        self.num_kv_blocks = min(r.num_kv_blocks for r in replies)
         log.info("weights per rank: %s MiB; KV cache: %d blocks of %d tokens (%d tokens)",
                  ", ".join(f"{b / 2**20:.1f}" for b in self.weight_bytes), self.num_kv_blocks, c.block_size,
                  self.num_kv_blocks * c.block_size)
@@ -163,83 +182,52 @@ class ModelRunner:
         """Ranks on one GPU split its memory (several ranks share a device only in tests)."""
         return max(self.devices.count(d) for d in self.devices)
 
-    def step(self, seqs: list[p.StepSeq]) -> torch.Tensor:
+    def step(self, seqs: list[SeqStep]) -> torch.Tensor:
         """One batched forward on every rank; rank 0's logits of each sequence's last token."""
-        model_id = self.cfg.model_id
-        logits, _ = self._run(lambda seq: p.GenerateStep(seq=seq, model_id=model_id, seqs=seqs),
-                              lambda: self.rank0.step(model_id, seqs), settings.step_timeout_s())
+        model_id, wire = self.cfg.model_id, as_wire(seqs)
+        _, logits = self._run(lambda seq: p.GenerateStep(seq=seq, model_id=model_id, seqs=wire),
+                              settings.step_timeout_s())
         return logits
 
-    def step_with_images(self, seqs: list[p.StepSeq], image_token_id: int, image_data_uris: list[str],
+    def step_with_images(self, seqs: list[SeqStep], image_token_id: int, image_data_uris: list[str],
                          chunk_size: int) -> torch.Tensor:
         """Prefill sequences with images on every rank; rank 0's logits of each one's last token.
         The deadline allows each prefill chunk a step's time."""
-        model_id = self.cfg.model_id
+        model_id, wire = self.cfg.model_id, as_wire(seqs)
         chunks = max(1, max(math.ceil(len(s.token_ids) / chunk_size) for s in seqs))
 
         def make(seq: int) -> p.GenerateStepWithImages:
-            return p.GenerateStepWithImages(seq=seq, model_id=model_id, seqs=seqs, image_token_id=image_token_id,
+            return p.GenerateStepWithImages(seq=seq, model_id=model_id, seqs=wire, image_token_id=image_token_id,
                                             image_data_uris=image_data_uris, chunk_size=chunk_size)
 
-        logits, _ = self._run(make, lambda: self.rank0.step_with_images(make(0)), settings.step_timeout_s() * chunks)
+        _, logits = self._run(make, settings.step_timeout_s() * chunks)
         return logits
 
     def clear(self, slots: list[int] | None = None) -> None:
         model_id = self.cfg.model_id
-        self._run(lambda seq: p.ClearKvCache(seq=seq, model_id=model_id, slots=slots),
-                  lambda: self.rank0.clear(model_id, slots), settings.step_timeout_s())
-
-    def unload(self) -> None:
-        model_id = self.cfg.model_id
-        self._run(lambda seq: p.UnloadModel(seq=seq, model_id=model_id),
-                  lambda: self.rank0.unload(model_id), settings.step_timeout_s())
+        self._run(lambda seq: p.ClearKvCache(seq=seq, model_id=model_id, slots=slots), settings.step_timeout_s())
 
     def shutdown(self, grace_s: float = 5.0) -> None:
         self.pool.shutdown(grace_s)
         self.rank0.close()
 
-    def _run(self, make, local, deadline_s: float):
-        """Fan out with rank 0's part; mark the pool broken on failures that desynchronise ranks."""
+    def _run(self, make: Callable[[int], p.Message], deadline_s: float) -> tuple[list[p.Reply], Any]:
+        """Fan `make(seq)` out to every rank, rank 0 included; every rank's reply in rank order and
+        what rank 0 kept (its logits). Marks the pool broken on failures that desynchronise ranks."""
         try:
-            return self.pool.fan_out(make, local, deadline_s)
-        except RankFailure as exc:
-            self._maybe_break(exc.kind, f"rank 0: {exc}")
-            raise WorkerError(0, exc.kind, str(exc)) from exc
+            (reply0, kept), replies = self.pool.fan_out(make, self._rank0, deadline_s)
         except WorkerError as exc:
-            self._maybe_break(exc.kind, str(exc))
+            if exc.kind in _DESYNC_KINDS:
+                self.pool.broken = str(exc)
+                if self.rank0.comm is not None:
+                    self.rank0.comm.abort()
             raise
         except PoolBroken:
             raise
+        return [reply0] + replies, kept
 
-    def _maybe_break(self, kind: str, reason: str) -> None:
-        if kind in _DESYNC_KINDS:
-            self.pool.broken = reason
-            if self.rank0.comm is not None:
-                self.rank0.comm.abort()
-
-
-class _Progress:
-    """A progress bar on a terminal, a log line per quarter otherwise."""
-
-    def __init__(self, desc: str, total: int):
-        self.desc, self.total, self.bar, self._logged = desc, total, None, -1
-
-    def __enter__(self) -> "_Progress":
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=self.total, desc=self.desc, unit="layer", file=sys.stderr)
-        return self
-
-    def update(self, done: int, total: int) -> None:
-        if self.bar is not None:
-            self.bar.update(done - self.bar.n)
-            return
-        quarter = done * 4 // max(total, 1)
-        if quarter > self._logged:
-            self._logged = quarter
-            log.info("%s: %d/%d layers", self.desc, done, total)
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.close()
+    def _rank0(self, msg: p.Message) -> tuple[p.Reply, Any]:
+        reply, kept = self.rank0.execute(msg)
+        if isinstance(reply, p.Error):
+            raise WorkerError(0, reply.kind, reply.message)
+        return reply, kept

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from neuron.utils import procfs
 from neuron.errors import PoolBroken, WorkerError
@@ -29,26 +29,19 @@ _EOF = object()
 _DRAIN_GRACE_S = 2.0
 
 
-class LocalRank(Protocol):
-    """What the pool needs of rank 0 (the real one is neuron.worker.worker.Rank)."""
-
-    def init(self, backend: str, comm_id: str, timeout_s: float, store=None) -> None: ...
-    def sanity(self) -> float: ...
-
-
 def default_worker_cmd(rank: int, world_size: int, device: str) -> list[str]:
     return [sys.executable, "-m", "neuron", "--worker", "--rank", str(rank), "--tp-size", str(world_size),
             "--device", device]
 
 
 @dataclass
-class Worker:
+class WorkerProcess:
     """One worker process: its pipes, a reader thread feeding `replies`, its stderr passed through."""
 
     rank: int
     proc: subprocess.Popen
     replies: queue.Queue = field(default_factory=queue.Queue)
-    on_exit: Callable[["Worker"], None] | None = None
+    on_exit: Callable[["WorkerProcess"], None] | None = None
     killed_for_deadline: bool = False
 
     def start_threads(self) -> None:
@@ -128,20 +121,18 @@ class WorkerPool:
     def __init__(
         self,
         world_size: int,
-        local: LocalRank,
         devices: list[str] | None = None,
         worker_cmd: Callable[[int, int, str], list[str]] = default_worker_cmd,
         env: dict[str, str] | None = None,
     ):
         self.world_size = world_size
-        self.local = local
         self.devices = devices or ["cpu"] * world_size
         self.worker_cmd = worker_cmd
         self.env = env
-        self.workers: list[Worker] = []
+        self.workers: list[WorkerProcess] = []
         self.broken: str | None = None
         self._seq = itertools.count(1)
-        self._on_worker_exit: Callable[[Worker], None] | None = None
+        self._on_worker_exit: Callable[[WorkerProcess], None] | None = None
         self._closing = False
 
     # ---- lifecycle ----
@@ -153,13 +144,13 @@ class WorkerPool:
             cmd = self.worker_cmd(rank, self.world_size, self.devices[rank])
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     env=env, start_new_session=False)
-            worker = Worker(rank, proc, on_exit=self._worker_exited)
+            worker = WorkerProcess(rank, proc, on_exit=self._worker_exited)
             worker.start_threads()
             self.workers.append(worker)
         log.info("spawned %d worker(s)", len(self.workers))
         return self.broadcast(lambda seq: p.Ping(seq=seq), deadline_s)
 
-    def _worker_exited(self, worker: Worker) -> None:
+    def _worker_exited(self, worker: WorkerProcess) -> None:
         if self._closing:
             return
         code = worker.proc.poll()
@@ -168,7 +159,7 @@ class WorkerPool:
         if self._on_worker_exit:
             self._on_worker_exit(worker)
 
-    def on_worker_exit(self, callback: Callable[[Worker], None]) -> None:
+    def on_worker_exit(self, callback: Callable[[WorkerProcess], None]) -> None:
         """Called from the worker's reader thread the moment its output closes."""
         self._on_worker_exit = callback
 
@@ -213,9 +204,10 @@ class WorkerPool:
         """Send one request to every worker and return their replies (rank 0 does nothing)."""
         return self.fan_out(make, None, deadline_s)[1]
 
-    def fan_out(self, make: Callable[[int], p.Message], local: Callable[[], Any] | None,
+    def fan_out(self, make: Callable[[int], p.Message], local: Callable[[p.Message], Any] | None,
                 deadline_s: float) -> tuple[Any, list[p.Reply]]:
-        """Send to every worker first, run rank 0's part, then ALWAYS drain one reply per worker.
+        """Send `make(seq)` to every worker first, run rank 0's part on the same message, then
+        ALWAYS drain one reply per worker.
 
         Raises after the drain: rank 0's own error first, else the lowest failing rank's."""
         if self.broken:
@@ -224,7 +216,7 @@ class WorkerPool:
         msg = make(seq)
         deadline = time.monotonic() + deadline_s
         errors: list[BaseException] = []
-        sent: list[Worker] = []
+        sent: list[WorkerProcess] = []
         for w in self.workers:
             try:
                 w.send(msg)
@@ -236,7 +228,7 @@ class WorkerPool:
         watchdog = self._watch(deadline_s) if local is not None and self.workers else None
         if local is not None:
             try:
-                result = local()
+                result = local(msg)
             except BaseException as exc:  # noqa: BLE001 - re-raised after the drain
                 local_error = exc
         replies = []

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from neuron.errors import ConfigError
-from neuron.rpc.protocol import StepSeq
+from neuron.models.inputs import SeqStep
 from neuron.distributed.comm import Communicator
 from neuron.layers.tensor_parallel import ColumnParallelLinear, Reader, RowParallelLinear, Shard
 
@@ -91,7 +91,7 @@ class DeltaNetState:
         conv = conv_dim * (kernel - 1) * torch.finfo(dtype).bits // 8
         return layers * (conv + heads.local_v * heads.k_dim * heads.v_dim * 4)
 
-    def begin(self, seqs: list[StepSeq]) -> None:
+    def begin(self, seqs: list[SeqStep]) -> None:
         """Record the step's sequences (slot, offset, new tokens) for every layer."""
         self.slots = [s.slot for s in seqs]
         self.offsets = [s.offset for s in seqs]

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from neuron.errors import ConfigError, NeuronError
-from neuron.rpc.protocol import StepSeq
+from neuron.models.inputs import SeqStep
 
 _MIB = 2**20
 
@@ -71,7 +71,7 @@ class PagedKVCache:
 
     # ---- validation (no state changes) ----
 
-    def check(self, seqs: list[StepSeq], vocab_size: int) -> None:
+    def check(self, seqs: list[SeqStep], vocab_size: int) -> None:
         """Refuse a step that would corrupt or misread the cache; raises StepRejected."""
         seen: set[int] = set()
         written: set[int] = set()
@@ -94,7 +94,7 @@ class PagedKVCache:
                         raise StepRejected(f"slot {slot}: block {b} is written by two sequences in one step")
                     written.add(b)
 
-    def _check_blocks(self, s: StepSeq) -> None:
+    def _check_blocks(self, s: SeqStep) -> None:
         slot, offset, end, bs = s.slot, s.offset, s.offset + len(s.token_ids), self.block_size
         if s.new_blocks and (min(s.new_blocks) < 0 or max(s.new_blocks) >= self.num_blocks):
             raise StepRejected(f"slot {slot}: block id outside the pool (0..{self.num_blocks - 1})")
@@ -113,14 +113,14 @@ class PagedKVCache:
         if end > blocks * bs:
             raise StepRejected(f"slot {slot}: {end} positions but only {blocks} blocks of {bs}")
 
-    def _written_blocks(self, s: StepSeq) -> list[int]:
+    def _written_blocks(self, s: SeqStep) -> list[int]:
         first, last = s.offset // self.block_size, (s.offset + len(s.token_ids) - 1) // self.block_size
         old = [] if s.fresh else self.tables[s.slot]
         return [old[i] if i < len(old) else s.new_blocks[i - len(old)] for i in range(first, last + 1)]
 
     # ---- a step ----
 
-    def prepare(self, seqs: list[StepSeq]) -> StepBatch:
+    def prepare(self, seqs: list[SeqStep]) -> StepBatch:
         """Apply the step's block-table changes and describe the step for the forward."""
         for s in seqs:
             if s.new_blocks or s.fresh:
@@ -129,7 +129,7 @@ class PagedKVCache:
             return self._decode_batch(seqs)
         return self._prefill_batch(seqs)
 
-    def _extend_table(self, s: StepSeq) -> None:
+    def _extend_table(self, s: SeqStep) -> None:
         table = self.tables[s.slot]
         if s.fresh:
             table.clear()
@@ -142,7 +142,7 @@ class PagedKVCache:
     def _row(self, slot: int, position: int) -> int:
         return self.tables[slot][position // self.block_size] * self.block_size + position % self.block_size
 
-    def _decode_batch(self, seqs: list[StepSeq]) -> StepBatch:
+    def _decode_batch(self, seqs: list[SeqStep]) -> StepBatch:
         slots = [s.slot for s in seqs]
         positions = [s.offset for s in seqs]
         kv_lens = [p + 1 for p in positions]
@@ -160,7 +160,7 @@ class PagedKVCache:
         return StepBatch(per_token[0], per_token[1], write_rows, slots, [1] * len(seqs), kv_lens,
                          None, True, [read_rows], [mask])
 
-    def _prefill_batch(self, seqs: list[StepSeq]) -> StepBatch:
+    def _prefill_batch(self, seqs: list[SeqStep]) -> StepBatch:
         flat_ids, positions, ends = [], [], []
         write_rows, read_rows, masks, kv_lens = [], [], [], []
         for s in seqs:

@@ -23,7 +23,7 @@ from neuron.models.gated_deltanet import CHUNK, DeltaNetHeads, DeltaNetState, Ga
 from neuron.models.kv_cache import PagedKVCache, StepBatch, StepRejected
 from neuron.models.qwen3 import MLP
 from neuron.models.qwen3_5_vision import VisionTower
-from neuron.rpc.protocol import StepSeq
+from neuron.models.inputs import SeqStep
 from neuron.distributed.comm import Communicator
 from neuron.layers.tensor_parallel import (
     ColumnParallelLinear,
@@ -224,7 +224,7 @@ class HybridCache:
         # advance positions by its grid's longer side, not by their count.
         self.shift = [0] * kv.num_slots
 
-    def check(self, seqs: list[StepSeq], vocab_size: int) -> None:
+    def check(self, seqs: list[SeqStep], vocab_size: int) -> None:
         self.kv.check(seqs, vocab_size)
         for s in seqs:
             if s.fresh or s.offset == 0:
@@ -242,7 +242,7 @@ class HybridCache:
                     "a linear-attention step must continue where the slot stands or restart at 0"
                 )
 
-    def prepare(self, seqs: list[StepSeq]) -> StepBatch:
+    def prepare(self, seqs: list[SeqStep]) -> StepBatch:
         batch = self.kv.prepare(seqs)
         self.linear.begin(seqs)
         for s in seqs:
@@ -396,7 +396,7 @@ class Qwen35ForCausalLM(CausalLM):
         return self.run(self.embed(batch.token_ids), self.cache.positions(batch), batch)
 
     @torch.inference_mode()
-    def prefill_with_images(self, seqs: list[StepSeq], image_token_id: int, image_data_uris: list[str],
+    def prefill_with_images(self, seqs: list[SeqStep], image_token_id: int, image_data_uris: list[str],
                             chunk_size: int) -> torch.Tensor | None:
         """Prefill whole sequences whose tokens hold image placeholders, in chunks of `chunk_size`
         tokens (every rank walks the same chunks, so the collectives pair up). The images go to
@@ -445,7 +445,7 @@ class Qwen35ForCausalLM(CausalLM):
         embeds = self.vision(torch.cat(pixels), grids) if grids else None
         return self._walk_chunks(seqs, layouts, embeds, chunk_size)
 
-    def _walk_chunks(self, seqs: list[StepSeq], layouts: list, embeds: torch.Tensor | None,
+    def _walk_chunks(self, seqs: list[SeqStep], layouts: list, embeds: torch.Tensor | None,
                      chunk_size: int) -> torch.Tensor | None:
         lengths = [len(s.token_ids) for s in seqs]
         last: list[torch.Tensor | None] = [None] * len(seqs)
@@ -455,7 +455,7 @@ class Qwen35ForCausalLM(CausalLM):
                 a, b = k * chunk_size, min((k + 1) * chunk_size, lengths[i])
                 if a < b:
                     first = k == 0
-                    sub.append(StepSeq(s.slot, s.token_ids[a:b], a, s.new_blocks if first else [], s.fresh and first))
+                    sub.append(SeqStep(s.slot, s.token_ids[a:b], a, s.new_blocks if first else [], s.fresh and first))
                     members.append((i, a, b))
             batch = self.cache.prepare(sub)
             x = self.embed(batch.token_ids)

@@ -49,7 +49,6 @@ class LoadDenseShard(Message):
     config_json: str
     safetensors_paths: list[str]
     dtype: str
-    quant: str | None = None
     max_slots: int = 8
     max_model_len: int = 2048
     block_size: int = 16

@@ -33,9 +33,9 @@ def _die_with_parent() -> None:
 
 
 def serve(rank: int, world_size: int, device: str, stdin, stdout) -> int:
-    from neuron.worker.worker import Rank  # imports torch; the pipe is already ours
+    from neuron.worker.worker import Worker  # imports torch; the pipe is already ours
 
-    runtime = Rank(rank, world_size, device)
+    worker = Worker(rank, world_size, device)
     limit = codec.max_line_bytes()
     log.info("worker ready (world_size=%d, device=%s, pid=%d)", world_size, device, os.getpid())
     while True:
@@ -46,7 +46,7 @@ def serve(rank: int, world_size: int, device: str, stdin, stdout) -> int:
             continue
         if line is None:
             log.info("stdin closed; exiting")
-            runtime.close()
+            worker.close()
             return 0
         if not line.strip():
             continue
@@ -55,9 +55,9 @@ def serve(rank: int, world_size: int, device: str, stdin, stdout) -> int:
             log.warning("rejected line: %s", req.message)
             _send(stdout, req)
             continue
-        _send(stdout, runtime.handle(req))
+        _send(stdout, worker.execute(req)[0])
         if isinstance(req, p.Shutdown):
-            runtime.close()
+            worker.close()
             return 0
 
 

@@ -1,5 +1,7 @@
 """One rank's state and the handling of every protocol request. The leader runs rank 0 of this
-in-process; each worker process runs one of the others behind its stdin/stdout."""
+in-process and hands it the same messages it sends the workers; each worker process runs one of
+the other ranks behind its stdin/stdout. The wire is translated into the model's own step input
+here, once."""
 
 from __future__ import annotations
 
@@ -8,23 +10,24 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+from neuron.distributed.comm import Communicator, GlooCommunicator, NcclCommunicator, SingleRank, make_store
 from neuron.errors import ConfigError, UnsupportedModel
 from neuron.models import build_model
+from neuron.models.inputs import SeqStep
 from neuron.models.kv_cache import StepRejected, plan_num_blocks
 from neuron.models.loader import CheckpointReader
 from neuron.rpc import protocol as p
-from neuron.distributed.comm import Communicator, GlooCommunicator, NcclCommunicator, SingleRank, make_store
 
-log = logging.getLogger("neuron.rank")
+log = logging.getLogger("neuron.worker")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class RankFailure(Exception):
+class WorkerFailure(Exception):
     """A request this rank could not carry out; `kind` is the protocol's error tag."""
 
     def __init__(self, kind: str, message: str):
@@ -49,7 +52,14 @@ def set_cpu_threads(world_size: int) -> None:
     torch.set_num_threads(max(1, cores // world_size))
 
 
-class Rank:
+def seq_steps(seqs: list[p.StepSeq]) -> list[SeqStep]:
+    """The wire's sequences as the model's step input."""
+    return [SeqStep(s.slot, s.token_ids, s.offset, s.new_blocks, s.fresh) for s in seqs]
+
+
+class Worker:
+    """Rank `rank` of `world_size`. `execute` answers one request and never raises."""
+
     def __init__(self, rank: int, world_size: int, device: str = "cpu"):
         self.rank = rank
         self.world_size = world_size
@@ -59,35 +69,89 @@ class Rank:
         elif world_size > 1:
             set_cpu_threads(world_size)
         self.comm: Communicator | None = SingleRank() if world_size == 1 else None
-        self.models: dict[str, object] = {}
+        self.models: dict[str, Any] = {}
+        self.on_layer_loaded: Callable[[int, int], None] | None = None  # the leader's progress bar
+        self._hosted_store = None
 
-    # ---- operations (rank 0 calls these directly) ----
+    def host_store(self, timeout_s: float) -> str:
+        """Rank 0 only: listen for the gloo rendezvous on a free loopback port; returns its address."""
+        self._hosted_store = make_store("127.0.0.1:0", self.world_size, True, timeout_s)
+        return f"127.0.0.1:{self._hosted_store.port}"
 
-    def init(self, backend: str, comm_id: str, timeout_s: float, store=None) -> None:
+    # ---- the one entry point ----
+
+    def execute(self, req: p.Request) -> tuple[p.Reply, Any]:
+        """The reply to `req` and what stays on this rank (rank 0's logits of a step, else None)."""
+        try:
+            return self._dispatch(req)
+        except WorkerFailure as exc:
+            return p.Error(seq=req.seq, kind=exc.kind, message=str(exc)), None
+        except Exception as exc:
+            log.exception("request %s failed", type(req).__name__)
+            return p.Error(seq=req.seq, kind=p.ErrorKind.INTERNAL, message=f"{type(exc).__name__}: {exc}"), None
+
+    def _dispatch(self, req: p.Request) -> tuple[p.Reply, Any]:
+        seq = req.seq
+        match req:
+            case p.Ping():
+                return p.Pong(seq=seq, rank=self.rank, world_size=self.world_size, device=str(self.device)), None
+            case p.Init():
+                self._init(req)
+                return p.InitOk(seq=seq, backend=self.comm.backend), None
+            case p.CommSanityCheck():
+                return p.SanityResult(seq=seq, observed_sum=self._sanity()), None
+            case p.LoadDenseShard():
+                return self._load(req), None
+            case p.GenerateStep():
+                t0 = time.perf_counter()
+                logits = self._step(req.model_id, seq_steps(req.seqs))
+                return p.GenerateStepOk(seq=seq, elapsed_ms=_ms(t0)), logits
+            case p.GenerateStepWithImages():
+                t0 = time.perf_counter()
+                logits = self._step_with_images(req)
+                return p.GenerateStepOk(seq=seq, elapsed_ms=_ms(t0)), logits
+            case p.ClearKvCache():
+                self._clear(req.model_id, req.slots)
+                return p.KvCacheCleared(seq=seq), None
+            case p.UnloadModel():
+                self._model(req.model_id)
+                del self.models[req.model_id]
+                return p.Unloaded(seq=seq, model_id=req.model_id), None
+            case p.Shutdown():
+                return p.Bye(seq=seq), None
+        raise WorkerFailure(p.ErrorKind.UNKNOWN_OP, f"unhandled op {type(req).__name__}")
+
+    # ---- operations ----
+
+    def _init(self, req: p.Init) -> None:
         if self.comm is not None and self.world_size > 1:
             self.comm.close()
+        backend = req.backend
         try:
             if backend == "single" or self.world_size == 1:
                 self.comm = SingleRank()
             elif backend == "gloo":
-                store = store or make_store(comm_id, self.world_size, False, timeout_s)
-                self.comm = GlooCommunicator(self.rank, self.world_size, store, timeout_s)
+                store = self._hosted_store or make_store(req.comm_id, self.world_size, False, req.timeout_s)
+                self.comm = GlooCommunicator(self.rank, self.world_size, store, req.timeout_s)
             elif backend == "nccl":
-                self.comm = NcclCommunicator(self.rank, self.world_size, comm_id, self.device)
+                self.comm = NcclCommunicator(self.rank, self.world_size, req.comm_id, self.device)
             else:
-                raise RankFailure(p.ErrorKind.COMM_INIT_FAILED, f"unknown backend {backend!r}")
-        except RankFailure:
+                raise WorkerFailure(p.ErrorKind.COMM_INIT_FAILED, f"unknown backend {backend!r}")
+        except WorkerFailure:
             raise
         except Exception as exc:
-            raise RankFailure(p.ErrorKind.COMM_INIT_FAILED, f"{backend} init failed: {exc}") from exc
+            raise WorkerFailure(p.ErrorKind.COMM_INIT_FAILED, f"{backend} init failed: {exc}") from exc
+        finally:
+            self._hosted_store = None  # the communicator keeps it alive from here
 
-    def sanity(self) -> float:
+    def _sanity(self) -> float:
         t = torch.ones(1, device=self.device)
         self._need_comm().all_reduce(t)
         return float(t.item())
 
-    def load(self, req: p.LoadDenseShard, progress: Callable[[int, int], None] | None = None) -> tuple[int, int]:
-        """Load the shard and allocate the KV block pool; returns (weight bytes, KV blocks)."""
+    def _load(self, req: p.LoadDenseShard) -> p.LoadDenseShardOk:
+        """Load the shard and allocate the KV block pool."""
+        t0 = time.perf_counter()
         comm = self._need_comm()
         try:
             config = json.loads(req.config_json)
@@ -95,15 +159,17 @@ class Rank:
             model_dir = Path(req.safetensors_paths[0]).parent if req.safetensors_paths else None
             model = build_model(config, comm, dtype, self.device, model_dir)
             with CheckpointReader(req.safetensors_paths) as reader:
-                model.load(reader, progress)
+                model.load(reader, self.on_layer_loaded)
             num_blocks = self._plan_kv(model, req)
             model.allocate(num_blocks, req.block_size, req.max_slots, req.max_model_len)
         except UnsupportedModel as exc:
-            raise RankFailure(p.ErrorKind.UNSUPPORTED_ARCH, str(exc)) from exc
+            raise WorkerFailure(p.ErrorKind.UNSUPPORTED_ARCH, str(exc)) from exc
         except (ConfigError, ValueError, OSError) as exc:
-            raise RankFailure(p.ErrorKind.LOAD_FAILED, str(exc)) from exc
+            raise WorkerFailure(p.ErrorKind.LOAD_FAILED, str(exc)) from exc
         self.models[req.model_id] = model
-        return model.weight_bytes(), num_blocks
+        nbytes = model.weight_bytes()
+        log.info("loaded %s shard: %.1f MiB in %.0f ms", req.model_id, nbytes / 2**20, _ms(t0))
+        return p.LoadDenseShardOk(seq=req.seq, model_id=req.model_id, weight_bytes=nbytes, num_kv_blocks=num_blocks)
 
     def _plan_kv(self, model, req: p.LoadDenseShard) -> int:
         if req.block_size < 1:
@@ -118,102 +184,69 @@ class Rank:
                  num_blocks * block_bytes / 2**20)
         return num_blocks
 
-    def step(self, model_id: str, seqs: list[p.StepSeq]) -> torch.Tensor | None:
+    def _step(self, model_id: str, seqs: list[SeqStep]) -> torch.Tensor | None:
         model = self._model(model_id)
         try:
             model.cache.check(seqs, model.config.vocab_size)
         except StepRejected as exc:
-            raise RankFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
+            raise WorkerFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
         batch = model.cache.prepare(seqs)
         try:
             logits = model.forward(batch)
         except Exception as exc:
-            raise RankFailure(p.ErrorKind.FORWARD_FAILED, f"{type(exc).__name__}: {exc}") from exc
+            raise WorkerFailure(p.ErrorKind.FORWARD_FAILED, f"{type(exc).__name__}: {exc}") from exc
         model.cache.commit(batch)
         return logits
 
-    def step_with_images(self, req: p.GenerateStepWithImages) -> torch.Tensor | None:
+    def _step_with_images(self, req: p.GenerateStepWithImages) -> torch.Tensor | None:
         """Prefill sequences whose prompts hold images, walking the same chunks as every rank."""
         model = self._model(req.model_id)
         if getattr(model, "vision", None) is None:
-            raise RankFailure(p.ErrorKind.UNSUPPORTED_ARCH, f"model {req.model_id!r} has no vision tower")
+            raise WorkerFailure(p.ErrorKind.UNSUPPORTED_ARCH, f"model {req.model_id!r} has no vision tower")
         try:
-            return model.prefill_with_images(req.seqs, req.image_token_id, req.image_data_uris, req.chunk_size)
+            return model.prefill_with_images(seq_steps(req.seqs), req.image_token_id, req.image_data_uris,
+                                             req.chunk_size)
         except StepRejected as exc:
-            raise RankFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
+            raise WorkerFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
         except Exception as exc:
-            raise RankFailure(p.ErrorKind.FORWARD_FAILED, f"{type(exc).__name__}: {exc}") from exc
+            raise WorkerFailure(p.ErrorKind.FORWARD_FAILED, f"{type(exc).__name__}: {exc}") from exc
 
-    def clear(self, model_id: str, slots: list[int] | None) -> None:
+    def _clear(self, model_id: str, slots: list[int] | None) -> None:
         try:
             self._model(model_id).cache.clear(slots)
         except StepRejected as exc:
-            raise RankFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
-
-    def unload(self, model_id: str) -> None:
-        self._model(model_id)
-        del self.models[model_id]
+            raise WorkerFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
 
     def close(self) -> None:
+        """Drop the models and the communicator, and give their device memory back."""
         self.models.clear()
         if self.comm is not None:
             self.comm.close()
+        release_device_memory(self.device)
 
     def _need_comm(self) -> Communicator:
         if self.comm is None:
-            raise RankFailure(p.ErrorKind.NOT_INITIALISED, "communicator not initialised: send init first")
+            raise WorkerFailure(p.ErrorKind.NOT_INITIALISED, "communicator not initialised: send init first")
         return self.comm
 
     def _model(self, model_id: str):
         model = self.models.get(model_id)
         if model is None:
-            raise RankFailure(p.ErrorKind.MODEL_NOT_LOADED, f"model {model_id!r} is not loaded on rank {self.rank}")
+            raise WorkerFailure(p.ErrorKind.MODEL_NOT_LOADED, f"model {model_id!r} is not loaded on rank {self.rank}")
         return model
 
-    # ---- protocol (workers) ----
 
-    def handle(self, req: p.Request) -> p.Reply:
-        """Answer one request; never raises."""
-        try:
-            return self._dispatch(req)
-        except RankFailure as exc:
-            return p.Error(seq=req.seq, kind=exc.kind, message=str(exc))
-        except Exception as exc:
-            log.exception("request %s failed", type(req).__name__)
-            return p.Error(seq=req.seq, kind=p.ErrorKind.INTERNAL, message=f"{type(exc).__name__}: {exc}")
+def release_device_memory(device: torch.device) -> None:
+    """Return what the caching allocator keeps of freed tensors to the device, so the next model
+    in this process (a rebuild, or another `LLM`) and other processes can have it."""
+    if device.type != "cuda":
+        return
+    import gc
 
-    def _dispatch(self, req: p.Request) -> p.Reply:
-        seq = req.seq
-        match req:
-            case p.Ping():
-                return p.Pong(seq=seq, rank=self.rank, world_size=self.world_size, device=str(self.device))
-            case p.Init():
-                self.init(req.backend, req.comm_id, req.timeout_s)
-                return p.InitOk(seq=seq, backend=self.comm.backend)
-            case p.CommSanityCheck():
-                return p.SanityResult(seq=seq, observed_sum=self.sanity())
-            case p.LoadDenseShard():
-                t0 = time.perf_counter()
-                nbytes, num_blocks = self.load(req)
-                log.info("loaded %s shard: %.1f MiB in %.0f ms", req.model_id, nbytes / 2**20, _ms(t0))
-                return p.LoadDenseShardOk(seq=seq, model_id=req.model_id, weight_bytes=nbytes, num_kv_blocks=num_blocks)
-            case p.GenerateStep():
-                t0 = time.perf_counter()
-                self.step(req.model_id, req.seqs)
-                return p.GenerateStepOk(seq=seq, elapsed_ms=_ms(t0))
-            case p.GenerateStepWithImages():
-                t0 = time.perf_counter()
-                self.step_with_images(req)
-                return p.GenerateStepOk(seq=seq, elapsed_ms=_ms(t0))
-            case p.ClearKvCache():
-                self.clear(req.model_id, req.slots)
-                return p.KvCacheCleared(seq=seq)
-            case p.UnloadModel():
-                self.unload(req.model_id)
-                return p.Unloaded(seq=seq, model_id=req.model_id)
-            case p.Shutdown():
-                return p.Bye(seq=seq)
-        raise RankFailure(p.ErrorKind.UNKNOWN_OP, f"unhandled op {type(req).__name__}")
+    gc.collect()  # layers that reference each other free their tensors only when collected
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def _ms(t0: float) -> float:
