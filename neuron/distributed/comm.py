@@ -1,18 +1,27 @@
 """Collectives between ranks: in-place sum all-reduce and gather to rank 0.
 
-Backends: `nccl` through CuPy's NCCL binding (GPUs, one rank per device), `gloo` through
-torch.distributed's ProcessGroupGloo on a TCP store (CPU, and CUDA tensors when several ranks
-share one GPU, which NCCL refuses), and a no-op for a single rank.
+Backends: `nccl` through CuPy's NCCL binding (GPUs, one rank per device; CuPy 13 or 14, built
+for torch's CUDA major), `gloo` through torch.distributed's ProcessGroupGloo on a TCP store (CPU,
+and CUDA tensors when several ranks share one GPU, which NCCL refuses), and a no-op for a single
+rank.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import os
+import string
 
 import torch
 
+from neuron.errors import NeuronError
+
 log = logging.getLogger("neuron.comm")
+
+
+class CommError(NeuronError):
+    """A collective backend cannot start on this machine; the message says why and what to change."""
 
 
 class Communicator:
@@ -105,13 +114,90 @@ class GlooCommunicator(Communicator):
 
 
 _NCCL_DTYPES = {torch.float32: 7, torch.float16: 6, torch.bfloat16: 9, torch.int64: 4, torch.int32: 2}
+NCCL_UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId)
+# How CuPy's NcclCommunicator takes the id: bytes since CuPy 14; a tuple of C chars in CuPy 13,
+# signed where char is signed (x86) and unsigned where it is not (ARM).
+UNIQUE_ID_FORMS = ("bytes", "signed", "unsigned")
+
+
+def encode_unique_id(raw) -> str:
+    """The id `nccl.get_unique_id()` returned, as hex: bytes in CuPy 14, a tuple of C chars in
+    CuPy 13, whose ints are read modulo 256 so both signednesses give the same bytes."""
+    if isinstance(raw, (bytes, bytearray)):
+        data = bytes(raw)
+    elif all(isinstance(b, int) and -128 <= b <= 255 for b in raw):
+        data = bytes(b & 0xFF for b in raw)
+    else:
+        raise CommError(f"NCCL unique id from CuPy holds values that are not bytes: {raw!r:.80}")
+    if len(data) != NCCL_UNIQUE_ID_BYTES:
+        raise CommError(f"NCCL unique id from CuPy has {len(data)} bytes, not {NCCL_UNIQUE_ID_BYTES}; "
+                        "use CuPy 13 or 14")
+    return data.hex()
+
+
+def decode_unique_id(unique_id_hex: str, form: str) -> bytes | tuple[int, ...]:
+    """The leader's hex id in one of UNIQUE_ID_FORMS, as CuPy's NcclCommunicator takes it."""
+    data = unique_id_bytes(unique_id_hex)
+    if form == "bytes":
+        return data
+    if form == "signed":
+        return tuple(b - 256 if b > 127 else b for b in data)
+    if form == "unsigned":
+        return tuple(data)
+    raise ValueError(f"unknown unique id form {form!r}; expected one of {UNIQUE_ID_FORMS}")
+
+
+def unique_id_bytes(unique_id_hex: str) -> bytes:
+    want = 2 * NCCL_UNIQUE_ID_BYTES
+    well_formed = isinstance(unique_id_hex, str) and len(unique_id_hex) == want
+    if not (well_formed and all(c in string.hexdigits for c in unique_id_hex)):
+        raise CommError(f"NCCL unique id must be {want} hex characters, got {unique_id_hex!r:.40}; "
+                        "the leader and every worker must run the same neuron")
+    return bytes.fromhex(unique_id_hex)
 
 
 def nccl_unique_id_hex() -> str:
     """Made by the leader and sent to every rank in `init`."""
     from cupy.cuda import nccl
 
-    return bytes(b & 0xFF for b in nccl.get_unique_id()).hex()
+    return encode_unique_id(nccl.get_unique_id())
+
+
+def torch_cuda_major() -> int | None:
+    """The CUDA major torch was built for; None for a CPU build."""
+    return int(torch.version.cuda.split(".")[0]) if torch.version.cuda else None
+
+
+def cuda_extra_hint(major: int | None) -> str:
+    if major in (12, 13):
+        return f'install the matching extra: pip install -e ".[cuda{major}]"'
+    if major is None:
+        return "install a CUDA build of torch, then the cuda12 or cuda13 extra that matches it"
+    return f"install cupy-cuda{major}x and nvidia-nccl-cu{major} (neuron's extras cover CUDA 12 and 13)"
+
+
+def nccl_problem() -> str | None:
+    """Why CuPy's NCCL cannot serve this process's torch, or None when it can. CuPy and NCCL
+    built for another CUDA major than torch's load a second CUDA runtime and fail at init."""
+    major = torch_cuda_major()
+    hint = cuda_extra_hint(major)
+    if major is None:
+        return f"torch {torch.__version__} is a CPU build; {hint}"
+    try:
+        import cupy
+        from cupy.cuda import nccl, runtime
+    except Exception as exc:
+        return f"CuPy is not importable ({exc}); {hint}"
+    if not getattr(nccl, "available", True):  # CuPy imports without NCCL and says so here
+        return f"CuPy {cupy.__version__} found no NCCL library; {hint}"
+    try:
+        cupy_major = runtime.runtimeGetVersion() // 1000
+    except Exception as exc:
+        return f"CuPy {cupy.__version__} cannot load its CUDA runtime ({exc}); {hint}"
+    if cupy_major != major:
+        return (f"CuPy {cupy.__version__} is built for CUDA {cupy_major} but torch {torch.__version__} "
+                f"for CUDA {torch.version.cuda}; uninstall cupy-cuda{cupy_major}x and {hint}")
+    return None
 
 
 class NcclCommunicator(Communicator):
@@ -119,13 +205,16 @@ class NcclCommunicator(Communicator):
 
     def __init__(self, rank: int, world_size: int, unique_id_hex: str, device: torch.device):
         super().__init__(rank, world_size)
+        problem = nccl_problem()
+        if problem:
+            raise CommError(f"NCCL cannot start on rank {rank}: {problem}")
         import cupy
         from cupy.cuda import nccl
 
         self._nccl = nccl
-        cupy.cuda.Device(device.index or 0).use()
-        uid = tuple(b - 256 if b > 127 else b for b in bytes.fromhex(unique_id_hex))
-        self._comm = nccl.NcclCommunicator(world_size, uid, rank)
+        index = rank_device_index(device)
+        cupy.cuda.Device(index).use()
+        self._comm = open_nccl(nccl, world_size, unique_id_hex, rank, index)
 
     def _stream(self) -> int:
         return torch.cuda.current_stream().cuda_stream
@@ -153,21 +242,47 @@ class NcclCommunicator(Communicator):
             log.debug("nccl destroy: %s", exc)
 
 
-def cupy_available() -> bool:
-    try:
-        import cupy  # noqa: F401
-        from cupy.cuda import nccl  # noqa: F401
-    except Exception:
-        return False
-    return True
+def rank_device_index(device: torch.device) -> int:
+    """The GPU this rank drives, refused when this process cannot see it."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    count = torch.cuda.device_count()
+    if not 0 <= index < count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise CommError(f"rank device cuda:{index} is not one of the {count} GPUs this process sees "
+                        f"(CUDA_VISIBLE_DEVICES={visible!r}); use no more ranks than visible GPUs")
+    return index
+
+
+def open_nccl(nccl, world_size: int, unique_id_hex: str, rank: int, index: int):
+    """Join the NCCL group, handing CuPy the id in the form its version takes. A form the binding
+    refuses fails while converting the argument, before NCCL is called, so trying the next is safe."""
+    unique_id_bytes(unique_id_hex)  # a malformed id is refused as such, not as a CuPy mismatch
+    refusals = []
+    for form in UNIQUE_ID_FORMS:
+        uid = decode_unique_id(unique_id_hex, form)
+        try:
+            return nccl.NcclCommunicator(world_size, uid, rank)
+        except (TypeError, OverflowError) as exc:
+            refusals.append(f"{form}: {exc}")
+        except Exception as exc:
+            raise CommError(
+                f"ncclCommInitRank failed on rank {rank} of {world_size} (cuda:{index}, "
+                f"{torch.cuda.device_count()} GPUs visible): {exc}; every rank needs its own GPU and the "
+                "leader's id, and NCCL_DEBUG=INFO tells more") from exc
+    raise CommError(f"CuPy's NcclCommunicator took the unique id in no known form ({'; '.join(refusals)}); "
+                    "use CuPy 13 or 14")
 
 
 def choose_backend(devices: list[str]) -> str:
-    """nccl when every rank has its own CUDA device and CuPy's NCCL is importable; gloo otherwise."""
+    """nccl when every rank has its own CUDA device and CuPy's NCCL fits torch; gloo otherwise."""
     if len(devices) == 1:
         return "single"
     cuda = all(d.startswith("cuda") for d in devices)
     distinct = len(set(devices)) == len(devices)
-    if cuda and distinct and cupy_available():
-        return "nccl"
-    return "gloo"
+    if not (cuda and distinct):
+        return "gloo"
+    problem = nccl_problem()
+    if problem:
+        log.warning("%d ranks on their own GPUs use gloo, slower than nccl, because %s", len(devices), problem)
+        return "gloo"
+    return "nccl"

@@ -247,9 +247,9 @@ def blocks_for(tokens: int, block_size: int) -> int:
 def plan_num_blocks(block_bytes: int, block_size: int, *, max_slots: int, max_model_len: int, kv_cache_bytes: int,
                     gpu_memory_utilization: float, activation_reserve: int, device: torch.device) -> int:
     """How many KV blocks this rank allocates: an explicit byte budget if given; on CUDA what its
-    share of the device leaves after what this process already holds (the weights) and the
-    activation reserve, never more than is free now; on CPU room for `max_slots` full-length
-    sequences, as a preallocated cache would hold."""
+    share of the device leaves after what this process has allocated (the weights) and the
+    activation reserve, never more than is free now (counting what its allocator caches); on CPU
+    room for `max_slots` full-length sequences, as a preallocated cache would hold."""
     if kv_cache_bytes > 0:
         return kv_cache_bytes // block_bytes
     if device.type != "cuda":
@@ -257,12 +257,16 @@ def plan_num_blocks(block_bytes: int, block_size: int, *, max_slots: int, max_mo
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     free, total = torch.cuda.mem_get_info(device)
-    held = torch.cuda.memory_reserved(device)
-    budget = min(total * gpu_memory_utilization - held, free) - activation_reserve
+    allocated = torch.cuda.memory_allocated(device)
+    # The caching allocator keeps a freed model's blocks reserved; it hands them out again, and
+    # frees them back to the driver when a request fits none of them, so they count as available.
+    cached = max(torch.cuda.memory_reserved(device) - allocated, 0)
+    budget = min(total * gpu_memory_utilization - allocated, free + cached) - activation_reserve
     num_blocks = int(budget // block_bytes)
     if num_blocks <= 0:
         raise ConfigError(
             f"no GPU memory left for the KV cache on {device}: {free / _MIB:.0f} MiB free of {total / _MIB:.0f} MiB, "
-            f"this rank holds {held / _MIB:.0f} MiB and reserves {activation_reserve / _MIB:.0f} MiB for activations; "
+            f"this rank has {allocated / _MIB:.0f} MiB allocated and {cached / _MIB:.0f} MiB cached for reuse, "
+            f"and reserves {activation_reserve / _MIB:.0f} MiB for activations; "
             "raise --gpu-memory-utilization, use more ranks, or lower --max-num-batched-tokens")
     return num_blocks

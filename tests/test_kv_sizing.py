@@ -1,0 +1,50 @@
+"""KV pool sizing on CUDA counts only live memory, without a GPU: torch.cuda's memory queries are
+faked. A model freed before (its blocks still cached by the allocator) must not shrink the next
+pool; live allocations still bound it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neuron.errors import ConfigError
+from neuron.models.kv_cache import plan_num_blocks
+
+GIB = 2**30
+BLOCK_BYTES = 2 * 2**20
+CUDA0 = torch.device("cuda:0")
+
+
+def fake_gpu_memory(monkeypatch, *, free: int, total: int, allocated: int, reserved: int) -> None:
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+
+
+def plan(utilization: float = 0.9) -> int:
+    return plan_num_blocks(BLOCK_BYTES, 16, max_slots=8, max_model_len=4096, kv_cache_bytes=0,
+                           gpu_memory_utilization=utilization, activation_reserve=2 * GIB, device=CUDA0)
+
+
+def test_a_pool_after_a_freed_model_is_as_large_as_the_first(monkeypatch):
+    # 80 GiB device, 0.5 GiB of it the CUDA context; the model's weights take 16 GiB.
+    fake_gpu_memory(monkeypatch, free=int(63.5 * GIB), total=80 * GIB, allocated=16 * GIB, reserved=16 * GIB)
+    first = plan()
+    assert first == (72 - 16 - 2) * GIB // BLOCK_BYTES
+    # The first model and its pool are freed, but the allocator still reserves their 70 GiB;
+    # the second model's weights reuse 16 GiB of that cache.
+    fake_gpu_memory(monkeypatch, free=int(9.5 * GIB), total=80 * GIB, allocated=16 * GIB, reserved=70 * GIB)
+    assert plan() == first
+
+
+def test_a_budget_spent_by_live_allocations_is_refused(monkeypatch):
+    fake_gpu_memory(monkeypatch, free=int(8.5 * GIB), total=80 * GIB, allocated=71 * GIB, reserved=71 * GIB)
+    with pytest.raises(ConfigError, match=r"no GPU memory left for the KV cache on cuda:0: 8704 MiB free of "
+                                          r"81920 MiB, this rank has 72704 MiB allocated and 0 MiB cached"):
+        plan()
+
+
+def test_cached_memory_never_lifts_the_budget_past_the_device(monkeypatch):
+    # A driver report and allocator counters that disagree must not promise more than the device has.
+    fake_gpu_memory(monkeypatch, free=80 * GIB, total=80 * GIB, allocated=0, reserved=40 * GIB)
+    assert plan(utilization=1.0) == (80 - 2) * GIB // BLOCK_BYTES
