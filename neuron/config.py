@@ -1,86 +1,242 @@
-"""Environment settings (`NEURON_*`), read when asked so tests and children can override them."""
+"""Every setting neuron reads, in one table: name, environment variable, type, default, bounds and
+help. `settings()` parses the `NEURON_*` environment into a frozen `Settings`, checking each value;
+the engine, executor, wire and server configs and the command-line flags take their defaults from
+it, so a default is written here and nowhere else.
+
+Torch-free on purpose: the wire (neuron.rpc) imports it in mock workers without a GPU.
+"""
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from neuron.errors import ConfigError
+
+PREFIX = "NEURON_"
+MAX_MODEL_LEN_CAP = 8192  # max_model_len left unset: the model's limit, capped here
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One row of the table. `kind` is int, float, str, bool, or "bytes" (an int that may be
+    written with a unit, 4GiB). A None default means unset; `unset` says what that does."""
+
+    kind: type | str
+    default: Any
+    help: str
+    lo: float | None = None
+    hi: float | None = None
+    above: bool = False  # the value must exceed `lo`, not merely reach it
+    choices: tuple[str, ...] = ()
+    unset: str | None = None
+    name: str = ""
+
+    @property
+    def env(self) -> str:
+        return PREFIX + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def allowed(self) -> str:
+        """What the setting takes, in words, for error messages and help."""
+        if self.kind is bool:
+            return "1, true, yes or on (or 0, false, no, off)"
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
+        if self.kind is str:
+            return "a non-empty string"
+        noun = {int: "an integer", float: "a number", "bytes": "a positive byte count (such as 4096, 512MiB or 4GiB)"}
+        return noun[self.kind] + self._bounds()
+
+    def _bounds(self) -> str:
+        if self.lo is not None and self.hi is not None:
+            return f" in ({self.lo:g}, {self.hi:g}]" if self.above else f" in {self.lo:g}..{self.hi:g}"
+        if self.lo is not None:
+            return f" > {self.lo:g}" if self.above else f" >= {self.lo:g}"
+        return ""
+
+    def shown(self) -> str:
+        """The default as help and the README show it."""
+        if self.default is None:
+            return self.unset or "unset"
+        if self.kind is bool:
+            return "on" if self.default else "off"
+        if self.kind == "bytes":
+            return format_bytes(self.default)
+        return f"{self.default:g}" if self.kind is float else str(self.default)
+
+    def parse(self, text: str) -> Any:
+        """The value `text` stands for; ValueError saying what is allowed when it stands for none."""
+        try:
+            value = _convert(self, text.strip())
+        except (ValueError, ConfigError):
+            value = None
+        if value is None or not self.fits(value):
+            raise ValueError(f"expected {self.allowed()}, got {text!r}")
+        return value
+
+    def fits(self, value: Any) -> bool:
+        if self.kind is bool:
+            return isinstance(value, bool)
+        if self.choices:
+            return value in self.choices
+        if self.kind is str:
+            return isinstance(value, str) and value != ""
+        number = (int, float) if self.kind is float else int
+        if isinstance(value, bool) or not isinstance(value, number):
+            return False
+        return self._in_bounds(value) and (self.kind != "bytes" or value > 0)
+
+    def _in_bounds(self, n: float) -> bool:
+        if math.isnan(n):
+            return False
+        low_ok = self.lo is None or (n > self.lo if self.above else n >= self.lo)
+        return low_ok and (self.hi is None or n <= self.hi)
+
+    def check(self, value: Any, what: str | None = None) -> Any:
+        """`value` itself when the table allows it (None too where the default is unset); else a
+        ConfigError naming `what` (a config field) and what it takes."""
+        if (value is None and self.default is None) or self.fits(value):
+            return value
+        raise ConfigError(f"{what or self.name} must be {self.allowed()}, got {value!r}")
 
 
-def env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+def _convert(s: Setting, text: str) -> Any:
+    if s.kind is bool:
+        low = text.lower()
+        return True if low in _TRUE else False if low in _FALSE else None
+    if s.choices:
+        return text.lower()
+    if s.kind == "bytes":
+        return parse_bytes(text)
+    return s.kind(text)
 
 
-def prefill_chunk_tokens() -> int:
-    return max(1, env_int("NEURON_PREFILL_CHUNK_TOKENS", 512))
+def _setting(kind: type | str, default: Any, help: str, **bounds: Any) -> Any:
+    return field(default=default, metadata={"setting": Setting(kind, default, help, **bounds)})
 
 
-def vision_max_pixels() -> int:
-    """Images with more pixels than this (width x height, before resizing) are refused with 413."""
-    return max(1, env_int("NEURON_VISION_MAX_PIXELS", 64 * 2**20))
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The value of every setting; each comes from NEURON_<NAME> or its default (the table is `SETTINGS`)."""
+
+    # What is served, and how it is split.
+    model: str | None = _setting(
+        str, None, "checkpoint directory or Hugging Face repo id in the local cache",
+        unset="the embedded tiny default model, whose random weights make noise")
+    served_model_name: str | None = _setting(str, None, "the name clients pass as `model`",
+                                             unset="MODEL as given")
+    tp: int = _setting(int, 1, "tensor-parallel size: how many ranks (devices) share the model", lo=1)
+    device: str | None = _setting(str, None, "cpu, cuda or cuda:N", unset="cuda when present, else cpu")
+    dtype: str = _setting(str, "auto", "weight and activation dtype; auto is bfloat16 on CUDA, float32 on CPU",
+                          choices=("auto", "float32", "bfloat16", "float16"))
+    num_threads: int | None = _setting(int, None, "torch threads per CPU rank", lo=1, unset="cores / tp")
+    cache_dir: str | None = _setting(str, None, "where the embedded default model is built",
+                                     unset="$XDG_CACHE_HOME/neuron, else ~/.cache/neuron")
+
+    # Batching and the KV cache.
+    max_model_len: int | None = _setting(int, None, "longest sequence (prompt + output) in tokens", lo=2,
+                                         unset=f"the model's limit, capped at {MAX_MODEL_LEN_CAP}")
+    max_num_seqs: int = _setting(int, 16, "sequences decoded together; each holds one KV-cache slot", lo=1)
+    max_num_batched_tokens: int | None = _setting(int, None, "token budget of one step", lo=1,
+                                                  unset="the prefill chunk size, or max-num-seqs if larger")
+    prefill_chunk_tokens: int = _setting(int, 512, "longest prompt piece run in one step", lo=1)
+    kv_block_size: int = _setting(int, 16, "tokens per KV-cache block", lo=1)
+    kv_cache_memory: int | None = _setting(
+        "bytes", None, "KV-cache budget per rank, in bytes or with a unit such as 4GiB",
+        unset="on CUDA from gpu-memory-utilization; on CPU room for max-num-seqs full-length sequences")
+    gpu_memory_utilization: float = _setting(
+        float, 0.9, "share of each GPU's memory neuron may use for weights, activations and the KV cache",
+        lo=0, hi=1, above=True)
+    no_prefix_caching: bool = _setting(bool, False, "do not reuse the KV blocks of prompt prefixes seen before")
+    attention: str = _setting(str, "gather", "how attention reads the KV cache: gather copies each context out "
+                              "of the block pool for SDPA; paged reads blocks where they lie from one flat "
+                              "step (the Triton kernel on CUDA, a PyTorch reference on CPU)",
+                              choices=("gather", "paged"))
+
+    # The HTTP server.
+    host: str = _setting(str, "127.0.0.1", "address to listen on; use 0.0.0.0 only behind a firewall or with "
+                         "an API key")
+    port: int = _setting(int, 8000, "TCP port to listen on; 0 picks a free one", lo=0, hi=65535)
+    api_key: str | None = _setting(str, None, "require `Authorization: Bearer <key>` on /v1 routes; "
+                                   "/health and /metrics stay open", unset="none, /v1 is open")
+    max_waiting: int = _setting(int, 256, "requests that may wait for a free slot; beyond that the server "
+                                "answers 503 with Retry-After", lo=0)
+    max_body_bytes: int = _setting("bytes", 8 * 2**20, "largest request body accepted, in bytes or with a unit "
+                                  "such as 1MiB; larger ones get 413")
+    keepalive_s: float = _setting(float, 10.0, "seconds between SSE keep-alive comments while a stream waits "
+                                  "for tokens", lo=0, above=True)
+    shutdown_grace_s: float = _setting(float, 10.0, "on SIGTERM or Ctrl-C, seconds in-flight requests get to "
+                                       "finish before they are cancelled; new ones get 503 at once", lo=0)
+    log_level: str = _setting(str, "info", "log level", choices=("debug", "info", "warning", "error"))
+
+    # Deadlines and recovery.
+    tp_step_timeout_s: float = _setting(float, 120.0, "deadline of one batched step on every rank (an image "
+                                        "prefill gets it per chunk)", lo=0, above=True)
+    collective_timeout_s: float = _setting(float, 60.0, "collective timeout (a rank stuck in an all-reduce "
+                                           "gets out)", lo=0, above=True)
+    worker_start_timeout_s: float = _setting(float, 120.0, "deadline for every worker's `pong`", lo=0, above=True)
+    load_timeout_s: float = _setting(float, 600.0, "deadline for loading shards", lo=0, above=True)
+    recovery_attempts: int = _setting(int, 3, "rebuilds of the ranks tried after a failure before the model "
+                                      "is `failed`", lo=1)
+    recovery_backoff_s: float = _setting(float, 1.0, "wait before the second rebuild, doubling after each "
+                                         "failed one", lo=0)
+
+    # Limits on what peers send.
+    max_line_bytes: int = _setting("bytes", 64 * 2**20, "longest protocol line between leader and workers")
+    vision_max_pixels: int = _setting(int, 64 * 2**20, "images with more pixels (width x height, before "
+                                      "resizing) are refused with 413", lo=1)
 
 
-def step_timeout_s() -> float:
-    return env_float("NEURON_TP_STEP_TIMEOUT_S", 120.0)
+SETTINGS: dict[str, Setting] = {f.name: replace(f.metadata["setting"], name=f.name) for f in fields(Settings)}
 
 
-def collective_timeout_s() -> float:
-    return env_float("NEURON_COLLECTIVE_TIMEOUT_S", 60.0)
+def load_settings(environ: Mapping[str, str] = os.environ) -> Settings:
+    """Parse every NEURON_* variable of `environ`; an empty one counts as unset. ConfigError names
+    the first variable whose value is not allowed."""
+    values = {}
+    for name, s in SETTINGS.items():
+        text = environ.get(s.env, "")
+        if text == "":
+            continue
+        try:
+            values[name] = s.parse(text)
+        except ValueError as exc:
+            raise ConfigError(f"{s.env}: {exc}") from None
+    return Settings(**values)
 
 
-def startup_timeout_s() -> float:
-    return env_float("NEURON_WORKER_START_TIMEOUT_S", 120.0)
+_snapshot: tuple[tuple[str | None, ...], Settings] | None = None
 
 
-def load_timeout_s() -> float:
-    return env_float("NEURON_LOAD_TIMEOUT_S", 600.0)
+def settings() -> Settings:
+    """This process's settings. The environment is parsed once and the snapshot kept; it is parsed
+    again only after a NEURON_* variable changed (tests set them between engines). A config built
+    from an earlier snapshot keeps its values."""
+    global _snapshot
+    raw = tuple(os.environ.get(s.env) for s in SETTINGS.values())
+    if _snapshot is None or _snapshot[0] != raw:
+        _snapshot = (raw, load_settings(os.environ))
+    return _snapshot[1]
 
 
-def recovery_attempts() -> int:
-    return max(1, env_int("NEURON_RECOVERY_ATTEMPTS", 3))
+def from_settings(name: str) -> Any:
+    """A dataclass field whose default is setting `name` as it stands when the config is built."""
+    if name not in SETTINGS:  # a misspelt name fails at import, not at first use
+        raise KeyError(f"no setting {name!r} in neuron.config")
+    return field(default_factory=lambda: getattr(settings(), name))
 
 
-def recovery_backoff_s() -> float:
-    return max(0.0, env_float("NEURON_RECOVERY_BACKOFF_S", 1.0))
-
-
-def shutdown_grace_s() -> float:
-    return max(0.0, env_float("NEURON_SHUTDOWN_GRACE_S", 10.0))
-
-
-def kv_block_size() -> int:
-    size = env_int("NEURON_KV_BLOCK_SIZE", 16)
-    if size < 1:
-        raise ValueError(f"NEURON_KV_BLOCK_SIZE must be >= 1, got {size}")
-    return size
-
-
-def gpu_memory_utilization() -> float:
-    return env_float("NEURON_GPU_MEMORY_UTILIZATION", 0.9)
-
-
-def kv_cache_memory() -> int | None:
-    raw = os.environ.get("NEURON_KV_CACHE_MEMORY")
-    return None if raw is None or raw == "" else parse_bytes(raw, "NEURON_KV_CACHE_MEMORY")
-
-
-def prefix_caching() -> bool:
-    """On unless NEURON_NO_PREFIX_CACHING is set to a true value."""
-    return os.environ.get("NEURON_NO_PREFIX_CACHING", "").lower() not in ("1", "true", "yes", "on")
+def check(name: str, value: Any, what: str | None = None) -> Any:
+    """`value` when setting `name`'s bounds allow it; ConfigError naming `what` otherwise."""
+    return SETTINGS[name].check(value, what)
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -98,7 +254,16 @@ def parse_bytes(value: int | float | str, name: str = "size") -> int:
         try:
             n = float(digits) * _UNITS[unit]
         except (ValueError, KeyError):
-            raise ValueError(f"{name} must be a byte count such as 2147483648, 512MiB or 4GiB, got {value!r}") from None
-    if n <= 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
+            raise ConfigError(f"{name} must be a byte count such as 2147483648, 512MiB or 4GiB, "
+                              f"got {value!r}") from None
+    if not n > 0:
+        raise ConfigError(f"{name} must be positive, got {value!r}")
     return int(n)
+
+
+def format_bytes(n: int) -> str:
+    """`n` in the largest binary unit that divides it (8388608 is 8MiB)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)

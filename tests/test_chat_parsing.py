@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from neuron.entrypoints.openai.chat_utils import OutputParser, Parsed, normalise_messages, parse_tool_call, prompt_opens_reasoning
+from neuron.engine.response_parser import OutputParser, Parsed, parse_tool_call, prompt_opens_reasoning
 from neuron.entrypoints.openai.api_errors import APIError
+from neuron.entrypoints.openai.chat_utils import normalise_messages
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 

@@ -21,11 +21,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from neuron import config as settings
+from neuron.config import settings
 from neuron.engine.llm_engine import LLMEngine, Update
-from neuron.errors import NeuronError
-from neuron.engine.sampling import SamplingParams
 from neuron.engine.metrics import Metrics
+from neuron.engine.sampling import SamplingParams
+from neuron.errors import NeuronError
 from neuron.multimodal.image import ImageInput
 
 log = logging.getLogger("neuron.server")
@@ -333,7 +333,7 @@ class AsyncEngine:
             self._call_in_loop(self._fail_streams, f"the model failed while the server shuts down: {reason}")
             return False
         self.metrics.recoveries.inc()
-        attempts, backoff = settings.recovery_attempts(), settings.recovery_backoff_s()
+        attempts, backoff = settings().recovery_attempts, settings().recovery_backoff_s
         for attempt in range(1, attempts + 1):
             t0 = time.monotonic()
             try:

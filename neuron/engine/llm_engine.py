@@ -1,4 +1,4 @@
-"""The engine: owns the ranks, schedules requests, samples, detokenises, reports progress.
+"""The engine: owns the ranks, schedules requests, samples, and feeds its output processor.
 
 Only the engine's own thread talks to the ranks. Other threads submit and abort requests through
 a thread-safe inbox that is read at step boundaries, so a cancelled request leaves between steps
@@ -13,18 +13,27 @@ from dataclasses import dataclass, field
 
 import torch
 
-from neuron import config as settings
+from neuron.config import MAX_MODEL_LEN_CAP, check, from_settings, parse_bytes, settings
 from neuron.engine.block_manager import BlockManager
-from neuron.errors import ConfigError, NeuronError, WorkerError
-from neuron.models import check_supported, supports_prefix_caching, text_config
-from neuron.models.loader import read_generation_config, read_json, resolve_model_path
-from neuron.models.inputs import SeqStep
+from neuron.engine.output_processor import OutputProcessor, Update
 from neuron.engine.sampling import SamplingParams, SequenceSampler, sample
 from neuron.engine.scheduler import Scheduled, Scheduler, Sequence, Status
-from neuron.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from neuron.engine.tokenizer import Tokenizer
+from neuron.errors import ConfigError, NeuronError, WorkerError
 from neuron.executor.executor import Executor, ExecutorConfig
-from neuron.multimodal.image import ImageError, ImageInput, VisionSpec, check_image, expand_placeholders, image_spans
-from neuron.multimodal.image import vision_activation_bytes, vision_unsupported
+from neuron.models import check_supported, supports_prefix_caching, text_config
+from neuron.models.inputs import SeqStep
+from neuron.models.loader import read_generation_config, read_json, resolve_model_path
+from neuron.multimodal.image import (
+    ImageError,
+    ImageInput,
+    VisionSpec,
+    check_image,
+    expand_placeholders,
+    image_spans,
+    vision_activation_bytes,
+    vision_unsupported,
+)
 
 log = logging.getLogger("neuron.engine.llm_engine")
 
@@ -38,50 +47,40 @@ class RequestError(NeuronError):
         self.param = param
 
 
+def _prefix_caching() -> bool | None:
+    """None: on for every model whose layers can share prefixes; NEURON_NO_PREFIX_CACHING turns it off."""
+    return False if settings().no_prefix_caching else None
+
+
+# EngineConfig fields bounded like the setting they default to (field: setting).
+_CHECKED = {"tp": "tp", "dtype": "dtype", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
+            "max_num_batched_tokens": "max_num_batched_tokens", "prefill_chunk_tokens": "prefill_chunk_tokens",
+            "block_size": "kv_block_size", "gpu_memory_utilization": "gpu_memory_utilization"}
+
+
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None  # path or repo id; None serves the embedded default
-    tp: int = 1
-    device: str | None = None  # None: cuda when present, else cpu
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int | None = None
+    """What the engine runs. A field left out takes its setting (neuron.config: NEURON_* or the
+    table's default) as it stands when the config is built."""
+
+    model: str | None = from_settings("model")  # path or repo id; None serves the embedded default
+    tp: int = from_settings("tp")
+    device: str | None = from_settings("device")  # None: cuda when present, else cpu
+    dtype: str = from_settings("dtype")
+    max_model_len: int | None = from_settings("max_model_len")  # None: the model's limit, capped
+    max_num_seqs: int = from_settings("max_num_seqs")
+    max_num_batched_tokens: int | None = from_settings("max_num_batched_tokens")
+    prefill_chunk_tokens: int = from_settings("prefill_chunk_tokens")
     hf_cache_dir: str | None = None
-    served_model_name: str | None = None
-    # The KV cache. None takes the environment's setting: NEURON_KV_BLOCK_SIZE (16 tokens),
-    # NEURON_KV_CACHE_MEMORY (per rank, bytes or "4GiB"; unset: free GPU memory on CUDA, room for
-    # max_num_seqs x max_model_len tokens on CPU), NEURON_GPU_MEMORY_UTILIZATION (0.9),
-    # NEURON_NO_PREFIX_CACHING (prefix caching is on unless it is set).
-    block_size: int | None = None
-    kv_cache_memory: int | str | None = None
-    gpu_memory_utilization: float | None = None
-    enable_prefix_caching: bool | None = None
+    served_model_name: str | None = from_settings("served_model_name")
+    block_size: int = from_settings("kv_block_size")
+    kv_cache_memory: int | str | None = from_settings("kv_cache_memory")  # per rank, bytes or "4GiB"
+    gpu_memory_utilization: float = from_settings("gpu_memory_utilization")
+    enable_prefix_caching: bool | None = field(default_factory=_prefix_caching)  # True: refuse models without it
 
-
-@dataclass(slots=True)
-class Update:
-    """What one step did for one request."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    logprobs: list[dict[int, float]] | None
-    finished: bool
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-
-
-@dataclass(slots=True, eq=False)
-class _Tracked:
-    seq: Sequence
-    detok: IncrementalDetokenizer | None
-    stop: list[str] = field(default_factory=list)
-    text: str = ""  # decoded output, stop strings not yet cut
-    emitted: int = 0  # characters of `text` already reported
+    def __post_init__(self) -> None:
+        for name, setting in _CHECKED.items():
+            check(setting, getattr(self, name), name)
 
 
 def default_device() -> str:
@@ -100,8 +99,6 @@ class LLMEngine:
         self.model_name = cfg.served_model_name or (cfg.model or "neuron-default")
         self.config = read_json(self.model_dir / "config.json")
         check_supported(self.config)  # before any worker starts
-        if cfg.tp < 1:
-            raise ConfigError(f"tensor-parallel size must be >= 1, got {cfg.tp}")
         self.device = cfg.device or default_device()
         self.max_model_len = self._max_model_len()
         self.vocab_size = int(text_config(self.config)["vocab_size"])
@@ -109,15 +106,16 @@ class LLMEngine:
         self.generation_config = read_generation_config(self.model_dir)
         self.eos_token_ids = self._eos_ids()
         self.vision = self._vision_spec()
-        chunk = settings.prefill_chunk_tokens()
+        chunk = cfg.prefill_chunk_tokens
         step_tokens = cfg.max_num_batched_tokens or max(chunk, cfg.max_num_seqs)
         self.scheduler = Scheduler(cfg.max_num_seqs, step_tokens, chunk)
-        executor_cfg = ExecutorConfig(self.model_dir, cfg.tp, self.device, cfg.dtype, cfg.max_num_seqs, self.max_model_len,
-                                  max_num_batched_tokens=max(step_tokens, cfg.max_num_seqs), **self._kv_settings())
+        executor_cfg = ExecutorConfig(self.model_dir, max_model_len=self.max_model_len, tp=cfg.tp, device=self.device,
+                                      dtype=cfg.dtype, max_slots=cfg.max_num_seqs,
+                                      max_num_batched_tokens=max(step_tokens, cfg.max_num_seqs), **self._kv_settings())
         kwargs = {"worker_cmd": worker_cmd} if worker_cmd else {}
         self.executor = Executor(executor_cfg, **kwargs)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._tracked: dict[str, _Tracked] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
 
     def start(self) -> "LLMEngine":
         self.executor.start()
@@ -126,26 +124,16 @@ class LLMEngine:
 
     def _kv_settings(self) -> dict:
         cfg = self.cfg
-        try:
-            block_size = cfg.block_size or settings.kv_block_size()
-            memory = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else settings.kv_cache_memory()
-            kv_bytes = 0 if memory is None else settings.parse_bytes(memory, "kv_cache_memory")
-            utilization = cfg.gpu_memory_utilization or settings.gpu_memory_utilization()
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if block_size < 1:
-            raise ConfigError(f"KV block size must be >= 1, got {block_size}")
-        if not 0.0 < utilization <= 1.0:
-            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+        kv_bytes = 0 if cfg.kv_cache_memory is None else parse_bytes(cfg.kv_cache_memory, "kv_cache_memory")
         if cfg.enable_prefix_caching and not supports_prefix_caching(self.config):
             raise ConfigError(f"prefix caching is not available for model_type {self.config.get('model_type')!r}: "
                               "its recurrent layers keep state that cannot be shared between sequences")
-        return dict(block_size=block_size, kv_cache_bytes=kv_bytes, gpu_memory_utilization=utilization)
+        return dict(block_size=cfg.block_size, kv_cache_bytes=kv_bytes,
+                    gpu_memory_utilization=cfg.gpu_memory_utilization)
 
     def _new_blocks(self) -> None:
         """A block manager over the pool the ranks just allocated (empty: a new pool holds nothing)."""
-        caching = self.cfg.enable_prefix_caching
-        caching = (settings.prefix_caching() if caching is None else caching) and supports_prefix_caching(self.config)
+        caching = self.cfg.enable_prefix_caching is not False and supports_prefix_caching(self.config)
         self.scheduler.use_blocks(BlockManager(self.executor.num_kv_blocks, self.executor.cfg.block_size, caching))
 
     def _vision_spec(self) -> VisionSpec | None:
@@ -165,7 +153,7 @@ class LLMEngine:
         native = int(text_config(self.config).get("max_position_embeddings", 2048))
         wanted = self.cfg.max_model_len
         if wanted is None:
-            return min(native, 8192)
+            return min(native, MAX_MODEL_LEN_CAP)
         if not 1 < wanted <= native:
             raise ConfigError(f"max_model_len must be in 2..{native} (the model's max_position_embeddings), got {wanted}")
         return wanted
@@ -274,16 +262,12 @@ class LLMEngine:
                 return updates
             if kind == "add":
                 self._admit(item)
-            elif (tr := self._tracked.get(item)) is not None:
-                self.scheduler.finish(tr.seq, "abort")
-                updates.append(self._final(tr))
+            elif (seq := self.outputs.sequence(item)) is not None:
+                self.scheduler.finish(seq, "abort")
+                updates.append(self.outputs.end(seq))
 
     def _admit(self, seq: Sequence) -> None:
-        p = seq.params
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, p.skip_special_tokens)
-        self._tracked[seq.request_id] = _Tracked(seq, detok, list(p.stop or []))
+        self.outputs.add(seq)
         self.scheduler.add(seq)
 
     def step(self) -> list[Update]:
@@ -338,70 +322,17 @@ class LLMEngine:
         updates = []
         for seq in seqs:
             self.scheduler.finish(seq, "error")
-            updates.append(self._final(self._tracked[seq.request_id], error=message))
+            updates.append(self.outputs.end(seq, error=message))
         return updates
 
     def _advance(self, s: Scheduled, token: int, logprobs: dict[int, float] | None) -> Update:
         seq = s.seq
-        tr = self._tracked[seq.request_id]
         seq.output_token_ids.append(token)
         seq.sampler.append(token)
-        reason, stop_reason = self._stop_check(seq, token)
-        if tr.detok is not None:
-            if not (reason == "stop" and stop_reason is None):  # the EOS token itself is not output
-                tr.text += tr.detok.push(token)
-            if reason is None and tr.stop:
-                reason, stop_reason = self._stop_strings(tr)
-            if reason is not None and not isinstance(stop_reason, str):
-                tr.text += tr.detok.flush()
-        lps = None if logprobs is None else [logprobs]
-        if reason is None:
-            return self._partial(tr, [token], lps)
-        self.scheduler.finish(seq, reason, stop_reason)
-        return self._final(tr, [token], lps)
-
-    def _stop_check(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
-        p = seq.params
-        n_out = len(seq.output_token_ids)
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return "stop", None
-            if p.stop_token_ids and token in p.stop_token_ids:
-                return "stop", token
-        if n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length", None
-        return None, None
-
-    def _stop_strings(self, tr: _Tracked) -> tuple[str | None, str | None]:
-        if len(tr.seq.output_token_ids) < tr.seq.params.min_tokens:
-            return None, None
-        start = max(0, tr.emitted - max(len(s) for s in tr.stop))
-        for stop in tr.stop:
-            at = tr.text.find(stop, start)
-            if at != -1:
-                tr.text = tr.text[:at]
-                return "stop", stop
-        return None, None
-
-    def _held_back(self, tr: _Tracked) -> int:
-        """Characters kept back while they might still begin a stop string."""
-        return max((len(s) for s in tr.stop), default=1) - 1
-
-    def _partial(self, tr: _Tracked, tokens, logprobs) -> Update:
-        safe = max(tr.emitted, len(tr.text) - self._held_back(tr))
-        delta = tr.text[tr.emitted : safe]
-        tr.emitted = safe
-        seq = tr.seq
-        return Update(seq.request_id, tokens, delta, logprobs, False,
-                      num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids))
-
-    def _final(self, tr: _Tracked, tokens=None, logprobs=None, error: str | None = None) -> Update:
-        seq = tr.seq
-        delta = tr.text[tr.emitted :]
-        tr.emitted = len(tr.text)
-        self._tracked.pop(seq.request_id, None)
-        return Update(seq.request_id, tokens or [], delta, logprobs, True, seq.finish_reason, seq.stop_reason,
-                      error, len(seq.prompt_token_ids), len(seq.output_token_ids))
+        update = self.outputs.process(seq, token, logprobs)
+        if update.finished:
+            self.scheduler.finish(seq, update.finish_reason, update.stop_reason)
+        return update
 
     @property
     def failure(self) -> str | None:

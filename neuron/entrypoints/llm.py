@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from neuron.engine.llm_engine import EngineConfig, LLMEngine, encode_prompt
-from neuron.errors import NeuronError
 from neuron.engine.sampling import SamplingParams
+from neuron.errors import NeuronError
 from neuron.multimodal.image import ImageInput
 
 
@@ -44,14 +44,16 @@ PromptType = str | dict | list[int]
 
 
 class LLM:
+    """An argument left at None takes its setting (neuron.config: NEURON_* or the default)."""
+
     def __init__(
         self,
         model: str | None = None,
-        tensor_parallel_size: int = 1,
+        tensor_parallel_size: int | None = None,
         device: str | None = None,
-        dtype: str = "auto",
+        dtype: str | None = None,
         max_model_len: int | None = None,
-        max_num_seqs: int = 16,
+        max_num_seqs: int | None = None,
         download_dir: str | None = None,
         block_size: int | None = None,
         kv_cache_memory: int | str | None = None,
@@ -61,10 +63,11 @@ class LLM:
     ):
         if kwargs:
             raise TypeError(f"LLM() got unsupported arguments: {', '.join(sorted(kwargs))}")
-        cfg = EngineConfig(model=model, tp=tensor_parallel_size, device=device, dtype=dtype,
-                           max_model_len=max_model_len, max_num_seqs=max_num_seqs, hf_cache_dir=download_dir,
-                           block_size=block_size, kv_cache_memory=kv_cache_memory,
-                           gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching)
+        given = dict(model=model, tp=tensor_parallel_size, device=device, dtype=dtype, max_model_len=max_model_len,
+                     max_num_seqs=max_num_seqs, hf_cache_dir=download_dir, block_size=block_size,
+                     kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+                     enable_prefix_caching=enable_prefix_caching)
+        cfg = EngineConfig(**{k: v for k, v in given.items() if v is not None})
         self.engine = LLMEngine(cfg).start()
         self._ids = itertools.count()
         self._finalizer = weakref.finalize(self, _shutdown_engine, self.engine)

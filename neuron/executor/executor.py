@@ -14,13 +14,13 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from neuron import config as settings
+from neuron.config import from_settings, settings
 from neuron.distributed.comm import choose_backend, nccl_unique_id_hex
 from neuron.errors import ConfigError, PoolBroken, WorkerError
 from neuron.executor.pool import WorkerPool, default_worker_cmd
@@ -41,17 +41,25 @@ _STEP_LINE_MARGIN = 1 << 20  # room in a step's protocol line for its tokens bes
 
 @dataclass(slots=True)
 class ExecutorConfig:
+    """What the executor brings up. The engine passes what it decided (model length, slots, step
+    budget, KV cache); a field left out takes its setting (neuron.config) when the config is built."""
+
     model_dir: Path
-    tp: int = 1
-    device: str = "cpu"
-    dtype: str = "auto"
-    max_slots: int = 8
-    max_model_len: int = 2048
+    max_model_len: int
+    tp: int = from_settings("tp")
+    device: str = "cpu"  # one device string: the engine resolves the `device` setting's "cuda when present"
+    dtype: str = from_settings("dtype")
+    max_slots: int = from_settings("max_num_seqs")
     model_id: str = "model"
-    block_size: int = 16
-    kv_cache_bytes: int = 0  # per rank; 0: from free GPU memory, or max_slots x max_model_len on CPU
-    gpu_memory_utilization: float = 0.9
-    max_num_batched_tokens: int = 512
+    block_size: int = from_settings("kv_block_size")
+    # per rank; 0: from free GPU memory, or max_slots x max_model_len on CPU
+    kv_cache_bytes: int = field(default_factory=lambda: settings().kv_cache_memory or 0)
+    gpu_memory_utilization: float = from_settings("gpu_memory_utilization")
+    max_num_batched_tokens: int = from_settings("prefill_chunk_tokens")
+    start_timeout_s: float = from_settings("worker_start_timeout_s")
+    collective_timeout_s: float = from_settings("collective_timeout_s")
+    load_timeout_s: float = from_settings("load_timeout_s")
+    step_timeout_s: float = from_settings("tp_step_timeout_s")
 
 
 def rank_devices(device: str, tp: int) -> list[str]:
@@ -113,7 +121,7 @@ class Executor:
     def start(self) -> "Executor":
         t0 = time.perf_counter()
         try:
-            self._check_versions(self.pool.spawn(settings.startup_timeout_s()))
+            self._check_versions(self.pool.spawn(self.cfg.start_timeout_s))
             self._init_comm()
             self._load()
         except BaseException:
@@ -133,7 +141,7 @@ class Executor:
                     f"{p.PROTOCOL_VERSION}: the worker runs another neuron installation; start both from the same one")
 
     def _init_comm(self) -> None:
-        timeout = settings.collective_timeout_s()
+        timeout = self.cfg.collective_timeout_s
         if self.backend == "gloo":
             comm_id = self.rank0.host_store(timeout)
         elif self.backend == "nccl":
@@ -162,7 +170,7 @@ class Executor:
         with LoadProgress(f"loading {c.model_dir.name}", layers) as bar:
             self.rank0.on_layer_loaded = bar.update
             try:
-                replies, _ = self._run(make, settings.load_timeout_s())
+                replies, _ = self._run(make, self.cfg.load_timeout_s)
             finally:
                 self.rank0.on_layer_loaded = None
         self.weight_bytes = [r.weight_bytes for r in replies]
@@ -186,7 +194,7 @@ class Executor:
         """One batched forward on every rank; rank 0's logits of each sequence's last token."""
         model_id, wire = self.cfg.model_id, as_wire(seqs)
         _, logits = self._run(lambda seq: p.GenerateStep(seq=seq, model_id=model_id, seqs=wire),
-                              settings.step_timeout_s())
+                              self.cfg.step_timeout_s)
         return logits
 
     def step_with_images(self, seqs: list[SeqStep], image_token_id: int, image_data_uris: list[str],
@@ -200,12 +208,12 @@ class Executor:
             return p.GenerateStepWithImages(seq=seq, model_id=model_id, seqs=wire, image_token_id=image_token_id,
                                             image_data_uris=image_data_uris, chunk_size=chunk_size)
 
-        _, logits = self._run(make, settings.step_timeout_s() * chunks)
+        _, logits = self._run(make, self.cfg.step_timeout_s * chunks)
         return logits
 
     def clear(self, slots: list[int] | None = None) -> None:
         model_id = self.cfg.model_id
-        self._run(lambda seq: p.ClearKvCache(seq=seq, model_id=model_id, slots=slots), settings.step_timeout_s())
+        self._run(lambda seq: p.ClearKvCache(seq=seq, model_id=model_id, slots=slots), self.cfg.step_timeout_s)
 
     def shutdown(self, grace_s: float = 5.0) -> None:
         self.pool.shutdown(grace_s)

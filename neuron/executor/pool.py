@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from neuron.utils import procfs
 from neuron.errors import PoolBroken, WorkerError
 from neuron.rpc import codec
 from neuron.rpc import protocol as p
+from neuron.utils import procfs
 
 log = logging.getLogger("neuron.pool")
 

@@ -18,6 +18,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from neuron.config import settings
+
 NAME = "default-qwen3-tiny-v1"
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -214,8 +216,8 @@ CHAT_TEMPLATE = """\
 
 def cache_root() -> Path:
     """neuron's cache: $NEURON_CACHE_DIR, else $XDG_CACHE_HOME/neuron, else ~/.cache/neuron."""
-    if os.environ.get("NEURON_CACHE_DIR"):
-        return Path(os.environ["NEURON_CACHE_DIR"]).expanduser()
+    if settings().cache_dir:
+        return Path(settings().cache_dir).expanduser()
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "neuron"
     return Path.home() / ".cache" / "neuron"

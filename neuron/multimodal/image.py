@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from neuron import config as settings
+from neuron.config import settings
 from neuron.errors import NeuronError
 
 
@@ -150,7 +150,7 @@ def open_image(uri: str, max_pixels: int | None = None):
     from PIL import Image, UnidentifiedImageError
 
     data = decode_data_uri(uri)
-    limit = settings.vision_max_pixels() if max_pixels is None else max_pixels
+    limit = settings().vision_max_pixels if max_pixels is None else max_pixels
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)

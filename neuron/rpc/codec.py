@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
-import os
 from typing import BinaryIO
 
 import msgspec
 
+from neuron.config import settings
 from neuron.rpc.protocol import REPLY_OPS, REQUEST_OPS, Error, ErrorKind, Reply, Request
-
-DEFAULT_MAX_LINE_BYTES = 64 * 1024 * 1024
 
 _encoder = msgspec.json.Encoder()
 _request_decoder = msgspec.json.Decoder(Request)
 _reply_decoder = msgspec.json.Decoder(Reply)
 _loose_decoder = msgspec.json.Decoder()
-# msgspec raises RecursionError, not DecodeError, on deeply nested input such as "[[[[...".
-_UNDECODABLE = (msgspec.DecodeError, RecursionError)
+# msgspec raises RecursionError, not DecodeError, on deeply nested input such as "[[[[...", and
+# UnicodeDecodeError on a string holding bytes that are not UTF-8.
+_UNDECODABLE = (msgspec.DecodeError, RecursionError, UnicodeDecodeError)
 
 
 def max_line_bytes() -> int:
-    return int(os.environ.get("NEURON_MAX_LINE_BYTES", DEFAULT_MAX_LINE_BYTES))
+    return settings().max_line_bytes
 
 
 def encode(msg: msgspec.Struct) -> bytes:
@@ -80,7 +79,6 @@ def decode_reply(line: bytes) -> Reply | None:
 
 
 __all__ = [
-    "DEFAULT_MAX_LINE_BYTES",
     "LineTooLong",
     "REPLY_OPS",
     "decode_reply",

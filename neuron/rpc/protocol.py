@@ -32,7 +32,7 @@ class Init(Message):
 
     backend: str
     comm_id: str
-    timeout_s: float = 60.0
+    timeout_s: float
 
 
 class CommSanityCheck(Message):
@@ -49,12 +49,12 @@ class LoadDenseShard(Message):
     config_json: str
     safetensors_paths: list[str]
     dtype: str
-    max_slots: int = 8
-    max_model_len: int = 2048
-    block_size: int = 16
-    kv_cache_bytes: int = 0
-    gpu_memory_utilization: float = 0.9
-    max_num_batched_tokens: int = 512
+    max_slots: int
+    max_model_len: int
+    block_size: int
+    kv_cache_bytes: int  # 0: size the pool as the docstring says
+    gpu_memory_utilization: float
+    max_num_batched_tokens: int
 
 
 class StepSeq(msgspec.Struct, array_like=True):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from neuron.config import settings
 
 
 def setup_logging(prefix: str = "", level: str | None = None) -> None:
-    level = level or os.environ.get("NEURON_LOG_LEVEL", "INFO")
+    level = level or settings().log_level
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     root = logging.getLogger("neuron")

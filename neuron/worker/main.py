@@ -12,9 +12,9 @@ import os
 import signal
 import sys
 
-from neuron.utils.log import setup_logging
 from neuron.rpc import codec
 from neuron.rpc import protocol as p
+from neuron.utils.log import setup_logging
 
 log = logging.getLogger("neuron.worker.main")
 

@@ -7,7 +7,7 @@ import logging
 import re
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 import anyio
 import msgspec
@@ -17,11 +17,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from neuron import config as settings
+from neuron.config import check, from_settings
 from neuron.engine.async_engine import AsyncEngine, EngineState
-from neuron.entrypoints.openai.common import ready_engine
 from neuron.entrypoints.openai.api_errors import APIError, bad_request, internal
 from neuron.entrypoints.openai.api_types import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from neuron.entrypoints.openai.common import ready_engine
 from neuron.entrypoints.openai.serving_chat import create_chat_completion
 from neuron.entrypoints.openai.serving_completions import create_completion
 
@@ -30,12 +30,19 @@ log = logging.getLogger("neuron.server")
 
 @dataclass(slots=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_body_bytes: int = 8 * 1024 * 1024
-    keepalive_s: float = 10.0  # SSE comment interval while a stream has nothing to say
-    shutdown_grace_s: float = field(default_factory=settings.shutdown_grace_s)  # for in-flight requests
+    """The HTTP server. A field left out takes the setting of its name (neuron.config)."""
+
+    host: str = from_settings("host")
+    port: int = from_settings("port")
+    api_key: str | None = from_settings("api_key")
+    max_body_bytes: int = from_settings("max_body_bytes")
+    keepalive_s: float = from_settings("keepalive_s")  # SSE comment interval while a stream has nothing to say
+    shutdown_grace_s: float = from_settings("shutdown_grace_s")  # for in-flight requests
+    max_waiting: int = from_settings("max_waiting")  # requests queued for a slot before 503
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            check(f.name, getattr(self, f.name))
 
 
 def build_app(engine: AsyncEngine, cfg: ServerConfig) -> Starlette:

@@ -1,27 +1,29 @@
-"""What the chat and completions endpoints share: model check, sampling params, admission, logprobs."""
+"""What the chat and completions endpoints share: model check, sampling params, admission, usage."""
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
-from functools import lru_cache
 
 import msgspec
 
+from neuron.engine.async_engine import AsyncEngine, EngineState, NotReady, Overloaded, RequestStream
 from neuron.engine.llm_engine import RequestError
 from neuron.engine.sampling import InvalidParams, SamplingParams
-from neuron.engine.async_engine import AsyncEngine, EngineState, NotReady, Overloaded, RequestStream
-from neuron.entrypoints.openai.api_errors import APIError, bad_request, generation_failed, internal, unavailable, unsupported
-from neuron.entrypoints.openai.api_types import SamplingRequest, TopLogprob, UsageInfo
-from neuron.engine.tokenizer import Tokenizer
+from neuron.entrypoints.openai.api_errors import (
+    APIError,
+    bad_request,
+    generation_failed,
+    internal,
+    unavailable,
+    unsupported,
+)
+from neuron.entrypoints.openai.api_types import SamplingRequest, UsageInfo
 from neuron.multimodal.image import ImageInput
 
 # OpenAI's defaults, used where neither the request nor generation_config.json says otherwise.
 _OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
                     "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-# JSON has no -inf; a token the model rules out reports this instead (as vLLM does).
-_LOGPROB_FLOOR = -9999.0
 _RETRY_AFTER_S = 1
 
 
@@ -124,34 +126,3 @@ def usage(stream: RequestStream) -> UsageInfo:
     n_out = stream.num_output_tokens
     return UsageInfo(stream.num_prompt_tokens, n_out, stream.num_prompt_tokens + n_out)
 
-
-def clamp(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else _LOGPROB_FLOOR
-
-
-class TokenRenderer:
-    """How a token id is written in logprobs: its text, or `token_id:N` when asked (or no tokenizer)."""
-
-    def __init__(self, tokenizer: Tokenizer | None, as_ids: bool):
-        self._decode = _decoder(tokenizer) if tokenizer is not None else None
-        self._as_ids = as_ids or tokenizer is None
-
-    def __call__(self, token_id: int) -> str:
-        return f"token_id:{token_id}" if self._as_ids else self._decode(token_id)
-
-    def text(self, token_id: int) -> str:
-        """The token's text where there is a tokenizer (for text offsets), else its rendering."""
-        return self._decode(token_id) if self._decode else self(token_id)
-
-    def top(self, entry: dict[int, float], n: int) -> list[TopLogprob]:
-        ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:n]
-        return [TopLogprob(tok := self(t), clamp(v), list(tok.encode())) for t, v in ranked]
-
-
-@lru_cache(maxsize=8)
-def _decoder(tokenizer: Tokenizer):
-    @lru_cache(maxsize=1 << 16)
-    def decode(token_id: int) -> str:
-        return tokenizer.decode([token_id], skip_special_tokens=False)
-
-    return decode

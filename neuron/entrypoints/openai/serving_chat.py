@@ -10,17 +10,44 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from neuron.engine.llm_engine import Update
 from neuron.engine.async_engine import AsyncEngine, RequestStream
-from neuron.entrypoints.openai.chat_utils import THINK_CLOSE, THINK_OPEN, OutputParser, Parsed, normalise_messages, prompt_opens_reasoning
-from neuron.entrypoints.openai.common import (TokenRenderer, check_common, check_model, clamp, new_id, now, open_stream,
-                                  ready_engine, sampling_params, sse, stream_error, usage)
-from neuron.entrypoints.openai.api_errors import APIError, bad_request, unsupported
-from neuron.entrypoints.openai.api_types import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                    ChatCompletionResponse, ChatLogprobs, ChatMessage, DeltaMessage, DeltaToolCall,
-                                    FunctionCall, TokenLogprob, ToolCall)
-from neuron.entrypoints.openai.streaming import DONE, KEEPALIVE, EventStreamResponse, json_unless_disconnected, updates_with_keepalive
+from neuron.engine.output_processor import LogprobRenderer, OutputParser, Parsed, Update
 from neuron.engine.tokenizer import TokenizerError
+from neuron.entrypoints.openai.api_errors import APIError, bad_request, unsupported
+from neuron.entrypoints.openai.api_types import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    TokenLogprob,
+    ToolCall,
+)
+from neuron.entrypoints.openai.chat_utils import normalise_messages
+from neuron.entrypoints.openai.common import (
+    check_common,
+    check_model,
+    new_id,
+    now,
+    open_stream,
+    ready_engine,
+    sampling_params,
+    sse,
+    stream_error,
+    usage,
+)
+from neuron.entrypoints.openai.streaming import (
+    DONE,
+    KEEPALIVE,
+    EventStreamResponse,
+    json_unless_disconnected,
+    updates_with_keepalive,
+)
 from neuron.multimodal.image import ImageError, ImageInput
 
 
@@ -33,21 +60,15 @@ class ChatRequestContext:
         self.created = now()
         self.model = model
         self.top_logprobs = top_logprobs
-        self.render = TokenRenderer(tokenizer, req.return_tokens_as_token_ids)
-        thinks = tokenizer.token_to_id(THINK_OPEN) is not None and tokenizer.token_to_id(THINK_CLOSE) is not None
-        self.parser = OutputParser(reasoning=thinks, in_reasoning=thinks and prompt_opens_reasoning(prompt),
-                                   tools=_uses_tools(req))
+        self.render = LogprobRenderer(tokenizer, req.return_tokens_as_token_ids)
+        self.parser = OutputParser.for_chat(tokenizer, prompt, tools=_uses_tools(req))
         self.num_tool_calls = 0
 
     def logprobs(self, update: Update) -> ChatLogprobs | None:
         if self.top_logprobs is None or update.logprobs is None:
             return None
-        entries = []
-        for token, entry in zip(update.token_ids, update.logprobs):
-            text = self.render(token)
-            entries.append(TokenLogprob(text, clamp(entry[token]), list(text.encode()),
-                                        self.render.top(entry, self.top_logprobs)))
-        return ChatLogprobs(entries)
+        entries = self.render.chat(update.token_ids, update.logprobs, self.top_logprobs)
+        return ChatLogprobs(msgspec.convert(entries, list[TokenLogprob], from_attributes=True))
 
     def tool_calls(self, parsed: Parsed) -> list[ToolCall]:
         self.num_tool_calls += len(parsed.tool_calls)

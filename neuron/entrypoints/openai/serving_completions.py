@@ -8,13 +8,35 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from neuron.engine.llm_engine import RequestError, Update, encode_prompt
 from neuron.engine.async_engine import AsyncEngine, RequestStream
-from neuron.entrypoints.openai.common import (TokenRenderer, check_common, check_model, clamp, new_id, now, open_stream,
-                                  ready_engine, sampling_params, sse, stream_error, usage)
+from neuron.engine.llm_engine import RequestError, encode_prompt
+from neuron.engine.output_processor import LogprobRenderer, Update
 from neuron.entrypoints.openai.api_errors import bad_request, unsupported
-from neuron.entrypoints.openai.api_types import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from neuron.entrypoints.openai.streaming import DONE, KEEPALIVE, EventStreamResponse, json_unless_disconnected, updates_with_keepalive
+from neuron.entrypoints.openai.api_types import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from neuron.entrypoints.openai.common import (
+    check_common,
+    check_model,
+    new_id,
+    now,
+    open_stream,
+    ready_engine,
+    sampling_params,
+    sse,
+    stream_error,
+    usage,
+)
+from neuron.entrypoints.openai.streaming import (
+    DONE,
+    KEEPALIVE,
+    EventStreamResponse,
+    json_unless_disconnected,
+    updates_with_keepalive,
+)
 
 # OpenAI's default for this endpoint.
 DEFAULT_MAX_TOKENS = 16
@@ -57,21 +79,13 @@ class _Context:
         self.id = new_id("cmpl")
         self.created = now()
         self.model = model
-        self.render = TokenRenderer(tokenizer, req.return_tokens_as_token_ids)
-        self.offset = 0  # characters of completion text before the next token
+        self.render = LogprobRenderer(tokenizer, req.return_tokens_as_token_ids)
 
     def logprobs(self, update: Update) -> CompletionLogprobs | None:
         if self.req.logprobs is None or update.logprobs is None:
             return None
-        out = CompletionLogprobs()
-        for token, entry in zip(update.token_ids, update.logprobs):
-            out.tokens.append(self.render(token))
-            out.token_logprobs.append(clamp(entry[token]))
-            ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)
-            out.top_logprobs.append({self.render(t): clamp(v) for t, v in ranked})
-            out.text_offset.append(self.offset)
-            self.offset += len(self.render.text(token))
-        return out
+        rendered = self.render.completion(update.token_ids, update.logprobs)
+        return msgspec.convert(rendered, CompletionLogprobs, from_attributes=True)
 
 
 async def create_completion(request: Request, engine: AsyncEngine, req: CompletionRequest,

@@ -15,8 +15,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from neuron.engine.llm_engine import Update
 from neuron.engine.async_engine import RequestStream
+from neuron.engine.llm_engine import Update
 
 T = TypeVar("T")
 
