@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from checkpoints import reference_greedy
+
 from neuron import LLM, SamplingParams
 from neuron.engine.block_manager import BlockManager, chain_hash
-from neuron.errors import ConfigError
-from neuron.models.kv_cache import PagedKVCache, StepRejected
-from neuron.models.inputs import SeqStep
 from neuron.engine.scheduler import Scheduler, Sequence, Status
+from neuron.errors import ConfigError
+from neuron.models.inputs import SeqStep
+from neuron.models.kv_cache import PagedKVCache, StepRejected
 
 
 def seq(tokens: list[int], rid: str = "r") -> Sequence:
@@ -230,8 +230,15 @@ def _block_bytes(checkpoint, tp: int, block_size: int) -> int:
     return 2 * c["num_hidden_layers"] * kv_heads * c["head_dim"] * block_size * 4
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_shared_system_prompt_prefills_only_the_tail(odd_checkpoint, tp):
+# Both ways attention reads the cache: context rows gathered out of the pool, or blocks read in
+# place from one flat step (NEURON_ATTENTION=paged; the Triton kernel's reference on CPU).
+ATTENTION = ["gather", "paged"]
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_shared_system_prompt_prefills_only_the_tail(odd_checkpoint, tp, attention, monkeypatch):
+    monkeypatch.setenv("NEURON_ATTENTION", attention)
     first, second = SYSTEM + [11, 12, 13], SYSTEM + [21, 22, 23, 24, 25]
     with LLM(str(odd_checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32", block_size=8) as llm:
         llm.generate({"prompt_token_ids": first}, _greedy())
@@ -258,9 +265,11 @@ def test_shared_system_prompt_prefills_only_the_tail(odd_checkpoint, tp):
 PROMPTS = [[5, 17, 200, 3, 9, 1], list(range(10, 22)), [7, 8, 9], [250, 1, 2, 3, 4, 5, 6, 7, 8]]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_preemption_under_a_tiny_budget_keeps_outputs(odd_checkpoint, tp):
+@pytest.mark.parametrize("attention", ATTENTION)
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_preemption_under_a_tiny_budget_keeps_outputs(odd_checkpoint, tp, attention, monkeypatch):
     """16 blocks of 4 tokens hold one 64-token sequence; four sequences of ~30 tokens contend."""
+    monkeypatch.setenv("NEURON_ATTENTION", attention)
     params = _greedy(20)
     budget = 16 * _block_bytes(odd_checkpoint, tp, 4)
     with LLM(str(odd_checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32", max_model_len=64,
@@ -273,6 +282,7 @@ def test_preemption_under_a_tiny_budget_keeps_outputs(odd_checkpoint, tp):
         _assert_equal(out.outputs[0], *reference_greedy(odd_checkpoint, prompt, 20))
 
 
+@pytest.mark.slow
 def test_memory_follows_real_lengths(odd_checkpoint):
     """A pool too small for 8 x max_model_len still runs 8 short sequences at once."""
     prompts = [[(13 * i + j) % 299 + 1 for j in range(12)] for i in range(8)]

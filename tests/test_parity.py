@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import pytest
-
 from checkpoints import reference_greedy
+
 from neuron import LLM, SamplingParams
 
 NEW_TOKENS = 8
 # Unequal prompts; the 40-token one spans several prefill chunks (NEURON_PREFILL_CHUNK_TOKENS=16).
 PROMPTS = [[5, 17, 200, 3], list(range(10, 50)), [7], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+
+pytestmark = pytest.mark.usefixtures("small_prefill_chunks")
 
 
 def _check(llm: LLM, checkpoint) -> None:
@@ -30,19 +32,14 @@ def _check(llm: LLM, checkpoint) -> None:
             assert set(top) <= set(lp)
 
 
-@pytest.fixture(autouse=True)
-def _small_chunks(monkeypatch):
-    monkeypatch.setenv("NEURON_PREFILL_CHUNK_TOKENS", "16")
-
-
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_odd_checkpoint(odd_checkpoint, tp):
     """vocab 301 (no tp divides it), one KV head replicated, head_dim 24 != 64/4, untied."""
     with LLM(str(odd_checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
         _check(llm, odd_checkpoint)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_tied_checkpoint(tied_checkpoint, tp):
     with LLM(str(tied_checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
         _check(llm, tied_checkpoint)
@@ -62,6 +59,7 @@ def test_chunked_prefill_equals_single_shot(odd_checkpoint, monkeypatch):
         assert max(abs(a[k] - b[k]) for k in a) < 1e-4
 
 
+@pytest.mark.slow
 def test_batch_equals_alone(odd_checkpoint):
     """A prompt's tokens do not depend on what else is in the batch (slots never mix)."""
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -69,3 +67,14 @@ def test_batch_equals_alone(odd_checkpoint):
         together = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
         alone = [llm.generate({"prompt_token_ids": p}, params)[0] for p in PROMPTS]
     assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_paged_attention_over_one_flat_step(odd_checkpoint, tp, monkeypatch):
+    """NEURON_ATTENTION=paged: each step is one flat batch with its metadata built once, and
+    attention reads KV blocks in place (the PyTorch reference here on CPU, the Triton kernel on
+    CUDA). Mixed prefill chunks and decodes still equal transformers."""
+    monkeypatch.setenv("NEURON_ATTENTION", "paged")
+    with LLM(str(odd_checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
+        assert llm.engine.executor.rank0.models["model"].cache.paged
+        _check(llm, odd_checkpoint)

@@ -8,22 +8,24 @@ import json
 
 import pytest
 import torch
-
 from checkpoints import cached_model, greedy_with_logprobs
+
 from neuron import LLM, SamplingParams
+from neuron.distributed.comm import SingleRank
 from neuron.errors import ConfigError
+from neuron.layers.tensor_parallel import Shard
 from neuron.models import build_model
 from neuron.models.gated_deltanet import DeltaNetHeads, delta_chunked, delta_step
+from neuron.models.inputs import SeqStep
 from neuron.models.kv_cache import StepRejected
 from neuron.models.loader import CheckpointReader, safetensors_files
 from neuron.models.qwen3_5 import MRotary
-from neuron.models.inputs import SeqStep
-from neuron.distributed.comm import SingleRank
-from neuron.layers.tensor_parallel import Shard
 
 NEW_TOKENS = 8
 LONG = [(i * 37 + 11) % 301 for i in range(150)]  # many 16-token prefill chunks; 3 delta-rule chunks in one shot
 PROMPTS = [[5, 17, 200, 3], LONG, [7], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+
+pytestmark = pytest.mark.usefixtures("small_prefill_chunks")
 
 TEXT = dict(
     vocab_size=301,
@@ -123,17 +125,18 @@ def _check_parity(path, tp: int) -> None:
     assert again.token_ids == outs[1].token_ids
 
 
-@pytest.fixture(autouse=True)
-def _small_chunks(monkeypatch):
-    monkeypatch.setenv("NEURON_PREFILL_CHUNK_TOKENS", "16")
-
-
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_multimodal_layout_parity(multimodal_checkpoint, tp):
     _check_parity(multimodal_checkpoint, tp)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+def test_parity_with_paged_attention(multimodal_checkpoint, monkeypatch):
+    """The gated full-attention layers reading KV blocks in place (NEURON_ATTENTION=paged)."""
+    monkeypatch.setenv("NEURON_ATTENTION", "paged")
+    _check_parity(multimodal_checkpoint, 1)
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_text_only_layout_parity(text_checkpoint, tp):
     _check_parity(text_checkpoint, tp)
 

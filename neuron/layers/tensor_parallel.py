@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from neuron.errors import ConfigError
 from neuron.distributed.comm import Communicator
+from neuron.errors import ConfigError
 
 
 @dataclass(slots=True, frozen=True)

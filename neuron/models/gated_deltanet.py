@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from neuron.errors import ConfigError
-from neuron.models.inputs import SeqStep
 from neuron.distributed.comm import Communicator
+from neuron.errors import ConfigError
 from neuron.layers.tensor_parallel import ColumnParallelLinear, Reader, RowParallelLinear, Shard
+from neuron.models.inputs import SeqStep
 
 CHUNK = 64  # tokens solved together in a prompt; bounds the [chunk, chunk] systems
 

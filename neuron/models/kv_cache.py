@@ -19,10 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from neuron.errors import ConfigError, NeuronError
+from neuron.layers.paged_attention import PagedAttentionMetadata, attend, build_metadata
 from neuron.models.inputs import SeqStep
 
 _MIB = 2**20
@@ -47,13 +49,14 @@ class StepBatch:
     read_rows: list[torch.Tensor]  # pool rows to attend over: decode, one [B, L] (padded; [L] for a lone
     # sequence); prefill, [kv_len] per sequence
     masks: list[torch.Tensor | None]  # decode: one padding mask or None; prefill: a causal mask per sequence
+    paged: PagedAttentionMetadata | None = None  # the flat step for attention that reads blocks in place
 
 
 class PagedKVCache:
     """K and V block pools per layer plus each slot's block table and filled length."""
 
     def __init__(self, layers: int, num_blocks: int, block_size: int, slots: int, max_len: int,
-                 kv_heads: int, head_dim: int, dtype, device):
+                 kv_heads: int, head_dim: int, dtype, device, paged: bool = False):
         shape = (kv_heads, num_blocks * block_size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
@@ -64,6 +67,10 @@ class PagedKVCache:
         self.slot_rows = torch.zeros((slots, blocks_for(max_len, block_size) * block_size), dtype=torch.long,
                                      device=device)
         self._block_offsets = torch.arange(block_size, device=device)
+        # `paged`: attention reads each sequence's blocks where they lie (the Triton kernel on CUDA),
+        # from one flat description of the step; the block tables are mirrored host-side for it.
+        self.paged = paged
+        self.table_array = np.zeros((slots, blocks_for(max_len, block_size)), dtype=np.int32)
 
     @property
     def num_slots(self) -> int:
@@ -125,6 +132,8 @@ class PagedKVCache:
         for s in seqs:
             if s.new_blocks or s.fresh:
                 self._extend_table(s)
+        if self.paged:
+            return self._paged_batch(seqs)
         if all(len(s.token_ids) == 1 for s in seqs):
             return self._decode_batch(seqs)
         return self._prefill_batch(seqs)
@@ -137,6 +146,7 @@ class PagedKVCache:
         start, end = len(table) * bs, (len(table) + len(s.new_blocks)) * bs
         blocks = torch.tensor(s.new_blocks, dtype=torch.long, device=self.device)
         self.slot_rows[s.slot, start:end] = (blocks[:, None] * bs + self._block_offsets).view(-1)
+        self.table_array[s.slot, len(table) : len(table) + len(s.new_blocks)] = s.new_blocks
         table += s.new_blocks
 
     def _row(self, slot: int, position: int) -> int:
@@ -178,6 +188,18 @@ class PagedKVCache:
         return StepBatch(per_token[0], per_token[1], rows, [s.slot for s in seqs], [len(s.token_ids) for s in seqs],
                          kv_lens, last_index, False, read_rows, masks)
 
+    def _paged_batch(self, seqs: list[SeqStep]) -> StepBatch:
+        """The step as one flat batch and its attention metadata, built once for every layer."""
+        slots, lengths, offsets = [s.slot for s in seqs], [len(s.token_ids) for s in seqs], [s.offset for s in seqs]
+        meta = build_metadata(self.table_array[slots], offsets, lengths, self.block_size, self.device)
+        ids = [t for s in seqs for t in s.token_ids]
+        positions = [p for s in seqs for p in range(s.offset, s.offset + len(s.token_ids))]
+        per_token = torch.tensor([ids, positions], dtype=torch.long).to(self.device, non_blocking=True)
+        all_decode = all(n == 1 for n in lengths)
+        last_index = None if all_decode else meta.query_start[1:].long() - 1
+        return StepBatch(per_token[0], per_token[1], meta.slot_mapping, slots, lengths,
+                         [o + n for o, n in zip(offsets, lengths)], last_index, all_decode, [], [], meta)
+
     def commit(self, batch: StepBatch) -> None:
         for slot, kv_len in zip(batch.slots, batch.kv_lens):
             self.filled[slot] = kv_len
@@ -206,6 +228,8 @@ class PagedKVCache:
     def attend(self, layer: int, batch: StepBatch, q: torch.Tensor) -> torch.Tensor:
         """Causal attention of this step's queries ([T, heads, head_dim]) over each sequence's blocks."""
         k_pool, v_pool = self.k[layer], self.v[layer]
+        if batch.paged is not None:
+            return attend(q, k_pool, v_pool, batch.paged)
         if batch.all_decode:
             rows = batch.read_rows[0]
             k, v = _gather(k_pool, rows), _gather(v_pool, rows)

@@ -9,10 +9,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from neuron.errors import ConfigError
-from neuron.models.base import CausalLM
-from neuron.models.kv_cache import PagedKVCache, StepBatch
 from neuron.distributed.comm import Communicator
+from neuron.errors import ConfigError
 from neuron.layers.tensor_parallel import (
     HeadLayout,
     MergedColumnParallelLinear,
@@ -24,6 +22,8 @@ from neuron.layers.tensor_parallel import (
     Shard,
     VocabParallelEmbedding,
 )
+from neuron.models.base import CausalLM
+from neuron.models.kv_cache import PagedKVCache, StepBatch
 
 SUPPORTED_ROPE_TYPES = ("default",)
 
@@ -201,12 +201,13 @@ class Qwen3ForCausalLM(CausalLM):
         logits = 3 * max_slots * c.vocab_size * 4  # rank 0 gathers the full vocabulary
         return 2 * (hidden + max(scores, gathered) + logits) + 256 * 2**20
 
-    def allocate(self, num_blocks: int, block_size: int, max_slots: int, max_model_len: int) -> None:
+    def allocate(self, num_blocks: int, block_size: int, max_slots: int, max_model_len: int,
+                 paged: bool = False) -> None:
         c = self.config
         self.check_model_len(max_model_len, c.max_position_embeddings)
         self.rotary = Rotary(c.head_dim, c.rope_theta, max_model_len, self.dtype, self.device)
         self.cache = PagedKVCache(c.num_layers, num_blocks, block_size, max_slots, max_model_len,
-                                  self.layout.local_kv_heads, c.head_dim, self.dtype, self.device)
+                                  self.layout.local_kv_heads, c.head_dim, self.dtype, self.device, paged)
 
     def layer_tensors(self, layer) -> list[torch.Tensor]:
         a, m = layer.attn, layer.mlp

@@ -10,21 +10,14 @@ embeddings replace the prompt's placeholder tokens at multimodal (time, height, 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from neuron.errors import ConfigError
-from neuron.models.base import CausalLM
-from neuron.models.gated_deltanet import CHUNK, DeltaNetHeads, DeltaNetState, GatedDeltaNet
-from neuron.models.kv_cache import PagedKVCache, StepBatch, StepRejected
-from neuron.models.qwen3 import MLP
-from neuron.models.qwen3_5_vision import VisionTower
-from neuron.models.inputs import SeqStep
 from neuron.distributed.comm import Communicator
+from neuron.errors import ConfigError
 from neuron.layers.tensor_parallel import (
     ColumnParallelLinear,
     HeadLayout,
@@ -35,7 +28,14 @@ from neuron.layers.tensor_parallel import (
     Shard,
     VocabParallelEmbedding,
 )
-from neuron.multimodal.image import ImageError, VisionSpec, image_spans, mrope_positions, preprocess
+from neuron.models.base import CausalLM
+from neuron.models.gated_deltanet import CHUNK, DeltaNetHeads, DeltaNetState, GatedDeltaNet
+from neuron.models.inputs import SeqStep
+from neuron.models.kv_cache import PagedKVCache, StepBatch, StepRejected
+from neuron.models.qwen3 import MLP
+from neuron.models.qwen3_5_images import prefill_with_images
+from neuron.models.qwen3_5_vision import VisionTower
+from neuron.multimodal.image import VisionSpec
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -373,12 +373,13 @@ class Qwen35ForCausalLM(CausalLM):
         logits = 3 * max_slots * c.vocab_size * 4
         return 2 * (hidden + max(scores, gathered, delta) + logits) + 256 * 2**20 + self._state_bytes(max_slots)
 
-    def allocate(self, num_blocks: int, block_size: int, max_slots: int, max_model_len: int) -> None:
+    def allocate(self, num_blocks: int, block_size: int, max_slots: int, max_model_len: int,
+                 paged: bool = False) -> None:
         c = self.config
         self.check_model_len(max_model_len, c.max_position_embeddings)
         self.rotary = MRotary(c.rotary_dim, c.rope_theta, c.mrope_section, max_model_len, self.dtype, self.device)
         kv = PagedKVCache(c.layer_types.count(FULL), num_blocks, block_size, max_slots, max_model_len,
-                          self.layout.local_kv_heads, c.head_dim, self.dtype, self.device)
+                          self.layout.local_kv_heads, c.head_dim, self.dtype, self.device, paged)
         linear = DeltaNetState(c.layer_types.count(LINEAR), max_slots, self._conv_dim(), c.conv_kernel, self.heads,
                                self.dtype, self.device)
         self.cache = HybridCache(kv, linear)
@@ -395,88 +396,7 @@ class Qwen35ForCausalLM(CausalLM):
         assert self.cache is not None
         return self.run(self.embed(batch.token_ids), self.cache.positions(batch), batch)
 
-    @torch.inference_mode()
     def prefill_with_images(self, seqs: list[SeqStep], image_token_id: int, image_data_uris: list[str],
                             chunk_size: int) -> torch.Tensor | None:
-        """Prefill whole sequences whose tokens hold image placeholders, in chunks of `chunk_size`
-        tokens (every rank walks the same chunks, so the collectives pair up). The images go to
-        the sequences in order, each taking the next run of placeholders its grid fills. Returns
-        rank 0's logits of each sequence's last token. Everything is checked before the first
-        collective; a bad request raises StepRejected on every rank alike."""
-        assert self.cache is not None and self.vision is not None
-        if chunk_size < 1:
-            raise StepRejected(f"chunk_size must be >= 1, got {chunk_size}")
-        if not seqs:
-            raise StepRejected("a step with images needs at least one sequence")
-        for s in seqs:
-            if not s.fresh or s.offset != 0:
-                raise StepRejected(f"slot {s.slot}: a step with images prefills a whole sequence from "
-                                   "position 0 (fresh, offset 0)")
-        self.cache.check(seqs, self.config.vocab_size)
-        pixels, grids = [], []
-        for i, uri in enumerate(image_data_uris):
-            try:
-                patches, grid = preprocess(uri, self.vision_spec)
-            except ImageError as exc:
-                raise StepRejected(f"image {i}: {exc}") from None
-            pixels.append(patches)
-            grids.append(grid)
-        merge2 = self.vision_spec.merge_size ** 2
-        layouts, used, first = [], 0, 0  # images taken so far, and their embedding rows
-        for s in seqs:
-            want = s.token_ids.count(image_token_id)
-            counts, take = [], used
-            while sum(counts) < want and take < len(grids):
-                counts.append(math.prod(grids[take]) // merge2)
-                take += 1
-            try:
-                spans = image_spans(s.token_ids, image_token_id, counts)
-            except ValueError as exc:
-                raise StepRejected(f"slot {s.slot}: {exc}") from None
-            positions, shift = mrope_positions(len(s.token_ids), spans, grids[used:take], self.vision_spec.merge_size)
-            source = torch.full((len(s.token_ids),), -1, dtype=torch.long)
-            for start, end in spans:
-                source[start:end] = torch.arange(first, first + end - start)
-                first += end - start
-            layouts.append((positions.to(self.device), source.to(self.device), shift))
-            used = take
-        if used != len(grids):
-            raise StepRejected(f"{len(grids)} image(s) but the tokens hold placeholders for {used}")
-        embeds = self.vision(torch.cat(pixels), grids) if grids else None
-        return self._walk_chunks(seqs, layouts, embeds, chunk_size)
-
-    def _walk_chunks(self, seqs: list[SeqStep], layouts: list, embeds: torch.Tensor | None,
-                     chunk_size: int) -> torch.Tensor | None:
-        lengths = [len(s.token_ids) for s in seqs]
-        last: list[torch.Tensor | None] = [None] * len(seqs)
-        for k in range(max(math.ceil(n / chunk_size) for n in lengths)):
-            sub, members = [], []
-            for i, s in enumerate(seqs):
-                a, b = k * chunk_size, min((k + 1) * chunk_size, lengths[i])
-                if a < b:
-                    first = k == 0
-                    sub.append(SeqStep(s.slot, s.token_ids[a:b], a, s.new_blocks if first else [], s.fresh and first))
-                    members.append((i, a, b))
-            batch = self.cache.prepare(sub)
-            x = self.embed(batch.token_ids)
-            positions, rows, sources, base = [], [], [], 0
-            for i, a, b in members:
-                pos, source, _ = layouts[i]
-                positions.append(pos[:, a:b])
-                src = source[a:b]
-                hit = (src >= 0).nonzero().squeeze(1)
-                if hit.numel():
-                    rows.append(hit + base)
-                    sources.append(src[hit])
-                base += b - a
-            if rows:
-                x[torch.cat(rows)] = embeds[torch.cat(sources)].to(x.dtype)
-            logits = self.run(x, torch.cat(positions, dim=1), batch)
-            self.cache.commit(batch)
-            if logits is not None:
-                for j, (i, a, b) in enumerate(members):
-                    if b == lengths[i]:
-                        last[i] = logits[j]
-        for s, (_, _, shift) in zip(seqs, layouts):
-            self.cache.shift[s.slot] = shift
-        return None if last[0] is None else torch.stack(last)
+        """Prefill whole sequences whose tokens hold image placeholders (see qwen3_5_images)."""
+        return prefill_with_images(self, seqs, image_token_id, image_data_uris, chunk_size)

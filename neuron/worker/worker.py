@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from neuron.config import settings
 from neuron.distributed.comm import Communicator, GlooCommunicator, NcclCommunicator, SingleRank, make_store
 from neuron.errors import ConfigError, UnsupportedModel
 from neuron.models import build_model
@@ -45,8 +46,9 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 def set_cpu_threads(world_size: int) -> None:
     """Ranks on one machine share its cores: give each its part instead of oversubscribing."""
-    if "NEURON_NUM_THREADS" in os.environ:
-        torch.set_num_threads(int(os.environ["NEURON_NUM_THREADS"]))
+    threads = settings().num_threads
+    if threads is not None:
+        torch.set_num_threads(threads)
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     torch.set_num_threads(max(1, cores // world_size))
@@ -161,7 +163,8 @@ class Worker:
             with CheckpointReader(req.safetensors_paths) as reader:
                 model.load(reader, self.on_layer_loaded)
             num_blocks = self._plan_kv(model, req)
-            model.allocate(num_blocks, req.block_size, req.max_slots, req.max_model_len)
+            model.allocate(num_blocks, req.block_size, req.max_slots, req.max_model_len,
+                           paged=settings().attention == "paged")
         except UnsupportedModel as exc:
             raise WorkerFailure(p.ErrorKind.UNSUPPORTED_ARCH, str(exc)) from exc
         except (ConfigError, ValueError, OSError) as exc:
@@ -244,9 +247,8 @@ def release_device_memory(device: torch.device) -> None:
     import gc
 
     gc.collect()  # layers that reference each other free their tensors only when collected
-    with torch.cuda.device(device):
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # the rank's own device: it was made current when the rank started
 
 
 def _ms(t0: float) -> float:

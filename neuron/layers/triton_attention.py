@@ -1,0 +1,60 @@
+"""The Triton kernel behind `neuron.layers.paged_attention` (its docstring explains the design).
+
+Kept apart so that only launching a kernel imports Triton: Triton decides when it is first
+imported, for the whole process, whether kernels compile for the GPU or run in its interpreter
+(TRITON_INTERPRET), and importing the model code must not make that choice early.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_attention_kernel(
+    out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, query_start_ptr, kv_lens_ptr,
+    scale, group, head_dim, stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_kr, stride_table,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_P: tl.constexpr, HEAD_P: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program: a tile of one sequence's queries times the query heads of one KV head."""
+    seq, tile, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_begin = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_begin
+    if tile * (BLOCK_M // GROUP_P) >= q_len:
+        return
+    kv_len = tl.load(kv_lens_ptr + seq)
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = tile * (BLOCK_M // GROUP_P) + rows // GROUP_P  # row -> (query, head of the group)
+    head = kv_head * group + rows % GROUP_P
+    dims = tl.arange(0, HEAD_P)
+    row_ok = (q_idx < q_len) & (rows % GROUP_P < group)
+    q_mask = row_ok[:, None] & (dims < head_dim)[None, :]
+    token = (q_begin + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
+    q_pos = kv_len - q_len + q_idx  # each query's position in its sequence
+    # -1e30, not -inf: a row with no visible key yet must not compute inf - inf
+    m = tl.full([BLOCK_M], -1e30, tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_P], tl.float32)
+    kv_end = tl.minimum(kv_len, tl.max(tl.where(row_ok, q_pos, 0)) + 1)  # causal: no row sees further
+    kv_base = kv_head.to(tl.int64) * stride_kh
+    for start in range(0, kv_end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < kv_end
+        block = tl.load(tables_ptr + seq * stride_table + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+        kv_rows = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_off = kv_base + kv_rows[:, None] * stride_kr + dims[None, :]
+        kv_mask = pos_ok[:, None] & (dims < head_dim)[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # log2 units: scale holds log2(e)
+        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]  # padding rows have l == 0 and are not stored
+    out_off = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)

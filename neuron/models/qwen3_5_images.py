@@ -1,0 +1,114 @@
+"""Prefill of Qwen3.5 prompts that hold images: the replicated vision tower embeds the images,
+whose embeddings replace the prompt's placeholder tokens at multimodal (time, height, width)
+positions, and every rank walks the prompts in the same chunks so the collectives pair up."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from neuron.models.inputs import SeqStep
+from neuron.models.kv_cache import StepRejected
+from neuron.multimodal.image import ImageError, image_spans, mrope_positions, preprocess
+
+
+@torch.inference_mode()
+def prefill_with_images(model, seqs: list[SeqStep], image_token_id: int, image_data_uris: list[str],
+                        chunk_size: int) -> torch.Tensor | None:
+    """Prefill whole sequences whose tokens hold image placeholders, in chunks of `chunk_size`
+    tokens (every rank walks the same chunks, so the collectives pair up). The images go to
+    the sequences in order, each taking the next run of placeholders its grid fills. Returns
+    rank 0's logits of each sequence's last token. Everything is checked before the first
+    collective; a bad request raises StepRejected on every rank alike."""
+    assert model.cache is not None and model.vision is not None
+    if chunk_size < 1:
+        raise StepRejected(f"chunk_size must be >= 1, got {chunk_size}")
+    if not seqs:
+        raise StepRejected("a step with images needs at least one sequence")
+    for s in seqs:
+        if not s.fresh or s.offset != 0:
+            raise StepRejected(f"slot {s.slot}: a step with images prefills a whole sequence from "
+                               "position 0 (fresh, offset 0)")
+    model.cache.check(seqs, model.config.vocab_size)
+    pixels, grids = _preprocess(model, image_data_uris)
+    layouts = _layouts(model, seqs, grids, image_token_id)
+    embeds = model.vision(torch.cat(pixels), grids) if grids else None
+    return _walk_chunks(model, seqs, layouts, embeds, chunk_size)
+
+
+def _preprocess(model, image_data_uris: list[str]) -> tuple[list[torch.Tensor], list]:
+    """Each image's patches and grid; a bad image rejects the step."""
+    pixels, grids = [], []
+    for i, uri in enumerate(image_data_uris):
+        try:
+            patches, grid = preprocess(uri, model.vision_spec)
+        except ImageError as exc:
+            raise StepRejected(f"image {i}: {exc}") from None
+        pixels.append(patches)
+        grids.append(grid)
+    return pixels, grids
+
+
+def _layouts(model, seqs: list[SeqStep], grids: list, image_token_id: int) -> list[tuple]:
+    """Per sequence: its multimodal positions, the embedding row each placeholder takes (-1 for
+    text tokens) and the position shift of the text after its images."""
+    merge2 = model.vision_spec.merge_size ** 2
+    layouts, used, first = [], 0, 0  # images taken so far, and their embedding rows
+    for s in seqs:
+        want = s.token_ids.count(image_token_id)
+        counts, take = [], used
+        while sum(counts) < want and take < len(grids):
+            counts.append(math.prod(grids[take]) // merge2)
+            take += 1
+        try:
+            spans = image_spans(s.token_ids, image_token_id, counts)
+        except ValueError as exc:
+            raise StepRejected(f"slot {s.slot}: {exc}") from None
+        positions, shift = mrope_positions(len(s.token_ids), spans, grids[used:take], model.vision_spec.merge_size)
+        source = torch.full((len(s.token_ids),), -1, dtype=torch.long)
+        for start, end in spans:
+            source[start:end] = torch.arange(first, first + end - start)
+            first += end - start
+        layouts.append((positions.to(model.device), source.to(model.device), shift))
+        used = take
+    if used != len(grids):
+        raise StepRejected(f"{len(grids)} image(s) but the tokens hold placeholders for {used}")
+    return layouts
+
+
+def _walk_chunks(model, seqs: list[SeqStep], layouts: list, embeds: torch.Tensor | None,
+                 chunk_size: int) -> torch.Tensor | None:
+    lengths = [len(s.token_ids) for s in seqs]
+    last: list[torch.Tensor | None] = [None] * len(seqs)
+    for k in range(max(math.ceil(n / chunk_size) for n in lengths)):
+        sub, members = [], []
+        for i, s in enumerate(seqs):
+            a, b = k * chunk_size, min((k + 1) * chunk_size, lengths[i])
+            if a < b:
+                first = k == 0
+                sub.append(SeqStep(s.slot, s.token_ids[a:b], a, s.new_blocks if first else [], s.fresh and first))
+                members.append((i, a, b))
+        batch = model.cache.prepare(sub)
+        x = model.embed(batch.token_ids)
+        positions, rows, sources, base = [], [], [], 0
+        for i, a, b in members:
+            pos, source, _ = layouts[i]
+            positions.append(pos[:, a:b])
+            src = source[a:b]
+            hit = (src >= 0).nonzero().squeeze(1)
+            if hit.numel():
+                rows.append(hit + base)
+                sources.append(src[hit])
+            base += b - a
+        if rows:
+            x[torch.cat(rows)] = embeds[torch.cat(sources)].to(x.dtype)
+        logits = model.run(x, torch.cat(positions, dim=1), batch)
+        model.cache.commit(batch)
+        if logits is not None:
+            for j, (i, a, b) in enumerate(members):
+                if b == lengths[i]:
+                    last[i] = logits[j]
+    for s, (_, _, shift) in zip(seqs, layouts):
+        model.cache.shift[s.slot] = shift
+    return None if last[0] is None else torch.stack(last)

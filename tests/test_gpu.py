@@ -1,0 +1,91 @@
+"""On a CUDA device: the world-size-1 NCCL communicator, tp=2 on one GPU, memory given back
+between one `LLM` and the next, and a CUDA server's worker killed and the ranks rebuilt. Marked
+`gpu`: skipped, with that reason, where no CUDA device is present. The CPU test at the end checks
+the release path itself."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from neuron import LLM, SamplingParams
+from neuron.models.default import default_model_dir
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40))]
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
+
+
+@pytest.mark.gpu
+def test_nccl_world_size_one_all_reduces():
+    pytest.importorskip("cupy", reason="the NCCL backend needs CuPy: pip install -e '.[cuda13]' (or cuda12)")
+    from neuron.distributed.comm import NcclCommunicator, nccl_unique_id_hex
+
+    comm = NcclCommunicator(0, 1, nccl_unique_id_hex(), torch.device("cuda:0"))
+    t = torch.arange(8, dtype=torch.float32, device="cuda")
+    comm.all_reduce(t)
+    torch.cuda.synchronize()
+    assert t.tolist() == list(range(8))
+    gathered = comm.gather_to_rank0(t)
+    assert len(gathered) == 1 and torch.equal(gathered[0], t)
+    comm.close()
+
+
+@pytest.mark.gpu
+def test_tp2_on_one_gpu_matches_tp1():
+    with LLM(tensor_parallel_size=1, device="cuda", dtype="float32", max_model_len=256) as llm:
+        single = _tokens(llm)
+    with LLM(tensor_parallel_size=2, device="cuda", dtype="float32", max_model_len=256) as llm:
+        assert llm.engine.executor.backend == "gloo"  # two ranks on one device: NCCL refuses that
+        assert _tokens(llm) == single
+
+
+@pytest.mark.gpu
+def test_one_llm_after_another_gets_the_same_pool():
+    """Shutdown gives rank 0's weights and KV pool back: the next LLM sizes its pool alike."""
+    pools, outputs = [], []
+    for _ in range(2):
+        with LLM(device="cuda", gpu_memory_utilization=0.5, max_model_len=256) as llm:
+            pools.append(llm.engine.executor.num_kv_blocks)
+            outputs.append(_tokens(llm))
+    assert pools[0] == pools[1] > 0
+    assert outputs[0] == outputs[1]
+    assert torch.cuda.memory_allocated() < 64 * 2**20  # nothing of either model is left live
+
+
+@pytest.mark.gpu
+def test_a_killed_worker_of_a_cuda_engine_is_rebuilt_and_serves_again():
+    with LLM(tensor_parallel_size=2, device="cuda", dtype="float32", gpu_memory_utilization=0.4,
+             max_model_len=256) as llm:
+        before = _tokens(llm)
+        victim = llm.engine.executor.pool.workers[0].proc
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=30)
+        assert _tokens(llm) == before  # generate() finds the dead rank, rebuilds, and runs
+
+
+def test_shutdown_releases_rank0_and_the_device_cache(monkeypatch):
+    """The release path itself, on CPU: closing a rank drops its models, and on a CUDA rank the
+    caching allocator's free blocks go back to the device."""
+    from neuron.worker import worker as worker_mod
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("sync", str(device))))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty", None)))
+    worker_mod.release_device_memory(torch.device("cuda:1"))
+    assert calls == [("sync", "cuda:1"), ("empty", None)]
+    calls.clear()
+    worker_mod.release_device_memory(torch.device("cpu"))
+    assert calls == []
+
+    llm = LLM(model=str(default_model_dir()), device="cpu", max_model_len=64)
+    rank0 = llm.engine.executor.rank0
+    assert list(rank0.models) == ["model"]
+    llm.shutdown()
+    assert rank0.models == {}

@@ -1,0 +1,206 @@
+"""Paged attention: step metadata, KV writes, the PyTorch reference against plain SDPA, and the
+Triton kernel against the reference. Without a GPU the kernel runs in Triton's interpreter on CPU
+tensors; with one it compiles and runs on CUDA."""
+
+import os
+import sys
+
+import torch
+
+# Triton reads TRITON_INTERPRET once, when it is first imported, for the whole process; neuron
+# imports Triton only on a kernel's first launch, so setting it here, before any test runs, is in time
+# unless something imported Triton earlier (checked by `kernel`).
+_TRITON_IMPORTED_EARLY = "triton" in sys.modules
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import subprocess  # noqa: E402
+import textwrap  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from neuron.layers.paged_attention import (  # noqa: E402
+    HAS_TRITON,
+    attend,
+    build_metadata,
+    paged_attention_reference,
+    paged_attention_triton,
+    write_kv,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETING = DEVICE == "cpu"
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+
+# Decode-only: five sequences whose new token lands at the start, middle and end of a block; the
+# last two share their first two blocks (a cached prefix).
+DECODE = dict(offsets=[0, 15, 16, 40, 69], query_lens=[1, 1, 1, 1, 1], shared=(3, 4, 2))
+# Mixed: a 37-token prefill chunk at offset 0; a 9-token chunk at offset 32 over a cached prefix
+# (the first sequence's first two blocks); three decodes.
+MIXED = dict(offsets=[0, 32, 5, 16, 47], query_lens=[37, 9, 1, 1, 1], shared=(0, 1, 2))
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed (pip install triton)")
+    if INTERPRETING and _TRITON_IMPORTED_EARLY:
+        pytest.fail("triton was imported before this module set TRITON_INTERPRET=1; set it in the "
+                    "environment of the test run instead")
+    return paged_attention_triton
+
+
+def make_step(offsets, query_lens, shared=None, *, heads=8, kv_heads=2, head_dim=64, block_size=16,
+              dtype=torch.float32, device=DEVICE, seed=0):
+    """Random pools, shuffled block tables (sequence b reuses a's first n blocks for shared=(a, b, n)),
+    and the step's queries, with the new tokens' keys and values written through `write_kv`."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-(o + n) // block_size) for o, n in zip(offsets, query_lens)]
+    free = torch.randperm(sum(need) + 4, generator=gen).tolist()
+    tables = [[free.pop() for _ in range(n)] for n in need]
+    if shared:
+        a, b, n = shared
+        tables[b][:n] = tables[a][:n]
+    num_blocks = sum(need) + 4
+    k_pool = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen)
+    v_pool = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen)
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, heads, head_dim, generator=gen)
+    k, v = torch.randn(2, tokens, kv_heads, head_dim, generator=gen)
+    meta = build_metadata(tables, offsets, query_lens, block_size, device)
+    k_pool, v_pool, q, k, v = (t.to(device, dtype) for t in (k_pool, v_pool, q, k, v))
+    write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
+    return q, k_pool, v_pool, meta
+
+
+def assert_kernel_matches(kernel, q, k_pool, v_pool, meta):
+    scale = q.shape[-1] ** -0.5
+    out = kernel(q, k_pool, v_pool, meta, scale)
+    expected = paged_attention_reference(q.float(), k_pool.float(), v_pool.float(), meta, scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert (out.float() - expected).abs().max().item() <= TOLERANCE[q.dtype]
+
+
+# ---- metadata and writes ----
+
+
+@pytest.mark.parametrize("as_array", [False, True])
+def test_metadata_for_a_hand_computed_step(as_array):
+    """Block size 4. A 5-token prefill in blocks [3, 1]; a 2-token chunk at offset 6 in [0, 2, 5]
+    (its third block not yet reached, so no column for it); a decode at offset 2 in [4]."""
+    tables = [[3, 1, 0], [0, 2, 5], [4, 0, 0]]
+    meta = build_metadata(np.array(tables, dtype=np.int32) if as_array else [[3, 1], [0, 2, 5], [4]],
+                          [0, 6, 2], [5, 2, 1], 4, "cpu")
+    assert meta.query_start.dtype == meta.kv_lens.dtype == meta.block_tables.dtype == torch.int32
+    assert meta.slot_mapping.dtype == torch.int64
+    assert meta.query_start.tolist() == [0, 5, 7, 8]
+    assert meta.kv_lens.tolist() == [5, 8, 3]
+    assert meta.block_tables.tolist() == [[3, 1], [0, 2], [4, 0]]
+    assert meta.slot_mapping.tolist() == [12, 13, 14, 15, 4, 10, 11, 18]
+    assert (meta.block_size, meta.max_query_len, meta.max_kv_len, meta.num_seqs) == (4, 5, 8, 3)
+
+
+def test_write_kv_puts_each_token_at_its_row():
+    k_pool, v_pool = torch.zeros(2, 2, 12, 4)
+    k = torch.arange(3 * 2 * 4, dtype=torch.float32).view(3, 2, 4)
+    write_kv(k_pool, v_pool, k, -k, torch.tensor([5, 0, 9]))
+    expected = torch.zeros(2, 12, 4)
+    for token, row in enumerate([5, 0, 9]):
+        expected[:, row] = k[token]
+    assert torch.equal(k_pool, expected)
+    assert torch.equal(v_pool, -expected)
+
+
+# ---- the reference (the kernel's oracle) ----
+
+
+def test_reference_equals_causal_sdpa_over_contiguous_kv():
+    """A whole 40-token prompt, and its last 9 tokens as a chunk over the first 31, against SDPA
+    on the same keys and values laid out contiguously."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(40, 12, 64, generator=gen).split([8, 2, 2], dim=1)
+    k_pool, v_pool = torch.zeros(2, 2, 6 * 16, 64)
+    table = [4, 0, 5]
+    write_kv(k_pool, v_pool, k, v, build_metadata([table], [0], [40], 16, "cpu").slot_mapping)
+    expected = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                              is_causal=True, enable_gqa=True).transpose(0, 1)
+    whole = paged_attention_reference(q, k_pool, v_pool, build_metadata([table], [0], [40], 16, "cpu"), 0.125)
+    chunk = paged_attention_reference(q[31:], k_pool, v_pool, build_metadata([table], [31], [9], 16, "cpu"), 0.125)
+    torch.testing.assert_close(whole, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunk, expected[31:], atol=1e-5, rtol=1e-5)
+
+
+def test_dispatch_uses_the_reference_off_cuda():
+    q, k_pool, v_pool, meta = make_step(**MIXED, device="cpu")
+    assert torch.equal(attend(q, k_pool, v_pool, meta), paged_attention_reference(q, k_pool, v_pool, meta, 0.125))
+
+
+# ---- the kernel ----
+
+# A group of 5 (Qwen3-14B's 40 over 8) pads to 8 rows per query inside the kernel.
+LAYOUTS = {"gqa": dict(heads=8, kv_heads=2), "mha": dict(heads=4, kv_heads=4), "gqa5": dict(heads=10, kv_heads=2)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernel_decode_batch(kernel, layout, head_dim):
+    assert_kernel_matches(kernel, *make_step(**DECODE, **LAYOUTS[layout], head_dim=head_dim))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernel_mixed_batch(kernel, layout, head_dim):
+    assert_kernel_matches(kernel, *make_step(**MIXED, **LAYOUTS[layout], head_dim=head_dim))
+
+
+# bfloat16 only compiled: Triton's interpreter multiplies bfloat16 tiles as their raw uint16 bits in tl.dot.
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+def test_kernel_half_precision(kernel, dtype):
+    assert_kernel_matches(kernel, *make_step(**MIXED, dtype=dtype))
+
+
+def test_kernel_odd_head_dim_and_block_size(kernel):
+    """head_dim 80 (padded to 128 inside) and 8-position blocks (a key tile spans four)."""
+    assert_kernel_matches(kernel, *make_step(**MIXED, head_dim=80, block_size=8))
+
+
+def test_kernel_rejects_heads_that_do_not_split_over_kv_heads(kernel):
+    q, k_pool, v_pool, meta = make_step(**DECODE)
+    with pytest.raises(ValueError, match="do not split evenly"):
+        kernel(q[:, :7], k_pool, v_pool, meta, 0.125)
+
+
+COMPILE = textwrap.dedent("""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from neuron.layers.triton_attention import paged_attention_kernel as kernel
+
+    def compile_for(dtype, capability, group_p, block_m, head_p, precision):
+        pointers = dict(out_ptr=dtype, q_ptr=dtype, k_ptr=dtype, v_ptr=dtype, tables_ptr="i32",
+                        query_start_ptr="i32", kv_lens_ptr="i32")
+        constexprs = dict(BLOCK_SIZE=16, BLOCK_M=block_m, GROUP_P=group_p, HEAD_P=head_p, BLOCK_N=32,
+                          PRECISION=precision)
+        signature = {name: "constexpr" if name in constexprs else "*" + pointers[name] if name in pointers
+                     else "fp32" if name == "scale" else "i32" for name in kernel.arg_names}
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+        assert triton.compile(source, target=GPUTarget("cuda", capability, 32)).asm["cubin"]
+
+    compile_for("bf16", 90, 4, 64, 128, None)
+    compile_for("fp32", 80, 1, 16, 64, "ieee")
+""")
+
+
+@pytest.mark.slow
+def test_kernel_compiles_for_nvidia_gpus():
+    """The interpreter runs Python, which accepts code the GPU compiler refuses: compile the kernel to
+    cubin for sm_90 (bf16, GQA, prefill tile) and sm_80 (fp32, MHA, decode tile), no GPU needed. In a
+    fresh process, as this one's Triton is in interpreter mode."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed (pip install triton)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    run = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
