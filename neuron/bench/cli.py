@@ -15,7 +15,11 @@ import anyio
 
 from neuron.bench.load import ENDPOINTS, BenchConfig, BenchResult, run_benchmark
 from neuron.bench.report import format_table, require_matplotlib, to_json, write_plot
+from neuron.config import SETTINGS
 from neuron.errors import NeuronError
+
+# Where `neuron serve` listens when started without options.
+DEFAULT_BASE_URL = f"http://{SETTINGS['host'].default}:{SETTINGS['port'].default}/v1"
 
 EXAMPLES = """examples:
   neuron bench --num-requests 200 --concurrency 16 --input-len 512 --output-len 128 --ignore-eos
@@ -30,7 +34,7 @@ def add_parser(sub) -> None:
                         description="Send streaming requests to an OpenAI-compatible server and report request and "
                                     "token throughput with TTFT, TPOT, ITL and end-to-end latency (mean, p50, p90, "
                                     "p99). Ctrl-C stops early and still reports.")
-    ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
+    ap.add_argument("--base-url", default=DEFAULT_BASE_URL,
                     help="the API root, up to and including /v1 (default: %(default)s)")
     ap.add_argument("--model", help="model name to request (default: the first one GET /models lists)")
     ap.add_argument("--api-key", help="bearer token (default: $OPENAI_API_KEY when set)")
@@ -55,6 +59,9 @@ def add_parser(sub) -> None:
                          "a word is about one token)")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="send ignore_eos=true (a vLLM and neuron extension) so every output reaches max_tokens")
+    ap.add_argument("--logprobs", type=int, metavar="N",
+                    help="ask for N logprobs per output token; a server whose checkpoint has no tokenizer streams "
+                         "one chunk per token only then (0 is enough)")
     ap.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals (default: %(default)s)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds each request may take (default: %(default)s)")
     ap.add_argument("--warmup", type=int, default=0, help="requests sent and discarded before timing starts")
@@ -93,7 +100,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         endpoint=args.endpoint, input_len=length(args.input_len, args.random_input_len),
         output_len=length(args.output_len, args.random_output_len), prompts_file=args.prompts_file,
         text_prompts=args.text_prompts, seed=args.seed, ignore_eos=args.ignore_eos, timeout=args.timeout,
-        warmup=args.warmup, progress=sys.stderr.isatty(),
+        warmup=args.warmup, progress=sys.stderr.isatty(), logprobs=args.logprobs,
     )
 
 

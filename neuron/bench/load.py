@@ -3,7 +3,9 @@
 Requests go out at a fixed concurrency or as Poisson arrivals at a given rate (both may be set:
 arrivals then wait for a free slot). Every request streams with `include_usage`, so output token
 counts come from the server when it reports them and from the number of content chunks otherwise.
-Inter-token latency is measured between content chunks, as a client sees it.
+Inter-token latency is measured between content chunks, as a client sees it. A chunk carrying
+logprobs counts as content even without text: a server whose checkpoint has no tokenizer streams
+no text, so only `logprobs` (0 is enough) makes it send one chunk per token.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class BenchConfig:
     timeout: float = 300.0  # seconds, per request, first byte to last
     warmup: int = 0  # requests sent and discarded before timing starts
     progress: bool = False  # a progress bar on stderr
+    logprobs: int | None = None  # per output token; None: not asked for
 
     def __post_init__(self) -> None:
         self.base_url = self.base_url.rstrip("/")
@@ -70,6 +73,8 @@ class BenchConfig:
             raise ConfigError("timeout must be positive")
         if self.warmup < 0:
             raise ConfigError("warmup must be 0 or more")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ConfigError("logprobs must be 0 or more")
 
     @property
     def token_id_prompts(self) -> bool:
@@ -210,7 +215,7 @@ class _Runner:
             with anyio.fail_after(self.config.timeout):
                 await self._stream(self._body(req), rec, chunks)
             if not chunks:
-                raise _Failed("the stream ended without any output")
+                raise _Failed(_no_output(rec.output_tokens, self.config.logprobs))
             rec.ok = True
         except (TimeoutError, httpx.TimeoutException):
             rec.error = f"timed out after {self.config.timeout:g} s"
@@ -237,6 +242,10 @@ class _Runner:
             body["prompt"] = req.prompt
         if self.config.ignore_eos:
             body["ignore_eos"] = True
+        if self.config.logprobs is not None and self.chat:
+            body.update(logprobs=True, top_logprobs=self.config.logprobs)
+        elif self.config.logprobs is not None:
+            body["logprobs"] = self.config.logprobs
         return body
 
     async def _stream(self, body: dict[str, Any], rec: RequestRecord, chunks: list[float]) -> None:
@@ -274,14 +283,25 @@ async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
         yield "\n".join(data)
 
 
-def _content(chunk: dict[str, Any], chat: bool) -> str:
+def _content(chunk: dict[str, Any], chat: bool) -> bool:
+    """Whether the chunk carries output: text, or the logprobs of at least one token."""
     choices = chunk.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return ""
+        return False
+    logprobs = choices[0].get("logprobs")
+    if isinstance(logprobs, dict) and (logprobs.get("content") if chat else logprobs.get("tokens")):
+        return True
     if not chat:
-        return choices[0].get("text") or ""
+        return bool(choices[0].get("text"))
     delta = choices[0].get("delta") or {}
-    return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+    return bool(delta.get("content") or delta.get("reasoning_content"))
+
+
+def _no_output(reported_tokens: int, logprobs: int | None) -> str:
+    if reported_tokens and logprobs is None:
+        return (f"the server generated {reported_tokens} tokens but streamed no text (a checkpoint without a "
+                "tokenizer?); pass --logprobs 0 so that each token arrives in its own chunk")
+    return "the stream ended without any output"
 
 
 def _error_text(error: Any) -> str:
