@@ -10,18 +10,29 @@ os.environ.setdefault("NEURON_LOG_LEVEL", "WARNING")
 
 
 def pytest_collection_modifyitems(config, items):
-    try:
-        import torch
+    """`gpu` tests are skipped, with the reason in the report, where torch sees no CUDA device."""
+    import torch
 
-        has_cuda = torch.cuda.is_available()
-    except ImportError:
-        has_cuda = False
-    if has_cuda:
+    if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+@pytest.fixture
+def small_prefill_chunks(monkeypatch):
+    """16-token prefill chunks, so the longer test prompts take several steps."""
+    monkeypatch.setenv("NEURON_PREFILL_CHUNK_TOKENS", "16")
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer():
+    from neuron.engine.tokenizer import Tokenizer
+    from neuron.models.default import default_model_dir
+
+    return Tokenizer.from_dir(default_model_dir())
 
 
 @pytest.fixture(scope="session")

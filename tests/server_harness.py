@@ -1,5 +1,7 @@
-"""A live server in the test process (Uvicorn on a free 127.0.0.1 port, in a thread), and a
-scripted stand-in for the engine for tests about the HTTP layer rather than the model."""
+"""Servers for tests and what tests do with them: a live server in the test process (Uvicorn on a
+free 127.0.0.1 port, in a thread), `neuron serve` as a subprocess, a scripted stand-in for the
+engine for tests about the HTTP layer rather than the model, and the clients, metric reads and
+polling that tests of any of them share."""
 
 from __future__ import annotations
 
@@ -12,15 +14,16 @@ import threading
 import time
 
 import httpx
+import openai
 import uvicorn
 
-from neuron.utils import procfs
-from neuron.engine.llm_engine import EngineConfig, LLMEngine, RequestError, Update
-from neuron.utils.procfs import child_pids
-from neuron.entrypoints.openai.app import ServerConfig, build_app
 from neuron.engine.async_engine import AsyncEngine
-from neuron.entrypoints.serve import served_name
+from neuron.engine.llm_engine import EngineConfig, LLMEngine, RequestError, Update
+from neuron.entrypoints.openai.app import ServerConfig, build_app
 from neuron.entrypoints.openai.shutdown import GracefulServer
+from neuron.entrypoints.serve import served_name
+from neuron.utils import procfs
+from neuron.utils.procfs import child_pids
 
 
 class LiveServer:
@@ -207,3 +210,30 @@ class ServeProcess:
 def gone(pid: int) -> bool:
     """The process has exited (a zombie that its new parent has not reaped yet counts)."""
     return not procfs.alive(pid)
+
+
+def client(server, api_key: str = "unused", **kw) -> openai.OpenAI:
+    """The official client on a server of any kind; no retries, so a test sees every error."""
+    return openai.OpenAI(base_url=server.base_url, api_key=api_key, max_retries=0, timeout=60, **kw)
+
+
+def async_client(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+def token_ids(logprobs) -> list[int]:
+    """The ids of completion logprobs rendered with `return_tokens_as_token_ids`."""
+    return [int(t.removeprefix("token_id:")) for t in logprobs.tokens]
+
+
+def metric(server, name: str) -> float:
+    """One sample from /metrics, `name` with its labels; 0 before the series first appears."""
+    found = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(f"{server.url}/metrics").text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def wait_until(predicate, timeout_s: float = 5.0, message: str = "condition not reached") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.01)

@@ -19,6 +19,7 @@ from pathlib import Path
 import anyio
 import pytest
 import uvicorn
+from server_harness import wait_until
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
@@ -102,7 +103,8 @@ def _event(obj: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def server():
+def fake_openai_server():
+    """An OpenAI-compatible stand-in (Uvicorn in a thread) that streams what its Behaviour says."""
     fake = FakeServer()
     app = Starlette(routes=[Route("/v1/models", fake.models),
                             Route("/v1/completions", fake.generate, methods=["POST"]),
@@ -113,10 +115,7 @@ def server():
     srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not srv.started:
-        assert time.monotonic() < deadline, "fake server did not start"
-        time.sleep(0.01)
+    wait_until(lambda: srv.started, 10, "fake server did not start")
     yield fake
     srv.should_exit = True
     thread.join(5)
@@ -124,9 +123,10 @@ def server():
 
 
 @pytest.fixture
-def fake(server):
-    server.reset()
-    return server
+def fake(fake_openai_server):
+    """The fake server with default behaviour and empty records, for one test."""
+    fake_openai_server.reset()
+    return fake_openai_server
 
 
 def _config(fake: FakeServer, **kw) -> BenchConfig:
@@ -372,6 +372,7 @@ def test_cli_plot(fake, tmp_path, capsys):
         assert rc == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process")
 def test_ctrl_c_stops_and_still_reports(fake, tmp_path):
     fake.reset(token_delay=0.1)

@@ -9,14 +9,16 @@ import signal
 import time
 
 import pytest
-
 from checkpoints import TP3, build_checkpoint
+
 from neuron.engine.llm_engine import EngineConfig, LLMEngine
 from neuron.engine.sampling import SamplingParams
 
 PROMPT = list(range(20, 60))  # 40 tokens: 10 prefill steps of 4
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 STEP_TIMEOUT_S = 3.0
+
+pytestmark = pytest.mark.slow  # real workers at tp 2 and 3, killed and rebuilt
 
 
 def _run(engine: LLMEngine, rid: str, on_step=None) -> tuple[list[int], str | None]:

@@ -17,11 +17,9 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from neuron.models.default import default_model_dir
-from neuron.entrypoints.openai.app import ServerConfig
-from neuron.engine.tokenizer import Tokenizer
 from server_harness import LiveServer, ScriptedEngine, real_engine, scripted_engine
+
+from neuron.entrypoints.openai.app import ServerConfig
 
 BODY_LIMIT = 64 * 1024
 FUZZ = settings(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -193,9 +191,9 @@ def _serving(engine, ready_s: float, http_timeout_s: float):
 
 
 @pytest.fixture(scope="module")
-def stub_server():
-    tokenizer = Tokenizer.from_dir(default_model_dir())
-    yield from _serving(scripted_engine(ScriptedEngine(tokenizer, {}), max_running=4, max_waiting=4), 10, 30)
+def stub_server(default_tokenizer):
+    engine = scripted_engine(ScriptedEngine(default_tokenizer, {}), max_running=4, max_waiting=4)
+    yield from _serving(engine, 10, 30)
 
 
 @settings(FUZZ, max_examples=70)
@@ -236,12 +234,14 @@ def real_server():
     yield from _serving(real_engine(None, 1, max_model_len=320, max_num_seqs=4), 120, 60)
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=40)
 @given(body=chat_bodies("neuron-default"))
 def test_real_engine_chat(real_server, body):
     post(real_server.http, "/chat/completions", encode(body), body)
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=40)
 @given(body=completion_bodies("neuron-default"))
 def test_real_engine_completions(real_server, body):

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import save_file
 
 from neuron.errors import ConfigError, ModelNotFound, UnsupportedModel
+from neuron.layers.tensor_parallel import Shard
 from neuron.models.loader import CheckpointReader, resolve_model_path, safetensors_files
 from neuron.models.qwen3 import Qwen3Config
-from neuron.layers.tensor_parallel import Shard
 
 
 def _fake_cache(root, repo: str, commit: str = "abc123"):
@@ -104,6 +104,7 @@ def test_unsupported_model_type_fails_before_workers(tmp_path, monkeypatch):
     assert spawned == []
 
 
+@pytest.mark.slow
 def test_per_rank_weights_are_about_one_over_tp(odd_checkpoint):
     from neuron.executor.executor import Executor, ExecutorConfig
 

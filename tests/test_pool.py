@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from neuron.errors import PoolBroken, WorkerError
-from neuron.rpc import protocol as p
 from neuron.executor.pool import WorkerPool
+from neuron.rpc import protocol as p
 
 MOCK = Path(__file__).resolve().with_name("mock_worker.py")
 SPAWN_S = 20.0  # generous: interpreter start-up on a loaded machine
@@ -111,7 +111,7 @@ def test_spawn_and_ping(make_pool, world_size):
 
 def test_every_op_round_trip(make_pool):
     pool = make_pool(3)
-    init = pool.broadcast(lambda seq: p.Init(seq=seq, backend="gloo", comm_id="127.0.0.1:1"), 3.0)
+    init = pool.broadcast(lambda seq: p.Init(seq=seq, backend="gloo", comm_id="127.0.0.1:1", timeout_s=1.0), 3.0)
     assert [r.backend for r in init] == ["gloo", "gloo"]
     assert [r.observed_sum for r in pool.broadcast(lambda seq: p.CommSanityCheck(seq=seq), 3.0)] == [3.0, 3.0]
     assert {type(r) for r in pool.broadcast(clear, 3.0)} == {p.KvCacheCleared}
@@ -236,7 +236,7 @@ def test_crash_at_spawn(make_pool):
     assert (info.value.rank, info.value.kind) == (1, "worker_exited")
 
 
-@pytest.mark.parametrize("action", ["hang", "silence"])
+@pytest.mark.parametrize("action", ["hang", pytest.param("silence", marks=pytest.mark.slow)])
 def test_unanswered_request_times_out(make_pool, pool_log, action):
     pool = make_pool(3, {1: [{"op": "generate_step", "nth": 1, "action": action}]})
     deadline = 1.0
@@ -252,6 +252,7 @@ def test_unanswered_request_times_out(make_pool, pool_log, action):
         assert pool_log.count("stale") == 0
 
 
+@pytest.mark.slow
 def test_hang_at_spawn_times_out():
     pool = WorkerPool(2, worker_cmd=mock_cmd({1: [{"op": "ping", "action": "hang"}]}))
     try:
@@ -279,6 +280,7 @@ def test_shutdown_reaps_every_worker(make_pool, world_size):
         pool.fan_out(step, None, 1.0)
 
 
+@pytest.mark.slow
 def test_shutdown_kills_a_hung_worker_after_grace(make_pool):
     pool = make_pool(3, {2: [{"op": "generate_step", "action": "hang"}]})
     with pytest.raises(WorkerError):
@@ -314,6 +316,7 @@ def test_broken_pool_raises_at_once(make_pool, pool_log):
     assert pool_log.count("stale") == 0
 
 
+@pytest.mark.slow
 def test_watchdog_frees_rank0_stuck_on_a_hung_worker(make_pool):
     """Rank 0 blocked in a collective with a silent peer: at the deadline the peer is killed, which is
     what frees a real all-reduce, and the step fails as a timeout naming that rank."""

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from neuron.rpc import codec
@@ -218,11 +218,14 @@ def _check_reply(line: bytes) -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=256))
+@example(b'"\x80"')  # a JSON string holding a byte that is not UTF-8
+@example(b'{"op": "ping", "seq": 1, "x": "\xff"}')
 def test_arbitrary_bytes_never_raise(data):
     _check_request(data)
     _check_reply(data)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(_objects)
 def test_arbitrary_json_objects_never_raise(obj):

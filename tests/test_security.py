@@ -10,9 +10,9 @@ import uuid
 
 import httpx
 import pytest
+from server_harness import LiveServer, ServeProcess, real_engine
 
 from neuron.entrypoints.openai.app import ServerConfig
-from server_harness import LiveServer, ServeProcess, real_engine
 
 KEY = "s3cret-key"
 
@@ -36,28 +36,32 @@ def listening(port: int) -> list[str]:
 
 def test_defaults_are_loopback(monkeypatch):
     from neuron.entrypoints.cli import _parser
+    from neuron.entrypoints.serve import configs
 
     monkeypatch.delenv("NEURON_HOST", raising=False)
     assert ServerConfig().host == "127.0.0.1"
-    assert _parser().parse_args(["serve"]).host == "127.0.0.1"
+    assert configs(_parser().parse_args(["serve"]))[1].host == "127.0.0.1"
 
 
 @pytest.fixture(scope="module")
-def keyed_server(tmp_path_factory):
+def keyed_process(tmp_path_factory):
+    """`neuron serve` with NEURON_API_KEY set, as a subprocess."""
     env = {"NEURON_API_KEY": KEY, "NEURON_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}
-    with ServeProcess("--max-model-len", "128", env=env) as server:
-        yield server
+    with ServeProcess("--max-model-len", "128", env=env) as served:
+        yield served
 
 
-def test_serve_listens_on_loopback_only(keyed_server):
-    port = int(keyed_server.url.rsplit(":", 1)[1])
+@pytest.mark.slow
+def test_serve_listens_on_loopback_only(keyed_process):
+    port = int(keyed_process.url.rsplit(":", 1)[1])
     assert listening(port) == ["0100007F"]  # 127.0.0.1, and nothing on 0.0.0.0 or IPv6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,path", [("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
                                          ("POST", "/v1/completions")])
-def test_api_key_guards_every_v1_route(keyed_server, method, path):
-    url = keyed_server.url + path
+def test_api_key_guards_every_v1_route(keyed_process, method, path):
+    url = keyed_process.url + path
     body = b"{definitely not json"
     for headers in [{}, {"authorization": "Bearer wrong"}, {"authorization": KEY}, {"authorization": f"Basic {KEY}"},
                     {"x-api-key": KEY}]:
@@ -68,12 +72,13 @@ def test_api_key_guards_every_v1_route(keyed_server, method, path):
                       headers={"authorization": f"Bearer {KEY}"})
     assert r.status_code == (200 if method == "GET" else 400)
     for open_path in ("/health", "/metrics"):  # probes and scrapers stay open
-        assert httpx.get(keyed_server.url + open_path).status_code == 200
+        assert httpx.get(keyed_process.url + open_path).status_code == 200
 
 
-def test_default_body_limit(keyed_server):
+@pytest.mark.slow
+def test_default_body_limit(keyed_process):
     big = b'{"model": "x", "prompt": "' + b"a" * (8 * 1024 * 1024) + b'"}'
-    r = httpx.post(f"{keyed_server.base_url}/completions", content=big,
+    r = httpx.post(f"{keyed_process.base_url}/completions", content=big,
                    headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"}, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 

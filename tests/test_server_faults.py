@@ -14,10 +14,7 @@ import time
 import httpx
 import openai
 import pytest
-
-from neuron.models.default import default_model_dir
-from neuron.engine.tokenizer import Tokenizer
-from server_harness import RAISE, LiveServer, ScriptedEngine, real_engine, scripted_engine
+from server_harness import RAISE, LiveServer, ScriptedEngine, client, metric, real_engine, scripted_engine, wait_until
 
 STEP_TIMEOUT_S = 3.0
 MODEL = "neuron-default"
@@ -38,7 +35,8 @@ def fault_env(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(fault_env):
+def tp2_server(fault_env):
+    """A live server on a real tp=2 engine, with the greedy answer it gives before any fault."""
     engine = real_engine(None, 2, max_model_len=4096, max_num_seqs=4)
     states: list[str] = []
     engine.on_state_change(lambda state: states.append(state.value))
@@ -47,10 +45,6 @@ def server(fault_env):
         s.states = states
         s.baseline = greedy(s)
         yield s
-
-
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
 
 
 def greedy(server) -> list[int]:
@@ -88,17 +82,15 @@ def wait_ready(server, timeout_s: float = 120) -> list[str]:
 
 
 def recoveries(server) -> float:
-    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
-        if line.startswith("neuron_recoveries_total "):
-            return float(line.split()[1])
-    return 0.0
+    return metric(server, "neuron_recoveries_total")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
-def test_stream_ends_with_an_error_then_the_server_recovers(server, sig):
-    proc = victim(server)
-    before = recoveries(server)
-    stream = client(server).chat.completions.create(
+def test_stream_ends_with_an_error_then_the_server_recovers(tp2_server, sig):
+    proc = victim(tp2_server)
+    before = recoveries(tp2_server)
+    stream = client(tp2_server).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}], max_tokens=3000,
         temperature=0, stream=True, logprobs=True, extra_body={"ignore_eos": True})  # logprobs: a chunk per token
     chunks, hit_at = 0, None
@@ -114,29 +106,28 @@ def test_stream_ends_with_an_error_then_the_server_recovers(server, sig):
     assert chunks < 100, "the stream ran on after the fault"
 
     # The state is `recovering` before the stream's error is sent, and rebuilding takes ~1 s.
-    seen = wait_ready(server)
+    seen = wait_ready(tp2_server)
     assert seen[0] == "recovering" and seen[-1] == "ready"
-    assert server.states[-2:] == ["recovering", "ready"]
-    assert recoveries(server) == before + 1
+    assert tp2_server.states[-2:] == ["recovering", "ready"]
+    assert recoveries(tp2_server) == before + 1
     assert proc.poll() is not None, "the faulty rank was not reaped"
-    assert victim(server).pid != proc.pid
+    assert victim(tp2_server).pid != proc.pid
 
     started = time.monotonic()
-    assert greedy(server) == server.baseline
+    assert greedy(tp2_server) == tp2_server.baseline
     assert time.monotonic() - started < 120
 
 
-def test_non_streaming_request_gets_a_503_naming_the_rank(server):
-    proc = victim(server)
+@pytest.mark.slow
+def test_non_streaming_request_gets_a_503_naming_the_rank(tp2_server):
+    proc = victim(tp2_server)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
     result: list[httpx.Response] = []
     poster = threading.Thread(target=lambda: result.append(
-        httpx.post(f"{server.base_url}/completions", json=body, timeout=60)))
+        httpx.post(f"{tp2_server.base_url}/completions", json=body, timeout=60)))
     poster.start()
-    deadline = time.monotonic() + 30
-    while not any(s.num_output_tokens >= 5 for s in list(server.engine._streams.values())):
-        assert time.monotonic() < deadline, "the request never started generating"
-        time.sleep(0.01)
+    wait_until(lambda: any(s.num_output_tokens >= 5 for s in list(tp2_server.engine._streams.values())), 30,
+               "the request never started generating")
     os.kill(proc.pid, signal.SIGKILL)
     poster.join(15)
     assert not poster.is_alive(), "the in-flight request hung"
@@ -145,13 +136,14 @@ def test_non_streaming_request_gets_a_503_naming_the_rank(server):
     error = r.json()["error"]
     assert error["code"] == "generation_failed" and "rank 1" in error["message"]
     assert int(r.headers["retry-after"]) >= 1
-    wait_ready(server)
-    assert greedy(server) == server.baseline
+    wait_ready(tp2_server)
+    assert greedy(tp2_server) == tp2_server.baseline
 
 
-def test_requests_during_recovery_get_503_with_retry_after(server):
+@pytest.mark.slow
+def test_requests_during_recovery_get_503_with_retry_after(tp2_server):
     """Hold the rebuild open to look at every endpoint while the server recovers."""
-    llm = server.engine.engine
+    llm = tp2_server.engine.engine
     release, entered = threading.Event(), threading.Event()
     real_restart = llm.restart
 
@@ -162,31 +154,32 @@ def test_requests_during_recovery_get_503_with_retry_after(server):
 
     llm.restart = held_restart
     try:
-        os.kill(victim(server).pid, signal.SIGKILL)
+        os.kill(victim(tp2_server).pid, signal.SIGKILL)
         assert entered.wait(10), "the engine did not start recovering"
-        r = httpx.get(f"{server.url}/health")
+        r = httpx.get(f"{tp2_server.url}/health")
         assert r.status_code == 503 and r.json()["status"] == "recovering" and "rank 1" in r.json()["error"]
-        r = httpx.get(f"{server.base_url}/models")
+        r = httpx.get(f"{tp2_server.base_url}/models")
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_recovering"
         assert int(r.headers["retry-after"]) >= 1
         for path, body in [("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
                            ("completions", {"model": MODEL, "prompt": "hi", "stream": True})]:
-            r = httpx.post(f"{server.base_url}/{path}", json=body)
+            r = httpx.post(f"{tp2_server.base_url}/{path}", json=body)
             assert r.status_code == 503 and r.json()["error"]["code"] == "model_recovering", r.text
             assert r.json()["error"]["type"] == "server_error" and int(r.headers["retry-after"]) >= 1
         # The openai client retries a 503 by itself, honouring Retry-After.
-        retrying = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=10, timeout=60)
+        retrying = openai.OpenAI(base_url=tp2_server.base_url, api_key="unused", max_retries=10, timeout=60)
         threading.Timer(0.3, release.set).start()
         out = retrying.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 3
     finally:
         release.set()
         del llm.restart
-    wait_ready(server)
-    assert [m.id for m in client(server).models.list().data] == [MODEL]
-    assert greedy(server) == server.baseline
+    wait_ready(tp2_server)
+    assert [m.id for m in client(tp2_server).models.list().data] == [MODEL]
+    assert greedy(tp2_server) == tp2_server.baseline
 
 
+@pytest.mark.slow
 def test_failed_recovery_leaves_the_server_failed(fault_env):
     """Every rebuild fails: after NEURON_RECOVERY_ATTEMPTS tries the server reports `failed` for good
     (readiness stays 503, no restart loop) and refuses requests without Retry-After."""
@@ -201,10 +194,7 @@ def test_failed_recovery_leaves_the_server_failed(fault_env):
 
         llm.restart = broken_restart
         os.kill(victim(s).pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while health(s)[1] != "failed":
-            assert time.monotonic() < deadline, "the server never gave up"
-            time.sleep(0.02)
+        wait_until(lambda: health(s)[1] == "failed", 30, "the server never gave up")
         r = httpx.get(f"{s.url}/health")
         assert r.status_code == 503
         assert "recovery failed after 3 attempts" in r.json()["error"] and "rank 1" in r.json()["error"]
@@ -218,11 +208,10 @@ def test_failed_recovery_leaves_the_server_failed(fault_env):
         assert recoveries(s) == 1
 
 
-def test_a_bug_in_a_step_fails_the_requests_not_the_server(fault_env):
+def test_a_bug_in_a_step_fails_the_requests_not_the_server(fault_env, default_tokenizer):
     """An exception on the leader's side of a step (sampling, detokenising) ends the requests in
     flight with a 500 and leaves the server ready for the next one."""
-    stub = ScriptedEngine(Tokenizer.from_dir(default_model_dir()), {"crash": ["Hello", 0.2, RAISE],
-                                                                     "slow": ["a", 0.3, "b", "c", "d"]})
+    stub = ScriptedEngine(default_tokenizer, {"crash": ["Hello", 0.2, RAISE], "slow": ["a", 0.3, "b", "c", "d"]})
     with LiveServer(scripted_engine(stub)) as s:
         s.wait_ready(10)
         results: list[httpx.Response] = []
@@ -230,13 +219,12 @@ def test_a_bug_in_a_step_fails_the_requests_not_the_server(fault_env):
             f"{s.base_url}/completions", json={"model": "stub", "prompt": "slow"}, timeout=30)))
         bystander.start()
         with pytest.raises(openai.InternalServerError) as e:
-            openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0).completions.create(
-                model="stub", prompt="crash")
+            client(s).completions.create(model="stub", prompt="crash")
         assert e.value.code == "internal_error" and "RuntimeError" in e.value.message
         bystander.join(10)
         assert results[0].status_code == 500 and results[0].json()["error"]["code"] == "internal_error"
-        stream = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0).chat.completions.create(
-            model="stub", messages=[{"role": "user", "content": "crash"}], stream=True)
+        stream = client(s).chat.completions.create(model="stub", messages=[{"role": "user", "content": "crash"}],
+                                                   stream=True)
         with pytest.raises(openai.APIError) as e:
             list(stream)
         assert e.value.body["code"] == "internal_error"

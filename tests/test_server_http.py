@@ -4,22 +4,16 @@ reasoning and tool-call output end to end through the openai client."""
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
-import subprocess
-import sys
 import threading
-import time
 
 import httpx
 import openai
 import pytest
+from server_harness import ERROR, LiveServer, ScriptedEngine, ServeProcess, client, scripted_engine, wait_until
 
-from neuron.models.default import default_model_dir
 from neuron.entrypoints.openai.app import ServerConfig
-from neuron.engine.tokenizer import Tokenizer
-from server_harness import ERROR, LiveServer, ScriptedEngine, scripted_engine
+from neuron.errors import ConfigError
 
 KEY = "sekrit"
 BODY_LIMIT = 4096
@@ -35,17 +29,13 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return Tokenizer.from_dir(default_model_dir())
+def stub(default_tokenizer):
+    return ScriptedEngine(default_tokenizer, SCRIPTS)
 
 
 @pytest.fixture(scope="module")
-def stub(tokenizer):
-    return ScriptedEngine(tokenizer, SCRIPTS)
-
-
-@pytest.fixture(scope="module")
-def server(stub):
+def stub_server(stub):
+    """A live server on the scripted engine: an API key, a small body limit, one place and one queued."""
     cfg = ServerConfig(api_key=KEY, max_body_bytes=BODY_LIMIT, keepalive_s=0.2)
     with LiveServer(scripted_engine(stub, max_running=1, max_waiting=1), cfg) as s:
         yield s.wait_ready(10)
@@ -58,10 +48,6 @@ def _open_gate(stub):
     stub.gate.set()
 
 
-def client(server, key: str = KEY) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=30)
-
-
 def auth() -> dict:
     return {"authorization": f"Bearer {KEY}"}
 
@@ -70,19 +56,12 @@ def chat(content: str, **kw) -> dict:
     return {"model": "stub", "messages": [{"role": "user", "content": content}], **kw}
 
 
-def wait_until(predicate, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
-
-
 # ---- reasoning and tool calls, end to end ----
 
 
-def test_reasoning_and_tool_call(server):
-    out = client(server).chat.completions.create(model="stub", messages=[{"role": "user", "content": "weather?"}],
-                                                 tools=TOOLS)
+def test_reasoning_and_tool_call(stub_server):
+    out = client(stub_server, KEY).chat.completions.create(
+        model="stub", messages=[{"role": "user", "content": "weather?"}], tools=TOOLS)
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.model_extra["reasoning_content"] == "\nThe user wants the weather.\n"
@@ -92,8 +71,8 @@ def test_reasoning_and_tool_call(server):
     assert json.loads(call.function.arguments) == {"city": "Paris"}
 
 
-def test_streamed_reasoning_and_tool_call(server):
-    chunks = list(client(server).chat.completions.create(
+def test_streamed_reasoning_and_tool_call(stub_server):
+    chunks = list(client(stub_server, KEY).chat.completions.create(
         model="stub", messages=[{"role": "user", "content": "weather?"}], tools=TOOLS, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert deltas[0].role == "assistant"
@@ -106,34 +85,36 @@ def test_streamed_reasoning_and_tool_call(server):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_without_tools_the_tags_stay_text(server):
-    out = client(server).chat.completions.create(model="stub", messages=[{"role": "user", "content": "weather?"}])
+def test_without_tools_the_tags_stay_text(stub_server):
+    out = client(stub_server, KEY).chat.completions.create(
+        model="stub", messages=[{"role": "user", "content": "weather?"}])
     message = out.choices[0].message
     assert out.choices[0].finish_reason == "stop" and not message.tool_calls
-    assert message.content.startswith("<tool_call>") and message.model_extra["reasoning_content"]
+    assert message.content == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert message.model_extra["reasoning_content"] == "\nThe user wants the weather.\n"
 
 
-def test_invalid_tool_json_is_content(server):
-    out = client(server).chat.completions.create(model="stub", tools=TOOLS,
-                                                 messages=[{"role": "user", "content": "json please"}])
+def test_invalid_tool_json_is_content(stub_server):
+    out = client(stub_server, KEY).chat.completions.create(
+        model="stub", tools=TOOLS, messages=[{"role": "user", "content": "json please"}])
     assert out.choices[0].message.content == "<tool_call>{oops}</tool_call>"
     assert out.choices[0].finish_reason == "stop" and not out.choices[0].message.tool_calls
 
 
-def test_engine_error_mid_stream(server):
-    stream = client(server).chat.completions.create(model="stub", stream=True,
-                                                    messages=[{"role": "user", "content": "explode"}])
+def test_engine_error_mid_stream(stub_server):
+    stream = client(stub_server, KEY).chat.completions.create(
+        model="stub", stream=True, messages=[{"role": "user", "content": "explode"}])
     with pytest.raises(openai.APIError) as e:
         for _ in stream:
             pass
     assert "rank 1 exited" in str(e.value)
-    r = httpx.post(f"{server.base_url}/chat/completions", json=chat("explode"), headers=auth())
+    r = httpx.post(f"{stub_server.base_url}/chat/completions", json=chat("explode"), headers=auth())
     assert r.status_code == 503 and r.json()["error"]["code"] == "generation_failed"
     assert "rank 1 exited" in r.json()["error"]["message"] and r.headers["Retry-After"]
 
 
-def test_keepalive_while_waiting(server):
-    with httpx.stream("POST", f"{server.base_url}/completions", headers=auth(), timeout=10,
+def test_keepalive_while_waiting(stub_server):
+    with httpx.stream("POST", f"{stub_server.base_url}/completions", headers=auth(), timeout=10,
                       json={"model": "stub", "prompt": "slowly", "stream": True}) as r:
         lines = [line for line in r.iter_lines() if line]
     assert lines[0] == ": keep-alive"
@@ -145,19 +126,19 @@ def test_keepalive_while_waiting(server):
 # ---- auth, body limit, admission ----
 
 
-def test_api_key(server):
+def test_api_key(stub_server):
     with pytest.raises(openai.AuthenticationError):
-        client(server, key="wrong").models.list()
-    r = httpx.get(f"{server.base_url}/models")
+        client(stub_server, "wrong").models.list()
+    r = httpx.get(f"{stub_server.base_url}/models")
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    assert [m.id for m in client(server).models.list().data] == ["stub"]
-    assert httpx.get(f"{server.url}/health").status_code == 200
-    assert httpx.get(f"{server.url}/metrics").status_code == 200
+    assert [m.id for m in client(stub_server, KEY).models.list().data] == ["stub"]
+    assert httpx.get(f"{stub_server.url}/health").status_code == 200
+    assert httpx.get(f"{stub_server.url}/metrics").status_code == 200
 
 
-def test_body_limit(server):
+def test_body_limit(stub_server):
     big = chat("x" * BODY_LIMIT)
-    r = httpx.post(f"{server.base_url}/chat/completions", json=big, headers=auth())
+    r = httpx.post(f"{stub_server.base_url}/chat/completions", json=big, headers=auth())
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
     def chunked():  # no Content-Length: the limit is enforced while reading
@@ -165,25 +146,25 @@ def test_body_limit(server):
         for i in range(0, len(payload), 1000):
             yield payload[i: i + 1000]
 
-    r = httpx.post(f"{server.base_url}/chat/completions", content=chunked(), headers=auth())
+    r = httpx.post(f"{stub_server.base_url}/chat/completions", content=chunked(), headers=auth())
     assert r.status_code == 413
-    r = httpx.post(f"{server.base_url}/chat/completions", json=chat("small"), headers=auth())
+    r = httpx.post(f"{stub_server.base_url}/chat/completions", json=chat("small"), headers=auth())
     assert r.status_code == 200
 
 
-def test_queue_full_is_503(server, stub):
+def test_queue_full_is_503(stub_server, stub):
     stub.gate.clear()
     results = []
 
     def occupy():
-        results.append(httpx.post(f"{server.base_url}/chat/completions", json=chat("hi"), headers=auth(),
+        results.append(httpx.post(f"{stub_server.base_url}/chat/completions", json=chat("hi"), headers=auth(),
                                   timeout=30).status_code)
 
     threads = [threading.Thread(target=occupy) for _ in range(2)]
     for t in threads:
         t.start()
-    wait_until(lambda: len(server.engine._streams) == 2)
-    r = httpx.post(f"{server.base_url}/chat/completions", json=chat("hi"), headers=auth())
+    wait_until(lambda: len(stub_server.engine._streams) == 2)
+    r = httpx.post(f"{stub_server.base_url}/chat/completions", json=chat("hi"), headers=auth())
     assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
     assert int(r.headers["retry-after"]) >= 1
     stub.gate.set()
@@ -192,32 +173,32 @@ def test_queue_full_is_503(server, stub):
     assert results == [200, 200]
 
 
-def test_client_disconnect_aborts_the_request(server, stub):
+def test_client_disconnect_aborts_the_request(stub_server, stub):
     """A client that gives up (streaming or not) before the first token frees its place."""
     stub.gate.clear()
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.base_url}/chat/completions", json=chat("hi"), headers=auth(), timeout=0.3)
-    with httpx.stream("POST", f"{server.base_url}/chat/completions", json=chat("hi", stream=True),
+        httpx.post(f"{stub_server.base_url}/chat/completions", json=chat("hi"), headers=auth(), timeout=0.3)
+    with httpx.stream("POST", f"{stub_server.base_url}/chat/completions", json=chat("hi", stream=True),
                       headers=auth(), timeout=5) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")  # the role chunk; the first token never comes
-        assert len(server.engine._streams) == 1
-    wait_until(lambda: not server.engine._streams and not stub._active and stub._inbox.empty())
+        assert len(stub_server.engine._streams) == 1
+    wait_until(lambda: not stub_server.engine._streams and not stub._active and stub._inbox.empty())
 
 
-def test_context_length_from_the_engine(server):
+def test_context_length_from_the_engine(stub_server):
     with pytest.raises(openai.BadRequestError) as e:
-        client(server).chat.completions.create(model="stub",
-                                               messages=[{"role": "user", "content": "word " * 600}])
+        client(stub_server, KEY).chat.completions.create(
+            model="stub", messages=[{"role": "user", "content": "word " * 600}])
     assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
 
 
 # ---- lifecycle ----
 
 
-def test_health_while_loading_then_ready(tokenizer):
+def test_health_while_loading_then_ready(default_tokenizer):
     release = threading.Event()
-    engine = ScriptedEngine(tokenizer, SCRIPTS)
+    engine = ScriptedEngine(default_tokenizer, SCRIPTS)
 
     def slow_load():
         release.wait(30)
@@ -235,7 +216,7 @@ def test_health_while_loading_then_ready(tokenizer):
         assert httpx.post(f"{s.base_url}/chat/completions", json=chat("hi")).status_code == 200
 
 
-def test_health_after_failed_load(tokenizer):
+def test_health_after_failed_load():
     def broken():
         raise RuntimeError("no such checkpoint")
 
@@ -252,34 +233,28 @@ def test_health_after_failed_load(tokenizer):
 
 def test_options_come_from_the_environment(monkeypatch):
     from neuron.entrypoints.cli import _parser
+    from neuron.entrypoints.serve import configs
 
     monkeypatch.setenv("NEURON_TP", "2")
     monkeypatch.setenv("NEURON_API_KEY", "from-env")
     monkeypatch.setenv("NEURON_MAX_WAITING", "3")
-    args = _parser().parse_args(["serve", "--tp", "4"])
-    assert (args.tp, args.api_key, args.max_waiting, args.host, args.model) == (4, "from-env", 3, "127.0.0.1", None)
+    engine_cfg, server_cfg = configs(_parser().parse_args(["serve", "--tp", "4"]))
+    assert (engine_cfg.tp, server_cfg.api_key, server_cfg.max_waiting, server_cfg.host, engine_cfg.model) == \
+        (4, "from-env", 3, "127.0.0.1", None)
     monkeypatch.setenv("NEURON_PORT", "not-a-port")
+    with pytest.raises(ConfigError, match="NEURON_PORT: expected an integer in 0..65535, got 'not-a-port'"):
+        configs(_parser().parse_args(["serve"]))
     with pytest.raises(SystemExit):
-        _parser().parse_args(["serve"])
+        _parser().parse_args(["serve", "--port", "70000"])
 
 
+@pytest.mark.slow
 def test_cli_serves_then_stops_on_ctrl_c():
-    cmd = [sys.executable, "-m", "neuron", "serve", "--port", "0", "--max-model-len", "128", "--log-level", "info"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "NEURON_API_KEY": KEY})
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
-    reader.start()
-    try:
-        wait_until(lambda: any("ready: serving" in line for line in lines) or proc.poll() is not None, 60)
-        assert any("output is noise" in line for line in lines)
-        url = re.search(r"(http://127\.0\.0\.1:\d+)/v1", next(li for li in lines if "ready: serving" in li)).group(1)
-        assert httpx.get(f"{url}/health").json() == {"status": "ready"}
-        out = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0).completions.create(
-            model="neuron-default", prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
+    with ServeProcess("--max-model-len", "128", env={"NEURON_API_KEY": KEY}) as served:
+        assert any("output is noise" in line for line in served.lines)
+        assert httpx.get(f"{served.url}/health").json() == {"status": "ready"}
+        out = client(served, KEY).completions.create(model="neuron-default", prompt="Hello", max_tokens=3,
+                                                     extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 3
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        served.proc.send_signal(signal.SIGINT)
+        assert served.proc.wait(30) == 0

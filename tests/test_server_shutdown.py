@@ -5,31 +5,21 @@ down and exits 0. A leader killed outright (SIGKILL) leaves no worker behind."""
 from __future__ import annotations
 
 import json
-import re
 import signal
 import threading
 import time
 
 import httpx
 import pytest
+from server_harness import LiveServer, ScriptedEngine, ServeProcess, gone, metric, scripted_engine, wait_until
 
-from neuron.models.default import default_model_dir
 from neuron.entrypoints.openai.app import ServerConfig
-from neuron.engine.tokenizer import Tokenizer
-from server_harness import LiveServer, ScriptedEngine, ServeProcess, gone, scripted_engine
 
 GRACE_S = 1.5
 SCRIPTS = {
     "quick": ["a", 0.05, "b", 0.05, "c"],  # done well within the grace period
     "endless": ["x"] + [0.02, "y"] * 2000,  # still running when the grace period ends
 }
-
-
-def wait_until(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 def stream(url: str, body: dict, out: dict, key: str) -> None:
@@ -49,11 +39,6 @@ def post(url: str, body: dict, out: dict, key: str) -> None:
         out[key] = (None, repr(exc))
 
 
-def running(url: str) -> float:
-    found = re.search(r"^neuron_num_requests_running (\S+)$", httpx.get(f"{url}/metrics").text, re.M)
-    return float(found.group(1)) if found else 0.0
-
-
 def assert_complete_or_cleanly_cancelled(result) -> str:
     """A streamed answer either ends with [DONE] or with an error event; which one it was."""
     status, events = result
@@ -65,13 +50,8 @@ def assert_complete_or_cleanly_cancelled(result) -> str:
     return "cancelled"
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return Tokenizer.from_dir(default_model_dir())
-
-
-def test_drain_finishes_short_requests_and_cancels_long_ones(tokenizer):
-    stub = ScriptedEngine(tokenizer, SCRIPTS)
+def test_drain_finishes_short_requests_and_cancels_long_ones(default_tokenizer):
+    stub = ScriptedEngine(default_tokenizer, SCRIPTS)
     with LiveServer(scripted_engine(stub, max_running=8, max_waiting=8), ServerConfig(shutdown_grace_s=GRACE_S)) as s:
         s.wait_ready(10)
         chat = f"{s.base_url}/chat/completions"
@@ -85,10 +65,10 @@ def test_drain_finishes_short_requests_and_cancels_long_ones(tokenizer):
                    threading.Thread(target=post, args=(chat, body("endless"), results, "endless"))]
         for t in clients:
             t.start()
-        wait_until(lambda: len(s.engine._streams) == 3)
+        wait_until(lambda: len(s.engine._streams) == 3, 10)
         started = time.monotonic()
         s.begin_shutdown()
-        wait_until(lambda: httpx.get(f"{s.url}/health").status_code == 503)
+        wait_until(lambda: httpx.get(f"{s.url}/health").status_code == 503, 10)
         assert httpx.get(f"{s.url}/health").json() == {"status": "shutting_down"}
         r = httpx.post(chat, json=body("quick"))  # the listener stays open: new clients get an answer
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
@@ -105,33 +85,34 @@ def test_drain_finishes_short_requests_and_cancels_long_ones(tokenizer):
         assert stub.was_shut_down
 
 
-def test_second_signal_cuts_the_grace_period_short(tokenizer):
-    stub = ScriptedEngine(tokenizer, SCRIPTS)
+def test_second_signal_cuts_the_grace_period_short(default_tokenizer):
+    stub = ScriptedEngine(default_tokenizer, SCRIPTS)
     with LiveServer(scripted_engine(stub), ServerConfig(shutdown_grace_s=60)) as s:
         s.wait_ready(10)
         results: dict = {}
         client = threading.Thread(target=stream, args=(f"{s.base_url}/completions",
                                                        {"model": "stub", "prompt": "endless"}, results, "r"))
         client.start()
-        wait_until(lambda: len(s.engine._streams) == 1)
+        wait_until(lambda: len(s.engine._streams) == 1, 10)
         started = time.monotonic()
         s.begin_shutdown()
-        wait_until(lambda: s.engine.state.value == "shutting_down")
+        wait_until(lambda: s.engine.state.value == "shutting_down", 10)
         s.begin_shutdown()
         client.join(10)
         assert s.wait_stopped(10) and time.monotonic() - started < 5
         assert assert_complete_or_cleanly_cancelled(results["r"]) == "cancelled"
 
 
+@pytest.mark.slow
 def test_sigterm_with_streams_in_flight(tmp_path):
     """The real command at tp=2: SIGTERM while streams run; exit 0, workers reaped, every client
     got a complete answer or a clean error."""
     grace = 4.0
     env = {"NEURON_CACHE_DIR": str(tmp_path), "NEURON_SHUTDOWN_GRACE_S": str(grace)}
-    with ServeProcess("--tp", "2", "--max-model-len", "4096", env=env) as server:
-        workers = server.workers()
+    with ServeProcess("--tp", "2", "--max-model-len", "4096", env=env) as served:
+        workers = served.workers()
         assert len(workers) == 1
-        url = f"{server.base_url}/completions"
+        url = f"{served.base_url}/completions"
         results: dict = {}
         clients = []
         for i in range(6):
@@ -140,33 +121,34 @@ def test_sigterm_with_streams_in_flight(tmp_path):
             clients.append(threading.Thread(target=stream, args=(url, body, results, i)))
         for t in clients:
             t.start()
-        wait_until(lambda: running(server.url) == 6, 30)
+        wait_until(lambda: metric(served, "neuron_num_requests_running") == 6, 30)
         time.sleep(0.3)
         started = time.monotonic()
-        server.proc.send_signal(signal.SIGTERM)
-        wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 503, 5)
+        served.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: httpx.get(f"{served.url}/health").status_code == 503, 5)
         r = httpx.post(url, json={"model": "neuron-default", "prompt": "late"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
 
-        assert server.proc.wait(grace + 10) == 0
+        assert served.proc.wait(grace + 10) == 0
         assert time.monotonic() - started < grace + 10
         wait_until(lambda: all(gone(pid) for pid in workers), 5)
         for t in clients:
             t.join(10)
         outcomes = [assert_complete_or_cleanly_cancelled(results[i]) for i in range(6)]
         assert outcomes.count("cancelled") == 3 and outcomes.count("complete") == 3, outcomes
-        log = "".join(server.lines)
+        log = "".join(served.lines)
         assert "SIGTERM received" in log and "cancelling 3 request(s)" in log
 
 
+@pytest.mark.slow
 def test_no_worker_outlives_a_killed_leader(tmp_path):
-    with ServeProcess("--tp", "2", "--max-model-len", "256", env={"NEURON_CACHE_DIR": str(tmp_path)}) as server:
-        workers = server.workers()
+    with ServeProcess("--tp", "2", "--max-model-len", "256", env={"NEURON_CACHE_DIR": str(tmp_path)}) as served:
+        workers = served.workers()
         assert len(workers) == 1
         # Keep the ranks busy inside their collectives when the leader goes.
-        threading.Thread(target=post, daemon=True, args=(f"{server.base_url}/completions", {
+        threading.Thread(target=post, daemon=True, args=(f"{served.base_url}/completions", {
             "model": "neuron-default", "prompt": "busy", "max_tokens": 200, "ignore_eos": True}, {}, "r")).start()
         time.sleep(0.5)
-        server.proc.send_signal(signal.SIGKILL)
-        server.proc.wait(10)
+        served.proc.send_signal(signal.SIGKILL)
+        served.proc.wait(10)
         wait_until(lambda: all(gone(pid) for pid in workers), 5)

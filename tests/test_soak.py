@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "soak.py"
 
 
+@pytest.mark.slow
 def test_short_soak(tmp_path):
     out = tmp_path / "soak.json"
     cmd = [sys.executable, str(SCRIPT), "--clients", "64", "--requests", "150", "--max-waiting", "32",

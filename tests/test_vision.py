@@ -14,13 +14,14 @@ import math
 import numpy as np
 import pytest
 import torch
+from checkpoints import cached_model
+from test_qwen3_5 import MULTIMODAL_TEXT
+from vision_checkpoint import build_vision_checkpoint, image_data_uri, reference_greedy_mm, reference_pixels
 
 from neuron import LLM, SamplingParams
 from neuron.engine.llm_engine import RequestError
 from neuron.models.loader import CheckpointReader, safetensors_files
 from neuron.models.qwen3_5_vision import VisionTower
-from neuron.rpc import protocol as p
-from neuron.worker.worker import Worker
 from neuron.multimodal.image import (
     ImageError,
     VisionSpec,
@@ -31,14 +32,8 @@ from neuron.multimodal.image import (
     preprocess,
     smart_resize,
 )
-from checkpoints import cached_model
-from test_qwen3_5 import MULTIMODAL_TEXT
-from vision_checkpoint import (
-    build_vision_checkpoint,
-    image_data_uri,
-    reference_greedy_mm,
-    reference_pixels,
-)
+from neuron.rpc import protocol as p
+from neuron.worker.worker import Worker
 
 NEW_TOKENS = 6
 TOL = 1e-3
@@ -71,12 +66,12 @@ ODD_PREPROCESSOR = {"patch_size": 2, "temporal_patch_size": 2, "merge_size": 2,
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def vl_checkpoint(tmp_path_factory):
     return build_vision_checkpoint(tmp_path_factory.mktemp("vision"), seed=11)
 
 
 @pytest.fixture(scope="module")
-def odd_checkpoint(tmp_path_factory):
+def odd_vl_checkpoint(tmp_path_factory):
     return build_vision_checkpoint(tmp_path_factory.mktemp("vision_odd"), seed=5, text=ODD_TEXT, vision=ODD_VISION,
                                    preprocessor=ODD_PREPROCESSOR)
 
@@ -121,14 +116,14 @@ def test_smart_resize_matches_transformers(height, width):
         assert smart_resize(height, width, factor, lo, hi) == reference(height, width, factor, lo, hi)
 
 
-def test_preprocessing_matches_transformers_processor(checkpoint):
+def test_preprocessing_matches_transformers_processor(vl_checkpoint):
     from PIL import Image
 
     rng = np.random.default_rng(0)
     rgba = Image.fromarray(rng.integers(0, 256, (30, 22, 4), dtype=np.uint8), "RGBA")
     gray = Image.fromarray(rng.integers(0, 256, (12, 40), dtype=np.uint8), "L")
     uris = [image_data_uri(20, 28, 1), image_data_uri(150, 90, 2), _png(rgba), _png(gray), image_data_uri(3, 5, 3)]
-    spec = _spec(checkpoint)
+    spec = _spec(vl_checkpoint)
     ref_pixels, ref_grids = reference_pixels(uris)
     mine = [preprocess(u, spec) for u in uris]
     assert [list(g) for _, g in mine] == ref_grids.tolist()
@@ -136,17 +131,17 @@ def test_preprocessing_matches_transformers_processor(checkpoint):
     torch.testing.assert_close(torch.cat([x for x, _ in mine]), ref_pixels, rtol=0, atol=1e-6)
 
 
-def test_positions_match_transformers_rope_index(checkpoint):
+def test_positions_match_transformers_rope_index(vl_checkpoint):
     from transformers import Qwen3_5ForConditionalGeneration
 
-    spec = _spec(checkpoint)
+    spec = _spec(vl_checkpoint)
     uris = [image_data_uri(20, 28, 1), image_data_uri(40, 16, 2)]
     images = [check_image(u, spec) for u in uris]
-    ids = expand_placeholders(_prompt(checkpoint, [5, 6, 7], None, [8], None, [9, 10, 11, 12]),
+    ids = expand_placeholders(_prompt(vl_checkpoint, [5, 6, 7], None, [8], None, [9, 10, 11, 12]),
                               spec.image_token_id, images)
     spans = image_spans(ids, spec.image_token_id, [i.num_tokens for i in images])
     positions, shift = mrope_positions(len(ids), spans, [i.grid for i in images], spec.merge_size)
-    model = cached_model(Qwen3_5ForConditionalGeneration, checkpoint)
+    model = cached_model(Qwen3_5ForConditionalGeneration, vl_checkpoint)
     t = torch.tensor([ids])
     ref, delta = model.model.get_rope_index(t, (t == spec.image_token_id).int(),
                                             image_grid_thw=torch.tensor([i.grid for i in images]))
@@ -154,16 +149,16 @@ def test_positions_match_transformers_rope_index(checkpoint):
     assert shift == delta.item() and shift < 0
 
 
-def test_vision_tower_matches_transformers(odd_checkpoint):
+def test_vision_tower_matches_transformers(odd_vl_checkpoint):
     from transformers import Qwen3_5ForConditionalGeneration
 
     uris = [image_data_uri(20, 28, 1), image_data_uri(9, 30, 2)]
     pixels, grids = reference_pixels(uris, ODD_PREPROCESSOR)
-    config = _config(odd_checkpoint)
+    config = _config(odd_vl_checkpoint)
     tower = VisionTower(config["vision_config"], torch.float32, torch.device("cpu"))
-    with CheckpointReader(safetensors_files(odd_checkpoint)) as r:
+    with CheckpointReader(safetensors_files(odd_vl_checkpoint)) as r:
         tower.load(r)
-    model = cached_model(Qwen3_5ForConditionalGeneration, odd_checkpoint)
+    model = cached_model(Qwen3_5ForConditionalGeneration, odd_vl_checkpoint)
     with torch.no_grad():
         ref = torch.cat(model.model.get_image_features(pixels, grids).pooler_output)
     mine = tower(pixels, [tuple(g) for g in grids.tolist()])
@@ -173,13 +168,13 @@ def test_vision_tower_matches_transformers(odd_checkpoint):
 # ---- parity through the offline API ----
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2-chunk16"])
-def llm(request, checkpoint):
+@pytest.fixture(scope="module", params=[1, pytest.param(2, marks=pytest.mark.slow)], ids=["tp1", "tp2-chunk16"])
+def vl_llm(request, vl_checkpoint):
     """tp=1 prefills in one chunk; tp=2 in 16-token chunks, so images straddle chunk boundaries."""
     mp = pytest.MonkeyPatch()
     if request.param == 2:
         mp.setenv("NEURON_PREFILL_CHUNK_TOKENS", "16")
-    engine = LLM(str(checkpoint), tensor_parallel_size=request.param, max_model_len=384, max_num_seqs=4)
+    engine = LLM(str(vl_checkpoint), tensor_parallel_size=request.param, max_model_len=384, max_num_seqs=4)
     mp.undo()
     yield engine
     engine.shutdown()
@@ -215,26 +210,26 @@ def _assert_parity(out, ref_tokens, ref_logprobs):
         assert abs(lp[token] - ref[token].item()) <= TOL, (step, lp[token], ref[token].item())
 
 
-def test_parity_with_images(llm, checkpoint):
+def test_parity_with_images(vl_llm, vl_checkpoint):
     """All cases in one batch: image prefills run beside text prefill and decodes."""
-    cases = _cases(checkpoint)
+    cases = _cases(vl_checkpoint)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
     prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"image": uris}} for ids, uris in cases]
-    outs = llm.generate(prompts, params)
+    outs = vl_llm.generate(prompts, params)
     for out, (ids, uris) in zip(outs, cases):
-        _assert_parity(out, *_reference(checkpoint, ids, uris))
+        _assert_parity(out, *_reference(vl_checkpoint, ids, uris))
         assert len(out.prompt_token_ids) > len(ids) or not uris  # placeholders were expanded
 
 
-def test_same_image_alone_equals_in_batch(llm, checkpoint):
-    ids, uris = _cases(checkpoint)[2]
+def test_same_image_alone_equals_in_batch(vl_llm, vl_checkpoint):
+    ids, uris = _cases(vl_checkpoint)[2]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    alone = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": uris}}, params)[0]
-    again = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": uris}}] * 3, params)
+    alone = vl_llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": uris}}, params)[0]
+    again = vl_llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": uris}}] * 3, params)
     assert all(o.outputs[0].token_ids == alone.outputs[0].token_ids for o in again)
 
 
-def test_chat_with_pil_image(llm, checkpoint):
+def test_chat_with_pil_image(vl_llm, vl_checkpoint):
     """LLM.chat takes image parts (a PIL image here) through the checkpoint's template."""
     from PIL import Image
 
@@ -243,38 +238,39 @@ def test_chat_with_pil_image(llm, checkpoint):
     image = Image.fromarray(np.random.default_rng(9).integers(0, 256, (24, 20, 3), dtype=np.uint8))
     messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "hi"}]}]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
-    out = llm.chat(messages, params)[0]
-    tok = Tokenizer.from_dir(checkpoint)
+    out = vl_llm.chat(messages, params)[0]
+    tok = Tokenizer.from_dir(vl_checkpoint)
     text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}],
                                    add_generation_prompt=True)
-    _assert_parity(out, *_reference(checkpoint, tok.encode(text), [_png(image)]))
+    _assert_parity(out, *_reference(vl_checkpoint, tok.encode(text), [_png(image)]))
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_parity_on_a_checkpoint_shaped_differently(odd_checkpoint, tp):
-    cases = [(_prompt(odd_checkpoint, [3, 4, 5], None, [6, 7]), [image_data_uri(14, 22, 4)]),
-             (_prompt(odd_checkpoint, [8], None, [9], None, [10, 11]),
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_parity_on_a_checkpoint_shaped_differently(odd_vl_checkpoint, tp):
+    cases = [(_prompt(odd_vl_checkpoint, [3, 4, 5], None, [6, 7]), [image_data_uri(14, 22, 4)]),
+             (_prompt(odd_vl_checkpoint, [8], None, [9], None, [10, 11]),
               [image_data_uri(12, 12, 5), image_data_uri(30, 10, 6)])]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
-    with LLM(str(odd_checkpoint), tensor_parallel_size=tp, max_model_len=256, max_num_seqs=2) as llm:
+    with LLM(str(odd_vl_checkpoint), tensor_parallel_size=tp, max_model_len=256, max_num_seqs=2) as llm:
         outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": u}} for ids, u in cases], params)
     for out, (ids, uris) in zip(outs, cases):
-        _assert_parity(out, *_reference(odd_checkpoint, ids, uris))
+        _assert_parity(out, *_reference(odd_vl_checkpoint, ids, uris))
 
 
-def test_preempted_image_request_is_recomputed_equal(checkpoint):
+@pytest.mark.slow
+def test_preempted_image_request_is_recomputed_equal(vl_checkpoint):
     """A KV pool too small for three image requests at once: some are preempted and recomputed
     (images included) and still match transformers."""
     text = [(i * 31 + 3) % 1300 for i in range(30)]
-    cases = [(_prompt(checkpoint, text[:20 + k], None, text[20 + k:]), [image_data_uri(20, 28, 20 + k)])
+    cases = [(_prompt(vl_checkpoint, text[:20 + k], None, text[20 + k:]), [image_data_uri(20, 28, 20 + k)])
              for k in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
     block_bytes = 2 * 2 * 1 * 32 * 16 * 4  # K and V, 2 full-attention layers, 1 KV head, head_dim 32, 16 tokens
-    with LLM(str(checkpoint), max_model_len=160, max_num_seqs=3, kv_cache_memory=10 * block_bytes) as llm:
+    with LLM(str(vl_checkpoint), max_model_len=160, max_num_seqs=3, kv_cache_memory=10 * block_bytes) as llm:
         outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": u}} for ids, u in cases], params)
         assert llm.engine.scheduler.num_preemptions > 0
     for out, (ids, uris) in zip(outs, cases):
-        assert out.outputs[0].token_ids == _reference(checkpoint, ids, uris, new_tokens=80)[0]
+        assert out.outputs[0].token_ids == _reference(vl_checkpoint, ids, uris, new_tokens=80)[0]
 
 
 # ---- guards: refused before any device work ----
@@ -295,46 +291,46 @@ def _bad_images():
 
 
 @pytest.mark.parametrize("uri,status,code", _bad_images())
-def test_bad_images_are_refused_with_their_status(llm, checkpoint, uri, status, code):
-    before = llm.engine.scheduler.num_preemptions, llm.engine.has_unfinished()
-    ids = _prompt(checkpoint, [1, 2], None, [3])
-    good = {"prompt_token_ids": _prompt(checkpoint, [4], None), "multi_modal_data": {"image": image_data_uri(8, 8)}}
+def test_bad_images_are_refused_with_their_status(vl_llm, vl_checkpoint, uri, status, code):
+    before = vl_llm.engine.scheduler.num_preemptions, vl_llm.engine.has_unfinished()
+    ids = _prompt(vl_checkpoint, [1, 2], None, [3])
+    good = {"prompt_token_ids": _prompt(vl_checkpoint, [4], None), "multi_modal_data": {"image": image_data_uri(8, 8)}}
     with pytest.raises(ImageError) as info:
-        llm.generate([good, {"prompt_token_ids": ids, "multi_modal_data": {"image": [uri]}}],
+        vl_llm.generate([good, {"prompt_token_ids": ids, "multi_modal_data": {"image": [uri]}}],
                      SamplingParams(max_tokens=2))
     assert (info.value.status, info.value.code) == (status, code)
-    assert (llm.engine.scheduler.num_preemptions, llm.engine.has_unfinished()) == before  # nothing was queued
+    assert (vl_llm.engine.scheduler.num_preemptions, vl_llm.engine.has_unfinished()) == before  # nothing was queued
 
 
-def test_images_over_the_pixel_limit_get_413(llm, checkpoint, monkeypatch):
+def test_images_over_the_pixel_limit_get_413(vl_llm, vl_checkpoint, monkeypatch):
     monkeypatch.setenv("NEURON_VISION_MAX_PIXELS", "1000")
-    ids = _prompt(checkpoint, [1], None)
+    ids = _prompt(vl_checkpoint, [1], None)
     with pytest.raises(ImageError) as info:
-        llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image_data_uri(40, 40)}})
+        vl_llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image_data_uri(40, 40)}})
     assert (info.value.status, info.value.code) == (413, "image_too_large")
     assert "NEURON_VISION_MAX_PIXELS" in str(info.value)
-    assert not llm.engine.has_unfinished()
+    assert not vl_llm.engine.has_unfinished()
 
 
-def test_images_too_large_for_one_protocol_line_get_413(llm, checkpoint, monkeypatch):
+def test_images_too_large_for_one_protocol_line_get_413(vl_llm, vl_checkpoint, monkeypatch):
     monkeypatch.setenv("NEURON_MAX_LINE_BYTES", str((1 << 20) + 100))
     with pytest.raises(ImageError) as info:
-        llm.engine.check_images([image_data_uri(20, 20, 1)] * 2)
+        vl_llm.engine.check_images([image_data_uri(20, 20, 1)] * 2)
     assert (info.value.status, info.value.code) == (413, "image_too_large")
     assert "NEURON_MAX_LINE_BYTES" in str(info.value)
 
 
-def test_placeholder_count_must_match_the_images(llm, checkpoint):
-    two = _prompt(checkpoint, [1], None, [2], None)
+def test_placeholder_count_must_match_the_images(vl_llm, vl_checkpoint):
+    two = _prompt(vl_checkpoint, [1], None, [2], None)
     with pytest.raises(ImageError, match="2 image placeholder"):
-        llm.generate({"prompt_token_ids": two, "multi_modal_data": {"image": [image_data_uri(8, 8)]}})
+        vl_llm.generate({"prompt_token_ids": two, "multi_modal_data": {"image": [image_data_uri(8, 8)]}})
     with pytest.raises(RequestError, match="placeholder"):  # placeholders with no images at all
-        llm.generate({"prompt_token_ids": two})
+        vl_llm.generate({"prompt_token_ids": two})
 
 
-def test_gpu_memory_guard_answers_503(llm, checkpoint, monkeypatch):
+def test_gpu_memory_guard_answers_503(vl_llm, vl_checkpoint, monkeypatch):
     """On CUDA the engine compares the vision tower's activation bound with free GPU memory."""
-    engine = llm.engine
+    engine = vl_llm.engine
     monkeypatch.setattr(engine, "device", "cuda:0")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1024, 2**30))
     with pytest.raises(ImageError) as info:
@@ -358,11 +354,12 @@ def test_text_models_refuse_images(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def rank(checkpoint):
+def rank(vl_checkpoint):
     r = Worker(0, 1)
-    r.execute(p.LoadDenseShard(seq=1, model_id="m", config_json=(checkpoint / "config.json").read_text(),
-                            safetensors_paths=[str(f) for f in safetensors_files(checkpoint)], dtype="float32",
-                            max_slots=2, max_model_len=128, block_size=16))
+    r.execute(p.LoadDenseShard(seq=1, model_id="m", config_json=(vl_checkpoint / "config.json").read_text(),
+                            safetensors_paths=[str(f) for f in safetensors_files(vl_checkpoint)], dtype="float32",
+                            max_slots=2, max_model_len=128, block_size=16, kv_cache_bytes=0,
+                            gpu_memory_utilization=0.9, max_num_batched_tokens=128))
     yield r
     r.close()
 
@@ -373,10 +370,10 @@ def _step(ids, uris, image_token_id, chunk=16, fresh=True):
                                     image_token_id=image_token_id, image_data_uris=uris, chunk_size=chunk)
 
 
-def test_rank_refuses_mismatched_images_before_any_work(rank, checkpoint):
-    spec = _spec(checkpoint)
+def test_rank_refuses_mismatched_images_before_any_work(rank, vl_checkpoint):
+    spec = _spec(vl_checkpoint)
     uri = image_data_uri(20, 28, 1)
-    ids = expand_placeholders(_prompt(checkpoint, [1, 2], None, [3]), spec.image_token_id, [check_image(uri, spec)])
+    ids = expand_placeholders(_prompt(vl_checkpoint, [1, 2], None, [3]), spec.image_token_id, [check_image(uri, spec)])
     tid = spec.image_token_id
     cases = [
         (_step(ids, [], tid), "placeholder"),  # placeholders but no image
@@ -399,7 +396,8 @@ def test_rank_refuses_mismatched_images_before_any_work(rank, checkpoint):
     assert missing.kind == p.ErrorKind.MODEL_NOT_LOADED
 
 
-def test_worker_killed_before_an_image_prefill_fails_cleanly_and_recovers(checkpoint):
+@pytest.mark.slow
+def test_worker_killed_before_an_image_prefill_fails_cleanly_and_recovers(vl_checkpoint):
     """The image step fails with an error naming the dead rank, the engine rebuilds its ranks, and
     the same request then matches transformers."""
     import os
@@ -407,12 +405,12 @@ def test_worker_killed_before_an_image_prefill_fails_cleanly_and_recovers(checkp
 
     from neuron.engine.llm_engine import EngineConfig, LLMEngine
 
-    ids, uris = _cases(checkpoint)[1]
-    spec = _spec(checkpoint)
+    ids, uris = _cases(vl_checkpoint)[1]
+    spec = _spec(vl_checkpoint)
     images = [check_image(u, spec) for u in uris]
     expanded = expand_placeholders(ids, spec.image_token_id, images)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    engine = LLMEngine(EngineConfig(model=str(checkpoint), tp=2, device="cpu", dtype="float32", max_num_seqs=2,
+    engine = LLMEngine(EngineConfig(model=str(vl_checkpoint), tp=2, device="cpu", dtype="float32", max_num_seqs=2,
                                     max_model_len=128)).start()
 
     def run(rid: str) -> tuple[list[int], str | None]:
@@ -432,6 +430,6 @@ def test_worker_killed_before_an_image_prefill_fails_cleanly_and_recovers(checkp
         engine.recover()
         tokens, error = run("again")
         assert error is None
-        assert tokens == _reference(checkpoint, ids, uris)[0]
+        assert tokens == _reference(vl_checkpoint, ids, uris)[0]
     finally:
         engine.shutdown()

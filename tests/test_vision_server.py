@@ -1,17 +1,14 @@
 """Image chat completions through `neuron serve --tp 2` on a tiny Qwen3.5 vision checkpoint: greedy
 tokens equal transformers' on the same prompt and pixels, and bad images are refused before any
-model work. One server for the module, with NEURON_VISION_MAX_PIXELS set low (MAX_PIXELS)."""
+model work. One server process for the module, with NEURON_VISION_MAX_PIXELS set low (MAX_PIXELS)."""
 
 from __future__ import annotations
 
 import base64
-import re
 
-import httpx
 import openai
 import pytest
-
-from server_harness import ServeProcess
+from server_harness import ServeProcess, client, metric
 from vision_checkpoint import build_vision_checkpoint, image_data_uri, reference_greedy_mm, reference_pixels
 
 NEW_TOKENS = 8
@@ -19,33 +16,27 @@ MAX_PIXELS = 2000  # the test images are below it, except the one that tests the
 MAX_MODEL_LEN = 128
 MERGE = 2  # the checkpoint's spatial merge: one placeholder token per MERGE x MERGE patches
 
+pytestmark = pytest.mark.slow  # a `neuron serve --tp 2` subprocess
+
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def vl_checkpoint(tmp_path_factory):
     return build_vision_checkpoint(tmp_path_factory.mktemp("qwen3_5_vision"), seed=7)
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint):
-    args = (str(checkpoint), "--tp", "2", "--device", "cpu", "--dtype", "float32", "--served-model-name", "vision",
+def vision_process(vl_checkpoint):
+    """`neuron serve --tp 2` on the vision checkpoint, as a subprocess."""
+    args = (str(vl_checkpoint), "--tp", "2", "--device", "cpu", "--dtype", "float32", "--served-model-name", "vision",
             "--max-model-len", str(MAX_MODEL_LEN))
     with ServeProcess(*args, env={"NEURON_VISION_MAX_PIXELS": str(MAX_PIXELS)}) as s:
         yield s
-
-
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
 
 
 def chat(server, messages: list[dict], max_tokens: int = NEW_TOKENS):
     return client(server).chat.completions.create(
         model="vision", messages=messages, max_tokens=max_tokens, temperature=0, logprobs=True, top_logprobs=5,
         extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
-
-
-def metric(server, name: str) -> float:
-    found = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(f"{server.url}/metrics").text, re.M)
-    return float(found.group(1)) if found else 0.0
 
 
 def image(uri: str) -> dict:
@@ -82,20 +73,20 @@ def check_against_oracle(server, checkpoint, messages: list[dict], uris: list[st
     assert out.choices[0].finish_reason == "length"
 
 
-def test_one_image(server, checkpoint):
+def test_one_image(vision_process, vl_checkpoint):
     uri = image_data_uri(20, 28, seed=1)
-    check_against_oracle(server, checkpoint, [{"role": "user", "content": [
+    check_against_oracle(vision_process, vl_checkpoint, [{"role": "user", "content": [
         {"type": "text", "text": "What is in this picture?"}, image(uri)]}], [uri])
 
 
-def test_two_images_in_a_later_turn(server, checkpoint):
+def test_two_images_in_a_later_turn(vision_process, vl_checkpoint):
     first, second, third = image_data_uri(24, 16, seed=2), image_data_uri(20, 28, seed=3), image_data_uri(12, 36, 4)
     messages = [
         {"role": "user", "content": [image(first), {"type": "text", "text": "Describe it."}]},
         {"role": "assistant", "content": "It is noise."},
         {"role": "user", "content": [{"type": "text", "text": "And these two?"}, image(second), image(third)]},
     ]
-    check_against_oracle(server, checkpoint, messages, [first, second, third])
+    check_against_oracle(vision_process, vl_checkpoint, messages, [first, second, third])
 
 
 def png_bytes_uri(data: bytes) -> str:
@@ -113,25 +104,25 @@ GUARDS = [
 ]
 
 
-def test_bad_images_are_refused_before_any_model_work(server):
-    admitted = metric(server, "neuron_prompt_tokens_total")
+def test_bad_images_are_refused_before_any_model_work(vision_process):
+    admitted = metric(vision_process, "neuron_prompt_tokens_total")
     for uri, status, code in GUARDS:
         with pytest.raises(openai.APIStatusError) as e:
-            chat(server, [{"role": "user", "content": [{"type": "text", "text": "look"}, image(uri)]}])
+            chat(vision_process, [{"role": "user", "content": [{"type": "text", "text": "look"}, image(uri)]}])
         assert (e.value.status_code, e.value.code) == (status, code), uri[:40]
         assert e.value.param == "messages"
     # 4 images of 44x44 expand to 4 x 36 placeholders: over the context, though the rendered prompt is short.
     with pytest.raises(openai.BadRequestError) as e:
-        chat(server, [{"role": "user", "content": [image(image_data_uri(44, 44, seed=s)) for s in range(4)]}])
+        chat(vision_process, [{"role": "user", "content": [image(image_data_uri(44, 44, seed=s)) for s in range(4)]}])
     assert e.value.code == "context_length_exceeded"
-    assert metric(server, "neuron_prompt_tokens_total") == admitted
-    assert metric(server, 'neuron_requests_total{endpoint="chat",status="413"}') == 1
-    out = chat(server, [{"role": "user", "content": [image(image_data_uri(16, 16))]}], max_tokens=1)
+    assert metric(vision_process, "neuron_prompt_tokens_total") == admitted
+    assert metric(vision_process, 'neuron_requests_total{endpoint="chat",status="413"}') == 1
+    out = chat(vision_process, [{"role": "user", "content": [image(image_data_uri(16, 16))]}], max_tokens=1)
     assert out.usage.completion_tokens == 1
-    assert metric(server, "neuron_prompt_tokens_total") == admitted + out.usage.prompt_tokens
+    assert metric(vision_process, "neuron_prompt_tokens_total") == admitted + out.usage.prompt_tokens
 
 
-def test_image_parts_need_a_url(server):
+def test_image_parts_need_a_url(vision_process):
     with pytest.raises(openai.BadRequestError) as e:
-        chat(server, [{"role": "user", "content": [{"type": "image_url", "image_url": {"detail": "low"}}]}])
+        chat(vision_process, [{"role": "user", "content": [{"type": "image_url", "image_url": {"detail": "low"}}]}])
     assert e.value.param == "messages[0].content[0].image_url"

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from checkpoints import cached_model, greedy_with_logprobs
+from test_qwen3_5 import MULTIMODAL_TEXT, VISION
 from tokenizers import AddedToken
 
-from checkpoints import cached_model, greedy_with_logprobs
 from neuron.models.default import build_tokenizer, tokenizer_config
-from test_qwen3_5 import MULTIMODAL_TEXT, VISION
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
