@@ -6,7 +6,7 @@ import pytest
 
 from neuron.engine.output_processor import LogprobRenderer, OutputProcessor, Update
 from neuron.engine.sampling import SamplingParams
-from neuron.engine.scheduler import Sequence
+from neuron.engine.sequence import Sequence
 from neuron.engine.tokenizer import Tokenizer
 from neuron.models import default as default_ckpt
 

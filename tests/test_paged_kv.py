@@ -10,7 +10,8 @@ from checkpoints import reference_greedy
 
 from neuron import LLM, SamplingParams
 from neuron.engine.block_manager import BlockManager, chain_hash
-from neuron.engine.scheduler import Scheduler, Sequence, Status
+from neuron.engine.scheduler import Scheduler
+from neuron.engine.sequence import Sequence, Status
 from neuron.errors import ConfigError
 from neuron.models.inputs import SeqStep
 from neuron.models.kv_cache import PagedKVCache, StepRejected

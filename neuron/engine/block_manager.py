@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from neuron.engine.scheduler import Sequence
+    from neuron.engine.sequence import Sequence
 
 
 @dataclass(slots=True, eq=False)

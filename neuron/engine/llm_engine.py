@@ -17,13 +17,14 @@ from neuron.config import MAX_MODEL_LEN_CAP, check, from_settings, parse_bytes, 
 from neuron.engine.block_manager import BlockManager
 from neuron.engine.output_processor import OutputProcessor, Update
 from neuron.engine.sampling import SamplingParams, SequenceSampler, sample
-from neuron.engine.scheduler import Scheduled, Scheduler, Sequence, Status
+from neuron.engine.scheduler import Scheduled, Scheduler
+from neuron.engine.sequence import Sequence
 from neuron.engine.tokenizer import Tokenizer
 from neuron.errors import ConfigError, NeuronError, WorkerError
 from neuron.executor.executor import Executor, ExecutorConfig
-from neuron.models import check_supported, supports_prefix_caching, text_config
+from neuron.models import load_config, supports_prefix_caching, text_config
 from neuron.models.inputs import SeqStep
-from neuron.models.loader import read_generation_config, read_json, resolve_model_path
+from neuron.models.loader import read_generation_config, resolve_model_path
 from neuron.multimodal.image import (
     ImageError,
     ImageInput,
@@ -97,8 +98,7 @@ class LLMEngine:
         else:
             self.model_dir = resolve_model_path(cfg.model, cfg.hf_cache_dir)
         self.model_name = cfg.served_model_name or (cfg.model or "neuron-default")
-        self.config = read_json(self.model_dir / "config.json")
-        check_supported(self.config)  # before any worker starts
+        self.config = load_config(self.model_dir)  # refused before any worker starts
         self.device = cfg.device or default_device()
         self.max_model_len = self._max_model_len()
         self.vocab_size = int(text_config(self.config)["vocab_size"])
@@ -113,7 +113,7 @@ class LLMEngine:
                                       dtype=cfg.dtype, max_slots=cfg.max_num_seqs,
                                       max_num_batched_tokens=max(step_tokens, cfg.max_num_seqs), **self._kv_settings())
         kwargs = {"worker_cmd": worker_cmd} if worker_cmd else {}
-        self.executor = Executor(executor_cfg, **kwargs)
+        self.executor = Executor(executor_cfg, model_config=self.config, **kwargs)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
 
@@ -381,4 +381,4 @@ def encode_prompt(engine: LLMEngine, prompt: str) -> list[int]:
     return engine.tokenizer.encode(prompt)
 
 
-__all__ = ["EngineConfig", "ImageError", "LLMEngine", "RequestError", "Status", "Update", "encode_prompt"]
+__all__ = ["EngineConfig", "ImageError", "LLMEngine", "RequestError", "Update", "encode_prompt"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from neuron.engine.response_parser import OutputParser, Parsed
-from neuron.engine.scheduler import Sequence
+from neuron.engine.sequence import Sequence
 from neuron.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 # JSON has no -inf; a token the model rules out reports this instead (as vLLM does).

@@ -13,58 +13,14 @@ The scheduler is the only one who assigns slots and blocks: a slot belongs to on
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from neuron.engine.block_manager import BlockManager
-from neuron.engine.sampling import SamplingParams, SequenceSampler
+from neuron.engine.sequence import Sequence, Status
 
 log = logging.getLogger("neuron.engine.scheduler")
-
-
-class Status(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass(slots=True, eq=False)
-class Sequence:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    sampler: SequenceSampler
-    max_tokens: int
-    output_token_ids: list[int] = field(default_factory=list)
-    status: Status = Status.WAITING
-    slot: int | None = None
-    num_computed: int = 0  # tokens whose keys and values are in the sequence's blocks
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # hash chain of its full blocks, as far as known
-    num_cached_blocks: int = 0  # leading blocks of the table that are in the prefix cache
-    num_blocks_sent: int = 0  # leading blocks of the table the ranks already have
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    images: list = field(default_factory=list)  # ImageInputs filling the prompt's placeholders, in order
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def token_slice(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output."""
-        n = len(self.prompt_token_ids)
-        if end <= n:
-            return self.prompt_token_ids[start:end]
-        if start >= n:
-            return self.output_token_ids[start - n : end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
-
-    def pending(self) -> list[int]:
-        """Tokens not yet run through the model (the prompt's rest, or the last sampled token)."""
-        return self.token_slice(self.num_computed, self.num_tokens)
 
 
 @dataclass(slots=True)

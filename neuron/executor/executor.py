@@ -25,9 +25,9 @@ from neuron.distributed.comm import choose_backend, nccl_unique_id_hex
 from neuron.errors import ConfigError, PoolBroken, WorkerError
 from neuron.executor.pool import WorkerPool, default_worker_cmd
 from neuron.executor.progress import LoadProgress
-from neuron.models import check_supported, text_config
+from neuron.models import load_config, text_config
 from neuron.models.inputs import SeqStep
-from neuron.models.loader import read_json, safetensors_files
+from neuron.models.loader import safetensors_files
 from neuron.rpc import codec
 from neuron.rpc import protocol as p
 from neuron.worker.worker import Worker
@@ -75,10 +75,11 @@ def as_wire(seqs: list[SeqStep]) -> list[p.StepSeq]:
 
 
 class Executor:
-    def __init__(self, cfg: ExecutorConfig, worker_cmd=default_worker_cmd, env: dict | None = None):
+    def __init__(self, cfg: ExecutorConfig, worker_cmd=default_worker_cmd, env: dict | None = None,
+                 model_config: dict | None = None):
+        """`model_config`: the checkpoint's config.json when the caller has read it already."""
         self.cfg = cfg
-        self.config = read_json(cfg.model_dir / "config.json")
-        check_supported(self.config)
+        self.config = model_config if model_config is not None else load_config(cfg.model_dir)
         self.paths = [str(f) for f in safetensors_files(cfg.model_dir)]
         self.devices = rank_devices(cfg.device, cfg.tp)
         self.backend = choose_backend(self.devices)

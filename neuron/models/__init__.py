@@ -17,6 +17,17 @@ def check_supported(config: dict) -> str:
     return model_type
 
 
+def load_config(model_dir) -> dict:
+    """A checkpoint's config.json, refused at once when neuron cannot run its architecture."""
+    from pathlib import Path
+
+    from neuron.models.loader import read_json
+
+    config = read_json(Path(model_dir) / "config.json")
+    check_supported(config)
+    return config
+
+
 def supports_prefix_caching(config: dict) -> bool:
     """Whether a cached prefix's KV blocks restore a sequence's whole state. Not for models with
     recurrent (linear-attention) layers, whose per-slot state the blocks do not hold."""
