@@ -52,7 +52,7 @@ def resolve_model_path(model: str, cache_dir: str | None = None, revision: str =
     raise ModelNotFound(
         f"model {model!r} is neither a directory nor in the local Hugging Face cache "
         f"(looked in: {', '.join(searched)}). neuron does not download: fetch it first, "
-        f"e.g. `huggingface-cli download {model}`, or pass a local path."
+        f"e.g. `hf download {model}`, or pass a local path."
     )
 
 
