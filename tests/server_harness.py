@@ -75,7 +75,7 @@ def real_engine(model: str | None, tp: int, name: str | None = None, max_waiting
 
 
 ERROR = object()  # a script step that fails the request, as a broken pool would
-RAISE = object()  # a script step on which step() raises, as a bug in sampling would
+RAISE = object()  # a script step on which step() raises, as a bug in the scheduler would
 
 
 class ScriptedEngine:

@@ -16,7 +16,7 @@ import torch
 from neuron.config import MAX_MODEL_LEN_CAP, check, from_settings, parse_bytes, settings
 from neuron.engine.block_manager import BlockManager
 from neuron.engine.output_processor import OutputProcessor, Update
-from neuron.engine.sampling import SamplingParams, SequenceSampler, sample
+from neuron.engine.sampling import SampleFailure, SamplingParams, SequenceSampler, sample
 from neuron.engine.scheduler import Scheduled, Scheduler
 from neuron.engine.sequence import Sequence
 from neuron.engine.tokenizer import Tokenizer
@@ -189,8 +189,23 @@ class LLMEngine:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
                                param="prompt")
         self._check_placeholders(prompt_token_ids, images or [])
+        self._check_samplable(params)
         room = self.max_model_len - n
         return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def _check_samplable(self, params: SamplingParams) -> None:
+        """Refuse constraints that leave the first token nothing to be. Until min_tokens tokens exist
+        the sampler masks every EOS id (ignore_eos or not) and every stop_token_id; nothing else a
+        request sets can empty a distribution (top_k, top_p and min_p keep the most likely token)."""
+        stops = params.stop_token_ids or ()
+        if params.min_tokens == 0 or len(stops) + len(self.eos_token_ids) < self.vocab_size:
+            return
+        masked = {t for t in (*stops, *self.eos_token_ids) if 0 <= t < self.vocab_size}
+        if len(masked) == self.vocab_size:
+            raise RequestError(
+                f"min_tokens ({params.min_tokens}) blocks EOS and stop_token_ids, and together they cover "
+                f"all {self.vocab_size} tokens of the vocabulary, so no token could be sampled: lower "
+                "min_tokens to 0 or leave some ids out of stop_token_ids", param="stop_token_ids")
 
     def check_images(self, uris: list) -> list[ImageInput]:
         """Decode and size a request's images before any device work (raises ImageError: 400 for
@@ -271,58 +286,99 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def step(self) -> list[Update]:
-        """Admit and abort what arrived, run one batched step, sample, and report."""
+        """Admit and abort what arrived, run one batched step, sample, and report. A rank failure
+        ends every request in flight; any other fault ends only the requests it touched."""
         updates = self._drain_inbox()
         batch = self.scheduler.schedule()
         if not batch:
             return updates
         plain = [s for s in batch if not s.with_images]
         imaged = [s for s in batch if s.with_images]
-        try:
-            parts = [self.executor.step(self._steps(plain))] if plain else []
-        except Exception as exc:  # every in-flight request gets a clean error, none a hang
-            return updates + self.fail_in_flight(str(exc))
-        if imaged:
+        parts, ran = [], []  # `ran`: the order of the logits rows
+        for group, forward in ((plain, self._forward), (imaged, self._prefill_with_images)):
+            if not group:
+                continue
             try:
-                parts.append(self._prefill_with_images(imaged))
-            except WorkerError as exc:
-                if exc.kind != "bad_request" or self.failure is not None:
+                parts.append(forward(group))
+            except Exception as exc:  # noqa: BLE001 - contained: a rank failure or only this group
+                if self.failure is not None:  # the ranks are out of step: nothing in flight can go on
                     return updates + self.fail_in_flight(str(exc))
-                # Refused alike on every rank before any device work: only these requests fail.
-                updates += self._fail([s.seq for s in imaged], str(exc))
-                imaged = []
-            except Exception as exc:
-                return updates + self.fail_in_flight(str(exc))
-        batch = plain + imaged  # the order of the logits rows
-        if not batch:
+                updates += self._forward_failed(group, exc)
+                continue
+            ran += group
+        if not ran:
             return updates
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        self.scheduler.computed(batch)
-        ready = [(i, s) for i, s in enumerate(batch) if s.completes_prompt]
+        self.scheduler.computed(ran)
+        ready = [(i, s) for i, s in enumerate(ran) if s.completes_prompt]
         if ready:
-            rows = logits[[i for i, _ in ready]] if len(ready) != len(batch) else logits
-            result = sample(rows, [s.seq.sampler for _, s in ready], self.eos_token_ids)
-            for (_, s), token, lp in zip(ready, result.token_ids, result.logprobs):
-                updates.append(self._advance(s, token, lp))
+            rows = logits[[i for i, _ in ready]] if len(ready) != len(ran) else logits
+            updates += self._sample([s for _, s in ready], rows)
         return updates
+
+    def _forward(self, part: list[Scheduled]) -> torch.Tensor:
+        return self.executor.step(self._steps(part))
 
     @staticmethod
     def _steps(part: list[Scheduled]) -> list[SeqStep]:
         return [SeqStep(s.seq.slot, s.token_ids, s.offset, s.new_blocks, s.fresh) for s in part]
+
+    def _forward_failed(self, part: list[Scheduled], exc: Exception) -> list[Update]:
+        """A forward that every rank refused or failed alike (a request the ranks reject, a bug on the
+        leader's side) leaves the ranks in step: only its own sequences end. Nothing of it was marked
+        computed, so no block it wrote enters the prefix cache."""
+        seqs = [s.seq for s in part]
+        if isinstance(exc, WorkerError):  # the ranks' own message says what was wrong
+            return self._fail(seqs, str(exc))
+        return self._fail(seqs, _internal("running the model", exc), "internal_error", exc)
+
+    def _sample(self, ready: list[Scheduled], logits: torch.Tensor) -> list[Update]:
+        """Sample every ready sequence and advance it; a fault in one sequence ends it alone."""
+        try:
+            result = sample(logits, [s.seq.sampler for s in ready], self.eos_token_ids)
+        except Exception as exc:  # noqa: BLE001 - contained: each row is retried alone
+            # Not a row the sampler could name: find it by sampling each row alone. A seeded row
+            # drawn before the fault may draw again, so its token can differ from a clean step's.
+            log.warning("sampling a batch of %d failed (%s: %s); sampling each sequence alone",
+                        len(ready), type(exc).__name__, exc)
+            return [self._sample_alone(s, logits[i : i + 1]) for i, s in enumerate(ready)]
+        return [self._advance_or_fail(s, token, lp, result.failed.get(i))
+                for i, (s, token, lp) in enumerate(zip(ready, result.token_ids, result.logprobs))]
+
+    def _sample_alone(self, s: Scheduled, row: torch.Tensor) -> Update:
+        try:
+            result = sample(row, [s.seq.sampler], self.eos_token_ids)
+        except Exception as exc:  # noqa: BLE001 - contained: this sequence alone ends
+            return self._fail([s.seq], _internal("sampling", exc), "internal_error", exc)[0]
+        return self._advance_or_fail(s, result.token_ids[0], result.logprobs[0], result.failed.get(0))
+
+    def _advance_or_fail(self, s: Scheduled, token: int, logprobs: dict[int, float] | None,
+                         failure: SampleFailure | None) -> Update:
+        if failure is not None:
+            kind = "invalid_request" if failure.by_request else "internal_error"
+            return self._fail([s.seq], failure.message, kind)[0]
+        try:
+            return self._advance(s, token, logprobs)
+        except Exception as exc:  # noqa: BLE001 - contained: this sequence alone ends
+            return self._fail([s.seq], _internal("processing the output", exc), "internal_error", exc)[0]
 
     def _prefill_with_images(self, imaged: list[Scheduled]):
         uris = [image.uri for s in imaged for image in s.seq.images]
         return self.executor.step_with_images(self._steps(imaged), self.vision.image_token_id, uris,
                                             self.scheduler.prefill_chunk)
 
-    def _fail(self, seqs: list[Sequence], message: str) -> list[Update]:
-        """End these requests with an error; their slots and blocks return to the scheduler."""
+    def _fail(self, seqs: list[Sequence], message: str, kind: str | None = None,
+              exc: BaseException | None = None) -> list[Update]:
+        """End these requests with an error, logged once (with the traceback of `exc`, a bug); their
+        slots and blocks return to the scheduler. `kind` tells the client whose fault it was
+        (`Update.failure_kind`); None: a failing rank."""
         if seqs:
-            log.error("failing %d request(s): %s", len(seqs), message)
+            ids = ", ".join(seq.request_id for seq in seqs)
+            log.error("failing %d request(s) [%s]: %s", len(seqs), ids, message, exc_info=exc)
         updates = []
         for seq in seqs:
             self.scheduler.finish(seq, "error")
-            updates.append(self.outputs.end(seq, error=message))
+            updates.append(self.outputs.end(seq, error=message, failure_kind=kind))
         return updates
 
     def _advance(self, s: Scheduled, token: int, logprobs: dict[int, float] | None) -> Update:
@@ -373,6 +429,10 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _internal(doing: str, exc: Exception) -> str:
+    return f"internal error while {doing}: {type(exc).__name__}: {exc}"
 
 
 def encode_prompt(engine: LLMEngine, prompt: str) -> list[int]:

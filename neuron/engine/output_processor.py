@@ -36,6 +36,9 @@ class Update:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    # Whose fault an error is: "invalid_request" (the request's own constraints left no token to
+    # sample), "internal_error" (a bug or unusable model output); None: a failing rank.
+    failure_kind: str | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -85,9 +88,15 @@ class OutputProcessor:
             return self._partial(tr, [token], lps)
         return self._final(tr, reason, stop_reason, [token], lps)
 
-    def end(self, seq: Sequence, error: str | None = None) -> Update:
+    def end(self, seq: Sequence, error: str | None = None, failure_kind: str | None = None) -> Update:
         """The final update of a request the scheduler retired from outside (aborted, failed)."""
-        return self._final(self._tracked[seq.request_id], seq.finish_reason, seq.stop_reason, error=error)
+        tr = self._tracked.get(seq.request_id)
+        if tr is None:  # it failed after `process` had made its final update, which is lost
+            return Update(seq.request_id, [], "", None, True, "error", None, error, len(seq.prompt_token_ids),
+                          len(seq.output_token_ids), failure_kind)
+        update = self._final(tr, seq.finish_reason, seq.stop_reason, error=error)
+        update.failure_kind = failure_kind
+        return update
 
     def _stop_check(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         p = seq.params

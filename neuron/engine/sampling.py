@@ -3,12 +3,16 @@
 Order of operations (vLLM / Hugging Face): min_tokens masks EOS and stop ids, then the
 repetition, frequency and presence penalties, then greedy argmax or temperature, top_k, top_p,
 min_p and a draw from the sequence's own generator. Logprobs are always those of the raw logits.
+
+A row with no token left to pick (every logit -inf, or a NaN) never reaches argmax or
+`torch.multinomial`: it is reported as failed, with the reason, and the other rows are sampled as
+if it were not there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -79,7 +83,8 @@ class SamplingParams:
 
     def _check_sampling(self) -> None:
         # Each check is a comparison NaN fails, so NaN is rejected too.
-        _check(self.n >= 1, "n", ">= 1", self.n)
+        # n > 1 passes here and is refused where requests enter, which say so; below 1 is never valid.
+        _check(self.n >= 1, "n", "1 (one completion per request)", self.n)
         _check(self.temperature >= 0, "temperature", ">= 0", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         top_k_ok = self.top_k in (0, -1) or self.top_k >= 1
@@ -189,11 +194,21 @@ class SequenceSampler:
             row[torch.tensor(ids, dtype=torch.long, device=row.device)] = float("-inf")
 
 
+@dataclass(slots=True, frozen=True)
+class SampleFailure:
+    """Why a row had no token to sample. `by_request`: the request's own constraints emptied a
+    distribution the model gave; otherwise the model's logits were unusable (NaN, all -inf)."""
+
+    message: str
+    by_request: bool
+
+
 @dataclass(slots=True)
 class SampleResult:
-    token_ids: list[int]
+    token_ids: list[int]  # -1 for a failed row
     # Per row: None unless its params ask for logprobs; else the sampled id first, then the top ids.
     logprobs: list[dict[int, float] | None]
+    failed: dict[int, SampleFailure] = field(default_factory=dict)  # by row
 
 
 def sample(
@@ -205,10 +220,43 @@ def sample(
             f"logits must be [{len(samplers)}, V] (one row per sampler), got {list(logits.shape)}"
         )
     if all(s.plain_greedy for s in samplers):
-        return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(samplers))
+        token_ids = _greedy(logits).tolist()
+        failed = _failures(logits, token_ids, samplers)
+        return SampleResult(token_ids, [None] * len(samplers), failed)
     raw = logits.float()
     chosen = _choose(_adjusted(raw, samplers, eos_token_ids), samplers)
-    return SampleResult(chosen.tolist(), _logprobs(raw, chosen, samplers))
+    token_ids = chosen.tolist()  # the batch's one device-to-host transfer of its choices
+    failed = _failures(raw, token_ids, samplers)
+    return SampleResult(token_ids, _logprobs(raw, chosen, samplers, failed), failed)
+
+
+def _greedy(x: torch.Tensor) -> torch.Tensor:
+    """Argmax per row, -1 where no token has a logit above -inf. max() ranks NaN highest, so a
+    row holding a NaN fails too instead of picking it."""
+    best, ids = x.max(dim=-1)
+    return torch.where(best > float("-inf"), ids, -1)
+
+
+def _failures(
+    raw: torch.Tensor, token_ids: list[int], samplers: list[SequenceSampler]
+) -> dict[int, SampleFailure]:
+    if -1 not in token_ids:  # the common case costs one scan of a short list
+        return {}
+    return {i: _why(raw[i].float(), samplers[i]) for i, t in enumerate(token_ids) if t == -1}
+
+
+def _why(raw_row: torch.Tensor, sampler: SequenceSampler) -> SampleFailure:
+    if bool(raw_row.isnan().any()):
+        return SampleFailure("no token can be sampled: the model's logits contain NaN", False)
+    if not bool((raw_row > float("-inf")).any()):
+        return SampleFailure("no token can be sampled: the model gives every token a logit of -inf", False)
+    if bool((raw_row == float("inf")).any()):
+        return SampleFailure("no token can be sampled: the model's logits contain +inf", False)
+    if sampler.below_min_tokens:
+        return SampleFailure(f"no token can be sampled: min_tokens ({sampler.params.min_tokens}) blocks EOS and "
+                             "stop_token_ids, and the model allows no other token", True)
+    return SampleFailure(
+        "no token can be sampled: the penalties and temperature leave every token with probability zero", True)
 
 
 def _adjusted(
@@ -226,23 +274,29 @@ def _adjusted(
 def _choose(x: torch.Tensor, samplers: list[SequenceSampler]) -> torch.Tensor:
     drawn = [i for i, s in enumerate(samplers) if not s.params.greedy]
     if not drawn:
-        return x.argmax(dim=-1)
+        return _greedy(x)
     if len(drawn) == len(samplers):
         return _draw(x, samplers)
-    chosen = x.argmax(dim=-1)
+    chosen = _greedy(x)
     idx = torch.tensor(drawn, dtype=torch.long, device=x.device)
     chosen[idx] = _draw(x[idx], [samplers[i] for i in drawn])
     return chosen
 
 
 def _draw(x: torch.Tensor, samplers: list[SequenceSampler]) -> torch.Tensor:
+    """One draw per row; -1 for a row with nothing to draw from."""
     params = [s.params for s in samplers]
     temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)
-    probs = _filtered_probs(x / temps[:, None], params)
+    scaled = x / temps[:, None]
+    # A finite maximum is exactly what makes the softmax a distribution (no NaN, not all zero), and
+    # the filters always keep the most likely token. Checked on the device, without a transfer: a
+    # failed row draws from a uniform stand-in instead, and its pick is discarded below.
+    ok = torch.isfinite(scaled.amax(dim=-1))
+    probs = _filtered_probs(scaled.masked_fill_(~ok[:, None], 0.0), params)
     # Every row draws over its full vocab-order row, so a seeded generator advances the same way
     # and yields the same token whatever else shares the batch.
     picks = [torch.multinomial(probs[j], 1, generator=s.generator) for j, s in enumerate(samplers)]
-    return torch.cat(picks)
+    return torch.where(ok, torch.cat(picks), -1)
 
 
 def _filtered_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -295,10 +349,10 @@ def _min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
 
 def _logprobs(
-    raw: torch.Tensor, chosen: torch.Tensor, samplers: list[SequenceSampler]
+    raw: torch.Tensor, chosen: torch.Tensor, samplers: list[SequenceSampler], failed: dict[int, SampleFailure]
 ) -> list[dict[int, float] | None]:
     out: list[dict[int, float] | None] = [None] * len(samplers)
-    rows = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
+    rows = [i for i, s in enumerate(samplers) if s.params.logprobs is not None and i not in failed]
     if not rows:
         return out
     idx = torch.tensor(rows, dtype=torch.long, device=raw.device)

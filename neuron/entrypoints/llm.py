@@ -154,7 +154,9 @@ class LLM:
         return self.engine.tokenizer
 
     def _run(self, outputs: dict[str, RequestOutput]) -> None:
-        pending = len(outputs)
+        """Step until every request of this call finished. A failed one raises, after the call's
+        other requests were aborted and drained, so none keeps running unseen in the engine."""
+        pending, failure = len(outputs), None
         while pending:
             for u in self.engine.step():
                 out = outputs.get(u.request_id)
@@ -171,8 +173,13 @@ class LLM:
                     if c.logprobs:
                         c.cumulative_logprob = sum(lp[t] for lp, t in zip(c.logprobs, c.token_ids))
                     pending -= 1
-                    if u.error:
-                        raise NeuronError(f"generation failed: {u.error}")
+                    if u.error and failure is None:
+                        failure = u.error
+                        for rid, other in outputs.items():
+                            if not other.finished:
+                                self.engine.abort(rid)
+        if failure is not None:
+            raise NeuronError(f"generation failed: {failure}")
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -49,6 +49,8 @@ def check_model(req: SamplingRequest, served_name: str) -> None:
 
 def check_common(req: SamplingRequest) -> None:
     """Refuse what we would otherwise have to ignore."""
+    if req.n is not None and req.n < 1:
+        raise bad_request(f"n must be 1 (one completion per request), got {req.n}", param="n")
     if req.n not in (None, 1):
         raise unsupported("n", "n > 1 is not supported; send one request per completion")
     if req.logit_bias:
@@ -76,6 +78,8 @@ def stream_error(stream: RequestStream, error: str | None) -> APIError:
         return unavailable(error or "the server is shutting down", code="shutting_down")
     if stream.failure_kind == "internal_error":
         return internal(f"generation failed: {error}; see the server log")
+    if stream.failure_kind == "invalid_request":  # the request's own limits left nothing to sample
+        return bad_request(error or "the request cannot be completed", code="invalid_request")
     return generation_failed(error)
 
 
