@@ -7,7 +7,10 @@ checkpoint's template produces the prompt its authors tested.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import math
+import os
 from collections.abc import Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -18,8 +21,18 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
+from tokenizers.pre_tokenizers import ByteLevel
 
 from neuron.errors import NeuronError
+
+# `encode` hands one text at a time to `encode_batch_fast`, a call that releases the GIL. Left on,
+# the library would move that one text to its own thread pool, which gains nothing and keeps the
+# memory of a large prompt in that pool's malloc arenas after the request ends. The user's value wins.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tokenizing takes about 200 bytes of scratch memory per character, which glibc keeps once freed;
+# after a text this long it is handed back to the system (a few ms).
+_TRIM_AFTER_CHARS = 1 << 16
+_malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
 
 # Named special tokens transformers hands to every chat template.
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -66,6 +79,8 @@ class Tokenizer:
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = backend.token_to_id(eos_token) if eos_token else None
         self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        # None where no bound can be proved; see _max_chars_per_token.
+        self.max_chars_per_token: int | None = _max_chars_per_token(backend)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -95,7 +110,16 @@ class Tokenizer:
         )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch calls release the GIL while they work and encode does not, so a long prompt
+        # tokenized in a worker thread leaves the event loop free. The fast one skips offsets
+        # (tokenizers >= 0.21), which halves the time and the memory.
+        encode_batch = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
+        [encoding] = encode_batch([text], add_special_tokens=add_special_tokens)
+        ids = encoding.ids
+        if len(text) >= _TRIM_AFTER_CHARS and _malloc_trim is not None:
+            del encoding
+            _malloc_trim(0)
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         try:
@@ -134,6 +158,70 @@ class Tokenizer:
             raise
         except Exception as exc:  # a template is untrusted code; any failure is the chat's, not ours
             raise TokenizerError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+
+
+# How many characters of input one character of a normalizer's output can come from. NFC and NFKC
+# compose: an output character comes from at most as many input characters as its canonical
+# decomposition has, at most 4 (U+1FAF and others). The rest listed never shorten text.
+_NORMALIZER_SHRINK = {"NFC": 4, "NFKC": 4, "NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1, "ByteLevel": 1}
+# Pre-tokenizers that split text without dropping any of it (Split does too, unless it removes).
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Split"}
+
+
+def _max_chars_per_token(backend: _Backend) -> int | None:
+    """The most characters of input text one token can stand for, or None where no bound holds.
+
+    A token covers at most as many characters of normalized text as its string in the vocabulary
+    is long: a byte-level token has one character per byte, and a character is at least one byte.
+    A normalizer that composes characters widens that by its factor. So text of n characters
+    always tokenizes to at least n / max_chars_per_token tokens, and a prompt can be refused by its
+    length alone. The bound fails where tokenizing can drop text or fold a run of any length into
+    one token (a normalizer or pre-tokenizer that deletes, unknown symbols fused or skipped,
+    WordPiece's and Unigram's unknown words, added tokens that strip spaces); then it is None."""
+    shrink = _shrink(json.loads(backend.normalizer.__getstate__()) if backend.normalizer else None)
+    pre = json.loads(backend.pre_tokenizer.__getstate__()) if backend.pre_tokenizer else None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    if shrink is None or not _keeps_text(pre) or not _covers_all_text(backend.model, pre, vocab):
+        return None
+    if any(t.lstrip or t.rstrip for t in backend.get_added_tokens_decoder().values()):
+        return None
+    return shrink * max(map(len, vocab), default=1)
+
+
+def _shrink(spec: dict | None) -> int | None:
+    if spec is None:
+        return 1
+    kind = spec.get("type")
+    if kind == "Sequence":
+        factors = [_shrink(s) for s in spec.get("normalizers", [])]
+        return None if None in factors else math.prod(factors)
+    if kind == "Replace":
+        pattern, content = spec.get("pattern", {}).get("String"), spec.get("content") or ""
+        return math.ceil(len(pattern) / len(content)) if pattern is not None and content else None
+    return _NORMALIZER_SHRINK.get(kind)
+
+
+def _keeps_text(spec: dict | None) -> bool:
+    if spec is None:
+        return True
+    if spec.get("type") == "Sequence":
+        return all(_keeps_text(s) for s in spec.get("pretokenizers", []))
+    return spec.get("type") in _KEEPING_PRE_TOKENIZERS and spec.get("behavior") != "Removed"
+
+
+def _covers_all_text(model, pre: dict | None, vocab: dict[str, int]) -> bool:
+    """Whether the model gives every symbol its own token (none skipped, no run of them fused)."""
+    if type(model).__name__ != "BPE":
+        return False
+    if model.byte_fallback or (model.unk_token is not None and not model.fuse_unk):
+        return True
+    return _byte_level(pre) and all(c in vocab for c in ByteLevel.alphabet())
+
+
+def _byte_level(spec: dict | None) -> bool:
+    if spec is None:
+        return False
+    return spec.get("type") == "ByteLevel" or any(_byte_level(s) for s in spec.get("pretokenizers", []))
 
 
 def _add_missing_tokens(backend: _Backend, added: dict) -> None:

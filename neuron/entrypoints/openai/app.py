@@ -13,7 +13,7 @@ import anyio
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -22,10 +22,15 @@ from neuron.engine.async_engine import AsyncEngine, EngineState
 from neuron.entrypoints.openai.api_errors import APIError, bad_request, internal
 from neuron.entrypoints.openai.api_types import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from neuron.entrypoints.openai.common import ready_engine
+from neuron.entrypoints.openai.prompt_input import tokenize_limiter
 from neuron.entrypoints.openai.serving_chat import create_chat_completion
 from neuron.entrypoints.openai.serving_completions import create_completion
 
 log = logging.getLogger("neuron.server")
+
+# The status counted, as nginx does, for a client that went away before its request was answered.
+CLIENT_CLOSED_REQUEST = 499
+_BEARER = "bearer "
 
 
 @dataclass(slots=True)
@@ -76,6 +81,7 @@ class _Api:
         self.cfg = cfg
         self.stats = engine.metrics
         self.started = int(time.time())
+        self.limiter = tokenize_limiter()
 
     def endpoint(self, name: str, handler):
         """Wrap a /v1 handler: authentication, the error envelope, and the request counter."""
@@ -84,12 +90,16 @@ class _Api:
             try:
                 self._authenticate(request)
                 response = await handler(request)
-            except APIError as exc:
-                log.info("%s %s refused: %d %s: %s", request.method, request.url.path, exc.status, exc.code or exc.type,
-                         exc.message)
+            except APIError as exc:  # the path and the message may hold client text: quoted, one line
+                log.info("%s %r refused: %d %s: %r", request.method, request.url.path, exc.status,
+                         exc.code or exc.type, exc.message)
                 response = exc.response()
+            except ClientDisconnect:  # the client's doing, not the server's: no 5xx, no traceback
+                log.info("%s %r: the client disconnected before sending the whole body", request.method,
+                         request.url.path)
+                response = Response(status_code=CLIENT_CLOSED_REQUEST)
             except Exception:
-                log.exception("%s %s failed", request.method, request.url.path)
+                log.exception("%s %r failed", request.method, request.url.path)
                 response = internal("internal server error; see the server log").response()
             self.stats.requests.labels(name, str(response.status_code)).inc()
             return response
@@ -97,12 +107,17 @@ class _Api:
         return run
 
     def _authenticate(self, request: Request) -> None:
+        """Exactly `Bearer <key>`: one space, nothing around the key (the scheme's case is free, as
+        RFC 9110 has it). The header's bytes (Starlette decodes them as latin-1) are compared with
+        the key's UTF-8 in constant time."""
         if self.cfg.api_key is None:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.cfg.api_key.encode()):
+        given = request.headers.get("authorization", "")
+        scheme, token = given[:len(_BEARER)], given[len(_BEARER):]
+        if scheme.lower() != _BEARER or not hmac.compare_digest(token.encode("latin-1"), self.cfg.api_key.encode()):
             raise APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
-                           type="authentication_error", code="invalid_api_key")
+                           type="authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
 
     async def health(self, request: Request) -> Response:
         state = self.engine.state
@@ -121,11 +136,11 @@ class _Api:
 
     async def chat(self, request: Request) -> Response:
         req = await self._decode(request, ChatCompletionRequest)
-        return await create_chat_completion(request, self.engine, req, self.cfg.keepalive_s)
+        return await create_chat_completion(request, self.engine, req, self.cfg.keepalive_s, self.limiter)
 
     async def completions(self, request: Request) -> Response:
         req = await self._decode(request, CompletionRequest)
-        return await create_completion(request, self.engine, req, self.cfg.keepalive_s)
+        return await create_completion(request, self.engine, req, self.cfg.keepalive_s, self.limiter)
 
     async def _decode(self, request: Request, kind: type):
         return decode_body(await read_body(request, self.cfg.max_body_bytes), kind)
@@ -158,11 +173,14 @@ _MISSING = re.compile(r"missing required field `([^`]+)`")
 
 
 def decode_body(body: bytes, kind: type):
+    """The body as `kind`; anything else is a 400, whatever the bytes are."""
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         message = str(exc)
         found = _AT.search(message) or _MISSING.search(message)
         raise bad_request(f"invalid request: {message}", param=found.group(1) if found else None) from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # msgspec raises the latter for bad UTF-8 in a string
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec refuses nesting deeper than Python's recursion limit this way
+        raise bad_request("the request body nests JSON arrays or objects too deeply") from None

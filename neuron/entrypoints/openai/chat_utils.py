@@ -29,10 +29,28 @@ def _message(m: dict, i: int, images: list[str] | None) -> dict:
     if role not in _ROLES:
         raise bad_request(f"{where}.role must be one of system, developer, user, assistant, tool; got {role!r}",
                           param=f"{where}.role")
+    if m.get("content") is None and not (role == "assistant" and m.get("tool_calls")):
+        raise bad_request(f"{where}.content must be a string or a list of content parts; only an assistant "
+                          "message with tool_calls may leave it null", param=f"{where}.content")
     out = {**m, "role": role, "content": _content(m.get("content"), f"{where}.content", images)}
     if role == "assistant" and out.get("tool_calls") is not None and not isinstance(out["tool_calls"], list):
         raise bad_request(f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
     return out
+
+
+def template_content_chars(messages: list[dict]) -> int:
+    """Characters of text in the messages' contents, which chat templates render in full: a lower
+    bound on the rendered prompt's length, known before rendering it. Assistant turns are left out,
+    since a template may drop part of one (Qwen3's drops the reasoning of earlier turns); the
+    rendered prompt is measured again before it is tokenized."""
+    total = 0
+    for m in messages:
+        content = m.get("content") if m.get("role") != "assistant" else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return total
 
 
 def _content(content, where: str, images: list[str] | None) -> str | list[dict] | None:

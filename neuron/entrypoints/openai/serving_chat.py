@@ -28,7 +28,7 @@ from neuron.entrypoints.openai.api_types import (
     TokenLogprob,
     ToolCall,
 )
-from neuron.entrypoints.openai.chat_utils import normalise_messages
+from neuron.entrypoints.openai.chat_utils import normalise_messages, template_content_chars
 from neuron.entrypoints.openai.common import (
     check_common,
     check_model,
@@ -41,6 +41,7 @@ from neuron.entrypoints.openai.common import (
     stream_error,
     usage,
 )
+from neuron.entrypoints.openai.prompt_input import check_prompt_chars, off_loop
 from neuron.entrypoints.openai.streaming import (
     DONE,
     KEEPALIVE,
@@ -103,7 +104,8 @@ def _check(req: ChatCompletionRequest) -> None:
 
 def _render(llm, req: ChatCompletionRequest) -> tuple[str, list[int], list[ImageInput]]:
     """The prompt and its token ids, each image placeholder expanded to the image's tokens. Images
-    are decoded and checked here (CPU work, so off the event loop), before any device work."""
+    are decoded and checked here (CPU work, so off the event loop), before any device work. The
+    rendered prompt is bounded by its length before it is tokenized."""
     messages, uris = normalise_messages(req.messages, vision=llm.vision is not None)
     tools = req.tools if _uses_tools(req) else None
     try:
@@ -111,6 +113,7 @@ def _render(llm, req: ChatCompletionRequest) -> tuple[str, list[int], list[Image
                                                    **(req.chat_template_kwargs or {}))
     except TokenizerError as exc:
         raise bad_request(str(exc), param="messages") from None
+    check_prompt_chars(llm, len(prompt), "messages")
     ids = llm.tokenizer.encode(prompt)
     if not uris:
         return prompt, ids, []
@@ -123,7 +126,8 @@ def _render(llm, req: ChatCompletionRequest) -> tuple[str, list[int], list[Image
 
 
 async def create_chat_completion(request: Request, engine: AsyncEngine, req: ChatCompletionRequest,
-                                 keepalive_s: float) -> Response:
+                                 keepalive_s: float, limiter: anyio.CapacityLimiter) -> Response:
+    """`limiter` bounds how many chats are rendered and tokenized at once."""
     check_model(req, engine.model_name)
     _check(req)
     llm = ready_engine(engine)
@@ -134,7 +138,8 @@ async def create_chat_completion(request: Request, engine: AsyncEngine, req: Cha
     max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     params = sampling_params(req, llm.default_sampling(), max_tokens=getattr(req, max_name), logprobs=top_logprobs,
                              renames={"logprobs": "top_logprobs", "max_tokens": max_name})
-    prompt, prompt_ids, images = await anyio.to_thread.run_sync(_render, llm, req)
+    check_prompt_chars(llm, template_content_chars(req.messages), "messages")  # at once, before the template
+    prompt, prompt_ids, images = await off_loop(limiter, _render, llm, req)
     ctx = ChatRequestContext(req, engine.model_name, llm.tokenizer, prompt, top_logprobs)
     stream = open_stream(engine, ctx.id, prompt_ids, params, prompt_param="messages", images=images)
     if req.stream:

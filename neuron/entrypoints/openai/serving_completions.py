@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import anyio
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
@@ -30,6 +31,7 @@ from neuron.entrypoints.openai.common import (
     stream_error,
     usage,
 )
+from neuron.entrypoints.openai.prompt_input import check_prompt_chars, check_prompt_ids, off_loop
 from neuron.entrypoints.openai.streaming import (
     DONE,
     KEEPALIVE,
@@ -47,13 +49,16 @@ def _is_ids(value) -> bool:
     return ints and bool(value)
 
 
-def prompt_ids(llm, prompt) -> list[int]:
-    """A string, a list of token ids, or a one-element list holding either."""
-    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_ids(prompt[0])):
+async def prompt_ids(llm, prompt, limiter: anyio.CapacityLimiter) -> list[int]:
+    """A string, a list of token ids, or a one-element list holding either; text is bounded by its
+    length, then tokenized off the event loop."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
+    check_prompt_ids(llm, prompt, "prompt")
     if isinstance(prompt, str):
+        check_prompt_chars(llm, len(prompt), "prompt")
         try:
-            return encode_prompt(llm, prompt)
+            return await off_loop(limiter, encode_prompt, llm, prompt)
         except RequestError as exc:
             raise bad_request(str(exc), param="prompt") from None
     if _is_ids(prompt):
@@ -88,12 +93,13 @@ class _Context:
         return msgspec.convert(rendered, CompletionLogprobs, from_attributes=True)
 
 
-async def create_completion(request: Request, engine: AsyncEngine, req: CompletionRequest,
-                            keepalive_s: float) -> Response:
+async def create_completion(request: Request, engine: AsyncEngine, req: CompletionRequest, keepalive_s: float,
+                            limiter: anyio.CapacityLimiter) -> Response:
+    """`limiter` bounds how many prompts are tokenized at once."""
     check_model(req, engine.model_name)
     _check(req)
     llm = ready_engine(engine)
-    ids = prompt_ids(llm, req.prompt)
+    ids = await prompt_ids(llm, req.prompt, limiter)
     ctx = _Context(req, engine.model_name, llm.tokenizer)
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = sampling_params(req, llm.default_sampling(), max_tokens=max_tokens, logprobs=req.logprobs, renames={})

@@ -1,0 +1,52 @@
+"""Prompt text in: refused by its length before any tokenization, then tokenized off the event loop.
+
+A client chooses how much text it sends, so tokenizing it is bounded twice. Text that could never
+fit the context is refused by its length alone, at once (Tokenizer.max_chars_per_token says why no
+tokenization of it could be short enough). What remains is tokenized in worker threads, a few at a
+time, with the GIL released (Tokenizer.encode), so the event loop keeps answering, /health included.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import TypeVar
+
+import anyio
+
+from neuron.entrypoints.openai.api_errors import APIError
+
+T = TypeVar("T")
+
+# Threads that tokenize, render templates and decode images at once; more requests wait their turn.
+# Half the cores, so a burst of large prompts leaves the engine thread and the event loop room to run.
+TOKENIZE_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 2))
+
+
+def tokenize_limiter() -> anyio.CapacityLimiter:
+    return anyio.CapacityLimiter(TOKENIZE_THREADS)
+
+
+async def off_loop(limiter: anyio.CapacityLimiter, fn: Callable[..., T], *args) -> T:
+    """`fn(*args)` in a worker thread, once one of the limiter's places is free."""
+    return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
+
+
+def check_prompt_chars(llm, num_chars: int, param: str) -> None:
+    """Refuse, without tokenizing it, a prompt of `num_chars` characters that must have at least
+    max_model_len tokens (the engine refuses those: no room is left to generate)."""
+    per_token = llm.tokenizer.max_chars_per_token if llm.tokenizer is not None else None
+    if per_token is None or num_chars <= (llm.max_model_len - 1) * per_token:
+        return
+    at_least = math.ceil(num_chars / per_token)
+    raise APIError(400, f"this model's maximum context length is {llm.max_model_len} tokens, but the prompt has "
+                        f"{num_chars} characters, which make at least {at_least} tokens", param=param,
+                   code="context_length_exceeded")
+
+
+def check_prompt_ids(llm, prompt, param: str) -> None:
+    """Refuse a token-id prompt of max_model_len ids or more before looking at each id."""
+    if isinstance(prompt, list) and len(prompt) >= llm.max_model_len and isinstance(prompt[0], int):
+        raise APIError(400, f"this model's maximum context length is {llm.max_model_len} tokens, but the prompt has "
+                            f"{len(prompt)} tokens (no room to generate)", param=param, code="context_length_exceeded")
