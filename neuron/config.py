@@ -175,19 +175,34 @@ class Settings:
                                   "for tokens", lo=0, above=True)
     shutdown_grace_s: float = _setting(float, 10.0, "on SIGTERM or Ctrl-C, seconds in-flight requests get to "
                                        "finish before they are cancelled; new ones get 503 at once", lo=0)
+    max_connections: int = _setting(int, 1024, "open HTTP connections served at once; more get 503 with "
+                                    "Retry-After and are closed. Kept below the open-file limit by a margin "
+                                    "that rebuilding the ranks needs", lo=1)
+    header_timeout_s: float = _setting(float, 10.0, "seconds a client gets to send a request's headers, from "
+                                       "connecting or from the first byte of its next request; then 408 and "
+                                       "the connection is closed", lo=0, above=True)
+    body_timeout_s: float = _setting(float, 30.0, "seconds a request body may pause between two reads; then "
+                                     "408 and the connection is closed", lo=0, above=True)
+    idle_timeout_s: float = _setting(float, 5.0, "seconds a keep-alive connection may stay idle between "
+                                     "requests before the server closes it", lo=0, above=True)
     log_level: str = _setting(str, "info", "log level", choices=("debug", "info", "warning", "error"))
 
     # Deadlines and recovery.
     tp_step_timeout_s: float = _setting(float, 120.0, "deadline of one batched step on every rank (an image "
                                         "prefill gets it per chunk)", lo=0, above=True)
     collective_timeout_s: float = _setting(float, 60.0, "collective timeout (a rank stuck in an all-reduce "
-                                           "gets out)", lo=0, above=True)
+                                           "gets out), and deadline for every rank to join the group", lo=0,
+                                           above=True)
     worker_start_timeout_s: float = _setting(float, 120.0, "deadline for every worker's `pong`", lo=0, above=True)
+    liveness_interval_s: float = _setting(float, 1.0, "seconds between looks at every worker's process state: a "
+                                          "rank seen stopped twice in a row is killed and the ranks rebuilt, "
+                                          "whatever the step deadline", lo=0, above=True)
     load_timeout_s: float = _setting(float, 600.0, "deadline for loading shards", lo=0, above=True)
     recovery_attempts: int = _setting(int, 3, "rebuilds of the ranks tried after a failure before the model "
-                                      "is `failed`", lo=1)
+                                      "is `failed`; one that fails for lack of descriptors or memory does not "
+                                      "count and is retried until the resource is back", lo=1)
     recovery_backoff_s: float = _setting(float, 1.0, "wait before the second rebuild, doubling after each "
-                                         "failed one", lo=0)
+                                         "failed one (up to 30 s)", lo=0)
 
     # Limits on what peers send.
     max_line_bytes: int = _setting("bytes", 64 * 2**20, "longest protocol line between leader and workers")

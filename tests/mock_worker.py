@@ -22,6 +22,8 @@ and carries an `action` (default `reply`) with its parameters:
     garbage     a non-JSON line, then the normal reply
     oversized   an error line with this seq longer than NEURON_MAX_LINE_BYTES, then the normal reply
     version     (ping only) a pong that claims protocol version `protocol`
+    orphan      exit with `code` (default 3) without replying, leaving a child that holds stdout open
+                for `s` seconds (default 5), so the leader sees no EOF
 
 Unmatched requests get the normal reply. The process exits 0 on `shutdown` or stdin EOF.
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -107,6 +110,10 @@ class Mock:
             case "hang":
                 while True:
                     time.sleep(3600)
+            case "orphan":
+                subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({float(rule.get('s', 5.0))})"],
+                                 stdin=subprocess.DEVNULL, stdout=self.out, stderr=subprocess.DEVNULL)
+                os._exit(int(rule.get("code", 3)))
             case "silence":
                 return
             case "stale":

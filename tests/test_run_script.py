@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "NEURON_VENV": sys.prefix}  # the environment these tests run in
+    env = {**os.environ, "VENV_DIR": sys.prefix}  # the environment these tests run in
     return subprocess.run(["bash", str(ROOT / "run"), *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 

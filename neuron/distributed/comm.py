@@ -4,6 +4,10 @@ Backends: `nccl` through CuPy's NCCL binding (GPUs, one rank per device; CuPy 13
 for torch's CUDA major), `gloo` through torch.distributed's ProcessGroupGloo on a TCP store (CPU,
 and CUDA tensors when several ranks share one GPU, which NCCL refuses), and a no-op for a single
 rank.
+
+Ranks share one host, so the gloo rendezvous store and gloo's own pair sockets listen on the
+loopback address only. Joining the group has a deadline and can be aborted from another thread (a
+rank that died while joining), so rank 0 never waits on a peer that is gone.
 """
 
 from __future__ import annotations
@@ -11,9 +15,13 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 import string
+import threading
+import time
 
 import torch
+from torch.distributed import ProcessGroupGloo, Store, TCPStore
 
 from neuron.errors import NeuronError
 
@@ -62,30 +70,112 @@ class SingleRank(Communicator):
         return [tensor]
 
 
-def make_store(address: str, world_size: int, is_master: bool, timeout_s: float):
-    """A TCP store on `host:port`. The master (the leader's rank 0) passes port 0 to get a free one."""
-    from torch.distributed import TCPStore
+LOOPBACK = "127.0.0.1"
+# Gloo retries a refused pair connection for five times the group's timeout: the group is built with
+# this short one, so a rank that died after posting its address fails the join within seconds, and
+# then gets the collective timeout for its operations.
+_CONNECT_TIMEOUT_S = 1.0
+_POLL_S = 0.05
 
+
+def host_store(world_size: int, timeout_s: float) -> TCPStore:
+    """The rendezvous store's server, on a free loopback port (rank 0). TCPStore binds every
+    interface when it opens the port itself, so it is handed a socket bound to loopback."""
+    sock = socket.create_server((LOOPBACK, 0), backlog=max(16, 2 * world_size))
+    port, inode = sock.getsockname()[1], os.fstat(sock.fileno()).st_ino
+    fd = sock.detach()  # the store owns the descriptor from here and closes it
+    try:
+        return TCPStore(LOOPBACK, port, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                        wait_for_workers=False, master_listen_fd=fd, use_libuv=True)
+    except BaseException:
+        _close_if_ours(fd, inode)
+        raise
+
+
+def _close_if_ours(fd: int, inode: int) -> None:
+    """Close `fd` unless the failed store closed it already (and the number was reused since)."""
+    try:
+        if os.fstat(fd).st_ino == inode:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def make_store(address: str, world_size: int, timeout_s: float) -> TCPStore:
+    """A client of the store at `host:port` (the other ranks)."""
     host, _, port = address.rpartition(":")
-    return TCPStore(
-        host,
-        int(port),
-        world_size,
-        is_master=is_master,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
+    return TCPStore(host, int(port), world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                    wait_for_workers=False)
+
+
+class RendezvousAborted(CommError):
+    """Joining the group was given up: a rank died, the deadline passed, or the server is stopping."""
+
+
+class Rendezvous(Store):
+    """The store as the gloo group sees it while ranks join. TCPStore's waits block in C++ for the
+    store's whole timeout; these poll instead, so a join ends at its deadline or as soon as `abort`
+    is called from another thread. Gloo calls back into this object: keep it alive with the group."""
+
+    def __init__(self, store: TCPStore, deadline_s: float):
+        super().__init__()
+        self.store = store
+        self._deadline = time.monotonic() + deadline_s
+        self._aborted: str | None = None
+        self._wake = threading.Event()
+
+    def abort(self, reason: str) -> None:
+        self._aborted = reason
+        self._wake.set()
+
+    def wait(self, keys, timeout=None) -> None:  # gloo's own timeout is the short connect one: ours rules
+        while not self.store.check(keys):
+            if self._aborted is not None:
+                raise RendezvousAborted(f"joining the gloo group was aborted: {self._aborted}")
+            if time.monotonic() > self._deadline:
+                raise RendezvousAborted(f"ranks did not all join the gloo group before the deadline (waiting for "
+                                        f"{', '.join(keys)})")
+            self._wake.wait(_POLL_S)
+
+    def get(self, key):
+        self.wait([key])
+        return self.store.get(key)
+
+    def set(self, key, value) -> None:
+        self.store.set(key, value)
+
+    def add(self, key, amount) -> int:
+        return self.store.add(key, amount)
+
+    def check(self, keys) -> bool:
+        return self.store.check(keys)
+
+    def compare_set(self, key, expected, desired):
+        return self.store.compare_set(key, expected, desired)
+
+    def delete_key(self, key) -> bool:
+        return self.store.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.store.num_keys()
+
+    def set_timeout(self, timeout) -> None:
+        self.store.set_timeout(timeout)
 
 
 class GlooCommunicator(Communicator):
     backend = "gloo"
 
-    def __init__(self, rank: int, world_size: int, store, timeout_s: float):
+    def __init__(self, rank: int, world_size: int, rendezvous: Rendezvous, timeout_s: float):
+        """Join the group through `rendezvous` (raises RendezvousAborted when that is given up);
+        collectives then time out after `timeout_s`."""
         super().__init__(rank, world_size)
-        from torch.distributed import ProcessGroupGloo
-
-        self._store = store  # keep the master store alive as long as the group
-        self._pg = ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=timeout_s))
+        options = ProcessGroupGloo._Options()
+        options._devices = [ProcessGroupGloo.create_device(hostname=LOOPBACK)]  # pair sockets on loopback too
+        options._timeout = datetime.timedelta(seconds=min(timeout_s, _CONNECT_TIMEOUT_S))
+        self._store = rendezvous  # gloo calls back into it: it lives as long as the group
+        self._pg = ProcessGroupGloo(rendezvous, rank, world_size, options)
+        self._pg.set_timeout(datetime.timedelta(seconds=timeout_s))
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         self._pg.allreduce([tensor]).wait()

@@ -7,9 +7,10 @@ event loop with `call_soon_threadsafe`. A request a client abandons therefore le
 a step boundary, and nothing but the engine thread ever touches the ranks.
 
 The lifecycle lives in one place, `AsyncEngine.state`: loading -> ready, and from there failed,
-recovering (a pool being rebuilt) or shutting_down. Shutting down is two steps: `drain` closes
-admission and gives in-flight requests a grace period (the engine keeps stepping), then `stop` ends
-the engine thread and shuts the ranks down.
+recovering (a pool being rebuilt) or shutting_down; `reason` says what a recovery is doing. Shutting
+down is two steps: `drain` closes admission and gives in-flight requests a grace period (the engine
+keeps stepping), then `stop` ends the engine thread and shuts the ranks down, interrupting a start,
+a rebuild or a stuck step rather than waiting for it.
 """
 
 from __future__ import annotations
@@ -26,12 +27,16 @@ from neuron.engine.llm_engine import LLMEngine, Update
 from neuron.engine.metrics import Metrics
 from neuron.engine.sampling import SamplingParams
 from neuron.errors import NeuronError
+from neuron.executor.executor import resource_shortage
 from neuron.multimodal.image import ImageInput
 
 log = logging.getLogger("neuron.server")
 
 # How long the idle engine thread sleeps before re-checking its state; new work wakes it at once.
 _IDLE_WAIT_S = 1.0
+_MAX_BACKOFF_S = 30.0  # between rebuilds that keep failing for lack of descriptors or memory
+_STOP_STEP_WAIT_S = 2.0  # on stop, a step in progress may end by itself this long before the ranks are interrupted
+_STOP_JOIN_S = 5.0  # then the engine thread gets this long to end
 
 
 class EngineState(str, enum.Enum):
@@ -130,14 +135,22 @@ class AsyncEngine:
         max_running: int,
         max_waiting: int,
         metrics: Metrics | None = None,
+        interrupt: Callable[[str], None] | None = None,
     ):
+        """`interrupt(reason)`, callable from any thread, ends what the ranks are doing at once (a
+        start included); without it, `stop` interrupts through the loaded engine's executor."""
         self._factory = factory
+        self._interrupt_hook = interrupt
         self.model_name = model_name
         self.capacity = max_running + max_waiting
         self.metrics = metrics or Metrics()
         self.engine: LLMEngine | None = None
         self._state = EngineState.LOADING
         self._error: str | None = None
+        self._reason: str | None = None  # what a recovery is doing now (rebuilding, waiting to retry)
+        self._building = False  # the engine thread is loading or rebuilding the ranks
+        self._stop_called = False
+        self._stopped = threading.Event()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = threading.Event()  # the engine thread should end (admission closes earlier)
@@ -155,6 +168,11 @@ class AsyncEngine:
     @property
     def error(self) -> str | None:
         return self._error
+
+    @property
+    def reason(self) -> str | None:
+        """While recovering: what the engine is doing about the failure, else None."""
+        return self._reason if self._state is EngineState.RECOVERING else None
 
     def on_state_change(self, listener: Callable[[EngineState], None]) -> None:
         """Call `listener(state)` on the event loop after every transition."""
@@ -182,17 +200,42 @@ class AsyncEngine:
             self._fail_streams("the server is shutting down; the request was cancelled", "shutting_down")
         return left
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop the engine thread and shut the engine down; blocks, so call it off the event loop."""
+    def stop(self, timeout_s: float = _STOP_JOIN_S) -> None:
+        """Stop the engine thread and shut the engine down; blocks, so call it off the event loop.
+        Only the first call does the work; a later one (the lifespan, then `neuron serve`) waits for it."""
+        with self._lock:
+            first, self._stop_called = not self._stop_called, True
+        if not first:
+            self._stopped.wait(_STOP_STEP_WAIT_S + timeout_s)
+            return
+        try:
+            self._stop(timeout_s)
+        finally:
+            self._stopped.set()
+
+    def _stop(self, timeout_s: float) -> None:
         self._set_state(EngineState.SHUTTING_DOWN)
         self._stopping.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                log.warning("engine thread still busy after %.0f s; leaving it to exit on its own", timeout_s)
-            self._call_in_loop(self._fail_streams, "the server is shutting down; the request was cancelled",
-                               "shutting_down")
+        if self._thread is None:
+            return
+        if not self._building:  # an idle loop ends at once, and a step is given a moment to finish
+            self._thread.join(_STOP_STEP_WAIT_S)
+        if self._thread.is_alive():
+            self._interrupt("the server is shutting down")
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("engine thread still busy %.0f s after it was interrupted; leaving it", timeout_s)
+        self._call_in_loop(self._fail_streams, "the server is shutting down; the request was cancelled",
+                           "shutting_down")
+
+    def _interrupt(self, reason: str) -> None:
+        """End a start, a rebuild or a step that would otherwise keep the engine thread past the stop."""
+        executor = getattr(self.engine, "executor", None)
+        hook = self._interrupt_hook or getattr(executor, "abort", None)
+        if hook is not None:
+            log.info("interrupting the ranks: %s", reason)
+            hook(reason)
 
     def _set_state(self, state: EngineState, error: str | None = None) -> None:
         with self._lock:
@@ -200,7 +243,7 @@ class AsyncEngine:
                 return
             self._state, self._error = state, error
         level = logging.ERROR if state is EngineState.FAILED else logging.INFO
-        log.log(level, "engine %s%s", state.value, f": {error}" if error else "")
+        log.log(level, "engine %s%s", state.value, f": {error!r}" if error else "")
         self.metrics.state.state(state.value)
         for listener in self._listeners:
             self._call_in_loop(listener, state)
@@ -214,9 +257,10 @@ class AsyncEngine:
     # ---- requests (event-loop thread) ----
 
     def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-             images: list[ImageInput] | None = None) -> RequestStream:
+             images: list[ImageInput] | None = None, count_prompt: bool = True) -> RequestStream:
         """Submit a request (its image placeholders already expanded); raises NotReady, Overloaded
-        or the engine's RequestError."""
+        or the engine's RequestError. `count_prompt`: False for the further samples of a prompt
+        (n, best_of), whose tokens the prompt-token counter already has."""
         if self._state is not EngineState.READY:
             raise NotReady(self._state, self._error)
         if len(self._streams) >= self.capacity:
@@ -224,7 +268,8 @@ class AsyncEngine:
         self.engine.add_request(request_id, prompt_token_ids, params, images=images)
         stream = RequestStream(self, request_id, len(prompt_token_ids))
         self._streams[request_id] = stream
-        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+        if count_prompt:
+            self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         self._wake.set()
         return stream
 
@@ -245,8 +290,9 @@ class AsyncEngine:
                 continue
             if update.finished:
                 del self._streams[update.request_id]
-                if failure_kind is not None and update.finish_reason == "error":
-                    stream.failure_kind = failure_kind
+                kind = failure_kind or update.failure_kind  # a rank's failure, else the request's own
+                if kind is not None and update.finish_reason == "error":
+                    stream.failure_kind = kind
             stream._put(update)
             if update.finished:
                 self._finished(stream, update)
@@ -258,7 +304,7 @@ class AsyncEngine:
         ttft = (stream.first_token_at or now) - stream.arrival
         log.info("request %s %s: %d prompt + %d output tokens, ttft %.1f ms, total %.1f ms%s",
                  stream.request_id, stream.finish_reason, stream.num_prompt_tokens, stream.num_output_tokens,
-                 ttft * 1e3, (now - stream.arrival) * 1e3, f", error: {update.error}" if update.error else "")
+                 ttft * 1e3, (now - stream.arrival) * 1e3, f", error: {update.error!r}" if update.error else "")
 
     def _fail_streams(self, message: str, failure_kind: str | None = None) -> None:
         """End every open request with an error, and abort it in case the engine still runs it."""
@@ -270,13 +316,18 @@ class AsyncEngine:
     # ---- the engine thread ----
 
     def _run(self) -> None:
+        self._building = True
         try:
             engine = self._factory()
         except Exception as exc:
-            if not isinstance(exc, NeuronError):  # ours carry a message to act on; others need the trace
+            if self._stopping.is_set():
+                log.info("loading stopped: the server is shutting down")
+            elif not isinstance(exc, NeuronError):  # ours carry a message to act on; others need the trace
                 log.exception("engine failed to load")
             self._set_state(EngineState.FAILED, f"{type(exc).__name__}: {exc}")
             return
+        finally:
+            self._building = False
         self.engine = engine
         engine.on_failure(lambda reason: self._wake.set())  # a rank died: act now, not at the next step
         try:
@@ -323,8 +374,11 @@ class AsyncEngine:
 
     def _recover(self, engine: LLMEngine) -> bool:
         """Fail what is in flight, then rebuild the ranks with backoff; after the last failed attempt
-        the state is `failed` and stays so (no restart loop). Returns whether the engine is ready."""
+        the state is `failed` and stays so (no restart loop). A rebuild that failed for lack of
+        descriptors or memory is not counted: it is retried until the resource is back. Returns
+        whether the engine is ready."""
         reason = engine.failure
+        self._reason = "failing the requests in flight"
         self._set_state(EngineState.RECOVERING, reason)
         updates = engine.fail_in_flight(f"the model failed and is recovering: {reason}")
         if updates:
@@ -334,22 +388,43 @@ class AsyncEngine:
             return False
         self.metrics.recoveries.inc()
         attempts, backoff = settings().recovery_attempts, settings().recovery_backoff_s
-        for attempt in range(1, attempts + 1):
-            t0 = time.monotonic()
-            try:
-                engine.restart()
-            except Exception as exc:
-                log.error("recovery attempt %d/%d failed: %s", attempt, attempts, exc)
-                if self._state is EngineState.SHUTTING_DOWN or self._shutdown_requested(backoff * 2 ** (attempt - 1)):
-                    return False
-                continue
-            log.info("recovered in %.0f ms (attempt %d)", (time.monotonic() - t0) * 1e3, attempt)
-            self._set_state(EngineState.READY)
-            return True
+        counted = tries = 0
+        while True:
+            tries += 1
+            self._reason = f"rebuilding the ranks (try {tries})"
+            problem = self._rebuild(engine, tries)
+            if problem is None:
+                self._set_state(EngineState.READY)
+                return True
+            error, shortage = problem
+            counted += shortage is None
+            if counted >= attempts:
+                break
+            wait = min(_MAX_BACKOFF_S, backoff * 2 ** (tries - 1))
+            why = f"short of a resource ({shortage})" if shortage else error
+            self._reason = f"rebuild {tries} failed, {why}; retrying in {wait:g} s"
+            if self._shutdown_requested(wait):
+                return False
         message = f"recovery failed after {attempts} attempts; last failure: {reason}"
         self._set_state(EngineState.FAILED, message)
         self._call_in_loop(self._fail_streams, message)
         return False
+
+    def _rebuild(self, engine: LLMEngine, tries: int) -> tuple[str, str | None] | None:
+        """One rebuild; None when it worked, else what went wrong and the resource that ran out, if
+        that was why (text only: the exception would keep the failed attempt's objects alive)."""
+        t0 = time.monotonic()
+        self._building = True
+        try:
+            engine.restart()
+        except Exception as exc:
+            shortage = resource_shortage(exc)
+            log.error("rebuild %d failed%s: %r", tries, f", short of a resource ({shortage})" if shortage else "", str(exc))
+            return f"{type(exc).__name__}: {exc}", shortage
+        finally:
+            self._building = False
+        log.info("recovered in %.0f ms (try %d)", (time.monotonic() - t0) * 1e3, tries)
+        return None
 
     def _shutdown_requested(self, wait_s: float) -> bool:
         """Sleep for the backoff, waking early for a shutdown."""

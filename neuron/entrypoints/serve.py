@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import sys
 from typing import TYPE_CHECKING
@@ -18,8 +19,10 @@ from neuron.entrypoints.options import add_model, add_options, given
 from neuron.errors import ConfigError
 
 if TYPE_CHECKING:
+    from neuron.engine.async_engine import AsyncEngine
     from neuron.engine.llm_engine import EngineConfig
     from neuron.entrypoints.openai.app import ServerConfig
+    from neuron.entrypoints.openai.connections import ConnectionLimits
 
 log = logging.getLogger("neuron.server")
 
@@ -37,7 +40,8 @@ Example: NEURON_TP=2 NEURON_API_KEY=secret neuron serve ./my-model"""
 # The settings `neuron serve` takes as flags, in the order --help lists them.
 OPTIONS = ("tp", "host", "port", "device", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
            "kv_cache_memory", "gpu_memory_utilization", "no_prefix_caching", "max_waiting", "served_model_name",
-           "api_key", "max_body_bytes", "keepalive_s", "shutdown_grace_s", "log_level")
+           "api_key", "max_body_bytes", "keepalive_s", "shutdown_grace_s", "max_connections", "header_timeout_s",
+           "body_timeout_s", "idle_timeout_s", "log_level")
 
 
 def add_parser(sub) -> None:
@@ -82,20 +86,22 @@ async def serve(engine_cfg, server_cfg, log_level: str = "info") -> int:
     load (1)."""
     import uvicorn
 
-    from neuron.engine.async_engine import AsyncEngine, EngineState
-    from neuron.engine.llm_engine import LLMEngine
+    from neuron.engine.async_engine import EngineState
     from neuron.entrypoints.openai.app import build_app
+    from neuron.entrypoints.openai.connections import rate_limit_server_logs
     from neuron.entrypoints.openai.shutdown import GracefulServer
 
-    engine = AsyncEngine(lambda: LLMEngine(engine_cfg).start(), model_name=served_name(engine_cfg),
-                         max_running=engine_cfg.max_num_seqs, max_waiting=server_cfg.max_waiting)
+    rate_limit_server_logs()
+    warn_if_exposed(server_cfg.host, server_cfg.api_key)
+    limits = connection_limits(server_cfg, engine_cfg.tp)
+    engine = async_engine(engine_cfg, server_cfg)
     app = build_app(engine, server_cfg)
     # Uvicorn's own logs stay at warning: neuron logs one line per request itself.
     quiet = "warning" if log_level.lower() in ("info", "debug") else log_level.lower()
     # Uvicorn's own graceful timeout only backs up ours: by then every request has had its answer.
     config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_level=quiet,
                             timeout_graceful_shutdown=5)
-    server = GracefulServer(config, engine, server_cfg.shutdown_grace_s)
+    server = GracefulServer(config, engine, server_cfg.shutdown_grace_s, limits)
     task = asyncio.create_task(server.serve())
     while not task.done() and not (server.started and engine.state is not EngineState.LOADING):
         await asyncio.sleep(0.05)
@@ -107,10 +113,58 @@ async def serve(engine_cfg, server_cfg, log_level: str = "info") -> int:
         log.error("the model failed to load; stopping")
         server.should_exit = True
     await task
-    # The lifespan has stopped the engine already, unless a signal came while Uvicorn was starting.
+    # The lifespan has stopped the engine already (this returns at once), unless a signal came while
+    # Uvicorn was starting.
     await asyncio.to_thread(engine.stop)
     log.info("stopped")
     return 1 if failed else 0
+
+
+def async_engine(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> AsyncEngine:
+    """The engine behind the server, loading in the background; stopping it interrupts a load or a
+    rebuild of the ranks rather than waiting for it."""
+    from neuron.engine.async_engine import AsyncEngine
+    from neuron.engine.llm_engine import LLMEngine
+
+    loading: list[LLMEngine] = []
+
+    def load() -> LLMEngine:
+        llm = LLMEngine(engine_cfg)
+        loading.append(llm)
+        return llm.start()
+
+    def interrupt(reason: str) -> None:
+        if loading:
+            loading[0].executor.abort(reason)
+
+    return AsyncEngine(load, model_name=served_name(engine_cfg), max_running=engine_cfg.max_num_seqs,
+                       max_waiting=server_cfg.max_waiting, interrupt=interrupt)
+
+
+def connection_limits(cfg: ServerConfig, tp: int) -> ConnectionLimits:
+    """The server's connection limits, the cap lowered to keep descriptors for a rebuild of the ranks."""
+    from neuron.entrypoints.openai.connections import ConnectionLimits, connection_cap
+
+    return ConnectionLimits(connection_cap(cfg.max_connections, tp), cfg.header_timeout_s, cfg.body_timeout_s,
+                            cfg.idle_timeout_s)
+
+
+def warn_if_exposed(host: str, api_key: str | None) -> bool:
+    """Warn when the API listens beyond loopback with no API key; returns whether it warned."""
+    if api_key is not None or is_loopback(host):
+        return False
+    log.warning("listening on %s without an API key: anyone who can reach this port can use the model; set "
+                "--api-key (NEURON_API_KEY), or keep --host at 127.0.0.1 behind a proxy", host)
+    return True
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve to anything
+        return False
 
 
 def served_name(cfg) -> str:

@@ -3,16 +3,19 @@
 Every operation is one protocol message: the executor sends it to the workers and hands the same
 message to rank 0's Worker in-process, then drains one reply per worker. Start-up: spawn workers
 and wait for each `pong` (speaking our protocol version), initialise the communicator, check it
-with a sanity all-reduce, then load every rank's shard. After a failure that may have left the
-ranks out of step (a worker gone, a deadline missed, a forward that raised) the executor refuses
-further steps until it is rebuilt.
+with a sanity all-reduce, then load every rank's shard; each step has a deadline, the
+rendezvous included, and a worker that exits during any of them ends the attempt at once. After a
+failure that may have left the ranks out of step (a worker gone, a deadline missed, a forward that
+raised) the executor refuses further steps until it is rebuilt.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +25,7 @@ import torch
 
 from neuron.config import from_settings, settings
 from neuron.distributed.comm import choose_backend, nccl_unique_id_hex
-from neuron.errors import ConfigError, PoolBroken, WorkerError
+from neuron.errors import ConfigError, NeuronError, PoolBroken, WorkerError
 from neuron.executor.pool import WorkerPool, default_worker_cmd
 from neuron.executor.progress import LoadProgress
 from neuron.models import load_config, text_config
@@ -37,6 +40,31 @@ log = logging.getLogger("neuron.executor")
 # Failures after which ranks may disagree about where they are: the pool must be rebuilt.
 _DESYNC_KINDS = {"timeout", "worker_exited", p.ErrorKind.FORWARD_FAILED, p.ErrorKind.INTERNAL}
 _STEP_LINE_MARGIN = 1 << 20  # room in a step's protocol line for its tokens beside its images
+_JOIN_MARGIN_S = 10.0  # beyond the rendezvous deadline, for gloo to connect its pairs (5 x 1 s at most)
+# Errors that say the machine lacks something a start needs for now, not that the start is wrong.
+_SHORTAGES = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
+
+
+class StartAborted(NeuronError):
+    """Bringing the ranks up was given up because the executor is being stopped."""
+
+
+def resource_shortage(exc: BaseException) -> str | None:
+    """What the machine ran out of (descriptors, memory) if that is why `exc`, or an error behind it,
+    happened; else None. Such a failure is worth retrying once the resource is back; others are not."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, MemoryError):
+            return "memory"
+        if isinstance(exc, OSError) and exc.errno in _SHORTAGES:
+            return os.strerror(exc.errno)
+        text = str(exc)  # errors that crossed the wire or came out of C++ keep only the text
+        for name in sorted(map(os.strerror, _SHORTAGES), key=len, reverse=True):  # "... in system" first
+            if name in text:
+                return name
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 @dataclass(slots=True)
@@ -87,6 +115,7 @@ class Executor:
         self.num_kv_blocks = 0
         self._worker_cmd, self._env = worker_cmd, env
         self.on_failure: Callable[[str], None] | None = None
+        self._stopping: str | None = None
         self._fresh_ranks()
 
     def _fresh_ranks(self) -> None:
@@ -105,12 +134,23 @@ class Executor:
         return codec.max_line_bytes() - _STEP_LINE_MARGIN
 
     def _worker_lost(self, worker) -> None:
-        """From the worker's reader thread, the moment it exits: free rank 0 from any collective
-        and tell whoever listens, without waiting for the next step or its deadline."""
-        if self.rank0.comm is not None:
-            self.rank0.comm.abort()
+        """From the worker's reader thread, the moment it exits: free rank 0 from joining the group or
+        from any collective, and tell whoever listens, without waiting for the next step or its deadline."""
+        reason = self.pool.broken or f"rank {worker.rank} exited"
+        self.rank0.abort(reason)
         if self.on_failure is not None:
-            self.on_failure(self.pool.broken or f"rank {worker.rank} exited")
+            self.on_failure(reason)
+
+    def abort(self, reason: str) -> None:
+        """From any thread, for good (the server stops): end whatever the ranks are doing (a start, a
+        rebuild, a step) at once. Workers are killed, not asked to exit; `shutdown` still reaps them."""
+        self._stopping = reason
+        self.pool.interrupt(reason)
+        self.rank0.abort(reason)
+
+    def _check_stopping(self) -> None:
+        if self._stopping is not None:
+            raise StartAborted(f"start-up abandoned: {self._stopping}")
 
     def restart(self) -> None:
         """Kill and reap every worker, free rank 0's model, and bring the model up again."""
@@ -122,11 +162,14 @@ class Executor:
     def start(self) -> "Executor":
         t0 = time.perf_counter()
         try:
+            self._check_stopping()
             self._check_versions(self.pool.spawn(self.cfg.start_timeout_s))
+            self._check_stopping()
             self._init_comm()
+            self._check_stopping()
             self._load()
         except BaseException:
-            self.pool.kill()
+            self.pool.kill()  # nothing of a failed attempt keeps running or listening
             self.rank0.close()
             raise
         log.info("model %s ready on tp=%d (%s) in %.0f ms", self.cfg.model_id, self.cfg.tp, self.backend,
@@ -149,7 +192,8 @@ class Executor:
             comm_id = nccl_unique_id_hex()
         else:
             comm_id = ""
-        self._run(lambda seq: p.Init(seq=seq, backend=self.backend, comm_id=comm_id, timeout_s=timeout), timeout + 30)
+        self._run(lambda seq: p.Init(seq=seq, backend=self.backend, comm_id=comm_id, timeout_s=timeout),
+                  timeout + _JOIN_MARGIN_S)
         replies, _ = self._run(lambda seq: p.CommSanityCheck(seq=seq), timeout)
         sums = [r.observed_sum for r in replies]
         if any(abs(s - self.cfg.tp) > 1e-3 for s in sums):

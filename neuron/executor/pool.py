@@ -2,7 +2,10 @@
 
 Every fan-out is followed by a drain of exactly one reply per worker, on every path, matched by
 `seq`: a reply with another seq is stale and is logged and dropped. Every wait has a deadline,
-and a worker that exits is noticed at once (its reader thread sees EOF), not at the deadline.
+and a worker that exits is noticed at once (its reader thread sees EOF), not at the deadline. A
+liveness monitor looks at every worker's process state each second, between steps too: a rank
+stopped (SIGSTOP, a debugger) is killed as the step watchdog would kill it, and a rank whose
+process is gone without its output closing is reported as exited.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from neuron.config import settings
 from neuron.errors import PoolBroken, WorkerError
 from neuron.rpc import codec
 from neuron.rpc import protocol as p
@@ -27,6 +31,11 @@ log = logging.getLogger("neuron.pool")
 
 _EOF = object()
 _DRAIN_GRACE_S = 2.0
+_JOIN_S = 2.0  # how long a torn-down pool waits for a reader thread to see its worker's EOF
+_REAP_S = 0.5  # a worker's output closes a moment before it can be reaped: wait this long for its code
+# A rank seen stopped on this many checks in a row is frozen: one look could catch a whole process
+# group stopped by Ctrl-Z and resumed, the leader waking a moment before its workers.
+_FROZEN_CHECKS = 2
 
 
 def default_worker_cmd(rank: int, world_size: int, device: str) -> list[str]:
@@ -42,11 +51,26 @@ class WorkerProcess:
     proc: subprocess.Popen
     replies: queue.Queue = field(default_factory=queue.Queue)
     on_exit: Callable[["WorkerProcess"], None] | None = None
-    killed_for_deadline: bool = False
+    killed_because: str | None = None  # why the leader killed it (deadline, frozen), for the step's error
+    exit_reported: bool = False
+    threads: list[threading.Thread] = field(default_factory=list)
 
     def start_threads(self) -> None:
-        threading.Thread(target=self._read_stdout, name=f"rank{self.rank}-stdout", daemon=True).start()
-        threading.Thread(target=self._pass_stderr, name=f"rank{self.rank}-stderr", daemon=True).start()
+        self.threads = [threading.Thread(target=self._read_stdout, name=f"rank{self.rank}-stdout", daemon=True),
+                        threading.Thread(target=self._pass_stderr, name=f"rank{self.rank}-stderr", daemon=True)]
+        for t in self.threads:
+            t.start()
+
+    def kill(self, reason: str) -> None:
+        """SIGKILL, remembering why: its reader then sees EOF and the step that waits on it fails
+        with `reason` rather than with a plain exit."""
+        self.killed_because = self.killed_because or reason
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+    def join_threads(self) -> None:
+        for t in self.threads:
+            t.join(_JOIN_S)
 
     def _read_stdout(self) -> None:
         limit = codec.max_line_bytes()
@@ -58,10 +82,10 @@ class WorkerProcess:
                 continue
             except (OSError, ValueError):
                 line = None
-            if line is None:
-                self.replies.put(_EOF)
+            if line is None:  # the exit is reported (pool broken, rank 0 freed) before a waiting step sees it
                 if self.on_exit:
                     self.on_exit(self)
+                self.replies.put(_EOF)
                 return
             reply = codec.decode_reply(line)
             if reply is None:
@@ -93,8 +117,8 @@ class WorkerProcess:
                 raise WorkerError(self.rank, "timeout", f"no reply to seq {seq} before the deadline") from None
             if reply is _EOF:
                 self.replies.put(_EOF)  # later waits fail fast too
-                if self.killed_for_deadline:
-                    raise WorkerError(self.rank, "timeout", "missed the step deadline; the rank was killed")
+                if self.killed_because is not None:
+                    raise WorkerError(self.rank, "timeout", f"{self.killed_because}; the rank was killed")
                 raise WorkerError(self.rank, "worker_exited", self._exit_text())
             if reply.seq != seq:
                 log.warning("rank %d: discarding stale %s (seq %d, awaiting %d)", self.rank,
@@ -134,6 +158,9 @@ class WorkerPool:
         self._seq = itertools.count(1)
         self._on_worker_exit: Callable[[WorkerProcess], None] | None = None
         self._closing = False
+        self._lock = threading.Lock()  # one exit report per worker, from its reader or the monitor
+        self._monitor_stop = threading.Event()
+        self._monitor: threading.Thread | None = None
 
     # ---- lifecycle ----
 
@@ -148,16 +175,57 @@ class WorkerPool:
             worker.start_threads()
             self.workers.append(worker)
         log.info("spawned %d worker(s)", len(self.workers))
+        self._start_monitor()
         return self.broadcast(lambda seq: p.Ping(seq=seq), deadline_s)
 
     def _worker_exited(self, worker: WorkerProcess) -> None:
-        if self._closing:
-            return
-        code = worker.proc.poll()
+        with self._lock:
+            if self._closing or worker.exit_reported:
+                return
+            worker.exit_reported = True
+        try:
+            code = worker.proc.wait(timeout=_REAP_S)
+        except subprocess.TimeoutExpired:
+            code = None
         log.error("rank %d exited unexpectedly (code %s)", worker.rank, code)
         self.broken = self.broken or f"rank {worker.rank} exited (code {code})"
         if self._on_worker_exit:
             self._on_worker_exit(worker)
+
+    # ---- liveness ----
+
+    def _start_monitor(self) -> None:
+        if self.workers and self._monitor is None:
+            self._monitor = threading.Thread(target=self._watch_liveness, args=(settings().liveness_interval_s,),
+                                             name="worker-liveness", daemon=True)
+            self._monitor.start()
+
+    def _stop_monitor(self) -> None:
+        self._monitor_stop.set()
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(_JOIN_S)
+
+    def _watch_liveness(self, interval_s: float) -> None:
+        """Independent of any step deadline: a frozen rank is killed within about two intervals,
+        between steps as well as during one, and a rank gone without its EOF is reported."""
+        stopped_checks = {w.rank: 0 for w in self.workers}
+        while not self._monitor_stop.wait(interval_s):
+            for w in list(self.workers):
+                if w.proc.poll() is not None:
+                    if not w.exit_reported:  # its reader never sees EOF while a child of it holds the pipe
+                        self._worker_exited(w)
+                        w.replies.put(_EOF)
+                    continue
+                stopped_checks[w.rank] = stopped_checks.get(w.rank, 0) + 1 if procfs.stopped(w.proc.pid) else 0
+                if stopped_checks[w.rank] >= _FROZEN_CHECKS and w.killed_because is None:
+                    self._condemn(w, f"was frozen (process state {procfs.state(w.proc.pid)})")
+
+    def _condemn(self, w: WorkerProcess, reason: str) -> None:
+        """Kill a rank that cannot answer; its EOF then fails the step that waits on it, aborts rank 0's
+        communicator and wakes the engine, as any exit does."""
+        log.error("rank %d %s; killing it", w.rank, reason)
+        self.broken = self.broken or f"rank {w.rank} {reason}"
+        w.kill(reason)
 
     def on_worker_exit(self, callback: Callable[[WorkerProcess], None]) -> None:
         """Called from the worker's reader thread the moment its output closes."""
@@ -166,6 +234,7 @@ class WorkerPool:
     def shutdown(self, grace_s: float = 5.0) -> None:
         """Ask every worker to exit, then reap it; kill whoever outstays the grace period."""
         self._closing = True
+        self._stop_monitor()
         for w in self.workers:
             if w.alive():
                 try:
@@ -184,19 +253,32 @@ class WorkerPool:
                 log.warning("rank %d did not exit within %.1fs; killing it", w.rank, grace_s)
                 w.proc.kill()
                 w.proc.wait()
-        self.workers = []
+        self._forget_workers()
         self.broken = self.broken or "shut down"
 
     def kill(self) -> None:
-        """Tear down at once (the pool is beyond saving)."""
+        """Tear down at once (the pool is beyond saving); nothing of it keeps running."""
         self._closing = True
+        self._stop_monitor()
         for w in self.workers:
             if w.alive():
                 w.proc.kill()
         for w in self.workers:
             w.proc.wait()
-        self.workers = []
+        self._forget_workers()
         self.broken = self.broken or "killed"
+
+    def interrupt(self, reason: str) -> None:
+        """From any thread: kill every worker so whatever waits on them (a start-up step, a step)
+        fails at once. The owner still reaps them with `kill` or `shutdown`."""
+        self.broken = self.broken or reason
+        for w in list(self.workers):
+            w.kill(reason)
+
+    def _forget_workers(self) -> None:
+        for w in self.workers:
+            w.join_threads()
+        self.workers = []
 
     # ---- fan-out and drain ----
 
@@ -265,8 +347,5 @@ class WorkerPool:
         # others' collectives fail and they answer. Only if none is frozen are all owing ones killed.
         culprits = [w for w in owing if procfs.stopped(w.proc.pid)] or owing
         for w in culprits:
-            log.error("rank %d missed the step deadline; killing it", w.rank)
-            w.killed_for_deadline = True
-            w.proc.kill()
-        self.broken = self.broken or "a rank missed the step deadline"
+            self._condemn(w, "missed the step deadline")
 

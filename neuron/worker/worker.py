@@ -15,7 +15,15 @@ from typing import Any, Callable
 import torch
 
 from neuron.config import settings
-from neuron.distributed.comm import Communicator, GlooCommunicator, NcclCommunicator, SingleRank, make_store
+from neuron.distributed.comm import (
+    Communicator,
+    GlooCommunicator,
+    NcclCommunicator,
+    Rendezvous,
+    SingleRank,
+    host_store,
+    make_store,
+)
 from neuron.errors import ConfigError, UnsupportedModel
 from neuron.models import build_model
 from neuron.models.inputs import SeqStep
@@ -73,12 +81,23 @@ class Worker:
         self.comm: Communicator | None = SingleRank() if world_size == 1 else None
         self.models: dict[str, Any] = {}
         self.on_layer_loaded: Callable[[int, int], None] | None = None  # the leader's progress bar
-        self._hosted_store = None
+        self._joining: Rendezvous | None = None  # rank 0: the rendezvous it hosts, until the group is built
 
     def host_store(self, timeout_s: float) -> str:
-        """Rank 0 only: listen for the gloo rendezvous on a free loopback port; returns its address."""
-        self._hosted_store = make_store("127.0.0.1:0", self.world_size, True, timeout_s)
-        return f"127.0.0.1:{self._hosted_store.port}"
+        """Rank 0 only: listen for the gloo rendezvous on a free loopback port; returns its address.
+        Joining through it may take `timeout_s` and can be cut short by `abort` from then on."""
+        store = host_store(self.world_size, timeout_s)
+        self._joining = Rendezvous(store, timeout_s)
+        return f"{store.host}:{store.port}"
+
+    def abort(self, reason: str) -> None:
+        """From another thread (a rank died, the server stops): free this rank from joining the group
+        or from a collective, whichever it is in. Called on rank 0, which shares the leader's process."""
+        joining, comm = self._joining, self.comm
+        if joining is not None:
+            joining.abort(reason)
+        if comm is not None:
+            comm.abort()
 
     # ---- the one entry point ----
 
@@ -133,8 +152,9 @@ class Worker:
             if backend == "single" or self.world_size == 1:
                 self.comm = SingleRank()
             elif backend == "gloo":
-                store = self._hosted_store or make_store(req.comm_id, self.world_size, False, req.timeout_s)
-                self.comm = GlooCommunicator(self.rank, self.world_size, store, req.timeout_s)
+                joining = self._joining or Rendezvous(make_store(req.comm_id, self.world_size, req.timeout_s),
+                                                      req.timeout_s)
+                self.comm = GlooCommunicator(self.rank, self.world_size, joining, req.timeout_s)
             elif backend == "nccl":
                 self.comm = NcclCommunicator(self.rank, self.world_size, req.comm_id, self.device)
             else:
@@ -144,7 +164,7 @@ class Worker:
         except Exception as exc:
             raise WorkerFailure(p.ErrorKind.COMM_INIT_FAILED, f"{backend} init failed: {exc}") from exc
         finally:
-            self._hosted_store = None  # the communicator keeps it alive from here
+            self._joining = None  # the communicator keeps the store alive from here; a failed join drops it
 
     def _sanity(self) -> float:
         t = torch.ones(1, device=self.device)
@@ -223,6 +243,7 @@ class Worker:
     def close(self) -> None:
         """Drop the models and the communicator, and give their device memory back."""
         self.models.clear()
+        self._joining = None  # a store hosted for a join that never happened stops listening
         if self.comm is not None:
             self.comm.close()
         release_device_memory(self.device)

@@ -13,6 +13,7 @@ import anyio
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -20,11 +21,20 @@ from starlette.routing import Route
 from neuron.config import check, from_settings
 from neuron.engine.async_engine import AsyncEngine, EngineState
 from neuron.entrypoints.openai.api_errors import APIError, bad_request, internal
-from neuron.entrypoints.openai.api_types import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from neuron.entrypoints.openai.api_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
 from neuron.entrypoints.openai.common import ready_engine
+from neuron.entrypoints.openai.connections import BodyTimeout
 from neuron.entrypoints.openai.prompt_input import tokenize_limiter
 from neuron.entrypoints.openai.serving_chat import create_chat_completion
 from neuron.entrypoints.openai.serving_completions import create_completion
+from neuron.entrypoints.openai.serving_tokenization import detokenize, tokenize
 
 log = logging.getLogger("neuron.server")
 
@@ -44,6 +54,10 @@ class ServerConfig:
     keepalive_s: float = from_settings("keepalive_s")  # SSE comment interval while a stream has nothing to say
     shutdown_grace_s: float = from_settings("shutdown_grace_s")  # for in-flight requests
     max_waiting: int = from_settings("max_waiting")  # requests queued for a slot before 503
+    max_connections: int = from_settings("max_connections")  # open connections; `neuron serve` may lower it
+    header_timeout_s: float = from_settings("header_timeout_s")
+    body_timeout_s: float = from_settings("body_timeout_s")  # longest pause between two reads of a body
+    idle_timeout_s: float = from_settings("idle_timeout_s")  # keep-alive connections between requests
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -58,6 +72,8 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> Starlette:
         Route("/v1/models", api.endpoint("models", api.models), methods=["GET"]),
         Route("/v1/chat/completions", api.endpoint("chat", api.chat), methods=["POST"]),
         Route("/v1/completions", api.endpoint("completions", api.completions), methods=["POST"]),
+        Route("/tokenize", api.endpoint("tokenize", api.tokenize), methods=["POST"]),
+        Route("/detokenize", api.endpoint("detokenize", api.detokenize), methods=["POST"]),
     ]
 
     @asynccontextmanager
@@ -66,7 +82,9 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> Starlette:
         yield
         await anyio.to_thread.run_sync(engine.stop)
 
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    middleware = [Middleware(BodyTimeout, timeout_s=cfg.body_timeout_s)]
+    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+                     exception_handlers={HTTPException: _http_error})
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -120,10 +138,14 @@ class _Api:
                            headers={"WWW-Authenticate": "Bearer"})
 
     async def health(self, request: Request) -> Response:
+        """200 when ready; else 503 with the state, the failure (`error`) and, while recovering, what
+        the recovery is doing (`reason`: rebuilding, or waiting to retry and why)."""
         state = self.engine.state
         body = {"status": state.value}
         if self.engine.error:
             body["error"] = self.engine.error
+        if self.engine.reason:
+            body["reason"] = self.engine.reason
         return JSONResponse(body, 200 if state is EngineState.READY else 503)
 
     async def metrics(self, request: Request) -> Response:
@@ -141,6 +163,12 @@ class _Api:
     async def completions(self, request: Request) -> Response:
         req = await self._decode(request, CompletionRequest)
         return await create_completion(request, self.engine, req, self.cfg.keepalive_s, self.limiter)
+
+    async def tokenize(self, request: Request) -> Response:
+        return await tokenize(self.engine, await self._decode(request, TokenizeRequest), self.limiter)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await detokenize(self.engine, await self._decode(request, DetokenizeRequest), self.limiter)
 
     async def _decode(self, request: Request, kind: type):
         return decode_body(await read_body(request, self.cfg.max_body_bytes), kind)

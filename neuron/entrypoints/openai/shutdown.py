@@ -10,7 +10,8 @@ the middle of a chunk, and re-raises the signal once it is done (so SIGTERM ends
 3. cancels what is still running with a clean error (a 503, or a final SSE error event);
 4. stops Uvicorn, whose lifespan shutdown stops the engine: workers get `shutdown` and are reaped.
 
-A second signal skips what is left of the grace period.
+A second signal skips what is left of the grace period. The server also applies the connection
+limits and read deadlines of `connections.py`, so every server neuron runs has them.
 """
 
 from __future__ import annotations
@@ -23,12 +24,18 @@ from types import FrameType
 import uvicorn
 
 from neuron.engine.async_engine import AsyncEngine
+from neuron.entrypoints.openai.connections import ConnectionLimits, guarded_protocol
 
 log = logging.getLogger("neuron.server")
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_s: float):
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_s: float,
+                 limits: ConnectionLimits | None = None):
+        """`limits`: the connection cap and read deadlines; their settings when left out."""
+        limits = limits or ConnectionLimits.from_settings()
+        config.http = guarded_protocol(limits)
+        config.timeout_keep_alive = limits.idle_timeout_s
         super().__init__(config)
         self.engine = engine
         self.grace_s = grace_s
