@@ -13,6 +13,7 @@ _LAZY = {
     "RequestOutput": "neuron.entrypoints.llm",
     "CompletionOutput": "neuron.entrypoints.llm",
     "SamplingParams": "neuron.engine.sampling",
+    "GuidedDecodingParams": "neuron.engine.structured_output",
 }
 
 
@@ -25,4 +26,4 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput", "__version__"]

@@ -157,6 +157,24 @@ def test_decode_out_of_blocks_preempts_the_newest():
     assert (batch[0].offset, batch[0].token_ids, len(batch[0].new_blocks)) == (2, [7, 11], 2)
 
 
+def test_a_block_being_computed_is_waited_for_not_computed_twice():
+    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=64, blocks=BlockManager(16, 4))
+    prompt = list(range(1, 11))  # two full blocks of 4 and a partial one
+    a, b, other = seq(prompt, "a"), seq(prompt, "b"), seq([50, 51, 52], "other")
+    for s in (a, b, other):
+        sched.add(s)
+    batch = sched.schedule()
+    assert [s.seq for s in batch] == [a, other]  # b waits for a's blocks; the request behind it does not
+    assert list(sched.waiting) == [b]
+    sched.computed(batch)
+    a.output_token_ids.append(99)
+    other.output_token_ids.append(98)
+    batch = sched.schedule()
+    assert [(s.seq, s.offset, s.token_ids) for s in batch] == [(a, 10, [99]), (other, 3, [98]), (b, 8, [9, 10])]
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (23, 8)
+
+
 # ---- a rank's cache ----
 
 

@@ -194,7 +194,9 @@ def test_unknown_model_is_404(default_server):
      "temperature"),
     (b'{"model": "neuron-default", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}',
      "max_completion_tokens"),
-    (b'{"model": "neuron-default", "messages": [{"role": "user", "content": "x"}], "n": 2}', "n"),
+    (b'{"model": "neuron-default", "messages": [{"role": "user", "content": "x"}], "n": 0}', "n"),
+    (b'{"model": "neuron-default", "messages": [{"role": "user", "content": "x"}], "n": 2, "best_of": 1}',
+     "best_of"),
     (b'{"model": "neuron-default", "messages": [], "stream": true}', "messages"),
     (b'{"model": "neuron-default", "messages": [{"role": "user", "content": "x"}], "logprobs": true, '
      b'"top_logprobs": 50}', "top_logprobs"),
@@ -217,7 +219,7 @@ def test_bad_chat_requests_are_400(default_server, payload, param):
     assert error["param"] == param
 
 
-@pytest.mark.parametrize("prompt", [[], [[1], [2]], ["a", "b"], [1.5], {"x": 1}, [-1], [10**6]])
+@pytest.mark.parametrize("prompt", [[], [[1], []], ["a", 5], [1.5], {"x": 1}, [-1], [10**6], ["a", [10**6]]])
 def test_bad_completion_prompts_are_400(default_server, prompt):
     r = httpx.post(f"{default_server.base_url}/completions", json={"model": "neuron-default", "prompt": prompt})
     assert r.status_code == 400, r.text

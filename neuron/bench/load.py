@@ -160,6 +160,9 @@ async def first_model(client: httpx.AsyncClient, base_url: str) -> str:
         resp = await client.get(url)
         resp.raise_for_status()
         return resp.json()["data"][0]["id"]
+    except httpx.ConnectError as e:  # nothing listens there: --model would not help
+        message = f"cannot connect to {base_url} ({e}); is the server running, and is --base-url right?"
+        raise BenchError(message) from None
     except (httpx.HTTPError, ValueError, LookupError, TypeError) as e:
         raise BenchError(f"cannot read a model name from {url} ({type(e).__name__}: {e}); pass --model") from None
 

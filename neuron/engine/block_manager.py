@@ -115,6 +115,21 @@ class BlockManager:
                 self.cached[hashes[i]] = block.id
         seq.num_cached_blocks = full
 
+    def computing_elsewhere(self, seq: Sequence, others: list[Sequence]) -> bool:
+        """Whether the first of the sequence's full blocks that the prefix cache lacks is being
+        computed right now by one of `others` (the same tokens up to the end of that block). The
+        sequence then waits, and takes the block from the cache once it is there instead of
+        computing it a second time: the samples of one prompt prefill it once."""
+        if not self.enable_prefix_caching or seq.images:
+            return False
+        k = len(self._cached_prefix(seq))
+        hashes = self._hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        if k == len(hashes):
+            return False  # nothing more to share
+        end = (k + 1) * self.block_size
+        return any(len(o.block_hashes) > k and o.block_hashes[k] == hashes[k] and o.num_computed < end
+                   for o in others)
+
     # ---- internals ----
 
     def _missing(self, seq: Sequence) -> int:

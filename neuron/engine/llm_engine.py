@@ -19,6 +19,7 @@ from neuron.engine.output_processor import OutputProcessor, Update
 from neuron.engine.sampling import SampleFailure, SamplingParams, SequenceSampler, sample
 from neuron.engine.scheduler import Scheduled, Scheduler
 from neuron.engine.sequence import Sequence
+from neuron.engine.structured_output import GrammarError, GrammarMatcher, StructuredOutput, TokenBitmask
 from neuron.engine.tokenizer import Tokenizer
 from neuron.errors import ConfigError, NeuronError, WorkerError
 from neuron.executor.executor import Executor, ExecutorConfig
@@ -116,6 +117,8 @@ class LLMEngine:
         self.executor = Executor(executor_cfg, model_config=self.config, **kwargs)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.structured = (StructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids)
+                           if self.tokenizer is not None else None)
 
     def start(self) -> "LLMEngine":
         self.executor.start()
@@ -177,6 +180,9 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  images: list[ImageInput] | None = None) -> int:
         """Refuse a request that cannot run; return its max_tokens clamped to the context."""
+        if params.n != 1 or params.best_of not in (None, 1):
+            raise RequestError("the engine runs one sample per request: split n and best_of into one request per "
+                               "sample first (parallel_sampling.sample_params)", param="n")
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty", param="prompt")
@@ -190,6 +196,7 @@ class LLMEngine:
                                param="prompt")
         self._check_placeholders(prompt_token_ids, images or [])
         self._check_samplable(params)
+        self._grammar(params)
         room = self.max_model_len - n
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
@@ -240,8 +247,21 @@ class LLMEngine:
         (`expand_images`) and must hold each image's run of tokens, in order."""
         max_tokens = self.validate(prompt_token_ids, params, images)
         sampler = SequenceSampler(params, prompt_token_ids, self.vocab_size, self.executor.devices[0])
-        seq = Sequence(request_id, list(prompt_token_ids), params, sampler, max_tokens, images=list(images or []))
+        seq = Sequence(request_id, list(prompt_token_ids), params, sampler, max_tokens, images=list(images or []),
+                       grammar=self._grammar(params))
         self._inbox.put(("add", seq))
+
+    def _grammar(self, params: SamplingParams) -> GrammarMatcher | None:
+        """A new sequence's place in its structured output's grammar. A grammar the server compiled
+        comes as is; a GuidedDecodingParams is compiled here, in the caller's thread (cached)."""
+        if params.guided_decoding is None:
+            return None
+        if self.structured is None:
+            raise RequestError("structured output needs the checkpoint's tokenizer.json", param="guided_decoding")
+        try:
+            return self.structured.compile(params.guided_decoding).matcher()
+        except GrammarError as exc:
+            raise RequestError(str(exc), param=exc.param) from None
 
     def _check_placeholders(self, prompt_token_ids: list[int], images: list[ImageInput]) -> None:
         if self.vision is None:
@@ -335,7 +355,7 @@ class LLMEngine:
     def _sample(self, ready: list[Scheduled], logits: torch.Tensor) -> list[Update]:
         """Sample every ready sequence and advance it; a fault in one sequence ends it alone."""
         try:
-            result = sample(logits, [s.seq.sampler for s in ready], self.eos_token_ids)
+            result = sample(logits, [s.seq.sampler for s in ready], self.eos_token_ids, self._allowed(ready))
         except Exception as exc:  # noqa: BLE001 - contained: each row is retried alone
             # Not a row the sampler could name: find it by sampling each row alone. A seeded row
             # drawn before the fault may draw again, so its token can differ from a clean step's.
@@ -347,10 +367,16 @@ class LLMEngine:
 
     def _sample_alone(self, s: Scheduled, row: torch.Tensor) -> Update:
         try:
-            result = sample(row, [s.seq.sampler], self.eos_token_ids)
+            result = sample(row, [s.seq.sampler], self.eos_token_ids, self._allowed([s]))
         except Exception as exc:  # noqa: BLE001 - contained: this sequence alone ends
             return self._fail([s.seq], _internal("sampling", exc), "internal_error", exc)[0]
         return self._advance_or_fail(s, result.token_ids[0], result.logprobs[0], result.failed.get(0))
+
+    def _allowed(self, ready: list[Scheduled]) -> TokenBitmask | None:
+        """The grammar masks of the sequences with structured output, one call for the batch."""
+        if self.structured is None:
+            return None
+        return self.structured.allowed_tokens([s.seq.grammar for s in ready])
 
     def _advance_or_fail(self, s: Scheduled, token: int, logprobs: dict[int, float] | None,
                          failure: SampleFailure | None) -> Update:
@@ -385,6 +411,8 @@ class LLMEngine:
         seq = s.seq
         seq.output_token_ids.append(token)
         seq.sampler.append(token)
+        if seq.grammar is not None and not seq.grammar.accept(token):  # a grammar past its limits, mid-way
+            return self._fail([seq], f"structured output failed: {seq.grammar.error}", "invalid_request")[0]
         update = self.outputs.process(seq, token, logprobs)
         if update.finished:
             self.scheduler.finish(seq, update.finish_reason, update.stop_reason)

@@ -77,8 +77,8 @@ class OutputProcessor:
         tr = self._tracked[seq.request_id]
         reason, stop_reason = self._stop_check(seq, token)
         if tr.detok is not None:
-            if not (reason == "stop" and stop_reason is None):  # the EOS token itself is not output
-                tr.text += tr.detok.push(token)
+            if not (reason == "stop" and stop_reason is None and token in self.eos_token_ids):
+                tr.text += tr.detok.push(token)  # the EOS token that stops a sequence is not output
             if reason is None and tr.stop:
                 reason, stop_reason = self._stop_strings(tr)
             if reason is not None and not isinstance(stop_reason, str):
@@ -106,6 +106,8 @@ class OutputProcessor:
                 return "stop", None
             if p.stop_token_ids and token in p.stop_token_ids:
                 return "stop", token
+        if seq.grammar is not None and seq.grammar.terminated:  # structured output: nothing may follow
+            return "stop", None
         if n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length", None
         return None, None
@@ -189,17 +191,25 @@ class LogprobRenderer:
     def __init__(self, tokenizer: Tokenizer | None, as_ids: bool):
         self._decode = _decoder(tokenizer) if tokenizer is not None else None
         self._as_ids = as_ids or tokenizer is None
+        self._tokenizer = tokenizer
         self._offset = 0  # characters of completion text before the next token
 
     def token(self, token_id: int) -> str:
         return f"token_id:{token_id}" if self._as_ids else self._decode(token_id)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes (part of a UTF-8 character for some tokens, where its text is
+        U+FFFD); the bytes of `token_id:N` where tokens are rendered so."""
+        if self._as_ids:
+            return list(self.token(token_id).encode())
+        return list(self._tokenizer.token_bytes(token_id))
 
     def chat(self, token_ids: list[int], logprobs: list[dict[int, float]], n: int) -> list[SampledToken]:
         """Each sampled token with its `n` most likely alternatives."""
         out = []
         for token, entry in zip(token_ids, logprobs):
             text = self.token(token)
-            out.append(SampledToken(text, _clamp(entry[token]), list(text.encode()), self._top(entry, n)))
+            out.append(SampledToken(text, _clamp(entry[token]), self.token_bytes(token), self._top(entry, n)))
         return out
 
     def completion(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> TextLogprobs:
@@ -220,7 +230,7 @@ class LogprobRenderer:
 
     def _top(self, entry: dict[int, float], n: int) -> list[TopToken]:
         ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:n]
-        return [TopToken(tok := self.token(t), _clamp(v), list(tok.encode())) for t, v in ranked]
+        return [TopToken(self.token(t), _clamp(v), self.token_bytes(t)) for t, v in ranked]
 
 
 @lru_cache(maxsize=8)

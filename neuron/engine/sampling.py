@@ -1,8 +1,9 @@
 """Choosing the next token of every sequence in a batched step, from rank-0 logits.
 
 Order of operations (vLLM / Hugging Face): min_tokens masks EOS and stop ids, then the
-repetition, frequency and presence penalties, then greedy argmax or temperature, top_k, top_p,
-min_p and a draw from the sequence's own generator. Logprobs are always those of the raw logits.
+repetition, frequency and presence penalties, then the structured-output grammar's mask, then
+greedy argmax or temperature, top_k, top_p, min_p and a draw from the sequence's own generator.
+Logprobs are always those of the raw logits.
 
 A row with no token left to pick (every logit -inf, or a NaN) never reaches argmax or
 `torch.multinomial`: it is reported as failed, with the reason, and the other rows are sampled as
@@ -13,8 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from neuron.engine.structured_output import CompiledGrammar, GuidedDecodingParams, TokenBitmask
 
 MAX_LOGPROBS = 20
 
@@ -42,7 +47,8 @@ def _check(ok: bool, param: str, allowed: str, value: object) -> None:
 class SamplingParams:
     """Per-request sampling settings, named and defaulted as in vLLM."""
 
-    n: int = 1
+    n: int = 1  # samples returned
+    best_of: int | None = None  # samples generated, the n with the highest cumulative logprob returned; None: n
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -58,6 +64,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Structured output: what the text must match. The server hands the engine the grammar it
+    # already compiled (off the event loop); a GuidedDecodingParams is compiled when the request is added.
+    guided_decoding: GuidedDecodingParams | CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,8 +92,9 @@ class SamplingParams:
 
     def _check_sampling(self) -> None:
         # Each check is a comparison NaN fails, so NaN is rejected too.
-        # n > 1 passes here and is refused where requests enter, which say so; below 1 is never valid.
-        _check(self.n >= 1, "n", "1 (one completion per request)", self.n)
+        _check(self.n >= 1, "n", ">= 1", self.n)
+        if self.best_of is not None:
+            _check(self.best_of >= self.n, "best_of", f">= n ({self.n}) or null", self.best_of)
         _check(self.temperature >= 0, "temperature", ">= 0", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         top_k_ok = self.top_k in (0, -1) or self.top_k >= 1
@@ -212,21 +222,23 @@ class SampleResult:
 
 
 def sample(
-    logits: torch.Tensor, samplers: list[SequenceSampler], eos_token_ids: Sequence[int] = ()
+    logits: torch.Tensor, samplers: list[SequenceSampler], eos_token_ids: Sequence[int] = (),
+    allowed: TokenBitmask | None = None,
 ) -> SampleResult:
-    """Pick one token per row of `logits` ([B, V]); does not modify `logits`."""
+    """Pick one token per row of `logits` ([B, V]); does not modify `logits`. `allowed`: the
+    tokens the rows with a grammar may take (structured output)."""
     if logits.dim() != 2 or logits.shape[0] != len(samplers):
         raise ValueError(
             f"logits must be [{len(samplers)}, V] (one row per sampler), got {list(logits.shape)}"
         )
-    if all(s.plain_greedy for s in samplers):
+    if allowed is None and all(s.plain_greedy for s in samplers):
         token_ids = _greedy(logits).tolist()
         failed = _failures(logits, token_ids, samplers)
         return SampleResult(token_ids, [None] * len(samplers), failed)
     raw = logits.float()
-    chosen = _choose(_adjusted(raw, samplers, eos_token_ids), samplers)
+    chosen = _choose(_adjusted(raw, samplers, eos_token_ids, allowed), samplers)
     token_ids = chosen.tolist()  # the batch's one device-to-host transfer of its choices
-    failed = _failures(raw, token_ids, samplers)
+    failed = _failures(raw, token_ids, samplers, allowed.rows if allowed is not None else ())
     return SampleResult(token_ids, _logprobs(raw, chosen, samplers, failed), failed)
 
 
@@ -238,20 +250,23 @@ def _greedy(x: torch.Tensor) -> torch.Tensor:
 
 
 def _failures(
-    raw: torch.Tensor, token_ids: list[int], samplers: list[SequenceSampler]
+    raw: torch.Tensor, token_ids: list[int], samplers: list[SequenceSampler], constrained: Sequence[int] = ()
 ) -> dict[int, SampleFailure]:
     if -1 not in token_ids:  # the common case costs one scan of a short list
         return {}
-    return {i: _why(raw[i].float(), samplers[i]) for i, t in enumerate(token_ids) if t == -1}
+    return {i: _why(raw[i].float(), samplers[i], i in constrained) for i, t in enumerate(token_ids) if t == -1}
 
 
-def _why(raw_row: torch.Tensor, sampler: SequenceSampler) -> SampleFailure:
+def _why(raw_row: torch.Tensor, sampler: SequenceSampler, constrained: bool = False) -> SampleFailure:
     if bool(raw_row.isnan().any()):
         return SampleFailure("no token can be sampled: the model's logits contain NaN", False)
     if not bool((raw_row > float("-inf")).any()):
         return SampleFailure("no token can be sampled: the model gives every token a logit of -inf", False)
     if bool((raw_row == float("inf")).any()):
         return SampleFailure("no token can be sampled: the model's logits contain +inf", False)
+    if constrained:
+        return SampleFailure("no token can be sampled: the structured output's grammar allows no token that the "
+                             "model and min_tokens (which blocks EOS and stop_token_ids) leave", True)
     if sampler.below_min_tokens:
         return SampleFailure(f"no token can be sampled: min_tokens ({sampler.params.min_tokens}) blocks EOS and "
                              "stop_token_ids, and the model allows no other token", True)
@@ -260,14 +275,17 @@ def _why(raw_row: torch.Tensor, sampler: SequenceSampler) -> SampleFailure:
 
 
 def _adjusted(
-    raw: torch.Tensor, samplers: list[SequenceSampler], eos_token_ids: Sequence[int]
+    raw: torch.Tensor, samplers: list[SequenceSampler], eos_token_ids: Sequence[int],
+    allowed: TokenBitmask | None = None,
 ) -> torch.Tensor:
     rows = [i for i, s in enumerate(samplers) if s.adjusts_logits]
-    if not rows:
+    if not rows and allowed is None:
         return raw
-    x = raw.clone()  # logprobs are reported from `raw`, so penalties work on a copy
+    x = raw.clone()  # logprobs are reported from `raw`, so penalties and masks work on a copy
     for i in rows:
         samplers[i].adjust(x[i], eos_token_ids)
+    if allowed is not None:
+        allowed.apply(x)
     return x
 
 

@@ -2,7 +2,8 @@
 
 Each step is one batched forward under a token budget. Decoding sequences go first (one token
 each), then sequences part-way through their prompt continue, then waiting requests are admitted
-into free slots while the KV blocks for their prompt (less any cached prefix) are free. A long
+into free slots while the KV blocks for their prompt (less any cached prefix) are free; one whose
+next prompt block another sequence is computing waits until that block is cached. A long
 prompt is prefilled in chunks across steps, mixed with decodes. A decode that finds no free
 block preempts the most recently admitted sequence: its blocks are freed and it waits again, to
 be recomputed (prompt and generated tokens) when admitted anew.
@@ -84,17 +85,27 @@ class Scheduler:
                 break
             if seq.status is Status.RUNNING:
                 budget -= self._chunk(seq, budget, batch)
-        while not preempted and self.waiting and self.free_slots and budget > 0:
-            seq = self.waiting[0]
+        if not preempted:
+            self._admit(budget, batch)
+        return batch
+
+    def _admit(self, budget: int, batch: list[Scheduled]) -> None:
+        """Admit waiting sequences, oldest first, while slots, blocks and the budget last. One whose
+        next prompt block another running sequence is computing is passed over until that block is
+        cached, so it is computed once (several samples of one prompt, identical prompts)."""
+        for seq in list(self.waiting):
+            if not self.free_slots or budget <= 0:
+                return
+            if self.blocks.computing_elsewhere(seq, self.running):
+                continue
             if not self.blocks.allocate(seq):
-                break  # first come, first served: later requests wait too
-            self.waiting.popleft()
+                return  # first come, first served: later requests wait too
+            self.waiting.remove(seq)
             self._start(seq)
             if seq.images:
                 batch.append(self._scheduled(seq, seq.pending()))
-                break
+                return
             budget -= self._chunk(seq, budget, batch)
-        return batch
 
     def _start(self, seq: Sequence) -> None:
         seq.slot = self.free_slots.pop()

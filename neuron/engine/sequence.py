@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 
 from neuron.engine.sampling import SamplingParams, SequenceSampler
+from neuron.engine.structured_output import GrammarMatcher
 
 
 class Status(enum.Enum):
@@ -33,6 +34,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     images: list = field(default_factory=list)  # ImageInputs filling the prompt's placeholders, in order
+    grammar: GrammarMatcher | None = None  # structured output: where its text is in the grammar it must match
 
     @property
     def num_tokens(self) -> int:

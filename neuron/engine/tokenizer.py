@@ -81,6 +81,9 @@ class Tokenizer:
         self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         # None where no bound can be proved; see _max_chars_per_token.
         self.max_chars_per_token: int | None = _max_chars_per_token(backend)
+        self._added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
+        pre = json.loads(backend.pre_tokenizer.__getstate__()) if backend.pre_tokenizer else None
+        self._byte_level = _byte_level(pre)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -135,6 +138,24 @@ class Tokenizer:
 
     def is_special(self, id: int) -> bool:
         return id in self._special_ids
+
+    def to_json(self) -> str:
+        """tokenizer.json as loaded, with the tokens tokenizer_config.json added (for grammar engines)."""
+        return self._backend.to_str()
+
+    def token_bytes(self, id: int) -> bytes:
+        """The bytes one token stands for. A byte-level token that holds part of a UTF-8 character
+        gives that part (decoding it alone would give U+FFFD); a byte-fallback token `<0xNN>` its
+        byte; an added token, or a token of another vocabulary, the UTF-8 of its text."""
+        piece = self._added.get(id) or self.id_to_token(id)
+        if piece is None:
+            return b""
+        if id not in self._added:
+            if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+        return self.decode([id], skip_special_tokens=False).encode()
 
     def apply_chat_template(
         self,
@@ -216,6 +237,17 @@ def _covers_all_text(model, pre: dict | None, vocab: dict[str, int]) -> bool:
     if model.byte_fallback or (model.unk_token is not None and not model.fuse_unk):
         return True
     return _byte_level(pre) and all(c in vocab for c in ByteLevel.alphabet())
+
+
+def _gpt2_byte_chars() -> dict[str, int]:
+    """The byte-level alphabet (GPT-2's): printable Latin-1 characters stand for their own byte, the
+    other bytes for the characters from U+0100 on, in byte order."""
+    own = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in own]
+    return {chr(b): b for b in own} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+_BYTE_OF_CHAR = _gpt2_byte_chars()
 
 
 def _byte_level(spec: dict | None) -> bool:

@@ -26,21 +26,33 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    """0 on success; 2 for what the user must change (the model, a setting, a prompt), 1 when
+    generation itself fails. Either way one line on stderr, as `neuron serve` prints."""
+    from neuron.engine.llm_engine import RequestError
+    from neuron.engine.sampling import InvalidParams
+    from neuron.errors import ConfigError, NeuronError
+
+    try:
+        return _generate(args)
+    except (ConfigError, RequestError, InvalidParams) as exc:
+        print(f"neuron generate: {exc}", file=sys.stderr)
+        return 2
+    except NeuronError as exc:
+        print(f"neuron generate: {exc}", file=sys.stderr)
+        return 1
+
+
+def _generate(args) -> int:
     from neuron import LLM, SamplingParams
-    from neuron.errors import ConfigError
     from neuron.utils.log import setup_logging
 
     prompts = args.prompt or ["Hello, my name is"]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    try:
-        setup_logging()
-        llm = LLM(args.model, tensor_parallel_size=args.tp, device=args.device, dtype=args.dtype,
-                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                  kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-                  enable_prefix_caching=False if args.no_prefix_caching else None)
-    except ConfigError as exc:
-        print(f"neuron generate: {exc}", file=sys.stderr)
-        return 2
+    setup_logging()
+    llm = LLM(args.model, tensor_parallel_size=args.tp, device=args.device, dtype=args.dtype,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+              enable_prefix_caching=False if args.no_prefix_caching else None)
     with llm:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params) if args.chat \
             else llm.generate(prompts, params)

@@ -14,7 +14,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from neuron.engine.llm_engine import EngineConfig, LLMEngine, encode_prompt
+from neuron.engine.llm_engine import EngineConfig, LLMEngine, Update, encode_prompt
+from neuron.engine.parallel_sampling import cumulative_logprob, ranked, sample_id, sample_params
 from neuron.engine.sampling import SamplingParams
 from neuron.errors import NeuronError
 from neuron.multimodal.image import ImageInput
@@ -81,7 +82,8 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, batched together; outputs in prompt order."""
+        """Run every prompt to completion, batched together; outputs in prompt order, each with
+        `n` samples (`outputs[i].index == i`; see parallel_sampling for seeds and best_of)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -89,22 +91,30 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         tokenized = [self._tokenize(prompt) for prompt in prompts]  # refuses the whole call before queueing any
-        for (_, ids, images), p in zip(tokenized, params_list):
-            if p.n != 1:
-                raise ValueError("n > 1 is not supported; pass the prompt several times instead")
-            self.engine.validate(ids, p, images)
+        samples = [sample_params(p) for p in params_list]
+        for (_, ids, images), children in zip(tokenized, samples):
+            self.engine.validate(ids, children[0], images)
         if self.engine.failure is not None:  # a rank died since the last call: bring the ranks back first
             self.engine.recover()
-        outputs: dict[str, RequestOutput] = {}
-        order = []
-        for (text, ids, images), p in zip(tokenized, params_list):
-            rid = str(next(self._ids))
-            self.engine.add_request(rid, ids, p, images)
-            logprobs = [] if p.logprobs is not None else None
-            outputs[rid] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], None, logprobs, None)])
-            order.append(rid)
-        self._run(outputs)
-        return [outputs[rid] for rid in order]
+        routes: dict[str, tuple[RequestOutput, int]] = {}
+        outputs = [self._add(text, ids, images, children, routes)
+                   for (text, ids, images), children in zip(tokenized, samples)]
+        self._run(routes)
+        for out, p in zip(outputs, params_list):
+            _keep_best(out, p)
+        return outputs
+
+    def _add(self, text: str | None, ids: list[int], images: list[ImageInput], children: list[SamplingParams],
+             routes: dict[str, tuple[RequestOutput, int]]) -> RequestOutput:
+        """Queue one prompt's samples; `routes` learns which output each engine request fills."""
+        rid = str(next(self._ids))
+        out = RequestOutput(rid, text, ids)
+        for i, child in enumerate(children):
+            sid = sample_id(rid, i, len(children))
+            self.engine.add_request(sid, ids, child, images)
+            out.outputs.append(CompletionOutput(i, "", [], None, [] if child.logprobs is not None else None, None))
+            routes[sid] = (out, i)
+        return out
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              **template_kwargs) -> list[RequestOutput]:
@@ -153,31 +163,23 @@ class LLM:
             raise NeuronError("this checkpoint has no tokenizer.json")
         return self.engine.tokenizer
 
-    def _run(self, outputs: dict[str, RequestOutput]) -> None:
-        """Step until every request of this call finished. A failed one raises, after the call's
-        other requests were aborted and drained, so none keeps running unseen in the engine."""
-        pending, failure = len(outputs), None
+    def _run(self, routes: dict[str, tuple[RequestOutput, int]]) -> None:
+        """Step until every sample of this call finished. A failed one raises, after the call's
+        other samples were aborted and drained, so none keeps running unseen in the engine."""
+        pending, failure = set(routes), None
         while pending:
             for u in self.engine.step():
-                out = outputs.get(u.request_id)
-                if out is None:
+                if u.request_id not in routes:
                     continue
-                c = out.outputs[0]
-                c.token_ids.extend(u.token_ids)
-                c.text += u.text
-                if u.logprobs is not None:
-                    c.logprobs.extend(u.logprobs)
+                out, i = routes[u.request_id]
+                _apply(out.outputs[i], u)
                 if u.finished:
-                    out.finished = True
-                    c.finish_reason, c.stop_reason = u.finish_reason, u.stop_reason
-                    if c.logprobs:
-                        c.cumulative_logprob = sum(lp[t] for lp, t in zip(c.logprobs, c.token_ids))
-                    pending -= 1
+                    pending.discard(u.request_id)
+                    out.finished = all(c.finish_reason is not None for c in out.outputs)
                     if u.error and failure is None:
                         failure = u.error
-                        for rid, other in outputs.items():
-                            if not other.finished:
-                                self.engine.abort(rid)
+                        for rid in pending:
+                            self.engine.abort(rid)
         if failure is not None:
             raise NeuronError(f"generation failed: {failure}")
 
@@ -189,6 +191,30 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _apply(c: CompletionOutput, u: Update) -> None:
+    c.token_ids.extend(u.token_ids)
+    c.text += u.text
+    if u.logprobs is not None:
+        c.logprobs.extend(u.logprobs)
+    if u.finished:
+        c.finish_reason, c.stop_reason = u.finish_reason, u.stop_reason
+        if c.logprobs:
+            c.cumulative_logprob = cumulative_logprob(c.token_ids, c.logprobs)
+
+
+def _keep_best(out: RequestOutput, params: SamplingParams) -> None:
+    """Of best_of samples, the n to return, indexed 0..n-1; logprobs the request did not ask for
+    (taken to rank them) are dropped, their sum stays as cumulative_logprob."""
+    if len(out.outputs) == params.n:
+        return
+    best = ranked([c.cumulative_logprob or 0.0 for c in out.outputs], params.n)
+    out.outputs = [out.outputs[k] for k in best]
+    for i, c in enumerate(out.outputs):
+        c.index = i
+        if params.logprobs is None:
+            c.logprobs = None
 
 
 def image_data_uri(image) -> str:

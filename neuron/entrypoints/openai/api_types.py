@@ -37,10 +37,17 @@ class SamplingRequest(Struct, kw_only=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int | None = None
+    best_of: int | None = None  # OpenAI's completions field; vLLM takes it on chat too
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_tokens_as_token_ids: bool = False
+    # Structured output, one at most: OpenAI's response_format, vLLM's guided_* (and tool_choice on chat).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True):
@@ -50,15 +57,14 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # None: true, as OpenAI has it
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):
-    prompt: Any  # a string, token ids, or a one-element list of either
+    prompt: Any  # a string, token ids, or a list of either (several prompts)
     logprobs: int | None = None
     echo: bool = False
-    best_of: int | None = None
     suffix: str | None = None
 
 
@@ -99,11 +105,13 @@ class ToolCall(Struct):
     type: str = "function"
 
 
-class ChatMessage(Struct):
+class ChatMessage(Struct, omit_defaults=True):
+    """`tool_calls` is left out when there are none, as OpenAI does."""
+
     role: str
     content: str | None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
+    reasoning_content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(Struct):
@@ -189,3 +197,35 @@ class ModelCard(Struct):
 class ModelList(Struct):
     data: list[ModelCard]
     object: str = "list"
+
+
+# ---- vLLM's /tokenize and /detokenize ----
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    """Either `prompt` (text, as /v1/completions tokenizes it) or `messages` (a chat through the template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(Struct, omit_defaults=True):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+class DetokenizeResponse(Struct):
+    prompt: str

@@ -1,4 +1,5 @@
-"""What the chat and completions endpoints share: model check, sampling params, admission, usage."""
+"""What the chat and completions endpoints share: model check, sampling params, admission of a
+request's samples (n, best_of, several prompts), usage."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import msgspec
 
 from neuron.engine.async_engine import AsyncEngine, EngineState, NotReady, Overloaded, RequestStream
 from neuron.engine.llm_engine import RequestError
+from neuron.engine.parallel_sampling import num_samples, ranked, sample_id, sample_params
 from neuron.engine.sampling import InvalidParams, SamplingParams
 from neuron.entrypoints.openai.api_errors import (
     APIError,
@@ -49,10 +51,10 @@ def check_model(req: SamplingRequest, served_name: str) -> None:
 
 def check_common(req: SamplingRequest) -> None:
     """Refuse what we would otherwise have to ignore."""
-    if req.n is not None and req.n < 1:
-        raise bad_request(f"n must be 1 (one completion per request), got {req.n}", param="n")
-    if req.n not in (None, 1):
-        raise unsupported("n", "n > 1 is not supported; send one request per completion")
+    n = 1 if req.n is None else req.n
+    if req.stream and req.best_of is not None and req.best_of > n:
+        raise unsupported("best_of", "best_of > n cannot be streamed: which samples are the best is known only "
+                                     "when all have finished")
     if req.logit_bias:
         raise unsupported("logit_bias", "logit_bias is not supported")
 
@@ -103,6 +105,7 @@ def sampling_params(req: SamplingRequest, defaults: dict, *, max_tokens: int | N
     try:
         return SamplingParams(
             **{name: pick(name) for name in _OPENAI_DEFAULTS},
+            n=1 if req.n is None else req.n, best_of=req.best_of,
             seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
@@ -113,20 +116,77 @@ def sampling_params(req: SamplingRequest, defaults: dict, *, max_tokens: int | N
 
 
 def open_stream(engine: AsyncEngine, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                prompt_param: str, images: list[ImageInput] | None = None) -> RequestStream:
+                prompt_param: str, images: list[ImageInput] | None = None, count_prompt: bool = True) -> RequestStream:
     try:
-        return engine.open(request_id, prompt_ids, params, images)
+        return engine.open(request_id, prompt_ids, params, images, count_prompt)
     except NotReady as exc:
         raise _not_ready(exc) from None
     except Overloaded as exc:
         raise unavailable(f"the server is overloaded ({exc}); retry shortly", code="overloaded",
                           retry_after_s=_RETRY_AFTER_S) from None
     except RequestError as exc:
-        param = prompt_param if exc.param in ("prompt", "messages") else exc.param
-        raise bad_request(str(exc), param=param, code=exc.code) from None
+        raise _refused(exc, prompt_param) from None
 
 
-def usage(stream: RequestStream) -> UsageInfo:
-    n_out = stream.num_output_tokens
-    return UsageInfo(stream.num_prompt_tokens, n_out, stream.num_prompt_tokens + n_out)
+def _refused(exc: RequestError, prompt_param: str) -> APIError:
+    param = prompt_param if exc.param in ("prompt", "messages") else exc.param
+    return bad_request(str(exc), param=param, code=exc.code)
 
+
+class Samples:
+    """The engine requests behind one API request: the samples of each prompt, prompt by prompt
+    (stream p * per_prompt + i is sample i of prompt p)."""
+
+    def __init__(self, streams: list[RequestStream], prompt_lens: list[int], n: int):
+        self.streams = streams
+        self.prompt_lens = prompt_lens
+        self.n = n
+        self.per_prompt = len(streams) // len(prompt_lens)
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.close()
+
+    def chosen(self, cumulative: list[float]) -> list[int]:
+        """The streams to return, in choice order (choice p * n + i is prompt p's i-th): n per prompt,
+        the best by cumulative logprob where more were sampled."""
+        out = []
+        for base in range(0, len(self.streams), self.per_prompt):
+            out += [base + k for k in ranked(cumulative[base : base + self.per_prompt], self.n)]
+        return out
+
+    def usage(self, returned: list[int] | range) -> UsageInfo:
+        """Each prompt's tokens once and the tokens of the choices returned, as vLLM counts them
+        (OpenAI bills the best_of samples it drops as well)."""
+        prompt = sum(self.prompt_lens)
+        completion = sum(self.streams[k].num_output_tokens for k in returned)
+        return UsageInfo(prompt, completion, prompt + completion)
+
+
+def open_samples(engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                 prompt_param: str, images: list[ImageInput] | None = None) -> Samples:
+    """Queue the samples of every prompt, or none of them: every prompt is validated before any is
+    queued, and samples already opened when one is refused (the server full) are aborted."""
+    total = len(prompts) * num_samples(params)
+    if total > engine.capacity:
+        raise bad_request(f"the request asks for {total} sequences ({len(prompts)} prompt(s) x {num_samples(params)} "
+                          f"sample(s)); this server holds at most {engine.capacity} at once", param="n")
+    children = sample_params(params)
+    if total > 1:
+        llm = ready_engine(engine)
+        for ids in prompts:
+            try:
+                llm.validate(ids, children[0], images)
+            except RequestError as exc:
+                raise _refused(exc, prompt_param) from None
+    streams: list[RequestStream] = []
+    try:
+        for ids in prompts:
+            for i, child in enumerate(children):
+                rid = sample_id(request_id, len(streams), total)
+                streams.append(open_stream(engine, rid, ids, child, prompt_param, images, count_prompt=i == 0))
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    return Samples(streams, [len(ids) for ids in prompts], params.n)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import anyio
 import msgspec
@@ -12,8 +13,9 @@ from starlette.responses import Response
 
 from neuron.engine.async_engine import AsyncEngine, RequestStream
 from neuron.engine.output_processor import LogprobRenderer, OutputParser, Parsed, Update
+from neuron.engine.parallel_sampling import cumulative_logprob
 from neuron.engine.tokenizer import TokenizerError
-from neuron.entrypoints.openai.api_errors import APIError, bad_request, unsupported
+from neuron.entrypoints.openai.api_errors import APIError, bad_request
 from neuron.entrypoints.openai.api_types import (
     ChatChoice,
     ChatChunkChoice,
@@ -27,27 +29,29 @@ from neuron.entrypoints.openai.api_types import (
     FunctionCall,
     TokenLogprob,
     ToolCall,
+    UsageInfo,
 )
 from neuron.entrypoints.openai.chat_utils import normalise_messages, template_content_chars
 from neuron.entrypoints.openai.common import (
+    Samples,
     check_common,
     check_model,
     new_id,
     now,
-    open_stream,
+    open_samples,
     ready_engine,
     sampling_params,
     sse,
     stream_error,
-    usage,
 )
+from neuron.entrypoints.openai.guided import compile_guided
 from neuron.entrypoints.openai.prompt_input import check_prompt_chars, off_loop
 from neuron.entrypoints.openai.streaming import (
     DONE,
     KEEPALIVE,
     EventStreamResponse,
     json_unless_disconnected,
-    updates_with_keepalive,
+    merged_updates,
 )
 from neuron.multimodal.image import ImageError, ImageInput
 
@@ -60,9 +64,18 @@ class ChatRequestContext:
         self.id = new_id("chatcmpl")
         self.created = now()
         self.model = model
+        self.tokenizer = tokenizer
+        self.prompt = prompt
         self.top_logprobs = top_logprobs
-        self.render = LogprobRenderer(tokenizer, req.return_tokens_as_token_ids)
-        self.parser = OutputParser.for_chat(tokenizer, prompt, tools=_uses_tools(req))
+
+
+class ChoiceState:
+    """One choice's output so far: its logprob renderer, its parser and its tool calls."""
+
+    def __init__(self, ctx: ChatRequestContext):
+        self.top_logprobs = ctx.top_logprobs
+        self.render = LogprobRenderer(ctx.tokenizer, ctx.req.return_tokens_as_token_ids)
+        self.parser = OutputParser.for_chat(ctx.tokenizer, ctx.prompt, tools=_uses_tools(ctx.req))
         self.num_tool_calls = 0
 
     def logprobs(self, update: Update) -> ChatLogprobs | None:
@@ -89,11 +102,6 @@ def _uses_tools(req: ChatCompletionRequest) -> bool:
 
 def _check(req: ChatCompletionRequest) -> None:
     check_common(req)
-    choice = req.tool_choice
-    if choice not in (None, "auto", "none"):
-        raise unsupported("tool_choice", "tool_choice must be \"auto\" or \"none\"; forcing a tool is not supported")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise unsupported("response_format", "structured output (response_format) is not supported")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     reserved = _TEMPLATE_ARGS & set(req.chat_template_kwargs or ())
@@ -138,66 +146,103 @@ async def create_chat_completion(request: Request, engine: AsyncEngine, req: Cha
     max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     params = sampling_params(req, llm.default_sampling(), max_tokens=getattr(req, max_name), logprobs=top_logprobs,
                              renames={"logprobs": "top_logprobs", "max_tokens": max_name})
+    params.guided_decoding = await compile_guided(llm, req, limiter)
     check_prompt_chars(llm, template_content_chars(req.messages), "messages")  # at once, before the template
     prompt, prompt_ids, images = await off_loop(limiter, _render, llm, req)
     ctx = ChatRequestContext(req, engine.model_name, llm.tokenizer, prompt, top_logprobs)
-    stream = open_stream(engine, ctx.id, prompt_ids, params, prompt_param="messages", images=images)
+    samples = open_samples(engine, ctx.id, [prompt_ids], params, prompt_param="messages", images=images)
     if req.stream:
-        return EventStreamResponse(_events(ctx, stream, keepalive_s), on_close=stream.close)
-    return await json_unless_disconnected(request, stream, _collect(ctx, stream))
+        return EventStreamResponse(_events(ctx, samples, keepalive_s), on_close=samples.close)
+    return await json_unless_disconnected(request, samples, _collect(ctx, samples))
 
 
-async def _collect(ctx: ChatRequestContext, stream: RequestStream) -> bytes:
-    parsed, logprobs, last = Parsed(), [], None
+@dataclass(slots=True)
+class _Sample:
+    """One sample's whole output."""
+
+    state: ChoiceState
+    parsed: Parsed = field(default_factory=Parsed)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    last: Update | None = None
+
+
+async def _read(ctx: ChatRequestContext, stream: RequestStream) -> _Sample:
+    out = _Sample(ChoiceState(ctx))
     async for update in stream:
-        parsed.extend(ctx.parser.feed(update.text))
-        if (lp := ctx.logprobs(update)) is not None:
-            logprobs += lp.content
-        last = update
-    if last.finish_reason == "error":
-        raise stream_error(stream, last.error)
-    parsed.extend(ctx.parser.finish())
-    calls = ctx.tool_calls(parsed)
+        out.parsed.extend(out.state.parser.feed(update.text))
+        if (lp := out.state.logprobs(update)) is not None:
+            out.logprobs += lp.content
+        if update.logprobs is not None:
+            out.cumulative_logprob += cumulative_logprob(update.token_ids, update.logprobs)
+        out.last = update
+    if out.last.finish_reason == "error":
+        raise stream_error(stream, out.last.error)
+    out.parsed.extend(out.state.parser.finish())
+    return out
+
+
+def _choice(ctx: ChatRequestContext, index: int, out: _Sample) -> ChatChoice:
+    parsed = out.parsed
+    calls = out.state.tool_calls(parsed)
     content = parsed.content if parsed.content or not (calls or parsed.reasoning) else None
-    message = ChatMessage("assistant", content, parsed.reasoning or None, calls)
-    choice = ChatChoice(0, message, ChatLogprobs(logprobs) if ctx.top_logprobs is not None else None,
-                        ctx.finish_reason(last.finish_reason), last.stop_reason)
-    return msgspec.json.encode(ChatCompletionResponse(ctx.id, ctx.created, ctx.model, [choice], usage(stream)))
+    message = ChatMessage("assistant", content, parsed.reasoning or None, calls or None)
+    return ChatChoice(index, message, ChatLogprobs(out.logprobs) if ctx.top_logprobs is not None else None,
+                      out.state.finish_reason(out.last.finish_reason), out.last.stop_reason)
 
 
-def _chunk(ctx: ChatRequestContext, choice: ChatChunkChoice | None, stream: RequestStream | None = None) -> bytes:
-    return sse(ChatCompletionChunk(ctx.id, ctx.created, ctx.model, [choice] if choice else [],
-                                   usage(stream) if stream else None))
+async def _collect(ctx: ChatRequestContext, samples: Samples) -> bytes:
+    outs = [await _read(ctx, stream) for stream in samples.streams]
+    chosen = samples.chosen([o.cumulative_logprob for o in outs])
+    choices = [_choice(ctx, index, outs[k]) for index, k in enumerate(chosen)]
+    return msgspec.json.encode(ChatCompletionResponse(ctx.id, ctx.created, ctx.model, choices, samples.usage(chosen)))
 
 
-def _delta(ctx: ChatRequestContext, parsed: Parsed) -> DeltaMessage:
-    first = ctx.num_tool_calls
-    calls = [DeltaToolCall(first + i, c.id, c.function) for i, c in enumerate(ctx.tool_calls(parsed))]
+def _chunk(ctx: ChatRequestContext, choice: ChatChunkChoice | None, usage: UsageInfo | None = None) -> bytes:
+    return sse(ChatCompletionChunk(ctx.id, ctx.created, ctx.model, [choice] if choice else [], usage))
+
+
+def _delta(state: ChoiceState, parsed: Parsed) -> DeltaMessage:
+    first = state.num_tool_calls
+    calls = [DeltaToolCall(first + i, c.id, c.function) for i, c in enumerate(state.tool_calls(parsed))]
     return DeltaMessage(content=parsed.content or None, reasoning_content=parsed.reasoning or None,
                         tool_calls=calls or None)
 
 
-async def _events(ctx: ChatRequestContext, stream: RequestStream, keepalive_s: float) -> AsyncIterator[bytes]:
+def _update_chunks(ctx: ChatRequestContext, state: ChoiceState, index: int, update: Update) -> list[bytes]:
+    """The chunks one update of choice `index` makes: its delta, then its finish reason once done."""
+    parsed = state.parser.feed(update.text)
+    if update.finished:
+        parsed.extend(state.parser.finish())
+    logprobs = state.logprobs(update)
+    chunks = []
+    if parsed or logprobs:
+        chunks.append(_chunk(ctx, ChatChunkChoice(index, _delta(state, parsed), logprobs)))
+    if update.finished:
+        reason = state.finish_reason(update.finish_reason)
+        chunks.append(_chunk(ctx, ChatChunkChoice(index, DeltaMessage(), None, reason, update.stop_reason)))
+    return chunks
+
+
+async def _events(ctx: ChatRequestContext, samples: Samples, keepalive_s: float) -> AsyncIterator[bytes]:
+    """Every sample is returned when streaming (best_of > n is refused), so stream k is choice k;
+    each choice opens with its role, then chunks of all choices interleave as they come."""
     try:
-        yield _chunk(ctx, ChatChunkChoice(0, DeltaMessage(role="assistant", content="")))
-        async for update in updates_with_keepalive(stream, keepalive_s):
-            if update is None:
+        states = [ChoiceState(ctx) for _ in samples.streams]
+        for index in range(len(states)):
+            yield _chunk(ctx, ChatChunkChoice(index, DeltaMessage(role="assistant", content="")))
+        async for item in merged_updates(samples.streams, keepalive_s):
+            if item is None:
                 yield KEEPALIVE
                 continue
+            k, update = item
             if update.finish_reason == "error":
-                yield sse(stream_error(stream, update.error).body())
+                yield sse(stream_error(samples.streams[k], update.error).body())
                 return
-            parsed = ctx.parser.feed(update.text)
-            if update.finished:
-                parsed.extend(ctx.parser.finish())
-            logprobs = ctx.logprobs(update)
-            if parsed or logprobs:
-                yield _chunk(ctx, ChatChunkChoice(0, _delta(ctx, parsed), logprobs))
-            if update.finished:
-                reason = ctx.finish_reason(update.finish_reason)
-                yield _chunk(ctx, ChatChunkChoice(0, DeltaMessage(), None, reason, update.stop_reason))
+            for chunk in _update_chunks(ctx, states[k], k, update):
+                yield chunk
         if ctx.req.stream_options and ctx.req.stream_options.include_usage:
-            yield _chunk(ctx, None, stream)
+            yield _chunk(ctx, None, samples.usage(range(len(samples.streams))))
         yield DONE
     finally:
-        stream.close()
+        samples.close()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import anyio
 import msgspec
@@ -12,32 +14,35 @@ from starlette.responses import Response
 from neuron.engine.async_engine import AsyncEngine, RequestStream
 from neuron.engine.llm_engine import RequestError, encode_prompt
 from neuron.engine.output_processor import LogprobRenderer, Update
+from neuron.engine.parallel_sampling import cumulative_logprob
 from neuron.entrypoints.openai.api_errors import bad_request, unsupported
 from neuron.entrypoints.openai.api_types import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    UsageInfo,
 )
 from neuron.entrypoints.openai.common import (
+    Samples,
     check_common,
     check_model,
     new_id,
     now,
-    open_stream,
+    open_samples,
     ready_engine,
     sampling_params,
     sse,
     stream_error,
-    usage,
 )
+from neuron.entrypoints.openai.guided import compile_guided
 from neuron.entrypoints.openai.prompt_input import check_prompt_chars, check_prompt_ids, off_loop
 from neuron.entrypoints.openai.streaming import (
     DONE,
     KEEPALIVE,
     EventStreamResponse,
     json_unless_disconnected,
-    updates_with_keepalive,
+    merged_updates,
 )
 
 # OpenAI's default for this endpoint.
@@ -49,31 +54,32 @@ def _is_ids(value) -> bool:
     return ints and bool(value)
 
 
-async def prompt_ids(llm, prompt, limiter: anyio.CapacityLimiter) -> list[int]:
-    """A string, a list of token ids, or a one-element list holding either; text is bounded by its
-    length, then tokenized off the event loop."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    check_prompt_ids(llm, prompt, "prompt")
-    if isinstance(prompt, str):
-        check_prompt_chars(llm, len(prompt), "prompt")
-        try:
-            return await off_loop(limiter, encode_prompt, llm, prompt)
-        except RequestError as exc:
-            raise bad_request(str(exc), param="prompt") from None
-    if _is_ids(prompt):
+def _prompt_list(prompt) -> list:
+    """The request's prompts: a string or a list of token ids is one; a list of those is several."""
+    if isinstance(prompt, str) or _is_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
         return prompt
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise unsupported("prompt", "batched prompts are not supported; send one prompt per request")
-    raise bad_request("prompt must be a non-empty string or a non-empty list of token ids", param="prompt")
+    raise bad_request("prompt must be a non-empty string, a non-empty list of token ids, or a non-empty list of "
+                      "either", param="prompt")
+
+
+async def prompt_ids(llm, prompt, limiter: anyio.CapacityLimiter) -> list[int]:
+    """One prompt's token ids; text is bounded by its length, then tokenized off the event loop."""
+    check_prompt_ids(llm, prompt, "prompt")
+    if isinstance(prompt, list):
+        return prompt
+    check_prompt_chars(llm, len(prompt), "prompt")
+    try:
+        return await off_loop(limiter, encode_prompt, llm, prompt)
+    except RequestError as exc:
+        raise bad_request(str(exc), param="prompt") from None
 
 
 def _check(req: CompletionRequest) -> None:
     check_common(req)
     if req.echo:
         raise unsupported("echo", "echo is not supported")
-    if req.best_of not in (None, 1):
-        raise unsupported("best_of", "best_of > 1 is not supported")
     if req.suffix:
         raise unsupported("suffix", "suffix is not supported")
 
@@ -84,67 +90,93 @@ class _Context:
         self.id = new_id("cmpl")
         self.created = now()
         self.model = model
-        self.render = LogprobRenderer(tokenizer, req.return_tokens_as_token_ids)
+        # Text offsets run on within a choice, so each sample has its own renderer.
+        self.renders = defaultdict(lambda: LogprobRenderer(tokenizer, req.return_tokens_as_token_ids))
 
-    def logprobs(self, update: Update) -> CompletionLogprobs | None:
+    def logprobs(self, k: int, update: Update) -> CompletionLogprobs | None:
         if self.req.logprobs is None or update.logprobs is None:
             return None
-        rendered = self.render.completion(update.token_ids, update.logprobs)
+        rendered = self.renders[k].completion(update.token_ids, update.logprobs)
         return msgspec.convert(rendered, CompletionLogprobs, from_attributes=True)
 
 
 async def create_completion(request: Request, engine: AsyncEngine, req: CompletionRequest, keepalive_s: float,
                             limiter: anyio.CapacityLimiter) -> Response:
-    """`limiter` bounds how many prompts are tokenized at once."""
+    """`limiter` bounds how many prompts are tokenized at once. Choice p * n + i is the i-th sample
+    of prompt p (vLLM's order)."""
     check_model(req, engine.model_name)
     _check(req)
     llm = ready_engine(engine)
-    ids = await prompt_ids(llm, req.prompt, limiter)
-    ctx = _Context(req, engine.model_name, llm.tokenizer)
+    prompts = _prompt_list(req.prompt)
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = sampling_params(req, llm.default_sampling(), max_tokens=max_tokens, logprobs=req.logprobs, renames={})
-    stream = open_stream(engine, ctx.id, ids, params, prompt_param="prompt")
+    params.guided_decoding = await compile_guided(llm, req, limiter)
+    ids = [await prompt_ids(llm, prompt, limiter) for prompt in prompts]
+    ctx = _Context(req, engine.model_name, llm.tokenizer)
+    samples = open_samples(engine, ctx.id, ids, params, prompt_param="prompt")
     if req.stream:
-        return EventStreamResponse(_events(ctx, stream, keepalive_s), on_close=stream.close)
-    return await json_unless_disconnected(request, stream, _collect(ctx, stream))
+        return EventStreamResponse(_events(ctx, samples, keepalive_s), on_close=samples.close)
+    return await json_unless_disconnected(request, samples, _collect(ctx, samples))
 
 
-async def _collect(ctx: _Context, stream: RequestStream) -> bytes:
-    text, logprobs, last = [], CompletionLogprobs(), None
+@dataclass(slots=True)
+class _Sample:
+    """One sample's whole output."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)
+    cumulative_logprob: float = 0.0
+    last: Update | None = None
+
+
+async def _read(ctx: _Context, k: int, stream: RequestStream) -> _Sample:
+    out = _Sample()
     async for update in stream:
-        text.append(update.text)
-        if (lp := ctx.logprobs(update)) is not None:
+        out.text.append(update.text)
+        if (lp := ctx.logprobs(k, update)) is not None:
             for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                getattr(logprobs, name).extend(getattr(lp, name))
-        last = update
-    if last.finish_reason == "error":
-        raise stream_error(stream, last.error)
-    choice = CompletionChoice(0, "".join(text), logprobs if ctx.req.logprobs is not None else None,
-                              last.finish_reason, last.stop_reason)
-    return msgspec.json.encode(CompletionResponse(ctx.id, ctx.created, ctx.model, [choice], usage(stream)))
+                getattr(out.logprobs, name).extend(getattr(lp, name))
+        if update.logprobs is not None:
+            out.cumulative_logprob += cumulative_logprob(update.token_ids, update.logprobs)
+        out.last = update
+    if out.last.finish_reason == "error":
+        raise stream_error(stream, out.last.error)
+    return out
 
 
-def _chunk(ctx: _Context, choice: CompletionChoice | None, stream: RequestStream | None = None) -> bytes:
-    return sse(CompletionResponse(ctx.id, ctx.created, ctx.model, [choice] if choice else [],
-                                  usage(stream) if stream else None))
+async def _collect(ctx: _Context, samples: Samples) -> bytes:
+    outs = [await _read(ctx, k, stream) for k, stream in enumerate(samples.streams)]
+    chosen = samples.chosen([o.cumulative_logprob for o in outs])
+    choices = []
+    for index, k in enumerate(chosen):
+        o = outs[k]
+        choices.append(CompletionChoice(index, "".join(o.text), o.logprobs if ctx.req.logprobs is not None else None,
+                                        o.last.finish_reason, o.last.stop_reason))
+    return msgspec.json.encode(CompletionResponse(ctx.id, ctx.created, ctx.model, choices, samples.usage(chosen)))
 
 
-async def _events(ctx: _Context, stream: RequestStream, keepalive_s: float) -> AsyncIterator[bytes]:
+def _chunk(ctx: _Context, choice: CompletionChoice | None, usage: UsageInfo | None = None) -> bytes:
+    return sse(CompletionResponse(ctx.id, ctx.created, ctx.model, [choice] if choice else [], usage))
+
+
+async def _events(ctx: _Context, samples: Samples, keepalive_s: float) -> AsyncIterator[bytes]:
+    """Every sample is returned when streaming (best_of > n is refused), so stream k is choice k."""
     try:
-        async for update in updates_with_keepalive(stream, keepalive_s):
-            if update is None:
+        async for item in merged_updates(samples.streams, keepalive_s):
+            if item is None:
                 yield KEEPALIVE
                 continue
+            k, update = item
             if update.finish_reason == "error":
-                yield sse(stream_error(stream, update.error).body())
+                yield sse(stream_error(samples.streams[k], update.error).body())
                 return
-            logprobs = ctx.logprobs(update)
+            logprobs = ctx.logprobs(k, update)
             if update.text or logprobs or update.finished:
                 reason = update.finish_reason if update.finished else None
                 stop_reason = update.stop_reason if update.finished else None
-                yield _chunk(ctx, CompletionChoice(0, update.text, logprobs, reason, stop_reason))
+                yield _chunk(ctx, CompletionChoice(k, update.text, logprobs, reason, stop_reason))
         if ctx.req.stream_options and ctx.req.stream_options.include_usage:
-            yield _chunk(ctx, None, stream)
+            yield _chunk(ctx, None, samples.usage(range(len(samples.streams))))
         yield DONE
     finally:
-        stream.close()
+        samples.close()

@@ -81,31 +81,32 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> tuple[boo
     return (True, result[0]) if result else (False, None)
 
 
-async def updates_with_keepalive(stream: RequestStream, every_s: float) -> AsyncIterator[Update | None]:
-    """The stream's updates, with a None whenever `every_s` seconds pass without one."""
-    pending: asyncio.Task | None = None
+async def merged_updates(streams: list[RequestStream], every_s: float) -> AsyncIterator[tuple[int, Update] | None]:
+    """The updates of several streams as they come, each with its stream's position (updates that
+    arrive together in stream order), until every stream has finished; a None whenever `every_s`
+    seconds pass without any."""
+    pending = {k: asyncio.ensure_future(s.next()) for k, s in enumerate(streams)}
     try:
-        while True:
-            pending = pending or asyncio.ensure_future(stream.next())
-            done, _ = await asyncio.wait({pending}, timeout=every_s)
+        while pending:
+            done, _ = await asyncio.wait(pending.values(), timeout=every_s, return_when=asyncio.FIRST_COMPLETED)
             if not done:
                 yield None
                 continue
-            update, pending = pending.result(), None
-            yield update
-            if update.finished:
-                return
+            for k in sorted(k for k, task in pending.items() if task in done):
+                update = pending.pop(k).result()
+                if not update.finished:
+                    pending[k] = asyncio.ensure_future(streams[k].next())
+                yield k, update
     finally:
-        if pending is not None:
-            pending.cancel()
+        for task in pending.values():
+            task.cancel()
 
 
-
-async def json_unless_disconnected(request, stream, collect) -> Response:
+async def json_unless_disconnected(request, streams, collect) -> Response:
     """Await the JSON body `collect` builds; a client that leaves first aborts the request (its
-    stream is closed) and gets nothing more."""
+    streams are closed: `streams.close()`) and gets nothing more."""
     try:
         connected, body = await unless_disconnected(request, collect)
     finally:
-        stream.close()
+        streams.close()
     return Response(body, media_type="application/json") if connected else Response(status_code=499)

@@ -1,0 +1,278 @@
+"""Structured output: a grammar (JSON schema, regex, choice, Lark) that a sequence's tokens must follow.
+
+llguidance does the grammar work: it compiles a grammar against the tokenizer's vocabulary and, at
+each step, gives the bitmask of the tokens that keep the output inside the grammar. A request names
+its grammar with `GuidedDecodingParams` (vLLM's names); `StructuredOutput.compile` turns it into a
+`CompiledGrammar`, cached by its spec, and each sequence gets its own `GrammarMatcher` from it.
+
+Compiling is the work a client controls, so it is bounded before it starts (the spec's size) and
+while it runs (llguidance's fuel limits, the first mask included), and it runs in the caller's
+thread: the server compiles in a worker thread and hands the engine the compiled grammar, so neither
+the event loop nor the engine loop ever compiles. The engine computes the masks of all constrained
+sequences of a step in one call (llguidance's thread pool, GIL released) and the sampler applies
+them to their logits rows together (`TokenBitmask.apply`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import llguidance
+import llguidance.numpy as llg_np
+import numpy as np
+import torch
+
+from neuron.engine.sampling import InvalidParams
+from neuron.engine.tokenizer import Tokenizer
+
+# A spec longer than this is refused before compiling (characters of JSON text, regex or grammar).
+MAX_SPEC_CHARS = 64 * 1024
+# Compiled grammars kept; each holds its lexer's states, which the sequences using it share.
+CACHE_SIZE = 128
+# llguidance's own bounds (its defaults halved): building the lexer, and each step's mask. A grammar
+# that needs more fails to compile (a 400) or, mid-generation, fails its sequence alone.
+_LIMITS = {"initial_lexer_fuel": 500_000, "step_lexer_fuel": 100_000, "max_lexer_states": 100_000,
+           "max_grammar_size": 200_000}
+# JSON without optional whitespace: an answer is one compact line, and a model cannot pad forever.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class GrammarError(InvalidParams):
+    """A grammar that cannot be used: malformed, too large, or too complex to compile."""
+
+
+@dataclass(slots=True, frozen=True)
+class GuidedDecodingParams:
+    """What the output must match; exactly one field set (vLLM's `GuidedDecodingParams`).
+
+    json: a JSON schema (a dict or its JSON text); json_object: any JSON object; regex: a regular
+    expression the whole output matches (Rust `regex` syntax); choice: one of these strings;
+    grammar: a Lark grammar (llguidance's dialect, with `%json` and `<token>` references) or GBNF."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise GrammarError("guided_decoding", f"guided_decoding needs exactly one of {', '.join(_KINDS)}; "
+                               f"got {', '.join(given) or 'none'}")
+        self.spec()  # type checks and size, before anything is queued
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    def spec(self) -> tuple[str, str]:
+        """(kind, text): the cache key, and what llguidance compiles."""
+        kind = self.kind
+        param = f"guided_decoding.{kind}"
+        if kind == "json_object":
+            return "json", '{"type": "object"}'
+        if kind == "json":
+            text = self.json if isinstance(self.json, str) else _dumps(self.json, param)
+        elif kind == "choice":
+            text = _choice_text(self.choice, param)
+        else:
+            text = getattr(self, kind)
+            _expect(isinstance(text, str) and text != "", param, "a non-empty string")
+        _expect(len(text) <= MAX_SPEC_CHARS, param, f"at most {MAX_SPEC_CHARS} characters long")
+        return kind, text
+
+
+def _expect(ok: bool, param: str, what: str) -> None:
+    if not ok:
+        raise GrammarError(param, f"{param} must be {what}")
+
+
+def _dumps(schema, param: str) -> str:
+    _expect(isinstance(schema, dict), param, "a JSON schema (an object)")
+    return json.dumps(schema, ensure_ascii=False)
+
+
+def _choice_text(choice, param: str) -> str:
+    ok = isinstance(choice, (list, tuple)) and choice and all(isinstance(c, str) and c for c in choice)
+    _expect(bool(ok), param, "a non-empty list of non-empty strings")
+    return json.dumps(list(choice), ensure_ascii=False)
+
+
+def _grammar(kind: str, text: str, param: str) -> str:
+    """llguidance's grammar for a spec (which its matcher then checks and compiles)."""
+    if kind == "json":
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(param, f"{param} is not valid JSON: {exc}") from None
+        _expect(isinstance(schema, dict), param, "a JSON schema (an object)")
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        except ValueError as exc:
+            raise GrammarError(param, f"{param} cannot be compiled: {exc}") from None
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(text)
+    if kind == "choice":
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(text)))
+    try:
+        return llguidance.grammar_from("grammar", text)
+    except ValueError as exc:
+        raise GrammarError(param, f"{param} is not a Lark or GBNF grammar: {exc}") from None
+
+
+class GrammarMatcher:
+    """One sequence's place in its grammar, advanced by each token it samples."""
+
+    __slots__ = ("ll",)
+
+    def __init__(self, ll: llguidance.LLMatcher):
+        self.ll = ll
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past `token_id`; False when the grammar refuses it (see `error`)."""
+        return self.ll.consume_token(token_id)
+
+    @property
+    def terminated(self) -> bool:
+        """The output is complete: the grammar allows nothing more (or has failed)."""
+        return self.ll.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return _first_line(self.ll.get_error())
+
+
+@dataclass(slots=True, frozen=True, eq=False)
+class CompiledGrammar:
+    """A grammar ready to use: each sequence copies the compiled matcher, sharing its lexer."""
+
+    spec: tuple[str, str]
+    _template: llguidance.LLMatcher
+
+    def matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self._template.deep_copy())
+
+
+def _first_line(message: str) -> str:
+    """llguidance's message without the parser state it appends (which would echo the grammar)."""
+    return re.split(r"\n<(?:state|non-verbose)", message, maxsplit=1)[0].strip()
+
+
+class StructuredOutput:
+    """An engine's grammars: compiled against its tokenizer, cached, and turned into token masks.
+
+    `compile` may run in any thread (it takes a lock only around the cache); `allowed_tokens` is
+    the engine thread's."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
+        self._source = tokenizer
+        self._eos = list(eos_token_ids)
+        # Masks span the model's vocabulary (ids the tokenizer lacks are never allowed) and the
+        # tokenizer's, should it hold ids the model cannot produce.
+        self._n_vocab = max(vocab_size, tokenizer.vocab_size)
+        self._words = (self._n_vocab + 31) // 32  # int32 words of one row's bitmask
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
+        self._executor: llguidance.LLExecutor | None = None
+
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        """Built on first use (tens of ms): engines that never see a grammar never pay for it."""
+        with self._lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = llguidance.LLTokenizer(self._source.to_json(), n_vocab=self._n_vocab,
+                                                            eos_token=self._eos or None)
+            return self._ll_tokenizer
+
+    def compile(self, guided: GuidedDecodingParams | CompiledGrammar) -> CompiledGrammar:
+        """The compiled grammar, from the cache or compiled now (bounded; raises GrammarError)."""
+        if isinstance(guided, CompiledGrammar):
+            return guided
+        if not isinstance(guided, GuidedDecodingParams):
+            raise GrammarError("guided_decoding", "guided_decoding must be a GuidedDecodingParams, "
+                               f"got {type(guided).__name__}")
+        spec = guided.spec()
+        with self._lock:
+            if (hit := self._cache.get(spec)) is not None:
+                self._cache.move_to_end(spec)
+                return hit
+        compiled = CompiledGrammar(spec, self._build(spec, f"guided_decoding.{guided.kind}"))
+        with self._lock:
+            self._cache[spec] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _build(self, spec: tuple[str, str], param: str) -> llguidance.LLMatcher:
+        """The matcher at the grammar's start, its first mask computed once: that builds the lexer's
+        start states, which every copy shares, and a grammar that cannot even start fails here."""
+        tokenizer = self._tokenizer()
+        limits = llguidance.LLParserLimits(**_LIMITS, verbose_errors=False)
+        matcher = llguidance.LLMatcher(tokenizer, _grammar(*spec, param), limits=limits, log_level=0)
+        if not matcher.is_error():
+            llg_np.fill_next_token_bitmask(matcher, np.empty((1, self._words), dtype=np.int32))
+        if matcher.is_error():
+            raise GrammarError(param, f"{param} cannot be compiled: {_first_line(matcher.get_error())}")
+        return matcher
+
+    def allowed_tokens(self, grammars: Sequence[GrammarMatcher | None]) -> TokenBitmask | None:
+        """The next-token masks of the rows that have a grammar, computed together; None if none has."""
+        rows = [i for i, g in enumerate(grammars) if g is not None]
+        if not rows:
+            return None
+        bits = np.empty((len(rows), self._words), dtype=np.int32)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        llg_np.fill_next_token_bitmask_par(self._executor, [(grammars[i].ll, j) for j, i in enumerate(rows)], bits)
+        return TokenBitmask(rows, bits)
+
+
+@dataclass(slots=True, frozen=True)
+class TokenBitmask:
+    """The tokens each listed row of a batch may sample: bit j of row r's word w allows token
+    32 * w + j (llguidance's layout)."""
+
+    rows: list[int]
+    bits: np.ndarray  # int32 [len(rows), words]
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Add -inf to the logits of every token a row's mask forbids, in place, all rows at once."""
+        bias = mask_bias(self.bits, logits.shape[-1], logits.device)
+        if len(self.rows) == logits.shape[0]:
+            logits += bias
+            return
+        idx = torch.tensor(self.rows, dtype=torch.long, device=logits.device)
+        logits[idx] += bias
+
+
+def mask_bias(bits: np.ndarray, vocab: int, device: torch.device) -> torch.Tensor:
+    """Float [rows, vocab]: 0 for a token the mask allows, -inf for the others. Each byte of the mask
+    selects its 8 entries from a 256-row table: one gather and one add, where a boolean mask costs
+    tens of times more on a CPU. Ids past the mask's words are never allowed."""
+    bias = _byte_table(device).index_select(0, _byte_index(bits, device)).view(len(bits), -1)
+    if bias.shape[1] < vocab:
+        bias = torch.nn.functional.pad(bias, (0, vocab - bias.shape[1]), value=float("-inf"))
+    return bias[:, :vocab]
+
+
+def _byte_index(bits: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The mask's bytes in order (little-endian words), as int32 indices on `device`."""
+    data = bits.view(np.uint8).reshape(-1)
+    if device.type == "cpu":  # numpy widens bytes faster than torch does on a CPU
+        return torch.from_numpy(data.astype(np.int32))
+    return torch.from_numpy(data).to(device).int()  # bytes travel, 4 times fewer than the indices
+
+
+@functools.cache
+def _byte_table(device: torch.device) -> torch.Tensor:
+    """Row b: 0 where bit k of b is set, else -inf (bit k is the byte's k-th token)."""
+    bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+    return torch.zeros(256, 8).masked_fill_(bits == 0, float("-inf")).to(device)

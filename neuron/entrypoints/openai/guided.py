@@ -1,0 +1,159 @@
+"""A request's structured output: `response_format`, a forced `tool_choice`, or vLLM's `guided_*`
+fields, turned into one grammar and compiled off the event loop.
+
+A forced tool call is constrained to the format the response parser reads (Qwen3's
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), with the tools' parameter schemas, so
+the reply comes back as `tool_calls`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+
+from neuron.engine.response_parser import TOOL_CLOSE, TOOL_OPEN
+from neuron.engine.structured_output import CompiledGrammar, GrammarError, GuidedDecodingParams
+from neuron.entrypoints.openai.api_errors import bad_request
+from neuron.entrypoints.openai.api_types import SamplingRequest
+from neuron.entrypoints.openai.prompt_input import off_loop
+
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# A tool call's JSON is compact, like the other JSON grammars, so a model cannot pad it forever.
+_COMPACT = {"whitespace_flexible": False}
+
+
+async def compile_guided(llm, req: SamplingRequest, limiter: anyio.CapacityLimiter) -> CompiledGrammar | None:
+    """The request's grammar compiled (in a worker thread, cached by the engine), or None when the
+    request sets none. Anything wrong with it is a 400 naming the field it came from."""
+    found = guided_params(req, llm.tokenizer)
+    if found is None:
+        return None
+    guided, param = found
+    if llm.structured is None:
+        raise bad_request("structured output needs the model's tokenizer.json", param=param)
+    try:
+        return await off_loop(limiter, llm.structured.compile, guided)
+    except GrammarError as exc:
+        raise _renamed(exc, param) from None
+
+
+def guided_params(req: SamplingRequest, tokenizer) -> tuple[GuidedDecodingParams, str] | None:
+    """What the output must match and the request field that said so; None when unconstrained."""
+    found = [(field, kind) for field, kind in _GUIDED_FIELDS.items() if getattr(req, field) is not None]
+    fmt = req.response_format
+    if fmt is not None and _format_type(fmt) != "text":
+        found.append(("response_format", None))
+    forced = _forced_tool(req)
+    if forced is not None:
+        found.append(("tool_choice", None))
+    if len(found) > 1:
+        names = ", ".join(field for field, _ in found)
+        raise bad_request(f"only one of {names} may constrain the output", param=found[1][0])
+    if not found:
+        return None
+    field, kind = found[0]
+    if field == "response_format":
+        return _from_format(fmt)
+    if field == "tool_choice":
+        return _params("tools", grammar=_tool_grammar(req, forced, tokenizer))
+    return _params(field, **{kind: getattr(req, field)})
+
+
+def _params(param: str, **spec) -> tuple[GuidedDecodingParams, str]:
+    try:
+        return GuidedDecodingParams(**spec), param
+    except GrammarError as exc:
+        raise _renamed(exc, param) from None
+
+
+def _renamed(exc: GrammarError, param: str):
+    """The 400 for a grammar error, speaking of the request's field rather than the engine's."""
+    return bad_request(str(exc).replace(exc.param, param), param=param)
+
+
+def _format_type(fmt) -> str:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                          param="response_format.type")
+    return kind
+
+
+def _from_format(fmt: dict) -> tuple[GuidedDecodingParams, str]:
+    if fmt["type"] == "json_object":
+        return _params("response_format", json_object=True)
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise bad_request("response_format of type json_schema needs json_schema.schema, a JSON schema object",
+                          param="response_format.json_schema.schema")
+    return _params("response_format.json_schema.schema", json=schema)
+
+
+def _forced_tool(req) -> str | None:
+    """"required" (any of the tools), a function's name (that one), or None (the model decides)."""
+    choice = getattr(req, "tool_choice", None)
+    if choice in (None, "auto", "none"):
+        return None
+    if choice == "required":
+        name = "required"
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request("tool_choice.function.name must be a function's name", param="tool_choice")
+    else:
+        raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                          '{"name": ...}}', param="tool_choice")
+    if not req.tools:
+        raise bad_request(f"tool_choice {name!r} needs tools", param="tool_choice")
+    return name
+
+
+def _tool_grammar(req, forced: str, tokenizer) -> str:
+    """Tool calls as a Lark grammar (llguidance's dialect, `%json` for a call's JSON): one call, or
+    for "required" with parallel calls allowed, one or more, each `<tool_call>\\n{...}\\n</tool_call>`."""
+    tools = _functions(req.tools)
+    if forced != "required":
+        if forced not in tools:
+            raise bad_request(f"tool_choice names the function {forced!r}, which is not among the tools",
+                              param="tool_choice")
+        tools = {forced: tools[forced]}
+    rules = [f"call_{i}: %json {json.dumps(_call_schema(name, params))}" for i, (name, params) in enumerate(tools.items())]
+    calls = " | ".join(f"call_{i}" for i in range(len(rules)))
+    repeat = forced == "required" and req.parallel_tool_calls is not False
+    start = 'start: call ("\\n" call)*' if repeat else "start: call"
+    call = f'call: {_tag(TOOL_OPEN, tokenizer)} "\\n" ({calls}) "\\n" {_tag(TOOL_CLOSE, tokenizer)}'
+    return "\n".join([start, call, *rules]) + "\n"
+
+
+def _call_schema(name: str, params: dict) -> dict:
+    """The JSON of one call to `name`, a schema of its own. The parameters' definitions move to its
+    root, where their `#/$defs/...` references point (pydantic writes nested models so)."""
+    defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
+    arguments = {k: v for k, v in params.items() if k not in defs}
+    return {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
+            "required": ["name", "arguments"], "additionalProperties": False, **defs, "x-guidance": _COMPACT}
+
+
+def _tag(tag: str, tokenizer) -> str:
+    """A tag the tokenizer holds as one token is that token, as the model writes it; else its text."""
+    token_id = tokenizer.token_to_id(tag) if tokenizer is not None else None
+    return f"<[{token_id}]>" if token_id is not None else json.dumps(tag)
+
+
+def _functions(tools: list) -> dict[str, dict]:
+    """Each function's name and parameter schema (no parameters: any object)."""
+    out = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name or tool.get("type", "function") != "function":
+            raise bad_request(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": '
+                              '...}}', param=f"tools[{i}]")
+        params = fn.get("parameters", {"type": "object"})
+        if not isinstance(params, dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object",
+                              param=f"tools[{i}].function.parameters")
+        out[name] = params
+    return out

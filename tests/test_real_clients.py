@@ -1,0 +1,232 @@
+"""What real clients send: several samples (`n`, `best_of`), batched prompts, vLLM's /tokenize and
+/detokenize, and the details they check (logprob bytes, no empty `tool_calls`), through the official
+openai client on a live server with the embedded default model; the CLI's one-line errors."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+from server_harness import LiveServer, client, metric, real_engine, token_ids
+
+from neuron import LLM, SamplingParams
+from neuron.entrypoints.cli import run_command
+
+MAX_MODEL_LEN = 1024
+BLOCK_SIZE = 16  # the default NEURON_KV_BLOCK_SIZE
+MODEL = "neuron-default"
+SAMPLED = {"temperature": 1.0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
+GREEDY = {"temperature": 0.0, "max_tokens": 4, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def clients_server():
+    with LiveServer(real_engine(None, 1, max_model_len=MAX_MODEL_LEN)) as server:
+        yield server.wait_ready()
+
+
+def _as_ids(**kw) -> dict:
+    """Completion arguments that return each sampled token's id and logprob."""
+    extra = {**kw.pop("extra_body", {}), "return_tokens_as_token_ids": True}
+    return {**kw, "logprobs": 0, "extra_body": extra}
+
+
+def _sampled_ids(choice) -> list[int]:
+    return token_ids(choice.logprobs)
+
+
+# ---- n and best_of ----
+
+
+def test_n_with_a_seed_is_seed_plus_i_per_sample(clients_server, default_tokenizer):
+    c = client(clients_server)
+    kw = _as_ids(model=MODEL, prompt="The river bends", n=3, seed=11, **SAMPLED)
+    out = c.completions.create(**kw)
+    assert [ch.index for ch in out.choices] == [0, 1, 2]
+    samples = [_sampled_ids(ch) for ch in out.choices]
+    assert [_sampled_ids(ch) for ch in c.completions.create(**kw).choices] == samples  # deterministic
+    assert len({tuple(s) for s in samples}) == 3
+    for i, sample in enumerate(samples):
+        alone = c.completions.create(**{**kw, "n": 1, "seed": 11 + i})
+        assert _sampled_ids(alone.choices[0]) == sample
+    prompt_len = len(default_tokenizer.encode("The river bends"))
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (prompt_len, 24)  # the prompt counted once
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=3, seed=11,
+                                     **SAMPLED)
+    assert [ch.index for ch in chat.choices] == [0, 1, 2] and chat.usage.completion_tokens == 24
+
+
+def test_the_prompt_is_prefilled_once_for_n_samples(clients_server):
+    prompt = [(37 * i + 5) % 1300 + 3 for i in range(40)]  # met nowhere else, so nothing of it is cached yet
+    engine = clients_server.engine.engine
+    before = engine.prefix_cache_counts()
+    out = client(clients_server).completions.create(model=MODEL, prompt=prompt, n=3, seed=1, **SAMPLED)
+    queries, hits = (a - b for a, b in zip(engine.prefix_cache_counts(), before))
+    # The first sample computes all 40 tokens; the others take its two full blocks from the cache
+    # and compute only the last, partial one (8 tokens each).
+    assert (queries, hits) == (3 * 40, 2 * 2 * BLOCK_SIZE)
+    assert out.usage.prompt_tokens == 40
+
+
+def test_n_streaming_chunks_carry_every_index(clients_server):
+    c = client(clients_server)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me about rivers."}], n=2, seed=3, **SAMPLED)
+    whole = c.chat.completions.create(**kw)
+    chunks = list(c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    choices = [ch.choices[0] for ch in chunks if ch.choices]
+    assert all(len(ch.choices) == 1 for ch in chunks if ch.choices)
+    assert [ch.index for ch in choices[:2]] == [0, 1] and all(ch.delta.role == "assistant" for ch in choices[:2])
+    for i in (0, 1):
+        mine = [ch for ch in choices if ch.index == i]
+        assert "".join(ch.delta.content or "" for ch in mine) == whole.choices[i].message.content
+        assert [ch.finish_reason for ch in mine if ch.finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 16 and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    parts = list(c.completions.create(model=MODEL, prompt="Rivers", n=2, seed=3, stream=True, **SAMPLED))
+    assert {p.choices[0].index for p in parts} == {0, 1}
+
+
+def test_best_of_returns_the_highest_cumulative_logprob(clients_server):
+    c = client(clients_server)
+    kw = _as_ids(model=MODEL, prompt="Once upon a time", seed=21, **SAMPLED)
+    candidates = []
+    for i in range(3):
+        ch = c.completions.create(**{**kw, "seed": 21 + i}).choices[0]
+        candidates.append((sum(ch.logprobs.token_logprobs), _sampled_ids(ch)))
+    best = max(candidates)
+    out = c.completions.create(**kw, n=1, best_of=3)
+    assert [ch.index for ch in out.choices] == [0]
+    assert _sampled_ids(out.choices[0]) == best[1]
+    assert sum(out.choices[0].logprobs.token_logprobs) == pytest.approx(best[0])
+    assert out.usage.completion_tokens == 8  # the choice returned, as vLLM counts
+    two = c.completions.create(**kw, n=2, best_of=3)
+    assert [_sampled_ids(ch) for ch in two.choices] == [ids for _, ids in sorted(candidates, reverse=True)[:2]]
+    plain = c.completions.create(model=MODEL, prompt="Once upon a time", seed=21, best_of=3, **SAMPLED)
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == out.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt="x", best_of=3, stream=True, max_tokens=2)
+    assert e.value.code == "unsupported_parameter" and e.value.param == "best_of"
+
+
+def test_offline_n_and_best_of():
+    params = SamplingParams(n=2, best_of=4, temperature=1.0, seed=9, max_tokens=6, ignore_eos=True)
+    with LLM(device="cpu", dtype="float32") as llm:
+        [out] = llm.generate("Once upon a time", params)
+        alone = [llm.generate("Once upon a time", SamplingParams(temperature=1.0, seed=9 + i, max_tokens=6,
+                                                                 ignore_eos=True, logprobs=0))[0].outputs[0]
+                 for i in range(4)]
+    ranked = sorted(alone, key=lambda o: -o.cumulative_logprob)[:2]
+    assert [o.index for o in out.outputs] == [0, 1]
+    assert [o.token_ids for o in out.outputs] == [o.token_ids for o in ranked]
+    assert [o.cumulative_logprob for o in out.outputs] == pytest.approx([o.cumulative_logprob for o in ranked])
+    assert all(o.logprobs is None for o in out.outputs)
+
+
+# ---- batched prompts ----
+
+
+@pytest.mark.parametrize("prompts", [["The river", "A small house on the hill"], [[5, 17, 200, 3], [250, 1, 2]]],
+                         ids=["text", "token_ids"])
+def test_batched_prompts_index_choices_prompt_by_prompt(clients_server, prompts):
+    c = client(clients_server)
+    out = c.completions.create(model=MODEL, prompt=prompts, n=2, **GREEDY)
+    assert [ch.index for ch in out.choices] == [0, 1, 2, 3]
+    singles = [c.completions.create(model=MODEL, prompt=p, **GREEDY) for p in prompts]
+    assert [ch.text for ch in out.choices] == [s.choices[0].text for s in singles for _ in range(2)]
+    assert out.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert out.usage.completion_tokens == 4 * 4
+
+
+def test_one_bad_prompt_refuses_the_batch_and_queues_nothing(clients_server):
+    queued = metric(clients_server, "neuron_prompt_tokens_total")
+    with pytest.raises(openai.BadRequestError) as e:
+        client(clients_server).completions.create(model=MODEL, prompt=[[5, 6, 7], [10**6]], n=2, max_tokens=2)
+    assert e.value.param == "prompt" and "token id 1000000 is outside the vocabulary" in e.value.message
+    assert metric(clients_server, "neuron_prompt_tokens_total") == queued
+
+
+# ---- /tokenize and /detokenize ----
+
+
+def test_tokenize_and_detokenize_round_trip(clients_server, default_tokenizer):
+    text = "Rivers carry water to the sea."
+    r = httpx.post(f"{clients_server.url}/tokenize", json={"model": MODEL, "prompt": text})
+    ids = default_tokenizer.encode(text)
+    assert r.json() == {"tokens": ids, "count": len(ids), "max_model_len": MAX_MODEL_LEN}
+    back = httpx.post(f"{clients_server.url}/detokenize", json={"model": MODEL, "tokens": ids})
+    assert back.json() == {"prompt": text}
+    messages = [{"role": "user", "content": text}]
+    chat = httpx.post(f"{clients_server.url}/tokenize", json={"model": MODEL, "messages": messages}).json()
+    assert chat["tokens"] == default_tokenizer.encode(default_tokenizer.apply_chat_template(messages))
+    prompt_tokens = client(clients_server).chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert chat["count"] == prompt_tokens.usage.prompt_tokens
+    bad = httpx.post(f"{clients_server.url}/detokenize", json={"model": MODEL, "tokens": [10**6]})
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "tokens")
+
+
+def test_tokenize_needs_a_tokenizer(odd_checkpoint):
+    with LiveServer(real_engine(str(odd_checkpoint), 1, name="odd")) as server:
+        server.wait_ready()
+        for path, body in (("tokenize", {"prompt": "hi"}), ("detokenize", {"tokens": [1, 2]})):
+            r = httpx.post(f"{server.url}/{path}", json={"model": "odd", **body})
+            assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
+
+
+# ---- response details ----
+
+
+def test_chat_logprob_bytes_are_the_tokens_own(clients_server, default_tokenizer):
+    c = client(clients_server)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Write in French."}], logprobs=True,
+              top_logprobs=20, temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
+    ids = c.chat.completions.create(**{**kw, "extra_body": {**kw["extra_body"], "return_tokens_as_token_ids": True}})
+    text = c.chat.completions.create(**kw)
+    seen = []
+    for by_id, by_text in zip(ids.choices[0].logprobs.content, text.choices[0].logprobs.content):
+        for a, b in zip([by_id, *by_id.top_logprobs], [by_text, *by_text.top_logprobs]):
+            own = list(default_tokenizer.token_bytes(int(a.token.removeprefix("token_id:"))))
+            assert b.bytes == own
+            seen.append(bytes(own))
+    partial = [b for b in seen if not _is_utf8(b)]
+    assert partial and all(list(b) != [239, 191, 189] for b in partial)  # part of a character, not U+FFFD
+
+
+def _is_utf8(b: bytes) -> bool:
+    try:
+        b.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def test_a_plain_assistant_message_has_no_tool_calls_key(clients_server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    r = httpx.post(f"{clients_server.base_url}/chat/completions", json=body)
+    assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"]
+    with httpx.stream("POST", f"{clients_server.base_url}/chat/completions", json={**body, "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert events and all("tool_calls" not in ch["delta"] for e in events for ch in e["choices"])
+
+
+# ---- the command line ----
+
+
+def test_bench_against_a_closed_port_says_cannot_connect(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert run_command(["bench", "--base-url", f"http://127.0.0.1:{port}/v1", "-n", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"neuron bench: cannot connect to http://127.0.0.1:{port}/v1") and "--model" not in err
+
+
+def test_generate_with_an_unknown_model_prints_one_line():
+    out = subprocess.run([sys.executable, "-m", "neuron", "generate", "/nonexistent"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("neuron generate: model '/nonexistent' is neither a directory")
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
