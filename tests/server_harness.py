@@ -5,6 +5,7 @@ polling that tests of any of them share."""
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import re
@@ -237,3 +238,55 @@ def wait_until(predicate, timeout_s: float = 5.0, message: str = "condition not 
     while not predicate():
         assert time.monotonic() < deadline, message
         time.sleep(0.01)
+
+
+class Records(logging.Handler):
+    """Records of the loggers it is attached to, whether or not they propagate."""
+
+    def __init__(self, *names: str):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        self.loggers = [logging.getLogger(n) for n in names]
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> "Records":
+        for logger in self.loggers:
+            logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for logger in self.loggers:
+            logger.removeHandler(self)
+
+    def errors(self) -> list[str]:
+        return [r.getMessage() for r in self.records if r.levelno >= logging.ERROR]
+
+
+def open_fds(pid: int | str = "self") -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def listening(pid: int | str = "self") -> set[str]:
+    """`address:port` (hex, as /proc/net/tcp has them) of the TCP listeners process `pid` holds."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # TCP_LISTEN
+                    found.add(cols[1])
+    return found
+
+
+def health(server) -> dict:
+    return httpx.get(f"{server.url}/health").json()

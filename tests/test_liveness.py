@@ -1,5 +1,4 @@
-"""What keeps the server alive and reachable: connections that cannot hold descriptors forever
-(a cap, header, body and idle deadlines), rebuilds that wait out a shortage of descriptors instead
+"""What keeps the server alive: rebuilds that wait out a shortage of descriptors instead
 of giving up, a rendezvous that ends at once when a rank dies while joining and leaves nothing
 behind, sockets between ranks on loopback only, frozen ranks found within seconds whatever the
 step deadline, and a SIGTERM that ends the process within the grace period at any moment."""
@@ -7,17 +6,10 @@ step deadline, and a SIGTERM that ends the process within the grace period at an
 from __future__ import annotations
 
 import errno
-import json
-import logging
 import os
-import resource
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from typing import Self
 
 import httpx
 import openai
@@ -28,6 +20,8 @@ from server_harness import (
     ServeProcess,
     client,
     gone,
+    health,
+    listening,
     metric,
     real_engine,
     scripted_engine,
@@ -36,15 +30,11 @@ from server_harness import (
 from test_pool import mock_cmd
 
 from neuron.engine.async_engine import AsyncEngine
-from neuron.entrypoints.openai import connections
-from neuron.entrypoints.openai.connections import RateLimitFilter, connection_cap
-from neuron.entrypoints.serve import warn_if_exposed
 from neuron.errors import PoolBroken, WorkerError
 from neuron.executor.executor import Executor, ExecutorConfig, resource_shortage
 from neuron.executor.pool import WorkerPool
 from neuron.models.default import default_model_dir
 from neuron.rpc import protocol as p
-from neuron.utils import procfs
 from neuron.worker.worker import Worker
 
 LOOPBACK_HEX = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it
@@ -54,236 +44,6 @@ LIMITED = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFI
            "sys.argv[0] = 'neuron'; runpy.run_module('neuron', run_name='__main__')")
 LIMITS = {"NEURON_MAX_CONNECTIONS": "4", "NEURON_HEADER_TIMEOUT_S": "0.5", "NEURON_BODY_TIMEOUT_S": "0.5",
           "NEURON_IDLE_TIMEOUT_S": "0.5"}
-
-
-class Records(logging.Handler):
-    """Records of the loggers it is attached to, whether or not they propagate."""
-
-    def __init__(self, *names: str):
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-        self.loggers = [logging.getLogger(n) for n in names]
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def __enter__(self) -> Self:
-        for logger in self.loggers:
-            logger.addHandler(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for logger in self.loggers:
-            logger.removeHandler(self)
-
-    def errors(self) -> list[str]:
-        return [r.getMessage() for r in self.records if r.levelno >= logging.ERROR]
-
-
-def open_fds(pid: int | str = "self") -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def listening(pid: int | str = "self") -> set[str]:
-    """`address:port` (hex, as /proc/net/tcp has them) of the TCP listeners process `pid` holds."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = set()
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/{pid}/net/{table}") as f:
-            for row in f.read().splitlines()[1:]:
-                cols = row.split()
-                if cols[3] == "0A" and cols[9] in inodes:  # TCP_LISTEN
-                    found.add(cols[1])
-    return found
-
-
-# ---- connections (a live server on a scripted engine) ----
-
-
-@pytest.fixture(scope="module")
-def guarded(default_tokenizer):
-    """A live server with 4 connections at most and half-second header, body and idle deadlines."""
-    with pytest.MonkeyPatch.context() as mp:  # read when the server is built, and only then
-        for name, value in LIMITS.items():
-            mp.setenv(name, value)
-        server = LiveServer(scripted_engine(ScriptedEngine(default_tokenizer, {})))
-    with server as s:
-        s.wait_ready(10)
-        s.address = ("127.0.0.1", int(s.url.rsplit(":", 1)[1]))
-        yield s
-
-
-def read_until_closed(sock: socket.socket, timeout_s: float = 5.0) -> tuple[bytes, float]:
-    """Everything the server sends until it closes the connection, and how long that took."""
-    sock.settimeout(timeout_s)
-    t0, data = time.monotonic(), b""
-    while True:
-        try:
-            chunk = sock.recv(65536)
-        except ConnectionResetError:
-            chunk = b""
-        if not chunk:
-            return data, time.monotonic() - t0
-        data += chunk
-
-
-def health(server) -> dict:
-    return httpx.get(f"{server.url}/health").json()
-
-
-def envelope(response: bytes) -> dict:
-    return json.loads(response.split(b"\r\n\r\n", 1)[1])["error"]
-
-
-def test_idle_connections_are_closed_and_past_the_cap_clients_get_503(guarded):
-    baseline = open_fds()
-    idle = [socket.create_connection(guarded.address) for _ in range(4)]
-    time.sleep(0.1)
-    r = httpx.get(f"{guarded.url}/health")
-    assert r.status_code == 503 and r.headers["retry-after"] == "1"
-    assert r.json()["error"]["code"] == "overloaded" and r.json()["error"]["type"] == "server_error"
-    for sock in idle:  # they never sent a byte: closed at the header deadline, without an answer
-        data, took = read_until_closed(sock)
-        assert data == b"" and took < 1.5
-        sock.close()
-    assert httpx.get(f"{guarded.url}/health").status_code == 200
-    wait_until(lambda: open_fds() <= baseline, 5, f"descriptors left behind: {open_fds()} > {baseline}")
-
-
-def test_half_a_head_gets_408(guarded):
-    with socket.create_connection(guarded.address) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
-        data, took = read_until_closed(sock)
-    assert data.startswith(b"HTTP/1.1 408 ") and took < 1.5
-    assert envelope(data)["code"] == "request_timeout"
-
-
-def test_half_a_body_gets_408_and_no_error_is_logged(guarded):
-    with Records("neuron", "uvicorn.error") as logged, socket.create_connection(guarded.address) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 1000\r\n\r\n{\"model\": ")
-        data, took = read_until_closed(sock)
-    assert data.startswith(b"HTTP/1.1 408 ") and took < 1.5, data
-    assert envelope(data)["code"] == "request_timeout"
-    assert logged.errors() == []
-
-
-def test_a_body_nobody_reads_does_not_hold_the_connection(guarded):
-    """Answered without reading its body (405 here, a 401 alike), a trickling client is cut off."""
-    with socket.create_connection(guarded.address) as sock:
-        sock.sendall(b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\nabc")
-        trickling = threading.Event()
-
-        def trickle() -> None:  # a byte every 0.2 s: each one would reset Uvicorn's keep-alive timer
-            while not trickling.wait(0.2):
-                try:
-                    sock.send(b"x")
-                except OSError:
-                    return
-
-        threading.Thread(target=trickle, daemon=True).start()
-        data, took = read_until_closed(sock)
-        trickling.set()
-    assert data.startswith(b"HTTP/1.1 405 ") and took < 1.5, took
-
-
-def test_an_idle_keep_alive_connection_is_closed(guarded):
-    with socket.create_connection(guarded.address) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        data, took = read_until_closed(sock)
-    assert data.startswith(b"HTTP/1.1 200 ") and took < 1.5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.slow
-def test_an_idle_connection_attack_leaves_descriptors_for_a_rebuild(tmp_path):
-    """`neuron serve --tp 2` under an open-file limit of 512 (the cap comes out at about 120): a
-    thousand idle connections get 503 past the cap, a worker killed meanwhile is rebuilt, and the
-    descriptors come back once the header deadline has closed the idle connections."""
-    port, limit = free_port(), 512
-    env = {**os.environ, "NEURON_CACHE_DIR": str(tmp_path), "NEURON_HEADER_TIMEOUT_S": "3"}
-    proc = subprocess.Popen([sys.executable, "-c", LIMITED.format(soft=limit, hard=limit), "serve", "--tp", "2",
-                             "--port", str(port), "--max-model-len", "256"], env=env, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-
-    def status() -> tuple[int | None, str]:
-        try:
-            r = httpx.get(f"{url}/health", timeout=5)
-        except httpx.HTTPError as exc:
-            return None, type(exc).__name__
-        body = r.json()
-        return r.status_code, body.get("status") or body["error"]["code"]
-
-    try:
-        wait_until(lambda: status() == (200, "ready"), 120, "the server did not start")
-        before = open_fds(proc.pid)
-        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(1000)]
-        time.sleep(0.5)
-        assert limit - open_fds(proc.pid) >= connections.FD_RESERVE  # what is free during the attack
-        assert status() == (503, "overloaded")
-        [worker] = procfs.child_pids(proc.pid)
-        os.kill(worker, signal.SIGKILL)
-        wait_until(lambda: status() == (200, "ready"), 30, "no recovery while under attack")
-        assert procfs.child_pids(proc.pid) not in ([], [worker])
-        for sock in idle:
-            sock.close()
-        wait_until(lambda: open_fds(proc.pid) <= before, 10, f"descriptors kept: {open_fds(proc.pid)} > {before}")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
-
-
-def test_accept_errors_are_logged_once_per_interval():
-    limit = RateLimitFilter(interval_s=0.2)
-
-    def record() -> logging.LogRecord:
-        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "socket.accept() out of system resource",
-                                 None, None)
-
-    passed = [r for r in (record() for _ in range(1000)) if limit.filter(r)]
-    assert len(passed) == 1
-    time.sleep(0.25)
-    late = record()
-    assert limit.filter(late)
-    assert late.getMessage() == "socket.accept() out of system resource (999 more like it in the last 0.2 s not logged)"
-
-
-def test_the_connection_cap_leaves_descriptors_for_a_rebuild():
-    """Run where the soft open-file limit is low: it is raised to the hard one, and the cap stays
-    below it by the reserve."""
-    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
-    hard = 2048 if limits[1] == resource.RLIM_INFINITY else min(limits[1], 2048)
-    code = (f"import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (256, {hard})); "
-            "from neuron.entrypoints.openai.connections import connection_cap; "
-            "print(connection_cap(100000, 2), resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    cap, soft = map(int, out.split())
-    assert soft == hard
-    reserve = connections.FD_RESERVE + 2 * connections.FD_RESERVE_PER_RANK + connections.MAX_LINGERING
-    assert 0 < cap <= hard - reserve - 3  # stdin, stdout, stderr at least
-    assert connection_cap(5, 2) == 5
-
-
-def test_a_warning_when_the_api_is_open_beyond_loopback():
-    with Records("neuron.server") as logged:
-        assert warn_if_exposed("0.0.0.0", None)
-        assert not warn_if_exposed("0.0.0.0", "key")
-        assert not warn_if_exposed("127.0.0.1", None) and not warn_if_exposed("::1", None)
-        assert not warn_if_exposed("localhost", None)
-    [record] = logged.records
-    assert record.levelno == logging.WARNING and "0.0.0.0 without an API key" in record.getMessage()
 
 
 # ---- recovery short of descriptors, and stopping (scripted engines) ----

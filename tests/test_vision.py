@@ -331,7 +331,7 @@ def test_placeholder_count_must_match_the_images(vl_llm, vl_checkpoint):
 def test_gpu_memory_guard_answers_503(vl_llm, vl_checkpoint, monkeypatch):
     """On CUDA the engine compares the vision tower's activation bound with free GPU memory."""
     engine = vl_llm.engine
-    monkeypatch.setattr(engine, "device", "cuda:0")
+    monkeypatch.setattr(engine.inputs, "device", "cuda:0")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1024, 2**30))
     with pytest.raises(ImageError) as info:
         engine.check_images([image_data_uri(20, 20)])

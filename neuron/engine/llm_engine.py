@@ -15,38 +15,21 @@ import torch
 
 from neuron.config import MAX_MODEL_LEN_CAP, check, from_settings, parse_bytes, settings
 from neuron.engine.block_manager import BlockManager
+from neuron.engine.input_processor import InputProcessor, RequestError
 from neuron.engine.output_processor import OutputProcessor, Update
 from neuron.engine.sampling import SampleFailure, SamplingParams, SequenceSampler, sample
 from neuron.engine.scheduler import Scheduled, Scheduler
 from neuron.engine.sequence import Sequence
-from neuron.engine.structured_output import GrammarError, GrammarMatcher, StructuredOutput, TokenBitmask
+from neuron.engine.structured_output import StructuredOutput, TokenBitmask
 from neuron.engine.tokenizer import Tokenizer
-from neuron.errors import ConfigError, NeuronError, WorkerError
+from neuron.errors import ConfigError, WorkerError
 from neuron.executor.executor import Executor, ExecutorConfig
 from neuron.models import load_config, supports_prefix_caching, text_config
 from neuron.models.inputs import SeqStep
 from neuron.models.loader import read_generation_config, resolve_model_path
-from neuron.multimodal.image import (
-    ImageError,
-    ImageInput,
-    VisionSpec,
-    check_image,
-    expand_placeholders,
-    image_spans,
-    vision_activation_bytes,
-    vision_unsupported,
-)
+from neuron.multimodal.image import ImageError, ImageInput, VisionSpec
 
 log = logging.getLogger("neuron.engine.llm_engine")
-
-
-class RequestError(NeuronError):
-    """A request the engine refuses before any device work; `code` is the OpenAI error code."""
-
-    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None):
-        super().__init__(message)
-        self.code = code
-        self.param = param
 
 
 def _prefix_caching() -> bool | None:
@@ -119,6 +102,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.structured = (StructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids)
                            if self.tokenizer is not None else None)
+        self.inputs = InputProcessor(self.max_model_len, self.vocab_size, self.eos_token_ids, self.vision, self.structured,
+                                     lambda: self.executor.max_image_bytes, self.executor.devices[0], cfg.dtype)
 
     def start(self) -> "LLMEngine":
         self.executor.start()
@@ -179,67 +164,14 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  images: list[ImageInput] | None = None) -> int:
-        """Refuse a request that cannot run; return its max_tokens clamped to the context."""
-        if params.n != 1 or params.best_of not in (None, 1):
-            raise RequestError("the engine runs one sample per request: split n and best_of into one request per "
-                               "sample first (parallel_sampling.sample_params)", param="n")
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise RequestError("the prompt is empty", param="prompt")
-        if n >= self.max_model_len:
-            raise RequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has {n} "
-                "tokens (no room to generate)", code="context_length_exceeded", param="messages")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
-                               param="prompt")
-        self._check_placeholders(prompt_token_ids, images or [])
-        self._check_samplable(params)
-        self._grammar(params)
-        room = self.max_model_len - n
-        return room if params.max_tokens is None else min(params.max_tokens, room)
-
-    def _check_samplable(self, params: SamplingParams) -> None:
-        """Refuse constraints that leave the first token nothing to be. Until min_tokens tokens exist
-        the sampler masks every EOS id (ignore_eos or not) and every stop_token_id; nothing else a
-        request sets can empty a distribution (top_k, top_p and min_p keep the most likely token)."""
-        stops = params.stop_token_ids or ()
-        if params.min_tokens == 0 or len(stops) + len(self.eos_token_ids) < self.vocab_size:
-            return
-        masked = {t for t in (*stops, *self.eos_token_ids) if 0 <= t < self.vocab_size}
-        if len(masked) == self.vocab_size:
-            raise RequestError(
-                f"min_tokens ({params.min_tokens}) blocks EOS and stop_token_ids, and together they cover "
-                f"all {self.vocab_size} tokens of the vocabulary, so no token could be sampled: lower "
-                "min_tokens to 0 or leave some ids out of stop_token_ids", param="stop_token_ids")
+        """Refuse a request that cannot run (RequestError); its max_tokens clamped to the context."""
+        return self.inputs.validate(prompt_token_ids, params, images)
 
     def check_images(self, uris: list) -> list[ImageInput]:
-        """Decode and size a request's images before any device work (raises ImageError: 400 for
-        a model without vision, a URI that is not base64 `data:`, or bytes that are no image; 413
-        over NEURON_VISION_MAX_PIXELS; 503 when the vision tower's activations cannot fit the GPU)."""
-        if self.vision is None:
-            raise vision_unsupported()
-        size, limit = sum(len(u) for u in uris if isinstance(u, str)), self.executor.max_image_bytes
-        if size > limit:  # the images travel to every worker in one protocol line
-            raise ImageError(f"the request's images take {size} bytes encoded; at most {limit} fit one step "
-                             "(NEURON_MAX_LINE_BYTES)", status=413, code="image_too_large")
-        images = [check_image(uri, self.vision) for uri in uris]
-        if self.device.startswith("cuda") and images:
-            free, _ = torch.cuda.mem_get_info(self.executor.devices[0])
-            width = 2 if self.cfg.dtype != "float32" else 4
-            need = vision_activation_bytes(self.vision, images, width)
-            if need > free:
-                raise ImageError(f"the images need about {need / 2**20:.0f} MiB of GPU memory for the vision "
-                                 f"tower; {free / 2**20:.0f} MiB are free. Send fewer or smaller images",
-                                 status=503, code="insufficient_vram")
-        return images
+        return self.inputs.check_images(uris)
 
     def expand_images(self, prompt_token_ids: list[int], images: list[ImageInput]) -> list[int]:
-        """The prompt with its one placeholder per image widened to the tokens the image fills."""
-        if self.vision is None:
-            raise vision_unsupported()
-        return expand_placeholders(list(prompt_token_ids), self.vision.image_token_id, images)
+        return self.inputs.expand_images(prompt_token_ids, images)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     images: list[ImageInput] | None = None) -> None:
@@ -248,31 +180,8 @@ class LLMEngine:
         max_tokens = self.validate(prompt_token_ids, params, images)
         sampler = SequenceSampler(params, prompt_token_ids, self.vocab_size, self.executor.devices[0])
         seq = Sequence(request_id, list(prompt_token_ids), params, sampler, max_tokens, images=list(images or []),
-                       grammar=self._grammar(params))
+                       grammar=self.inputs.grammar(params))
         self._inbox.put(("add", seq))
-
-    def _grammar(self, params: SamplingParams) -> GrammarMatcher | None:
-        """A new sequence's place in its structured output's grammar. A grammar the server compiled
-        comes as is; a GuidedDecodingParams is compiled here, in the caller's thread (cached)."""
-        if params.guided_decoding is None:
-            return None
-        if self.structured is None:
-            raise RequestError("structured output needs the checkpoint's tokenizer.json", param="guided_decoding")
-        try:
-            return self.structured.compile(params.guided_decoding).matcher()
-        except GrammarError as exc:
-            raise RequestError(str(exc), param=exc.param) from None
-
-    def _check_placeholders(self, prompt_token_ids: list[int], images: list[ImageInput]) -> None:
-        if self.vision is None:
-            if images:
-                raise vision_unsupported()
-            return
-        try:
-            image_spans(prompt_token_ids, self.vision.image_token_id, [i.num_tokens for i in images])
-        except ValueError as exc:
-            raise RequestError(f"the prompt's image placeholders do not match its images: {exc}",
-                               param="prompt") from None
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
