@@ -24,8 +24,6 @@ from neuron.entrypoints.openai.connections import RateLimitFilter, connection_ca
 from neuron.entrypoints.serve import warn_if_exposed
 from neuron.utils import procfs
 
-LOOPBACK_HEX = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it
-MODEL = "neuron-default"
 # `python -m neuron ARGS` under an open-file limit.
 LIMITED = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard})); "
            "sys.argv[0] = 'neuron'; runpy.run_module('neuron', run_name='__main__')")

@@ -39,11 +39,6 @@ from neuron.worker.worker import Worker
 
 LOOPBACK_HEX = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it
 MODEL = "neuron-default"
-# `python -m neuron ARGS` under an open-file limit.
-LIMITED = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard})); "
-           "sys.argv[0] = 'neuron'; runpy.run_module('neuron', run_name='__main__')")
-LIMITS = {"NEURON_MAX_CONNECTIONS": "4", "NEURON_HEADER_TIMEOUT_S": "0.5", "NEURON_BODY_TIMEOUT_S": "0.5",
-          "NEURON_IDLE_TIMEOUT_S": "0.5"}
 
 
 # ---- recovery short of descriptors, and stopping (scripted engines) ----
