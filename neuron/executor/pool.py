@@ -184,11 +184,11 @@ class WorkerPool:
                 return
             worker.exit_reported = True
         try:
-            code = worker.proc.wait(timeout=_REAP_S)
-        except subprocess.TimeoutExpired:
-            code = None
-        log.error("rank %d exited unexpectedly (code %s)", worker.rank, code)
-        self.broken = self.broken or f"rank {worker.rank} exited (code {code})"
+            what = f"exited (code {worker.proc.wait(timeout=_REAP_S)})"
+        except subprocess.TimeoutExpired:  # its output closed but the process lingers
+            what = "closed its output without exiting"
+        log.error("rank %d %s unexpectedly", worker.rank, what)
+        self.broken = self.broken or f"rank {worker.rank} {what}"
         if self._on_worker_exit:
             self._on_worker_exit(worker)
 
