@@ -197,3 +197,68 @@ def test_gpus_without_a_fitting_nccl_fall_back_to_gloo_and_say_why(monkeypatch, 
     assert record.levelno == logging.WARNING
     assert record.getMessage().startswith("2 ranks on their own GPUs use gloo, slower than nccl, because ")
     assert re.search(reason, record.getMessage()), record.getMessage()
+
+
+# ---- joining the NCCL group has a deadline and a way out ----
+
+
+class BlockingNccl:
+    """Stands in for NcclCommunicator: its construction blocks like ncclCommInitRank waiting for a
+    rank that never comes, until `release` is set; then it records whether it was closed."""
+
+    release = None
+    made: list = []
+
+    def __init__(self, rank, world_size, unique_id_hex, device):
+        self.closed = False
+        BlockingNccl.release.wait(10)
+        BlockingNccl.made.append(self)
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def stuck_nccl(monkeypatch):
+    import threading
+
+    from neuron.worker import worker as worker_mod
+
+    BlockingNccl.release, BlockingNccl.made = threading.Event(), []
+    monkeypatch.setattr(worker_mod, "NcclCommunicator", BlockingNccl)
+    yield worker_mod.Worker(0, 2, "cpu")
+    BlockingNccl.release.set()
+
+
+def _init(timeout_s: float):
+    from neuron.rpc import protocol as p
+
+    return p.Init(seq=1, backend="nccl", comm_id="ab" * 128, timeout_s=timeout_s)
+
+
+def test_an_nccl_join_that_never_completes_ends_at_its_deadline(stuck_nccl):
+    import time
+
+    t0 = time.monotonic()
+    reply, _ = stuck_nccl.execute(_init(0.3))
+    assert reply.kind == "comm_init_failed"
+    assert "ranks did not all join the NCCL group within 0.3 s" in reply.message
+    assert time.monotonic() - t0 < 2.0 and stuck_nccl.comm is None
+    BlockingNccl.release.set()  # NCCL returns after all: the abandoned communicator is destroyed
+    deadline = time.monotonic() + 5
+    while not BlockingNccl.made and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert [c.closed for c in BlockingNccl.made] == [True]
+
+
+def test_an_nccl_join_is_abandoned_as_soon_as_a_rank_dies(stuck_nccl):
+    import threading
+    import time
+
+    threading.Timer(0.2, stuck_nccl.abort, args=("rank 1 exited (code -9)",)).start()
+    t0 = time.monotonic()
+    reply, _ = stuck_nccl.execute(_init(60.0))
+    assert reply.kind == "comm_init_failed"
+    assert "joining the NCCL group was aborted: rank 1 exited (code -9)" in reply.message
+    assert time.monotonic() - t0 < 2.0

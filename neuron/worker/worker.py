@@ -24,6 +24,7 @@ from neuron.distributed.comm import (
     host_store,
     make_store,
 )
+from neuron.distributed.nccl_join import NcclJoin
 from neuron.errors import ConfigError, UnsupportedModel
 from neuron.models import build_model
 from neuron.models.inputs import SeqStep
@@ -81,7 +82,8 @@ class Worker:
         self.comm: Communicator | None = SingleRank() if world_size == 1 else None
         self.models: dict[str, Any] = {}
         self.on_layer_loaded: Callable[[int, int], None] | None = None  # the leader's progress bar
-        self._joining: Rendezvous | None = None  # rank 0: the rendezvous it hosts, until the group is built
+        # rank 0: the rendezvous it hosts, until the group is built; any rank: the NCCL join under way
+        self._joining: Rendezvous | NcclJoin | None = None
 
     def host_store(self, timeout_s: float) -> str:
         """Rank 0 only: listen for the gloo rendezvous on a free loopback port; returns its address.
@@ -156,7 +158,9 @@ class Worker:
                                                       req.timeout_s)
                 self.comm = GlooCommunicator(self.rank, self.world_size, joining, req.timeout_s)
             elif backend == "nccl":
-                self.comm = NcclCommunicator(self.rank, self.world_size, req.comm_id, self.device)
+                self._joining = NcclJoin(
+                    lambda: NcclCommunicator(self.rank, self.world_size, req.comm_id, self.device), req.timeout_s)
+                self.comm = self._joining.run()
             else:
                 raise WorkerFailure(p.ErrorKind.COMM_INIT_FAILED, f"unknown backend {backend!r}")
         except WorkerFailure:
