@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from neuron.errors import UnsupportedModel
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_5", "qwen3_5_text")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text")
 
 
 def check_supported(config: dict) -> str:
@@ -47,6 +47,10 @@ def build_model(config: dict, comm, dtype, device, model_dir=None):
         from neuron.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
         return Qwen3ForCausalLM(Qwen3Config.from_dict(config), comm, dtype, device)
+    if model_type == "qwen3_moe":
+        from neuron.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig.from_dict(config), comm, dtype, device)
     if model_type in ("qwen3_5", "qwen3_5_text"):
         from neuron.models.qwen3_5 import Qwen35Config, Qwen35ForCausalLM
         from neuron.multimodal.image import VisionSpec

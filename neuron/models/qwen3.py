@@ -173,14 +173,19 @@ class Qwen3ForCausalLM(CausalLM):
         )
         q_norm = RMSNorm.load(r, f"{p}.self_attn.q_norm.weight", c.rms_norm_eps, dt, dev)
         k_norm = RMSNorm.load(r, f"{p}.self_attn.k_norm.weight", c.rms_norm_eps, dt, dev)
-        gate_up = MergedColumnParallelLinear.load(
-            r, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], c.intermediate_size, s, dt, dev
-        )
-        down = RowParallelLinear.load(r, f"{p}.mlp.down_proj", c.intermediate_size, s, self.comm, dt, dev)
         attn = Attention(i, qkv, o_proj, q_norm, k_norm, self.layout)
         input_norm = RMSNorm.load(r, f"{p}.input_layernorm.weight", c.rms_norm_eps, dt, dev)
         post_norm = RMSNorm.load(r, f"{p}.post_attention_layernorm.weight", c.rms_norm_eps, dt, dev)
-        return DecoderLayer(attn, MLP(gate_up, down), input_norm, post_norm)
+        return DecoderLayer(attn, self._load_mlp(r, i), input_norm, post_norm)
+
+    def _load_mlp(self, r: Reader, i: int):
+        """Layer i's feed-forward block; a hook for models whose layers differ only there (MoE)."""
+        c, s, p = self.config, self.shard, f"model.layers.{i}.mlp"
+        gate_up = MergedColumnParallelLinear.load(
+            r, [f"{p}.gate_proj", f"{p}.up_proj"], c.intermediate_size, s, self.dtype, self.device
+        )
+        down = RowParallelLinear.load(r, f"{p}.down_proj", c.intermediate_size, s, self.comm, self.dtype, self.device)
+        return MLP(gate_up, down)
 
     def kv_block_bytes(self, block_size: int) -> int:
         """Bytes of one KV block on this rank: K and V of `block_size` tokens in every layer."""
