@@ -82,8 +82,11 @@ def test_defaults_are_omitted_and_restored():
 
 
 def test_step_seq_stays_small_and_compatible():
-    """A decode step's sequence is a short array; a sender that knows no blocks is still understood."""
-    assert codec.encode(p.StepSeq(slot=2, token_ids=[9], offset=41)) == b"[2,[9],41,[],false]\n"
+    """A decode step's sequence is a short array; a sender that knows no blocks is still understood,
+    and the prompt-logprobs flag rides at the end."""
+    assert codec.encode(p.StepSeq(slot=2, token_ids=[9], offset=41)) == b"[2,[9],41,[],false,null]\n"
+    flagged = p.StepSeq(slot=2, token_ids=[9, 8], offset=0, prompt_logprobs=1)
+    assert codec.encode(flagged) == b"[2,[9,8],0,[],false,1]\n"
     line = b'{"op":"generate_step","seq":5,"model_id":"m","seqs":[[2,[9],41]]}\n'
     step = codec.decode_request(line)
     assert step.seqs == [p.StepSeq(slot=2, token_ids=[9], offset=41, new_blocks=[], fresh=False)]

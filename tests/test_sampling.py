@@ -45,13 +45,15 @@ def _generate(sampler: SequenceSampler, steps: list[torch.Tensor]) -> list[int]:
         ({"frequency_penalty": 3}, "frequency_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"seed": 2**64}, "seed"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),  # 0 is allowed: the prompt scored, nothing generated
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
         ({"stop": ["ok", ""]}, "stop"),
         ({"stop_token_ids": [3, -1]}, "stop_token_ids"),
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": 21}, "logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ],
 )
 def test_invalid_params_name_the_parameter(kwargs, param):

@@ -66,6 +66,8 @@ class InputProcessor:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
                                param="prompt")
         self._check_placeholders(prompt_token_ids, images or [])
+        if images and params.prompt_logprobs is not None:  # the image prefill returns last-token logits only
+            raise RequestError("prompt_logprobs are not supported for prompts with images", param="prompt_logprobs")
         self._check_samplable(params)
         self.grammar(params)
         room = self.max_model_len - n

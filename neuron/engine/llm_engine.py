@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from neuron.config import MAX_MODEL_LEN_CAP, check, from_settings, parse_bytes, settings
+from neuron.engine import prompt_logprobs
 from neuron.engine.block_manager import BlockManager
 from neuron.engine.input_processor import InputProcessor, RequestError
 from neuron.engine.output_processor import OutputProcessor, Update
@@ -240,17 +241,30 @@ class LLMEngine:
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         self.scheduler.computed(ran)
         ready = [(i, s) for i, s in enumerate(ran) if s.completes_prompt]
+        if any(s.seq.max_tokens == 0 for _, s in ready):  # prompt scored, nothing to generate
+            updates += [self._end_unsampled(s.seq) for _, s in ready if s.seq.max_tokens == 0]
+            ready = [(i, s) for i, s in ready if s.seq.max_tokens != 0]
         if ready:
             rows = logits[[i for i, _ in ready]] if len(ready) != len(ran) else logits
             updates += self._sample([s for _, s in ready], rows)
         return updates
 
+    def _end_unsampled(self, seq: Sequence) -> Update:
+        self.scheduler.finish(seq, "length")
+        return self.outputs.end(seq)
+
     def _forward(self, part: list[Scheduled]) -> torch.Tensor:
-        return self.executor.step(self._steps(part))
+        steps = self._steps(part)
+        if all(st.prompt_logprobs is None for st in steps):
+            return self.executor.step(steps)
+        result = self.executor.run_step(steps)
+        prompt_logprobs.accumulate(part, result)
+        return result.logits
 
     @staticmethod
     def _steps(part: list[Scheduled]) -> list[SeqStep]:
-        return [SeqStep(s.seq.slot, s.token_ids, s.offset, s.new_blocks, s.fresh) for s in part]
+        return [SeqStep(s.seq.slot, s.token_ids, s.offset, s.new_blocks, s.fresh, prompt_logprobs.wanted(s))
+                for s in part]
 
     def _forward_failed(self, part: list[Scheduled], exc: Exception) -> list[Update]:
         """A forward that every rank refused or failed alike (a request the ranks reject, a bug on the

@@ -39,6 +39,8 @@ class Update:
     # Whose fault an error is: "invalid_request" (the request's own constraints left no token to
     # sample), "internal_error" (a bug or unusable model output); None: a failing rank.
     failure_kind: str | None = None
+    # The prompt's logprobs (first entry None), on the request's first update, when asked for.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -48,6 +50,7 @@ class _Tracked:
     stop: list[str] = field(default_factory=list)
     text: str = ""  # decoded output, stop strings not yet cut
     emitted: int = 0  # characters of `text` already reported
+    prompt_sent: bool = False  # its prompt logprobs went out with an earlier update
 
 
 class OutputProcessor:
@@ -135,7 +138,8 @@ class OutputProcessor:
         tr.emitted = safe
         seq = tr.seq
         return Update(seq.request_id, tokens, delta, logprobs, False,
-                      num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids))
+                      num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids),
+                      prompt_logprobs=self._prompt_logprobs(tr))
 
     def _final(self, tr: _Tracked, reason: str | None, stop_reason: int | str | None, tokens=None, logprobs=None,
                error: str | None = None) -> Update:
@@ -144,13 +148,22 @@ class OutputProcessor:
         tr.emitted = len(tr.text)
         self._tracked.pop(seq.request_id, None)
         return Update(seq.request_id, tokens or [], delta, logprobs, True, reason, stop_reason,
-                      error, len(seq.prompt_token_ids), len(seq.output_token_ids))
+                      error, len(seq.prompt_token_ids), len(seq.output_token_ids),
+                      prompt_logprobs=self._prompt_logprobs(tr))
+
+    @staticmethod
+    def _prompt_logprobs(tr: _Tracked) -> list[dict[int, float] | None] | None:
+        """The prompt's logprobs, once: on the first update after its prefill."""
+        if tr.prompt_sent or tr.seq.prompt_logprobs is None:
+            return None
+        tr.prompt_sent = True
+        return tr.seq.prompt_logprobs
 
 
 # ---- logprobs, in the shapes the OpenAI API writes them ----
 
 
-def _clamp(logprob: float) -> float:
+def clamp_logprob(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else _LOGPROB_FLOOR
 
 
@@ -209,7 +222,7 @@ class LogprobRenderer:
         out = []
         for token, entry in zip(token_ids, logprobs):
             text = self.token(token)
-            out.append(SampledToken(text, _clamp(entry[token]), self.token_bytes(token), self._top(entry, n)))
+            out.append(SampledToken(text, clamp_logprob(entry[token]), self.token_bytes(token), self._top(entry, n)))
         return out
 
     def completion(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> TextLogprobs:
@@ -217,9 +230,9 @@ class LogprobRenderer:
         out = TextLogprobs()
         for token, entry in zip(token_ids, logprobs):
             out.tokens.append(self.token(token))
-            out.token_logprobs.append(_clamp(entry[token]))
+            out.token_logprobs.append(clamp_logprob(entry[token]))
             ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)
-            out.top_logprobs.append({self.token(t): _clamp(v) for t, v in ranked})
+            out.top_logprobs.append({self.token(t): clamp_logprob(v) for t, v in ranked})
             out.text_offset.append(self._offset)
             self._offset += len(self._text(token))
         return out
@@ -230,7 +243,7 @@ class LogprobRenderer:
 
     def _top(self, entry: dict[int, float], n: int) -> list[TopToken]:
         ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:n]
-        return [TopToken(self.token(t), _clamp(v), self.token_bytes(t)) for t, v in ranked]
+        return [TopToken(self.token(t), clamp_logprob(v), self.token_bytes(t)) for t, v in ranked]
 
 
 @lru_cache(maxsize=8)

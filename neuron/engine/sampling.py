@@ -63,6 +63,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the prompt tokens' own logprobs and this many top-k at each
     skip_special_tokens: bool = True
     # Structured output: what the text must match. The server hands the engine the grammar it
     # already compiled (off the event loop); a GuidedDecodingParams is compiled when the request is added.
@@ -114,7 +115,8 @@ class SamplingParams:
         _check(self.min_tokens >= 0, "min_tokens", ">= 0", self.min_tokens)
         if self.max_tokens is None:
             return
-        _check(self.max_tokens >= 1, "max_tokens", ">= 1 or null", self.max_tokens)
+        # 0: score the prompt only (prompt_logprobs, echo) and end after its prefill
+        _check(self.max_tokens >= 0, "max_tokens", ">= 0 or null", self.max_tokens)
         cap = f"<= max_tokens ({self.max_tokens})"
         _check(self.min_tokens <= self.max_tokens, "min_tokens", cap, self.min_tokens)
 
@@ -128,6 +130,9 @@ class SamplingParams:
         if self.logprobs is not None:
             allowed = f"in [0, {MAX_LOGPROBS}] or null"
             _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", allowed, self.logprobs)
+        if self.prompt_logprobs is not None:
+            allowed = f"in [0, {MAX_LOGPROBS}] or null"
+            _check(0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs", allowed, self.prompt_logprobs)
 
 
 class SequenceSampler:

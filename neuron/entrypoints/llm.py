@@ -39,6 +39,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # SamplingParams.prompt_logprobs
 
 
 PromptType = str | dict | list[int]
@@ -173,6 +174,8 @@ class LLM:
                     continue
                 out, i = routes[u.request_id]
                 _apply(out.outputs[i], u)
+                if u.prompt_logprobs is not None and out.prompt_logprobs is None:
+                    out.prompt_logprobs = u.prompt_logprobs
                 if u.finished:
                     pending.discard(u.request_id)
                     out.finished = all(c.finish_reason is not None for c in out.outputs)

@@ -29,7 +29,7 @@ from neuron.errors import ConfigError, NeuronError, PoolBroken, WorkerError
 from neuron.executor.pool import WorkerPool, default_worker_cmd
 from neuron.executor.progress import LoadProgress
 from neuron.models import load_config, text_config
-from neuron.models.inputs import SeqStep
+from neuron.models.inputs import SeqStep, StepResult
 from neuron.models.loader import safetensors_files
 from neuron.rpc import codec
 from neuron.rpc import protocol as p
@@ -99,7 +99,7 @@ def rank_devices(device: str, tp: int) -> list[str]:
 
 
 def as_wire(seqs: list[SeqStep]) -> list[p.StepSeq]:
-    return [p.StepSeq(s.slot, s.token_ids, s.offset, s.new_blocks, s.fresh) for s in seqs]
+    return [p.StepSeq(s.slot, s.token_ids, s.offset, s.new_blocks, s.fresh, s.prompt_logprobs) for s in seqs]
 
 
 class Executor:
@@ -237,10 +237,14 @@ class Executor:
 
     def step(self, seqs: list[SeqStep]) -> torch.Tensor:
         """One batched forward on every rank; rank 0's logits of each sequence's last token."""
+        return self.run_step(seqs).logits
+
+    def run_step(self, seqs: list[SeqStep]) -> StepResult:
+        """One batched forward on every rank; what rank 0 kept (logits and any prompt logprobs)."""
         model_id, wire = self.cfg.model_id, as_wire(seqs)
-        _, logits = self._run(lambda seq: p.GenerateStep(seq=seq, model_id=model_id, seqs=wire),
-                              self.cfg.step_timeout_s)
-        return logits
+        _, kept = self._run(lambda seq: p.GenerateStep(seq=seq, model_id=model_id, seqs=wire),
+                            self.cfg.step_timeout_s)
+        return kept
 
     def step_with_images(self, seqs: list[SeqStep], image_token_id: int, image_data_uris: list[str],
                          chunk_size: int) -> torch.Tensor:

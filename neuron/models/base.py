@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from neuron.errors import ConfigError
+from neuron.models import prompt_logprobs
 
 
 class CausalLM:
@@ -37,6 +38,8 @@ class CausalLM:
         rope = self.rotary.tables(positions)
         for layer in self.layers:
             x = layer(x, batch, rope, self.cache)
+        if batch.prompt_topk is not None:
+            batch.prompt_out = prompt_logprobs.compute(self, x, batch)
         last = x if batch.all_decode else x[batch.last_index]
         logits = self.lm_head(self.norm(last))
         return None if logits is None else logits.float()

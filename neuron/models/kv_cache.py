@@ -50,6 +50,8 @@ class StepBatch:
     # sequence); prefill, [kv_len] per sequence
     masks: list[torch.Tensor | None]  # decode: one padding mask or None; prefill: a causal mask per sequence
     paged: PagedAttentionMetadata | None = None  # the flat step for attention that reads blocks in place
+    prompt_topk: list[int | None] | None = None  # per sequence: top-k of its chunk's prompt logprobs, if asked
+    prompt_out: dict | None = None  # rank 0: PromptChunkLogprobs by sequence index, filled by the forward
 
 
 class PagedKVCache:

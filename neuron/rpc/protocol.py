@@ -68,6 +68,7 @@ class StepSeq(msgspec.Struct, array_like=True):
     offset: int
     new_blocks: list[int] = []
     fresh: bool = False
+    prompt_logprobs: int | None = None  # every rank sees it: the LM head's gathers must pair up
 
 
 class GenerateStep(Message):

@@ -27,7 +27,7 @@ from neuron.distributed.comm import (
 from neuron.distributed.nccl_join import NcclJoin
 from neuron.errors import ConfigError, UnsupportedModel
 from neuron.models import build_model
-from neuron.models.inputs import SeqStep
+from neuron.models.inputs import SeqStep, StepResult
 from neuron.models.kv_cache import StepRejected, plan_num_blocks
 from neuron.models.loader import CheckpointReader
 from neuron.rpc import protocol as p
@@ -65,7 +65,7 @@ def set_cpu_threads(world_size: int) -> None:
 
 def seq_steps(seqs: list[p.StepSeq]) -> list[SeqStep]:
     """The wire's sequences as the model's step input."""
-    return [SeqStep(s.slot, s.token_ids, s.offset, s.new_blocks, s.fresh) for s in seqs]
+    return [SeqStep(s.slot, s.token_ids, s.offset, s.new_blocks, s.fresh, s.prompt_logprobs) for s in seqs]
 
 
 class Worker:
@@ -211,19 +211,21 @@ class Worker:
                  num_blocks * block_bytes / 2**20)
         return num_blocks
 
-    def _step(self, model_id: str, seqs: list[SeqStep]) -> torch.Tensor | None:
+    def _step(self, model_id: str, seqs: list[SeqStep]) -> StepResult:
         model = self._model(model_id)
         try:
             model.cache.check(seqs, model.config.vocab_size)
         except StepRejected as exc:
             raise WorkerFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
         batch = model.cache.prepare(seqs)
+        if any(s.prompt_logprobs is not None for s in seqs):
+            batch.prompt_topk = [s.prompt_logprobs for s in seqs]
         try:
             logits = model.forward(batch)
         except Exception as exc:
             raise WorkerFailure(p.ErrorKind.FORWARD_FAILED, f"{type(exc).__name__}: {exc}") from exc
         model.cache.commit(batch)
-        return logits
+        return StepResult(logits, batch.prompt_out or {})
 
     def _step_with_images(self, req: p.GenerateStepWithImages) -> torch.Tensor | None:
         """Prefill sequences whose prompts hold images, walking the same chunks as every rank."""

@@ -66,6 +66,7 @@ class CompletionRequest(SamplingRequest, kw_only=True):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's extension: the prompt tokens' logprobs on the choice
 
 
 # ---- responses ----
@@ -164,8 +165,8 @@ class ChatCompletionChunk(Struct):
 
 class CompletionLogprobs(Struct):
     tokens: list[str] = msgspec.field(default_factory=list)
-    token_logprobs: list[float] = msgspec.field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = msgspec.field(default_factory=list)
+    token_logprobs: list[float | None] = msgspec.field(default_factory=list)  # None: an echoed first prompt token
+    top_logprobs: list[dict[str, float] | None] = msgspec.field(default_factory=list)
     text_offset: list[int] = msgspec.field(default_factory=list)
 
 
@@ -175,6 +176,7 @@ class CompletionChoice(Struct):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, dict] | None] | None = None  # vLLM's, when the request asked
 
 
 class CompletionResponse(Struct):

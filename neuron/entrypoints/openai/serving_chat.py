@@ -144,6 +144,8 @@ async def create_chat_completion(request: Request, engine: AsyncEngine, req: Cha
                           param="messages")
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    if getattr(req, max_name) == 0:  # only /v1/completions scores a prompt without generating (echo)
+        raise bad_request(f"{max_name} must be >= 1 or null, got 0", param=max_name)
     params = sampling_params(req, llm.default_sampling(), max_tokens=getattr(req, max_name), logprobs=top_logprobs,
                              renames={"logprobs": "top_logprobs", "max_tokens": max_name})
     params.guided_decoding = await compile_guided(llm, req, limiter)

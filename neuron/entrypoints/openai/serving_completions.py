@@ -35,6 +35,7 @@ from neuron.entrypoints.openai.common import (
     sse,
     stream_error,
 )
+from neuron.entrypoints.openai.echo import echo_logprobs, prompt_topk, vllm_prompt_logprobs, with_prompt_logprobs
 from neuron.entrypoints.openai.guided import compile_guided
 from neuron.entrypoints.openai.prompt_input import check_prompt_chars, check_prompt_ids, off_loop
 from neuron.entrypoints.openai.streaming import (
@@ -78,26 +79,56 @@ async def prompt_ids(llm, prompt, limiter: anyio.CapacityLimiter) -> list[int]:
 
 def _check(req: CompletionRequest) -> None:
     check_common(req)
-    if req.echo:
-        raise unsupported("echo", "echo is not supported")
     if req.suffix:
         raise unsupported("suffix", "suffix is not supported")
 
 
 class _Context:
-    def __init__(self, req: CompletionRequest, model: str, tokenizer):
+    def __init__(self, req: CompletionRequest, model: str, tokenizer, prompts: list, ids: list[list[int]]):
         self.req = req
         self.id = new_id("cmpl")
         self.created = now()
         self.model = model
+        self.tokenizer = tokenizer
+        self.prompts, self.ids = prompts, ids
+        self.per_prompt = 1  # streams per prompt, once opened: stream k serves prompt k // per_prompt
+        self.echoed: set[int] = set()  # streams whose prompt text went out already
         # Text offsets run on within a choice, so each sample has its own renderer.
         self.renders = defaultdict(lambda: LogprobRenderer(tokenizer, req.return_tokens_as_token_ids))
 
+    def text(self, k: int, update: Update) -> str:
+        """The update's text, after the prompt's on a stream's first update when echoing."""
+        if not self.req.echo or k in self.echoed:
+            return update.text
+        self.echoed.add(k)
+        prompt = self.prompts[k // self.per_prompt]
+        if not isinstance(prompt, str):
+            prompt = self.tokenizer.decode(prompt, skip_special_tokens=False) if self.tokenizer else ""
+        return prompt + update.text
+
     def logprobs(self, k: int, update: Update) -> CompletionLogprobs | None:
-        if self.req.logprobs is None or update.logprobs is None:
+        """The update's tokens in the completions shape, the echoed prompt's first."""
+        if self.req.logprobs is None:
             return None
-        rendered = self.renders[k].completion(update.token_ids, update.logprobs)
-        return msgspec.convert(rendered, CompletionLogprobs, from_attributes=True)
+        out = None
+        if self.req.echo and update.prompt_logprobs is not None:
+            out = echo_logprobs(self.renders[k], self.ids[k // self.per_prompt], update.prompt_logprobs)
+        if update.logprobs is not None:
+            rendered = self.renders[k].completion(update.token_ids, update.logprobs)
+            part = msgspec.convert(rendered, CompletionLogprobs, from_attributes=True)
+            out = part if out is None else _joined(out, part)
+        return out
+
+    def prompt_logprobs(self, k: int, update: Update) -> list | None:
+        if self.req.prompt_logprobs is None or update.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self.renders[k], self.ids[k // self.per_prompt], update.prompt_logprobs)
+
+
+def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        getattr(a, name).extend(getattr(b, name))
+    return a
 
 
 async def create_completion(request: Request, engine: AsyncEngine, req: CompletionRequest, keepalive_s: float,
@@ -110,10 +141,12 @@ async def create_completion(request: Request, engine: AsyncEngine, req: Completi
     prompts = _prompt_list(req.prompt)
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = sampling_params(req, llm.default_sampling(), max_tokens=max_tokens, logprobs=req.logprobs, renames={})
+    params = with_prompt_logprobs(params, prompt_topk(req))
     params.guided_decoding = await compile_guided(llm, req, limiter)
     ids = [await prompt_ids(llm, prompt, limiter) for prompt in prompts]
-    ctx = _Context(req, engine.model_name, llm.tokenizer)
+    ctx = _Context(req, engine.model_name, llm.tokenizer, prompts, ids)
     samples = open_samples(engine, ctx.id, ids, params, prompt_param="prompt")
+    ctx.per_prompt = samples.per_prompt
     if req.stream:
         return EventStreamResponse(_events(ctx, samples, keepalive_s), on_close=samples.close)
     return await json_unless_disconnected(request, samples, _collect(ctx, samples))
@@ -127,15 +160,16 @@ class _Sample:
     logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)
     cumulative_logprob: float = 0.0
     last: Update | None = None
+    prompt_logprobs: list | None = None
 
 
 async def _read(ctx: _Context, k: int, stream: RequestStream) -> _Sample:
     out = _Sample()
     async for update in stream:
-        out.text.append(update.text)
+        out.text.append(ctx.text(k, update))
         if (lp := ctx.logprobs(k, update)) is not None:
-            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                getattr(out.logprobs, name).extend(getattr(lp, name))
+            _joined(out.logprobs, lp)
+        out.prompt_logprobs = out.prompt_logprobs or ctx.prompt_logprobs(k, update)
         if update.logprobs is not None:
             out.cumulative_logprob += cumulative_logprob(update.token_ids, update.logprobs)
         out.last = update
@@ -151,7 +185,7 @@ async def _collect(ctx: _Context, samples: Samples) -> bytes:
     for index, k in enumerate(chosen):
         o = outs[k]
         choices.append(CompletionChoice(index, "".join(o.text), o.logprobs if ctx.req.logprobs is not None else None,
-                                        o.last.finish_reason, o.last.stop_reason))
+                                        o.last.finish_reason, o.last.stop_reason, o.prompt_logprobs))
     return msgspec.json.encode(CompletionResponse(ctx.id, ctx.created, ctx.model, choices, samples.usage(chosen)))
 
 
@@ -170,11 +204,12 @@ async def _events(ctx: _Context, samples: Samples, keepalive_s: float) -> AsyncI
             if update.finish_reason == "error":
                 yield sse(stream_error(samples.streams[k], update.error).body())
                 return
-            logprobs = ctx.logprobs(k, update)
-            if update.text or logprobs or update.finished:
+            text, logprobs = ctx.text(k, update), ctx.logprobs(k, update)
+            if text or logprobs or update.finished:
                 reason = update.finish_reason if update.finished else None
                 stop_reason = update.stop_reason if update.finished else None
-                yield _chunk(ctx, CompletionChoice(k, update.text, logprobs, reason, stop_reason))
+                yield _chunk(ctx, CompletionChoice(k, text, logprobs, reason, stop_reason,
+                                                   ctx.prompt_logprobs(k, update)))
         if ctx.req.stream_options and ctx.req.stream_options.include_usage:
             yield _chunk(ctx, None, samples.usage(range(len(samples.streams))))
         yield DONE
