@@ -51,6 +51,11 @@ class InputProcessor:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  images: list[ImageInput] | None = None) -> int:
         """Refuse a request that cannot run; return its max_tokens clamped to the context."""
+        return self.admit(prompt_token_ids, params, images)[0]
+
+    def admit(self, prompt_token_ids: list[int], params: SamplingParams,
+              images: list[ImageInput] | None = None) -> tuple[int, GrammarMatcher | None]:
+        """`validate`, and the new sequence's place in its grammar (None without structured output)."""
         if params.n != 1 or params.best_of not in (None, 1):
             raise RequestError("the engine runs one sample per request: split n and best_of into one request per "
                                "sample first (parallel_sampling.sample_params)", param="n")
@@ -69,9 +74,9 @@ class InputProcessor:
         if images and params.prompt_logprobs is not None:  # the image prefill returns last-token logits only
             raise RequestError("prompt_logprobs are not supported for prompts with images", param="prompt_logprobs")
         self._check_samplable(params)
-        self.grammar(params)
+        grammar = self.grammar(params)
         room = self.max_model_len - n
-        return room if params.max_tokens is None else min(params.max_tokens, room)
+        return (room if params.max_tokens is None else min(params.max_tokens, room)), grammar
 
     def _check_samplable(self, params: SamplingParams) -> None:
         """Refuse constraints that leave the first token nothing to be. Until min_tokens tokens exist

@@ -178,10 +178,10 @@ class LLMEngine:
                     images: list[ImageInput] | None = None) -> None:
         """Queue a request. With images, the prompt's placeholders are already expanded
         (`expand_images`) and must hold each image's run of tokens, in order."""
-        max_tokens = self.validate(prompt_token_ids, params, images)
+        max_tokens, grammar = self.inputs.admit(prompt_token_ids, params, images)
         sampler = SequenceSampler(params, prompt_token_ids, self.vocab_size, self.executor.devices[0])
         seq = Sequence(request_id, list(prompt_token_ids), params, sampler, max_tokens, images=list(images or []),
-                       grammar=self.inputs.grammar(params))
+                       grammar=grammar)
         self._inbox.put(("add", seq))
 
     def abort(self, request_id: str) -> None:
