@@ -60,6 +60,26 @@ def greedy_with_logprobs(model, prompt: list[int], max_new_tokens: int,
     return tokens, [torch.log_softmax(step[0].float(), -1) for step in out.logits]
 
 
+def assert_matches_reference(got, ref_tokens: list[int], ref_logprobs: list[torch.Tensor], what: str = "",
+                             top: int = 5, tol: float = 1e-3) -> None:
+    """An output's greedy tokens equal the reference's, its logprobs hold the reference's top `top`
+    ids at every step, and each of its logprobs is within `tol` of the reference's."""
+    assert got.token_ids == ref_tokens, what
+    for step, lp in enumerate(got.logprobs):
+        assert set(ref_logprobs[step].topk(top).indices.tolist()) <= set(lp)
+        for tid, value in lp.items():
+            assert abs(value - ref_logprobs[step][tid].item()) <= tol
+
+
+def assert_same_outputs(a, b, tol: float = 1e-4) -> None:
+    """Two runs of one request (chunked and single-shot prefill, say) give the same tokens and,
+    at each step, logprobs for the same ids within `tol`."""
+    assert a.token_ids == b.token_ids
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert x.keys() == y.keys()
+        assert max(abs(x[k] - y[k]) for k in x) < tol
+
+
 _MODELS: dict = {}
 
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from checkpoints import cached_model, greedy_with_logprobs
+from checkpoints import assert_matches_reference, assert_same_outputs, cached_model, greedy_with_logprobs
 
 from neuron import LLM, SamplingParams
 from neuron.distributed.comm import SingleRank
@@ -107,12 +107,7 @@ def _generate(path, tp: int, prompts, max_tokens=NEW_TOKENS, logprobs=5):
 
 def _check_against_reference(path, prompts, outs) -> None:
     for prompt, got in zip(prompts, outs):
-        ref_tokens, ref_logprobs = reference_greedy(path, prompt)
-        assert got.token_ids == ref_tokens, f"prompt {prompt[:5]}..."
-        for step, lp in enumerate(got.logprobs):
-            assert set(ref_logprobs[step].topk(5).indices.tolist()) <= set(lp)
-            for tid, value in lp.items():
-                assert abs(value - ref_logprobs[step][tid].item()) <= 1e-3
+        assert_matches_reference(got, *reference_greedy(path, prompt), f"prompt {prompt[:5]}...")
 
 
 def _check_parity(path, tp: int) -> None:
@@ -147,10 +142,7 @@ def test_chunked_prefill_equals_single_shot(multimodal_checkpoint, monkeypatch):
     for chunk in ("16", "512"):
         monkeypatch.setenv("NEURON_PREFILL_CHUNK_TOKENS", chunk)
         results.append(_generate(multimodal_checkpoint, 1, [LONG], max_tokens=4, logprobs=3)[0])
-    assert results[0].token_ids == results[1].token_ids
-    for a, b in zip(results[0].logprobs, results[1].logprobs):
-        assert a.keys() == b.keys()
-        assert max(abs(a[k] - b[k]) for k in a) < 1e-4
+    assert_same_outputs(*results)
 
 
 def test_preempted_sequences_start_over(multimodal_checkpoint):
