@@ -53,12 +53,20 @@ CHAT_TEMPLATE = """\
 """
 
 
-def build_vision_checkpoint(path: Path, seed: int = 0, text: dict | None = None, vision: dict | None = None,
-                            preprocessor: dict | None = None) -> Path:
-    """Write a random fp32 Qwen3_5ForConditionalGeneration, its tokenizer and preprocessor into
-    `path`; `text`, `vision` and `preprocessor` replace the default shapes."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+def _classes(model_type: str) -> tuple[type, type]:
+    """transformers' config and model classes for a multimodal `model_type`."""
+    import transformers
 
+    prefix = {"qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}[model_type]
+    return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForConditionalGeneration")
+
+
+def build_vision_checkpoint(path: Path, seed: int = 0, text: dict | None = None, vision: dict | None = None,
+                            preprocessor: dict | None = None, model_type: str = "qwen3_5") -> Path:
+    """Write a random fp32 multimodal model (Qwen3_5ForConditionalGeneration, or the class of
+    `model_type`), its tokenizer and preprocessor into `path`; `text`, `vision` and
+    `preprocessor` replace the default shapes."""
+    config_cls, model_cls = _classes(model_type)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
@@ -73,13 +81,13 @@ def build_vision_checkpoint(path: Path, seed: int = 0, text: dict | None = None,
 
     vocab_size = -(-tok.get_vocab_size(with_added_tokens=True) // 64) * 64
     text = dict(text or MULTIMODAL_TEXT, vocab_size=vocab_size, initializer_range=0.25)
-    config = Qwen3_5Config(
+    config = config_cls(
         text_config=text, vision_config=dict(vision or VISION, initializer_range=0.25), tie_word_embeddings=False,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
     )
     torch.manual_seed(seed)
-    Qwen3_5ForConditionalGeneration(config).eval().save_pretrained(path, safe_serialization=True)
+    model_cls(config).eval().save_pretrained(path, safe_serialization=True)
     return path
 
 
@@ -110,9 +118,7 @@ def reference_greedy_mm(path: Path, input_ids: list[int], pixel_values: torch.Te
                         image_grid_thw: torch.Tensor | None, max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
     """transformers' greedy tokens on an expanded multimodal prompt (no images when pixel_values
     is None), and the log-softmax of its logits at each step."""
-    from transformers import Qwen3_5ForConditionalGeneration
-
-    model = cached_model(Qwen3_5ForConditionalGeneration, path)
+    model = cached_model(_classes(json.loads((path / "config.json").read_text())["model_type"])[1], path)
     ids = torch.tensor([input_ids])
     images = {} if pixel_values is None else {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
     return greedy_with_logprobs(model, input_ids, max_new_tokens,

@@ -25,7 +25,7 @@ from neuron.engine.structured_output import StructuredOutput, TokenBitmask
 from neuron.engine.tokenizer import Tokenizer
 from neuron.errors import ConfigError, WorkerError
 from neuron.executor.executor import Executor, ExecutorConfig
-from neuron.models import load_config, supports_prefix_caching, text_config
+from neuron.models import MULTIMODAL_MODEL_TYPES, load_config, supports_prefix_caching, text_config
 from neuron.models.inputs import SeqStep
 from neuron.models.loader import read_generation_config, resolve_model_path
 from neuron.multimodal.image import ImageError, ImageInput, VisionSpec
@@ -127,7 +127,7 @@ class LLMEngine:
 
     def _vision_spec(self) -> VisionSpec | None:
         """How the checkpoint takes images; None when it has no vision tower (config or weights)."""
-        if self.config.get("model_type") != "qwen3_5":
+        if self.config.get("model_type") not in MULTIMODAL_MODEL_TYPES:
             return None
         spec = VisionSpec.from_checkpoint(self.config, self.model_dir)
         if spec is None:

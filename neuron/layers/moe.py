@@ -77,12 +77,17 @@ class SparseMoE:
         return [self.router.weight, self.w_gate_up, self.w_down]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.router(x)
-        y = self._experts(x, ids.flatten())
-        # back to [t, k, hidden], weighted and summed over each token's experts, then over ranks
-        y = (y.view(*ids.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
+        y = self.partial(x)
         self.comm.all_reduce(y)
         return y
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the block's output, before the all-reduce: a model that adds more
+        to the block (a shared expert) sums its share in first and reduces once."""
+        ids, weights = self.router(x)
+        y = self._experts(x, ids.flatten())
+        # back to [t, k, hidden], weighted and summed over each token's experts
+        return (y.view(*ids.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
     def _experts(self, x: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
         """Each (token, expert) pair's expert output, in flat_ids' order ([t * k, hidden])."""

@@ -94,9 +94,14 @@ class RowParallelLinear:
         return cls(w, comm, b)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.partial(x)
         self.comm.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, before the all-reduce and the bias: for a block that
+        sums several row-parallel outputs (a MoE's shared expert) and reduces once."""
+        return F.linear(x, self.weight)
 
 
 @dataclass(slots=True, frozen=True)

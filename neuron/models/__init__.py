@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from neuron.errors import UnsupportedModel
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+# Multimodal layouts: the language model's settings nested in `text_config`, a vision tower beside it.
+MULTIMODAL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+# Hybrid models whose linear-attention layers keep recurrent state per slot.
+RECURRENT_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 def check_supported(config: dict) -> str:
@@ -31,7 +35,7 @@ def load_config(model_dir) -> dict:
 def supports_prefix_caching(config: dict) -> bool:
     """Whether a cached prefix's KV blocks restore a sequence's whole state. Not for models with
     recurrent (linear-attention) layers, whose per-slot state the blocks do not hold."""
-    return config.get("model_type") not in ("qwen3_5", "qwen3_5_text")
+    return config.get("model_type") not in RECURRENT_MODEL_TYPES
 
 
 def text_config(config: dict) -> dict:
@@ -51,11 +55,19 @@ def build_model(config: dict, comm, dtype, device, model_dir=None):
         from neuron.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
         return Qwen3MoeForCausalLM(Qwen3MoeConfig.from_dict(config), comm, dtype, device)
-    if model_type in ("qwen3_5", "qwen3_5_text"):
-        from neuron.models.qwen3_5 import Qwen35Config, Qwen35ForCausalLM
+    vision = None
+    if model_type in MULTIMODAL_MODEL_TYPES:
         from neuron.multimodal.image import VisionSpec
 
-        vision = VisionSpec.from_checkpoint(config, model_dir) if model_type == "qwen3_5" else None
+        vision = VisionSpec.from_checkpoint(config, model_dir)
+    if model_type in ("qwen3_5", "qwen3_5_text"):
+        from neuron.models.qwen3_5 import Qwen35Config, Qwen35ForCausalLM
+
         return Qwen35ForCausalLM(Qwen35Config.from_dict(config), comm, dtype, device, vision,
                                  config.get("vision_config"))
+    if model_type in ("qwen3_5_moe", "qwen3_5_moe_text"):
+        from neuron.models.qwen3_5_moe import Qwen35MoeConfig, Qwen35MoeForCausalLM
+
+        return Qwen35MoeForCausalLM(Qwen35MoeConfig.from_dict(config), comm, dtype, device, vision,
+                                    config.get("vision_config"))
     raise AssertionError(model_type)

@@ -126,6 +126,11 @@ class MLP:
         gate, up = self.gate_up(x)
         return self.down(F.silu(gate) * up)
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, before the down projection's all-reduce."""
+        gate, up = self.gate_up(x)
+        return self.down.partial(F.silu(gate) * up)
+
 
 class DecoderLayer:
     def __init__(self, attn: Attention, mlp: MLP, input_norm: RMSNorm, post_norm: RMSNorm):

@@ -3,9 +3,10 @@
 
 Checkpoints come in two layouts: the multimodal one (`model_type` "qwen3_5", text weights under
 `model.language_model.`, the vision tower under `model.visual.`) and the text-only one
-("qwen3_5_text", under `model.`). Both run text prompts; the multimodal one also prefills
-prompts with images (`prefill_with_images`): its replicated vision tower embeds the images, whose
-embeddings replace the prompt's placeholder tokens at multimodal (time, height, width) positions.
+("qwen3_5_text", under `model.`); the MoE variants (qwen3_5_moe.py) share both. Both run text
+prompts; the multimodal one also prefills prompts with images (`prefill_with_images`): its
+replicated vision tower embeds the images, whose embeddings replace the prompt's placeholder
+tokens at multimodal (time, height, width) positions.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from neuron.layers.tensor_parallel import (
     Shard,
     VocabParallelEmbedding,
 )
+from neuron.models import MULTIMODAL_MODEL_TYPES
 from neuron.models.base import CausalLM
 from neuron.models.gated_deltanet import CHUNK, DeltaNetHeads, DeltaNetState, GatedDeltaNet
 from neuron.models.inputs import SeqStep
@@ -44,7 +46,7 @@ LINEAR, FULL = "linear_attention", "full_attention"
 class Qwen35Config:
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # the dense MLP's width; in MoE models, the shared expert's
     num_layers: int
     layer_types: list[str]
     num_heads: int
@@ -64,14 +66,15 @@ class Qwen35Config:
     linear_v_dim: int
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Qwen35Config":
+    def from_dict(cls, d: dict, mlp_width: str = "intermediate_size") -> "Qwen35Config":
+        """The text model's settings; `mlp_width` names the field holding the dense MLP's width."""
         text = d
-        if d.get("model_type") == "qwen3_5":
+        if d.get("model_type") in MULTIMODAL_MODEL_TYPES:
             text = d.get("text_config")
             if not isinstance(text, dict):
-                raise ConfigError("a qwen3_5 config.json needs its text_config")
+                raise ConfigError(f"a {d['model_type']} config.json needs its text_config")
         try:
-            cfg = cls._from_text(text, bool(d.get("tie_word_embeddings", False)))
+            cfg = cls._from_text(text, bool(d.get("tie_word_embeddings", False)), mlp_width)
         except KeyError as exc:
             raise ConfigError(f"config.json lacks required field {exc.args[0]!r}") from None
         if text.get("hidden_act", "silu") != "silu":
@@ -81,7 +84,7 @@ class Qwen35Config:
         return cfg
 
     @classmethod
-    def _from_text(cls, t: dict, tie: bool) -> "Qwen35Config":
+    def _from_text(cls, t: dict, tie: bool, mlp_width: str) -> "Qwen35Config":
         heads, hidden, layers = int(t["num_attention_heads"]), int(t["hidden_size"]), int(t["num_hidden_layers"])
         head_dim = int(t.get("head_dim") or hidden // heads)
         rope = _rope(t)
@@ -90,7 +93,7 @@ class Qwen35Config:
         return cls(
             vocab_size=int(t["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(t["intermediate_size"]),
+            intermediate_size=int(t[mlp_width]),
             num_layers=layers,
             layer_types=list(t.get("layer_types") or default_types),
             num_heads=heads,
@@ -328,19 +331,21 @@ class Qwen35ForCausalLM(CausalLM):
             self.vision.load(r, "model.visual")
 
     def _load_layer(self, r: Reader, p: str, i: int) -> DecoderLayer:
-        c, s, dt, dev = self.config, self.shard, self.dtype, self.device
+        c, dt, dev = self.config, self.dtype, self.device
         index = c.layer_types[:i].count(c.layer_types[i])  # among layers of its own kind
         if c.layer_types[i] == LINEAR:
             mixer = GatedDeltaNet.load(r, index, f"{p}.linear_attn", self.heads, c.rms_norm_eps, self.comm, dt, dev)
         else:
             mixer = GatedAttention.load(r, index, f"{p}.self_attn", c, self.layout, self.comm, dt, dev)
-        gate_up = MergedColumnParallelLinear.load(
-            r, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], c.intermediate_size, s, dt, dev
-        )
-        down = RowParallelLinear.load(r, f"{p}.mlp.down_proj", c.intermediate_size, s, self.comm, dt, dev)
         input_norm = OffsetRMSNorm.load(r, f"{p}.input_layernorm.weight", c.rms_norm_eps, dev)
         post_norm = OffsetRMSNorm.load(r, f"{p}.post_attention_layernorm.weight", c.rms_norm_eps, dev)
-        return DecoderLayer(mixer, MLP(gate_up, down), input_norm, post_norm)
+        return DecoderLayer(mixer, self._load_mlp(r, f"{p}.mlp"), input_norm, post_norm)
+
+    def _load_mlp(self, r: Reader, p: str):
+        """The feed-forward block under `p`; a hook for models whose layers differ only there (MoE)."""
+        c, s, dt, dev = self.config, self.shard, self.dtype, self.device
+        gate_up = MergedColumnParallelLinear.load(r, [f"{p}.gate_proj", f"{p}.up_proj"], c.intermediate_size, s, dt, dev)
+        return MLP(gate_up, RowParallelLinear.load(r, f"{p}.down_proj", c.intermediate_size, s, self.comm, dt, dev))
 
     def _conv_dim(self) -> int:
         h = self.heads

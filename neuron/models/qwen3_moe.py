@@ -75,10 +75,15 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         return [layer.attn.qkv.weight, layer.attn.o_proj.weight, *layer.mlp.tensors()]
 
     def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int) -> int:
-        """Qwen3's bound plus the MoE block's per-(token, expert) copies: sorted inputs, outputs
-        and the local gate/up activations of each of a token's top-k experts."""
-        m, size = self.moe, torch.finfo(self.dtype).bits // 8
-        pairs = step_tokens * m.top_k
-        local = m.moe_intermediate_size // self.shard.world
-        extra = pairs * (3 * m.base.hidden_size + 3 * local) * size
-        return super().activation_bytes(step_tokens, max_slots, max_model_len) + 2 * extra
+        """Qwen3's bound plus the MoE block's (see `routed_activation_bytes`)."""
+        m = self.moe
+        extra = routed_activation_bytes(step_tokens, m.top_k, m.base.hidden_size,
+                                        m.moe_intermediate_size // self.shard.world, self.dtype)
+        return super().activation_bytes(step_tokens, max_slots, max_model_len) + extra
+
+
+def routed_activation_bytes(step_tokens: int, top_k: int, hidden: int, local_inter: int, dtype: torch.dtype) -> int:
+    """A step's transient memory in a `SparseMoE` block, with the models' 2x margin: the
+    per-(token, expert) copies of sorted inputs, outputs and local gate/up activations."""
+    pairs = step_tokens * top_k
+    return 2 * pairs * (3 * hidden + 3 * local_inter) * (torch.finfo(dtype).bits // 8)
