@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
+from neuron.layers.norm import rms_norm
 
 
 @dataclass(slots=True, frozen=True)
@@ -252,6 +253,4 @@ class RMSNorm:
         return cls(_place(r.read(name), dtype, device), eps)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)

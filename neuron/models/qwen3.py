@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
+from neuron.layers.norm import norm_rope
 from neuron.layers.tensor_parallel import (
     HeadLayout,
     MergedColumnParallelLinear,
@@ -97,11 +98,6 @@ class Rotary:
         return self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 class Attention:
     def __init__(self, layer: int, qkv, o_proj, q_norm, k_norm, layout: HeadLayout):
         self.layer = layer
@@ -112,8 +108,8 @@ class Attention:
     def __call__(self, h: torch.Tensor, batch: StepBatch, rope: tuple, cache: PagedKVCache) -> torch.Tensor:
         t = h.shape[0]
         q, k, v = self.qkv(h)
-        q = apply_rotary(self.q_norm(q.view(t, self.heads, self.head_dim)), *rope)
-        k = apply_rotary(self.k_norm(k.view(t, self.kv_heads, self.head_dim)), *rope)
+        q = norm_rope(q.view(t, self.heads, self.head_dim), self.q_norm.weight, self.q_norm.eps, *rope)
+        k = norm_rope(k.view(t, self.kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps, *rope)
         cache.write(self.layer, batch, k, v.view(t, self.kv_heads, self.head_dim))
         return self.o_proj(cache.attend(self.layer, batch, q).reshape(t, -1))
 

@@ -1,0 +1,84 @@
+"""RMSNorm, and the per-head RMSNorm + rotary embedding that Qwen3 applies to queries and keys.
+
+In PyTorch each is a handful of small operations (an upcast, the norm, a downcast, the weight;
+then a negation, a concatenation, two products and a sum for the rotation), and at batch 1 each
+costs a kernel launch and a trip through memory. On CUDA with Triton installed, one kernel does
+each (neuron/layers/triton_norm.py), rounding where the PyTorch version rounds; elsewhere the
+PyTorch version runs, and is the reference the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from neuron.layers.paged_attention import HAS_TRITON
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' order: normalise in float32, round to x's dtype, then multiply by the weight."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of x."""
+    if _kernel_applies(x):
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+    """RMSNorm over each head of x ([tokens, heads, head_dim]), then the rotary embedding with each
+    token's cos and sin ([tokens, 1, head_dim] or [tokens, head_dim])."""
+    if _kernel_applies(x):
+        return norm_rope_triton(x, weight, eps, cos, sin)
+    return apply_rotary(rms_norm_reference(x, weight, eps), cos, sin)
+
+
+def _kernel_applies(x: torch.Tensor) -> bool:
+    return x.is_cuda and HAS_TRITON and x.stride(-1) == 1
+
+
+def _launch_shape(width: int) -> tuple[int, int]:
+    """A row's block (a power of two) and the warps that cover it."""
+    block = 1 << max(width - 1, 0).bit_length()
+    return block, min(max(block // 256, 1), 16)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    from neuron.layers.triton_norm import rms_norm_kernel
+
+    width = x.shape[-1]
+    rows = x.reshape(-1, width)  # a view for every layout the models pass
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    block, warps = _launch_shape(width)
+    rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), width, eps,
+                                      BLOCK=block, num_warps=warps)
+    return out.view(x.shape)
+
+
+def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                     sin: torch.Tensor) -> torch.Tensor:
+    from neuron.layers.triton_norm import norm_rope_kernel
+
+    tokens, heads, head_dim = x.shape
+    if head_dim % 2:
+        raise ValueError(f"the rotary embedding needs an even head_dim, got {head_dim}")
+    cos, sin = cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim)
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty((tokens, heads, head_dim), dtype=x.dtype, device=x.device)
+    block, warps = _launch_shape(head_dim)
+    norm_rope_kernel[(tokens, heads)](x, weight, cos, sin, out, x.stride(0), x.stride(1), out.stride(0),
+                                      out.stride(1), cos.stride(0), head_dim, eps, BLOCK=block, num_warps=warps)
+    return out

@@ -1,0 +1,56 @@
+"""Triton kernels behind `neuron.layers.norm`: RMSNorm, and RMSNorm followed by rotary embedding.
+
+Imported on first launch only, like triton_attention (Triton fixes at import whether kernels
+compile or run in its interpreter). Both compute in float32 and round where the reference does
+(transformers' Qwen3 modules in the model's dtype): the normalised row is rounded to the model's
+dtype before the weight multiplies it, and in the rotary step each product is rounded before the
+sum, so in bf16 the kernels give the reference's values, not values one rounding closer.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _normalised(x_ptr, w_ptr, cols, mask, n_cols, inv_rms, OUT_DTYPE: tl.constexpr):
+    """Row elements `cols` normalised by `inv_rms`, rounded, times the weight, rounded."""
+    x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return ((x * inv_rms).to(OUT_DTYPE).to(tl.float32) * w).to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps, BLOCK: tl.constexpr):
+    """One program per row of a [rows, n_cols] tensor."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / n_cols + eps)
+    out_dtype = out_ptr.dtype.element_ty
+    y = _normalised(x_ptr + row * stride_x, w_ptr, cols, mask, n_cols, inv_rms, out_dtype)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_dtype), mask=mask)
+
+
+@triton.jit
+def norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
+                     stride_rope, head_dim, eps, BLOCK: tl.constexpr):
+    """One program per (token, head) of x [tokens, heads, head_dim]: RMSNorm over head_dim, then the
+    rotary embedding with the token's cos and sin rows ([tokens, head_dim]); `rotate_half` pairs
+    element i with element i + head_dim / 2."""
+    token, head = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    half = head_dim // 2
+    cols = tl.arange(0, BLOCK)
+    mask = cols < head_dim
+    partner = tl.where(cols < half, cols + half, cols - half)
+    row_ptr = x_ptr + token * stride_xt + head * stride_xh
+    x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / head_dim + eps)
+    out_dtype = out_ptr.dtype.element_ty
+    y = _normalised(row_ptr, w_ptr, cols, mask, head_dim, inv_rms, out_dtype)
+    y_partner = _normalised(row_ptr, w_ptr, partner, mask, head_dim, inv_rms, out_dtype)
+    rotated = tl.where(cols < half, -y_partner, y_partner)
+    cos = tl.load(cos_ptr + token * stride_rope + cols, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + token * stride_rope + cols, mask=mask, other=0.0).to(tl.float32)
+    out = (y * cos).to(out_dtype).to(tl.float32) + (rotated * sin).to(out_dtype).to(tl.float32)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + cols, out.to(out_dtype), mask=mask)

@@ -1,0 +1,130 @@
+"""The Triton RMSNorm and RMSNorm + rotary kernels against their PyTorch references. Without a GPU
+they run in Triton's interpreter on CPU tensors; with one they compile and run on CUDA."""
+
+import os
+import sys
+
+import torch
+
+# As in test_paged_attention: Triton reads TRITON_INTERPRET once, when first imported.
+_TRITON_IMPORTED_EARLY = "triton" in sys.modules
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import subprocess  # noqa: E402
+import textwrap  # noqa: E402
+
+import pytest  # noqa: E402
+
+from neuron.layers import norm  # noqa: E402
+from neuron.layers.paged_attention import HAS_TRITON  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def triton_ready():
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed (pip install triton)")
+    if DEVICE == "cpu" and _TRITON_IMPORTED_EARLY:
+        pytest.fail("triton was imported before this module set TRITON_INTERPRET=1")
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32 to rounding; half precision: at most one unit in the last place, on few elements (the
+    kernels round where the reference does, so most elements are equal). Triton's interpreter
+    truncates float32 to bfloat16 where the GPU rounds to nearest, so there bf16 gets the
+    tolerance of a few truncations."""
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        return
+    if DEVICE == "cpu" and got.dtype == torch.bfloat16:
+        torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=2e-2)
+        return
+    diff = (got.float() - expected.float()).abs()
+    ulp = torch.finfo(got.dtype).eps * expected.float().abs().clamp_min(1e-3)
+    assert bool((diff <= ulp * 1.01).all()), f"max diff {diff.max().item()}"
+    assert (diff > 0).float().mean().item() < 0.02
+
+
+def _tables(tokens: int, head_dim: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    freqs = torch.arange(7, 7 + tokens, dtype=torch.float)[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos().to(DEVICE, dtype).unsqueeze(1), emb.sin().to(DEVICE, dtype).unsqueeze(1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [64, 24, 1024])
+def test_rms_norm_kernel_matches_reference(dtype, width):
+    gen = torch.Generator().manual_seed(width)
+    x = (torch.randn(5, 3, width, generator=gen) * 3).to(DEVICE, dtype)
+    weight = (1 + torch.randn(width, generator=gen) * 0.5).to(DEVICE, dtype)
+    _close(norm.rms_norm_triton(x, weight, 1e-6), norm.rms_norm_reference(x, weight, 1e-6))
+
+
+def test_rms_norm_kernel_reads_a_strided_slice():
+    """A norm over part of a wider tensor's rows (as a split projection hands it)."""
+    wide = torch.randn(6, 96, device=DEVICE)
+    x, weight = wide[:, 32:], torch.rand(64, device=DEVICE) + 0.5
+    _close(norm.rms_norm_triton(x, weight, 1e-6), norm.rms_norm_reference(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim", [(4, 16), (2, 128), (3, 24)])
+def test_norm_rope_kernel_matches_reference(dtype, heads, head_dim):
+    """Queries cut out of a fused qkv output (a strided view), normalised per head and rotated."""
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    tokens = 5
+    qkv = (torch.randn(tokens, (heads + 2) * head_dim, generator=gen) * 2).to(DEVICE, dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    weight = (1 + torch.randn(head_dim, generator=gen) * 0.5).to(DEVICE, dtype)
+    cos, sin = _tables(tokens, head_dim, dtype)
+    expected = norm.apply_rotary(norm.rms_norm_reference(q, weight, 1e-6), cos, sin)
+    _close(norm.norm_rope_triton(q, weight, 1e-6, cos, sin), expected)
+
+
+def test_dispatch_uses_the_reference_off_cuda():
+    x = torch.randn(3, 2, 16)
+    weight, (cos, sin) = torch.rand(16) + 0.5, _tables(3, 16, torch.float32)
+    assert torch.equal(norm.rms_norm(x, weight, 1e-6), norm.rms_norm_reference(x, weight, 1e-6))
+    if DEVICE == "cpu":
+        expected = norm.apply_rotary(norm.rms_norm_reference(x, weight, 1e-6), cos, sin)
+        assert torch.equal(norm.norm_rope(x, weight, 1e-6, cos, sin), expected)
+
+
+def test_norm_rope_refuses_an_odd_head_dim():
+    x = torch.randn(2, 1, 15, device=DEVICE)
+    cos = torch.ones(2, 1, 15, device=DEVICE)
+    with pytest.raises(ValueError, match="even head_dim"):
+        norm.norm_rope_triton(x, torch.ones(15, device=DEVICE), 1e-6, cos, cos)
+
+
+COMPILE = textwrap.dedent("""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from neuron.layers.triton_norm import norm_rope_kernel, rms_norm_kernel
+
+    def compile_for(kernel, dtype, capability, block):
+        pointers = {name: dtype for name in kernel.arg_names if name.endswith("_ptr")}
+        signature = {name: "constexpr" if name == "BLOCK" else "*" + pointers[name] if name in pointers
+                     else "fp32" if name == "eps" else "i32" for name in kernel.arg_names}
+        source = ASTSource(fn=kernel, signature=signature, constexprs={"BLOCK": block})
+        assert triton.compile(source, target=GPUTarget("cuda", capability, 32)).asm["cubin"]
+
+    compile_for(rms_norm_kernel, "bf16", 90, 4096)
+    compile_for(norm_rope_kernel, "bf16", 90, 128)
+    compile_for(norm_rope_kernel, "fp32", 80, 64)
+""")
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_nvidia_gpus():
+    """The interpreter accepts code the GPU compiler refuses: compile both kernels to cubin for
+    sm_90 and sm_80, no GPU needed, in a fresh process (this one's Triton interprets)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
