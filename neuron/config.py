@@ -160,6 +160,9 @@ class Settings:
                               "of the block pool for SDPA; paged reads blocks where they lie from one flat "
                               "step (the Triton kernel on CUDA, a PyTorch reference on CPU)",
                               choices=("gather", "paged"))
+    no_cuda_graphs: bool = _setting(bool, False, "run decode steps eagerly instead of replaying them from CUDA "
+                                    "graphs (graphs need CUDA, attention=paged, one rank per GPU or tp 1, "
+                                    "and a model without recurrent layers)")
 
     # The HTTP server.
     host: str = _setting(str, "127.0.0.1", "address to listen on; use 0.0.0.0 only behind a firewall or with "

@@ -70,6 +70,38 @@ def test_a_killed_worker_of_a_cuda_engine_is_rebuilt_and_serves_again():
         assert _tokens(llm) == before  # generate() finds the dead rank, rebuilds, and runs
 
 
+@pytest.mark.gpu
+def test_decode_from_cuda_graphs_matches_eager_decode(monkeypatch):
+    """NEURON_ATTENTION=paged on CUDA captures decode graphs at load; three prompts decode in the
+    bucket of four (one padding row), and give the tokens of eager paged decode and of the gather path."""
+    prompts = [*PROMPTS, list(range(50, 57))]
+
+    def tokens(**env) -> tuple[list[list[int]], int]:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        with LLM(device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8) as llm:
+            model = llm.engine.executor.rank0.models["model"]
+            captured = len(model.graphs.graphs) if model.graphs is not None else 0
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        assert model.graphs is None  # released at shutdown
+        return [o.outputs[0].token_ids for o in outs], captured
+
+    gathered, none = tokens(NEURON_ATTENTION="gather")
+    captured, buckets = tokens(NEURON_ATTENTION="paged")
+    eager, off = tokens(NEURON_ATTENTION="paged", NEURON_NO_CUDA_GRAPHS="1")
+    assert (none, buckets, off) == (0, 4, 0)
+    assert captured == eager == gathered
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_are_captured_for_every_bucket(monkeypatch):
+    monkeypatch.setenv("NEURON_ATTENTION", "paged")
+    with LLM(device="cuda", max_model_len=256, max_num_seqs=20) as llm:
+        graphs = llm.engine.executor.rank0.models["model"].graphs
+        assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8, 16, 32]
+        assert len(_tokens(llm)) == len(PROMPTS)
+
+
 def test_shutdown_releases_rank0_and_the_device_cache(monkeypatch):
     """The release path itself, on CPU: closing a rank drops its models, and on a CUDA rank the
     caching allocator's free blocks go back to the device."""

@@ -12,6 +12,11 @@ class CausalLM:
     """Subclasses set `embed`, `layers`, `norm`, `lm_head`, `rotary` and `cache`, and list each
     layer's weights in `layer_tensors`."""
 
+    # Whether a decode step depends only on device tensors (no per-slot host state), so it can be
+    # captured in a CUDA graph; `graphs` holds them once captured (neuron/models/cuda_graphs.py).
+    supports_cuda_graphs = False
+    graphs = None
+
     def check_model_len(self, max_model_len: int, native: int) -> None:
         if max_model_len > native:
             raise ConfigError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {native}")
@@ -31,7 +36,15 @@ class CausalLM:
         """Run the new tokens of every sequence; return rank 0's float32 logits of each sequence's
         last token ([num_seqs, vocab]), None on other ranks."""
         assert self.cache is not None
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.run(batch)
         return self.run(self.embed(batch.token_ids), batch.positions, batch)
+
+    def capture_decode_graphs(self, max_batch: int) -> None:
+        """Record decode steps of up to `max_batch` sequences in CUDA graphs (see cuda_graphs.py)."""
+        from neuron.models.cuda_graphs import capture_decode_graphs
+
+        self.graphs = capture_decode_graphs(self, max_batch)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor | None:
         """The layers, norm and head over input embeddings `x` at `positions`."""

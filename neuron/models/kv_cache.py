@@ -59,7 +59,9 @@ class PagedKVCache:
 
     def __init__(self, layers: int, num_blocks: int, block_size: int, slots: int, max_len: int,
                  kv_heads: int, head_dim: int, dtype, device, paged: bool = False):
-        shape = (kv_heads, num_blocks * block_size, head_dim)
+        # `paged` adds one block past those the leader hands out: padding rows of a captured decode
+        # step (neuron/models/cuda_graphs.py) write and read there, never in a sequence's blocks.
+        shape = (kv_heads, (num_blocks + paged) * block_size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.num_blocks, self.block_size, self.max_len = num_blocks, block_size, max_len
@@ -73,6 +75,7 @@ class PagedKVCache:
         # from one flat description of the step; the block tables are mirrored host-side for it.
         self.paged = paged
         self.table_array = np.zeros((slots, blocks_for(max_len, block_size)), dtype=np.int32)
+        self.scratch_block = num_blocks
 
     @property
     def num_slots(self) -> int:

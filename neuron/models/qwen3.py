@@ -141,6 +141,8 @@ class DecoderLayer:
 class Qwen3ForCausalLM(CausalLM):
     """This rank's share of a Qwen3 model plus its KV block pool."""
 
+    supports_cuda_graphs = True
+
     def __init__(self, config: Qwen3Config, comm: Communicator, dtype: torch.dtype, device: torch.device):
         self.config = config
         self.comm = comm

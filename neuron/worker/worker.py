@@ -137,7 +137,7 @@ class Worker:
                 self._clear(req.model_id, req.slots)
                 return p.KvCacheCleared(seq=seq), None
             case p.UnloadModel():
-                self._model(req.model_id)
+                _release_graphs(self._model(req.model_id))
                 del self.models[req.model_id]
                 return p.Unloaded(seq=seq, model_id=req.model_id), None
             case p.Shutdown():
@@ -189,6 +189,8 @@ class Worker:
             num_blocks = self._plan_kv(model, req)
             model.allocate(num_blocks, req.block_size, req.max_slots, req.max_model_len,
                            paged=settings().attention == "paged")
+            if self._graphs_wanted(model):
+                model.capture_decode_graphs(req.max_slots)
         except UnsupportedModel as exc:
             raise WorkerFailure(p.ErrorKind.UNSUPPORTED_ARCH, str(exc)) from exc
         except (ConfigError, ValueError, OSError) as exc:
@@ -197,6 +199,12 @@ class Worker:
         nbytes = model.weight_bytes()
         log.info("loaded %s shard: %.1f MiB in %.0f ms", req.model_id, nbytes / 2**20, _ms(t0))
         return p.LoadDenseShardOk(seq=req.seq, model_id=req.model_id, weight_bytes=nbytes, num_kv_blocks=num_blocks)
+
+    def _graphs_wanted(self, model) -> bool:
+        """Decode from CUDA graphs: on CUDA, over the paged cache, with collectives the GPU stream
+        runs (one rank, or NCCL), for a model that allows it, unless NEURON_NO_CUDA_GRAPHS."""
+        return (self.device.type == "cuda" and not settings().no_cuda_graphs and model.cache.paged
+                and model.supports_cuda_graphs and self._need_comm().backend in ("single", "nccl"))
 
     def _plan_kv(self, model, req: p.LoadDenseShard) -> int:
         if req.block_size < 1:
@@ -248,6 +256,8 @@ class Worker:
 
     def close(self) -> None:
         """Drop the models and the communicator, and give their device memory back."""
+        for model in self.models.values():
+            _release_graphs(model)
         self.models.clear()
         self._joining = None  # a store hosted for a join that never happened stops listening
         if self.comm is not None:
@@ -264,6 +274,14 @@ class Worker:
         if model is None:
             raise WorkerFailure(p.ErrorKind.MODEL_NOT_LOADED, f"model {model_id!r} is not loaded on rank {self.rank}")
         return model
+
+
+def _release_graphs(model) -> None:
+    """Free a model's captured graphs (and their memory pool) now, not when garbage collection
+    gets to them."""
+    if model.graphs is not None:
+        model.graphs.release()
+        model.graphs = None
 
 
 def release_device_memory(device: torch.device) -> None:

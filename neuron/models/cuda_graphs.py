@@ -1,0 +1,170 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A decode step launches a few kernels per layer, each costing microseconds of host time, and for
+small batches the host is slower than the GPU. Captured once at load, a step's hundreds of launches
+(its collectives included, which NCCL records in the graph) become one replay.
+
+A graph replays fixed shapes and fixed addresses, so a captured step reads static buffers: the
+step's token ids, positions, pool rows to write, filled lengths and block tables are copied into
+them, and the batch is padded up to its bucket. Padding rows are decodes of one token at position
+0 whose key and value go to the cache's scratch block (a block past those the leader hands out)
+and who attend to that one row: they never touch a sequence's blocks, and their logits are dropped.
+
+What may be captured: the paged attention path (its metadata is device tensors and the Triton
+kernel reads lengths from them; the gather path's shapes change every step), collectives that
+run on the GPU stream (one rank, or NCCL: gloo is driven from the host), and models whose decode
+reads no per-step host state (`CausalLM.supports_cuda_graphs`). Steps that bring a prefill chunk,
+ask for prompt logprobs or exceed the largest bucket run eagerly, as before.
+
+On CPU the same buffers and padding run eagerly (`capture=False`), which is how the tests check
+the padding against the plain forward without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from neuron.layers.paged_attention import PagedAttentionMetadata
+from neuron.models.kv_cache import StepBatch
+
+log = logging.getLogger("neuron.models")
+
+_SMALL_BUCKETS = (1, 2, 4, 8)
+_BUCKET_STEP = 16
+_MAX_BUCKET = 512  # larger decode batches pay little per-launch overhead per sequence; they run eagerly
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """The captured batch sizes: 1, 2, 4, 8, then multiples of 16, up to the first that holds
+    `max_batch` (at most 512). A step pads to the next bucket, wasting fewer than 16 rows."""
+    top = min(max(max_batch, 1), _MAX_BUCKET)
+    sizes = []
+    for size in (*_SMALL_BUCKETS, *range(_BUCKET_STEP, _MAX_BUCKET + 1, _BUCKET_STEP)):
+        sizes.append(size)
+        if size >= top:
+            break
+    return sizes
+
+
+class DecodeGraphs:
+    """Static inputs for decode steps of up to `max(buckets)` sequences, and a graph per bucket
+    once `capture` ran (CUDA only); `run` serves a step that `fits`."""
+
+    def __init__(self, model, max_batch: int):
+        cache = model.cache
+        if cache is None or not cache.paged:
+            raise ValueError("decode graphs need the paged KV cache (NEURON_ATTENTION=paged)")
+        self.model = model
+        self.buckets = batch_buckets(max_batch)
+        n, dev = self.buckets[-1], cache.device
+        self.block_size, self.max_len = cache.block_size, cache.max_len
+        self.scratch_block = cache.scratch_block
+        self.token_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((n,), self.scratch_block * self.block_size, dtype=torch.long, device=dev)
+        self.kv_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.block_tables = torch.full((n, cache.table_array.shape[1]), self.scratch_block, dtype=torch.int32,
+                                       device=dev)
+        self.query_start = torch.arange(n + 1, dtype=torch.int32, device=dev)  # one query per sequence
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor | None] = {}
+
+    def fits(self, batch: StepBatch) -> bool:
+        return (batch.paged is not None and batch.all_decode and batch.prompt_topk is None
+                and batch.paged.num_seqs <= self.buckets[-1])
+
+    def bucket(self, size: int) -> int:
+        return next(b for b in self.buckets if b >= size)
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> torch.Tensor | None:
+        """The step's logits (rank 0; None elsewhere), from its bucket's graph if captured."""
+        size = batch.paged.num_seqs
+        bucket = self.bucket(size)
+        self._load(batch, size, bucket)
+        if bucket in self.graphs:
+            self.graphs[bucket].replay()
+            logits = self.outputs[bucket]
+        else:
+            logits = self._forward(bucket)
+        # a copy: the graph's output buffer is overwritten by the next replay
+        return None if logits is None else logits[:size].clone()
+
+    def _load(self, batch: StepBatch, size: int, bucket: int) -> None:
+        """Copy the step into the static inputs and make rows size..bucket padding."""
+        meta = batch.paged
+        self.token_ids[:size].copy_(batch.token_ids, non_blocking=True)
+        self.positions[:size].copy_(batch.positions, non_blocking=True)
+        self.slot_mapping[:size].copy_(meta.slot_mapping, non_blocking=True)
+        self.kv_lens[:size].copy_(meta.kv_lens, non_blocking=True)
+        self.block_tables[:size, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
+        if bucket > size:
+            self.token_ids[size:bucket].zero_()
+            self.positions[size:bucket].zero_()
+            self.slot_mapping[size:bucket].fill_(self.scratch_block * self.block_size)
+            self.kv_lens[size:bucket].fill_(1)
+            self.block_tables[size:bucket, 0].fill_(self.scratch_block)
+
+    def _batch(self, bucket: int) -> StepBatch:
+        """A decode step over the first `bucket` rows of the static inputs."""
+        meta = PagedAttentionMetadata(self.query_start[: bucket + 1], self.kv_lens[:bucket],
+                                      self.block_tables[:bucket], self.slot_mapping[:bucket], self.block_size,
+                                      max_query_len=1, max_kv_len=self.max_len)
+        return StepBatch(self.token_ids[:bucket], self.positions[:bucket], meta.slot_mapping, slots=[],
+                         lengths=[1] * bucket, kv_lens=[], last_index=None, all_decode=True, read_rows=[],
+                         masks=[], paged=meta)
+
+    def _forward(self, bucket: int) -> torch.Tensor | None:
+        batch = self._batch(bucket)
+        return self.model.run(self.model.embed(batch.token_ids), batch.positions, batch)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Record every bucket's step, largest first, sharing one memory pool. Every rank captures
+        the same buckets in the same order, so the collectives inside stay matched. Kernels compile
+        and libraries set up in an eager warm-up first: none of that may happen during capture.
+        The static inputs are all padding meanwhile, so nothing is written to a sequence's blocks."""
+        self._load_padding()
+        pool = None
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for bucket in reversed(self.buckets):
+                self._forward(bucket)
+        torch.cuda.current_stream().wait_stream(stream)
+        for bucket in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bucket] = self._forward(bucket)
+            pool = graph.pool()
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize()
+
+    def _load_padding(self) -> None:
+        self.token_ids.zero_()
+        self.positions.zero_()
+        self.slot_mapping.fill_(self.scratch_block * self.block_size)
+        self.kv_lens.fill_(1)
+        self.block_tables.fill_(self.scratch_block)
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self.outputs.clear()
+
+
+def capture_decode_graphs(model, max_batch: int) -> DecodeGraphs | None:
+    """Graphs for `model`'s decode steps, or None (logged) when capture fails: decode then runs
+    eagerly. A failure here is a missing capability (an operation that synchronises with the host,
+    a library that cannot be captured), not a wrong result."""
+    graphs = DecodeGraphs(model, max_batch)
+    try:
+        graphs.capture()
+    except Exception as exc:
+        graphs.release()
+        torch.cuda.synchronize()
+        log.warning("CUDA graphs off, decode runs eagerly: capture failed (%s: %s)", type(exc).__name__, exc)
+        return None
+    log.info("captured decode graphs for batch sizes %s", ", ".join(map(str, graphs.buckets)))
+    return graphs

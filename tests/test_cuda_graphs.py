@@ -1,0 +1,99 @@
+"""Decode steps from static, padded inputs (neuron/models/cuda_graphs.py). On CPU the buffers and
+the padding run eagerly, exactly as they would be captured, and must give the plain forward's
+logits and leave every sequence's KV blocks as the plain forward does. Capture itself needs CUDA:
+tests/test_gpu.py compares captured decode with eager decode there."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from checkpoints import build_checkpoint
+
+from neuron.distributed.comm import SingleRank
+from neuron.models import build_model
+from neuron.models.cuda_graphs import DecodeGraphs, batch_buckets
+from neuron.models.inputs import SeqStep
+from neuron.models.loader import CheckpointReader, safetensors_files
+
+BLOCK = 4
+MAX_LEN = 64
+SLOTS = 6
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("graphs"), seed=5)
+
+
+def _model(path, paged: bool = True):
+    config = json.loads((path / "config.json").read_text())
+    model = build_model(config, SingleRank(), torch.float32, torch.device("cpu"))
+    with CheckpointReader(safetensors_files(path)) as r:
+        model.load(r)
+    model.allocate(num_blocks=SLOTS * MAX_LEN // BLOCK, block_size=BLOCK, max_slots=SLOTS, max_model_len=MAX_LEN,
+                   paged=paged)
+    return model
+
+
+def _step(model, seqs: list[SeqStep]) -> torch.Tensor:
+    batch = model.cache.prepare(seqs)
+    logits = model.forward(batch)
+    model.cache.commit(batch)
+    return logits
+
+
+def test_buckets_cover_every_batch_size_with_little_padding():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(3) == [1, 2, 4]
+    assert batch_buckets(16) == [1, 2, 4, 8, 16]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 32]
+    assert batch_buckets(10_000)[-1] == 512
+    for size in range(1, 513):
+        bucket = next(b for b in batch_buckets(512) if b >= size)
+        assert bucket - size < max(16, size)
+
+
+def test_padded_decode_equals_the_plain_forward(checkpoint):
+    """Prefill five sequences, then decode batches of 5, 3 and 1 (padded to 8, 4 and 1), crossing
+    block boundaries: same logits, and the same KV in every block but the scratch one."""
+    plain, padded = _model(checkpoint), _model(checkpoint)
+    padded.graphs = DecodeGraphs(padded, max_batch=SLOTS)
+    assert padded.graphs.buckets == [1, 2, 4, 8]
+    prompts = {slot: list(range(3 + slot, 3 + slot + 5 + 2 * slot)) for slot in range(5)}
+    blocks = {slot: list(range(slot * 16, slot * 16 + 16)) for slot in prompts}  # 16 blocks of 4 per slot
+    prefill = [SeqStep(s, ids, 0, blocks[s], fresh=True) for s, ids in prompts.items()]
+    for model in (plain, padded):
+        _step(model, prefill)
+    lengths = {s: len(ids) for s, ids in prompts.items()}
+    for active in ([0, 1, 2, 3, 4], [0, 2, 4], [3], [0, 1, 2, 3, 4]):
+        for _ in range(3):
+            seqs = [SeqStep(s, [(7 * s + lengths[s]) % 256], lengths[s]) for s in active]
+            expected, got = _step(plain, seqs), _step(padded, seqs)
+            assert got.shape == (len(active), 256)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+            for s in active:
+                lengths[s] += 1
+    rows = padded.cache.scratch_block * BLOCK  # everything before the scratch block
+    for layer in range(len(plain.layers)):
+        torch.testing.assert_close(padded.cache.k[layer][:, :rows], plain.cache.k[layer][:, :rows])
+        torch.testing.assert_close(padded.cache.v[layer][:, :rows], plain.cache.v[layer][:, :rows])
+
+
+def test_steps_that_do_not_fit_run_the_plain_forward(checkpoint):
+    """A prefill chunk, or more sequences than the largest bucket, is not a graph's step."""
+    model = _model(checkpoint)
+    graphs = DecodeGraphs(model, max_batch=2)
+    prefill = model.cache.prepare([SeqStep(0, [1, 2, 3], 0, [0], fresh=True)])
+    assert not graphs.fits(prefill)
+    model.cache.commit(prefill)
+    decode = model.cache.prepare([SeqStep(0, [4], 3)])
+    assert graphs.fits(decode)
+    three = model.cache.prepare([SeqStep(s, [1], 0, [s + 1], fresh=True) for s in (1, 2, 3)])
+    assert three.all_decode and not graphs.fits(three)
+
+
+def test_graphs_need_the_paged_cache(checkpoint):
+    with pytest.raises(ValueError, match="paged"):
+        DecodeGraphs(_model(checkpoint, paged=False), max_batch=4)
