@@ -11,6 +11,11 @@ new tokens each, against transformers with one padded batch; 256 prompts with in
 lengths in 100-1024, neuron only), tp2 (neuron tp=2 on one GPU at batch 1, 0.6B), serve (`neuron
 serve` on the 0.6B checkpoint driven by `neuron bench` at concurrency 1, 8, 32, 64).
 
+neuron runs once per attention path (--attention; both by default): `gather` copies each context
+out of the KV pool for SDPA, `paged` reads blocks in place with the Triton kernel and replays
+decode steps from CUDA graphs where the step allows. The serve part uses the path whose offline (a)
+figure was higher, so the default for `neuron serve` can be chosen from one run.
+
 Weights are drawn on the device (randn * 0.02, norms at 1) and written as safetensors; there is no
 tokenizer, so every prompt is token ids and every run ignores EOS. Each measurement runs in a fresh
 Python process (this script with `_child`), so one model's memory cannot skew the next, under a
@@ -44,6 +49,7 @@ from gpu_bench.report import (
     OFFLINE_B,
     Row,
     add_ratios,
+    find,
     fmt_count,
     markdown,
 )
@@ -51,6 +57,7 @@ from gpu_bench.serving import ServeRun, serve_row
 from gpu_bench.workloads import FULL, TINY, Workload, Workloads
 
 PARTS = ("decode", "offline", "tp2", "serve")
+ATTENTION = ("gather", "paged")
 
 
 class Bench:
@@ -71,16 +78,19 @@ class Bench:
         for shape in self.shapes:
             if {"decode", "offline"} & self.args.only:
                 self.transformers(shape)
-            if "decode" in self.args.only:
-                self.neuron(shape, "decode", BATCH1, self.decode_load, tp=1)
-            if "offline" in self.args.only:
-                self.neuron(shape, "offline", OFFLINE_A, self.offline_a, tp=1)
-                self.neuron(shape, "offline", OFFLINE_B, self.offline_b, tp=1)
+            for mode in self.args.attention:
+                if "decode" in self.args.only:
+                    self.neuron(shape, "decode", BATCH1, self.decode_load, 1, mode)
+                if "offline" in self.args.only:
+                    self.neuron(shape, "offline", OFFLINE_A, self.offline_a, 1, mode)
+                    self.neuron(shape, "offline", OFFLINE_B, self.offline_b, 1, mode)
         if "tp2" in self.args.only:
-            self.neuron(self.small, "tp2", BATCH1, self.decode_load, tp=2)
+            for mode in self.args.attention:
+                self.neuron(self.small, "tp2", BATCH1, self.decode_load, 2, mode)
+        mode = self.serve_attention()
         if "serve" in self.args.only:
-            self.serve()
-        add_ratios(self.rows, self.small, self.wl.serve_concurrency[-1])
+            self.serve(mode)
+        add_ratios(self.rows, self.small, self.wl.serve_concurrency[-1], neuron_engine(mode))
 
     def needed_shapes(self) -> list[str]:
         extra = [self.small] if {"tp2", "serve"} & self.args.only and self.small not in self.shapes else []
@@ -147,27 +157,38 @@ class Bench:
             self.add(run, "padded", "offline", shape, HF_EAGER, OFFLINE_A, "out tok/s",
                      f"{self.offline_a.describe()}; one left-padded batch")
 
-    def neuron(self, shape: str, part: str, figure: str, load: Workload, tp: int) -> None:
+    def neuron(self, shape: str, part: str, figure: str, load: Workload, tp: int, attention: str) -> None:
         spec = {"path": str(self.ckpt_root / shape), "device": self.device, "dtype": self.dtype, "tp": tp,
                 "mode": "decode" if figure == BATCH1 else "batch", "figure": figure, "prompts": load.prompts,
-                "max_tokens": load.max_tokens, "repeats": self.wl.repeats}
-        label = f"neuron-{shape}-{part}" + {BATCH1: "", OFFLINE_A: "-a", OFFLINE_B: "-b"}[figure]
+                "max_tokens": load.max_tokens, "repeats": self.wl.repeats, "attention": attention}
+        label = f"neuron-{attention}-{shape}-{part}" + {BATCH1: "", OFFLINE_A: "-a", OFFLINE_B: "-b"}[figure]
         run = self.child("neuron", label, spec, shape)
-        engine = NEURON if tp == 1 else f"neuron tp={tp}, one device"
+        engine = neuron_engine(attention, tp)
         if figure == BATCH1:
             note = f"{load.describe()}, median of {self.wl.repeats}; new tokens / generate time"
             self.add(run, figure, part, shape, engine, figure, "tok/s", note)
         else:
             self.add(run, figure, part, shape, engine, figure, "out tok/s", f"{load.describe()}; one generate call")
 
-    def serve(self) -> None:
+    def serve_attention(self) -> str:
+        """The attention path with the higher offline (a) throughput on the small shape, else the first."""
+        measured = [(find(self.rows, "offline", self.small, neuron_engine(m), OFFLINE_A), m)
+                    for m in self.args.attention]
+        measured = [(row.value, m) for row, m in measured if row is not None and row.value]
+        return max(measured)[1] if measured else self.args.attention[0]
+
+    def serve(self, attention: str) -> None:
         shape, concurrency = self.small, self.wl.serve_concurrency
         if shape in self.unbuilt:
             reason = f"failed: no {shape} checkpoint ({self.unbuilt[shape]})"
             self.rows += [serve_row(shape, c, error=reason) for c in concurrency]
             return
-        server = ServeRun(self.ckpt_root / shape, self.device, self.dtype, self.work, self.args.deadline)
+        server = ServeRun(self.ckpt_root / shape, self.device, self.dtype, self.work, self.args.deadline, attention)
         self.rows += server.rows(shape, concurrency, self.wl)
+
+
+def neuron_engine(attention: str, tp: int = 1) -> str:
+    return f"{NEURON} {attention}" if tp == 1 else f"{NEURON} {attention} tp={tp}, one device"
 
 
 def static_cache_note(device: str, compiled: bool | None) -> str:
@@ -184,6 +205,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"comma-separated parts to run (default: all of {','.join(PARTS)})")
     ap.add_argument("--shapes", type=_choices(("0.6b", "8b")), default={"0.6b", "8b"},
                     help="comma-separated shapes for decode and offline (default: 0.6b,8b); tp2 and serve use 0.6b")
+    ap.add_argument("--attention", type=_choices(ATTENTION), default=set(ATTENTION),
+                    help="comma-separated attention paths neuron runs with (default: gather,paged)")
     ap.add_argument("--tiny", action="store_true",
                     help="a 2-layer hidden-64 shape and small workloads: the whole plumbing in about a minute")
     ap.add_argument("--device", help="cuda or cuda:N (default: cuda; with --tiny, cuda when present, else cpu)")
@@ -194,6 +217,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--deadline", type=float, help="seconds each subprocess may take (default: 1800; 120 with --tiny)")
     args = ap.parse_args(argv)
     args.shapes = [s for s in SHAPES if s in args.shapes]  # a stable order: small first
+    args.attention = [a for a in ATTENTION if a in args.attention]
     args.device = args.device or ("auto" if args.tiny else "cuda")
     args.deadline = args.deadline or (TINY if args.tiny else FULL).deadline_s
     if not args.tiny and not args.device.startswith("cuda"):
@@ -228,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work / "checkpoints", ignore_errors=True)
     failed = [r for r in bench.rows if r.error and r.error.startswith("failed")]
     env = {**host_environment(), **bench.env, "run time": f"{time.monotonic() - t0:.0f} s"}
-    settings = {"tiny": args.tiny, "parts": sorted(args.only), "shapes": bench.shapes,
+    settings = {"tiny": args.tiny, "parts": sorted(args.only), "shapes": bench.shapes, "attention": args.attention,
                 "workloads": {k: getattr(wl, k) for k in wl.__dataclass_fields__}}
     doc = {"env": env, "settings": settings, "rows": [asdict(r) for r in bench.rows]}
     text = markdown(doc)

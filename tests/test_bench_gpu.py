@@ -68,7 +68,7 @@ def test_a_child_past_its_deadline_is_reported_and_the_run_still_reports(tmp_pat
     assert errors == {("bandwidth", "device"): late, ("checkpoint", "-"): late,
                       ("bandwidth", "bandwidth limit"): "failed: no bandwidth figure",
                       ("decode", "transformers eager"): unbuilt, ("decode", "transformers static"): unbuilt,
-                      ("decode", "neuron"): unbuilt}
+                      ("decode", "neuron gather"): unbuilt, ("decode", "neuron paged"): unbuilt}
     assert f"| {unbuilt} |" in md.read_text()
 
 
@@ -85,7 +85,14 @@ def test_tiny_run_measures_every_part(tmp_path):
     failed = [(r["part"], r["engine"], r["error"]) for r in rows if r["error"]]
     assert failed == []
     measured = [r for r in rows if r["engine"].startswith("neuron") or r["engine"] == "transformers eager"]
-    assert len(measured) == 9  # decode, offline (a), offline (b), tp2, serve x2, serve/offline; eager x2
+    # per attention path: decode, offline (a), offline (b), tp2; then serve x2, serve/offline; eager x2
+    assert len(measured) == 4 * 2 + 3 + 2
+    engines = {r["engine"] for r in rows if r["part"] == "decode"}
+    assert {"neuron gather", "neuron paged"} <= engines
+    serve_note = next(r["note"] for r in rows if r["engine"] == "neuron serve")
+    best = max(("gather", "paged"), key=lambda m: next(r["value"] for r in rows if r["engine"] == f"neuron {m}"
+                                                       and r["figure"] == "offline (a)"))
+    assert serve_note.startswith(f"attention {best};")  # the server ran the faster offline path
     assert all(r["value"] > 0 for r in measured)
     static = next(r for r in rows if r["engine"] == "transformers static")
     assert "NOT compiled" in static["note"]  # said, not silent, where transformers cannot compile

@@ -152,6 +152,7 @@ def transformers_child(spec: dict, out: ChildResults) -> None:
 
 def neuron_child(spec: dict, out: ChildResults) -> None:
     """One neuron figure: batch-1 decode (median of repeats) or one offline batch, after a warm-up."""
+    os.environ["NEURON_ATTENTION"] = spec["attention"]  # read when the model loads, in this process
     from neuron import LLM, SamplingParams
 
     prompts, max_tokens = spec["prompts"], spec["max_tokens"]

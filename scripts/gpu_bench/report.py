@@ -31,9 +31,10 @@ def ratio(num: float | None, row: Row | None) -> float | None:
     return num / row.value if num is not None and row is not None and row.value else None
 
 
-def add_ratios(rows: list[Row], small: str, batch: int) -> None:
+def add_ratios(rows: list[Row], small: str, batch: int, served_engine: str) -> None:
     """neuron / transformers (static-cache compiled at batch 1, one padded batch offline), every
-    batch-1 figure / the bandwidth limit, and served / offline throughput at the same batch."""
+    batch-1 figure / the bandwidth limit, and served / offline throughput at the same batch (offline
+    by `served_engine`, the neuron configuration the server ran)."""
     for r in list(rows):
         if r.value is None:
             continue
@@ -41,12 +42,12 @@ def add_ratios(rows: list[Row], small: str, batch: int) -> None:
             r.vs_limit = ratio(r.value, find(rows, "bandwidth", r.shape, LIMIT, BATCH1))
             if r.engine.startswith(NEURON):
                 r.vs_transformers = ratio(r.value, find(rows, "decode", r.shape, HF_STATIC, BATCH1))
-        if r.part == "offline" and r.engine == NEURON and r.figure == OFFLINE_A:
+        if r.part == "offline" and r.engine.startswith(NEURON) and r.figure == OFFLINE_A:
             r.vs_transformers = ratio(r.value, find(rows, "offline", r.shape, HF_EAGER, OFFLINE_A))
     served = find(rows, "serve", small, "neuron serve", f"concurrency {batch}")
     if served is None:
         return
-    offline = find(rows, "offline", small, NEURON, OFFLINE_A)
+    offline = find(rows, "offline", small, served_engine, OFFLINE_A)
     row = Row("serve", small, "neuron serve / offline", f"c={batch} / offline (a) batch of {batch}", "x",
               note="output tok/s served at this concurrency / offline (a) output tok/s")
     row.value = ratio(served.value, offline)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -18,9 +19,12 @@ class PartFailed(Exception):
     pass
 
 
+SERVE = "neuron serve"
+
+
 def serve_row(shape: str, concurrency: int, value: float | None = None, error: str | None = None, note: str = "",
               detail: dict | None = None) -> Row:
-    return Row("serve", shape, "neuron serve", f"concurrency {concurrency}", "out tok/s", value, error, note,
+    return Row("serve", shape, SERVE, f"concurrency {concurrency}", "out tok/s", value, error, note,
                detail=detail or {})
 
 
@@ -29,8 +33,9 @@ class ServeRun:
     offline (a) lengths; logprobs=0 because a checkpoint without a tokenizer streams no text, and
     only then does each token arrive in its own chunk to be timed."""
 
-    def __init__(self, model: Path, device: str, dtype: str, work: Path, deadline_s: float):
+    def __init__(self, model: Path, device: str, dtype: str, work: Path, deadline_s: float, attention: str):
         self.model, self.device, self.dtype, self.work, self.deadline_s = model, device, dtype, work, deadline_s
+        self.attention = attention
 
     def rows(self, shape: str, concurrency: tuple[int, ...], wl: Workloads) -> list[Row]:
         port, log_path = free_port(), self.work / "serve.log"
@@ -40,7 +45,8 @@ class ServeRun:
         print(f"bench_gpu: serve-{shape} (log {log_path})", file=sys.stderr, flush=True)
         rows: list[Row] = []
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, "NEURON_ATTENTION": self.attention})
         try:
             wait_ready(proc, port, self.deadline_s, log_path)
             for c in concurrency:
@@ -70,7 +76,7 @@ class ServeRun:
         if not s.completed:
             error = next(iter(s.errors), "no request completed")
             return serve_row(shape, concurrency, error=f"failed: {error}", detail=detail)
-        note = (f"{n} requests; TTFT p50/p99 {fmt(s.ttft_ms.p50)} / {fmt(s.ttft_ms.p99)} ms; "
+        note = (f"attention {self.attention}; {n} requests; TTFT p50/p99 {fmt(s.ttft_ms.p50)} / {fmt(s.ttft_ms.p99)} ms; "
                 f"TPOT p50/p99 {fmt(s.tpot_ms.p50)} / {fmt(s.tpot_ms.p99)} ms")
         if s.failed:
             note += f"; {s.failed} failed: {next(iter(s.errors))}"
