@@ -1,16 +1,19 @@
 import math
+import warnings
 
+import numpy as np
 import pytest
 import torch
 
 from neuron.engine import sampling
 from neuron.engine.sampling import InvalidParams, SamplingParams, SequenceSampler, sample
+from neuron.engine.structured_output import TokenBitmask
 
 V = 64
 
 
-def _sampler(prompt: list[int] | None = None, vocab: int = V, **kw) -> SequenceSampler:
-    return SequenceSampler(SamplingParams(**kw), prompt or [], vocab)
+def _sampler(prompt: list[int] | None = None, vocab: int = V, device: str = "cpu", **kw) -> SequenceSampler:
+    return SequenceSampler(SamplingParams(**kw), prompt or [], vocab, device)
 
 
 def _row(*values: float) -> torch.Tensor:
@@ -382,3 +385,203 @@ def test_extreme_filters_keep_the_top_token(params):
     logits = torch.tensor([[0.5, 4.0, 1.0, -1.0]])
     s = SequenceSampler(SamplingParams(temperature=1.0, seed=1, **params), [], vocab_size=4)
     assert sample(logits.clone(), [s]).token_ids == [1]
+
+
+# ---- the draw -----------------------------------------------------------------------------------
+
+# A distribution sorted high to low, so top_k keeps a prefix; the last token can never be drawn.
+_P = torch.tensor([0.3, 0.2, 0.15, 0.12, 0.1, 0.08, 0.05, 0.0], dtype=torch.float64)
+# Chi-square at p = 0.001 by degrees of freedom: the seed is fixed, so this is a bound, not a flake.
+_CHI2_CRITICAL = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46}
+
+
+def _expected(params: dict) -> torch.Tensor:
+    """What `params` ask for over _P, in float64 and from their definitions: temperature, then
+    top_k, top_p relative to the top_k survivors, and min_p relative to the best token."""
+    p = _P ** (1 / params.get("temperature", 1.0))
+    p = p / p.sum()
+    if params.get("top_k", 0) > 0:
+        p[params["top_k"]:] = 0
+    if "top_p" in params:
+        p[(p.cumsum(0) - p) >= params["top_p"] * p.sum()] = 0
+    if "min_p" in params:
+        p[p < params["min_p"] * p.max()] = 0
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("cases", [
+    # Every row has a top_k: the batch ranks only its best max(k) tokens.
+    [{"top_k": 4}, {"top_k": 2, "temperature": 2.0}, {"top_k": 5, "top_p": 0.6}, {"top_k": 6, "min_p": 0.45}],
+    # Some row has none: the batch sorts the whole vocabulary.
+    [{}, {"top_p": 0.6}, {"min_p": 0.45, "temperature": 0.7}, {"top_k": 3}],
+    # No top_k or top_p: the batch draws over the vocabulary in order.
+    [{}, {"min_p": 0.45}, {"temperature": 0.5}],
+], ids=["top_k", "sorted", "vocabulary"])
+def test_unseeded_rows_draw_from_their_filtered_distribution(cases):
+    """One call, rows of several filters interleaved, all drawing together from the global
+    generator: each row's tokens follow its own distribution, and no filtered token appears."""
+    draws = 4000
+    torch.manual_seed(0)
+    samplers = [_sampler(vocab=len(_P), **cases[r % len(cases)]) for r in range(draws * len(cases))]
+    logits = _P.float().log().expand(len(samplers), -1)
+    tokens = torch.tensor(sample(logits, samplers).token_ids).view(draws, len(cases))
+    for c, params in enumerate(cases):
+        expected = _expected(params)
+        counts = torch.bincount(tokens[:, c], minlength=len(_P)).double()
+        kept = expected > 0
+        assert counts[~kept].sum() == 0, (params, counts.tolist())
+        chi2 = ((counts[kept] - draws * expected[kept]) ** 2 / (draws * expected[kept])).sum().item()
+        assert chi2 < _CHI2_CRITICAL[int(kept.sum()) - 1], (params, counts.tolist(), expected.tolist())
+
+
+@pytest.mark.parametrize("params", [{}, {"top_k": 3}, {"top_p": 0.5}, {"seed": 1}, {"seed": 2, "top_k": 2}])
+def test_a_token_alone_with_probability_is_always_drawn(params):
+    """Row 0 leaves one token finite; row 1 gives the others logits whose softmax underflows to 0."""
+    logits = torch.full((2, V), float("-inf"))
+    logits[0, 9] = 0.0
+    logits[1] = -200.0
+    logits[1, 9] = 0.0
+    for _ in range(20):
+        assert sample(logits, [_sampler(**params), _sampler(**params)]).token_ids == [9, 9]
+
+
+def test_a_zero_probability_never_wins_even_against_zero_noise():
+    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.0, 0.0, 0.0, 1e-30]])
+    noise = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 50.0]])
+    assert sampling._race(probs, None, noise).tolist() == [1, 3]
+
+
+def test_failed_rows_do_not_disturb_the_draws_of_the_others():
+    logits = torch.log(torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])).expand(4, -1).clone()
+    logits[0] = float("nan")
+    logits[2] = float("-inf")
+    samplers = [_sampler(vocab=8, top_k=3), _sampler(vocab=8, top_k=2), _sampler(vocab=8, top_k=3, seed=4),
+                _sampler(vocab=8, top_k=2, seed=5, logprobs=1)]
+    result = sample(logits, samplers)
+    assert result.token_ids == [-1, 4, -1, 4]
+    assert sorted(result.failed) == [0, 2] and not any(f.by_request for f in result.failed.values())
+    assert result.logprobs == [None, None, None, {4: 0.0}]
+
+
+@pytest.mark.parametrize("params", [
+    {"top_k": 5},  # the batch ranks 40 tokens, the row keeps its 5
+    {"top_k": 12, "top_p": 0.8, "temperature": 1.4},
+    {"min_p": 0.02, "presence_penalty": 0.4, "logprobs": 2},  # the batch sorts, the row draws over all
+])
+def test_seeded_rows_draw_alike_alone_and_in_any_batch(params):
+    params = {**params, "seed": 77}
+    steps = _steps(10, 1, seed=3)
+    alone = _generate(_sampler(**params), steps)
+    for others in (
+        [_sampler(top_k=40), _sampler(top_k=20, seed=1), _sampler(top_k=1)],
+        [_sampler(top_p=0.5), _sampler(temperature=0), _sampler(seed=2, logprobs=3, repetition_penalty=1.2)],
+    ):
+        target = _sampler(**params)
+        samplers = [others[0], target, *others[1:]]
+        batched = []
+        for own, rest in zip(steps, _steps(10, len(others), seed=4)):
+            tokens = sample(torch.cat([rest[:1], own, rest[1:]]), samplers).token_ids
+            for s, t in zip(samplers, tokens):
+                s.append(t)
+            batched.append(tokens[1])
+        assert batched == alone
+
+
+# ---- one transfer per step ----------------------------------------------------------------------
+
+
+def _mixed_batch(device: str = "cpu") -> list[SequenceSampler]:
+    """Greedy, sampled, seeded, logprobs, penalties and min_tokens rows in one batch."""
+    samplers = [
+        _sampler(temperature=0, device=device),
+        _sampler(temperature=0.8, top_p=0.9, device=device),
+        _sampler(temperature=1.2, top_k=7, seed=5, device=device),
+        _sampler(temperature=0, logprobs=3, device=device),
+        _sampler([3, 4], min_p=0.05, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2,
+                 logprobs=0, seed=6, device=device),
+        _sampler(temperature=0.7, min_tokens=2, stop_token_ids=[8], device=device),
+    ]
+    for token in (3, 11, 11):
+        samplers[4].append(token)
+    return samplers
+
+
+def _transfers(monkeypatch) -> list[int]:
+    """The calls of sampling's one device-to-host transfer (each: how many tensors it moved).
+    Any other read of a tensor's values by the host fails the test."""
+    calls, inside = [], [False]
+
+    def counted(*tensors):
+        calls.append(len(tensors))
+        inside[0] = True
+        try:
+            return real(*tensors)
+        finally:
+            inside[0] = False
+
+    def guarded(name):
+        method = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            assert inside[0], f"Tensor.{name} read a tensor outside sampling._to_host"
+            return method(self, *args, **kwargs)
+
+        return read
+
+    real = sampling._to_host
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, guarded(name))
+    monkeypatch.setattr(sampling, "_to_host", counted)
+    return calls
+
+
+@pytest.mark.parametrize("batch", ["greedy", "mixed", "mixed with a grammar", "all sampled"])
+def test_a_step_moves_its_results_to_the_host_once(monkeypatch, batch):
+    if batch == "greedy":
+        samplers = [_sampler(temperature=0) for _ in range(3)]
+    elif batch == "all sampled":
+        samplers = [_sampler(top_k=50, top_p=0.9), _sampler(top_k=20, seed=3, logprobs=2)]
+    else:
+        samplers = _mixed_batch()
+    allowed = None
+    if batch == "mixed with a grammar":
+        allowed = TokenBitmask([1, 4], np.array([[-1, 0], [0x7FFF0000, 0]], dtype=np.int32))
+    logits = torch.randn(len(samplers), V, generator=torch.Generator().manual_seed(5))
+    calls = _transfers(monkeypatch)
+    result = sample(logits, samplers, eos_token_ids=[EOS], allowed=allowed)
+    # One call: the chosen ids alone, or with the logprob rows' chosen logprob, top ids and values.
+    assert calls == ([1] if batch == "greedy" else [4])
+    assert -1 not in result.token_ids and not result.failed
+    if batch.startswith("mixed"):
+        assert result.token_ids[5] not in (EOS, 8)  # min_tokens
+        assert [lp is not None for lp in result.logprobs] == [False, False, False, True, True, False]
+    if allowed is not None:
+        assert result.token_ids[1] < 32 and 16 <= result.token_ids[4] < 31
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", ["greedy", "mixed"])
+def test_a_cuda_step_synchronises_once(batch):
+    """CUDA's sync debug mode warns at every operation that makes the host wait for the device:
+    the step's one transfer is the only one."""
+    if batch == "greedy":
+        samplers = [_sampler(temperature=0, device="cuda") for _ in range(3)]
+    else:
+        samplers = _mixed_batch("cuda")
+    logits = torch.randn(len(samplers), V, generator=torch.Generator().manual_seed(5)).cuda()
+    expected = sample(logits, samplers, eos_token_ids=[EOS])  # warm: pinned buffers, generators, kernels
+    for s in samplers:
+        if s.generator is not None:
+            s.generator.manual_seed(s.params.seed)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = sample(logits, samplers, eos_token_ids=[EOS])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
+    assert len(syncs) == 1, syncs
+    fixed = [i for i, s in enumerate(samplers) if s.generator is not None or s.params.greedy]
+    assert [result.token_ids[i] for i in fixed] == [expected.token_ids[i] for i in fixed]

@@ -18,7 +18,7 @@ from neuron.engine import prompt_logprobs
 from neuron.engine.block_manager import BlockManager
 from neuron.engine.input_processor import InputProcessor, RequestError
 from neuron.engine.output_processor import OutputProcessor, Update
-from neuron.engine.sampling import SampleFailure, SamplingParams, SequenceSampler, sample
+from neuron.engine.sampling import SampleFailure, SamplingParams, SequenceSampler, sample, to_device
 from neuron.engine.scheduler import Scheduled, Scheduler
 from neuron.engine.sequence import Sequence
 from neuron.engine.structured_output import StructuredOutput, TokenBitmask
@@ -245,8 +245,7 @@ class LLMEngine:
             updates += [self._end_unsampled(s.seq) for _, s in ready if s.seq.max_tokens == 0]
             ready = [(i, s) for i, s in ready if s.seq.max_tokens != 0]
         if ready:
-            rows = logits[[i for i, _ in ready]] if len(ready) != len(ran) else logits
-            updates += self._sample([s for _, s in ready], rows)
+            updates += self._sample([s for _, s in ready], _rows(logits, [i for i, _ in ready]))
         return updates
 
     def _end_unsampled(self, seq: Sequence) -> Update:
@@ -380,6 +379,14 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """These rows of `logits`. The index travels without blocking: indexing with a list would copy
+    it from pageable memory, and the host would wait for the step's forward."""
+    if len(rows) == logits.shape[0]:
+        return logits
+    return logits.index_select(0, to_device(rows, torch.long, logits.device))
 
 
 def _internal(doing: str, exc: Exception) -> str:

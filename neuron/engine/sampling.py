@@ -2,12 +2,16 @@
 
 Order of operations (vLLM / Hugging Face): min_tokens masks EOS and stop ids, then the
 repetition, frequency and presence penalties, then the structured-output grammar's mask, then
-greedy argmax or temperature, top_k, top_p, min_p and a draw from the sequence's own generator.
-Logprobs are always those of the raw logits.
+greedy argmax or temperature, top_k, top_p, min_p and a draw: the unseeded rows of the batch
+together from the global generator, a seeded row from its own. Logprobs are always those of the
+raw logits.
 
-A row with no token left to pick (every logit -inf, or a NaN) never reaches argmax or
-`torch.multinomial`: it is reported as failed, with the reason, and the other rows are sampled as
-if it were not there.
+Everything runs on the logits' device; what the host needs (the chosen ids and the logprobs asked
+for) comes back in one transfer per step, so on CUDA the host waits once. Only a failed row costs
+more: finding why it failed reads its logits again.
+
+A row with no token left to pick (every logit -inf, or a NaN) never reaches argmax or the draw:
+it is reported as failed, with the reason, and the other rows are sampled as if it were not there.
 """
 
 from __future__ import annotations
@@ -161,7 +165,7 @@ class SequenceSampler:
         if params.repetition_penalty != 1.0:
             self._prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             ids = [t for t in prompt_token_ids if 0 <= t < vocab_size]
-            self._prompt_mask[torch.tensor(ids, dtype=torch.long, device=device)] = True
+            self._prompt_mask[to_device(ids, torch.long, device)] = True
 
     def _seeded_generator(self, device: str | torch.device) -> torch.Generator | None:
         # Unseeded sequences draw from the global RNG; a seeded one owns its stream, so its
@@ -206,7 +210,7 @@ class SequenceSampler:
         ids = [*eos_token_ids, *(self.params.stop_token_ids or ())]
         ids = [t for t in ids if 0 <= t < row.shape[-1]]
         if ids:
-            row[torch.tensor(ids, dtype=torch.long, device=row.device)] = float("-inf")
+            row.index_fill_(0, to_device(ids, torch.long, row.device), float("-inf"))
 
 
 @dataclass(slots=True, frozen=True)
@@ -237,14 +241,34 @@ def sample(
             f"logits must be [{len(samplers)}, V] (one row per sampler), got {list(logits.shape)}"
         )
     if allowed is None and all(s.plain_greedy for s in samplers):
-        token_ids = _greedy(logits).tolist()
+        (token_ids,) = _to_host(_greedy(logits))
         failed = _failures(logits, token_ids, samplers)
         return SampleResult(token_ids, [None] * len(samplers), failed)
-    raw = logits.float()
+    raw = logits.float()  # rank 0's logits are float32 already, and then this is `logits` itself
     chosen = _choose(_adjusted(raw, samplers, eos_token_ids, allowed), samplers)
-    token_ids = chosen.tolist()  # the batch's one device-to-host transfer of its choices
+    rows = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
+    token_ids, *reported = _to_host(chosen, *_logprob_tensors(raw, chosen, rows, samplers))
     failed = _failures(raw, token_ids, samplers, allowed.rows if allowed is not None else ())
-    return SampleResult(token_ids, _logprobs(raw, chosen, samplers, failed), failed)
+    return SampleResult(token_ids, _logprobs(rows, reported, token_ids, samplers, failed), failed)
+
+
+def _to_host(*tensors: torch.Tensor) -> list[list]:
+    """The step's one device-to-host transfer, of every tensor the host needs. On CUDA each is
+    copied into pinned memory without blocking, then the host waits for the stream once."""
+    if tensors[0].device.type != "cuda":
+        return [t.tolist() for t in tensors]
+    buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for buffer, t in zip(buffers, tensors):
+        buffer.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return [b.tolist() for b in buffers]
+
+
+def to_device(values: list, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`. On CUDA it travels from pinned memory without
+    blocking: a copy from pageable memory would make the host wait for the step's kernels."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 
 
 def _greedy(x: torch.Tensor) -> torch.Tensor:
@@ -301,62 +325,92 @@ def _choose(x: torch.Tensor, samplers: list[SequenceSampler]) -> torch.Tensor:
     if len(drawn) == len(samplers):
         return _draw(x, samplers)
     chosen = _greedy(x)
-    idx = torch.tensor(drawn, dtype=torch.long, device=x.device)
+    idx = to_device(drawn, torch.long, x.device)
     chosen[idx] = _draw(x[idx], [samplers[i] for i in drawn])
     return chosen
 
 
 def _draw(x: torch.Tensor, samplers: list[SequenceSampler]) -> torch.Tensor:
-    """One draw per row; -1 for a row with nothing to draw from."""
-    params = [s.params for s in samplers]
-    temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)
-    scaled = x / temps[:, None]
+    """One draw per row; -1 for a row with nothing to draw from. The unseeded rows draw together
+    from the global generator; a seeded row draws again alone, from its own generator."""
+    probs, ids, ok = _filtered_probs(x, [s.params for s in samplers])
+    picks = _race(probs, ids, torch.empty_like(probs).exponential_())
+    for j, s in enumerate(samplers):
+        if s.generator is not None:
+            picks[j : j + 1] = _seeded_draw(x[j : j + 1], s)
+    return torch.where(ok, picks, -1)
+
+
+def _seeded_draw(row: torch.Tensor, sampler: SequenceSampler) -> torch.Tensor:
+    # Over the whole vocabulary in order, the row takes as many numbers from its generator, and
+    # the same ones, whatever else shares the batch, so a seed gives the same tokens in any batch:
+    # those `torch.multinomial(probs, 1, generator=...)` draws, the same method with its checks.
+    probs, ids, _ = _filtered_probs(row, [sampler.params])
+    if ids is not None:
+        probs = torch.zeros_like(row).scatter_(-1, ids, probs)
+    return _race(probs, None, torch.empty_like(probs).exponential_(generator=sampler.generator))
+
+
+def _race(probs: torch.Tensor, ids: torch.Tensor | None, noise: torch.Tensor) -> torch.Tensor:
+    """The token of each row's argmax(probs / noise), noise ~ Exponential(1): column i wins with
+    probability probs_i. It is `torch.multinomial`'s own method for one sample, without the
+    checks that make it wait for the device. A zero probability scores 0 and never wins; the
+    clamp keeps a noise of exactly 0 from making that 0 / 0, a NaN that argmax would rank first.
+    Overwrites `noise`."""
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    won = torch.div(probs, noise, out=noise).argmax(dim=-1)
+    return won if ids is None else ids.gather(-1, won[:, None]).squeeze(-1)
+
+
+def _filtered_probs(
+    x: torch.Tensor, params: list[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The distribution each row draws from: softmax(x / temperature), with the tokens that top_k,
+    top_p and min_p drop set to zero. Returns it, the token of each column (None: the vocabulary
+    in order) and the rows that have a distribution at all.
+
+    With top_k or top_p the columns are the candidates ranked best first, only the best max(k)
+    when every row has a top_k: the draw then spares the rest of the vocabulary. The filters only
+    zero entries and never recompute the others, so a row's probabilities do not depend on the
+    filters the other rows of the batch ask for."""
+    temps = [p.temperature for p in params]
+    if any(t != 1.0 for t in temps):  # dividing by 1 changes nothing and costs a pass over [B, V]
+        x = x / to_device(temps, x.dtype, x.device)[:, None]
     # A finite maximum is exactly what makes the softmax a distribution (no NaN, not all zero), and
-    # the filters always keep the most likely token. Checked on the device, without a transfer: a
-    # failed row draws from a uniform stand-in instead, and its pick is discarded below.
-    ok = torch.isfinite(scaled.amax(dim=-1))
-    probs = _filtered_probs(scaled.masked_fill_(~ok[:, None], 0.0), params)
-    # Every row draws over its full vocab-order row, so a seeded generator advances the same way
-    # and yields the same token whatever else shares the batch.
-    picks = [torch.multinomial(probs[j], 1, generator=s.generator) for j, s in enumerate(samplers)]
-    return torch.where(ok, torch.cat(picks), -1)
-
-
-def _filtered_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Softmax of `x` with the tokens that top_k, top_p and min_p drop set to zero.
-
-    The filters only zero entries and never recompute the others, so a row's probabilities do not
-    depend on the filters the other rows of the batch ask for."""
+    # the filters always keep the most likely token. Checked on the device, without a transfer. A
+    # failed row goes on as NaNs: nothing below checks its values, argmax still names a column,
+    # and the caller discards that pick.
+    ok = torch.isfinite(x.amax(dim=-1))
     probs = x.softmax(dim=-1)
-    if any(p.top_k > 0 or p.top_p < 1 for p in params):
-        probs = _top_k_top_p(probs, params)
-    if any(p.min_p > 0 for p in params):
-        probs = _min_p(probs, params)
-    return probs
-
-
-def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     vocab = probs.shape[-1]
     ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
-    width = min(max(ks), vocab)
-    # When every row has a top_k only the best max(k) can survive, and topk is far cheaper than
-    # sorting the whole vocabulary.
-    if width < vocab:
-        ranked, ids = probs.topk(width, dim=-1)
-    else:
-        ranked, ids = probs.sort(dim=-1, descending=True)
-    k = torch.tensor(ks, device=probs.device)
-    ranked = ranked.masked_fill(torch.arange(width, device=probs.device) >= k[:, None], 0.0)
+    ids = None
+    if max(ks) < vocab:  # topk is far cheaper than sorting the whole vocabulary
+        probs, ids = probs.topk(max(ks), dim=-1)
+    elif min(ks) < vocab or any(p.top_p < 1 for p in params):
+        probs, ids = probs.sort(dim=-1, descending=True)
+    if ids is not None:
+        probs = _top_k_top_p(probs, ks, params)
+    if any(p.min_p > 0 for p in params):
+        probs = _min_p(probs, params)
+    return probs, ids, ok
+
+
+def _top_k_top_p(ranked: torch.Tensor, ks: list[int], params: list[SamplingParams]) -> torch.Tensor:
+    width = ranked.shape[-1]
+    if min(ks) < width:
+        k = to_device(ks, torch.long, ranked.device)
+        ranked = ranked.masked_fill(torch.arange(width, device=ranked.device) >= k[:, None], 0.0)
     if any(p.top_p < 1 for p in params):
         ranked = _top_p_ranked(ranked, params)
-    return torch.zeros_like(probs).scatter_(-1, ids, ranked)
+    return ranked
 
 
 def _top_p_ranked(ranked: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Nucleus filter on probabilities sorted high to low, relative to the top_k survivors."""
     cumulative = ranked.cumsum(dim=-1)
     mass_before = cumulative - ranked
-    top_ps = torch.tensor([p.top_p for p in params], dtype=ranked.dtype, device=ranked.device)
+    top_ps = to_device([p.top_p for p in params], ranked.dtype, ranked.device)
     budget = top_ps[:, None] * cumulative[:, -1:]
     # A token stays while the mass strictly ahead of it is below the budget, so the first always
     # stays; rows with top_p == 1 are exempt so cumsum rounding cannot trim their tail.
@@ -366,31 +420,41 @@ def _top_p_ranked(ranked: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 
 def _min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    min_ps = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)
+    min_ps = to_device([p.min_p for p in params], probs.dtype, probs.device)
     floor = min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
     return probs.masked_fill(probs < floor, 0.0)
 
 
+def _logprob_tensors(
+    raw: torch.Tensor, chosen: torch.Tensor, rows: list[int], samplers: list[SequenceSampler]
+) -> tuple[torch.Tensor, ...]:
+    """For `rows`, on the device: the chosen token's logprob, then the top k ids and logprobs
+    (k the largest any row asks for). A failed row's (chosen -1) are computed and dropped later."""
+    if not rows:
+        return ()
+    if len(rows) != len(samplers):
+        idx = to_device(rows, torch.long, raw.device)
+        raw, chosen = raw[idx], chosen[idx]
+    lp = torch.log_softmax(raw, dim=-1)
+    top_vals, top_ids = lp.topk(max(samplers[i].params.logprobs for i in rows), dim=-1)
+    chosen_lp = lp.gather(-1, chosen.clamp(min=0)[:, None]).squeeze(-1)
+    return chosen_lp, top_ids, top_vals
+
+
 def _logprobs(
-    raw: torch.Tensor, chosen: torch.Tensor, samplers: list[SequenceSampler], failed: dict[int, SampleFailure]
+    rows: list[int], reported: list[list], token_ids: list[int], samplers: list[SequenceSampler],
+    failed: dict[int, SampleFailure],
 ) -> list[dict[int, float] | None]:
+    """The host's logprob entries, from what `_logprob_tensors` computed: the sampled id first."""
     out: list[dict[int, float] | None] = [None] * len(samplers)
-    rows = [i for i, s in enumerate(samplers) if s.params.logprobs is not None and i not in failed]
     if not rows:
         return out
-    idx = torch.tensor(rows, dtype=torch.long, device=raw.device)
-    lp = torch.log_softmax(raw[idx], dim=-1)
-    k = max(samplers[i].params.logprobs for i in rows)
-    top_vals, top_ids = lp.topk(k, dim=-1)
-    chosen_ids = chosen[idx]
-    chosen_lp = lp.gather(-1, chosen_ids[:, None]).squeeze(-1)
-    # One device-to-host transfer per tensor, not one per entry.
-    top_vals, top_ids, chosen_ids, chosen_lp = (
-        t.tolist() for t in (top_vals, top_ids, chosen_ids, chosen_lp)
-    )
+    chosen_lp, top_ids, top_vals = reported
     for j, i in enumerate(rows):
+        if i in failed:
+            continue
         n = samplers[i].params.logprobs
-        entry = {chosen_ids[j]: chosen_lp[j]}
+        entry = {token_ids[i]: chosen_lp[j]}
         entry.update(zip(top_ids[j][:n], top_vals[j][:n]))
         out[i] = entry
     return out
