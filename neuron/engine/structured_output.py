@@ -28,7 +28,7 @@ import llguidance.numpy as llg_np
 import numpy as np
 import torch
 
-from neuron.engine.sampling import InvalidParams
+from neuron.engine.sampling import InvalidParams, to_device
 from neuron.engine.tokenizer import Tokenizer
 
 # A spec longer than this is refused before compiling (characters of JSON text, regex or grammar).
@@ -249,8 +249,7 @@ class TokenBitmask:
         if len(self.rows) == logits.shape[0]:
             logits += bias
             return
-        idx = torch.tensor(self.rows, dtype=torch.long, device=logits.device)
-        logits[idx] += bias
+        logits[to_device(self.rows, torch.long, logits.device)] += bias
 
 
 def mask_bias(bits: np.ndarray, vocab: int, device: torch.device) -> torch.Tensor:
@@ -268,7 +267,8 @@ def _byte_index(bits: np.ndarray, device: torch.device) -> torch.Tensor:
     data = bits.view(np.uint8).reshape(-1)
     if device.type == "cpu":  # numpy widens bytes faster than torch does on a CPU
         return torch.from_numpy(data.astype(np.int32))
-    return torch.from_numpy(data).to(device).int()  # bytes travel, 4 times fewer than the indices
+    # bytes travel, 4 times fewer than the indices, from pinned memory: the host does not wait
+    return torch.from_numpy(data).pin_memory().to(device, non_blocking=True).int()
 
 
 @functools.cache

@@ -136,7 +136,8 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         for bucket in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: rank 0 shares the leader's process, whose other threads may use CUDA meanwhile
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self.outputs[bucket] = self._forward(bucket)
             pool = graph.pool()
             self.graphs[bucket] = graph
