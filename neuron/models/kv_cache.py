@@ -10,8 +10,8 @@ collective runs: every rank sees the same request and refuses it the same way.
 Pool layout `[kv_heads, num_blocks * block_size, head_dim]`: block b is rows b*block_size onwards
 in every head. Gathering a sequence's rows along dim 1 yields `[kv_heads, tokens, head_dim]`, the
 layout attention takes, in a single `index_select` with no transpose or second copy after it (the
-per-token decode overhead stays that of a contiguous cache). Each slot keeps the pool row of every
-one of its positions (`slot_rows`), extended when its table grows, so a step finds its rows by
+per-token decode overhead stays that of a contiguous cache). On that gather path each slot keeps
+the pool row of every one of its positions (`slot_rows`), extended when its table grows, so a step finds its rows by
 slicing.
 """
 
@@ -68,8 +68,9 @@ class PagedKVCache:
         self.device = device
         self.tables: list[list[int]] = [[] for _ in range(slots)]
         self.filled = [0] * slots
-        self.slot_rows = torch.zeros((slots, blocks_for(max_len, block_size) * block_size), dtype=torch.long,
-                                     device=device)
+        # the gather path's pool row of every position of every slot; the paged path reads the tables
+        self.slot_rows = None if paged else torch.zeros((slots, blocks_for(max_len, block_size) * block_size),
+                                                        dtype=torch.long, device=device)
         self._block_offsets = torch.arange(block_size, device=device)
         # `paged`: attention reads each sequence's blocks where they lie (the Triton kernel on CUDA),
         # from one flat description of the step; the block tables are mirrored host-side for it.
@@ -149,8 +150,9 @@ class PagedKVCache:
             table.clear()
         bs = self.block_size
         start, end = len(table) * bs, (len(table) + len(s.new_blocks)) * bs
-        blocks = torch.tensor(s.new_blocks, dtype=torch.long, device=self.device)
-        self.slot_rows[s.slot, start:end] = (blocks[:, None] * bs + self._block_offsets).view(-1)
+        if self.slot_rows is not None:
+            blocks = _to_device(s.new_blocks, self.device)
+            self.slot_rows[s.slot, start:end] = (blocks[:, None] * bs + self._block_offsets).view(-1)
         self.table_array[s.slot, len(table) : len(table) + len(s.new_blocks)] = s.new_blocks
         table += s.new_blocks
 
@@ -163,11 +165,10 @@ class PagedKVCache:
         kv_lens = [p + 1 for p in positions]
         rows = [self._row(slot, p) for slot, p in zip(slots, positions)]
         if len(seqs) == 1:
-            per_token = torch.tensor([[seqs[0].token_ids[0]], positions], dtype=torch.long, device=self.device)
+            per_token = _to_device([[seqs[0].token_ids[0]], positions], self.device)
             read_rows, mask, write_rows = self.slot_rows[slots[0], : kv_lens[0]], None, rows[0]
         else:
-            per_token = torch.tensor([[s.token_ids[0] for s in seqs], positions, rows, slots, kv_lens],
-                                     dtype=torch.long, device=self.device)
+            per_token = _to_device([[s.token_ids[0] for s in seqs], positions, rows, slots, kv_lens], self.device)
             longest = max(kv_lens)
             read_rows = self.slot_rows[:, :longest].index_select(0, per_token[3])
             mask = (torch.arange(longest, device=self.device) < per_token[4][:, None])[:, None, None, :]
@@ -187,8 +188,8 @@ class PagedKVCache:
             write_rows.append(self.slot_rows[s.slot, offset : offset + n])
             read_rows.append(self.slot_rows[s.slot, : offset + n])
             masks.append(None if offset == 0 else _causal_mask(n, offset, self.device))
-        per_token = torch.tensor([flat_ids, positions], dtype=torch.long, device=self.device)
-        last_index = torch.tensor(ends, dtype=torch.long, device=self.device)
+        per_token = _to_device([flat_ids, positions], self.device)
+        last_index = _to_device(ends, self.device)
         rows = write_rows[0] if len(write_rows) == 1 else torch.cat(write_rows)
         return StepBatch(per_token[0], per_token[1], rows, [s.slot for s in seqs], [len(s.token_ids) for s in seqs],
                          kv_lens, last_index, False, read_rows, masks)
@@ -199,7 +200,7 @@ class PagedKVCache:
         meta = build_metadata(self.table_array[slots], offsets, lengths, self.block_size, self.device)
         ids = [t for s in seqs for t in s.token_ids]
         positions = [p for s in seqs for p in range(s.offset, s.offset + len(s.token_ids))]
-        per_token = torch.tensor([ids, positions], dtype=torch.long).to(self.device, non_blocking=True)
+        per_token = _to_device([ids, positions], self.device)
         all_decode = all(n == 1 for n in lengths)
         last_index = None if all_decode else meta.query_start[1:].long() - 1
         return StepBatch(per_token[0], per_token[1], meta.slot_mapping, slots, lengths,
@@ -250,6 +251,12 @@ class PagedKVCache:
             out.append(o[0].transpose(0, 1))
             start += n
         return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _to_device(values: list, device) -> torch.Tensor:
+    """Host ints as a long tensor on `device`. Without blocking: a blocking copy would make the host
+    wait for the GPU's queued work before it could prepare the next step."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
 def _gather(pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
