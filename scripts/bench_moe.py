@@ -2,13 +2,16 @@
 same run, at batch 1 and batch 16.
 
     python scripts/bench_moe.py                    # 16 experts top-4, tp 1
+    python scripts/bench_moe.py --experts 128 --top-k 8   # Qwen3-30B-A3B's routing, same small experts
     python scripts/bench_moe.py --tp 1,2 --tokens 128 --repeats 5 --json-out out.json
 
 Batch 1 decodes one 16-token prompt; batch 16 decodes 16 different 16-token prompts in one
 `generate` call (one batch for transformers, every prompt the same length so no padding is needed).
 Prints tokens/s (all sequences together) for each and the ratio neuron / transformers. The
 checkpoint has random weights and is built in a temporary directory; greedy decoding ignores EOS
-so every run has the same length.
+so every run has the same length. `--experts` and `--top-k` change only the routing (each expert keeps
+its width): with many experts and few tokens per step, most experts receive no token, which is
+where a per-expert loop costs most.
 """
 
 from __future__ import annotations
@@ -29,11 +32,11 @@ SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_interm
 BATCHES = (1, 16)
 
 
-def build(path: Path) -> int:
+def build(path: Path, shape: dict) -> int:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(**SHAPE, tie_word_embeddings=True, initializer_range=0.1, eos_token_id=None,
+    cfg = Qwen3MoeConfig(**shape, tie_word_embeddings=True, initializer_range=0.1, eos_token_id=None,
                          bos_token_id=None)
     model = Qwen3MoeForCausalLM(cfg)
     model.save_pretrained(path, safe_serialization=True)
@@ -100,20 +103,23 @@ def parse_args():
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tp", default="1", help="comma-separated tensor-parallel sizes, e.g. 1,2")
+    ap.add_argument("--experts", type=int, default=SHAPE["num_experts"], help="experts per MoE layer")
+    ap.add_argument("--top-k", type=int, default=SHAPE["num_experts_per_tok"], help="experts per token")
     ap.add_argument("--json-out")
     return ap.parse_args()
 
 
 def main() -> int:
     args = parse_args()
+    shape = dict(SHAPE, num_experts=args.experts, num_experts_per_tok=args.top_k)
     results = {"machine": platform.machine(), "cpus": torch.get_num_threads(), "torch": torch.__version__,
-               "shape": SHAPE, "tokens": args.tokens, "prompt_len": args.prompt_len, "runs": []}
+               "shape": shape, "tokens": args.tokens, "prompt_len": args.prompt_len, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "moe"
-        params = build(path)
+        params = build(path, shape)
         hf = bench_hf(path, args)
-        print(f"qwen3-moe ({params / 1e6:.1f}M params, {SHAPE['num_experts']} experts top-"
-              f"{SHAPE['num_experts_per_tok']}): transformers generate "
+        print(f"qwen3-moe ({params / 1e6:.1f}M params, {args.experts} experts top-{args.top_k}): "
+              "transformers generate "
               + ", ".join(f"batch {b} {hf[b]:.1f} tok/s" for b in BATCHES))
         for tp in (int(t) for t in args.tp.split(",")):
             ours = bench_neuron(path, args, tp)

@@ -1,18 +1,20 @@
-"""Qwen3-MoE: parity with transformers through the offline API at tp 1 and 2, in both expert layouts
-(per-expert tensors, as transformers writes them, and fused [E, ...] tensors), plus the routing rule
-and the refusals a parity run cannot reach."""
+"""Qwen3-MoE: parity with transformers through the offline API at tp 1, 2 and 4, in both expert
+layouts (per-expert tensors, as transformers writes them, and fused [E, ...] tensors), the routing
+rule, the refusals a parity run cannot reach, and the expert computations (grouped, gather, loop)
+against one another and the rule that chooses between them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from checkpoints import assert_matches_reference, assert_same_outputs, cached_model, greedy_with_logprobs
 from safetensors.torch import load_file, save_file
 
 from neuron import LLM, SamplingParams
 from neuron.distributed.comm import Communicator, SingleRank
 from neuron.errors import ConfigError
-from neuron.layers.moe import SparseMoE
+from neuron.layers.moe import GATHER_MAX_PAIRS, Router, SparseMoE, expert_path
 from neuron.models import build_model
 from neuron.models.qwen3_moe import Qwen3MoeConfig
 
@@ -100,6 +102,18 @@ def test_parity(moe_checkpoint, tp):
     _check(_generate(moe_checkpoint, tp), moe_checkpoint)
 
 
+@pytest.fixture(scope="module")
+def tp4_checkpoint(tmp_path_factory):
+    """MOE with as many KV heads as query heads, so every head count and width divides by 4 (an
+    expert is 8 wide per rank)."""
+    return _build(tmp_path_factory.mktemp("moe_tp4"), seed=5, norm_topk_prob=True, num_key_value_heads=4)
+
+
+@pytest.mark.slow
+def test_tp4_parity(tp4_checkpoint):
+    _check(_generate(tp4_checkpoint, 4), tp4_checkpoint)
+
+
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_fused_layout_parity(fused_checkpoint, tp):
     src, fused = fused_checkpoint
@@ -122,7 +136,7 @@ def test_sparse_layers_follow_transformers_rule():
 
 
 def test_grouped_experts_equal_a_per_token_loop(moe_checkpoint):
-    """Tokens sorted by expert, one matmul per expert hit, equal each token's own experts summed."""
+    """The block, by whichever path it chooses, equals each token's own experts summed."""
     from neuron.models.loader import CheckpointReader, safetensors_files
 
     model = build_model({**MOE, "model_type": "qwen3_moe"}, SingleRank(), torch.float32, torch.device("cpu"))
@@ -159,3 +173,125 @@ def test_missing_expert_fields_are_refused():
         Qwen3MoeConfig.from_dict(config)
     with pytest.raises(ConfigError, match="num_experts_per_tok"):
         Qwen3MoeConfig.from_dict(dict(MOE, num_experts_per_tok=6))
+
+
+def _block(num_experts: int, hidden: int, inter: int, top_k: int = 2, dtype=torch.float32,
+           device: str = "cpu") -> SparseMoE:
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * 0.2).to(dtype=dtype, device=device)
+
+    router = Router(w(num_experts, hidden), top_k, norm_topk_prob=True)
+    return SparseMoE(router, w(num_experts, 2 * inter, hidden), w(num_experts, hidden, inter), SingleRank())
+
+
+def _pair_by_pair(block: SparseMoE, x: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
+    """Each (token, expert) pair's output computed on its own: the definition every path meets."""
+    k = flat_ids.numel() // x.shape[0]
+    rows = []
+    for pair, e in enumerate(flat_ids.tolist()):
+        gate, up = (block.w_gate_up[e] @ x[pair // k]).split(block.local_inter)
+        rows.append(block.w_down[e] @ (F.silu(gate) * up))
+    return torch.stack(rows)
+
+
+# (tokens, experts, each token's expert ids): which experts get no pair is the point of each case
+ROUTES = {
+    "one token, 12 of 16 experts empty": (1, 16, [[15, 0, 7, 3]]),
+    "first, middle and last experts empty": (5, 8, [[1, 2], [5, 6], [2, 1], [6, 5], [1, 6]]),
+    "every pair on one expert": (6, 4, [[2]] * 6),
+}
+
+
+@pytest.mark.parametrize("route", ROUTES.values(), ids=ROUTES.keys())
+def test_expert_paths_equal_the_per_expert_loop(route):
+    """grouped_mm is the per-expert loop bit for bit in float32 on CPU; the gathered bmm is equal to
+    rounding; both equal the pair-by-pair definition."""
+    tokens, experts, ids = route
+    block = _block(experts, hidden=32, inter=16)
+    x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(1))
+    flat_ids = torch.tensor(ids).flatten()
+    loop = block._experts(x, flat_ids, "loop")
+    torch.testing.assert_close(loop, _pair_by_pair(block, x, flat_ids), atol=1e-5, rtol=1e-5)
+    assert torch.equal(block._experts(x, flat_ids, "grouped"), loop)
+    torch.testing.assert_close(block._experts(x, flat_ids, "gather"), loop, atol=1e-6, rtol=1e-5)
+
+
+def test_grouped_equals_the_loop_over_many_routed_tokens():
+    block = _block(16, hidden=64, inter=32, top_k=4)
+    x = torch.randn(300, 64, generator=torch.Generator().manual_seed(1))
+    flat_ids = block.router(x)[0].flatten()
+    assert block.path_for(flat_ids.numel()) == "grouped"
+    assert torch.equal(block._experts(x, flat_ids, "grouped"), block._experts(x, flat_ids, "loop"))
+
+
+@pytest.mark.parametrize("hidden, inter", [(30, 16), (32, 6)], ids=["hidden 30", "expert width 6"])
+def test_unaligned_widths_fall_back_to_the_loop(hidden, inter):
+    """grouped_mm refuses rows that are not a multiple of 16 bytes; the block takes the loop and
+    still equals the definition."""
+    block = _block(8, hidden, inter)
+    x = torch.randn(7, hidden, generator=torch.Generator().manual_seed(1))
+    flat_ids = block.router(x)[0].flatten()
+    assert block.path_for(flat_ids.numel()) == "loop"
+    with pytest.raises(RuntimeError, match="16 bytes"):
+        block._experts(x, flat_ids, "grouped")
+    torch.testing.assert_close(block._experts(x, flat_ids), _pair_by_pair(block, x, flat_ids), atol=1e-5, rtol=1e-5)
+
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+@pytest.mark.parametrize("pairs, experts, device, dtype, hidden, inter, sm90, path", [
+    (64, 16, "cpu", F32, 64, 32, False, "grouped"),
+    (16, 128, "cpu", F32, 64, 32, False, "grouped"),  # one pair per 8 experts
+    (15, 128, "cpu", F32, 64, 32, False, "loop"),  # fewer: most of grouped_mm's groups are empty
+    (64, 16, "cpu", F32, 30, 32, False, "loop"),  # hidden not a multiple of 4 floats
+    (64, 16, "cpu", BF16, 64, 12, False, "loop"),  # expert width not a multiple of 8 halves
+    (64, 16, "cpu", torch.float64, 64, 32, False, "loop"),  # a dtype grouped_mm lacks
+    (8, 128, "cuda", BF16, 64, 32, True, "grouped"),  # sm90: grouped_mm never synchronises
+    (4096, 128, "cuda", BF16, 64, 32, True, "grouped"),
+    (8, 128, "cuda", BF16, 64, 32, False, "gather"),  # sm80: grouped_mm would read offsets on the host
+    (GATHER_MAX_PAIRS, 128, "cuda", F16, 64, 32, True, "gather"),  # fp16 reaches the fallback even on sm90
+    (GATHER_MAX_PAIRS + 1, 128, "cuda", F16, 64, 32, True, "grouped"),  # large steps may synchronise
+    (8, 128, "cuda", BF16, 60, 32, True, "gather"),
+    (4096, 128, "cuda", BF16, 60, 32, True, "loop"),
+])
+def test_expert_path_rule(pairs, experts, device, dtype, hidden, inter, sm90, path):
+    assert expert_path(pairs, experts, device, dtype, hidden, inter, sm90) == path
+
+
+def test_a_torch_without_grouped_mm_takes_the_loop(monkeypatch):
+    monkeypatch.delattr(torch, "_grouped_mm")
+    assert expert_path(64, 16, "cpu", F32, 64, 32) == "loop"
+    assert expert_path(8, 16, "cuda", BF16, 64, 32, True) == "gather"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_decode_steps_neither_synchronise_nor_resist_capture(dtype):
+    """On a GPU a decode-sized step never reads back to the host (whatever the dtype and GPU), so
+    it replays from a CUDA graph equal to eager."""
+    block = _block(64, hidden=128, inter=64, top_k=8, dtype=dtype, device="cuda")
+    x, other = (torch.randn(2, 128, dtype=dtype, device="cuda") for _ in range(2))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = block.partial(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    flat_ids = block.router(x)[0].flatten()
+    torch.testing.assert_close(eager, block.partial(x), atol=0, rtol=0)
+    reference = (block._experts(x, flat_ids, "loop").view(2, 8, -1) * block.router(x)[1].unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(eager, reference, atol=2e-2, rtol=2e-2)
+    static = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        block.partial(static)  # warm-up off the capturing stream, as torch asks
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = block.partial(static)
+    static.copy_(other)
+    graph.replay()
+    torch.testing.assert_close(out, block.partial(other), atol=0, rtol=0)

@@ -5,9 +5,38 @@ up column-parallel, down row-parallel. A token's partial outputs from all its ex
 locally, so the block costs one all-reduce, as a dense MLP does. The router is replicated: every
 rank routes identically and no routing decision crosses the wire.
 
-Expert weights are stacked at load into [num_experts, ...] tensors. Tokens are sorted by expert and
-each expert that received tokens runs one matmul over all of them, so a step's work grows with the
-experts hit, not with the experts held.
+Expert weights are stacked at load into [num_experts, ...] tensors. A step's (token, expert) pairs
+run through one of three computations with the same result (bit for bit in float32 on CPU for
+"grouped" and "loop", to rounding for "gather"):
+
+- "grouped": pairs sorted by expert, then one `torch._grouped_mm` per projection over all experts,
+  the sorted rows cut into experts by int32 offsets computed on the device (`searchsorted` over the
+  sorted ids: `bincount` reads the ids' maximum back to the host on CUDA).
+- "gather": each pair's expert weights copied out, one `bmm` per projection over all pairs. It
+  reads only the chosen experts, but writes and reads them once more.
+- "loop": pairs sorted by expert, one matmul per expert that received pairs, the counts read on the
+  host (a synchronisation on a GPU).
+
+`expert_path` chooses, first match wins:
+
+1. CUDA, at most `GATHER_MAX_PAIRS` pairs, grouped_mm unusable or synchronising: "gather". torch runs
+   grouped_mm with device offsets only for bfloat16 on sm90/sm100 (its CUTLASS kernel); for other
+   dtypes and GPUs it copies the offsets to the host and loops. Gathering keeps decode steps free
+   of host synchronisation, so capturable in CUDA graphs, on every GPU and dtype. GPU only: on CPU
+   the copies cost more than they save at every size measured.
+2. CPU, fewer than one pair per `CPU_LOOP_EXPERTS_PER_PAIR` experts: "loop". grouped_mm on CPU is
+   a loop over every expert in C++, empty ones included; the Python loop skips them.
+3. grouped_mm usable (a torch that has it; float32, bfloat16 or float16; hidden and local expert
+   widths multiples of 16 bytes, i.e. of 4 floats or 8 halves, its stride rule): "grouped". On CUDA
+   outside bfloat16 sm90/sm100 this is torch's synchronising fallback, for large steps (prefill).
+4. Otherwise "loop".
+
+The CUDA branches follow torch's source (aten/src/ATen/native/cuda/GroupedBlas.cpp) and have not
+run on a GPU yet; tests/test_moe.py holds a `gpu` test for them (no synchronisation, graph replay).
+
+On CPU "grouped" was the faster from one pair per 8 experts up to a 512-token step at top-8 (4096
+pairs); at 8192 pairs and more the loop mostly was, by 7-19% (its intermediates stay in cache),
+which only prefill steps above the default 512-token chunk reach (docs/benchmarks.md).
 
 Expert parallelism fits without touching the checkpoint loader: `SparseMoE.load` reads experts by
 id through `_read_expert` (or one fused tensor sliced on dim 0), so a rank holding whole experts
@@ -54,6 +83,42 @@ def _read_expert(r: Reader, prefix: str, e: int, start: int, end: int) -> tuple[
     return torch.cat([gate, up]), r.read(f"{p}.down_proj.weight", 1, start, end)
 
 
+
+# Decode-sized steps take the gather path where grouped_mm would synchronise (see the module
+# docstring). Its weight copies (pairs x 3 x hidden x local width) are then about what the block's
+# activation reservation for a 512-token step holds in Qwen3-MoE shapes (`routed_activation_bytes`);
+# 16 pairs is a decode of 2 sequences at top-8, 4 at top-4.
+GATHER_MAX_PAIRS = 16
+# On CPU grouped_mm costs about 1.4 us per expert even when the expert has no rows, the Python loop
+# about 30 us per expert hit: with fewer than one pair per 8 experts (a decode of one sequence at
+# 128 experts top-8) the loop is the faster (docs/benchmarks.md).
+CPU_LOOP_EXPERTS_PER_PAIR = 8
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def expert_path(pairs: int, num_experts: int, device_type: str, dtype: torch.dtype, hidden: int,
+                local_inter: int, sync_free_grouped_mm: bool = False) -> str:
+    """"grouped", "gather" or "loop" for a step of `pairs` (token, expert) pairs; see the module
+    docstring. `sync_free_grouped_mm`: the device runs grouped_mm's kernel (CUDA sm90 or sm100)."""
+    row = 16 // dtype.itemsize  # elements in 16 bytes: grouped_mm's stride alignment
+    grouped = (hasattr(torch, "_grouped_mm") and dtype in _GROUPED_DTYPES
+               and hidden % row == 0 and local_inter % row == 0)
+    if device_type == "cuda" and pairs <= GATHER_MAX_PAIRS:
+        if not (grouped and sync_free_grouped_mm and dtype == torch.bfloat16):
+            return "gather"
+    if device_type == "cpu" and pairs * CPU_LOOP_EXPERTS_PER_PAIR < num_experts:
+        return "loop"
+    return "grouped" if grouped else "loop"
+
+
+def _sync_free_grouped_mm(device: torch.device) -> bool:
+    """torch runs bfloat16 grouped_mm with device offsets on CUDA sm90 and sm100 only (elsewhere it
+    copies the offsets to the host and loops)."""
+    if device.type != "cuda" or torch.version.hip:
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
 class SparseMoE:
     """Router plus stacked experts: w_gate_up [E, 2 * inter_local, hidden], w_down [E, hidden, inter_local]."""
 
@@ -62,6 +127,8 @@ class SparseMoE:
         self.w_gate_up, self.w_down = w_gate_up, w_down
         self.comm = comm
         self.local_inter = w_down.shape[2]
+        self.expert_ids = torch.arange(w_down.shape[0], device=w_down.device)
+        self.sync_free_grouped_mm = _sync_free_grouped_mm(w_down.device)
 
     @classmethod
     def load(cls, r: Reader, prefix: str, num_experts: int, intermediate: int, top_k: int,
@@ -89,21 +156,42 @@ class SparseMoE:
         # back to [t, k, hidden], weighted and summed over each token's experts
         return (y.view(*ids.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
-    def _experts(self, x: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
-        """Each (token, expert) pair's expert output, in flat_ids' order ([t * k, hidden])."""
+    def path_for(self, pairs: int) -> str:
+        w = self.w_down
+        return expert_path(pairs, w.shape[0], w.device.type, w.dtype, w.shape[1], self.local_inter,
+                           self.sync_free_grouped_mm)
+
+    def _experts(self, x: torch.Tensor, flat_ids: torch.Tensor, path: str | None = None) -> torch.Tensor:
+        """Each (token, expert) pair's expert output, in flat_ids' order ([t * k, hidden]), by
+        `path` (the one `expert_path` chooses unless given)."""
+        path = path or self.path_for(flat_ids.numel())
         k = flat_ids.numel() // x.shape[0]
-        order = torch.argsort(flat_ids, stable=True)
+        if path == "gather":
+            return self._gathered(x, flat_ids, k)
+        sorted_ids, order = torch.sort(flat_ids, stable=True)
+        # ends[e]: one past expert e's last row among the sorted pairs (int32, as grouped_mm takes it)
+        ends = torch.searchsorted(sorted_ids, self.expert_ids, right=True, out_int32=True)
         tokens = x[order // k]
-        counts = torch.bincount(flat_ids, minlength=self.w_down.shape[0]).tolist()
+        out = self._grouped(tokens, ends) if path == "grouped" else self._looped(tokens, ends)
+        return torch.empty_like(out).index_copy_(0, order, out)
+
+    def _grouped(self, tokens: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        gate_up = torch._grouped_mm(tokens, self.w_gate_up.transpose(1, 2), offs=ends)
+        gate, up = gate_up.split(self.local_inter, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.w_down.transpose(1, 2), offs=ends)
+
+    def _looped(self, tokens: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(tokens)
         begin = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows = slice(begin, begin + n)
-            gate, up = F.linear(tokens[rows], self.w_gate_up[e]).split(self.local_inter, dim=-1)
-            out[rows] = F.linear(F.silu(gate) * up, self.w_down[e])
-            begin += n
-        unsorted = torch.empty_like(out)
-        unsorted[order] = out
-        return unsorted
+        for e, end in enumerate(ends.tolist()):  # the host reads the counts: a sync on a GPU
+            if end > begin:
+                gate, up = F.linear(tokens[begin:end], self.w_gate_up[e]).split(self.local_inter, dim=-1)
+                out[begin:end] = F.linear(F.silu(gate) * up, self.w_down[e])
+            begin = end
+        return out
+
+    def _gathered(self, x: torch.Tensor, flat_ids: torch.Tensor, k: int) -> torch.Tensor:
+        tokens = x.unsqueeze(1).expand(-1, k, -1).reshape(-1, 1, x.shape[-1])  # [t * k, 1, hidden]
+        # each pair's expert weights copied out: [t * k, hidden, 2 * inter] and [t * k, inter, hidden]
+        gate, up = torch.bmm(tokens, self.w_gate_up[flat_ids].transpose(1, 2)).split(self.local_inter, dim=-1)
+        return torch.bmm(F.silu(gate) * up, self.w_down[flat_ids].transpose(1, 2)).squeeze(1)
