@@ -13,8 +13,13 @@ import torch
 from checkpoints import assert_matches_reference, assert_same_outputs, cached_model, greedy_with_logprobs
 from safetensors.torch import load_file, save_file
 from test_qwen3_5 import LONG, MULTIMODAL_TEXT, PROMPTS
-from test_vision import _assert_parity, _prompt, _reference
-from vision_checkpoint import build_vision_checkpoint, image_data_uri
+from vision_checkpoint import (
+    assert_image_parity,
+    build_vision_checkpoint,
+    image_data_uri,
+    prompt_with_images,
+    reference_with_images,
+)
 
 from neuron import LLM, SamplingParams
 from neuron.distributed.comm import Communicator, SingleRank
@@ -229,14 +234,14 @@ def test_parity_with_images(vl_checkpoint, tp):
     """Text, one image and two images in one batch, prefilled in 16-token chunks (the first image,
     8 tokens from position 13, straddles a chunk boundary), against transformers'
     Qwen3_5MoeForConditionalGeneration."""
-    cases = [(_prompt(vl_checkpoint, [10, 20, 30, 40]), []),
-             (_prompt(vl_checkpoint, list(range(40, 52)), None, [13, 14, 15]), [image_data_uri(20, 28, 1)]),
-             (_prompt(vl_checkpoint, [16], None, [17, 18], None, [19]),
+    cases = [(prompt_with_images(vl_checkpoint, [10, 20, 30, 40]), []),
+             (prompt_with_images(vl_checkpoint, list(range(40, 52)), None, [13, 14, 15]), [image_data_uri(20, 28, 1)]),
+             (prompt_with_images(vl_checkpoint, [16], None, [17, 18], None, [19]),
               [image_data_uri(36, 24, 2), image_data_uri(12, 12, 3)])]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
     with LLM(str(vl_checkpoint), tensor_parallel_size=tp, max_model_len=256, max_num_seqs=4) as llm:
         assert llm.engine.vision is not None
         outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": u}} for ids, u in cases], params)
     for out, (ids, uris) in zip(outs, cases):
-        _assert_parity(out, *_reference(vl_checkpoint, ids, uris, NEW_TOKENS))
+        assert_image_parity(out, *reference_with_images(vl_checkpoint, ids, uris, NEW_TOKENS))
         assert len(out.prompt_token_ids) > len(ids) or not uris  # placeholders were expanded

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import math
 
 import numpy as np
@@ -16,7 +15,16 @@ import pytest
 import torch
 from checkpoints import cached_model
 from test_qwen3_5 import MULTIMODAL_TEXT
-from vision_checkpoint import build_vision_checkpoint, image_data_uri, reference_greedy_mm, reference_pixels
+from vision_checkpoint import (
+    assert_image_parity,
+    build_vision_checkpoint,
+    checkpoint_config,
+    image_data_uri,
+    prompt_with_images,
+    reference_pixels,
+    reference_with_images,
+    vision_spec,
+)
 
 from neuron import LLM, SamplingParams
 from neuron.engine.llm_engine import RequestError
@@ -24,7 +32,6 @@ from neuron.models.loader import CheckpointReader, safetensors_files
 from neuron.models.qwen3_5_vision import VisionTower
 from neuron.multimodal.image import (
     ImageError,
-    VisionSpec,
     check_image,
     expand_placeholders,
     image_spans,
@@ -36,7 +43,6 @@ from neuron.rpc import protocol as p
 from neuron.worker.worker import Worker
 
 NEW_TOKENS = 6
-TOL = 1e-3
 
 # Shaped unlike the main checkpoint: three layers (full attention first), six heads over two KV
 # heads, half-width rotary with even M-RoPE sections, a wider linear-attention value head, a
@@ -76,29 +82,6 @@ def odd_vl_checkpoint(tmp_path_factory):
                                    preprocessor=ODD_PREPROCESSOR)
 
 
-def _config(path) -> dict:
-    return json.loads((path / "config.json").read_text())
-
-
-def _spec(path) -> VisionSpec:
-    return VisionSpec.from_checkpoint(_config(path), path)
-
-
-def _ids(path) -> dict:
-    c = _config(path)
-    return {k: c[k] for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id")}
-
-
-def _prompt(path, *pieces) -> list[int]:
-    """Token ids from text ids and `None` for an image (vision start, one placeholder, vision end)."""
-    ids = _ids(path)
-    out = []
-    for piece in pieces:
-        out += ([ids["vision_start_token_id"], ids["image_token_id"], ids["vision_end_token_id"]]
-                if piece is None else list(piece))
-    return out
-
-
 def _png(image) -> str:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
@@ -123,7 +106,7 @@ def test_preprocessing_matches_transformers_processor(vl_checkpoint):
     rgba = Image.fromarray(rng.integers(0, 256, (30, 22, 4), dtype=np.uint8), "RGBA")
     gray = Image.fromarray(rng.integers(0, 256, (12, 40), dtype=np.uint8), "L")
     uris = [image_data_uri(20, 28, 1), image_data_uri(150, 90, 2), _png(rgba), _png(gray), image_data_uri(3, 5, 3)]
-    spec = _spec(vl_checkpoint)
+    spec = vision_spec(vl_checkpoint)
     ref_pixels, ref_grids = reference_pixels(uris)
     mine = [preprocess(u, spec) for u in uris]
     assert [list(g) for _, g in mine] == ref_grids.tolist()
@@ -134,10 +117,10 @@ def test_preprocessing_matches_transformers_processor(vl_checkpoint):
 def test_positions_match_transformers_rope_index(vl_checkpoint):
     from transformers import Qwen3_5ForConditionalGeneration
 
-    spec = _spec(vl_checkpoint)
+    spec = vision_spec(vl_checkpoint)
     uris = [image_data_uri(20, 28, 1), image_data_uri(40, 16, 2)]
     images = [check_image(u, spec) for u in uris]
-    ids = expand_placeholders(_prompt(vl_checkpoint, [5, 6, 7], None, [8], None, [9, 10, 11, 12]),
+    ids = expand_placeholders(prompt_with_images(vl_checkpoint, [5, 6, 7], None, [8], None, [9, 10, 11, 12]),
                               spec.image_token_id, images)
     spans = image_spans(ids, spec.image_token_id, [i.num_tokens for i in images])
     positions, shift = mrope_positions(len(ids), spans, [i.grid for i in images], spec.merge_size)
@@ -154,7 +137,7 @@ def test_vision_tower_matches_transformers(odd_vl_checkpoint):
 
     uris = [image_data_uri(20, 28, 1), image_data_uri(9, 30, 2)]
     pixels, grids = reference_pixels(uris, ODD_PREPROCESSOR)
-    config = _config(odd_vl_checkpoint)
+    config = checkpoint_config(odd_vl_checkpoint)
     tower = VisionTower(config["vision_config"], torch.float32, torch.device("cpu"))
     with CheckpointReader(safetensors_files(odd_vl_checkpoint)) as r:
         tower.load(r)
@@ -184,30 +167,12 @@ def _cases(path):
     uris = [image_data_uri(20, 28, 1), image_data_uri(36, 24, 2), image_data_uri(48, 40, 3)]
     long_text = [(i * 29 + 7) % 1300 for i in range(70)]
     return [
-        (_prompt(path, [10, 20, 30, 40]), []),
-        (_prompt(path, [11, 12], None, [13, 14, 15]), uris[:1]),
-        (_prompt(path, [16], None, [17, 18], None, [19]), uris[:2]),
+        (prompt_with_images(path, [10, 20, 30, 40]), []),
+        (prompt_with_images(path, [11, 12], None, [13, 14, 15]), uris[:1]),
+        (prompt_with_images(path, [16], None, [17, 18], None, [19]), uris[:2]),
         # an image in the middle of a long prompt: at 16-token chunks it spans two chunk boundaries
-        (_prompt(path, long_text[:40], None, long_text[40:]), uris[2:]),
+        (prompt_with_images(path, long_text[:40], None, long_text[40:]), uris[2:]),
     ]
-
-
-def _reference(path, ids, uris, new_tokens=NEW_TOKENS):
-    spec = _spec(path)
-    images = [check_image(u, spec) for u in uris]
-    expanded = expand_placeholders(ids, spec.image_token_id, images)
-    pixels = grids = None
-    if uris:
-        pixels, grids = reference_pixels(uris, json.loads((path / "preprocessor_config.json").read_text()))
-    return reference_greedy_mm(path, expanded, pixels, grids, new_tokens)
-
-
-def _assert_parity(out, ref_tokens, ref_logprobs):
-    c = out.outputs[0]
-    assert c.token_ids == ref_tokens
-    for step, (lp, ref) in enumerate(zip(c.logprobs, ref_logprobs)):
-        token = c.token_ids[step]
-        assert abs(lp[token] - ref[token].item()) <= TOL, (step, lp[token], ref[token].item())
 
 
 def test_parity_with_images(vl_llm, vl_checkpoint):
@@ -217,7 +182,7 @@ def test_parity_with_images(vl_llm, vl_checkpoint):
     prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"image": uris}} for ids, uris in cases]
     outs = vl_llm.generate(prompts, params)
     for out, (ids, uris) in zip(outs, cases):
-        _assert_parity(out, *_reference(vl_checkpoint, ids, uris))
+        assert_image_parity(out, *reference_with_images(vl_checkpoint, ids, uris, NEW_TOKENS))
         assert len(out.prompt_token_ids) > len(ids) or not uris  # placeholders were expanded
 
 
@@ -242,19 +207,19 @@ def test_chat_with_pil_image(vl_llm, vl_checkpoint):
     tok = Tokenizer.from_dir(vl_checkpoint)
     text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}],
                                    add_generation_prompt=True)
-    _assert_parity(out, *_reference(vl_checkpoint, tok.encode(text), [_png(image)]))
+    assert_image_parity(out, *reference_with_images(vl_checkpoint, tok.encode(text), [_png(image)], NEW_TOKENS))
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_parity_on_a_checkpoint_shaped_differently(odd_vl_checkpoint, tp):
-    cases = [(_prompt(odd_vl_checkpoint, [3, 4, 5], None, [6, 7]), [image_data_uri(14, 22, 4)]),
-             (_prompt(odd_vl_checkpoint, [8], None, [9], None, [10, 11]),
+    cases = [(prompt_with_images(odd_vl_checkpoint, [3, 4, 5], None, [6, 7]), [image_data_uri(14, 22, 4)]),
+             (prompt_with_images(odd_vl_checkpoint, [8], None, [9], None, [10, 11]),
               [image_data_uri(12, 12, 5), image_data_uri(30, 10, 6)])]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
     with LLM(str(odd_vl_checkpoint), tensor_parallel_size=tp, max_model_len=256, max_num_seqs=2) as llm:
         outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": u}} for ids, u in cases], params)
     for out, (ids, uris) in zip(outs, cases):
-        _assert_parity(out, *_reference(odd_vl_checkpoint, ids, uris))
+        assert_image_parity(out, *reference_with_images(odd_vl_checkpoint, ids, uris, NEW_TOKENS))
 
 
 @pytest.mark.slow
@@ -262,7 +227,7 @@ def test_preempted_image_request_is_recomputed_equal(vl_checkpoint):
     """A KV pool too small for three image requests at once: some are preempted and recomputed
     (images included) and still match transformers."""
     text = [(i * 31 + 3) % 1300 for i in range(30)]
-    cases = [(_prompt(vl_checkpoint, text[:20 + k], None, text[20 + k:]), [image_data_uri(20, 28, 20 + k)])
+    cases = [(prompt_with_images(vl_checkpoint, text[:20 + k], None, text[20 + k:]), [image_data_uri(20, 28, 20 + k)])
              for k in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
     block_bytes = 2 * 2 * 1 * 32 * 16 * 4  # K and V, 2 full-attention layers, 1 KV head, head_dim 32, 16 tokens
@@ -270,7 +235,7 @@ def test_preempted_image_request_is_recomputed_equal(vl_checkpoint):
         outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": u}} for ids, u in cases], params)
         assert llm.engine.scheduler.num_preemptions > 0
     for out, (ids, uris) in zip(outs, cases):
-        assert out.outputs[0].token_ids == _reference(vl_checkpoint, ids, uris, new_tokens=80)[0]
+        assert out.outputs[0].token_ids == reference_with_images(vl_checkpoint, ids, uris, new_tokens=80)[0]
 
 
 # ---- guards: refused before any device work ----
@@ -293,8 +258,9 @@ def _bad_images():
 @pytest.mark.parametrize("uri,status,code", _bad_images())
 def test_bad_images_are_refused_with_their_status(vl_llm, vl_checkpoint, uri, status, code):
     before = vl_llm.engine.scheduler.num_preemptions, vl_llm.engine.has_unfinished()
-    ids = _prompt(vl_checkpoint, [1, 2], None, [3])
-    good = {"prompt_token_ids": _prompt(vl_checkpoint, [4], None), "multi_modal_data": {"image": image_data_uri(8, 8)}}
+    ids = prompt_with_images(vl_checkpoint, [1, 2], None, [3])
+    good = {"prompt_token_ids": prompt_with_images(vl_checkpoint, [4], None),
+            "multi_modal_data": {"image": image_data_uri(8, 8)}}
     with pytest.raises(ImageError) as info:
         vl_llm.generate([good, {"prompt_token_ids": ids, "multi_modal_data": {"image": [uri]}}],
                      SamplingParams(max_tokens=2))
@@ -304,7 +270,7 @@ def test_bad_images_are_refused_with_their_status(vl_llm, vl_checkpoint, uri, st
 
 def test_images_over_the_pixel_limit_get_413(vl_llm, vl_checkpoint, monkeypatch):
     monkeypatch.setenv("NEURON_VISION_MAX_PIXELS", "1000")
-    ids = _prompt(vl_checkpoint, [1], None)
+    ids = prompt_with_images(vl_checkpoint, [1], None)
     with pytest.raises(ImageError) as info:
         vl_llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image_data_uri(40, 40)}})
     assert (info.value.status, info.value.code) == (413, "image_too_large")
@@ -321,7 +287,7 @@ def test_images_too_large_for_one_protocol_line_get_413(vl_llm, vl_checkpoint, m
 
 
 def test_placeholder_count_must_match_the_images(vl_llm, vl_checkpoint):
-    two = _prompt(vl_checkpoint, [1], None, [2], None)
+    two = prompt_with_images(vl_checkpoint, [1], None, [2], None)
     with pytest.raises(ImageError, match="2 image placeholder"):
         vl_llm.generate({"prompt_token_ids": two, "multi_modal_data": {"image": [image_data_uri(8, 8)]}})
     with pytest.raises(RequestError, match="placeholder"):  # placeholders with no images at all
@@ -371,9 +337,10 @@ def _step(ids, uris, image_token_id, chunk=16, fresh=True):
 
 
 def test_rank_refuses_mismatched_images_before_any_work(rank, vl_checkpoint):
-    spec = _spec(vl_checkpoint)
+    spec = vision_spec(vl_checkpoint)
     uri = image_data_uri(20, 28, 1)
-    ids = expand_placeholders(_prompt(vl_checkpoint, [1, 2], None, [3]), spec.image_token_id, [check_image(uri, spec)])
+    ids = expand_placeholders(prompt_with_images(vl_checkpoint, [1, 2], None, [3]), spec.image_token_id,
+                              [check_image(uri, spec)])
     tid = spec.image_token_id
     cases = [
         (_step(ids, [], tid), "placeholder"),  # placeholders but no image
@@ -406,7 +373,7 @@ def test_worker_killed_before_an_image_prefill_fails_cleanly_and_recovers(vl_che
     from neuron.engine.llm_engine import EngineConfig, LLMEngine
 
     ids, uris = _cases(vl_checkpoint)[1]
-    spec = _spec(vl_checkpoint)
+    spec = vision_spec(vl_checkpoint)
     images = [check_image(u, spec) for u in uris]
     expanded = expand_placeholders(ids, spec.image_token_id, images)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -430,6 +397,6 @@ def test_worker_killed_before_an_image_prefill_fails_cleanly_and_recovers(vl_che
         engine.recover()
         tokens, error = run("again")
         assert error is None
-        assert tokens == _reference(vl_checkpoint, ids, uris)[0]
+        assert tokens == reference_with_images(vl_checkpoint, ids, uris, NEW_TOKENS)[0]
     finally:
         engine.shutdown()

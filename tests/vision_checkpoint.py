@@ -15,6 +15,7 @@ from test_qwen3_5 import MULTIMODAL_TEXT, VISION
 from tokenizers import AddedToken
 
 from neuron.models.default import build_tokenizer, tokenizer_config
+from neuron.multimodal.image import VisionSpec, check_image, expand_placeholders
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -123,6 +124,43 @@ def reference_greedy_mm(path: Path, input_ids: list[int], pixel_values: torch.Te
     images = {} if pixel_values is None else {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
     return greedy_with_logprobs(model, input_ids, max_new_tokens,
                                 mm_token_type_ids=(ids == model.config.image_token_id).int(), **images)
+
+
+def checkpoint_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def vision_spec(path: Path) -> VisionSpec:
+    return VisionSpec.from_checkpoint(checkpoint_config(path), path)
+
+
+def prompt_with_images(path: Path, *pieces) -> list[int]:
+    """Token ids from text ids and `None` for an image (vision start, one placeholder, vision end)."""
+    c = checkpoint_config(path)
+    image = [c["vision_start_token_id"], c["image_token_id"], c["vision_end_token_id"]]
+    out = []
+    for piece in pieces:
+        out += image if piece is None else list(piece)
+    return out
+
+
+def reference_with_images(path: Path, ids: list[int], uris: list[str], new_tokens: int):
+    """transformers' greedy tokens and per-step logprobs for a prompt with one placeholder per image."""
+    spec = vision_spec(path)
+    images = [check_image(u, spec) for u in uris]
+    expanded = expand_placeholders(ids, spec.image_token_id, images)
+    pixels = grids = None
+    if uris:
+        pixels, grids = reference_pixels(uris, json.loads((path / "preprocessor_config.json").read_text()))
+    return reference_greedy_mm(path, expanded, pixels, grids, new_tokens)
+
+
+def assert_image_parity(out, ref_tokens, ref_logprobs, tol: float = 1e-3) -> None:
+    c = out.outputs[0]
+    assert c.token_ids == ref_tokens
+    for step, (lp, ref) in enumerate(zip(c.logprobs, ref_logprobs)):
+        token = c.token_ids[step]
+        assert abs(lp[token] - ref[token].item()) <= tol, (step, lp[token], ref[token].item())
 
 
 def _write_json(path: Path, obj: dict) -> None:
