@@ -130,6 +130,37 @@ def test_chunked_prefill_equals_single_shot(moe_checkpoint, monkeypatch):
     assert_same_outputs(*results)
 
 
+@pytest.mark.slow
+def test_prefix_cache_preemption_and_recovery(fused_checkpoint):
+    """At tp 2 under a KV budget too small for the batch: four prompts sharing a 16-token prefix
+    reuse its blocks, sequences are preempted and recomputed, and after a worker is killed the
+    rebuilt ranks give the same tokens; all of them transformers' tokens."""
+    import os
+    import signal
+
+    path = fused_checkpoint[0]
+    shared = [(i * 13 + 5) % 301 for i in range(16)]
+    prompts = [shared + [(i * 7 + j) % 301 for j in range(4 + 2 * i)] for i in range(4)]
+    block_bytes = 2 * MOE["num_hidden_layers"] * 1 * MOE["head_dim"] * 4 * 4  # one KV head per rank, fp32
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True)
+    with LLM(str(path), tensor_parallel_size=2, device="cpu", dtype="float32", max_model_len=64, block_size=4,
+             max_num_seqs=4, kv_cache_memory=20 * block_bytes) as llm:
+        assert llm.engine.executor.num_kv_blocks == 20
+        first = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.prefix_cache_counts()[1] > 0
+        victim = llm.engine.executor.pool.workers[0].proc
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=30)
+        again = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    from transformers import Qwen3MoeForCausalLM
+
+    model = cached_model(Qwen3MoeForCausalLM, path)
+    for prompt, got, rerun in zip(prompts, first, again):
+        assert_matches_reference(got, *greedy_with_logprobs(model, prompt, 16), f"prompt {prompt[16:]}")
+        assert rerun.token_ids == got.token_ids
+
+
 def test_sparse_layers_follow_transformers_rule():
     cfg = Qwen3MoeConfig.from_dict(dict(MOE, num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3]))
     assert [cfg.is_sparse(i) for i in range(6)] == [False, True, False, False, False, True]

@@ -134,6 +134,28 @@ def _check_parity(path, tp: int, reference_path=None) -> None:
         assert len(got.logprobs) == NEW_TOKENS
 
 
+@pytest.mark.slow
+def test_preemption_and_recovery_at_tp2(multimodal_checkpoint):
+    """A KV pool too small for the batch preempts sequences, whose recurrent state starts over; a
+    worker killed afterwards is rebuilt and the same prompts give the same tokens."""
+    import os
+    import signal
+
+    block_bytes = 2 * 2 * 32 * 16 * 4  # K and V, 2 full-attention layers, one KV head of 32, 16 tokens
+    with LLM(str(multimodal_checkpoint), tensor_parallel_size=2, device="cpu", dtype="float32",
+             max_model_len=192, kv_cache_memory=12 * block_bytes) as llm:
+        first = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params())]
+        assert llm.engine.scheduler.num_preemptions > 0
+        victim = llm.engine.executor.pool.workers[0].proc
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=30)
+        again = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params())]
+    model = _hf_model(multimodal_checkpoint)
+    for prompt, got, rerun in zip(PROMPTS, first, again):
+        assert_matches_reference(got, *greedy_with_logprobs(model, prompt, NEW_TOKENS), f"prompt {prompt[:5]}...")
+        assert rerun.token_ids == got.token_ids
+
+
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_multimodal_layout_parity(multimodal_checkpoint, tp):
     _check_parity(multimodal_checkpoint, tp)
