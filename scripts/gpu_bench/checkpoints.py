@@ -46,15 +46,17 @@ def tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def build_checkpoint(path: Path, cfg: dict, device: str, shard_bytes: int) -> dict:
+def build_checkpoint(path: Path, cfg: dict, device: str, shard_bytes: int,
+                     shapes: list[tuple[str, tuple[int, ...]]] | None = None) -> dict:
     """Draw every tensor on `device` and write safetensors, sharded with an index above `shard_bytes`
-    (as the published 8B is), one file below it (as the published 0.6B is)."""
+    (as the published 8B is), one file below it (as the published 0.6B is). `shapes`: the tensors,
+    in file order (default: Qwen3 dense's for `cfg`)."""
     import torch
     from safetensors.torch import save_file
 
     dtype = getattr(torch, cfg["torch_dtype"])
     gen = torch.Generator(device=device).manual_seed(0)
-    shapes = tensor_shapes(cfg)
+    shapes = tensor_shapes(cfg) if shapes is None else shapes
     numel = [math.prod(s) for _, s in shapes]
     total = sum(numel) * dtype.itemsize
     groups = _shard_groups(numel, dtype.itemsize, shard_bytes)
