@@ -31,9 +31,9 @@ def accumulate(part: list[Scheduled], result: StepResult) -> None:
             seq.prompt_logprobs = [None]
         chunk = result.prompt.get(i)
         if chunk is not None:
-            for j in range(len(chunk.token_logprobs)):
-                _put(seq.prompt_logprobs, s.offset + j + 1, prompt, chunk.token_logprobs[j].item(),
-                     chunk.top_ids[j].tolist(), chunk.top_logprobs[j].tolist())
+            own, top_ids, top_lps = chunk.token_logprobs.tolist(), chunk.top_ids.tolist(), chunk.top_logprobs.tolist()
+            for j in range(len(own)):
+                _put(seq.prompt_logprobs, s.offset + j + 1, prompt, own[j], top_ids[j], top_lps[j])
         end = s.offset + len(s.token_ids)
         if end < len(prompt):  # the chunk's last row predicts the next chunk's first token
             _from_logits(seq.prompt_logprobs, end, prompt, result.logits[i], k)

@@ -48,10 +48,11 @@ def _sequence(model, rows: torch.Tensor, targets: torch.Tensor, k: int) -> Promp
         if logits is None:
             continue
         lp = torch.log_softmax(logits.float(), dim=-1)
-        token_lp.append(lp.gather(1, targets[a:b, None]).squeeze(1).cpu())
+        token_lp.append(lp.gather(1, targets[a:b, None]).squeeze(1))
         values, ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
-        top_ids.append(ids.cpu())
-        top_lp.append(values.cpu())
+        top_ids.append(ids)
+        top_lp.append(values)
     if not token_lp:
         return None
-    return PromptChunkLogprobs(torch.cat(token_lp), torch.cat(top_ids), torch.cat(top_lp))
+    # to the host once per tensor for the whole chunk, not once per pass
+    return PromptChunkLogprobs(*(torch.cat(parts).cpu() for parts in (token_lp, top_ids, top_lp)))
