@@ -86,6 +86,32 @@ def test_norm_rope_kernel_matches_reference(dtype, heads, head_dim):
     _close(norm.norm_rope_triton(q, weight, 1e-6, cos, sin), expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [64, 40, 2048])
+def test_add_rms_norm_kernel_matches_reference(dtype, width):
+    """The residual sum and its norm, the delta read from a strided view (an attention output slice)."""
+    gen = torch.Generator().manual_seed(width + 1)
+    x = (torch.randn(7, width, generator=gen) * 2).to(DEVICE, dtype)
+    delta = (torch.randn(7, 2 * width, generator=gen) * 2).to(DEVICE, dtype)[:, width:]
+    weight = (1 + torch.randn(width, generator=gen) * 0.5).to(DEVICE, dtype)
+    total, normed = norm.add_rms_norm_triton(x, delta, weight, 1e-6)
+    ref_total, ref_normed = norm.add_rms_norm_reference(x, delta, weight, 1e-6)
+    if DEVICE == "cuda" or dtype != torch.bfloat16:  # the interpreter truncates to bf16
+        assert torch.equal(total, ref_total)
+    _close(total, ref_total)
+    _close(normed, ref_normed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [48, 1024, 3000])
+def test_silu_mul_kernel_matches_reference(dtype, width):
+    """Gate and up as the two halves of one merged projection's output; rows wider than one program."""
+    gen = torch.Generator().manual_seed(width + 2)
+    merged = (torch.randn(5, 2 * width, generator=gen) * 3).to(DEVICE, dtype)
+    gate, up = merged.split(width, dim=-1)
+    _close(norm.silu_mul_triton(gate, up), norm.silu_mul_reference(gate, up))
+
+
 def test_dispatch_uses_the_reference_off_cuda():
     x = torch.randn(3, 2, 16)
     weight, (cos, sin) = torch.rand(16) + 0.5, _tables(3, 16, torch.float32)
@@ -106,7 +132,7 @@ COMPILE = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from neuron.layers.triton_norm import norm_rope_kernel, rms_norm_kernel
+    from neuron.layers.triton_norm import add_rms_norm_kernel, norm_rope_kernel, rms_norm_kernel, silu_mul_kernel
 
     def compile_for(kernel, dtype, capability, block):
         pointers = {name: dtype for name in kernel.arg_names if name.endswith("_ptr")}
@@ -116,6 +142,8 @@ COMPILE = textwrap.dedent("""
         assert triton.compile(source, target=GPUTarget("cuda", capability, 32)).asm["cubin"]
 
     compile_for(rms_norm_kernel, "bf16", 90, 4096)
+    compile_for(add_rms_norm_kernel, "bf16", 90, 4096)
+    compile_for(silu_mul_kernel, "bf16", 90, 1024)
     compile_for(norm_rope_kernel, "bf16", 90, 128)
     compile_for(norm_rope_kernel, "fp32", 80, 64)
 """)

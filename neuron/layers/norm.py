@@ -1,4 +1,5 @@
-"""RMSNorm, and the per-head RMSNorm + rotary embedding that Qwen3 applies to queries and keys.
+"""RMSNorm (alone, and after the residual add), the per-head RMSNorm + rotary embedding that Qwen3
+applies to queries and keys, and the MLP's silu(gate) * up.
 
 In PyTorch each is a handful of small operations (an upcast, the norm, a downcast, the weight;
 then a negation, a concatenation, two products and a sum for the rotation), and at batch 1 each
@@ -27,6 +28,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    total = x + delta
+    return total, rms_norm_reference(total, weight, eps)
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension of x."""
     if _kernel_applies(x):
@@ -41,6 +52,21 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
     if _kernel_applies(x):
         return norm_rope_triton(x, weight, eps, cos, sin)
     return apply_rotary(rms_norm_reference(x, weight, eps), cos, sin)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual sum x + delta ([tokens, hidden]) and its RMSNorm."""
+    if _kernel_applies(x) and delta.stride(-1) == 1 and x.dim() == 2:
+        return add_rms_norm_triton(x, delta, weight, eps)
+    return add_rms_norm_reference(x, delta, weight, eps)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, both [tokens, width] (the halves of a merged projection's output)."""
+    if _kernel_applies(gate) and up.stride(-1) == 1 and gate.dim() == 2:
+        return silu_mul_triton(gate, up)
+    return silu_mul_reference(gate, up)
 
 
 def _kernel_applies(x: torch.Tensor) -> bool:
@@ -81,4 +107,31 @@ def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: tor
     block, warps = _launch_shape(head_dim)
     norm_rope_kernel[(tokens, heads)](x, weight, cos, sin, out, x.stride(0), x.stride(1), out.stride(0),
                                       out.stride(1), cos.stride(0), head_dim, eps, BLOCK=block, num_warps=warps)
+    return out
+
+
+def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from neuron.layers.triton_norm import add_rms_norm_kernel
+
+    rows, width = x.shape
+    total = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+    out = torch.empty_like(total)
+    block, warps = _launch_shape(width)
+    add_rms_norm_kernel[(rows,)](x, delta, weight, total, out, x.stride(0), delta.stride(0), total.stride(0),
+                                 out.stride(0), width, eps, BLOCK=block, num_warps=warps)
+    return total, out
+
+
+_SILU_BLOCK = 1024  # columns per program: a row of a wide MLP spreads over several programs
+
+
+def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    from neuron.layers.triton_norm import silu_mul_kernel
+
+    rows, width = gate.shape
+    out = torch.empty((rows, width), dtype=gate.dtype, device=gate.device)
+    block = min(_SILU_BLOCK, _launch_shape(width)[0])
+    silu_mul_kernel[(rows, -(-width // block))](gate, up, out, gate.stride(0), up.stride(0), out.stride(0), width,
+                                               BLOCK=block, num_warps=4)
     return out

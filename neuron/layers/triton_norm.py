@@ -1,10 +1,12 @@
-"""Triton kernels behind `neuron.layers.norm`: RMSNorm, and RMSNorm followed by rotary embedding.
+"""Triton kernels behind `neuron.layers.norm`: RMSNorm, RMSNorm after the residual add, RMSNorm
+followed by the rotary embedding, and the MLP's silu(gate) * up.
 
 Imported on first launch only, like triton_attention (Triton fixes at import whether kernels
-compile or run in its interpreter). Both compute in float32 and round where the reference does
+compile or run in its interpreter). All compute in float32 and round where the reference does
 (transformers' Qwen3 modules in the model's dtype): the normalised row is rounded to the model's
 dtype before the weight multiplies it, and in the rotary step each product is rounded before the
-sum, so in bf16 the kernels give the reference's values, not values one rounding closer.
+sum, so in bf16 the kernels give the reference's values, not values one rounding closer. The same
+holds for the residual sum and the activation: rounded where PyTorch's separate operations round.
 """
 
 import triton
@@ -54,3 +56,37 @@ def norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_
     sin = tl.load(sin_ptr + token * stride_rope + cols, mask=mask, other=0.0).to(tl.float32)
     out = (y * cos).to(out_dtype).to(tl.float32) + (rotated * sin).to(out_dtype).to(tl.float32)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + cols, out.to(out_dtype), mask=mask)
+
+
+@triton.jit
+def add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, stride_x, stride_delta, stride_sum,
+                        stride_out, n_cols, eps, BLOCK: tl.constexpr):
+    """One program per row: the residual sum x + delta, rounded to the model's dtype and stored,
+    then RMSNorm of that rounded sum (transformers adds in the model's dtype, then normalises)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    out_dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    delta = tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0).to(tl.float32)
+    total = (x + delta).to(out_dtype)
+    tl.store(sum_ptr + row * stride_sum + cols, total, mask=mask)
+    total = total.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt_rn(tl.sum(total * total, 0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = ((total * inv_rms).to(out_dtype).to(tl.float32) * w).to(out_dtype)
+    tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
+
+
+@triton.jit
+def silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, stride_out, n_cols, BLOCK: tl.constexpr):
+    """silu(gate) * up over a block of one row, each rounded to the model's dtype as PyTorch's two
+    operations round."""
+    row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = block * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    out_dtype = out_ptr.dtype.element_ty
+    gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (activated * up).to(out_dtype), mask=mask)

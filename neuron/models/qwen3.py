@@ -7,11 +7,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
-from neuron.layers.norm import norm_rope
+from neuron.layers.norm import add_rms_norm, norm_rope, silu_mul
 from neuron.layers.tensor_parallel import (
     HeadLayout,
     MergedColumnParallelLinear,
@@ -119,13 +118,11 @@ class MLP:
         self.gate_up, self.down = gate_up, down
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x)
-        return self.down(F.silu(gate) * up)
+        return self.down(silu_mul(*self.gate_up(x)))
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output, before the down projection's all-reduce."""
-        gate, up = self.gate_up(x)
-        return self.down.partial(F.silu(gate) * up)
+        return self.down.partial(silu_mul(*self.gate_up(x)))
 
 
 class DecoderLayer:
@@ -134,8 +131,9 @@ class DecoderLayer:
         self.input_norm, self.post_norm = input_norm, post_norm
 
     def __call__(self, x, batch: StepBatch, rope: tuple, cache: PagedKVCache) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), batch, rope, cache)
-        return x + self.mlp(self.post_norm(x))
+        x, h = add_rms_norm(x, self.attn(self.input_norm(x), batch, rope, cache), self.post_norm.weight,
+                            self.post_norm.eps)
+        return x + self.mlp(h)
 
 
 class Qwen3ForCausalLM(CausalLM):
