@@ -1,10 +1,17 @@
-"""One request's updates as its HTTP handler reads them: an asyncio queue the engine bridge fills
-from the event-loop thread, with the request's timings and how an early end is reported."""
+"""One request's updates as its HTTP handler reads them: a queue the engine bridge fills from the
+event-loop thread, with the request's timings and how an early end is reported.
+
+Reading costs little per token, since every stream is read once per engine step: the queue is a
+deque, and a reader that finds it empty parks one future, which the next update resolves (`wait_any`
+parks one future for several streams, with a timer for keep-alives). Everything queued is taken at
+once (`take`), so a reader that fell behind catches up in one pass."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from neuron.engine.output_processor import Update
@@ -25,7 +32,8 @@ class RequestStream:
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
         self._owner = owner
-        self._queue: asyncio.Queue[Update] = asyncio.Queue()
+        self._updates: deque[Update] = deque()
+        self._waiter: asyncio.Future | None = None  # a reader's, while the queue is empty
         self._read_final = False
         self.closed = False
         # How an early end (finish reason "error") is reported: a failing rank (`generation_failed`,
@@ -50,10 +58,29 @@ class RequestStream:
             self.num_output_tokens += len(update.token_ids)
         if update.finished:
             self.finish_reason = update.finish_reason or "stop"
-        self._queue.put_nowait(update)
+        self._updates.append(update)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(True)
+
+    def take(self) -> list[Update]:
+        """Every update queued now, oldest first; none when the queue is empty."""
+        updates = list(self._updates)
+        self._updates.clear()
+        if updates and updates[-1].finished:
+            self._read_final = True
+        return updates
+
+    @property
+    def read_final(self) -> bool:
+        """Whether the update that finishes the request has been read."""
+        return self._read_final
 
     async def next(self) -> Update:
-        return await self._queue.get()
+        while not self._updates:
+            await wait_any([self])
+        update = self._updates.popleft()
+        self._read_final = update.finished
+        return update
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -61,12 +88,33 @@ class RequestStream:
     async def __anext__(self) -> Update:
         if self._read_final:
             raise StopAsyncIteration
-        update = await self._queue.get()
-        self._read_final = update.finished
-        return update
+        return await self.next()
 
     def close(self) -> None:
         """Release the request; if the engine still runs it, abort it. Safe to call twice."""
         if not self.closed:
             self.closed = True
             self._owner._close(self)
+
+
+async def wait_any(streams: Sequence[RequestStream], timeout: float | None = None) -> bool:
+    """Until one of `streams` has an update queued (True) or `timeout` seconds pass (False)."""
+    if any(s._updates for s in streams):
+        return True
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+    for s in streams:
+        s._waiter = waiter
+    timer = None if timeout is None else loop.call_later(timeout, _expire, waiter)
+    try:
+        return await waiter
+    finally:
+        if timer is not None:
+            timer.cancel()
+        for s in streams:
+            s._waiter = None
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(False)

@@ -233,16 +233,18 @@ async def _events(ctx: ChatRequestContext, samples: Samples, keepalive_s: float)
         states = [ChoiceState(ctx) for _ in samples.streams]
         for index in range(len(states)):
             yield _chunk(ctx, ChatChunkChoice(index, DeltaMessage(role="assistant", content="")))
-        async for item in merged_updates(samples.streams, keepalive_s):
-            if item is None:
+        async for batch in merged_updates(samples.streams, keepalive_s):
+            if batch is None:
                 yield KEEPALIVE
                 continue
-            k, update = item
-            if update.finish_reason == "error":
-                yield sse(stream_error(samples.streams[k], update.error).body())
-                return
-            for chunk in _update_chunks(ctx, states[k], k, update):
-                yield chunk
+            chunks = []
+            for k, update in batch:
+                if update.finish_reason == "error":
+                    yield b"".join(chunks) + sse(stream_error(samples.streams[k], update.error).body())
+                    return
+                chunks += _update_chunks(ctx, states[k], k, update)
+            if chunks:
+                yield b"".join(chunks)  # one write for what the batch brought
         if ctx.req.stream_options and ctx.req.stream_options.include_usage:
             yield _chunk(ctx, None, samples.usage(range(len(samples.streams))))
         yield DONE

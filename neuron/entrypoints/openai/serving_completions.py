@@ -196,20 +196,23 @@ def _chunk(ctx: _Context, choice: CompletionChoice | None, usage: UsageInfo | No
 async def _events(ctx: _Context, samples: Samples, keepalive_s: float) -> AsyncIterator[bytes]:
     """Every sample is returned when streaming (best_of > n is refused), so stream k is choice k."""
     try:
-        async for item in merged_updates(samples.streams, keepalive_s):
-            if item is None:
+        async for batch in merged_updates(samples.streams, keepalive_s):
+            if batch is None:
                 yield KEEPALIVE
                 continue
-            k, update = item
-            if update.finish_reason == "error":
-                yield sse(stream_error(samples.streams[k], update.error).body())
-                return
-            text, logprobs = ctx.text(k, update), ctx.logprobs(k, update)
-            if text or logprobs or update.finished:
-                reason = update.finish_reason if update.finished else None
-                stop_reason = update.stop_reason if update.finished else None
-                yield _chunk(ctx, CompletionChoice(k, text, logprobs, reason, stop_reason,
-                                                   ctx.prompt_logprobs(k, update)))
+            chunks = []
+            for k, update in batch:
+                if update.finish_reason == "error":
+                    yield b"".join(chunks) + sse(stream_error(samples.streams[k], update.error).body())
+                    return
+                text, logprobs = ctx.text(k, update), ctx.logprobs(k, update)
+                if text or logprobs or update.finished:
+                    reason = update.finish_reason if update.finished else None
+                    stop_reason = update.stop_reason if update.finished else None
+                    chunks.append(_chunk(ctx, CompletionChoice(k, text, logprobs, reason, stop_reason,
+                                                               ctx.prompt_logprobs(k, update))))
+            if chunks:
+                yield b"".join(chunks)  # one write for what the batch brought
         if ctx.req.stream_options and ctx.req.stream_options.include_usage:
             yield _chunk(ctx, None, samples.usage(range(len(samples.streams))))
         yield DONE

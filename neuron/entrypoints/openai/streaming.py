@@ -6,7 +6,6 @@ its `RequestStream` is closed, which aborts the request in the engine at the nex
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -17,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from neuron.engine.async_engine import RequestStream
 from neuron.engine.llm_engine import Update
+from neuron.engine.request_stream import wait_any
 
 T = TypeVar("T")
 
@@ -81,25 +81,20 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> tuple[boo
     return (True, result[0]) if result else (False, None)
 
 
-async def merged_updates(streams: list[RequestStream], every_s: float) -> AsyncIterator[tuple[int, Update] | None]:
-    """The updates of several streams as they come, each with its stream's position (updates that
-    arrive together in stream order), until every stream has finished; a None whenever `every_s`
-    seconds pass without any."""
-    pending = {k: asyncio.ensure_future(s.next()) for k, s in enumerate(streams)}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending.values(), timeout=every_s, return_when=asyncio.FIRST_COMPLETED)
-            if not done:
-                yield None
-                continue
-            for k in sorted(k for k, task in pending.items() if task in done):
-                update = pending.pop(k).result()
-                if not update.finished:
-                    pending[k] = asyncio.ensure_future(streams[k].next())
-                yield k, update
-    finally:
-        for task in pending.values():
-            task.cancel()
+async def merged_updates(streams: list[RequestStream],
+                         every_s: float) -> AsyncIterator[list[tuple[int, Update]] | None]:
+    """The updates of several streams as they come, in batches of all that are queued at a wake-up
+    (each with its stream's position; in stream order, each stream's in its own order), until every
+    stream has finished; a None whenever `every_s` seconds pass without any. A batch is what the
+    handler writes at once: a reader that fell behind sends the tokens it missed in one write."""
+    live = list(range(len(streams)))
+    while live:
+        batch = [(k, update) for k in live for update in streams[k].take()]
+        if batch:
+            live = [k for k in live if not streams[k].read_final]
+            yield batch
+        elif not await wait_any([streams[k] for k in live], every_s):
+            yield None
 
 
 async def json_unless_disconnected(request, streams, collect) -> Response:
