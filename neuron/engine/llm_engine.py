@@ -18,7 +18,7 @@ from neuron.engine import prompt_logprobs
 from neuron.engine.block_manager import BlockManager
 from neuron.engine.input_processor import InputProcessor, RequestError
 from neuron.engine.output_processor import OutputProcessor, Update
-from neuron.engine.sampling import SampleFailure, SamplingParams, SequenceSampler, sample, to_device
+from neuron.engine.sampling import SampleFailure, SamplingParams, SequenceSampler, sample
 from neuron.engine.scheduler import Scheduled, Scheduler
 from neuron.engine.sequence import Sequence
 from neuron.engine.structured_output import StructuredOutput, TokenBitmask
@@ -29,6 +29,7 @@ from neuron.models import MULTIMODAL_MODEL_TYPES, load_config, supports_prefix_c
 from neuron.models.inputs import SeqStep
 from neuron.models.loader import read_generation_config, resolve_model_path
 from neuron.multimodal.image import ImageError, ImageInput, VisionSpec
+from neuron.utils.device import to_device
 
 log = logging.getLogger("neuron.engine.llm_engine")
 
@@ -386,7 +387,7 @@ def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     it from pageable memory, and the host would wait for the step's forward."""
     if len(rows) == logits.shape[0]:
         return logits
-    return logits.index_select(0, to_device(rows, torch.long, logits.device))
+    return logits.index_select(0, to_device(rows, logits.device, torch.long))
 
 
 def _internal(doing: str, exc: Exception) -> str:

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from neuron.utils.device import to_device
+
 if TYPE_CHECKING:
     from neuron.engine.structured_output import CompiledGrammar, GuidedDecodingParams, TokenBitmask
 
@@ -165,7 +167,7 @@ class SequenceSampler:
         if params.repetition_penalty != 1.0:
             self._prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             ids = [t for t in prompt_token_ids if 0 <= t < vocab_size]
-            self._prompt_mask[to_device(ids, torch.long, device)] = True
+            self._prompt_mask[to_device(ids, device, torch.long)] = True
 
     def _seeded_generator(self, device: str | torch.device) -> torch.Generator | None:
         # Unseeded sequences draw from the global RNG; a seeded one owns its stream, so its
@@ -210,7 +212,7 @@ class SequenceSampler:
         ids = [*eos_token_ids, *(self.params.stop_token_ids or ())]
         ids = [t for t in ids if 0 <= t < row.shape[-1]]
         if ids:
-            row.index_fill_(0, to_device(ids, torch.long, row.device), float("-inf"))
+            row.index_fill_(0, to_device(ids, row.device, torch.long), float("-inf"))
 
 
 @dataclass(slots=True, frozen=True)
@@ -262,13 +264,6 @@ def _to_host(*tensors: torch.Tensor) -> list[list]:
         buffer.copy_(t, non_blocking=True)
     torch.cuda.current_stream(tensors[0].device).synchronize()
     return [b.tolist() for b in buffers]
-
-
-def to_device(values: list, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
-    """A host list as a tensor on `device`. On CUDA it travels from pinned memory without
-    blocking: a copy from pageable memory would make the host wait for the step's kernels."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 
 
 def _greedy(x: torch.Tensor) -> torch.Tensor:
@@ -325,7 +320,7 @@ def _choose(x: torch.Tensor, samplers: list[SequenceSampler]) -> torch.Tensor:
     if len(drawn) == len(samplers):
         return _draw(x, samplers)
     chosen = _greedy(x)
-    idx = to_device(drawn, torch.long, x.device)
+    idx = to_device(drawn, x.device, torch.long)
     chosen[idx] = _draw(x[idx], [samplers[i] for i in drawn])
     return chosen
 
@@ -375,7 +370,7 @@ def _filtered_probs(
     filters the other rows of the batch ask for."""
     temps = [p.temperature for p in params]
     if any(t != 1.0 for t in temps):  # dividing by 1 changes nothing and costs a pass over [B, V]
-        x = x / to_device(temps, x.dtype, x.device)[:, None]
+        x = x / to_device(temps, x.device, x.dtype)[:, None]
     # A finite maximum is exactly what makes the softmax a distribution (no NaN, not all zero), and
     # the filters always keep the most likely token. Checked on the device, without a transfer. A
     # failed row goes on as NaNs: nothing below checks its values, argmax still names a column,
@@ -399,7 +394,7 @@ def _filtered_probs(
 def _top_k_top_p(ranked: torch.Tensor, ks: list[int], params: list[SamplingParams]) -> torch.Tensor:
     width = ranked.shape[-1]
     if min(ks) < width:
-        k = to_device(ks, torch.long, ranked.device)
+        k = to_device(ks, ranked.device, torch.long)
         ranked = ranked.masked_fill(torch.arange(width, device=ranked.device) >= k[:, None], 0.0)
     if any(p.top_p < 1 for p in params):
         ranked = _top_p_ranked(ranked, params)
@@ -410,7 +405,7 @@ def _top_p_ranked(ranked: torch.Tensor, params: list[SamplingParams]) -> torch.T
     """Nucleus filter on probabilities sorted high to low, relative to the top_k survivors."""
     cumulative = ranked.cumsum(dim=-1)
     mass_before = cumulative - ranked
-    top_ps = to_device([p.top_p for p in params], ranked.dtype, ranked.device)
+    top_ps = to_device([p.top_p for p in params], ranked.device, ranked.dtype)
     budget = top_ps[:, None] * cumulative[:, -1:]
     # A token stays while the mass strictly ahead of it is below the budget, so the first always
     # stays; rows with top_p == 1 are exempt so cumsum rounding cannot trim their tail.
@@ -420,7 +415,7 @@ def _top_p_ranked(ranked: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 
 def _min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    min_ps = to_device([p.min_p for p in params], probs.dtype, probs.device)
+    min_ps = to_device([p.min_p for p in params], probs.device, probs.dtype)
     floor = min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
     return probs.masked_fill(probs < floor, 0.0)
 
@@ -433,7 +428,7 @@ def _logprob_tensors(
     if not rows:
         return ()
     if len(rows) != len(samplers):
-        idx = to_device(rows, torch.long, raw.device)
+        idx = to_device(rows, raw.device, torch.long)
         raw, chosen = raw[idx], chosen[idx]
     lp = torch.log_softmax(raw, dim=-1)
     top_vals, top_ids = lp.topk(max(samplers[i].params.logprobs for i in rows), dim=-1)

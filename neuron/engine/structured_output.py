@@ -28,8 +28,9 @@ import llguidance.numpy as llg_np
 import numpy as np
 import torch
 
-from neuron.engine.sampling import InvalidParams, to_device
+from neuron.engine.sampling import InvalidParams
 from neuron.engine.tokenizer import Tokenizer
+from neuron.utils.device import to_device
 
 # A spec longer than this is refused before compiling (characters of JSON text, regex or grammar).
 MAX_SPEC_CHARS = 64 * 1024
@@ -249,7 +250,7 @@ class TokenBitmask:
         if len(self.rows) == logits.shape[0]:
             logits += bias
             return
-        logits[to_device(self.rows, torch.long, logits.device)] += bias
+        logits[to_device(self.rows, logits.device, torch.long)] += bias
 
 
 def mask_bias(bits: np.ndarray, vocab: int, device: torch.device) -> torch.Tensor:
@@ -267,8 +268,7 @@ def _byte_index(bits: np.ndarray, device: torch.device) -> torch.Tensor:
     data = bits.view(np.uint8).reshape(-1)
     if device.type == "cpu":  # numpy widens bytes faster than torch does on a CPU
         return torch.from_numpy(data.astype(np.int32))
-    # bytes travel, 4 times fewer than the indices, from pinned memory: the host does not wait
-    return torch.from_numpy(data).pin_memory().to(device, non_blocking=True).int()
+    return to_device(data, device).int()  # bytes travel, 4 times fewer than the indices
 
 
 @functools.cache

@@ -35,6 +35,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from neuron.utils.device import to_device
+
 # Looked up, not imported: see `_kernel`. CPU installs need not have Triton; the reference serves them.
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -80,8 +82,8 @@ def build_metadata(block_tables: list[list[int]] | np.ndarray, offsets: list[int
     positions = np.arange(seq.shape[0]) + np.repeat(kv_lens - lens - query_start[:-1], lens)
     slot_mapping = tables[seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
     return PagedAttentionMetadata(
-        _to_device(query_start, device), _to_device(kv_lens, device), _to_device(tables, device),
-        _to_device(slot_mapping, device), block_size, int(lens.max()), int(kv_lens.max()))
+        to_device(query_start, device), to_device(kv_lens, device), to_device(tables, device),
+        to_device(slot_mapping, device), block_size, int(lens.max()), int(kv_lens.max()))
 
 
 def _padded_tables(block_tables: list[list[int]] | np.ndarray, width: int) -> np.ndarray:
@@ -93,14 +95,6 @@ def _padded_tables(block_tables: list[list[int]] | np.ndarray, width: int) -> np
     for row, table in zip(tables, block_tables):
         row[: min(len(table), width)] = table[:width]
     return tables
-
-
-def _to_device(array: np.ndarray, device) -> torch.Tensor:
-    """Copy without blocking the host on CUDA (pinned source); no copy on CPU."""
-    t = torch.from_numpy(array)
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -11,8 +11,8 @@ Pool layout `[kv_heads, num_blocks * block_size, head_dim]`: block b is rows b*b
 in every head. Gathering a sequence's rows along dim 1 yields `[kv_heads, tokens, head_dim]`, the
 layout attention takes, in a single `index_select` with no transpose or second copy after it (the
 per-token decode overhead stays that of a contiguous cache). On that gather path each slot keeps
-the pool row of every one of its positions (`slot_rows`), extended when its table grows, so a step finds its rows by
-slicing.
+the pool row of every one of its positions (`slot_rows`), extended when its table grows, so a step
+finds its rows by slicing.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from neuron.errors import ConfigError, NeuronError
 from neuron.layers.paged_attention import PagedAttentionMetadata, attend, build_metadata
 from neuron.models.inputs import SeqStep
+from neuron.utils.device import to_device
 
 _MIB = 2**20
 
@@ -151,7 +152,7 @@ class PagedKVCache:
         bs = self.block_size
         start, end = len(table) * bs, (len(table) + len(s.new_blocks)) * bs
         if self.slot_rows is not None:
-            blocks = _to_device(s.new_blocks, self.device)
+            blocks = to_device(s.new_blocks, self.device, torch.long)
             self.slot_rows[s.slot, start:end] = (blocks[:, None] * bs + self._block_offsets).view(-1)
         self.table_array[s.slot, len(table) : len(table) + len(s.new_blocks)] = s.new_blocks
         table += s.new_blocks
@@ -165,10 +166,11 @@ class PagedKVCache:
         kv_lens = [p + 1 for p in positions]
         rows = [self._row(slot, p) for slot, p in zip(slots, positions)]
         if len(seqs) == 1:
-            per_token = _to_device([[seqs[0].token_ids[0]], positions], self.device)
+            per_token = to_device([[seqs[0].token_ids[0]], positions], self.device, torch.long)
             read_rows, mask, write_rows = self.slot_rows[slots[0], : kv_lens[0]], None, rows[0]
         else:
-            per_token = _to_device([[s.token_ids[0] for s in seqs], positions, rows, slots, kv_lens], self.device)
+            per_token = to_device([[s.token_ids[0] for s in seqs], positions, rows, slots, kv_lens], self.device,
+                                  torch.long)
             longest = max(kv_lens)
             read_rows = self.slot_rows[:, :longest].index_select(0, per_token[3])
             mask = (torch.arange(longest, device=self.device) < per_token[4][:, None])[:, None, None, :]
@@ -188,8 +190,8 @@ class PagedKVCache:
             write_rows.append(self.slot_rows[s.slot, offset : offset + n])
             read_rows.append(self.slot_rows[s.slot, : offset + n])
             masks.append(None if offset == 0 else _causal_mask(n, offset, self.device))
-        per_token = _to_device([flat_ids, positions], self.device)
-        last_index = _to_device(ends, self.device)
+        per_token = to_device([flat_ids, positions], self.device, torch.long)
+        last_index = to_device(ends, self.device, torch.long)
         rows = write_rows[0] if len(write_rows) == 1 else torch.cat(write_rows)
         return StepBatch(per_token[0], per_token[1], rows, [s.slot for s in seqs], [len(s.token_ids) for s in seqs],
                          kv_lens, last_index, False, read_rows, masks)
@@ -200,7 +202,7 @@ class PagedKVCache:
         meta = build_metadata(self.table_array[slots], offsets, lengths, self.block_size, self.device)
         ids = [t for s in seqs for t in s.token_ids]
         positions = [p for s in seqs for p in range(s.offset, s.offset + len(s.token_ids))]
-        per_token = _to_device([ids, positions], self.device)
+        per_token = to_device([ids, positions], self.device, torch.long)
         all_decode = all(n == 1 for n in lengths)
         last_index = None if all_decode else meta.query_start[1:].long() - 1
         return StepBatch(per_token[0], per_token[1], meta.slot_mapping, slots, lengths,
@@ -251,12 +253,6 @@ class PagedKVCache:
             out.append(o[0].transpose(0, 1))
             start += n
         return out[0] if len(out) == 1 else torch.cat(out)
-
-
-def _to_device(values: list, device) -> torch.Tensor:
-    """Host ints as a long tensor on `device`. Without blocking: a blocking copy would make the host
-    wait for the GPU's queued work before it could prepare the next step."""
-    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
 def _gather(pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

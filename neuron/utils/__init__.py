@@ -1,1 +1,1 @@
-"""Helpers with no neuron dependencies: logging set-up and Linux process state."""
+"""Helpers with no neuron dependencies: logging set-up, Linux process state, host data to the device."""
