@@ -46,6 +46,12 @@ class CausalLM:
 
         self.graphs = capture_decode_graphs(self, max_batch)
 
+    def release_graphs(self) -> None:
+        """Free the captured graphs (and their memory pool) now, not when garbage collection gets to them."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     def run(self, x: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor | None:
         """The layers, norm and head over input embeddings `x` at `positions`."""
         rope = self.rotary.tables(positions)

@@ -101,11 +101,15 @@ class DecodeGraphs:
         self.kv_lens[:size].copy_(meta.kv_lens, non_blocking=True)
         self.block_tables[:size, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
         if bucket > size:
-            self.token_ids[size:bucket].zero_()
-            self.positions[size:bucket].zero_()
-            self.slot_mapping[size:bucket].fill_(self.scratch_block * self.block_size)
-            self.kv_lens[size:bucket].fill_(1)
-            self.block_tables[size:bucket, 0].fill_(self.scratch_block)
+            self._pad(size, bucket)
+
+    def _pad(self, start: int, end: int) -> None:
+        """Make rows start..end padding: one token at position 0 that writes and reads the scratch block."""
+        self.token_ids[start:end].zero_()
+        self.positions[start:end].zero_()
+        self.slot_mapping[start:end].fill_(self.scratch_block * self.block_size)
+        self.kv_lens[start:end].fill_(1)
+        self.block_tables[start:end, 0].fill_(self.scratch_block)
 
     def _batch(self, bucket: int) -> StepBatch:
         """A decode step over the first `bucket` rows of the static inputs."""
@@ -126,7 +130,7 @@ class DecodeGraphs:
         the same buckets in the same order, so the collectives inside stay matched. Kernels compile
         and libraries set up in an eager warm-up first: none of that may happen during capture.
         The static inputs are all padding meanwhile, so nothing is written to a sequence's blocks."""
-        self._load_padding()
+        self._pad(0, self.buckets[-1])
         pool = None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -142,13 +146,6 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[bucket] = graph
         torch.cuda.synchronize()
-
-    def _load_padding(self) -> None:
-        self.token_ids.zero_()
-        self.positions.zero_()
-        self.slot_mapping.fill_(self.scratch_block * self.block_size)
-        self.kv_lens.fill_(1)
-        self.block_tables.fill_(self.scratch_block)
 
     def release(self) -> None:
         self.graphs.clear()

@@ -137,7 +137,7 @@ class Worker:
                 self._clear(req.model_id, req.slots)
                 return p.KvCacheCleared(seq=seq), None
             case p.UnloadModel():
-                _release_graphs(self._model(req.model_id))
+                self._model(req.model_id).release_graphs()
                 del self.models[req.model_id]
                 return p.Unloaded(seq=seq, model_id=req.model_id), None
             case p.Shutdown():
@@ -257,7 +257,7 @@ class Worker:
     def close(self) -> None:
         """Drop the models and the communicator, and give their device memory back."""
         for model in self.models.values():
-            _release_graphs(model)
+            model.release_graphs()
         self.models.clear()
         self._joining = None  # a store hosted for a join that never happened stops listening
         if self.comm is not None:
@@ -274,14 +274,6 @@ class Worker:
         if model is None:
             raise WorkerFailure(p.ErrorKind.MODEL_NOT_LOADED, f"model {model_id!r} is not loaded on rank {self.rank}")
         return model
-
-
-def _release_graphs(model) -> None:
-    """Free a model's captured graphs (and their memory pool) now, not when garbage collection
-    gets to them."""
-    if model.graphs is not None:
-        model.graphs.release()
-        model.graphs = None
 
 
 def release_device_memory(device: torch.device) -> None:
