@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from neuron.distributed.comm import Communicator
+from neuron.layers.norm import silu_mul
 from neuron.layers.tensor_parallel import Reader, Shard, _place
 
 
@@ -178,7 +179,7 @@ class SparseMoE:
     def _grouped(self, tokens: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         gate_up = torch._grouped_mm(tokens, self.w_gate_up.transpose(1, 2), offs=ends)
         gate, up = gate_up.split(self.local_inter, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.w_down.transpose(1, 2), offs=ends)
+        return torch._grouped_mm(silu_mul(gate, up), self.w_down.transpose(1, 2), offs=ends)
 
     def _looped(self, tokens: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(tokens)
@@ -186,7 +187,7 @@ class SparseMoE:
         for e, end in enumerate(ends.tolist()):  # the host reads the counts: a sync on a GPU
             if end > begin:
                 gate, up = F.linear(tokens[begin:end], self.w_gate_up[e]).split(self.local_inter, dim=-1)
-                out[begin:end] = F.linear(F.silu(gate) * up, self.w_down[e])
+                out[begin:end] = F.linear(silu_mul(gate, up), self.w_down[e])
             begin = end
         return out
 
@@ -194,4 +195,4 @@ class SparseMoE:
         tokens = x.unsqueeze(1).expand(-1, k, -1).reshape(-1, 1, x.shape[-1])  # [t * k, 1, hidden]
         # each pair's expert weights copied out: [t * k, hidden, 2 * inter] and [t * k, inter, hidden]
         gate, up = torch.bmm(tokens, self.w_gate_up[flat_ids].transpose(1, 2)).split(self.local_inter, dim=-1)
-        return torch.bmm(F.silu(gate) * up, self.w_down[flat_ids].transpose(1, 2)).squeeze(1)
+        return torch.bmm(silu_mul(gate, up), self.w_down[flat_ids].transpose(1, 2)).squeeze(1)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
+from neuron.layers.norm import apply_rotary
 from neuron.layers.tensor_parallel import (
     ColumnParallelLinear,
     HeadLayout,
@@ -154,10 +155,7 @@ class MRotary:
 
 def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     d = cos.shape[-1]
-    rot, rest = x[..., :d], x[..., d:]
-    half = d // 2
-    rot = rot * cos + torch.cat((-rot[..., half:], rot[..., :half]), dim=-1) * sin
-    return torch.cat((rot, rest), dim=-1)
+    return torch.cat((apply_rotary(x[..., :d], cos, sin), x[..., d:]), dim=-1)
 
 
 class OffsetRMSNorm:
