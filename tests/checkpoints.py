@@ -83,6 +83,20 @@ def assert_same_outputs(a, b, tol: float = 1e-4) -> None:
 _MODELS: dict = {}
 
 
+def assert_chunking_changes_nothing(path, prompt: list[int], chunk_tokens: int, monkeypatch) -> None:
+    """`prompt` prefilled in `chunk_tokens`-token chunks and in one shot: the same tokens and
+    logprobs (to 1e-4) over 4 greedy steps."""
+    from neuron import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True)
+    results = []
+    for chunk in (chunk_tokens, 512):
+        monkeypatch.setenv("NEURON_PREFILL_CHUNK_TOKENS", str(chunk))
+        with LLM(str(path), device="cpu", dtype="float32") as llm:
+            results.append(llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0])
+    assert_same_outputs(*results)
+
+
 def cached_model(cls, path):
     """`cls.from_pretrained(path)` in float32, loaded once per path and class."""
     key = (cls, str(path))

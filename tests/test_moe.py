@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from checkpoints import assert_matches_reference, assert_same_outputs, cached_model, greedy_with_logprobs
+from checkpoints import assert_chunking_changes_nothing, assert_matches_reference, cached_model, greedy_with_logprobs
 from safetensors.torch import load_file, save_file
 
 from neuron import LLM, SamplingParams
@@ -121,13 +121,7 @@ def test_fused_layout_parity(fused_checkpoint, tp):
 
 
 def test_chunked_prefill_equals_single_shot(moe_checkpoint, monkeypatch):
-    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True)
-    results = []
-    for chunk in ("3", "512"):
-        monkeypatch.setenv("NEURON_PREFILL_CHUNK_TOKENS", chunk)
-        with LLM(str(moe_checkpoint), device="cpu", dtype="float32") as llm:
-            results.append(llm.generate({"prompt_token_ids": LONG}, params)[0].outputs[0])
-    assert_same_outputs(*results)
+    assert_chunking_changes_nothing(moe_checkpoint, LONG, 3, monkeypatch)
 
 
 @pytest.mark.slow

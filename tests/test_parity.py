@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from checkpoints import assert_matches_reference, assert_same_outputs, reference_greedy
+from checkpoints import assert_chunking_changes_nothing, assert_matches_reference, reference_greedy
 
 from neuron import LLM, SamplingParams
 
@@ -41,13 +41,7 @@ def test_tied_checkpoint(tied_checkpoint, tp):
 
 def test_chunked_prefill_equals_single_shot(odd_checkpoint, monkeypatch):
     """The same prompt prefilled in 3-token chunks and in one shot gives identical logprobs."""
-    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True)
-    results = []
-    for chunk in ("3", "512"):
-        monkeypatch.setenv("NEURON_PREFILL_CHUNK_TOKENS", chunk)
-        with LLM(str(odd_checkpoint), device="cpu", dtype="float32") as llm:
-            results.append(llm.generate({"prompt_token_ids": PROMPTS[1]}, params)[0].outputs[0])
-    assert_same_outputs(*results)
+    assert_chunking_changes_nothing(odd_checkpoint, PROMPTS[1], 3, monkeypatch)
 
 
 @pytest.mark.slow

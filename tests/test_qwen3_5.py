@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from checkpoints import assert_matches_reference, assert_same_outputs, cached_model, greedy_with_logprobs
+from checkpoints import assert_chunking_changes_nothing, assert_matches_reference, cached_model, greedy_with_logprobs
 
 from neuron import LLM, SamplingParams
 from neuron.distributed.comm import SingleRank
@@ -138,11 +138,7 @@ def test_text_only_layout_parity(text_checkpoint, tp):
 
 def test_chunked_prefill_equals_single_shot(multimodal_checkpoint, monkeypatch):
     """The long prompt in 16-token steps and in one 150-token step give the same logprobs."""
-    results = []
-    for chunk in ("16", "512"):
-        monkeypatch.setenv("NEURON_PREFILL_CHUNK_TOKENS", chunk)
-        results.append(_generate(multimodal_checkpoint, 1, [LONG], max_tokens=4, logprobs=3)[0])
-    assert_same_outputs(*results)
+    assert_chunking_changes_nothing(multimodal_checkpoint, LONG, 16, monkeypatch)
 
 
 def test_preempted_sequences_start_over(multimodal_checkpoint):

@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from checkpoints import assert_matches_reference, assert_same_outputs, cached_model, greedy_with_logprobs
+from checkpoints import assert_chunking_changes_nothing, assert_matches_reference, cached_model, greedy_with_logprobs
 from safetensors.torch import load_file, save_file
 from test_qwen3_5 import LONG, MULTIMODAL_TEXT, PROMPTS
 from vision_checkpoint import (
@@ -174,11 +174,7 @@ def test_fused_expert_layout_parity(fused_checkpoint, multimodal_checkpoint, tp)
 
 def test_chunked_prefill_equals_single_shot(multimodal_checkpoint, monkeypatch):
     """The 150-token prompt in 16-token steps and in one step give the same logprobs."""
-    results = []
-    for chunk in ("16", "512"):
-        monkeypatch.setenv("NEURON_PREFILL_CHUNK_TOKENS", chunk)
-        results.append(_generate(multimodal_checkpoint, 1, [LONG], max_tokens=4, logprobs=3)[0])
-    assert_same_outputs(*results)
+    assert_chunking_changes_nothing(multimodal_checkpoint, LONG, 16, monkeypatch)
 
 
 class _Recording(Communicator):
