@@ -86,15 +86,21 @@ _MODELS: dict = {}
 def assert_chunking_changes_nothing(path, prompt: list[int], chunk_tokens: int, monkeypatch) -> None:
     """`prompt` prefilled in `chunk_tokens`-token chunks and in one shot: the same tokens and
     logprobs (to 1e-4) over 4 greedy steps."""
-    from neuron import LLM, SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True)
     results = []
     for chunk in (chunk_tokens, 512):
         monkeypatch.setenv("NEURON_PREFILL_CHUNK_TOKENS", str(chunk))
-        with LLM(str(path), device="cpu", dtype="float32") as llm:
-            results.append(llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0])
+        results += generate_greedy(path, 1, [prompt], 4, logprobs=3)
     assert_same_outputs(*results)
+
+
+def generate_greedy(path, tp: int, prompts: list[list[int]], max_tokens: int, logprobs: int = 5) -> list:
+    """Each prompt's greedy completion (EOS ignored) with its top logprobs, all prompts in one
+    `generate` call through the offline API at `tp` ranks, on CPU in float32."""
+    from neuron import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=True)
+    with LLM(str(path), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
+        return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
 
 
 def cached_model(cls, path):

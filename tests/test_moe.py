@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from checkpoints import assert_chunking_changes_nothing, assert_matches_reference, cached_model, greedy_with_logprobs
+from checkpoints import (
+    assert_chunking_changes_nothing,
+    assert_matches_reference,
+    cached_model,
+    generate_greedy,
+    greedy_with_logprobs,
+)
 from safetensors.torch import load_file, save_file
 
 from neuron import LLM, SamplingParams
@@ -81,12 +87,6 @@ def fused_checkpoint(tmp_path_factory):
     return src, dst
 
 
-def _generate(path, tp: int = 1):
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5, ignore_eos=True)
-    with LLM(str(path), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
-        return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
-
-
 def _check(outs, reference_path) -> None:
     from transformers import Qwen3MoeForCausalLM
 
@@ -99,7 +99,7 @@ def _check(outs, reference_path) -> None:
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_parity(moe_checkpoint, tp):
     """Unequal prompts in one batch, the long one prefilled over several chunks."""
-    _check(_generate(moe_checkpoint, tp), moe_checkpoint)
+    _check(generate_greedy(moe_checkpoint, tp, PROMPTS, NEW_TOKENS), moe_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -111,13 +111,13 @@ def tp4_checkpoint(tmp_path_factory):
 
 @pytest.mark.slow
 def test_tp4_parity(tp4_checkpoint):
-    _check(_generate(tp4_checkpoint, 4), tp4_checkpoint)
+    _check(generate_greedy(tp4_checkpoint, 4, PROMPTS, NEW_TOKENS), tp4_checkpoint)
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_fused_layout_parity(fused_checkpoint, tp):
     src, fused = fused_checkpoint
-    _check(_generate(fused, tp), src)
+    _check(generate_greedy(fused, tp, PROMPTS, NEW_TOKENS), src)
 
 
 def test_chunked_prefill_equals_single_shot(moe_checkpoint, monkeypatch):
@@ -187,7 +187,8 @@ class _SecondOfTwo(Communicator):
 
 def test_indivisible_moe_intermediate_size_is_refused():
     config = {**MOE, "model_type": "qwen3_moe", "moe_intermediate_size": 33}
-    with pytest.raises(ConfigError, match=r"moe_intermediate_size \(33\) is not divisible by the tensor-parallel size 2"):
+    refusal = r"moe_intermediate_size \(33\) is not divisible by the tensor-parallel size 2"
+    with pytest.raises(ConfigError, match=refusal):
         build_model(config, _SecondOfTwo(), torch.float32, torch.device("cpu"))
     build_model(config, SingleRank(), torch.float32, torch.device("cpu"))  # tp 1 divides everything
 

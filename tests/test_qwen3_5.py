@@ -99,12 +99,6 @@ def _params(max_tokens=NEW_TOKENS, logprobs=5) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=True)
 
 
-def _generate(path, tp: int, prompts, max_tokens=NEW_TOKENS, logprobs=5):
-    with LLM(str(path), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
-        return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                   _params(max_tokens, logprobs))]
-
-
 def _check_against_reference(path, prompts, outs) -> None:
     for prompt, got in zip(prompts, outs):
         assert_matches_reference(got, *reference_greedy(path, prompt), f"prompt {prompt[:5]}...")

@@ -10,7 +10,13 @@ import re
 
 import pytest
 import torch
-from checkpoints import assert_chunking_changes_nothing, assert_matches_reference, cached_model, greedy_with_logprobs
+from checkpoints import (
+    assert_chunking_changes_nothing,
+    assert_matches_reference,
+    cached_model,
+    generate_greedy,
+    greedy_with_logprobs,
+)
 from safetensors.torch import load_file, save_file
 from test_qwen3_5 import LONG, MULTIMODAL_TEXT, PROMPTS
 from vision_checkpoint import (
@@ -119,17 +125,11 @@ def _params(max_tokens=NEW_TOKENS, logprobs=5) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=True)
 
 
-def _generate(path, tp: int, prompts, max_tokens=NEW_TOKENS, logprobs=5):
-    with LLM(str(path), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
-        return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                   _params(max_tokens, logprobs))]
-
-
 def _check_parity(path, tp: int, reference_path=None) -> None:
     """All prompts in one batch of unequal lengths (the long one over several prefill chunks,
     beside decodes), each against transformers' greedy decode of it alone."""
     model = _hf_model(reference_path or path)
-    for prompt, got in zip(PROMPTS, _generate(path, tp, PROMPTS)):
+    for prompt, got in zip(PROMPTS, generate_greedy(path, tp, PROMPTS, NEW_TOKENS)):
         assert_matches_reference(got, *greedy_with_logprobs(model, prompt, NEW_TOKENS), f"prompt {prompt[:5]}...")
         assert len(got.logprobs) == NEW_TOKENS
 
