@@ -10,6 +10,7 @@ import signal
 
 import pytest
 import torch
+from server_harness import wait_until
 
 from neuron import LLM, SamplingParams
 from neuron.models.default import default_model_dir
@@ -67,6 +68,8 @@ def test_a_killed_worker_of_a_cuda_engine_is_rebuilt_and_serves_again():
         victim = llm.engine.executor.pool.workers[0].proc
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(timeout=30)
+        # the liveness monitor notices (within seconds); generate() then rebuilds the ranks first
+        wait_until(lambda: llm.engine.failure is not None, 10, "the dead rank was not noticed")
         assert _tokens(llm) == before  # generate() finds the dead rank, rebuilds, and runs
 
 

@@ -16,6 +16,7 @@ from checkpoints import (
     greedy_with_logprobs,
 )
 from safetensors.torch import load_file, save_file
+from server_harness import wait_until
 
 from neuron import LLM, SamplingParams
 from neuron.distributed.comm import Communicator, SingleRank
@@ -146,6 +147,8 @@ def test_prefix_cache_preemption_and_recovery(fused_checkpoint):
         victim = llm.engine.executor.pool.workers[0].proc
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(timeout=30)
+        # the liveness monitor notices (within seconds); generate() then rebuilds the ranks first
+        wait_until(lambda: llm.engine.failure is not None, 10, "the dead rank was not noticed")
         again = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     from transformers import Qwen3MoeForCausalLM
 

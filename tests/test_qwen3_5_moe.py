@@ -18,6 +18,7 @@ from checkpoints import (
     greedy_with_logprobs,
 )
 from safetensors.torch import load_file, save_file
+from server_harness import wait_until
 from test_qwen3_5 import LONG, MULTIMODAL_TEXT, PROMPTS
 from vision_checkpoint import (
     assert_image_parity,
@@ -149,6 +150,8 @@ def test_preemption_and_recovery_at_tp2(multimodal_checkpoint):
         victim = llm.engine.executor.pool.workers[0].proc
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(timeout=30)
+        # the liveness monitor notices (within seconds); generate() then rebuilds the ranks first
+        wait_until(lambda: llm.engine.failure is not None, 10, "the dead rank was not noticed")
         again = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params())]
     model = _hf_model(multimodal_checkpoint)
     for prompt, got, rerun in zip(PROMPTS, first, again):
