@@ -5,10 +5,14 @@ each step, gives the bitmask of the tokens that keep the output inside the gramm
 its grammar with `GuidedDecodingParams` (vLLM's names); `StructuredOutput.compile` turns it into a
 `CompiledGrammar`, cached by its spec, and each sequence gets its own `GrammarMatcher` from it.
 
-Compiling is the work a client controls, so it is bounded before it starts (the spec's size) and
-while it runs (llguidance's fuel limits, the first mask included), and it runs in the caller's
-thread: the server compiles in a worker thread and hands the engine the compiled grammar, so neither
-the event loop nor the engine loop ever compiles. The engine computes the masks of all constrained
+Compiling is the work a client controls, so it is bounded before it starts (the spec's size and
+JSON nesting), while it runs (llguidance's fuel limits, the first mask included) and where it runs:
+llguidance's compiler recurses as deep as a grammar's rules chain, so it runs on a thread of its
+own whose stack holds the deepest chain a spec of `MAX_SPEC_CHARS` can write (a 63 KB chain of
+7,000 Lark rules, or 1,400 chained `$defs`, compiles within 64 MiB of it), one compile at a time.
+Compiled grammars are cached by spec, bounded in bytes (each one's C-heap growth is measured as it
+is built); a failed compile is never kept, and the heap it used is handed back. The server compiles
+off the event loop and hands the engine the compiled grammar, so the engine loop never compiles. The engine computes the masks of all constrained
 sequences of a step in one call (llguidance's thread pool, GIL released) and the sampler applies
 them to their logits rows together (`TokenBitmask.apply`).
 """
@@ -31,11 +35,18 @@ import torch
 from neuron.engine.sampling import InvalidParams
 from neuron.engine.tokenizer import Tokenizer
 from neuron.utils.device import to_device
+from neuron.utils.native import heap_in_use, release_free_heap, run_with_stack
 
 # A spec longer than this is refused before compiling (characters of JSON text, regex or grammar).
 MAX_SPEC_CHARS = 64 * 1024
-# Compiled grammars kept; each holds its lexer's states, which the sequences using it share.
-CACHE_SIZE = 128
+# JSON nested deeper than this (arrays and objects, in a schema or a json spec's text) is refused
+# before it is parsed: llguidance's own parser stops at 128 levels, Python's would recurse past its limit.
+MAX_JSON_DEPTH = 128
+# The compiling thread's stack: four times what the deepest spec within MAX_SPEC_CHARS was measured to need.
+COMPILE_STACK_BYTES = 256 * 2**20
+# Bytes of compiled grammars kept (their lexers' states, which the sequences using one share); a
+# grammar larger than half of it is used by its request and not kept.
+CACHE_BYTES = 64 * 2**20
 # llguidance's own bounds (its defaults halved): building the lexer, and each step's mask. A grammar
 # that needs more fails to compile (a 400) or, mid-generation, fails its sequence alone.
 _LIMITS = {"initial_lexer_fuel": 500_000, "step_lexer_fuel": 100_000, "max_lexer_states": 100_000,
@@ -88,6 +99,8 @@ class GuidedDecodingParams:
             text = getattr(self, kind)
             _expect(isinstance(text, str) and text != "", param, "a non-empty string")
         _expect(len(text) <= MAX_SPEC_CHARS, param, f"at most {MAX_SPEC_CHARS} characters long")
+        if kind == "json":
+            _expect(json_depth(text) <= MAX_JSON_DEPTH, param, f"nested at most {MAX_JSON_DEPTH} levels deep")
         return kind, text
 
 
@@ -98,7 +111,39 @@ def _expect(ok: bool, param: str, what: str) -> None:
 
 def _dumps(schema, param: str) -> str:
     _expect(isinstance(schema, dict), param, "a JSON schema (an object)")
+    _expect(object_depth(schema) <= MAX_JSON_DEPTH, param, f"nested at most {MAX_JSON_DEPTH} levels deep")
     return json.dumps(schema, ensure_ascii=False)
+
+
+def json_depth(text: str) -> int:
+    """How deep arrays and objects nest in JSON text, counted without parsing it (no recursion):
+    brackets outside strings. Malformed text gets a number too; the parser refuses it later."""
+    depth = deepest = 0
+    for match in _JSON_TOKENS.finditer(text):
+        bracket = match.group()
+        if bracket in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif bracket in "]}":
+            depth -= 1
+    return deepest
+
+
+_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]')
+
+
+def object_depth(value) -> int:
+    """How deep lists and dicts nest in `value`, walked with a stack of our own (no recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple)) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if depth <= MAX_JSON_DEPTH:  # deeper is refused whatever lies below
+            todo += [(child, depth + 1) for child in children]
+    return deepest
 
 
 def _choice_text(choice, param: str) -> str:
@@ -157,6 +202,7 @@ class CompiledGrammar:
 
     spec: tuple[str, str]
     _template: llguidance.LLMatcher
+    nbytes: int = 0  # memory it holds, as measured when it was built
 
     def matcher(self) -> GrammarMatcher:
         return GrammarMatcher(self._template.deep_copy())
@@ -182,7 +228,9 @@ class StructuredOutput:
         self._words = (self._n_vocab + 31) // 32  # int32 words of one row's bitmask
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
+        self._compiling = threading.Lock()  # one compile at a time: its heap growth is then its own
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
+        self._cache_bytes = 0
         self._executor: llguidance.LLExecutor | None = None
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
@@ -201,23 +249,61 @@ class StructuredOutput:
             raise GrammarError("guided_decoding", "guided_decoding must be a GuidedDecodingParams, "
                                f"got {type(guided).__name__}")
         spec = guided.spec()
-        with self._lock:
-            if (hit := self._cache.get(spec)) is not None:
-                self._cache.move_to_end(spec)
+        if (hit := self._cached(spec)) is not None:
+            return hit
+        with self._compiling:
+            if (hit := self._cached(spec)) is not None:  # compiled while this one waited
                 return hit
-        compiled = CompiledGrammar(spec, self._build(spec, f"guided_decoding.{guided.kind}"))
-        with self._lock:
-            self._cache[spec] = compiled
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            compiled = run_with_stack(COMPILE_STACK_BYTES, self._measured_build, spec, f"guided_decoding.{guided.kind}")
+        self._keep(compiled)
         return compiled
 
-    def _build(self, spec: tuple[str, str], param: str) -> llguidance.LLMatcher:
+    def _cached(self, spec: tuple[str, str]) -> CompiledGrammar | None:
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+            return hit
+
+    def _keep(self, compiled: CompiledGrammar) -> None:
+        """Cache `compiled` unless it is too large to; evict the least recently used past CACHE_BYTES."""
+        if compiled.nbytes > CACHE_BYTES // 2:
+            return
+        with self._lock:
+            self._cache[compiled.spec] = compiled
+            self._cache_bytes += compiled.nbytes
+            evicted = 0
+            while self._cache_bytes > CACHE_BYTES:
+                _, old = self._cache.popitem(last=False)
+                self._cache_bytes -= old.nbytes
+                evicted += 1
+        if evicted:
+            release_free_heap()  # once the requests using them end, their lexers' memory can go back
+
+    @property
+    def cache_bytes(self) -> int:
+        return self._cache_bytes
+
+    def _measured_build(self, spec: tuple[str, str], param: str) -> CompiledGrammar:
+        """`_build`, with the C-heap growth it caused as the grammar's size (at least its spec's)."""
+        tokenizer = self._tokenizer()  # shared by every grammar: not counted in any one's size
+        before = heap_in_use()
+        try:
+            matcher = self._build(tokenizer, spec, param)
+        except BaseException:
+            release_free_heap()
+            raise
+        grew = 0 if before is None else max(heap_in_use() - before, 0)
+        return CompiledGrammar(spec, matcher, max(grew, 2 * len(spec[1])))
+
+    def _build(self, tokenizer: llguidance.LLTokenizer, spec: tuple[str, str], param: str) -> llguidance.LLMatcher:
         """The matcher at the grammar's start, its first mask computed once: that builds the lexer's
         start states, which every copy shares, and a grammar that cannot even start fails here."""
-        tokenizer = self._tokenizer()
         limits = llguidance.LLParserLimits(**_LIMITS, verbose_errors=False)
-        matcher = llguidance.LLMatcher(tokenizer, _grammar(*spec, param), limits=limits, log_level=0)
+        try:
+            matcher = llguidance.LLMatcher(tokenizer, _grammar(*spec, param), limits=limits, log_level=0)
+        except RecursionError:  # Python's own parsing of the spec, should a check above have missed a depth
+            raise GrammarError(param, f"{param} nests too deeply") from None
         if not matcher.is_error():
             llg_np.fill_next_token_bitmask(matcher, np.empty((1, self._words), dtype=np.int32))
         if matcher.is_error():

@@ -31,7 +31,7 @@ from neuron.entrypoints.openai.api_types import (
 )
 from neuron.entrypoints.openai.common import ready_engine
 from neuron.entrypoints.openai.connections import BodyTimeout
-from neuron.entrypoints.openai.prompt_input import tokenize_limiter
+from neuron.entrypoints.openai.prompt_input import Limiters
 from neuron.entrypoints.openai.serving_chat import create_chat_completion
 from neuron.entrypoints.openai.serving_completions import create_completion
 from neuron.entrypoints.openai.serving_tokenization import detokenize, tokenize
@@ -99,7 +99,7 @@ class _Api:
         self.cfg = cfg
         self.stats = engine.metrics
         self.started = int(time.time())
-        self.limiter = tokenize_limiter()
+        self.limiters = Limiters()
 
     def endpoint(self, name: str, handler):
         """Wrap a /v1 handler: authentication, the error envelope, and the request counter."""
@@ -158,17 +158,17 @@ class _Api:
 
     async def chat(self, request: Request) -> Response:
         req = await self._decode(request, ChatCompletionRequest)
-        return await create_chat_completion(request, self.engine, req, self.cfg.keepalive_s, self.limiter)
+        return await create_chat_completion(request, self.engine, req, self.cfg.keepalive_s, self.limiters)
 
     async def completions(self, request: Request) -> Response:
         req = await self._decode(request, CompletionRequest)
-        return await create_completion(request, self.engine, req, self.cfg.keepalive_s, self.limiter)
+        return await create_completion(request, self.engine, req, self.cfg.keepalive_s, self.limiters)
 
     async def tokenize(self, request: Request) -> Response:
-        return await tokenize(self.engine, await self._decode(request, TokenizeRequest), self.limiter)
+        return await tokenize(self.engine, await self._decode(request, TokenizeRequest), self.limiters.tokenize)
 
     async def detokenize(self, request: Request) -> Response:
-        return await detokenize(self.engine, await self._decode(request, DetokenizeRequest), self.limiter)
+        return await detokenize(self.engine, await self._decode(request, DetokenizeRequest), self.limiters.tokenize)
 
     async def _decode(self, request: Request, kind: type):
         return decode_body(await read_body(request, self.cfg.max_body_bytes), kind)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import anyio
@@ -24,8 +25,18 @@ T = TypeVar("T")
 TOKENIZE_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 2))
 
 
-def tokenize_limiter() -> anyio.CapacityLimiter:
-    return anyio.CapacityLimiter(TOKENIZE_THREADS)
+# Grammars compiled at once. A compile can take a second and much memory, so it has places of its
+# own: a burst of grammars never delays tokenizing, and one place keeps the memory of each compile
+# measurable (neuron.engine.structured_output).
+GRAMMAR_THREADS = 1
+
+
+@dataclass(slots=True)
+class Limiters:
+    """The server's places for work a client controls, done in worker threads off the event loop."""
+
+    tokenize: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(TOKENIZE_THREADS))
+    grammar: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(GRAMMAR_THREADS))
 
 
 async def off_loop(limiter: anyio.CapacityLimiter, fn: Callable[..., T], *args) -> T:

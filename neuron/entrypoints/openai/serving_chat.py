@@ -6,7 +6,6 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import anyio
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
@@ -45,7 +44,7 @@ from neuron.entrypoints.openai.common import (
     stream_error,
 )
 from neuron.entrypoints.openai.guided import compile_guided
-from neuron.entrypoints.openai.prompt_input import check_prompt_chars, off_loop
+from neuron.entrypoints.openai.prompt_input import Limiters, check_prompt_chars, off_loop
 from neuron.entrypoints.openai.streaming import (
     DONE,
     KEEPALIVE,
@@ -134,8 +133,8 @@ def _render(llm, req: ChatCompletionRequest) -> tuple[str, list[int], list[Image
 
 
 async def create_chat_completion(request: Request, engine: AsyncEngine, req: ChatCompletionRequest,
-                                 keepalive_s: float, limiter: anyio.CapacityLimiter) -> Response:
-    """`limiter` bounds how many chats are rendered and tokenized at once."""
+                                 keepalive_s: float, limiters: Limiters) -> Response:
+    """`limiters` bound how many chats are rendered and tokenized, and grammars compiled, at once."""
     check_model(req, engine.model_name)
     _check(req)
     llm = ready_engine(engine)
@@ -148,9 +147,9 @@ async def create_chat_completion(request: Request, engine: AsyncEngine, req: Cha
         raise bad_request(f"{max_name} must be >= 1 or null, got 0", param=max_name)
     params = sampling_params(req, llm.default_sampling(), max_tokens=getattr(req, max_name), logprobs=top_logprobs,
                              renames={"logprobs": "top_logprobs", "max_tokens": max_name})
-    params.guided_decoding = await compile_guided(llm, req, limiter)
+    params.guided_decoding = await compile_guided(llm, req, limiters.grammar)
     check_prompt_chars(llm, template_content_chars(req.messages), "messages")  # at once, before the template
-    prompt, prompt_ids, images = await off_loop(limiter, _render, llm, req)
+    prompt, prompt_ids, images = await off_loop(limiters.tokenize, _render, llm, req)
     ctx = ChatRequestContext(req, engine.model_name, llm.tokenizer, prompt, top_logprobs)
     samples = open_samples(engine, ctx.id, [prompt_ids], params, prompt_param="messages", images=images)
     if req.stream:

@@ -37,7 +37,7 @@ from neuron.entrypoints.openai.common import (
 )
 from neuron.entrypoints.openai.echo import echo_logprobs, prompt_topk, vllm_prompt_logprobs, with_prompt_logprobs
 from neuron.entrypoints.openai.guided import compile_guided
-from neuron.entrypoints.openai.prompt_input import check_prompt_chars, check_prompt_ids, off_loop
+from neuron.entrypoints.openai.prompt_input import Limiters, check_prompt_chars, check_prompt_ids, off_loop
 from neuron.entrypoints.openai.streaming import (
     DONE,
     KEEPALIVE,
@@ -132,8 +132,8 @@ def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
 
 
 async def create_completion(request: Request, engine: AsyncEngine, req: CompletionRequest, keepalive_s: float,
-                            limiter: anyio.CapacityLimiter) -> Response:
-    """`limiter` bounds how many prompts are tokenized at once. Choice p * n + i is the i-th sample
+                            limiters: Limiters) -> Response:
+    """`limiters` bound how many prompts are tokenized, and grammars compiled, at once. Choice p * n + i is the i-th sample
     of prompt p (vLLM's order)."""
     check_model(req, engine.model_name)
     _check(req)
@@ -142,8 +142,8 @@ async def create_completion(request: Request, engine: AsyncEngine, req: Completi
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = sampling_params(req, llm.default_sampling(), max_tokens=max_tokens, logprobs=req.logprobs, renames={})
     params = with_prompt_logprobs(params, prompt_topk(req))
-    params.guided_decoding = await compile_guided(llm, req, limiter)
-    ids = [await prompt_ids(llm, prompt, limiter) for prompt in prompts]
+    params.guided_decoding = await compile_guided(llm, req, limiters.grammar)
+    ids = [await prompt_ids(llm, prompt, limiters.tokenize) for prompt in prompts]
     ctx = _Context(req, engine.model_name, llm.tokenizer, prompts, ids)
     samples = open_samples(engine, ctx.id, ids, params, prompt_param="prompt")
     ctx.per_prompt = samples.per_prompt
