@@ -181,11 +181,22 @@ class Settings:
     max_connections: int = _setting(int, 1024, "open HTTP connections served at once; more get 503 with "
                                     "Retry-After and are closed. Kept below the open-file limit by a margin "
                                     "that rebuilding the ranks needs", lo=1)
+    max_connections_per_client: int = _setting(int, 256, "open HTTP connections one client address may hold; "
+                                               "more get 503 like those past max-connections. 0: no "
+                                               "per-client cap (behind a proxy, where every client has "
+                                               "the proxy's address)", lo=0)
     header_timeout_s: float = _setting(float, 10.0, "seconds a client gets to send a request's headers, from "
                                        "connecting or from the first byte of its next request; then 408 and "
                                        "the connection is closed", lo=0, above=True)
-    body_timeout_s: float = _setting(float, 30.0, "seconds a request body may pause between two reads; then "
-                                     "408 and the connection is closed", lo=0, above=True)
+    body_timeout_s: float = _setting(float, 30.0, "seconds a request body may pause between two reads, and "
+                                     "the head start of its whole-body deadline; then 408 and the connection is "
+                                     "closed", lo=0, above=True)
+    min_body_rate: int = _setting("bytes", 64 * 2**10, "bytes per second a request body must average: its "
+                                  "whole body is due body-timeout-s after it starts plus one second per this "
+                                  "many bytes received, so a trickle cannot hold a connection")
+    allowed_origins: str | None = _setting(str, None, "comma-separated origins (https://app.example) whose "
+                                           "browser pages may call the API (CORS); requests from any other "
+                                           "origin get 403", unset="none: browser pages of any origin are refused")
     idle_timeout_s: float = _setting(float, 5.0, "seconds a keep-alive connection may stay idle between "
                                      "requests before the server closes it", lo=0, above=True)
     log_level: str = _setting(str, "info", "log level", choices=("debug", "info", "warning", "error"))
@@ -206,6 +217,11 @@ class Settings:
                                       "count and is retried until the resource is back", lo=1)
     recovery_backoff_s: float = _setting(float, 1.0, "wait before the second rebuild, doubling after each "
                                          "failed one (up to 30 s)", lo=0)
+
+    # Limits on what one request may ask for.
+    max_prompt_logprobs: int = _setting(int, 2**18, "prompt log-probabilities one request may ask for (echo "
+                                        "with logprobs, prompt_logprobs), counted as prompts x samples x prompt "
+                                        "tokens x (top-k + 1); more is refused with 400", lo=1)
 
     # Limits on what peers send.
     max_line_bytes: int = _setting("bytes", 64 * 2**20, "longest protocol line between leader and workers")

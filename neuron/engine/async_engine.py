@@ -85,6 +85,10 @@ class AsyncEngine:
         self._interrupt_hook = interrupt
         self.model_name = model_name
         self.capacity = max_running + max_waiting
+        self.max_running = max_running
+        # Sequences one request may hold, so that one request never takes every place: all the
+        # running slots at most, or half of all places when the waiting queue is larger.
+        self.max_per_request = max(max_running, self.capacity // 2)
         self.metrics = metrics or Metrics()
         self.engine: LLMEngine | None = None
         self._state = EngineState.LOADING

@@ -13,6 +13,7 @@ import torch
 from neuron.engine.sampling import SamplingParams
 from neuron.engine.structured_output import GrammarError, GrammarMatcher, StructuredOutput
 from neuron.errors import NeuronError
+from neuron.utils.procfs import available_memory
 from neuron.multimodal.image import (
     ImageError,
     ImageInput,
@@ -47,6 +48,7 @@ class InputProcessor:
     max_image_bytes: Callable[[], int]  # encoded image bytes one step's protocol line can carry (a live setting)
     device: str  # rank 0's device, where the vision tower's activations must fit
     dtype: str
+    ranks_on_device: int = 1  # ranks that run their own vision tower in that device's memory
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  images: list[ImageInput] | None = None) -> int:
@@ -66,6 +68,9 @@ class InputProcessor:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has {n} "
                 "tokens (no room to generate)", code="context_length_exceeded", param="messages")
+        if not all(type(t) is int for t in prompt_token_ids):  # bools, floats, numpy scalars: convert first
+            kind = next(type(t).__name__ for t in prompt_token_ids if type(t) is not int)
+            raise RequestError(f"token ids must be Python ints, got a {kind}", param="prompt")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
@@ -92,26 +97,46 @@ class InputProcessor:
                 f"all {self.vocab_size} tokens of the vocabulary, so no token could be sampled: lower "
                 "min_tokens to 0 or leave some ids out of stop_token_ids", param="stop_token_ids")
 
-    def check_images(self, uris: list) -> list[ImageInput]:
-        """Decode and size a request's images before any device work (raises ImageError: 400 for
-        a model without vision, a URI that is not base64 `data:`, or bytes that are no image; 413
-        over NEURON_VISION_MAX_PIXELS; 503 when the vision tower's activations cannot fit the GPU)."""
+    def check_images(self, uris: list, placeholders: int | None = None) -> list[ImageInput]:
+        """Size, bound and decode a request's images before any device work, cheapest checks first:
+        the placeholder count (when the caller knows it), the encoded size, each image's header
+        (pixels, and the context its tokens take), the vision tower's memory, and only then the
+        pixels themselves. Raises ImageError: 400 for a model without vision, a URI that is not
+        base64 `data:`, bytes that are no image, placeholders that do not match, or images that
+        overflow the context; 413 over NEURON_VISION_MAX_PIXELS or the step's line; 503 when the
+        vision tower's activations cannot fit the device (or, on CPU, the memory left)."""
         if self.vision is None:
             raise vision_unsupported()
+        if placeholders is not None and placeholders != len(uris):
+            raise ImageError(f"the prompt has {placeholders} image placeholder(s) but {len(uris)} image(s) were given")
         size, limit = sum(len(u) for u in uris if isinstance(u, str)), self.max_image_bytes()
         if size > limit:  # the images travel to every worker in one protocol line
             raise ImageError(f"the request's images take {size} bytes encoded; at most {limit} fit one step "
                              "(NEURON_MAX_LINE_BYTES)", status=413, code="image_too_large")
-        images = [check_image(uri, self.vision) for uri in uris]
-        if self.device.startswith("cuda") and images:
-            free, _ = torch.cuda.mem_get_info(self.device)
-            width = 2 if self.dtype != "float32" else 4
-            need = vision_activation_bytes(self.vision, images, width)
-            if need > free:
-                raise ImageError(f"the images need about {need / 2**20:.0f} MiB of GPU memory for the vision "
-                                 f"tower; {free / 2**20:.0f} MiB are free. Send fewer or smaller images",
-                                 status=503, code="insufficient_vram")
-        return images
+        sized = [check_image(uri, self.vision, decode=False) for uri in uris]
+        tokens = sum(i.num_tokens for i in sized)
+        if tokens >= self.max_model_len:
+            raise ImageError(f"the images take {tokens} tokens of context; this model's maximum context length is "
+                             f"{self.max_model_len} tokens. Send fewer or smaller images",
+                             code="context_length_exceeded")
+        self._check_vision_memory(sized)
+        return [check_image(uri, self.vision) for uri in uris]
+
+    def _check_vision_memory(self, images: list[ImageInput]) -> None:
+        """503 when the vision tower's activations for `images`, on every rank that shares this
+        device (all of them on CPU), exceed what the device has free."""
+        if not images:
+            return
+        width = 2 if self.dtype in ("bfloat16", "float16") or (self.dtype == "auto" and self.device != "cpu") else 4
+        need = vision_activation_bytes(self.vision, images, width) * self.ranks_on_device
+        if self.device.startswith("cuda"):
+            free, where = torch.cuda.mem_get_info(self.device)[0], "GPU memory"
+        else:
+            free, where = available_memory(), "memory"
+        if free is not None and need > free:
+            raise ImageError(f"the images need about {need / 2**20:.0f} MiB of {where} for the vision tower; "
+                             f"{free / 2**20:.0f} MiB are free. Send fewer or smaller images",
+                             status=503, code="insufficient_memory" if where == "memory" else "insufficient_vram")
 
     def expand_images(self, prompt_token_ids: list[int], images: list[ImageInput]) -> list[int]:
         """The prompt with its one placeholder per image widened to the tokens the image fills."""

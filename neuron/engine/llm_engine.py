@@ -105,7 +105,8 @@ class LLMEngine:
         self.structured = (StructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids)
                            if self.tokenizer is not None else None)
         self.inputs = InputProcessor(self.max_model_len, self.vocab_size, self.eos_token_ids, self.vision, self.structured,
-                                     lambda: self.executor.max_image_bytes, self.executor.devices[0], cfg.dtype)
+                                     lambda: self.executor.max_image_bytes, self.executor.devices[0], cfg.dtype,
+                                     self.executor.devices.count(self.executor.devices[0]))
 
     def start(self) -> "LLMEngine":
         self.executor.start()
@@ -169,8 +170,8 @@ class LLMEngine:
         """Refuse a request that cannot run (RequestError); its max_tokens clamped to the context."""
         return self.inputs.validate(prompt_token_ids, params, images)
 
-    def check_images(self, uris: list) -> list[ImageInput]:
-        return self.inputs.check_images(uris)
+    def check_images(self, uris: list, placeholders: int | None = None) -> list[ImageInput]:
+        return self.inputs.check_images(uris, placeholders)
 
     def expand_images(self, prompt_token_ids: list[int], images: list[ImageInput]) -> list[int]:
         return self.inputs.expand_images(prompt_token_ids, images)

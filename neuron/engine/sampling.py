@@ -16,6 +16,7 @@ it is reported as failed, with the reason, and the other rows are sampled as if 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -28,6 +29,11 @@ if TYPE_CHECKING:
     from neuron.engine.structured_output import CompiledGrammar, GuidedDecodingParams, TokenBitmask
 
 MAX_LOGPROBS = 20
+# Stop conditions a request may set. Each generated token is checked against all of them on the
+# engine thread, which every other request waits for, so their number is bounded.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024  # per stop string
+MAX_STOP_TOKEN_IDS = 4096
 
 # Dividing by a temperature this small overflows float32; the result would be argmax anyway.
 _GREEDY_BELOW = 1e-5
@@ -78,8 +84,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self._check_stop_sizes()  # before anything walks the lists
         if self.stop_token_ids is not None:
-            self.stop_token_ids = list(self.stop_token_ids)
+            self.stop_token_ids = token_ids(self.stop_token_ids, "stop_token_ids")
         self._check_sampling()
         self._check_penalties()
         self._check_lengths()
@@ -126,19 +133,54 @@ class SamplingParams:
         cap = f"<= max_tokens ({self.max_tokens})"
         _check(self.min_tokens <= self.max_tokens, "min_tokens", cap, self.min_tokens)
 
+    def _check_stop_sizes(self) -> None:
+        if self.stop is not None:
+            _check(isinstance(self.stop, (list, tuple)), "stop", "a string or a list of strings", _shown(self.stop))
+            if len(self.stop) > MAX_STOP_STRINGS:
+                raise InvalidParams("stop", f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if self.stop_token_ids is not None:
+            count = len(self.stop_token_ids) if hasattr(self.stop_token_ids, "__len__") else None
+            if count is None or count > MAX_STOP_TOKEN_IDS:
+                got = f"{count} ids" if count is not None else _shown(self.stop_token_ids)
+                raise InvalidParams("stop_token_ids", f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} "
+                                                      f"token ids, got {got}")
+
     def _check_outputs(self) -> None:
         if self.stop is not None:
-            stop_ok = all(isinstance(s, str) and s for s in self.stop)
-            _check(stop_ok, "stop", "a list of non-empty strings", self.stop)
+            stop_ok = all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop)
+            _check(stop_ok, "stop", f"a list of non-empty strings of at most {MAX_STOP_CHARS} characters",
+                   _shown(self.stop))
         if self.stop_token_ids is not None:
             ids_ok = all(t >= 0 for t in self.stop_token_ids)
-            _check(ids_ok, "stop_token_ids", "a list of ids >= 0", self.stop_token_ids)
+            _check(ids_ok, "stop_token_ids", "a list of ids >= 0", _shown(self.stop_token_ids))
         if self.logprobs is not None:
             allowed = f"in [0, {MAX_LOGPROBS}] or null"
             _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", allowed, self.logprobs)
         if self.prompt_logprobs is not None:
             allowed = f"in [0, {MAX_LOGPROBS}] or null"
             _check(0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs", allowed, self.prompt_logprobs)
+
+
+def token_ids(values, param: str) -> list[int]:
+    """`values` as a list of ints, taking what Python counts as an integer (`operator.index`: ints,
+    numpy integers) and nothing else: not floats, even whole ones, not bools, not strings."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise InvalidParams(param, f"{param} must be a list of token ids (integers), got {_shown(values)}")
+    out = []
+    for i, value in enumerate(values):
+        if isinstance(value, bool):
+            raise InvalidParams(param, f"{param}[{i}] must be a token id (an integer), got {value!r}")
+        try:
+            out.append(operator.index(value))
+        except TypeError:
+            raise InvalidParams(param, f"{param}[{i}] must be a token id (an integer), got {_shown(value)}") from None
+    return out
+
+
+def _shown(value, limit: int = 80) -> str:
+    """repr of a client's value, cut short: an error message never echoes a megabyte."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class SequenceSampler:

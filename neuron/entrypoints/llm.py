@@ -16,7 +16,7 @@ from typing import Sequence
 
 from neuron.engine.llm_engine import EngineConfig, LLMEngine, Update, encode_prompt
 from neuron.engine.parallel_sampling import cumulative_logprob, ranked, sample_id, sample_params
-from neuron.engine.sampling import SamplingParams
+from neuron.engine.sampling import SamplingParams, token_ids
 from neuron.errors import NeuronError
 from neuron.multimodal.image import ImageInput
 
@@ -85,7 +85,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched together; outputs in prompt order, each with
         `n` samples (`outputs[i].index == i`; see parallel_sampling for seeds and best_of)."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (len(prompts) and _is_id(prompts[0])):  # one prompt of ids
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
@@ -137,7 +137,7 @@ class LLM:
             return prompt, encode_prompt(self.engine, prompt), []
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                text, ids = prompt.get("prompt"), token_ids(prompt["prompt_token_ids"], "prompt_token_ids")
             elif "prompt" in prompt:
                 text, ids = prompt["prompt"], encode_prompt(self.engine, prompt["prompt"])
             else:
@@ -146,7 +146,7 @@ class LLM:
             if not images:
                 return text, ids, []
             return text, self.engine.expand_images(ids, images), images
-        return None, list(prompt), []
+        return None, token_ids(prompt, "prompt"), []
 
     def _images(self, data: dict | None) -> list[ImageInput]:
         """`multi_modal_data={"image": ...}`: one image or a list, each a base64 `data:` URI or a
@@ -194,6 +194,12 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+
+def _is_id(value) -> bool:
+    """A token id rather than a prompt: anything Python counts as an integer (numpy's included)."""
+    return hasattr(value, "__index__") and not isinstance(value, (list, tuple, dict, str))
 
 
 def _apply(c: CompletionOutput, u: Update) -> None:

@@ -31,30 +31,41 @@ def prefill_with_images(model, seqs: list[SeqStep], image_token_id: int, image_d
             raise StepRejected(f"slot {s.slot}: a step with images prefills a whole sequence from "
                                "position 0 (fresh, offset 0)")
     model.cache.check(seqs, model.config.vocab_size)
-    pixels, grids = _preprocess(model, image_data_uris)
-    layouts = _layouts(model, seqs, grids, image_token_id)
-    embeds = model.vision(torch.cat(pixels), grids) if grids else None
+    pixels, distinct, grids, first_rows = _preprocess(model, image_data_uris)
+    layouts = _layouts(model, seqs, grids, first_rows, image_token_id)
+    embeds = model.vision(torch.cat(pixels), distinct) if pixels else None
     return _walk_chunks(model, seqs, layouts, embeds, chunk_size)
 
 
-def _preprocess(model, image_data_uris: list[str]) -> tuple[list[torch.Tensor], list]:
-    """Each image's patches and grid; a bad image rejects the step."""
-    pixels, grids = [], []
+def _preprocess(model, image_data_uris: list[str]) -> tuple[list[torch.Tensor], list, list, list[int]]:
+    """The patches and grids of the distinct images, every image's grid, and the embedding row each
+    image's tokens start at: an image sent again in the same step (a request's `n` samples) runs
+    through the vision tower once. A bad image rejects the step."""
+    pixels, distinct, grids, first_rows, row_of, rows = [], [], [], [], {}, 0
+    merge2 = model.vision_spec.merge_size ** 2
     for i, uri in enumerate(image_data_uris):
+        if uri in row_of:
+            grids.append(grids[row_of[uri][1]])
+            first_rows.append(row_of[uri][0])
+            continue
         try:
             patches, grid = preprocess(uri, model.vision_spec)
         except ImageError as exc:
             raise StepRejected(f"image {i}: {exc}") from None
+        row_of[uri] = (rows, i)
         pixels.append(patches)
+        distinct.append(grid)
         grids.append(grid)
-    return pixels, grids
+        first_rows.append(rows)
+        rows += math.prod(grid) // merge2
+    return pixels, distinct, grids, first_rows
 
 
-def _layouts(model, seqs: list[SeqStep], grids: list, image_token_id: int) -> list[tuple]:
+def _layouts(model, seqs: list[SeqStep], grids: list, first_rows: list[int], image_token_id: int) -> list[tuple]:
     """Per sequence: its multimodal positions, the embedding row each placeholder takes (-1 for
     text tokens) and the position shift of the text after its images."""
     merge2 = model.vision_spec.merge_size ** 2
-    layouts, used, first = [], 0, 0  # images taken so far, and their embedding rows
+    layouts, used = [], 0  # images taken so far
     for s in seqs:
         want = s.token_ids.count(image_token_id)
         counts, take = [], used
@@ -67,9 +78,8 @@ def _layouts(model, seqs: list[SeqStep], grids: list, image_token_id: int) -> li
             raise StepRejected(f"slot {s.slot}: {exc}") from None
         positions, shift = mrope_positions(len(s.token_ids), spans, grids[used:take], model.vision_spec.merge_size)
         source = torch.full((len(s.token_ids),), -1, dtype=torch.long)
-        for start, end in spans:
+        for (start, end), first in zip(spans, first_rows[used:take]):
             source[start:end] = torch.arange(first, first + end - start)
-            first += end - start
         layouts.append((positions.to(model.device), source.to(model.device), shift))
         used = take
     if used != len(grids):

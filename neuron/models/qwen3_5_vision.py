@@ -62,11 +62,13 @@ class _Block:
         n = x.shape[0]
         q, k, v = self.qkv(self.norm1(x)).view(n, 3, self.heads, -1).unbind(1)  # [n, heads, d] each
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, n, d]
+        # [1, heads, n, d]: SDPA's memory-efficient (flash) kernels take 4-D inputs only; a 3-D call
+        # takes the math path, whose heads x n x n scores are gigabytes for one large image.
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         outs = [F.scaled_dot_product_attention(qi, ki, vi)
-                for qi, ki, vi in zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1))]
-        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        x = x + self.proj(o.transpose(0, 1).reshape(n, -1))
+                for qi, ki, vi in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))]
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        x = x + self.proj(o[0].transpose(0, 1).reshape(n, -1))
         return x + self.fc2(self.act(self.fc1(self.norm2(x))))
 
 

@@ -144,9 +144,10 @@ def decode_data_uri(uri: object) -> bytes:
         raise ImageError("the image data: URI is not valid base64") from None
 
 
-def open_image(uri: str, max_pixels: int | None = None):
+def open_image(uri: str, max_pixels: int | None = None, decode: bool = True):
     """Decode an image fully (so a truncated or corrupt one fails here, not on a rank). Refuses
-    images over `max_pixels` (NEURON_VISION_MAX_PIXELS) from their header, before decoding."""
+    images over `max_pixels` (NEURON_VISION_MAX_PIXELS) from their header, before decoding.
+    `decode=False` reads the header alone: the size, at the cost of parsing a few bytes."""
     from PIL import Image, UnidentifiedImageError
 
     data = decode_data_uri(uri)
@@ -159,7 +160,8 @@ def open_image(uri: str, max_pixels: int | None = None):
             if w * h > limit:
                 raise ImageError(f"image is {w}x{h} = {w * h} pixels, over the limit of {limit} "
                                  "(NEURON_VISION_MAX_PIXELS)", status=413, code="image_too_large")
-            image.load()
+            if decode:
+                image.load()
     except ImageError:
         raise
     except Image.DecompressionBombError as exc:
@@ -171,9 +173,10 @@ def open_image(uri: str, max_pixels: int | None = None):
     return image
 
 
-def check_image(uri: str, spec: VisionSpec) -> ImageInput:
-    """Decode and size one image as the ranks will: the leader's guard and grid."""
-    image = open_image(uri)
+def check_image(uri: str, spec: VisionSpec, decode: bool = True) -> ImageInput:
+    """Size one image as the ranks will, from its header, and decode it unless `decode` is False:
+    the leader's guard and grid."""
+    image = open_image(uri, decode=decode)
     h, w = smart_resize(image.height, image.width, spec.factor, spec.min_pixels, spec.max_pixels)
     return ImageInput(uri, image.width, image.height, (1, h // spec.patch_size, w // spec.patch_size),
                       spec.merge_size)
@@ -265,13 +268,13 @@ def mrope_positions(length: int, spans: list[tuple[int, int]], grids: list[tuple
 
 
 def vision_activation_bytes(spec: VisionSpec, images: list[ImageInput], dtype_bytes: int) -> int:
-    """A generous bound on the vision tower's transient memory for these images: hidden states
-    and MLP activations of every patch, plus one image's attention scores at a time."""
+    """A generous bound on the vision tower's transient memory for these images: the pixels,
+    hidden states and MLP activations of every patch. Attention never holds an image's scores
+    whole (the tower calls SDPA's memory-efficient kernels), only tiles of them."""
     patches = sum(i.num_patches for i in images)
-    largest = max((i.num_patches for i in images), default=0)
-    per_patch = (8 * spec.hidden_size + 2 * spec.intermediate_size) * dtype_bytes
-    scores = spec.num_heads * largest * largest * 4
-    return 2 * (patches * per_patch + scores)
+    pixels = 3 * spec.temporal_patch_size * spec.patch_size ** 2 * 4
+    per_patch = (8 * spec.hidden_size + 2 * spec.intermediate_size) * dtype_bytes + pixels
+    return 2 * patches * per_patch + 64 * 2**20
 
 
 __all__ = [

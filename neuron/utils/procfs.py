@@ -33,6 +33,18 @@ def stopped(pid: int) -> bool:
     return state(pid) in ("T", "t")
 
 
+def available_memory() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def child_pids(pid: int) -> list[int]:
     """Live processes whose parent is `pid`."""
     entries = os.listdir("/proc") if os.path.isdir("/proc") else []

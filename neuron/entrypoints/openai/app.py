@@ -14,6 +14,7 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -30,7 +31,7 @@ from neuron.entrypoints.openai.api_types import (
     TokenizeRequest,
 )
 from neuron.entrypoints.openai.common import ready_engine
-from neuron.entrypoints.openai.connections import BodyTimeout
+from neuron.entrypoints.openai.connections import BodyTimeout, RequestGuard, parse_origins
 from neuron.entrypoints.openai.prompt_input import Limiters
 from neuron.entrypoints.openai.serving_chat import create_chat_completion
 from neuron.entrypoints.openai.serving_completions import create_completion
@@ -57,6 +58,9 @@ class ServerConfig:
     max_connections: int = from_settings("max_connections")  # open connections; `neuron serve` may lower it
     header_timeout_s: float = from_settings("header_timeout_s")
     body_timeout_s: float = from_settings("body_timeout_s")  # longest pause between two reads of a body
+    min_body_rate: int = from_settings("min_body_rate")  # bytes/s a body must average past its head start
+    max_connections_per_client: int = from_settings("max_connections_per_client")
+    allowed_origins: str | None = from_settings("allowed_origins")
     idle_timeout_s: float = from_settings("idle_timeout_s")  # keep-alive connections between requests
 
     def __post_init__(self) -> None:
@@ -82,7 +86,12 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> Starlette:
         yield
         await anyio.to_thread.run_sync(engine.stop)
 
-    middleware = [Middleware(BodyTimeout, timeout_s=cfg.body_timeout_s)]
+    origins = parse_origins(cfg.allowed_origins)
+    middleware = [Middleware(RequestGuard, allowed_origins=origins),
+                  Middleware(BodyTimeout, timeout_s=cfg.body_timeout_s, min_rate=cfg.min_body_rate)]
+    if origins:  # browser pages of these origins may read the answers too
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=sorted(origins), allow_methods=["GET", "POST"],
+                                        allow_headers=["authorization", "content-type"]))
     return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                      exception_handlers={HTTPException: _http_error})
 
@@ -171,7 +180,20 @@ class _Api:
         return await detokenize(self.engine, await self._decode(request, DetokenizeRequest), self.limiters.tokenize)
 
     async def _decode(self, request: Request, kind: type):
-        return decode_body(await read_body(request, self.cfg.max_body_bytes), kind)
+        decoded = decode_body(await read_body(request, self.cfg.max_body_bytes), kind)
+        require_json(request)
+        return decoded
+
+
+def require_json(request: Request) -> None:
+    """415 unless the body is declared JSON. A browser page may send text/plain or form bodies to any
+    origin without asking first (a CORS "simple" request), but never `application/json`. A body that
+    is not JSON at all is a 400 before this, whatever its type says."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        shown = repr(media_type) if media_type else "none"
+        raise APIError(415, f"the request body must be sent as Content-Type: application/json, not {shown}",
+                       code="unsupported_media_type")
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -8,6 +8,7 @@ import uuid
 
 import msgspec
 
+from neuron.config import settings
 from neuron.engine.async_engine import AsyncEngine, EngineState, NotReady, Overloaded, RequestStream
 from neuron.engine.llm_engine import RequestError
 from neuron.engine.parallel_sampling import num_samples, ranked, sample_id, sample_params
@@ -163,14 +164,42 @@ class Samples:
         return UsageInfo(prompt, completion, prompt + completion)
 
 
+def check_sequences(engine: AsyncEngine, num_prompts: int, params: SamplingParams) -> None:
+    """Refuse, before any prompt is tokenized, a request for more sequences than one request may
+    hold: `n` (or `best_of`) up to the running slots, and all its prompts' samples together up to
+    `max_per_request`, so other clients always find a place."""
+    per_prompt = num_samples(params)
+    param = "best_of" if params.best_of else "n"
+    if per_prompt > engine.max_running:
+        raise bad_request(f"{param} is {per_prompt}; this server runs at most {engine.max_running} sequences at "
+                          "once (--max-num-seqs)", param=param)
+    total = num_prompts * per_prompt
+    if total > engine.max_per_request:
+        raise bad_request(f"the request asks for {total} sequences ({num_prompts} prompt(s) x {per_prompt} "
+                          f"sample(s)); one request may hold at most {engine.max_per_request} of this server's "
+                          f"{engine.capacity} places", param="prompt" if per_prompt == 1 else param)
+
+
+def check_prompt_logprobs(prompts: list[list[int]], params: SamplingParams) -> None:
+    """Refuse a request whose prompt log-probabilities would exceed `max_prompt_logprobs` entries
+    (prompts x samples x tokens x (top-k + 1)), before any of them is computed."""
+    if params.prompt_logprobs is None:
+        return
+    budget = settings().max_prompt_logprobs
+    entries = sum(map(len, prompts)) * num_samples(params) * (params.prompt_logprobs + 1)
+    if entries > budget:
+        raise bad_request(f"the request asks for {entries} prompt log-probabilities (prompt tokens x samples x "
+                          f"(top-k + 1)); at most {budget} are returned per request (NEURON_MAX_PROMPT_LOGPROBS): "
+                          "ask for fewer samples, a smaller top-k or a shorter prompt", param="prompt_logprobs")
+
+
 def open_samples(engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: SamplingParams,
                  prompt_param: str, images: list[ImageInput] | None = None) -> Samples:
     """Queue the samples of every prompt, or none of them: every prompt is validated before any is
     queued, and samples already opened when one is refused (the server full) are aborted."""
+    check_sequences(engine, len(prompts), params)
+    check_prompt_logprobs(prompts, params)
     total = len(prompts) * num_samples(params)
-    if total > engine.capacity:
-        raise bad_request(f"the request asks for {total} sequences ({len(prompts)} prompt(s) x {num_samples(params)} "
-                          f"sample(s)); this server holds at most {engine.capacity} at once", param="n")
     children = sample_params(params)
     if total > 1:
         llm = ready_engine(engine)

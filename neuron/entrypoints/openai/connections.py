@@ -7,11 +7,17 @@ as long as the client likes, accepts connections without limit (its `limit_concu
 forever. Idle connections then use up the leader's descriptors, and a rebuild of the ranks, which
 needs pipes and sockets, fails. Here:
 
-- past `max_connections` open connections a new one gets 503 with Retry-After and is closed;
+- past `max_connections` open connections, or `max_per_client` from one client address, a new
+  one gets 503 with Retry-After and is closed;
 - a request's headers must arrive within `header_timeout_s` (a partial head gets 408);
-- a body may not pause longer than `body_timeout_s` (408, from `BodyTimeout`, while a handler
-  reads it; the connection is closed a moment later if nothing reads it), and what is left of a
-  body once its response is sent must arrive within `body_timeout_s`, however it trickles;
+- a body may not pause longer than `body_timeout_s`, and the whole of it must arrive within
+  `body_timeout_s` plus one second per `min_body_rate` bytes received (408, from `BodyTimeout`,
+  while a handler reads it; the connection is closed a moment later if nothing reads it), and what
+  is left of a body once its response is sent must arrive within `body_timeout_s`, however it
+  trickles;
+- a request that declares both Content-Length and Transfer-Encoding gets 400 and its connection
+  is closed (RFC 9112 6.1: the two framings could be read differently by a proxy in front), and
+  one from a browser page of an origin not allowed gets 403 (`RequestGuard`);
 - an idle keep-alive connection is closed after `idle_timeout_s` (Uvicorn's own timer).
 
 The connection cap is kept below the open-file limit by a margin that a rebuild needs.
@@ -52,11 +58,13 @@ class ConnectionLimits:
     header_timeout_s: float
     body_timeout_s: float
     idle_timeout_s: float
+    max_per_client: int = 0  # connections from one address; 0: no such cap
 
     @classmethod
     def from_settings(cls) -> ConnectionLimits:
         s = settings()
-        return cls(s.max_connections, s.header_timeout_s, s.body_timeout_s, s.idle_timeout_s)
+        return cls(s.max_connections, s.header_timeout_s, s.body_timeout_s, s.idle_timeout_s,
+                   s.max_connections_per_client)
 
 
 def _raw_response(status: int, reason: str, error: APIError) -> bytes:
@@ -80,20 +88,34 @@ class GuardedH11Protocol(H11Protocol):
 
     limits: ConnectionLimits
     lingering = 0  # refused connections still open, on this server
+    per_client: dict[str, int]  # open connections by client address, on this server
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._timer: asyncio.TimerHandle | None = None
         self._refused = self._lingering = False
         self._draining = False  # the response is sent; the rest of the body is read only to drop it
+        self._address: str | None = None  # counted in per_client
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.limits.max_connections:
+        address = self._client_address(transport)
+        if len(self.connections) > self.limits.max_connections or self._over_client_cap(address):
             self.connections.discard(self)
             self._refuse()
             return
+        if address is not None:
+            self.per_client[address] = self.per_client.get(address, 0) + 1
+            self._address = address
         self._arm(self.limits.header_timeout_s, self._head_timed_out)
+
+    def _client_address(self, transport) -> str | None:
+        """The client's address when connections are capped per client (a TCP peer), else None."""
+        peer = transport.get_extra_info("peername") if self.limits.max_per_client else None
+        return peer[0] if isinstance(peer, tuple) and peer else None
+
+    def _over_client_cap(self, address: str | None) -> bool:
+        return address is not None and self.per_client.get(address, 0) >= self.limits.max_per_client
 
     def _refuse(self) -> None:
         """503 at once; then read and drop what the client still sends for a moment, so closing does
@@ -136,6 +158,11 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._address is not None:
+            left = self.per_client.pop(self._address) - 1
+            if left:
+                self.per_client[self._address] = left
+            self._address = None
         if self._refused:
             if self._lingering:
                 type(self).lingering -= 1
@@ -170,51 +197,74 @@ class GuardedH11Protocol(H11Protocol):
 
 def guarded_protocol(limits: ConnectionLimits) -> type[GuardedH11Protocol]:
     """The protocol class for one server, with its limits and its own count of refused connections."""
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits, "lingering": 0})
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits, "lingering": 0, "per_client": {}})
+
+
+async def send_error(send, error: APIError, close: bool = False) -> None:
+    """A whole JSON error response through ASGI, optionally closing the connection after it."""
+    body = msgspec.json.encode(error.body())
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+               *((k.encode(), str(v).encode()) for k, v in error.headers.items())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 class BodyTimeout:
-    """ASGI middleware: a request body that pauses over `timeout_s` between two reads ends the
-    request with 408 and closes its connection. The handler is cancelled where it waits for the
-    body, so no error is logged for it."""
+    """ASGI middleware: a request body that pauses over `timeout_s` between two reads, or arrives
+    more slowly than `min_rate` bytes/s after a head start of `timeout_s`, ends the request with 408
+    and closes its connection. The handler is cancelled where it waits for the body, so no error is
+    logged for it."""
 
-    def __init__(self, app, timeout_s: float):
+    def __init__(self, app, timeout_s: float, min_rate: int):
         self.app = app
         self.timeout_s = timeout_s
+        self.min_rate = min_rate
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        exchange = _Exchange(receive, send, self.timeout_s)
+        exchange = _Exchange(receive, send, self.timeout_s, self.min_rate)
         with exchange.scope:
             await self.app(scope, exchange.receive, exchange.send)
         if exchange.timed_out and not exchange.started:
-            error = APIError(408, f"the request body paused for over {self.timeout_s:g} s", code="request_timeout")
-            body = msgspec.json.encode(error.body())
-            await send({"type": "http.response.start", "status": 408,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
-                                    (b"connection", b"close")]})
-            await send({"type": "http.response.body", "body": body})
+            await send_error(send, APIError(408, exchange.timed_out, code="request_timeout"), close=True)
 
 
 class _Exchange:
     """One request's receive and send as the handler sees them under `BodyTimeout`."""
 
-    def __init__(self, receive, send, timeout_s: float):
-        self._receive, self._send, self.timeout_s = receive, send, timeout_s
+    def __init__(self, receive, send, timeout_s: float, min_rate: int):
+        self._receive, self._send, self.timeout_s, self.min_rate = receive, send, timeout_s, min_rate
         self.scope = anyio.CancelScope()
-        self.body_done = self.timed_out = self.started = False
+        self.body_done = self.started = False
+        self.timed_out = ""  # why, once it has
+        self._start: float | None = None
+        self._received = 0
+
+    def _wait_s(self) -> tuple[float, str]:
+        """How long the next read may wait, and what to say if it waits that long in vain."""
+        now = time.monotonic()
+        if self._start is None:
+            self._start = now
+        due = self._start + self.timeout_s + self._received / self.min_rate - now
+        if due < self.timeout_s:
+            return max(due, 0.0), f"the request body arrived at under {self.min_rate} bytes/s"
+        return self.timeout_s, f"the request body paused for over {self.timeout_s:g} s"
 
     async def receive(self):
         if self.body_done:  # later receives wait for a disconnect, as long as a stream runs
             return await self._receive()
-        with anyio.move_on_after(self.timeout_s):
+        wait_s, why = self._wait_s()
+        with anyio.move_on_after(wait_s):
             message = await self._receive()
+            self._received += len(message.get("body", b""))
             self.body_done = message["type"] != "http.request" or not message.get("more_body", False)
             return message
-        log.info("request body paused over %g s; answering 408", self.timeout_s)
-        self.timed_out = True
+        log.info("%s; answering 408", why)
+        self.timed_out = why
         self.scope.cancel()
         await anyio.lowlevel.checkpoint()  # the handler is cancelled here
         return {"type": "http.disconnect"}
@@ -223,6 +273,45 @@ class _Exchange:
         if message["type"] == "http.response.start":
             self.started = True
         await self._send(message)
+
+
+class RequestGuard:
+    """ASGI middleware for what a request's head alone shows to be unsafe:
+
+    - both Content-Length and Transfer-Encoding: 400, and the connection is closed, since a proxy
+      in front may have framed the body by the other header (request smuggling, RFC 9112 6.1);
+    - an `Origin` (a browser page's) that is not among `allowed_origins`: 403. A page of any site
+      its user opens could otherwise drive a server on that user's machine or network."""
+
+    def __init__(self, app, allowed_origins: frozenset[str]):
+        self.app = app
+        self.allowed_origins = allowed_origins
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            error = self._refusal(scope)
+            if error is not None:
+                log.info("%s %r refused: %d %s", scope["method"], scope["path"], error.status, error.code)
+                await send_error(send, error, close=True)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope) -> APIError | None:
+        names = {name for name, _ in scope["headers"]}
+        if b"content-length" in names and b"transfer-encoding" in names:
+            return APIError(400, "a request may not carry both Content-Length and Transfer-Encoding",
+                            code="ambiguous_framing")
+        origin = next((value for name, value in scope["headers"] if name == b"origin"), None)
+        if origin is not None and origin.decode("latin-1") not in self.allowed_origins:
+            return APIError(403, f"requests from the origin {origin.decode('latin-1')!r} are not allowed; the "
+                                 "operator can allow it with --allowed-origins", type="permission_error",
+                            code="origin_not_allowed")
+        return None
+
+
+def parse_origins(value: str | None) -> frozenset[str]:
+    """`--allowed-origins`: comma-separated origins, each as a browser sends it (no trailing slash)."""
+    return frozenset(o.strip().rstrip("/") for o in (value or "").split(",") if o.strip())
 
 
 class RateLimitFilter(logging.Filter):

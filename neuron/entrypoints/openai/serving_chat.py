@@ -34,6 +34,7 @@ from neuron.entrypoints.openai.chat_utils import normalise_messages, template_co
 from neuron.entrypoints.openai.common import (
     Samples,
     check_common,
+    check_sequences,
     check_model,
     new_id,
     now,
@@ -125,7 +126,7 @@ def _render(llm, req: ChatCompletionRequest) -> tuple[str, list[int], list[Image
     if not uris:
         return prompt, ids, []
     try:
-        images = llm.check_images(uris)
+        images = llm.check_images(uris, ids.count(llm.vision.image_token_id))
         return prompt, llm.expand_images(ids, images), images
     except ImageError as exc:
         kind = "server_error" if exc.status >= 500 else "invalid_request_error"
@@ -147,6 +148,7 @@ async def create_chat_completion(request: Request, engine: AsyncEngine, req: Cha
         raise bad_request(f"{max_name} must be >= 1 or null, got 0", param=max_name)
     params = sampling_params(req, llm.default_sampling(), max_tokens=getattr(req, max_name), logprobs=top_logprobs,
                              renames={"logprobs": "top_logprobs", "max_tokens": max_name})
+    check_sequences(engine, 1, params)  # before compiling or rendering anything
     params.guided_decoding = await compile_guided(llm, req, limiters.grammar)
     check_prompt_chars(llm, template_content_chars(req.messages), "messages")  # at once, before the template
     prompt, prompt_ids, images = await off_loop(limiters.tokenize, _render, llm, req)

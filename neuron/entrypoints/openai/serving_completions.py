@@ -26,6 +26,7 @@ from neuron.entrypoints.openai.api_types import (
 from neuron.entrypoints.openai.common import (
     Samples,
     check_common,
+    check_sequences,
     check_model,
     new_id,
     now,
@@ -142,6 +143,7 @@ async def create_completion(request: Request, engine: AsyncEngine, req: Completi
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = sampling_params(req, llm.default_sampling(), max_tokens=max_tokens, logprobs=req.logprobs, renames={})
     params = with_prompt_logprobs(params, prompt_topk(req))
+    check_sequences(engine, len(prompts), params)  # before compiling or tokenizing anything
     params.guided_decoding = await compile_guided(llm, req, limiters.grammar)
     ids = [await prompt_ids(llm, prompt, limiters.tokenize) for prompt in prompts]
     ctx = _Context(req, engine.model_name, llm.tokenizer, prompts, ids)
