@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 
+import anyio
 import msgspec
 
 from neuron.config import settings
@@ -36,6 +37,12 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+async def encoded(response) -> bytes:
+    """A whole response's JSON, encoded in a worker thread: with n samples and logprobs it can be
+    megabytes, and the event loop keeps answering other clients (and /health) meanwhile."""
+    return await anyio.to_thread.run_sync(msgspec.json.encode, response)
 
 
 def sse(obj) -> bytes:

@@ -35,6 +35,7 @@ from neuron.entrypoints.openai.common import (
     Samples,
     check_common,
     check_sequences,
+    encoded,
     check_model,
     new_id,
     now,
@@ -198,7 +199,7 @@ async def _collect(ctx: ChatRequestContext, samples: Samples) -> bytes:
     outs = [await _read(ctx, stream) for stream in samples.streams]
     chosen = samples.chosen([o.cumulative_logprob for o in outs])
     choices = [_choice(ctx, index, outs[k]) for index, k in enumerate(chosen)]
-    return msgspec.json.encode(ChatCompletionResponse(ctx.id, ctx.created, ctx.model, choices, samples.usage(chosen)))
+    return await encoded(ChatCompletionResponse(ctx.id, ctx.created, ctx.model, choices, samples.usage(chosen)))
 
 
 def _chunk(ctx: ChatRequestContext, choice: ChatChunkChoice | None, usage: UsageInfo | None = None) -> bytes:

@@ -27,6 +27,7 @@ from neuron.entrypoints.openai.common import (
     Samples,
     check_common,
     check_sequences,
+    encoded,
     check_model,
     new_id,
     now,
@@ -165,13 +166,22 @@ class _Sample:
     prompt_logprobs: list | None = None
 
 
+async def _rendered(ctx: _Context, k: int, update: Update) -> tuple[CompletionLogprobs | None, list | None]:
+    """The update's logprobs and prompt logprobs in the API's shapes. A prompt's (thousands of
+    tokens times top-k) are rendered in a worker thread: the event loop keeps answering meanwhile."""
+    if update.prompt_logprobs is None:
+        return ctx.logprobs(k, update), None
+    return await anyio.to_thread.run_sync(lambda: (ctx.logprobs(k, update), ctx.prompt_logprobs(k, update)))
+
+
 async def _read(ctx: _Context, k: int, stream: RequestStream) -> _Sample:
     out = _Sample()
     async for update in stream:
         out.text.append(ctx.text(k, update))
-        if (lp := ctx.logprobs(k, update)) is not None:
+        lp, prompt_lp = await _rendered(ctx, k, update)
+        if lp is not None:
             _joined(out.logprobs, lp)
-        out.prompt_logprobs = out.prompt_logprobs or ctx.prompt_logprobs(k, update)
+        out.prompt_logprobs = out.prompt_logprobs or prompt_lp
         if update.logprobs is not None:
             out.cumulative_logprob += cumulative_logprob(update.token_ids, update.logprobs)
         out.last = update
@@ -188,7 +198,7 @@ async def _collect(ctx: _Context, samples: Samples) -> bytes:
         o = outs[k]
         choices.append(CompletionChoice(index, "".join(o.text), o.logprobs if ctx.req.logprobs is not None else None,
                                         o.last.finish_reason, o.last.stop_reason, o.prompt_logprobs))
-    return msgspec.json.encode(CompletionResponse(ctx.id, ctx.created, ctx.model, choices, samples.usage(chosen)))
+    return await encoded(CompletionResponse(ctx.id, ctx.created, ctx.model, choices, samples.usage(chosen)))
 
 
 def _chunk(ctx: _Context, choice: CompletionChoice | None, usage: UsageInfo | None = None) -> bytes:
@@ -207,12 +217,12 @@ async def _events(ctx: _Context, samples: Samples, keepalive_s: float) -> AsyncI
                 if update.finish_reason == "error":
                     yield b"".join(chunks) + sse(stream_error(samples.streams[k], update.error).body())
                     return
-                text, logprobs = ctx.text(k, update), ctx.logprobs(k, update)
+                text, (logprobs, prompt_logprobs) = ctx.text(k, update), await _rendered(ctx, k, update)
                 if text or logprobs or update.finished:
                     reason = update.finish_reason if update.finished else None
                     stop_reason = update.stop_reason if update.finished else None
                     chunks.append(_chunk(ctx, CompletionChoice(k, text, logprobs, reason, stop_reason,
-                                                               ctx.prompt_logprobs(k, update))))
+                                                               prompt_logprobs)))
             if chunks:
                 yield b"".join(chunks)  # one write for what the batch brought
         if ctx.req.stream_options and ctx.req.stream_options.include_usage:
