@@ -38,6 +38,7 @@ from neuron.multimodal.image import (
     mrope_positions,
     preprocess,
     smart_resize,
+    vision_activation_bytes,
 )
 from neuron.rpc import protocol as p
 from neuron.worker.worker import Worker
@@ -303,6 +304,23 @@ def test_gpu_memory_guard_answers_503(vl_llm, vl_checkpoint, monkeypatch):
         engine.check_images([image_data_uri(20, 20)])
     assert (info.value.status, info.value.code) == (503, "insufficient_vram")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**34, 2**35))
+    assert len(engine.check_images([image_data_uri(20, 20)])) == 1
+
+
+def test_cpu_memory_guard_answers_503_for_every_rank_on_the_host(vl_llm, monkeypatch):
+    """On CPU the bound, times the ranks that each run the tower in the same memory, is compared
+    with the memory the kernel says is available."""
+    from neuron.engine import input_processor
+
+    engine = vl_llm.engine
+    ranks = len(engine.executor.devices)
+    assert engine.inputs.device == "cpu" and engine.inputs.ranks_on_device == ranks
+    need = ranks * vision_activation_bytes(engine.vision, engine.check_images([image_data_uri(20, 20)]), 4)
+    monkeypatch.setattr(input_processor, "available_memory", lambda: need - 1)
+    with pytest.raises(ImageError) as info:
+        engine.check_images([image_data_uri(20, 20)])
+    assert (info.value.status, info.value.code) == (503, "insufficient_memory")
+    monkeypatch.setattr(input_processor, "available_memory", lambda: need)
     assert len(engine.check_images([image_data_uri(20, 20)])) == 1
 
 

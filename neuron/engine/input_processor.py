@@ -13,7 +13,6 @@ import torch
 from neuron.engine.sampling import SamplingParams
 from neuron.engine.structured_output import GrammarError, GrammarMatcher, StructuredOutput
 from neuron.errors import NeuronError
-from neuron.utils.procfs import available_memory
 from neuron.multimodal.image import (
     ImageError,
     ImageInput,
@@ -24,6 +23,7 @@ from neuron.multimodal.image import (
     vision_activation_bytes,
     vision_unsupported,
 )
+from neuron.utils.procfs import available_memory
 
 
 class RequestError(NeuronError):

@@ -23,6 +23,7 @@ import functools
 import json
 import re
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -196,7 +197,7 @@ class GrammarMatcher:
         return _first_line(self.ll.get_error())
 
 
-@dataclass(slots=True, frozen=True, eq=False)
+@dataclass(slots=True, frozen=True, eq=False, weakref_slot=True)
 class CompiledGrammar:
     """A grammar ready to use: each sequence copies the compiled matcher, sharing its lexer."""
 
@@ -294,7 +295,10 @@ class StructuredOutput:
             release_free_heap()
             raise
         grew = 0 if before is None else max(heap_in_use() - before, 0)
-        return CompiledGrammar(spec, matcher, max(grew, 2 * len(spec[1])))
+        compiled = CompiledGrammar(spec, matcher, max(grew, 2 * len(spec[1])))
+        if compiled.nbytes > CACHE_BYTES // 2:  # not kept: once its requests are done, give its heap back
+            weakref.finalize(compiled, release_free_heap)
+        return compiled
 
     def _build(self, tokenizer: llguidance.LLTokenizer, spec: tuple[str, str], param: str) -> llguidance.LLMatcher:
         """The matcher at the grammar's start, its first mask computed once: that builds the lexer's

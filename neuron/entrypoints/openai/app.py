@@ -6,6 +6,7 @@ import hmac
 import logging
 import re
 import time
+import traceback
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, fields
 
@@ -121,6 +122,9 @@ class _Api:
                 log.info("%s %r refused: %d %s: %r", request.method, request.url.path, exc.status,
                          exc.code or exc.type, exc.message)
                 response = exc.response()
+                # The traceback's frames hold the request (its params, a compiled grammar, its
+                # streams) in reference cycles that only a full garbage collection would free.
+                traceback.clear_frames(exc.__traceback__)
             except ClientDisconnect:  # the client's doing, not the server's: no 5xx, no traceback
                 log.info("%s %r: the client disconnected before sending the whole body", request.method,
                          request.url.path)

@@ -34,9 +34,9 @@ from neuron.entrypoints.openai.chat_utils import normalise_messages, template_co
 from neuron.entrypoints.openai.common import (
     Samples,
     check_common,
+    check_model,
     check_sequences,
     encoded,
-    check_model,
     new_id,
     now,
     open_samples,

@@ -26,9 +26,9 @@ from neuron.entrypoints.openai.api_types import (
 from neuron.entrypoints.openai.common import (
     Samples,
     check_common,
+    check_model,
     check_sequences,
     encoded,
-    check_model,
     new_id,
     now,
     open_samples,
