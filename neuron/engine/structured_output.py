@@ -9,12 +9,13 @@ Compiling is the work a client controls, so it is bounded before it starts (the 
 JSON nesting), while it runs (llguidance's fuel limits, the first mask included) and where it runs:
 llguidance's compiler recurses as deep as a grammar's rules chain, so it runs on a thread of its
 own whose stack holds the deepest chain a spec of `MAX_SPEC_CHARS` can write (a 63 KB chain of
-7,000 Lark rules, or 1,400 chained `$defs`, compiles within 64 MiB of it), one compile at a time.
+7,000 Lark rules needs 32 MiB of it, 1,400 chained `$defs` 16 MiB), one compile at a time.
 Compiled grammars are cached by spec, bounded in bytes (each one's C-heap growth is measured as it
 is built); a failed compile is never kept, and the heap it used is handed back. The server compiles
-off the event loop and hands the engine the compiled grammar, so the engine loop never compiles. The engine computes the masks of all constrained
-sequences of a step in one call (llguidance's thread pool, GIL released) and the sampler applies
-them to their logits rows together (`TokenBitmask.apply`).
+off the event loop and hands the engine the compiled grammar, so the engine loop never compiles.
+The engine computes the masks of all constrained sequences of a step in one call (llguidance's
+thread pool, GIL released) and the sampler applies them to their logits rows together
+(`TokenBitmask.apply`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ MAX_SPEC_CHARS = 64 * 1024
 # JSON nested deeper than this (arrays and objects, in a schema or a json spec's text) is refused
 # before it is parsed: llguidance's own parser stops at 128 levels, Python's would recurse past its limit.
 MAX_JSON_DEPTH = 128
-# The compiling thread's stack: four times what the deepest spec within MAX_SPEC_CHARS was measured to need.
+# The compiling thread's stack: eight times what the deepest spec within MAX_SPEC_CHARS was measured to
+# need (a chain of 7,000 Lark rules, 63 KB, crashed with 16 MiB and compiled with 32 MiB).
 COMPILE_STACK_BYTES = 256 * 2**20
 # Bytes of compiled grammars kept (their lexers' states, which the sequences using one share); a
 # grammar larger than half of it is used by its request and not kept.
