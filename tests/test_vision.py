@@ -307,6 +307,24 @@ def test_gpu_memory_guard_answers_503(vl_llm, vl_checkpoint, monkeypatch):
     assert len(engine.check_images([image_data_uri(20, 20)])) == 1
 
 
+def test_the_samples_of_a_request_run_the_vision_tower_once(vl_llm, vl_checkpoint, monkeypatch):
+    """n samples are admitted one step apart (a step prefills one sequence with images); the tower's
+    output for their image is kept, so it runs once, and each sample equals the request sent alone."""
+    tower = vl_llm.engine.executor.rank0.models["model"].vision
+    calls = []
+    run = type(tower).__call__
+    monkeypatch.setattr(type(tower), "__call__", lambda self, *a: (calls.append(a[1]), run(self, *a))[1])
+    uri = image_data_uri(24, 20, 77)
+    prompt = {"prompt_token_ids": prompt_with_images(vl_checkpoint, [3, 4], None, [5]),
+              "multi_modal_data": {"image": uri}}
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, n=3)
+    out = vl_llm.generate(prompt, greedy)[0]
+    assert len(calls) == 1
+    assert [o.token_ids for o in out.outputs] == [out.outputs[0].token_ids] * 3
+    vl_llm.generate(prompt, greedy)  # and the next request with it finds it too
+    assert len(calls) == 1
+
+
 def test_cpu_memory_guard_answers_503_for_every_rank_on_the_host(vl_llm, monkeypatch):
     """On CPU the bound, times the ranks that each run the tower in the same memory, is compared
     with the memory the kernel says is available."""

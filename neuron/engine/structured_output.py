@@ -180,7 +180,7 @@ def _grammar(kind: str, text: str, param: str) -> str:
 class GrammarMatcher:
     """One sequence's place in its grammar, advanced by each token it samples."""
 
-    __slots__ = ("ll",)
+    __slots__ = ("ll", "__weakref__")
 
     def __init__(self, ll: llguidance.LLMatcher):
         self.ll = ll
@@ -208,7 +208,10 @@ class CompiledGrammar:
     nbytes: int = 0  # memory it holds, as measured when it was built
 
     def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self._template.deep_copy())
+        matcher = GrammarMatcher(self._template.deep_copy())
+        if self.nbytes > CACHE_BYTES // 2:  # its lexer grows as it runs: give the heap back when it ends
+            weakref.finalize(matcher, release_free_heap)
+        return matcher
 
 
 def _first_line(message: str) -> str:

@@ -4,6 +4,7 @@ positions, and every rank walks the prompts in the same chunks so the collective
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -31,34 +32,45 @@ def prefill_with_images(model, seqs: list[SeqStep], image_token_id: int, image_d
             raise StepRejected(f"slot {s.slot}: a step with images prefills a whole sequence from "
                                "position 0 (fresh, offset 0)")
     model.cache.check(seqs, model.config.vocab_size)
-    pixels, distinct, grids, first_rows = _preprocess(model, image_data_uris)
+    embeds, grids, first_rows = _embeddings(model, image_data_uris)
     layouts = _layouts(model, seqs, grids, first_rows, image_token_id)
-    embeds = model.vision(torch.cat(pixels), distinct) if pixels else None
     return _walk_chunks(model, seqs, layouts, embeds, chunk_size)
 
 
-def _preprocess(model, image_data_uris: list[str]) -> tuple[list[torch.Tensor], list, list, list[int]]:
-    """The patches and grids of the distinct images, every image's grid, and the embedding row each
-    image's tokens start at: an image sent again in the same step (a request's `n` samples) runs
-    through the vision tower once. A bad image rejects the step."""
-    pixels, distinct, grids, first_rows, row_of, rows = [], [], [], [], {}, 0
-    merge2 = model.vision_spec.merge_size ** 2
-    for i, uri in enumerate(image_data_uris):
-        if uri in row_of:
-            grids.append(grids[row_of[uri][1]])
-            first_rows.append(row_of[uri][0])
-            continue
+def _embeddings(model, uris: list[str]) -> tuple[torch.Tensor | None, list, list[int]]:
+    """The embeddings of the step's distinct images, one after another, each image's grid, and
+    the row each image's tokens start at. Images the cache holds skip the tower; an image the step
+    carries twice runs through it once. A bad image rejects the step."""
+    if not uris:
+        return None, [], []
+    cache = model.vision.embeddings
+    keys = [cache.key(u) for u in uris]
+    found = {k: hit for k in dict.fromkeys(keys) if (hit := cache.get(k)) is not None}
+    missing = [(i, k) for i, k in enumerate(keys) if k not in found and keys.index(k) == i]
+    if missing:
+        pixels, grids = _preprocess(model, [(i, uris[i]) for i, _ in missing])
+        out = model.vision(torch.cat(pixels), grids)
+        merge2 = model.vision_spec.merge_size ** 2
+        for (_, k), grid, e in zip(missing, grids, out.split([math.prod(g) // merge2 for g in grids])):
+            found[k] = (grid, e)
+            cache.put(k, grid, e)
+    order = list(dict.fromkeys(keys))
+    starts = dict(zip(order, itertools.accumulate((found[k][1].shape[0] for k in order[:-1]), initial=0)))
+    embeds = torch.cat([found[k][1] for k in order])
+    return embeds, [found[k][0] for k in keys], [starts[k] for k in keys]
+
+
+def _preprocess(model, images: list[tuple[int, str]]) -> tuple[list[torch.Tensor], list]:
+    """Patches and grid of each (index, URI); a bad image rejects the step, naming its index."""
+    pixels, grids = [], []
+    for i, uri in images:
         try:
             patches, grid = preprocess(uri, model.vision_spec)
         except ImageError as exc:
             raise StepRejected(f"image {i}: {exc}") from None
-        row_of[uri] = (rows, i)
         pixels.append(patches)
-        distinct.append(grid)
         grids.append(grid)
-        first_rows.append(rows)
-        rows += math.prod(grid) // merge2
-    return pixels, distinct, grids, first_rows
+    return pixels, grids
 
 
 def _layouts(model, seqs: list[SeqStep], grids: list, first_rows: list[int], image_token_id: int) -> list[tuple]:

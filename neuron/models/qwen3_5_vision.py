@@ -8,6 +8,9 @@ image and never across images.
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
+
 import torch
 import torch.nn.functional as F
 
@@ -80,6 +83,38 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
+class EmbeddingCache:
+    """The vision tower's output for the images seen last, up to `max_bytes`, keyed by a digest of
+    each image's URI. A request's `n` samples carry the same image and are admitted one step apart
+    (a step prefills one sequence with images), so without it the tower would run once per sample.
+    Every rank sees the same steps, so every rank's cache holds the same images."""
+
+    def __init__(self, max_bytes: int = 64 * 2**20):
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[bytes, tuple[tuple[int, int, int], torch.Tensor]] = OrderedDict()
+        self._bytes = 0
+
+    @staticmethod
+    def key(uri: str) -> bytes:
+        return hashlib.sha256(uri.encode()).digest()
+
+    def get(self, key: bytes):
+        hit = self._entries.get(key)
+        if hit is not None:
+            self._entries.move_to_end(key)
+        return hit
+
+    def put(self, key: bytes, grid: tuple[int, int, int], embeds: torch.Tensor) -> None:
+        size = embeds.numel() * embeds.element_size()
+        if size > self.max_bytes // 4 or key in self._entries:
+            return
+        self._entries[key] = (grid, embeds)
+        self._bytes += size
+        while self._bytes > self.max_bytes:
+            _, (_, old) = self._entries.popitem(last=False)
+            self._bytes -= old.numel() * old.element_size()
+
+
 class VisionTower:
     """Patch embedding, a learned position grid resampled to each image, 2D rotary attention
     blocks, and the merger that folds each merge x merge block of patches into one token."""
@@ -103,6 +138,7 @@ class VisionTower:
         self.theta = float(rope.get("rope_theta", 10000.0))
         self.act = _ACTS[act]
         self.dtype, self.device = dtype, device
+        self.embeddings = EmbeddingCache()
 
     def load(self, r: Reader, prefix: str = "model.visual") -> None:
         dt, dev = self.dtype, self.device
