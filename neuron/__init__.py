@@ -12,8 +12,8 @@ _LAZY = {
     "LLM": "neuron.entrypoints.llm",
     "RequestOutput": "neuron.entrypoints.llm",
     "CompletionOutput": "neuron.entrypoints.llm",
-    "SamplingParams": "neuron.engine.sampling",
-    "GuidedDecodingParams": "neuron.engine.structured_output",
+    "SamplingParams": "neuron.engine.sampling_params",
+    "GuidedDecodingParams": "neuron.engine.sampling_params",
 }
 
 

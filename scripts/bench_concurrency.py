@@ -21,7 +21,7 @@ from pathlib import Path
 import anyio
 import httpx
 
-from neuron.bench import BenchConfig, format_table, run_benchmark
+from neuron.bench import BenchConfig, format_table, result_summary, run_benchmark
 
 
 def free_port() -> int:
@@ -70,7 +70,7 @@ def main() -> int:
                               output_len=(args.output_len, args.output_len), ignore_eos=True, warmup=1)
             result = anyio.run(run_benchmark, cfg)
             print(f"\n== {name} (concurrency {concurrency})\n{format_table(result)}")
-            results[name] = result.summary()
+            results[name] = result_summary(result)
     finally:
         server.terminate()
         server.wait(timeout=60)

@@ -52,9 +52,9 @@ def fill(llm, batch: int, guided, greedy: bool, tokens: int) -> None:
     from neuron import SamplingParams
 
     sampling = {"temperature": 0.0} if greedy else llm.default_sampling()
-    params = SamplingParams(**sampling, max_tokens=tokens, ignore_eos=True, seed=0, guided_decoding=guided)
+    params = SamplingParams(**sampling, max_tokens=tokens, ignore_eos=True, seed=0)
     for i in range(batch):
-        llm.add_request(str(i), llm.tokenizer.encode(f"{PROMPT} ({i})"), params)
+        llm.add_request(str(i), llm.tokenizer.encode(f"{PROMPT} ({i})"), params, grammar=guided)
     while not (len(llm.scheduler.running) == batch
                and all(s.num_computed == s.num_tokens - 1 for s in llm.scheduler.running)):
         llm.step()
@@ -72,7 +72,7 @@ def timed_step(llm, batch: int) -> float:
 
 
 def measure(args) -> dict:
-    from neuron.engine.structured_output import GuidedDecodingParams
+    from neuron.engine.sampling_params import GuidedDecodingParams
 
     plain_llm, masked_llm = engine(args.batch), engine(args.batch)
     try:

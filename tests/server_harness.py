@@ -106,7 +106,7 @@ class ScriptedEngine:
     def default_sampling(self) -> dict:
         return {}
 
-    def add_request(self, request_id, prompt_token_ids, params, images=None) -> None:
+    def add_request(self, request_id, prompt_token_ids, params, images=None, grammar=None) -> None:
         if len(prompt_token_ids) >= self.max_model_len:
             raise RequestError("prompt too long", code="context_length_exceeded", param="messages")
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):

@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from neuron.bench import BenchConfig, BenchError, RequestRecord, describe, run_benchmark, summarize
+from neuron.bench import BenchConfig, BenchError, RequestRecord, describe, result_summary, run_benchmark, summarize
 from neuron.bench import cli as bench_cli
 from neuron.bench.prompts import TOKEN_ID_RANGE, build_requests
 from neuron.errors import ConfigError
@@ -212,7 +212,7 @@ def test_config_validation():
 async def test_streaming_timings_and_request_body(fake):
     fake.reset(first_delay=0.05, token_delay=0.02)
     result = await run_benchmark(_config(fake, num_requests=6, concurrency=3, ignore_eos=True, api_key="k"))
-    s = result.summary()
+    s = result_summary(result)
     assert (result.model, s.completed, s.failed, s.output_tokens, s.input_tokens) == ("fake-model", 6, 0, 30, 42)
     body = fake.bodies[0]
     assert body["model"] == "fake-model" and body["max_tokens"] == 5 and body["ignore_eos"] is True
@@ -248,7 +248,7 @@ async def test_output_tokens_from_usage_else_chunks(fake):
 async def test_failures_are_counted_with_their_reason(fake):
     fake.reset(fail_every=3, error_every=4)
     result = await run_benchmark(_config(fake, num_requests=12, concurrency=1))
-    s = result.summary()
+    s = result_summary(result)
     assert (s.completed, s.failed) == (6, 6)  # 500 for 3, 6, 9, 12; an error event for 4 and 8
     assert s.errors == {'HTTP 500: {"error":{"message":"boom"}}': 4, "server error: engine failed": 2}
 
@@ -264,7 +264,7 @@ async def test_request_timeout_fails_the_request(fake):
 async def test_concurrency_limit_is_respected(fake):
     fake.reset(token_delay=0.01)
     result = await run_benchmark(_config(fake, num_requests=12, concurrency=3))
-    assert result.summary().completed == 12 and fake.max_in_flight == 3
+    assert result_summary(result).completed == 12 and fake.max_in_flight == 3
 
 
 async def test_unlimited_rate_sends_everything_at_once(fake):

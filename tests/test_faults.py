@@ -12,7 +12,7 @@ import pytest
 from checkpoints import TP3, build_checkpoint
 
 from neuron.engine.llm_engine import EngineConfig, LLMEngine
-from neuron.engine.sampling import SamplingParams
+from neuron.engine.sampling_params import SamplingParams
 
 PROMPT = list(range(20, 60))  # 40 tokens: 10 prefill steps of 4
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -13,7 +13,8 @@ import torch
 from server_harness import LiveServer, client, real_engine
 
 from neuron.engine.llm_engine import RequestError
-from neuron.engine.sampling import SampleFailure, SamplingParams, SequenceSampler, sample
+from neuron.engine.sampling import SampleFailure, SequenceSampler, sample
+from neuron.engine.sampling_params import SamplingParams
 from neuron.entrypoints.llm import LLM
 from neuron.errors import NeuronError
 

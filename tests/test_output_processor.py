@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from neuron.engine.output_processor import LogprobRenderer, OutputProcessor, Update
-from neuron.engine.sampling import SamplingParams
+from neuron.engine.sampling_params import SamplingParams
 from neuron.engine.sequence import Sequence
 from neuron.engine.tokenizer import Tokenizer
 from neuron.models import default as default_ckpt

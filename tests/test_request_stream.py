@@ -30,7 +30,7 @@ class _Owner:
     def __init__(self):
         self.closed = []
 
-    def _close(self, stream):
+    def close(self, stream):
         self.closed.append(stream.request_id)
 
 
@@ -39,7 +39,8 @@ def _update(rid: str, token: int, finished: bool = False) -> Update:
 
 
 def _stream(rid: str) -> RequestStream:
-    return RequestStream(_Owner(), rid, 3)
+    owner = _Owner()
+    return RequestStream(owner.metrics, rid, 3, owner.close)
 
 
 def _run(coro):

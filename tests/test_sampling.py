@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from neuron.engine import sampling
-from neuron.engine.sampling import InvalidParams, SamplingParams, SequenceSampler, sample
-from neuron.engine.structured_output import TokenBitmask
+from neuron.engine.sampling import SequenceSampler, TokenBitmask, sample
+from neuron.engine.sampling_params import InvalidParams, SamplingParams
 
 V = 64
 

@@ -18,8 +18,8 @@ import torch
 from server_harness import LiveServer, async_client, client, real_engine, token_ids
 
 from neuron.engine.llm_engine import RequestError
-from neuron.engine.sampling import SamplingParams, SequenceSampler, sample
-from neuron.engine.structured_output import MAX_SPEC_CHARS, GuidedDecodingParams, TokenBitmask
+from neuron.engine.sampling import SequenceSampler, TokenBitmask, sample
+from neuron.engine.sampling_params import MAX_SPEC_CHARS, GuidedDecodingParams, SamplingParams
 
 MODEL = "neuron-default"
 PERSON = {
@@ -286,7 +286,7 @@ def _random_mask(rows: int, words: int) -> np.ndarray:
 
 def test_mask_bias_follows_the_bits():
     """Bit t of the mask (word t // 32, bit t % 32) allows token t; ids past the mask never are."""
-    from neuron.engine.structured_output import mask_bias
+    from neuron.engine.sampling import mask_bias
 
     bits = _random_mask(3, 5)
     for vocab in (160, 150, 170):  # the mask's width, less, and more
@@ -297,7 +297,7 @@ def test_mask_bias_follows_the_bits():
 
 @pytest.mark.gpu
 def test_mask_bias_on_the_gpu_equals_the_cpu():
-    from neuron.engine.structured_output import mask_bias
+    from neuron.engine.sampling import mask_bias
 
     bits = _random_mask(64, 4748)  # a 151,936-token vocabulary
     on_gpu = mask_bias(bits, 151_936, torch.device("cuda")).cpu()

@@ -8,7 +8,7 @@
 """
 
 from neuron.bench.load import BenchConfig, BenchError, BenchResult, RequestRecord, run_benchmark
-from neuron.bench.report import Stats, Summary, describe, format_table, summarize, to_json, write_plot
+from neuron.bench.report import Stats, Summary, describe, format_table, result_summary, summarize, to_json, write_plot
 
 __all__ = ["BenchConfig", "BenchError", "BenchResult", "RequestRecord", "Stats", "Summary", "describe",
-           "format_table", "run_benchmark", "summarize", "to_json", "write_plot"]
+           "format_table", "result_summary", "run_benchmark", "summarize", "to_json", "write_plot"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import anyio
 
 from neuron.bench.load import ENDPOINTS, BenchConfig, BenchResult, run_benchmark
-from neuron.bench.report import format_table, require_matplotlib, to_json, write_plot
+from neuron.bench.report import format_table, require_matplotlib, result_summary, to_json, write_plot
 from neuron.config import SETTINGS
 from neuron.errors import NeuronError
 
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     except NeuronError as e:
         print(f"neuron bench: {e}", file=sys.stderr)
         return 2
-    summary = result.summary()
+    summary = result_summary(result)
     print(format_table(result, summary))
     if args.json_out:
         Path(args.json_out).write_bytes(to_json(result, summary))

@@ -16,7 +16,7 @@ import sys
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import httpx
@@ -24,9 +24,6 @@ import msgspec
 
 from neuron.bench.prompts import BenchRequest, build_requests
 from neuron.errors import ConfigError, NeuronError
-
-if TYPE_CHECKING:
-    from neuron.bench.report import Summary
 
 ENDPOINTS = {"completions": "/completions", "chat": "/chat/completions"}
 
@@ -115,11 +112,6 @@ class BenchResult:
     records: list[RequestRecord]  # finished requests, in the order they were sent
     duration_s: float
     interrupted: bool = False  # stopped early; requests still in flight are not in `records`
-
-    def summary(self) -> Summary:
-        from neuron.bench.report import summarize
-
-        return summarize(self.records, self.duration_s)
 
 
 class _Failed(Exception):

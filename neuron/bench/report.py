@@ -77,8 +77,12 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> Summary:
                    (n_in + n_out) * per_s, n_in, n_out, errors=errors, **stats)
 
 
+def result_summary(result: BenchResult) -> Summary:
+    return summarize(result.records, result.duration_s)
+
+
 def format_table(result: BenchResult, summary: Summary | None = None) -> str:
-    s = summary or result.summary()
+    s = summary or result_summary(result)
     cfg = result.config
     arrivals = "all at once" if math.isinf(cfg.request_rate) else f"Poisson at {cfg.request_rate:g} req/s"
     rows = [
@@ -108,7 +112,7 @@ def to_json(result: BenchResult, summary: Summary | None = None) -> bytes:
     """The summary, the settings and every request's raw timings, indented."""
     requests = [asdict(r) | {"tpot_s": r.tpot_s} for r in result.records]
     doc = {"model": result.model, "interrupted": result.interrupted, "config": result.config.to_dict(),
-           "summary": summary or result.summary(), "requests": requests}
+           "summary": summary or result_summary(result), "requests": requests}
     return msgspec.json.format(msgspec.json.encode(doc), indent=2) + b"\n"
 
 

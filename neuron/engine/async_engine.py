@@ -26,7 +26,8 @@ from neuron.config import settings
 from neuron.engine.llm_engine import LLMEngine, Update
 from neuron.engine.metrics import Metrics
 from neuron.engine.request_stream import RequestStream
-from neuron.engine.sampling import SamplingParams
+from neuron.engine.sampling_params import SamplingParams
+from neuron.engine.structured_output import CompiledGrammar
 from neuron.errors import NeuronError
 from neuron.executor.executor import resource_shortage
 from neuron.multimodal.image import ImageInput
@@ -203,16 +204,17 @@ class AsyncEngine:
     # ---- requests (event-loop thread) ----
 
     def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-             images: list[ImageInput] | None = None, count_prompt: bool = True) -> RequestStream:
-        """Submit a request (its image placeholders already expanded); raises NotReady, Overloaded
-        or the engine's RequestError. `count_prompt`: False for the further samples of a prompt
-        (n, best_of), whose tokens the prompt-token counter already has."""
+             images: list[ImageInput] | None = None, count_prompt: bool = True,
+             grammar: CompiledGrammar | None = None) -> RequestStream:
+        """Submit a request (its image placeholders already expanded, its grammar compiled if it has
+        one); raises NotReady, Overloaded or the engine's RequestError. `count_prompt`: False for
+        the further samples of a prompt (n, best_of), whose tokens the prompt-token counter already has."""
         if self._state is not EngineState.READY:
             raise NotReady(self._state, self._error)
         if len(self._streams) >= self.capacity:
             raise Overloaded(f"all {self.capacity} running and waiting places are taken")
-        self.engine.add_request(request_id, prompt_token_ids, params, images=images)
-        stream = RequestStream(self, request_id, len(prompt_token_ids))
+        self.engine.add_request(request_id, prompt_token_ids, params, images=images, grammar=grammar)
+        stream = RequestStream(self.metrics, request_id, len(prompt_token_ids), self._close)
         self._streams[request_id] = stream
         if count_prompt:
             self.metrics.prompt_tokens.inc(len(prompt_token_ids))

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from neuron.engine.sampling import SamplingParams
-from neuron.engine.structured_output import GrammarError, GrammarMatcher, StructuredOutput
+from neuron.engine.sampling_params import GrammarError, SamplingParams
+from neuron.engine.structured_output import CompiledGrammar, GrammarMatcher, StructuredOutput
 from neuron.errors import NeuronError
 from neuron.multimodal.image import (
     ImageError,
@@ -55,9 +55,10 @@ class InputProcessor:
         """Refuse a request that cannot run; return its max_tokens clamped to the context."""
         return self.admit(prompt_token_ids, params, images)[0]
 
-    def admit(self, prompt_token_ids: list[int], params: SamplingParams,
-              images: list[ImageInput] | None = None) -> tuple[int, GrammarMatcher | None]:
-        """`validate`, and the new sequence's place in its grammar (None without structured output)."""
+    def admit(self, prompt_token_ids: list[int], params: SamplingParams, images: list[ImageInput] | None = None,
+              compiled: CompiledGrammar | None = None) -> tuple[int, GrammarMatcher | None]:
+        """`validate`, and the new sequence's place in its grammar (None without structured output):
+        `compiled`'s when the caller compiled the params' grammar already."""
         if params.n != 1 or params.best_of not in (None, 1):
             raise RequestError("the engine runs one sample per request: split n and best_of into one request per "
                                "sample first (parallel_sampling.sample_params)", param="n")
@@ -79,7 +80,7 @@ class InputProcessor:
         if images and params.prompt_logprobs is not None:  # the image prefill returns last-token logits only
             raise RequestError("prompt_logprobs are not supported for prompts with images", param="prompt_logprobs")
         self._check_samplable(params)
-        grammar = self.grammar(params)
+        grammar = self.grammar(params, compiled)
         room = self.max_model_len - n
         return (room if params.max_tokens is None else min(params.max_tokens, room)), grammar
 
@@ -144,9 +145,12 @@ class InputProcessor:
             raise vision_unsupported()
         return expand_placeholders(list(prompt_token_ids), self.vision.image_token_id, images)
 
-    def grammar(self, params: SamplingParams) -> GrammarMatcher | None:
-        """A new sequence's place in its structured output's grammar. A grammar the server compiled
-        comes as is; a GuidedDecodingParams is compiled here, in the caller's thread (cached)."""
+    def grammar(self, params: SamplingParams, compiled: CompiledGrammar | None = None) -> GrammarMatcher | None:
+        """A new sequence's place in its structured output's grammar: `compiled`'s (the server
+        compiles off the event loop), else the params' GuidedDecodingParams compiled here, in the
+        caller's thread (cached)."""
+        if compiled is not None:
+            return compiled.matcher()
         if params.guided_decoding is None:
             return None
         if self.structured is None:

@@ -18,10 +18,11 @@ from neuron.engine import prompt_logprobs
 from neuron.engine.block_manager import BlockManager
 from neuron.engine.input_processor import InputProcessor, RequestError
 from neuron.engine.output_processor import OutputProcessor, Update
-from neuron.engine.sampling import SampleFailure, SamplingParams, SequenceSampler, sample
+from neuron.engine.sampling import SampleFailure, SequenceSampler, TokenBitmask, sample
+from neuron.engine.sampling_params import SamplingParams
 from neuron.engine.scheduler import Scheduled, Scheduler
 from neuron.engine.sequence import Sequence
-from neuron.engine.structured_output import StructuredOutput, TokenBitmask
+from neuron.engine.structured_output import CompiledGrammar, StructuredOutput
 from neuron.engine.tokenizer import Tokenizer
 from neuron.errors import ConfigError, WorkerError
 from neuron.executor.executor import Executor, ExecutorConfig
@@ -177,13 +178,14 @@ class LLMEngine:
         return self.inputs.expand_images(prompt_token_ids, images)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    images: list[ImageInput] | None = None) -> None:
+                    images: list[ImageInput] | None = None, grammar: CompiledGrammar | None = None) -> None:
         """Queue a request. With images, the prompt's placeholders are already expanded
-        (`expand_images`) and must hold each image's run of tokens, in order."""
-        max_tokens, grammar = self.inputs.admit(prompt_token_ids, params, images)
+        (`expand_images`) and must hold each image's run of tokens, in order. `grammar`: the
+        params' structured output, compiled already (else it is compiled here)."""
+        max_tokens, matcher = self.inputs.admit(prompt_token_ids, params, images, grammar)
         sampler = SequenceSampler(params, prompt_token_ids, self.vocab_size, self.executor.devices[0])
         seq = Sequence(request_id, list(prompt_token_ids), params, sampler, max_tokens, images=list(images or []),
-                       grammar=grammar)
+                       grammar=matcher)
         self._inbox.put(("add", seq))
 
     def abort(self, request_id: str) -> None:

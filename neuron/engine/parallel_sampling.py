@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from neuron.engine.sampling import _SEED_RANGE, SamplingParams
+from neuron.engine.sampling_params import SEED_RANGE, SamplingParams
 
 
 def num_samples(params: SamplingParams) -> int:
@@ -41,7 +41,7 @@ def _derived_seed(seed: int | None, i: int) -> int | None:
     """seed + i, wrapped around into the range torch.Generator.manual_seed accepts."""
     if seed is None:
         return None
-    lo, hi = _SEED_RANGE
+    lo, hi = SEED_RANGE
     return (seed + i - lo) % (hi - lo + 1) + lo
 
 

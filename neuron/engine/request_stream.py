@@ -11,19 +11,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
+from neuron.engine.metrics import Metrics
 from neuron.engine.output_processor import Update
-
-if TYPE_CHECKING:
-    from neuron.engine.async_engine import AsyncEngine
 
 
 class RequestStream:
     """One request's updates, in order, ending with the update that has `finished` set."""
 
-    def __init__(self, owner: "AsyncEngine", request_id: str, num_prompt_tokens: int):
+    def __init__(self, metrics: Metrics, request_id: str, num_prompt_tokens: int,
+                 on_close: Callable[[RequestStream], None]):
+        """`on_close(stream)`, called once, releases the request (aborts it if the engine still runs it)."""
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.arrival = time.monotonic()
@@ -31,7 +30,8 @@ class RequestStream:
         self.last_token_at: float | None = None
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
-        self._owner = owner
+        self._metrics = metrics
+        self._on_close = on_close
         self._updates: deque[Update] = deque()
         self._waiter: asyncio.Future | None = None  # a reader's, while the queue is empty
         self._read_final = False
@@ -48,12 +48,12 @@ class RequestStream:
         """Event-loop thread: record timings and queue the update for the handler."""
         if update.token_ids:
             now = time.monotonic()
-            self._owner.metrics.generation_tokens.inc(len(update.token_ids))
+            self._metrics.generation_tokens.inc(len(update.token_ids))
             if self.first_token_at is None:
                 self.first_token_at = now
-                self._owner.metrics.ttft.observe(now - self.arrival)
+                self._metrics.ttft.observe(now - self.arrival)
             else:
-                self._owner.metrics.itl.observe(now - self.last_token_at)
+                self._metrics.itl.observe(now - self.last_token_at)
             self.last_token_at = now
             self.num_output_tokens += len(update.token_ids)
         if update.finished:
@@ -94,7 +94,7 @@ class RequestStream:
         """Release the request; if the engine still runs it, abort it. Safe to call twice."""
         if not self.closed:
             self.closed = True
-            self._owner._close(self)
+            self._on_close(self)
 
 
 async def wait_any(streams: Sequence[RequestStream], timeout: float | None = None) -> bool:

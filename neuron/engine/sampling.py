@@ -16,171 +16,15 @@ it is reported as failed, with the reason, and the other rows are sampled as if 
 
 from __future__ import annotations
 
-import operator
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from neuron.engine.sampling_params import SamplingParams
 from neuron.utils.device import to_device
-
-if TYPE_CHECKING:
-    from neuron.engine.structured_output import CompiledGrammar, GuidedDecodingParams, TokenBitmask
-
-MAX_LOGPROBS = 20
-# Stop conditions a request may set. Each generated token is checked against all of them on the
-# engine thread, which every other request waits for, so their number is bounded.
-MAX_STOP_STRINGS = 64
-MAX_STOP_CHARS = 1024  # per stop string
-MAX_STOP_TOKEN_IDS = 4096
-
-# Dividing by a temperature this small overflows float32; the result would be argmax anyway.
-_GREEDY_BELOW = 1e-5
-
-# torch.Generator.manual_seed accepts exactly this range.
-_SEED_RANGE = (-(2**63), 2**64 - 1)
-
-
-class InvalidParams(ValueError):
-    """A sampling parameter is out of range; `param` names it for the HTTP 400 body."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
-def _check(ok: bool, param: str, allowed: str, value: object) -> None:
-    if not ok:
-        raise InvalidParams(param, f"{param} must be {allowed}, got {value!r}")
-
-
-@dataclass(slots=True)
-class SamplingParams:
-    """Per-request sampling settings, named and defaulted as in vLLM."""
-
-    n: int = 1  # samples returned
-    best_of: int | None = None  # samples generated, the n with the highest cumulative logprob returned; None: n
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None  # the prompt tokens' own logprobs and this many top-k at each
-    skip_special_tokens: bool = True
-    # Structured output: what the text must match. The server hands the engine the grammar it
-    # already compiled (off the event loop); a GuidedDecodingParams is compiled when the request is added.
-    guided_decoding: GuidedDecodingParams | CompiledGrammar | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self._check_stop_sizes()  # before anything walks the lists
-        if self.stop_token_ids is not None:
-            self.stop_token_ids = token_ids(self.stop_token_ids, "stop_token_ids")
-        self._check_sampling()
-        self._check_penalties()
-        self._check_lengths()
-        self._check_outputs()
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < _GREEDY_BELOW or self.top_k == 1
-
-    @property
-    def penalised(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
-
-    def _check_sampling(self) -> None:
-        # Each check is a comparison NaN fails, so NaN is rejected too.
-        _check(self.n >= 1, "n", ">= 1", self.n)
-        if self.best_of is not None:
-            _check(self.best_of >= self.n, "best_of", f">= n ({self.n}) or null", self.best_of)
-        _check(self.temperature >= 0, "temperature", ">= 0", self.temperature)
-        _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
-        top_k_ok = self.top_k in (0, -1) or self.top_k >= 1
-        _check(top_k_ok, "top_k", "0 or -1 (disabled) or >= 1", self.top_k)
-        _check(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
-        if self.seed is not None:
-            lo, hi = _SEED_RANGE
-            _check(lo <= self.seed <= hi, "seed", f"in [{lo}, {hi}]", self.seed)
-
-    def _check_penalties(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check(-2 <= value <= 2, name, "in [-2, 2]", value)
-        _check(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
-
-    def _check_lengths(self) -> None:
-        _check(self.min_tokens >= 0, "min_tokens", ">= 0", self.min_tokens)
-        if self.max_tokens is None:
-            return
-        # 0: score the prompt only (prompt_logprobs, echo) and end after its prefill
-        _check(self.max_tokens >= 0, "max_tokens", ">= 0 or null", self.max_tokens)
-        cap = f"<= max_tokens ({self.max_tokens})"
-        _check(self.min_tokens <= self.max_tokens, "min_tokens", cap, self.min_tokens)
-
-    def _check_stop_sizes(self) -> None:
-        if self.stop is not None:
-            _check(isinstance(self.stop, (list, tuple)), "stop", "a string or a list of strings", _shown(self.stop))
-            if len(self.stop) > MAX_STOP_STRINGS:
-                raise InvalidParams("stop", f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
-        if self.stop_token_ids is not None:
-            count = len(self.stop_token_ids) if hasattr(self.stop_token_ids, "__len__") else None
-            if count is None or count > MAX_STOP_TOKEN_IDS:
-                got = f"{count} ids" if count is not None else _shown(self.stop_token_ids)
-                raise InvalidParams("stop_token_ids", f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} "
-                                                      f"token ids, got {got}")
-
-    def _check_outputs(self) -> None:
-        if self.stop is not None:
-            stop_ok = all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop)
-            _check(stop_ok, "stop", f"a list of non-empty strings of at most {MAX_STOP_CHARS} characters",
-                   _shown(self.stop))
-        if self.stop_token_ids is not None:
-            ids_ok = all(t >= 0 for t in self.stop_token_ids)
-            _check(ids_ok, "stop_token_ids", "a list of ids >= 0", _shown(self.stop_token_ids))
-        if self.logprobs is not None:
-            allowed = f"in [0, {MAX_LOGPROBS}] or null"
-            _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", allowed, self.logprobs)
-        if self.prompt_logprobs is not None:
-            allowed = f"in [0, {MAX_LOGPROBS}] or null"
-            _check(0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs", allowed, self.prompt_logprobs)
-
-
-def token_ids(values, param: str) -> list[int]:
-    """`values` as a list of ints, taking what Python counts as an integer (`operator.index`: ints,
-    numpy integers) and nothing else: not floats, even whole ones, not bools, not strings."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise InvalidParams(param, f"{param} must be a list of token ids (integers), got {_shown(values)}")
-    out = []
-    for i, value in enumerate(values):
-        if isinstance(value, bool):
-            raise InvalidParams(param, f"{param}[{i}] must be a token id (an integer), got {value!r}")
-        try:
-            out.append(operator.index(value))
-        except TypeError:
-            raise InvalidParams(param, f"{param}[{i}] must be a token id (an integer), got {_shown(value)}") from None
-    return out
-
-
-def _shown(value, limit: int = 80) -> str:
-    """repr of a client's value, cut short: an error message never echoes a megabyte."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class SequenceSampler:
@@ -495,3 +339,48 @@ def _logprobs(
         entry.update(zip(top_ids[j][:n], top_vals[j][:n]))
         out[i] = entry
     return out
+
+
+# ---- grammar masks ----
+
+
+@dataclass(slots=True, frozen=True)
+class TokenBitmask:
+    """The tokens each listed row of a batch may sample: bit j of row r's word w allows token
+    32 * w + j (llguidance's layout)."""
+
+    rows: list[int]
+    bits: np.ndarray  # int32 [len(rows), words]
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Add -inf to the logits of every token a row's mask forbids, in place, all rows at once."""
+        bias = mask_bias(self.bits, logits.shape[-1], logits.device)
+        if len(self.rows) == logits.shape[0]:
+            logits += bias
+            return
+        logits[to_device(self.rows, logits.device, torch.long)] += bias
+
+
+def mask_bias(bits: np.ndarray, vocab: int, device: torch.device) -> torch.Tensor:
+    """Float [rows, vocab]: 0 for a token the mask allows, -inf for the others. Each byte of the mask
+    selects its 8 entries from a 256-row table: one gather and one add, where a boolean mask costs
+    tens of times more on a CPU. Ids past the mask's words are never allowed."""
+    bias = _byte_table(device).index_select(0, _byte_index(bits, device)).view(len(bits), -1)
+    if bias.shape[1] < vocab:
+        bias = torch.nn.functional.pad(bias, (0, vocab - bias.shape[1]), value=float("-inf"))
+    return bias[:, :vocab]
+
+
+def _byte_index(bits: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The mask's bytes in order (little-endian words), as int32 indices on `device`."""
+    data = bits.view(np.uint8).reshape(-1)
+    if device.type == "cpu":  # numpy widens bytes faster than torch does on a CPU
+        return torch.from_numpy(data.astype(np.int32))
+    return to_device(data, device).int()  # bytes travel, 4 times fewer than the indices
+
+
+@functools.cache
+def _byte_table(device: torch.device) -> torch.Tensor:
+    """Row b: 0 where bit k of b is set, else -inf (bit k is the byte's k-th token)."""
+    bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+    return torch.zeros(256, 8).masked_fill_(bits == 0, float("-inf")).to(device)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from neuron.engine.sampling import SamplingParams, SequenceSampler
+from neuron.engine.sampling import SequenceSampler
+from neuron.engine.sampling_params import SamplingParams
 from neuron.engine.structured_output import GrammarMatcher
 
 

@@ -20,7 +20,6 @@ thread pool, GIL released) and the sampler applies them to their logits rows tog
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import threading
@@ -32,18 +31,12 @@ from dataclasses import dataclass
 import llguidance
 import llguidance.numpy as llg_np
 import numpy as np
-import torch
 
-from neuron.engine.sampling import InvalidParams
+from neuron.engine.sampling import TokenBitmask
+from neuron.engine.sampling_params import GrammarError, GuidedDecodingParams
 from neuron.engine.tokenizer import Tokenizer
-from neuron.utils.device import to_device
 from neuron.utils.native import heap_in_use, release_free_heap, run_with_stack
 
-# A spec longer than this is refused before compiling (characters of JSON text, regex or grammar).
-MAX_SPEC_CHARS = 64 * 1024
-# JSON nested deeper than this (arrays and objects, in a schema or a json spec's text) is refused
-# before it is parsed: llguidance's own parser stops at 128 levels, Python's would recurse past its limit.
-MAX_JSON_DEPTH = 128
 # The compiling thread's stack: eight times what the deepest spec within MAX_SPEC_CHARS was measured to
 # need (a chain of 7,000 Lark rules, 63 KB, crashed with 16 MiB and compiled with 32 MiB).
 COMPILE_STACK_BYTES = 256 * 2**20
@@ -56,103 +49,6 @@ _LIMITS = {"initial_lexer_fuel": 500_000, "step_lexer_fuel": 100_000, "max_lexer
            "max_grammar_size": 200_000}
 # JSON without optional whitespace: an answer is one compact line, and a model cannot pad forever.
 _JSON_OPTIONS = {"whitespace_flexible": False}
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
-
-
-class GrammarError(InvalidParams):
-    """A grammar that cannot be used: malformed, too large, or too complex to compile."""
-
-
-@dataclass(slots=True, frozen=True)
-class GuidedDecodingParams:
-    """What the output must match; exactly one field set (vLLM's `GuidedDecodingParams`).
-
-    json: a JSON schema (a dict or its JSON text); json_object: any JSON object; regex: a regular
-    expression the whole output matches (Rust `regex` syntax); choice: one of these strings;
-    grammar: a Lark grammar (llguidance's dialect, with `%json` and `<token>` references) or GBNF."""
-
-    json: dict | str | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-
-    def __post_init__(self) -> None:
-        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
-        if len(given) != 1:
-            raise GrammarError("guided_decoding", f"guided_decoding needs exactly one of {', '.join(_KINDS)}; "
-                               f"got {', '.join(given) or 'none'}")
-        self.spec()  # type checks and size, before anything is queued
-
-    @property
-    def kind(self) -> str:
-        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
-
-    def spec(self) -> tuple[str, str]:
-        """(kind, text): the cache key, and what llguidance compiles."""
-        kind = self.kind
-        param = f"guided_decoding.{kind}"
-        if kind == "json_object":
-            return "json", '{"type": "object"}'
-        if kind == "json":
-            text = self.json if isinstance(self.json, str) else _dumps(self.json, param)
-        elif kind == "choice":
-            text = _choice_text(self.choice, param)
-        else:
-            text = getattr(self, kind)
-            _expect(isinstance(text, str) and text != "", param, "a non-empty string")
-        _expect(len(text) <= MAX_SPEC_CHARS, param, f"at most {MAX_SPEC_CHARS} characters long")
-        if kind == "json":
-            _expect(json_depth(text) <= MAX_JSON_DEPTH, param, f"nested at most {MAX_JSON_DEPTH} levels deep")
-        return kind, text
-
-
-def _expect(ok: bool, param: str, what: str) -> None:
-    if not ok:
-        raise GrammarError(param, f"{param} must be {what}")
-
-
-def _dumps(schema, param: str) -> str:
-    _expect(isinstance(schema, dict), param, "a JSON schema (an object)")
-    _expect(object_depth(schema) <= MAX_JSON_DEPTH, param, f"nested at most {MAX_JSON_DEPTH} levels deep")
-    return json.dumps(schema, ensure_ascii=False)
-
-
-def json_depth(text: str) -> int:
-    """How deep arrays and objects nest in JSON text, counted without parsing it (no recursion):
-    brackets outside strings. Malformed text gets a number too; the parser refuses it later."""
-    depth = deepest = 0
-    for match in _JSON_TOKENS.finditer(text):
-        bracket = match.group()
-        if bracket in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif bracket in "]}":
-            depth -= 1
-    return deepest
-
-
-_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]')
-
-
-def object_depth(value) -> int:
-    """How deep lists and dicts nest in `value`, walked with a stack of our own (no recursion)."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        item, depth = todo.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple)) else None
-        if children is None:
-            continue
-        deepest = max(deepest, depth)
-        if depth <= MAX_JSON_DEPTH:  # deeper is refused whatever lies below
-            todo += [(child, depth + 1) for child in children]
-    return deepest
-
-
-def _choice_text(choice, param: str) -> str:
-    ok = isinstance(choice, (list, tuple)) and choice and all(isinstance(c, str) and c for c in choice)
-    _expect(bool(ok), param, "a non-empty list of non-empty strings")
-    return json.dumps(list(choice), ensure_ascii=False)
 
 
 def _grammar(kind: str, text: str, param: str) -> str:
@@ -162,7 +58,8 @@ def _grammar(kind: str, text: str, param: str) -> str:
             schema = json.loads(text)
         except json.JSONDecodeError as exc:
             raise GrammarError(param, f"{param} is not valid JSON: {exc}") from None
-        _expect(isinstance(schema, dict), param, "a JSON schema (an object)")
+        if not isinstance(schema, dict):
+            raise GrammarError(param, f"{param} must be a JSON schema (an object)")
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         except ValueError as exc:
@@ -247,10 +144,8 @@ class StructuredOutput:
                                                             eos_token=self._eos or None)
             return self._ll_tokenizer
 
-    def compile(self, guided: GuidedDecodingParams | CompiledGrammar) -> CompiledGrammar:
+    def compile(self, guided: GuidedDecodingParams) -> CompiledGrammar:
         """The compiled grammar, from the cache or compiled now (bounded; raises GrammarError)."""
-        if isinstance(guided, CompiledGrammar):
-            return guided
         if not isinstance(guided, GuidedDecodingParams):
             raise GrammarError("guided_decoding", "guided_decoding must be a GuidedDecodingParams, "
                                f"got {type(guided).__name__}")
@@ -331,43 +226,3 @@ class StructuredOutput:
         return TokenBitmask(rows, bits)
 
 
-@dataclass(slots=True, frozen=True)
-class TokenBitmask:
-    """The tokens each listed row of a batch may sample: bit j of row r's word w allows token
-    32 * w + j (llguidance's layout)."""
-
-    rows: list[int]
-    bits: np.ndarray  # int32 [len(rows), words]
-
-    def apply(self, logits: torch.Tensor) -> None:
-        """Add -inf to the logits of every token a row's mask forbids, in place, all rows at once."""
-        bias = mask_bias(self.bits, logits.shape[-1], logits.device)
-        if len(self.rows) == logits.shape[0]:
-            logits += bias
-            return
-        logits[to_device(self.rows, logits.device, torch.long)] += bias
-
-
-def mask_bias(bits: np.ndarray, vocab: int, device: torch.device) -> torch.Tensor:
-    """Float [rows, vocab]: 0 for a token the mask allows, -inf for the others. Each byte of the mask
-    selects its 8 entries from a 256-row table: one gather and one add, where a boolean mask costs
-    tens of times more on a CPU. Ids past the mask's words are never allowed."""
-    bias = _byte_table(device).index_select(0, _byte_index(bits, device)).view(len(bits), -1)
-    if bias.shape[1] < vocab:
-        bias = torch.nn.functional.pad(bias, (0, vocab - bias.shape[1]), value=float("-inf"))
-    return bias[:, :vocab]
-
-
-def _byte_index(bits: np.ndarray, device: torch.device) -> torch.Tensor:
-    """The mask's bytes in order (little-endian words), as int32 indices on `device`."""
-    data = bits.view(np.uint8).reshape(-1)
-    if device.type == "cpu":  # numpy widens bytes faster than torch does on a CPU
-        return torch.from_numpy(data.astype(np.int32))
-    return to_device(data, device).int()  # bytes travel, 4 times fewer than the indices
-
-
-@functools.cache
-def _byte_table(device: torch.device) -> torch.Tensor:
-    """Row b: 0 where bit k of b is set, else -inf (bit k is the byte's k-th token)."""
-    bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
-    return torch.zeros(256, 8).masked_fill_(bits == 0, float("-inf")).to(device)

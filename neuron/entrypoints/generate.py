@@ -29,7 +29,7 @@ def run(args) -> int:
     """0 on success; 2 for what the user must change (the model, a setting, a prompt), 1 when
     generation itself fails. Either way one line on stderr, as `neuron serve` prints."""
     from neuron.engine.llm_engine import RequestError
-    from neuron.engine.sampling import InvalidParams
+    from neuron.engine.sampling_params import InvalidParams
     from neuron.errors import ConfigError, NeuronError
 
     try:

@@ -16,7 +16,7 @@ from typing import Sequence
 
 from neuron.engine.llm_engine import EngineConfig, LLMEngine, Update, encode_prompt
 from neuron.engine.parallel_sampling import cumulative_logprob, ranked, sample_id, sample_params
-from neuron.engine.sampling import SamplingParams, token_ids
+from neuron.engine.sampling_params import SamplingParams, token_ids
 from neuron.errors import NeuronError
 from neuron.multimodal.image import ImageInput
 

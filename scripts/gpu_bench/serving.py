@@ -60,14 +60,14 @@ class ServeRun:
     def measure(self, port: int, shape: str, concurrency: int, wl: Workloads) -> Row:
         import anyio
 
-        from neuron.bench import BenchConfig
+        from neuron.bench import BenchConfig, result_summary
 
         n = wl.serve_requests(concurrency)
         cfg = BenchConfig(f"http://127.0.0.1:{port}/v1", num_requests=n, concurrency=concurrency,
                           input_len=wl.offline_a[1], output_len=wl.offline_a[2], ignore_eos=True, logprobs=0,
                           seed=1000 + concurrency, warmup=1, timeout=self.deadline_s)
         try:
-            s = anyio.run(bench_within, cfg, self.deadline_s).summary()
+            s = result_summary(anyio.run(bench_within, cfg, self.deadline_s))
         except TimeoutError:
             return serve_row(shape, concurrency, error=f"failed: timed out after {self.deadline_s:g} s")
         detail = {"requests": n, "completed": s.completed, "failed": s.failed, "duration_s": s.duration_s,

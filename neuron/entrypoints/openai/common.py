@@ -13,7 +13,8 @@ from neuron.config import settings
 from neuron.engine.async_engine import AsyncEngine, EngineState, NotReady, Overloaded, RequestStream
 from neuron.engine.llm_engine import RequestError
 from neuron.engine.parallel_sampling import num_samples, ranked, sample_id, sample_params
-from neuron.engine.sampling import InvalidParams, SamplingParams
+from neuron.engine.sampling_params import InvalidParams, SamplingParams
+from neuron.engine.structured_output import CompiledGrammar
 from neuron.entrypoints.openai.api_errors import (
     APIError,
     bad_request,
@@ -124,9 +125,10 @@ def sampling_params(req: SamplingRequest, defaults: dict, *, max_tokens: int | N
 
 
 def open_stream(engine: AsyncEngine, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                prompt_param: str, images: list[ImageInput] | None = None, count_prompt: bool = True) -> RequestStream:
+                prompt_param: str, images: list[ImageInput] | None = None, count_prompt: bool = True,
+                grammar: CompiledGrammar | None = None) -> RequestStream:
     try:
-        return engine.open(request_id, prompt_ids, params, images, count_prompt)
+        return engine.open(request_id, prompt_ids, params, images, count_prompt, grammar)
     except NotReady as exc:
         raise _not_ready(exc) from None
     except Overloaded as exc:
@@ -201,7 +203,8 @@ def check_prompt_logprobs(prompts: list[list[int]], params: SamplingParams) -> N
 
 
 def open_samples(engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                 prompt_param: str, images: list[ImageInput] | None = None) -> Samples:
+                 prompt_param: str, images: list[ImageInput] | None = None,
+                 grammar: CompiledGrammar | None = None) -> Samples:
     """Queue the samples of every prompt, or none of them: every prompt is validated before any is
     queued, and samples already opened when one is refused (the server full) are aborted."""
     check_sequences(engine, len(prompts), params)
@@ -220,7 +223,7 @@ def open_samples(engine: AsyncEngine, request_id: str, prompts: list[list[int]],
         for ids in prompts:
             for i, child in enumerate(children):
                 rid = sample_id(request_id, len(streams), total)
-                streams.append(open_stream(engine, rid, ids, child, prompt_param, images, count_prompt=i == 0))
+                streams.append(open_stream(engine, rid, ids, child, prompt_param, images, i == 0, grammar))
     except BaseException:
         for stream in streams:
             stream.close()

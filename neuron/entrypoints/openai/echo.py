@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from neuron.engine.output_processor import LogprobRenderer, clamp_logprob
-from neuron.engine.sampling import InvalidParams, SamplingParams
+from neuron.engine.sampling_params import InvalidParams, SamplingParams
 from neuron.entrypoints.openai.api_errors import bad_request
 from neuron.entrypoints.openai.api_types import CompletionLogprobs, CompletionRequest
 

@@ -13,7 +13,8 @@ import json
 import anyio
 
 from neuron.engine.response_parser import TOOL_CLOSE, TOOL_OPEN
-from neuron.engine.structured_output import CompiledGrammar, GrammarError, GuidedDecodingParams
+from neuron.engine.sampling_params import GrammarError, GuidedDecodingParams
+from neuron.engine.structured_output import CompiledGrammar
 from neuron.entrypoints.openai.api_errors import bad_request
 from neuron.entrypoints.openai.api_types import SamplingRequest
 from neuron.entrypoints.openai.prompt_input import off_loop

@@ -150,11 +150,11 @@ async def create_chat_completion(request: Request, engine: AsyncEngine, req: Cha
     params = sampling_params(req, llm.default_sampling(), max_tokens=getattr(req, max_name), logprobs=top_logprobs,
                              renames={"logprobs": "top_logprobs", "max_tokens": max_name})
     check_sequences(engine, 1, params)  # before compiling or rendering anything
-    params.guided_decoding = await compile_guided(llm, req, limiters.grammar)
+    grammar = await compile_guided(llm, req, limiters.grammar)
     check_prompt_chars(llm, template_content_chars(req.messages), "messages")  # at once, before the template
     prompt, prompt_ids, images = await off_loop(limiters.tokenize, _render, llm, req)
     ctx = ChatRequestContext(req, engine.model_name, llm.tokenizer, prompt, top_logprobs)
-    samples = open_samples(engine, ctx.id, [prompt_ids], params, prompt_param="messages", images=images)
+    samples = open_samples(engine, ctx.id, [prompt_ids], params, "messages", images, grammar)
     if req.stream:
         return EventStreamResponse(_events(ctx, samples, keepalive_s), on_close=samples.close)
     return await json_unless_disconnected(request, samples, _collect(ctx, samples))

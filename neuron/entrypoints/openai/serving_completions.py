@@ -145,10 +145,10 @@ async def create_completion(request: Request, engine: AsyncEngine, req: Completi
     params = sampling_params(req, llm.default_sampling(), max_tokens=max_tokens, logprobs=req.logprobs, renames={})
     params = with_prompt_logprobs(params, prompt_topk(req))
     check_sequences(engine, len(prompts), params)  # before compiling or tokenizing anything
-    params.guided_decoding = await compile_guided(llm, req, limiters.grammar)
+    grammar = await compile_guided(llm, req, limiters.grammar)
     ids = [await prompt_ids(llm, prompt, limiters.tokenize) for prompt in prompts]
     ctx = _Context(req, engine.model_name, llm.tokenizer, prompts, ids)
-    samples = open_samples(engine, ctx.id, ids, params, prompt_param="prompt")
+    samples = open_samples(engine, ctx.id, ids, params, "prompt", grammar=grammar)
     ctx.per_prompt = samples.per_prompt
     if req.stream:
         return EventStreamResponse(_events(ctx, samples, keepalive_s), on_close=samples.close)
