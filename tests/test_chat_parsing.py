@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from neuron.engine.response_parser import OutputParser, Parsed, parse_tool_call, prompt_opens_reasoning
 from neuron.entrypoints.openai.api_errors import APIError
 from neuron.entrypoints.openai.chat_utils import normalise_messages
+from neuron.entrypoints.openai.response_parser import OutputParser, Parsed, parse_tool_call, prompt_opens_reasoning
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from neuron.engine.output_processor import LogprobRenderer, OutputProcessor, Update
+from neuron.engine.output_processor import OutputProcessor, Update
 from neuron.engine.sampling_params import SamplingParams
 from neuron.engine.sequence import Sequence
 from neuron.engine.tokenizer import Tokenizer
+from neuron.entrypoints.openai.logprobs import LogprobRenderer
 from neuron.models import default as default_ckpt
 
 TEXT = "Hello world, stop here. The end"

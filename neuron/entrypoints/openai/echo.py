@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from neuron.engine.output_processor import LogprobRenderer, clamp_logprob
 from neuron.engine.sampling_params import InvalidParams, SamplingParams
 from neuron.entrypoints.openai.api_errors import bad_request
 from neuron.entrypoints.openai.api_types import CompletionLogprobs, CompletionRequest
+from neuron.entrypoints.openai.logprobs import LogprobRenderer, clamp_logprob
 
 
 def prompt_topk(req: CompletionRequest) -> int | None:

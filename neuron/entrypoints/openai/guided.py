@@ -12,12 +12,12 @@ import json
 
 import anyio
 
-from neuron.engine.response_parser import TOOL_CLOSE, TOOL_OPEN
 from neuron.engine.sampling_params import GrammarError, GuidedDecodingParams
 from neuron.engine.structured_output import CompiledGrammar
 from neuron.entrypoints.openai.api_errors import bad_request
 from neuron.entrypoints.openai.api_types import SamplingRequest
 from neuron.entrypoints.openai.prompt_input import off_loop
+from neuron.entrypoints.openai.response_parser import TOOL_CLOSE, TOOL_OPEN
 
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # A tool call's JSON is compact, like the other JSON grammars, so a model cannot pad it forever.

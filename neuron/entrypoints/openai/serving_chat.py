@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from neuron.engine.async_engine import AsyncEngine, RequestStream
-from neuron.engine.output_processor import LogprobRenderer, OutputParser, Parsed, Update
+from neuron.engine.output_processor import Update
 from neuron.engine.parallel_sampling import cumulative_logprob
 from neuron.engine.tokenizer import TokenizerError
 from neuron.entrypoints.openai.api_errors import APIError, bad_request
@@ -46,7 +46,9 @@ from neuron.entrypoints.openai.common import (
     stream_error,
 )
 from neuron.entrypoints.openai.guided import compile_guided
+from neuron.entrypoints.openai.logprobs import LogprobRenderer
 from neuron.entrypoints.openai.prompt_input import Limiters, check_prompt_chars, off_loop
+from neuron.entrypoints.openai.response_parser import OutputParser, Parsed
 from neuron.entrypoints.openai.streaming import (
     DONE,
     KEEPALIVE,

@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from neuron.engine.async_engine import AsyncEngine, RequestStream
 from neuron.engine.llm_engine import RequestError, encode_prompt
-from neuron.engine.output_processor import LogprobRenderer, Update
+from neuron.engine.output_processor import Update
 from neuron.engine.parallel_sampling import cumulative_logprob
 from neuron.entrypoints.openai.api_errors import bad_request, unsupported
 from neuron.entrypoints.openai.api_types import (
@@ -39,6 +39,7 @@ from neuron.entrypoints.openai.common import (
 )
 from neuron.entrypoints.openai.echo import echo_logprobs, prompt_topk, vllm_prompt_logprobs, with_prompt_logprobs
 from neuron.entrypoints.openai.guided import compile_guided
+from neuron.entrypoints.openai.logprobs import LogprobRenderer
 from neuron.entrypoints.openai.prompt_input import Limiters, check_prompt_chars, check_prompt_ids, off_loop
 from neuron.entrypoints.openai.streaming import (
     DONE,
