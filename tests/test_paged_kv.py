@@ -10,8 +10,7 @@ from checkpoints import reference_greedy
 
 from neuron import LLM, SamplingParams
 from neuron.engine.block_manager import BlockManager, chain_hash
-from neuron.engine.scheduler import Scheduler
-from neuron.engine.sequence import Sequence, Status
+from neuron.engine.sequence import Sequence
 from neuron.errors import ConfigError
 from neuron.models.inputs import SeqStep
 from neuron.models.kv_cache import PagedKVCache, StepRejected
@@ -130,49 +129,6 @@ def test_prefix_caching_off():
     assert not bm.cached and not bm.evictable
     b = seq([1, 2, 3, 4, 5], "b")
     assert bm.allocate(b) and b.num_cached_blocks == 0
-
-
-# ---- scheduler ----
-
-
-def test_decode_out_of_blocks_preempts_the_newest():
-    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=64, blocks=BlockManager(4, 2))
-    old, new = seq([1, 2, 3, 4], "old"), seq([5, 6, 7], "new")
-    sched.add(old)
-    sched.add(new)
-    batch = sched.schedule()
-    assert [s.seq for s in batch] == [old, new] and all(s.fresh for s in batch)
-    sched.computed(batch)
-    old.output_token_ids.append(10)
-    new.output_token_ids.append(11)
-    batch = sched.schedule()  # old needs a third block: none free, so `new` gives its blocks back
-    assert [s.seq for s in batch] == [old]
-    assert batch[0].new_blocks and not batch[0].fresh
-    assert new.status is Status.WAITING and new.block_table == [] and new.slot is None
-    assert list(sched.waiting) == [new] and sched.num_preemptions == 1
-    sched.computed(batch)
-    sched.finish(old, "stop")
-    batch = sched.schedule()  # recomputed from a fresh table: its own cached first block, then the rest
-    assert batch[0].seq is new and batch[0].fresh
-    assert (batch[0].offset, batch[0].token_ids, len(batch[0].new_blocks)) == (2, [7, 11], 2)
-
-
-def test_a_block_being_computed_is_waited_for_not_computed_twice():
-    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=64, blocks=BlockManager(16, 4))
-    prompt = list(range(1, 11))  # two full blocks of 4 and a partial one
-    a, b, other = seq(prompt, "a"), seq(prompt, "b"), seq([50, 51, 52], "other")
-    for s in (a, b, other):
-        sched.add(s)
-    batch = sched.schedule()
-    assert [s.seq for s in batch] == [a, other]  # b waits for a's blocks; the request behind it does not
-    assert list(sched.waiting) == [b]
-    sched.computed(batch)
-    a.output_token_ids.append(99)
-    other.output_token_ids.append(98)
-    batch = sched.schedule()
-    assert [(s.seq, s.offset, s.token_ids) for s in batch] == [(a, 10, [99]), (other, 3, [98]), (b, 8, [9, 10])]
-    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
-    assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (23, 8)
 
 
 # ---- a rank's cache ----

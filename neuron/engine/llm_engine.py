@@ -220,41 +220,42 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def step(self) -> list[Update]:
-        """Admit and abort what arrived, run one batched step, sample, and report. A rank failure
-        ends every request in flight; any other fault ends only the requests it touched."""
+        """Admit and abort what arrived, then schedule, execute, update the scheduler, sample and
+        report. A rank failure ends every request in flight; any other fault ends only the
+        requests it touched."""
         updates = self._drain_inbox()
         batch = self.scheduler.schedule()
         if not batch:
             return updates
-        plain = [s for s in batch if not s.with_images]
-        imaged = [s for s in batch if s.with_images]
-        parts, ran = [], []  # `ran`: the order of the logits rows
-        for group, forward in ((plain, self._forward), (imaged, self._prefill_with_images)):
+        logits, ran = self._execute(batch, updates)
+        if not ran:
+            return updates
+        rows, scored = self.scheduler.update_from_output(ran)
+        updates += [self.outputs.end(seq) for seq in scored]  # prompt scored, nothing to generate
+        if rows:
+            updates += self._sample([ran[i] for i in rows], _rows(logits, rows))
+        return updates
+
+    def _execute(self, batch: list[Scheduled], updates: list[Update]) -> tuple[torch.Tensor | None, list[Scheduled]]:
+        """Run the step's forwards (sequences with images apart); the logits and the scheduled
+        sequences they belong to, in row order. A failed forward's requests end (into `updates`)."""
+        parts, ran = [], []
+        for group, forward in (([s for s in batch if not s.with_images], self._forward),
+                               ([s for s in batch if s.with_images], self._prefill_with_images)):
             if not group:
                 continue
             try:
                 parts.append(forward(group))
             except Exception as exc:  # noqa: BLE001 - contained: a rank failure or only this group
                 if self.failure is not None:  # the ranks are out of step: nothing in flight can go on
-                    return updates + self.fail_in_flight(str(exc))
+                    updates += self.fail_in_flight(str(exc))
+                    return None, []
                 updates += self._forward_failed(group, exc)
                 continue
             ran += group
         if not ran:
-            return updates
-        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        self.scheduler.computed(ran)
-        ready = [(i, s) for i, s in enumerate(ran) if s.completes_prompt]
-        if any(s.seq.max_tokens == 0 for _, s in ready):  # prompt scored, nothing to generate
-            updates += [self._end_unsampled(s.seq) for _, s in ready if s.seq.max_tokens == 0]
-            ready = [(i, s) for i, s in ready if s.seq.max_tokens != 0]
-        if ready:
-            updates += self._sample([s for _, s in ready], _rows(logits, [i for i, _ in ready]))
-        return updates
-
-    def _end_unsampled(self, seq: Sequence) -> Update:
-        self.scheduler.finish(seq, "length")
-        return self.outputs.end(seq)
+            return None, []
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), ran
 
     def _forward(self, part: list[Scheduled]) -> torch.Tensor:
         steps = self._steps(part)
@@ -335,9 +336,7 @@ class LLMEngine:
 
     def _advance(self, s: Scheduled, token: int, logprobs: dict[int, float] | None) -> Update:
         seq = s.seq
-        seq.output_token_ids.append(token)
-        seq.sampler.append(token)
-        if seq.grammar is not None and not seq.grammar.accept(token):  # a grammar past its limits, mid-way
+        if not self.scheduler.advance(seq, token):  # a grammar past its limits, mid-way
             return self._fail([seq], f"structured output failed: {seq.grammar.error}", "invalid_request")[0]
         update = self.outputs.process(seq, token, logprobs)
         if update.finished:

@@ -153,11 +153,30 @@ class Scheduler:
         seq.num_blocks_sent = len(seq.block_table)
         return Scheduled(seq, tokens, seq.num_computed, new_blocks, fresh)
 
-    def computed(self, batch: list[Scheduled]) -> None:
-        """The step ran: its tokens are in the KV cache, and newly full blocks become cacheable."""
-        for s in batch:
+    def update_from_output(self, ran: list[Scheduled]) -> tuple[list[int], list[Sequence]]:
+        """The step ran: its tokens are in the KV cache and newly full blocks become cacheable.
+        Returns the rows of `ran` whose logits are sampled now (a prompt just completed, or a
+        decode), and the sequences that only scored their prompt (max_tokens 0), which it retires."""
+        rows, scored = [], []
+        for i, s in enumerate(ran):
             s.seq.num_computed = s.offset + len(s.token_ids)
             self.blocks.cache_computed(s.seq)
+            if not s.completes_prompt:
+                continue
+            if s.seq.max_tokens == 0:
+                self.finish(s.seq, "length")
+                scored.append(s.seq)
+            else:
+                rows.append(i)
+        return rows, scored
+
+    @staticmethod
+    def advance(seq: Sequence, token: int) -> bool:
+        """A sampled token joins its sequence (and its penalties' counts, and its grammar); False
+        when the grammar refuses it (one past llguidance's limits mid-way)."""
+        seq.output_token_ids.append(token)
+        seq.sampler.append(token)
+        return seq.grammar is None or seq.grammar.accept(token)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Retire a sequence (finished, aborted or failed) and give its slot and blocks back."""
