@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 from neuron.config import settings
+from neuron.engine.engine_client import EngineClient
 from neuron.engine.llm_engine import LLMEngine, Update
 from neuron.engine.metrics import Metrics
 from neuron.engine.request_stream import RequestStream
@@ -69,7 +70,10 @@ class Overloaded(NeuronError):
     """Every running and waiting place is taken."""
 
 
-class AsyncEngine:
+class AsyncEngine(EngineClient):
+    """The engine thread and its lifecycle, requests in and their streams out; what the entrypoints
+    may ask of the model besides is `EngineClient`'s."""
+
     def __init__(
         self,
         factory: Callable[[], LLMEngine],

@@ -31,7 +31,7 @@ from neuron.entrypoints.openai.api_types import (
     ModelList,
     TokenizeRequest,
 )
-from neuron.entrypoints.openai.common import ready_engine
+from neuron.entrypoints.openai.common import check_ready
 from neuron.entrypoints.openai.connections import BodyTimeout, RequestGuard, parse_origins
 from neuron.entrypoints.openai.prompt_input import Limiters
 from neuron.entrypoints.openai.serving_chat import create_chat_completion
@@ -165,8 +165,8 @@ class _Api:
         return Response(self.stats.render(), media_type=self.stats.content_type)
 
     async def models(self, request: Request) -> Response:
-        llm = ready_engine(self.engine)
-        card = ModelCard(self.engine.model_name, self.started, llm.max_model_len)
+        check_ready(self.engine)
+        card = ModelCard(self.engine.model_name, self.started, self.engine.max_model_len)
         return Response(msgspec.json.encode(ModelList([card])), media_type="application/json")
 
     async def chat(self, request: Request) -> Response:

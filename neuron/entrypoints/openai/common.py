@@ -68,11 +68,10 @@ def check_common(req: SamplingRequest) -> None:
         raise unsupported("logit_bias", "logit_bias is not supported")
 
 
-def ready_engine(engine: AsyncEngine):
-    """The loaded engine, or the 503 that says why there is none."""
-    if engine.state is not EngineState.READY or engine.engine is None:
+def check_ready(engine: AsyncEngine) -> None:
+    """Nothing when the model is ready to serve; else the 503 that says why not."""
+    if engine.state is not EngineState.READY or not engine.loaded:
         raise _not_ready(NotReady(engine.state, engine.error))
-    return engine.engine
 
 
 def _not_ready(exc: NotReady) -> APIError:
@@ -212,10 +211,9 @@ def open_samples(engine: AsyncEngine, request_id: str, prompts: list[list[int]],
     total = len(prompts) * num_samples(params)
     children = sample_params(params)
     if total > 1:
-        llm = ready_engine(engine)
         for ids in prompts:
             try:
-                llm.validate(ids, children[0], images)
+                engine.validate(ids, children[0], images)
             except RequestError as exc:
                 raise _refused(exc, prompt_param) from None
     streams: list[RequestStream] = []

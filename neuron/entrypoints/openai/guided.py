@@ -12,6 +12,7 @@ import json
 
 import anyio
 
+from neuron.engine.engine_client import EngineClient
 from neuron.engine.sampling_params import GrammarError, GuidedDecodingParams
 from neuron.engine.structured_output import CompiledGrammar
 from neuron.entrypoints.openai.api_errors import bad_request
@@ -24,17 +25,18 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
 _COMPACT = {"whitespace_flexible": False}
 
 
-async def compile_guided(llm, req: SamplingRequest, limiter: anyio.CapacityLimiter) -> CompiledGrammar | None:
+async def compile_guided(engine: EngineClient, req: SamplingRequest,
+                         limiter: anyio.CapacityLimiter) -> CompiledGrammar | None:
     """The request's grammar compiled (in a worker thread, cached by the engine), or None when the
     request sets none. Anything wrong with it is a 400 naming the field it came from."""
-    found = guided_params(req, llm.tokenizer)
+    found = guided_params(req, engine.tokenizer)
     if found is None:
         return None
     guided, param = found
-    if llm.structured is None:
+    if not engine.has_structured_output:
         raise bad_request("structured output needs the model's tokenizer.json", param=param)
     try:
-        return await off_loop(limiter, llm.structured.compile, guided)
+        return await off_loop(limiter, engine.compile_grammar, guided)
     except GrammarError as exc:
         raise _renamed(exc, param) from None
 

@@ -44,20 +44,20 @@ async def off_loop(limiter: anyio.CapacityLimiter, fn: Callable[..., T], *args) 
     return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
 
 
-def check_prompt_chars(llm, num_chars: int, param: str) -> None:
+def check_prompt_chars(engine, num_chars: int, param: str) -> None:
     """Refuse, without tokenizing it, a prompt of `num_chars` characters that must have at least
     max_model_len tokens (the engine refuses those: no room is left to generate)."""
-    per_token = llm.tokenizer.max_chars_per_token if llm.tokenizer is not None else None
-    if per_token is None or num_chars <= (llm.max_model_len - 1) * per_token:
+    per_token = engine.tokenizer.max_chars_per_token if engine.tokenizer is not None else None
+    if per_token is None or num_chars <= (engine.max_model_len - 1) * per_token:
         return
     at_least = math.ceil(num_chars / per_token)
-    raise APIError(400, f"this model's maximum context length is {llm.max_model_len} tokens, but the prompt has "
+    raise APIError(400, f"this model's maximum context length is {engine.max_model_len} tokens, but the prompt has "
                         f"{num_chars} characters, which make at least {at_least} tokens", param=param,
                    code="context_length_exceeded")
 
 
-def check_prompt_ids(llm, prompt, param: str) -> None:
+def check_prompt_ids(engine, prompt, param: str) -> None:
     """Refuse a token-id prompt of max_model_len ids or more before looking at each id."""
-    if isinstance(prompt, list) and len(prompt) >= llm.max_model_len and isinstance(prompt[0], int):
-        raise APIError(400, f"this model's maximum context length is {llm.max_model_len} tokens, but the prompt has "
+    if isinstance(prompt, list) and len(prompt) >= engine.max_model_len and isinstance(prompt[0], int):
+        raise APIError(400, f"this model's maximum context length is {engine.max_model_len} tokens, but the prompt has "
                             f"{len(prompt)} tokens (no room to generate)", param=param, code="context_length_exceeded")

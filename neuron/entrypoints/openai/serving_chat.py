@@ -35,12 +35,12 @@ from neuron.entrypoints.openai.common import (
     Samples,
     check_common,
     check_model,
+    check_ready,
     check_sequences,
     encoded,
     new_id,
     now,
     open_samples,
-    ready_engine,
     sampling_params,
     sse,
     stream_error,
@@ -113,24 +113,24 @@ def _check(req: ChatCompletionRequest) -> None:
                           param="chat_template_kwargs")
 
 
-def _render(llm, req: ChatCompletionRequest) -> tuple[str, list[int], list[ImageInput]]:
+def _render(engine: AsyncEngine, req: ChatCompletionRequest) -> tuple[str, list[int], list[ImageInput]]:
     """The prompt and its token ids, each image placeholder expanded to the image's tokens. Images
     are decoded and checked here (CPU work, so off the event loop), before any device work. The
     rendered prompt is bounded by its length before it is tokenized."""
-    messages, uris = normalise_messages(req.messages, vision=llm.vision is not None)
+    messages, uris = normalise_messages(req.messages, vision=engine.vision is not None)
     tools = req.tools if _uses_tools(req) else None
     try:
-        prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
+        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
                                                    **(req.chat_template_kwargs or {}))
     except TokenizerError as exc:
         raise bad_request(str(exc), param="messages") from None
-    check_prompt_chars(llm, len(prompt), "messages")
-    ids = llm.tokenizer.encode(prompt)
+    check_prompt_chars(engine, len(prompt), "messages")
+    ids = engine.tokenizer.encode(prompt)
     if not uris:
         return prompt, ids, []
     try:
-        images = llm.check_images(uris, ids.count(llm.vision.image_token_id))
-        return prompt, llm.expand_images(ids, images), images
+        images = engine.check_images(uris, ids.count(engine.vision.image_token_id))
+        return prompt, engine.expand_images(ids, images), images
     except ImageError as exc:
         kind = "server_error" if exc.status >= 500 else "invalid_request_error"
         raise APIError(exc.status, str(exc), type=kind, code=exc.code, param="messages") from None
@@ -141,21 +141,21 @@ async def create_chat_completion(request: Request, engine: AsyncEngine, req: Cha
     """`limiters` bound how many chats are rendered and tokenized, and grammars compiled, at once."""
     check_model(req, engine.model_name)
     _check(req)
-    llm = ready_engine(engine)
-    if llm.tokenizer is None:
+    check_ready(engine)
+    if engine.tokenizer is None:
         raise bad_request("this model has no tokenizer, so it cannot chat; use /v1/completions with token ids",
                           param="messages")
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if getattr(req, max_name) == 0:  # only /v1/completions scores a prompt without generating (echo)
         raise bad_request(f"{max_name} must be >= 1 or null, got 0", param=max_name)
-    params = sampling_params(req, llm.default_sampling(), max_tokens=getattr(req, max_name), logprobs=top_logprobs,
+    params = sampling_params(req, engine.default_sampling(), max_tokens=getattr(req, max_name), logprobs=top_logprobs,
                              renames={"logprobs": "top_logprobs", "max_tokens": max_name})
     check_sequences(engine, 1, params)  # before compiling or rendering anything
-    grammar = await compile_guided(llm, req, limiters.grammar)
-    check_prompt_chars(llm, template_content_chars(req.messages), "messages")  # at once, before the template
-    prompt, prompt_ids, images = await off_loop(limiters.tokenize, _render, llm, req)
-    ctx = ChatRequestContext(req, engine.model_name, llm.tokenizer, prompt, top_logprobs)
+    grammar = await compile_guided(engine, req, limiters.grammar)
+    check_prompt_chars(engine, template_content_chars(req.messages), "messages")  # at once, before the template
+    prompt, prompt_ids, images = await off_loop(limiters.tokenize, _render, engine, req)
+    ctx = ChatRequestContext(req, engine.model_name, engine.tokenizer, prompt, top_logprobs)
     samples = open_samples(engine, ctx.id, [prompt_ids], params, "messages", images, grammar)
     if req.stream:
         return EventStreamResponse(_events(ctx, samples, keepalive_s), on_close=samples.close)

@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from neuron.engine.async_engine import AsyncEngine, RequestStream
-from neuron.engine.llm_engine import RequestError, encode_prompt
+from neuron.engine.llm_engine import RequestError
 from neuron.engine.output_processor import Update
 from neuron.engine.parallel_sampling import cumulative_logprob
 from neuron.entrypoints.openai.api_errors import bad_request, unsupported
@@ -27,12 +27,12 @@ from neuron.entrypoints.openai.common import (
     Samples,
     check_common,
     check_model,
+    check_ready,
     check_sequences,
     encoded,
     new_id,
     now,
     open_samples,
-    ready_engine,
     sampling_params,
     sse,
     stream_error,
@@ -68,14 +68,14 @@ def _prompt_list(prompt) -> list:
                       "either", param="prompt")
 
 
-async def prompt_ids(llm, prompt, limiter: anyio.CapacityLimiter) -> list[int]:
+async def prompt_ids(engine: AsyncEngine, prompt, limiter: anyio.CapacityLimiter) -> list[int]:
     """One prompt's token ids; text is bounded by its length, then tokenized off the event loop."""
-    check_prompt_ids(llm, prompt, "prompt")
+    check_prompt_ids(engine, prompt, "prompt")
     if isinstance(prompt, list):
         return prompt
-    check_prompt_chars(llm, len(prompt), "prompt")
+    check_prompt_chars(engine, len(prompt), "prompt")
     try:
-        return await off_loop(limiter, encode_prompt, llm, prompt)
+        return await off_loop(limiter, engine.encode_prompt, prompt)
     except RequestError as exc:
         raise bad_request(str(exc), param="prompt") from None
 
@@ -140,15 +140,15 @@ async def create_completion(request: Request, engine: AsyncEngine, req: Completi
     of prompt p (vLLM's order)."""
     check_model(req, engine.model_name)
     _check(req)
-    llm = ready_engine(engine)
+    check_ready(engine)
     prompts = _prompt_list(req.prompt)
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    params = sampling_params(req, llm.default_sampling(), max_tokens=max_tokens, logprobs=req.logprobs, renames={})
+    params = sampling_params(req, engine.default_sampling(), max_tokens=max_tokens, logprobs=req.logprobs, renames={})
     params = with_prompt_logprobs(params, prompt_topk(req))
     check_sequences(engine, len(prompts), params)  # before compiling or tokenizing anything
-    grammar = await compile_guided(llm, req, limiters.grammar)
-    ids = [await prompt_ids(llm, prompt, limiters.tokenize) for prompt in prompts]
-    ctx = _Context(req, engine.model_name, llm.tokenizer, prompts, ids)
+    grammar = await compile_guided(engine, req, limiters.grammar)
+    ids = [await prompt_ids(engine, prompt, limiters.tokenize) for prompt in prompts]
+    ctx = _Context(req, engine.model_name, engine.tokenizer, prompts, ids)
     samples = open_samples(engine, ctx.id, ids, params, "prompt", grammar=grammar)
     ctx.per_prompt = samples.per_prompt
     if req.stream:

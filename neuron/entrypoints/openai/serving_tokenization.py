@@ -13,7 +13,7 @@ from neuron.engine.tokenizer import TokenizerError
 from neuron.entrypoints.openai.api_errors import APIError, bad_request
 from neuron.entrypoints.openai.api_types import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from neuron.entrypoints.openai.chat_utils import normalise_messages
-from neuron.entrypoints.openai.common import ready_engine
+from neuron.entrypoints.openai.common import check_ready
 from neuron.entrypoints.openai.prompt_input import off_loop
 
 # Set by the server itself when it renders the template.
@@ -21,51 +21,50 @@ _TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt"})
 
 
 async def tokenize(engine: AsyncEngine, req: TokenizeRequest, limiter: anyio.CapacityLimiter) -> Response:
-    llm = _ready(engine, req.model, "prompt" if req.messages is None else "messages")
+    _check(engine, req.model, "prompt" if req.messages is None else "messages")
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("send exactly one of prompt (text) and messages (a chat)", param="prompt")
     reserved = _TEMPLATE_ARGS & set(req.chat_template_kwargs or ())
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
                           param="chat_template_kwargs")
-    ids = await off_loop(limiter, _token_ids, llm, req)
-    strs = [llm.tokenizer.id_to_token(t) or "" for t in ids] if req.return_token_strs else None
-    return _json(TokenizeResponse(ids, len(ids), llm.max_model_len, strs))
+    ids = await off_loop(limiter, _token_ids, engine, req)
+    strs = [engine.tokenizer.id_to_token(t) or "" for t in ids] if req.return_token_strs else None
+    return _json(TokenizeResponse(ids, len(ids), engine.max_model_len, strs))
 
 
-def _token_ids(llm, req: TokenizeRequest) -> list[int]:
+def _token_ids(engine, req: TokenizeRequest) -> list[int]:
     text = req.prompt
     if req.messages is not None:
-        messages, images = normalise_messages(req.messages, vision=llm.vision is not None)
+        messages, images = normalise_messages(req.messages, vision=engine.vision is not None)
         if images:
             raise bad_request("/tokenize counts text only; leave the images out of the messages", param="messages")
         try:
-            text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+            text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                                      tools=req.tools, **(req.chat_template_kwargs or {}))
         except TokenizerError as exc:
             raise bad_request(str(exc), param="messages") from None
-    return llm.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    return engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
 
 
 async def detokenize(engine: AsyncEngine, req: DetokenizeRequest, limiter: anyio.CapacityLimiter) -> Response:
-    llm = _ready(engine, req.model, "tokens")
-    bad = next((t for t in req.tokens if not 0 <= t < llm.vocab_size), None)
+    _check(engine, req.model, "tokens")
+    bad = next((t for t in req.tokens if not 0 <= t < engine.vocab_size), None)
     if bad is not None:
-        raise bad_request(f"token id {bad} is outside the vocabulary (0..{llm.vocab_size - 1})", param="tokens")
-    text = await off_loop(limiter, lambda: llm.tokenizer.decode(req.tokens, skip_special_tokens=False))
+        raise bad_request(f"token id {bad} is outside the vocabulary (0..{engine.vocab_size - 1})", param="tokens")
+    text = await off_loop(limiter, lambda: engine.tokenizer.decode(req.tokens, skip_special_tokens=False))
     return _json(DetokenizeResponse(text))
 
 
-def _ready(engine: AsyncEngine, model: str | None, param: str):
-    """The loaded engine, when the request names the served model or none (as vLLM allows) and the
-    checkpoint has a tokenizer."""
+def _check(engine: AsyncEngine, model: str | None, param: str) -> None:
+    """Refuse unless the request names the served model or none (as vLLM allows), the model is
+    ready and its checkpoint has a tokenizer."""
     if model is not None and model != engine.model_name:
         raise APIError(404, f"the model `{model}` does not exist; this server serves `{engine.model_name}`",
                        param="model", code="model_not_found")
-    llm = ready_engine(engine)
-    if llm.tokenizer is None:
+    check_ready(engine)
+    if engine.tokenizer is None:
         raise bad_request("this checkpoint has no tokenizer.json, so the server cannot tokenize", param=param)
-    return llm
 
 
 def _json(body) -> Response:

@@ -1,0 +1,89 @@
+"""What the entrypoints may ask of the model, and nothing more: vLLM's `EngineClient`.
+
+HTTP handlers see `AsyncEngine` only through this surface (and `open`, which submits a request):
+the model's limits and tokenizer, request checks, image checks and expansion, tokenizing and
+grammar compilation. None of it touches the ranks or the scheduler, so none of it waits for the
+engine thread; the CPU-heavy calls (tokenizing, templates, images, grammars) are the caller's to
+make from a worker thread. Everything here is plain data in and out, so the engine could live in
+another process behind the same surface.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from neuron.engine.sampling_params import GuidedDecodingParams, SamplingParams
+
+if TYPE_CHECKING:
+    from neuron.engine.llm_engine import LLMEngine
+    from neuron.engine.structured_output import CompiledGrammar
+    from neuron.engine.tokenizer import Tokenizer
+    from neuron.multimodal.image import ImageInput, VisionSpec
+
+
+class EngineClient:
+    """The model-facing half of AsyncEngine. `engine` is the loaded LLMEngine, None until the first
+    load ends; callers check readiness first (AsyncEngine.state)."""
+
+    engine: LLMEngine | None
+
+    @property
+    def loaded(self) -> bool:
+        """A model has loaded (it may be recovering since; AsyncEngine.state says)."""
+        return self.engine is not None
+
+    def _loaded(self) -> LLMEngine:
+        if self.engine is None:
+            raise RuntimeError("the model is not loaded")
+        return self.engine
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self._loaded().tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._loaded().max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._loaded().vocab_size
+
+    @property
+    def vision(self) -> VisionSpec | None:
+        """How the model takes images; None for a text-only model."""
+        return self._loaded().vision
+
+    def default_sampling(self) -> dict:
+        """generation_config.json's sampling defaults."""
+        return self._loaded().default_sampling()
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A completion prompt's token ids (RequestError without a tokenizer). CPU-heavy."""
+        from neuron.engine.llm_engine import encode_prompt
+
+        return encode_prompt(self._loaded(), text)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 images: list[ImageInput] | None = None) -> int:
+        """Refuse a request that cannot run (RequestError); its max_tokens clamped to the context."""
+        return self._loaded().validate(prompt_token_ids, params, images)
+
+    def check_images(self, uris: list, placeholders: int | None = None) -> list[ImageInput]:
+        """Size, bound and decode a request's images (ImageError). CPU-heavy."""
+        return self._loaded().check_images(uris, placeholders)
+
+    def expand_images(self, prompt_token_ids: list[int], images: list[ImageInput]) -> list[int]:
+        return self._loaded().expand_images(prompt_token_ids, images)
+
+    @property
+    def has_structured_output(self) -> bool:
+        return self._loaded().structured is not None
+
+    def compile_grammar(self, guided: GuidedDecodingParams) -> CompiledGrammar:
+        """The request's grammar compiled (GrammarError), for `open` to take beside its params.
+        CPU-heavy, and one at a time."""
+        structured = self._loaded().structured
+        if structured is None:
+            raise RuntimeError("this model has no tokenizer, so no structured output: check has_structured_output")
+        return structured.compile(guided)
