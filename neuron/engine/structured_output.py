@@ -35,7 +35,7 @@ import numpy as np
 from neuron.engine.sampling import TokenBitmask
 from neuron.engine.sampling_params import GrammarError, GuidedDecodingParams
 from neuron.engine.tokenizer import Tokenizer
-from neuron.utils.native import heap_in_use, release_free_heap, run_with_stack
+from neuron.utils.native_memory import heap_in_use, release_free_heap, run_with_stack
 
 # The compiling thread's stack: eight times what the deepest spec within MAX_SPEC_CHARS was measured to
 # need (a chain of 7,000 Lark rules, 63 KB, crashed with 16 MiB and compiled with 32 MiB).
