@@ -138,8 +138,10 @@ class Settings:
     dtype: str = _setting(str, "auto", "weight and activation dtype; auto is bfloat16 on CUDA, float32 on CPU",
                           choices=("auto", "float32", "bfloat16", "float16"))
     num_threads: int | None = _setting(int, None, "torch threads per CPU rank", lo=1, unset="cores / tp")
-    cache_dir: str | None = _setting(str, None, "where the embedded default model is built",
+    cache_dir: str | None = _setting(str, None, "where the embedded default model and the CPU kernels are built",
                                      unset="$XDG_CACHE_HOME/neuron, else ~/.cache/neuron")
+    cxx: str | None = _setting(str, None, "C++ compiler that builds the CPU attention kernel, once per machine",
+                               unset="the first of g++, c++, clang++ on PATH")
 
     # Batching and the KV cache.
     max_model_len: int | None = _setting(int, None, "longest sequence (prompt + output) in tokens", lo=2,
