@@ -138,8 +138,10 @@ class Settings:
     dtype: str = _setting(str, "auto", "weight and activation dtype; auto is bfloat16 on CUDA, float32 on CPU",
                           choices=("auto", "float32", "bfloat16", "float16"))
     num_threads: int | None = _setting(int, None, "torch threads per CPU rank", lo=1, unset="cores / tp")
-    cache_dir: str | None = _setting(str, None, "where the embedded default model is built",
+    cache_dir: str | None = _setting(str, None, "where the embedded default model and the CPU kernels are built",
                                      unset="$XDG_CACHE_HOME/neuron, else ~/.cache/neuron")
+    cxx: str | None = _setting(str, None, "C++ compiler that builds the CPU attention kernel, once per machine",
+                               unset="the first of g++, c++, clang++ on PATH")
 
     # Batching and the KV cache.
     max_model_len: int | None = _setting(int, None, "longest sequence (prompt + output) in tokens", lo=2,
@@ -156,9 +158,10 @@ class Settings:
         float, 0.9, "share of each GPU's memory neuron may use for weights, activations and the KV cache",
         lo=0, hi=1, above=True)
     no_prefix_caching: bool = _setting(bool, False, "do not reuse the KV blocks of prompt prefixes seen before")
-    attention: str = _setting(str, "gather", "how attention reads the KV cache: gather copies each context out "
-                              "of the block pool for SDPA; paged reads blocks where they lie from one flat "
-                              "step (the Triton kernel on CUDA, a PyTorch reference on CPU)",
+    attention: str = _setting(str, "paged", "how attention reads the KV cache: paged reads blocks where they "
+                              "lie from one flat step (the Triton kernel on CUDA, the C++ kernel on CPU, a "
+                              "PyTorch reference where neither is available); gather, a reference path for "
+                              "tests, copies each context out of the block pool for SDPA",
                               choices=("gather", "paged"))
     no_cuda_graphs: bool = _setting(bool, False, "run decode steps eagerly instead of replaying them from CUDA "
                                     "graphs (graphs need CUDA, attention=paged, one rank per GPU or tp 1, "

@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from neuron.layers import cpu_attention  # noqa: E402
 from neuron.layers.paged_attention import (  # noqa: E402
     HAS_TRITON,
     attend,
@@ -52,6 +53,18 @@ def kernel():
     return paged_attention_triton
 
 
+@pytest.fixture(scope="module")
+def cpu_kernel():
+    """The C++ kernel with the Triton kernel's signature, built into the user's cache as in use."""
+    if cpu_attention.library() is None:
+        pytest.skip("the CPU attention kernel cannot be built here (no C++ compiler; see the warning)")
+
+    def run(q, k_pool, v_pool, meta, scale):
+        return cpu_attention.paged_attention_cpu(q, k_pool, v_pool, meta.query_start, meta.kv_lens,
+                                                 meta.block_tables, meta.block_size, scale)
+    return run
+
+
 def make_step(offsets, query_lens, shared=None, *, heads=8, kv_heads=2, head_dim=64, block_size=16,
               dtype=torch.float32, device=DEVICE, seed=0):
     """Random pools, shuffled block tables (sequence b reuses a's first n blocks for shared=(a, b, n)),
@@ -75,12 +88,12 @@ def make_step(offsets, query_lens, shared=None, *, heads=8, kv_heads=2, head_dim
     return q, k_pool, v_pool, meta
 
 
-def assert_kernel_matches(kernel, q, k_pool, v_pool, meta):
+def assert_kernel_matches(kernel, q, k_pool, v_pool, meta, tolerance=None):
     scale = q.shape[-1] ** -0.5
     out = kernel(q, k_pool, v_pool, meta, scale)
     expected = paged_attention_reference(q.float(), k_pool.float(), v_pool.float(), meta, scale)
     assert out.dtype == q.dtype and out.shape == q.shape
-    assert (out.float() - expected).abs().max().item() <= TOLERANCE[q.dtype]
+    assert (out.float() - expected).abs().max().item() <= (tolerance or TOLERANCE[q.dtype])
 
 
 # ---- metadata and writes ----
@@ -132,9 +145,9 @@ def test_reference_equals_causal_sdpa_over_contiguous_kv():
     torch.testing.assert_close(chunk, expected[31:], atol=1e-5, rtol=1e-5)
 
 
-def test_dispatch_uses_the_reference_off_cuda():
+def test_dispatch_uses_the_cpu_kernel_off_cuda(cpu_kernel):
     q, k_pool, v_pool, meta = make_step(**MIXED, device="cpu")
-    assert torch.equal(attend(q, k_pool, v_pool, meta), paged_attention_reference(q, k_pool, v_pool, meta, 0.125))
+    assert torch.equal(attend(q, k_pool, v_pool, meta), cpu_kernel(q, k_pool, v_pool, meta, 0.125))
 
 
 # ---- the kernel ----
@@ -204,3 +217,64 @@ def test_kernel_compiles_for_nvidia_gpus():
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     run = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+# ---- the CPU kernel ----
+
+CPU_EXACT = 1e-5  # fp32 in, fp32 softmax and accumulation: only the summation order differs
+GROUPS = {"group1": dict(heads=4, kv_heads=4), "group2": dict(heads=8, kv_heads=4), "group4": dict(heads=8, kv_heads=2)}
+
+
+@pytest.mark.parametrize("layout", GROUPS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("step", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_cpu_kernel_matches_the_reference(cpu_kernel, step, layout, head_dim):
+    """Decodes (kv_len 1 among them) and a mixed step: a 37-token prefill spanning several query
+    tiles, a chunk after a cached prefix, decodes; shuffled, shared, non-contiguous blocks."""
+    step_tensors = make_step(**step, **GROUPS[layout], head_dim=head_dim, device="cpu")
+    assert_kernel_matches(cpu_kernel, *step_tensors, tolerance=CPU_EXACT)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 7, 32])
+@pytest.mark.parametrize("head_dim", [8, 24, 80])
+def test_cpu_kernel_block_sizes_that_do_not_divide_the_chunk(cpu_kernel, block_size, head_dim):
+    """Blocks of 5 and 7 positions under chunks of 37 and 9 (a key tile of 32 spans several blocks
+    and ends mid-block), blocks of 1 and 32, and head sizes without a constant-size loop."""
+    step_tensors = make_step(**MIXED, head_dim=head_dim, block_size=block_size, device="cpu", seed=block_size)
+    assert_kernel_matches(cpu_kernel, *step_tensors, tolerance=CPU_EXACT)
+
+
+def test_cpu_kernel_long_mixed_step(cpu_kernel):
+    """Twelve sequences of random lengths (a 150-token chunk after 90 cached positions, a 70-token
+    prompt, decodes at up to 300 positions), Qwen3's 16 query over 8 KV heads of 128."""
+    gen = torch.Generator().manual_seed(7)
+    offsets = [90, 0] + torch.randint(0, 300, (10,), generator=gen).tolist()
+    query_lens = [150, 70] + [1] * 10
+    step_tensors = make_step(offsets, query_lens, heads=16, kv_heads=8, head_dim=128, device="cpu")
+    assert_kernel_matches(cpu_kernel, *step_tensors, tolerance=CPU_EXACT)
+
+
+def test_cpu_kernel_strided_queries(cpu_kernel):
+    """Queries that are a view of a fused projection (rows wider than heads x head_dim)."""
+    q, k_pool, v_pool, meta = make_step(**MIXED, device="cpu")
+    fused = torch.randn(q.shape[0], q.shape[1] * 2, q.shape[2])
+    fused[:, : q.shape[1]] = q
+    assert_kernel_matches(cpu_kernel, fused[:, : q.shape[1]], k_pool, v_pool, meta, tolerance=CPU_EXACT)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_kernel_half_precision(cpu_kernel, dtype):
+    """16-bit pools and queries, widened to fp32 inside: off by the output's rounding only."""
+    assert_kernel_matches(cpu_kernel, *make_step(**MIXED, dtype=dtype, device="cpu"), tolerance=1e-2)
+
+
+def test_cpu_kernel_uses_the_threads_torch_has(cpu_kernel):
+    """One thread and several give the same numbers: work items never share an output row."""
+    step_tensors = make_step(**MIXED, heads=16, kv_heads=8, head_dim=128, device="cpu")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = cpu_kernel(*step_tensors, 0.1)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(cpu_kernel(*step_tensors, 0.1), alone)

@@ -134,11 +134,11 @@ def test_prefix_caching_off():
 # ---- a rank's cache ----
 
 
-def _cache() -> PagedKVCache:
+def _cache(paged: bool = True) -> PagedKVCache:
     import torch
 
     return PagedKVCache(layers=1, num_blocks=8, block_size=4, slots=2, max_len=16, kv_heads=1, head_dim=2,
-                        dtype=torch.float32, device=torch.device("cpu"))
+                        dtype=torch.float32, device=torch.device("cpu"), paged=paged)
 
 
 @pytest.mark.parametrize("step, message", [
@@ -156,13 +156,19 @@ def test_rank_refuses_steps_outside_its_blocks(step, message):
         _cache().check(step, vocab_size=10)
 
 
-def test_rank_tables_grow_by_the_blocks_a_step_carries():
-    cache = _cache()
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "gather"])
+def test_rank_tables_grow_by_the_blocks_a_step_carries(paged):
+    cache = _cache(paged)
     for s in ([SeqStep(0, [1, 2, 3], 0, [5], True)], [SeqStep(0, [4], 3)], [SeqStep(0, [5], 4, [2])]):
         cache.check(s, vocab_size=10)
-        cache.commit(cache.prepare(s))
+        batch = cache.prepare(s)
+        cache.commit(batch)
     assert cache.tables[0] == [5, 2] and cache.filled[0] == 5
-    assert cache.slot_rows[0, :5].tolist() == [20, 21, 22, 23, 8]
+    if paged:  # the host mirror of the table, and the last step's token written at block 2's first row
+        assert cache.table_array[0, :2].tolist() == [5, 2]
+        assert batch.paged.slot_mapping.tolist() == [8] and batch.paged.block_tables.tolist() == [[5, 2]]
+    else:
+        assert cache.slot_rows[0, :5].tolist() == [20, 21, 22, 23, 8]
     with pytest.raises(StepRejected, match="only 5 positions filled"):
         cache.check([SeqStep(0, [1], 6)], vocab_size=10)
     cache.check([SeqStep(1, [7], 4, [5, 6], True)], vocab_size=10)  # a cached first block, shared
@@ -205,8 +211,8 @@ def _block_bytes(checkpoint, tp: int, block_size: int) -> int:
     return 2 * c["num_hidden_layers"] * kv_heads * c["head_dim"] * block_size * 4
 
 
-# Both ways attention reads the cache: context rows gathered out of the pool, or blocks read in
-# place from one flat step (NEURON_ATTENTION=paged; the Triton kernel's reference on CPU).
+# Both ways attention reads the cache: blocks read in place from one flat step (the default; the
+# C++ kernel on CPU), or context rows gathered out of the pool (the reference path, NEURON_ATTENTION=gather).
 ATTENTION = ["gather", "paged"]
 
 
@@ -265,7 +271,8 @@ def test_memory_follows_real_lengths(odd_checkpoint):
     with LLM(str(odd_checkpoint), tensor_parallel_size=2, device="cpu", dtype="float32", max_model_len=128,
              max_num_seqs=8, block_size=8, kv_cache_memory=budget) as llm:
         pool = llm.engine.executor.rank0.models["model"].cache.k[0]
-        assert llm.engine.executor.num_kv_blocks == 40 and pool.shape[1] == 40 * 8
+        # the paged cache's pool has one block past those handed out (the scratch block of CUDA graphs)
+        assert llm.engine.executor.num_kv_blocks == 40 and pool.shape[1] == (40 + 1) * 8
         steps = _record_steps(llm)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(12))
         assert max(len(step) for step in steps) == 8

@@ -28,8 +28,10 @@ def _check(llm: LLM, checkpoint) -> None:
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_odd_checkpoint(odd_checkpoint, tp):
-    """vocab 301 (no tp divides it), one KV head replicated, head_dim 24 != 64/4, untied."""
+    """vocab 301 (no tp divides it), one KV head replicated, head_dim 24 != 64/4, untied. Through
+    the default attention: each step one flat batch, KV blocks read in place (the C++ kernel)."""
     with LLM(str(odd_checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
+        assert llm.engine.executor.rank0.models["model"].cache.paged
         _check(llm, odd_checkpoint)
 
 
@@ -55,11 +57,10 @@ def test_batch_equals_alone(odd_checkpoint):
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_paged_attention_over_one_flat_step(odd_checkpoint, tp, monkeypatch):
-    """NEURON_ATTENTION=paged: each step is one flat batch with its metadata built once, and
-    attention reads KV blocks in place (the PyTorch reference here on CPU, the Triton kernel on
-    CUDA). Mixed prefill chunks and decodes still equal transformers."""
-    monkeypatch.setenv("NEURON_ATTENTION", "paged")
+def test_gather_reference_path(odd_checkpoint, tp, monkeypatch):
+    """NEURON_ATTENTION=gather, the reference path that copies each context out of the pool for
+    SDPA, equals transformers too."""
+    monkeypatch.setenv("NEURON_ATTENTION", "gather")
     with LLM(str(odd_checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
-        assert llm.engine.executor.rank0.models["model"].cache.paged
+        assert not llm.engine.executor.rank0.models["model"].cache.paged
         _check(llm, odd_checkpoint)

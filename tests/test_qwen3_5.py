@@ -119,9 +119,10 @@ def test_multimodal_layout_parity(multimodal_checkpoint, tp):
     _check_parity(multimodal_checkpoint, tp)
 
 
-def test_parity_with_paged_attention(multimodal_checkpoint, monkeypatch):
-    """The gated full-attention layers reading KV blocks in place (NEURON_ATTENTION=paged)."""
-    monkeypatch.setenv("NEURON_ATTENTION", "paged")
+def test_parity_with_gather_attention(multimodal_checkpoint, monkeypatch):
+    """The gated full-attention layers over the gather reference path (NEURON_ATTENTION=gather);
+    the other parity tests run the default, which reads KV blocks in place."""
+    monkeypatch.setenv("NEURON_ATTENTION", "gather")
     _check_parity(multimodal_checkpoint, 1)
 
 

@@ -6,12 +6,12 @@ start in the flat batch, how many positions each sequence holds after the step, 
 and the pool row of every new token. The pools are a layer's `[kv_heads, num_blocks * block_size,
 head_dim]` K and V tensors (block b is rows b*block_size onwards in every head).
 
-Two implementations share that interface: a pure PyTorch reference (gather each context, then
-SDPA), which is the CPU path and the oracle the kernel is tested against, and a Triton kernel for
-CUDA that never copies a context out of the pool (in `triton_attention`, imported on first launch).
-`attend` picks between them.
+Three implementations share that interface: a pure PyTorch reference (gather each context, then
+SDPA), the oracle the kernels are tested against and the fallback; a Triton kernel for CUDA (in
+`triton_attention`, imported on first launch); and a C++/OpenMP kernel for CPU (`cpu_attention`,
+built once per machine). Neither kernel copies a context out of the pool. `attend` picks.
 
-Kernel design: one program per (sequence, tile of the sequence's queries, KV head). The program's
+Triton kernel design: one program per (sequence, tile of the sequence's queries, KV head). The program's
 rows are the tile's queries times the query heads that share the KV head (GQA), so every KV tile
 is loaded once for the whole group and the score product is a matrix product with at least 16 rows
 (a tensor-core shape) even for a lone decode token; one program per (token, head) would load each
@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from neuron.layers import cpu_attention
 from neuron.utils.device import to_device
 
 # Looked up, not imported: see `_kernel`. CPU installs need not have Triton; the reference serves them.
@@ -197,8 +198,13 @@ def _check_shapes(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: PagedAttentionMetadata,
            scale: float | None = None) -> torch.Tensor:
     """Causal attention of a step's queries over the paged cache: the Triton kernel for CUDA tensors
-    when Triton is installed, the PyTorch reference otherwise. `scale` defaults to 1/sqrt(head_dim)."""
+    when Triton is installed, the C++ kernel for CPU tensors once it is built here, the PyTorch
+    reference otherwise. `scale` defaults to 1/sqrt(head_dim)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if q.is_cuda and HAS_TRITON:
         return paged_attention_triton(q, k_pool, v_pool, meta, scale)
+    if k_pool.dtype == q.dtype and cpu_attention.supports(q):
+        _check_shapes(q, k_pool, v_pool)
+        return cpu_attention.paged_attention_cpu(q, k_pool, v_pool, meta.query_start, meta.kv_lens,
+                                                 meta.block_tables, meta.block_size, scale)
     return paged_attention_reference(q, k_pool, v_pool, meta, scale)

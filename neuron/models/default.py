@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from neuron.config import settings
+from neuron.utils.cache_dir import cache_root
 
 NAME = "default-qwen3-tiny-v1"
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -212,15 +212,6 @@ CHAT_TEMPLATE = """\
     {%- endif -%}
 {%- endif -%}
 """
-
-
-def cache_root() -> Path:
-    """neuron's cache: $NEURON_CACHE_DIR, else $XDG_CACHE_HOME/neuron, else ~/.cache/neuron."""
-    if settings().cache_dir:
-        return Path(settings().cache_dir).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "neuron"
-    return Path.home() / ".cache" / "neuron"
 
 
 def default_model_dir() -> Path:

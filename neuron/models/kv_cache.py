@@ -59,7 +59,7 @@ class PagedKVCache:
     """K and V block pools per layer plus each slot's block table and filled length."""
 
     def __init__(self, layers: int, num_blocks: int, block_size: int, slots: int, max_len: int,
-                 kv_heads: int, head_dim: int, dtype, device, paged: bool = False):
+                 kv_heads: int, head_dim: int, dtype, device, paged: bool = True):
         # `paged` adds one block past those the leader hands out: padding rows of a captured decode
         # step (neuron/models/cuda_graphs.py) write and read there, never in a sequence's blocks.
         shape = (kv_heads, (num_blocks + paged) * block_size, head_dim)
@@ -73,8 +73,9 @@ class PagedKVCache:
         self.slot_rows = None if paged else torch.zeros((slots, blocks_for(max_len, block_size) * block_size),
                                                         dtype=torch.long, device=device)
         self._block_offsets = torch.arange(block_size, device=device)
-        # `paged`: attention reads each sequence's blocks where they lie (the Triton kernel on CUDA),
-        # from one flat description of the step; the block tables are mirrored host-side for it.
+        # `paged`: attention reads each sequence's blocks where they lie (the Triton kernel on CUDA,
+        # the C++ kernel on CPU), from one flat description of the step; the block tables are
+        # mirrored host-side for it. Otherwise the gather path, kept as a reference for tests.
         self.paged = paged
         self.table_array = np.zeros((slots, blocks_for(max_len, block_size)), dtype=np.int32)
         self.scratch_block = num_blocks

@@ -194,21 +194,22 @@ class Qwen3ForCausalLM(CausalLM):
         per_token = 2 * c.num_layers * self.layout.local_kv_heads * c.head_dim
         return per_token * block_size * torch.finfo(self.dtype).bits // 8
 
-    def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int) -> int:
+    def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int, paged: bool = True) -> int:
         """A generous bound on one step's transient memory, kept free of KV blocks on GPUs."""
         c, lay = self.config, self.layout
         size = torch.finfo(self.dtype).bits // 8
         width = 4 * c.hidden_size + (lay.local_heads + 2 * lay.local_kv_heads) * c.head_dim * 2 \
             + 3 * c.intermediate_size // self.shard.world
         hidden = step_tokens * width * size
-        # attention: a chunk's scores against a full context, or every slot's gathered K and V
+        # attention: a chunk's scores against a full context, or the gathered K and V (paged: one
+        # sequence's, where the reference stands in for a kernel; gather: every slot's at once)
         scores = lay.local_heads * step_tokens * max_model_len * 4
-        gathered = 2 * max_slots * max_model_len * lay.local_kv_heads * c.head_dim * size
+        gathered = 2 * (1 if paged else max_slots) * max_model_len * lay.local_kv_heads * c.head_dim * size
         logits = 3 * max_slots * c.vocab_size * 4  # rank 0 gathers the full vocabulary
         return 2 * (hidden + max(scores, gathered) + logits) + 256 * 2**20
 
     def allocate(self, num_blocks: int, block_size: int, max_slots: int, max_model_len: int,
-                 paged: bool = False) -> None:
+                 paged: bool = True) -> None:
         c = self.config
         self.check_model_len(max_model_len, c.max_position_embeddings)
         self.rotary = Rotary(c.head_dim, c.rope_theta, max_model_len, self.dtype, self.device)

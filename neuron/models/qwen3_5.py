@@ -361,7 +361,7 @@ class Qwen35ForCausalLM(CausalLM):
         per_token = 2 * c.layer_types.count(FULL) * self.layout.local_kv_heads * c.head_dim
         return per_token * block_size * torch.finfo(self.dtype).bits // 8
 
-    def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int) -> int:
+    def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int, paged: bool = True) -> int:
         """A generous bound on one step's transient memory, plus the per-slot recurrent state that
         is allocated beside the KV pool: both kept free of KV blocks on GPUs."""
         c, lay, h = self.config, self.layout, self.heads
@@ -371,13 +371,13 @@ class Qwen35ForCausalLM(CausalLM):
         width = 4 * c.hidden_size + 2 * max(attn_width, linear_width) + 3 * c.intermediate_size // self.shard.world
         hidden = step_tokens * width * size
         scores = lay.local_heads * step_tokens * max_model_len * 4
-        gathered = 2 * max_slots * max_model_len * lay.local_kv_heads * c.head_dim * size
+        gathered = 2 * (1 if paged else max_slots) * max_model_len * lay.local_kv_heads * c.head_dim * size
         delta = 8 * h.local_v * step_tokens * (CHUNK + h.k_dim + h.v_dim) * 4  # chunk systems, float32
         logits = 3 * max_slots * c.vocab_size * 4
         return 2 * (hidden + max(scores, gathered, delta) + logits) + 256 * 2**20 + self._state_bytes(max_slots)
 
     def allocate(self, num_blocks: int, block_size: int, max_slots: int, max_model_len: int,
-                 paged: bool = False) -> None:
+                 paged: bool = True) -> None:
         c = self.config
         self.check_model_len(max_model_len, c.max_position_embeddings)
         self.rotary = MRotary(c.rotary_dim, c.rope_theta, c.mrope_section, max_model_len, self.dtype, self.device)

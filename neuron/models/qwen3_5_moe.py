@@ -94,9 +94,9 @@ class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
     def layer_tensors(self, layer) -> list[torch.Tensor]:
         return layer.mixer.tensors() + layer.mlp.tensors()
 
-    def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int) -> int:
+    def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int, paged: bool = True) -> int:
         """Qwen3.5's bound (which counts the shared expert as its dense MLP) plus the routed experts'."""
         m = self.moe
         extra = routed_activation_bytes(step_tokens, m.top_k, m.base.hidden_size,
                                         m.moe_intermediate_size // self.shard.world, self.dtype)
-        return super().activation_bytes(step_tokens, max_slots, max_model_len) + extra
+        return super().activation_bytes(step_tokens, max_slots, max_model_len, paged) + extra

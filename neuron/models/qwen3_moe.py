@@ -74,12 +74,12 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             return super().layer_tensors(layer)
         return [layer.attn.qkv.weight, layer.attn.o_proj.weight, *layer.mlp.tensors()]
 
-    def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int) -> int:
+    def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int, paged: bool = True) -> int:
         """Qwen3's bound plus the MoE block's (see `routed_activation_bytes`)."""
         m = self.moe
         extra = routed_activation_bytes(step_tokens, m.top_k, m.base.hidden_size,
                                         m.moe_intermediate_size // self.shard.world, self.dtype)
-        return super().activation_bytes(step_tokens, max_slots, max_model_len) + extra
+        return super().activation_bytes(step_tokens, max_slots, max_model_len, paged) + extra
 
 
 def routed_activation_bytes(step_tokens: int, top_k: int, hidden: int, local_inter: int, dtype: torch.dtype) -> int:

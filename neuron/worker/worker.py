@@ -210,7 +210,8 @@ class Worker:
         if req.block_size < 1:
             raise ConfigError(f"KV block size must be >= 1, got {req.block_size}")
         block_bytes = model.kv_block_bytes(req.block_size)
-        reserve = model.activation_bytes(req.max_num_batched_tokens, req.max_slots, req.max_model_len)
+        reserve = model.activation_bytes(req.max_num_batched_tokens, req.max_slots, req.max_model_len,
+                                         paged=settings().attention == "paged")
         num_blocks = plan_num_blocks(block_bytes, req.block_size, max_slots=req.max_slots,
                                      max_model_len=req.max_model_len, kv_cache_bytes=req.kv_cache_bytes,
                                      gpu_memory_utilization=req.gpu_memory_utilization,

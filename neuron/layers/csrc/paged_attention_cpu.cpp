@@ -1,0 +1,300 @@
+// Causal attention over the paged KV cache on CPU, reading each KV row where it lies in the pool.
+//
+// The interface is neuron/layers/paged_attention.py's: a step is T flat query tokens over B
+// sequences; sequence b's queries are rows query_start[b]..query_start[b+1] of q and sit at its last
+// query_len positions; its position p is pool row block_table[b][p / block_size] * block_size +
+// p % block_size of every KV head. Plain C++ with OpenMP and no torch headers: the Python side
+// passes data pointers and strides through ctypes, so the library builds in seconds with the
+// system compiler (-O3 -march=native vectorises the loops below for the machine it is built on).
+//
+// A work item is (sequence, KV head, tile of the sequence's queries). Its rows are the tile's
+// queries times the query heads sharing the KV head, so each K and V row is loaded once for the
+// whole GQA group. Keys are walked in tiles of TILE_N positions with a flash-style online softmax
+// in fp32: one max and one rescale of the accumulators per tile, not per key. Decode steps
+// (one query per sequence) are bound by reading K and V, so a score is a plain dot product of a
+// query row with a key row; prefill chunks are a small share of a step's attention time.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int TILE_N = 32;    // key positions per softmax tile
+constexpr int MAX_ROWS = 32;  // queries x group heads per work item: the accumulators stay in L1
+constexpr int LANES = 16;     // independent partial sums of a dot product (one AVX-512 or two AVX2 registers)
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// Pool element types: fp32 in place; bf16 and fp16 are widened to fp32 as they are read.
+struct bf16 { uint16_t bits; };
+
+inline float widen(float x) { return x; }
+inline float widen(bf16 x) {
+    uint32_t u = uint32_t(x.bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline float widen(_Float16 x) { return float(x); }
+
+inline void narrow(float x, float* out) { *out = x; }
+inline void narrow(float x, _Float16* out) { *out = _Float16(x); }
+inline void narrow(float x, bf16* out) {
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
+        out->bits = uint16_t((u >> 16) | 0x40);
+        return;
+    }
+    out->bits = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // round to nearest even
+}
+
+// 2^x for x <= 0 (softmax exponents, already in base 2), vectorisable: split x into an integer n
+// and a fraction f in [-0.5, 0.5], a degree-6 polynomial for 2^f (relative error ~2e-7), and n
+// added to the float's exponent. Below -126 (a masked key's -inf included) the result is 0: a
+// score that far below the row's maximum contributes nothing in fp32.
+#pragma omp declare simd
+inline float exp2_neg(float x_in) {
+    const float x = std::max(x_in, -126.0f);
+    float n = std::nearbyint(x);
+    float f = x - n;
+    float p = 1.5353362e-4f;
+    p = p * f + 1.3398874e-3f;
+    p = p * f + 9.6184355e-3f;
+    p = p * f + 5.5503366e-2f;
+    p = p * f + 2.4022648e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    int32_t bits;
+    std::memcpy(&bits, &p, 4);
+    bits += int32_t(n) << 23;
+    std::memcpy(&p, &bits, 4);
+    return x_in < -126.0f ? 0.0f : p;
+}
+
+template <int DT>
+inline float dot(const float* __restrict a, const float* __restrict b, int d_runtime) {
+    const int D = DT ? DT : d_runtime;
+    float part[LANES] = {};
+    int d = 0;
+    for (; d + LANES <= D; d += LANES) {
+#pragma omp simd
+        for (int l = 0; l < LANES; ++l) part[l] += a[d + l] * b[d + l];
+    }
+    float s = 0.0f;
+    for (; d < D; ++d) s += a[d] * b[d];
+    for (int l = 0; l < LANES; ++l) s += part[l];
+    return s;
+}
+
+template <int DT>
+inline void axpy(float* __restrict y, float a, const float* __restrict x, int d_runtime) {
+    const int D = DT ? DT : d_runtime;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) y[d] += a * x[d];
+}
+
+struct Args {
+    void* out;
+    const void* q;
+    const void* k_pool;
+    const void* v_pool;
+    const int32_t* block_tables;
+    const int32_t* query_start;
+    const int32_t* kv_lens;
+    int64_t num_seqs, heads, kv_heads, head_dim, block_size, table_stride;
+    int64_t q_stride_t, q_stride_h, out_stride_t, out_stride_h, pool_stride_h, pool_stride_row;
+    float scale_log2;  // softmax scale times log2(e): scores go straight into exp2
+};
+
+// One work item: the rows of queries [q0, q0 + nq) of sequence b against KV head h.
+struct Item {
+    int64_t b, h, q0, nq;
+};
+
+// Per-thread scratch, sized once per call for the largest item.
+struct Scratch {
+    std::vector<float> q, acc, k, v, s, m, l;
+    void size_for(int64_t rows, int64_t dim) {
+        q.resize(rows * dim);
+        acc.resize(rows * dim);
+        k.resize(TILE_N * dim);
+        v.resize(TILE_N * dim);
+        s.resize(rows * TILE_N);
+        m.resize(rows);
+        l.resize(rows);
+    }
+};
+
+template <int DT>
+inline int64_t dim(const Args& a) { return DT ? DT : a.head_dim; }
+
+// K or V rows of positions [n0, n0 + nn) of KV head h as fp32 pointers: into the pool for fp32,
+// into `buf` (widened) for the 16-bit types.
+template <typename T, int DT>
+void load_rows(const Args& a, const void* pool, const int32_t* table, int64_t h, int64_t n0, int nn,
+               float* buf, const float** rows) {
+    const int64_t D = dim<DT>(a);
+    for (int n = 0; n < nn; ++n) {
+        const int64_t p = n0 + n;
+        const int64_t row = int64_t(table[p / a.block_size]) * a.block_size + p % a.block_size;
+        const T* src = static_cast<const T*>(pool) + h * a.pool_stride_h + row * a.pool_stride_row;
+        if constexpr (std::is_same_v<T, float>) {
+            rows[n] = src;
+        } else {
+            float* dst = buf + n * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = widen(src[d]);
+            rows[n] = dst;
+        }
+    }
+}
+
+// The item's query rows (row = query * group + head in the group), widened and pre-scaled.
+template <typename T, int DT>
+void load_queries(const Args& a, const Item& it, int64_t group, float* qbuf) {
+    const int64_t D = dim<DT>(a), first = a.query_start[it.b] + it.q0;
+    for (int64_t qi = 0; qi < it.nq; ++qi) {
+        for (int64_t g = 0; g < group; ++g) {
+            const T* src = static_cast<const T*>(a.q) + (first + qi) * a.q_stride_t + (it.h * group + g) * a.q_stride_h;
+            float* dst = qbuf + (qi * group + g) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = widen(src[d]) * a.scale_log2;
+        }
+    }
+}
+
+// Scores of every row against the tile's keys; a key past a row's own position is masked out.
+template <int DT>
+void scores(const Args& a, int64_t rows, int64_t group, int64_t first_pos, int64_t n0, int nn,
+            const float** krows, Scratch& w) {
+    const int64_t D = dim<DT>(a);
+    for (int n = 0; n < nn; ++n)
+        for (int64_t r = 0; r < rows; ++r) w.s[r * TILE_N + n] = dot<DT>(&w.q[r * D], krows[n], D);
+    if (n0 + nn - 1 <= first_pos) return;  // every key of the tile is visible to every row
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t visible = first_pos + r / group - n0 + 1;  // keys of the tile this row sees
+        for (int64_t n = std::max<int64_t>(visible, 0); n < nn; ++n) w.s[r * TILE_N + n] = NEG_INF;
+    }
+}
+
+// Online softmax: fold the tile's scores into each row's running max, sum and accumulator.
+template <int DT>
+void accumulate(const Args& a, int64_t rows, int nn, const float** vrows, Scratch& w) {
+    const int64_t D = dim<DT>(a);
+    for (int64_t r = 0; r < rows; ++r) {
+        float* s = &w.s[r * TILE_N];
+        float tile_max = NEG_INF;
+        for (int n = 0; n < nn; ++n) tile_max = std::max(tile_max, s[n]);
+        if (tile_max == NEG_INF) continue;  // every key of the tile lies after this row's query
+        const float m_new = std::max(w.m[r], tile_max);
+        const float alpha = w.m[r] == NEG_INF ? 0.0f : exp2_neg(w.m[r] - m_new);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int n = 0; n < nn; ++n) {
+            s[n] = exp2_neg(s[n] - m_new);
+            sum += s[n];
+        }
+        float* acc = &w.acc[r * D];
+        if (alpha != 1.0f) {
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+        }
+        for (int n = 0; n < nn; ++n) axpy<DT>(acc, s[n], vrows[n], D);
+        w.l[r] = w.l[r] * alpha + sum;
+        w.m[r] = m_new;
+    }
+}
+
+template <typename T, int DT>
+void store(const Args& a, const Item& it, int64_t group, const Scratch& w) {
+    const int64_t D = dim<DT>(a), first = a.query_start[it.b] + it.q0;
+    for (int64_t qi = 0; qi < it.nq; ++qi) {
+        for (int64_t g = 0; g < group; ++g) {
+            const int64_t r = qi * group + g;
+            T* dst = static_cast<T*>(a.out) + (first + qi) * a.out_stride_t + (it.h * group + g) * a.out_stride_h;
+            const float inv = 1.0f / w.l[r];  // every row sees at least its own position, so l > 0
+            for (int64_t d = 0; d < D; ++d) narrow(w.acc[r * D + d] * inv, &dst[d]);
+        }
+    }
+}
+
+template <typename T, int DT>
+void attend_item(const Args& a, const Item& it, Scratch& w) {
+    const int64_t D = dim<DT>(a), group = a.heads / a.kv_heads, rows = it.nq * group;
+    const int64_t query_len = a.query_start[it.b + 1] - a.query_start[it.b];
+    const int64_t first_pos = a.kv_lens[it.b] - query_len + it.q0;  // the tile's first query's position
+    const int64_t end = first_pos + it.nq;  // keys past the tile's last query are never seen
+    const int32_t* table = a.block_tables + it.b * a.table_stride;
+    load_queries<T, DT>(a, it, group, w.q.data());
+    std::fill(w.acc.begin(), w.acc.begin() + rows * D, 0.0f);
+    std::fill(w.m.begin(), w.m.begin() + rows, NEG_INF);
+    std::fill(w.l.begin(), w.l.begin() + rows, 0.0f);
+    const float* krows[TILE_N];
+    const float* vrows[TILE_N];
+    for (int64_t n0 = 0; n0 < end; n0 += TILE_N) {
+        const int nn = int(std::min<int64_t>(TILE_N, end - n0));
+        load_rows<T, DT>(a, a.k_pool, table, it.h, n0, nn, w.k.data(), krows);
+        load_rows<T, DT>(a, a.v_pool, table, it.h, n0, nn, w.v.data(), vrows);
+        scores<DT>(a, rows, group, first_pos, n0, nn, krows, w);
+        accumulate<DT>(a, rows, nn, vrows, w);
+    }
+    store<T, DT>(a, it, group, w);
+}
+
+// Work items, the longest queries first so that dynamic scheduling ends with the short ones.
+std::vector<Item> plan(const Args& a, int64_t per_tile) {
+    std::vector<Item> items;
+    for (int64_t b = 0; b < a.num_seqs; ++b) {
+        const int64_t query_len = a.query_start[b + 1] - a.query_start[b];
+        for (int64_t q0 = 0; q0 < query_len; q0 += per_tile)
+            for (int64_t h = 0; h < a.kv_heads; ++h)
+                items.push_back({b, h, q0, std::min(per_tile, query_len - q0)});
+    }
+    std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) {
+        return a.kv_lens[x.b] - x.q0 > a.kv_lens[y.b] - y.q0;
+    });
+    return items;
+}
+
+template <typename T, int DT>
+void run(const Args& a, int threads) {
+    const int64_t group = a.heads / a.kv_heads;
+    const int64_t per_tile = std::max<int64_t>(1, MAX_ROWS / group);
+    const std::vector<Item> items = plan(a, per_tile);
+    const int64_t n = int64_t(items.size());
+#pragma omp parallel num_threads(threads)
+    {
+        Scratch w;
+        w.size_for(per_tile * group, dim<DT>(a));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n; ++i) attend_item<T, DT>(a, items[i], w);
+    }
+}
+
+// The head sizes models use get loops with a constant trip count; any other size runs the same
+// code with the size read at run time.
+template <typename T>
+void run_dim(const Args& a, int threads) {
+    switch (a.head_dim) {
+        case 64: return run<T, 64>(a, threads);
+        case 128: return run<T, 128>(a, threads);
+        case 256: return run<T, 256>(a, threads);
+        default: return run<T, 0>(a, threads);
+    }
+}
+
+}  // namespace
+
+// dtype: 0 fp32, 1 bf16, 2 fp16. Returns 0, or 1 for an unknown dtype.
+extern "C" int neuron_paged_attention(const Args* a, int dtype, int threads) {
+    switch (dtype) {
+        case 0: run_dim<float>(*a, threads); return 0;
+        case 1: run_dim<bf16>(*a, threads); return 0;
+        case 2: run_dim<_Float16>(*a, threads); return 0;
+        default: return 1;
+    }
+}

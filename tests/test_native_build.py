@@ -1,0 +1,99 @@
+"""Building neuron's C++ kernels: cached per machine under NEURON_CACHE_DIR, one complete library
+when several processes build at once, and a clean fallback (one warning, the PyTorch reference)
+when there is no compiler or the build fails."""
+
+import logging
+import multiprocessing
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from neuron.layers import cpu_attention
+from neuron.layers.paged_attention import attend, build_metadata, paged_attention_reference
+from neuron.utils import native
+
+TINY = 'extern "C" int neuron_answer() { return 42; }\n'
+
+needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler on PATH")
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("NEURON_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def fresh_library():
+    """cpu_attention.library() looks again (under the test's environment), and again afterwards."""
+    cpu_attention.library.cache_clear()
+    yield
+    cpu_attention.library.cache_clear()
+
+
+@needs_compiler
+def test_build_is_cached_by_source(cache, tmp_path):
+    source = tmp_path / "answer.cpp"
+    source.write_text(TINY)
+    built = native.build(source)
+    assert built.parent == cache / "kernels" and built.name.startswith("answer-")
+    assert native.load(source, "test").neuron_answer() == 42
+    mtime = built.stat().st_mtime_ns
+    assert native.build(source) == built and built.stat().st_mtime_ns == mtime  # not compiled again
+    source.write_text(TINY.replace("42", "43"))
+    assert native.build(source) != built  # a changed source is a new library
+    assert native.load(source, "test").neuron_answer() == 43
+
+
+def _build_in_child(source: str, queue) -> None:
+    queue.put(str(native.build(Path(source))))
+
+
+@needs_compiler
+def test_processes_building_at_once_share_one_library(cache, tmp_path):
+    source = tmp_path / "answer.cpp"
+    source.write_text(TINY)
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    children = [ctx.Process(target=_build_in_child, args=(str(source), queue)) for _ in range(3)]
+    for child in children:
+        child.start()
+    paths = {queue.get(timeout=120) for _ in children}
+    for child in children:
+        child.join(timeout=30)
+    assert len(paths) == 1
+    assert sorted(p.name for p in (cache / "kernels").iterdir() if p.suffix == ".so") == [Path(*paths).name]
+
+
+def test_a_missing_compiler_falls_back_to_the_reference(cache, monkeypatch, fresh_library, caplog):
+    monkeypatch.setenv("NEURON_CXX", "/nonexistent/g++")
+    with caplog.at_level(logging.WARNING, logger="neuron"):
+        assert cpu_attention.library() is None
+        q, k_pool, v_pool = torch.randn(3, 4, 16), torch.randn(2, 32, 16), torch.randn(2, 32, 16)
+        meta = build_metadata([[1], [0]], [0, 4], [2, 1], 16, "cpu")
+        out = attend(q, k_pool, v_pool, meta)
+    assert torch.equal(out, paged_attention_reference(q, k_pool, v_pool, meta, 0.25))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "falls back to the PyTorch reference" in warnings[0] and "/nonexistent/g++" in warnings[0]
+    assert not (cache / "kernels").exists() or not any((cache / "kernels").glob("*.so"))
+
+
+@needs_compiler
+def test_a_failed_build_names_the_error_and_leaves_nothing(cache, tmp_path, caplog):
+    source = tmp_path / "broken.cpp"
+    source.write_text("this is not C++\n")
+    with caplog.at_level(logging.WARNING, logger="neuron"):
+        assert native.load(source, "broken falls back") is None
+    assert "broken falls back" in caplog.text and "broken.cpp" in caplog.text
+    assert [p.name for p in (cache / "kernels").iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_no_compiler_on_path_is_reported(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.delenv("NEURON_CXX", raising=False)
+    assert native.compiler() is None
+    with pytest.raises(native.BuildFailed, match="no C\\+\\+ compiler on PATH"):
+        native.build(cpu_attention.SOURCE)
