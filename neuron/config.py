@@ -163,6 +163,9 @@ class Settings:
                               "PyTorch reference where neither is available); gather, a reference path for "
                               "tests, copies each context out of the block pool for SDPA",
                               choices=("gather", "paged"))
+    kernels: str = _setting(str, "auto", "which fused CUDA kernels run: auto, each one that passed the start-up "
+                            "self-check on this card (cached per card and versions); triton, all of them "
+                            "unchecked; reference, none (PyTorch's operations)", choices=("auto", "triton", "reference"))
     no_cuda_graphs: bool = _setting(bool, False, "run decode steps eagerly instead of replaying them from CUDA "
                                     "graphs (graphs need CUDA, attention=paged, one rank per GPU or tp 1, "
                                     "and a model without recurrent layers)")

@@ -69,6 +69,8 @@ class Mock:
                 return p.InitOk(seq=seq, backend=req.backend)
             case p.CommSanityCheck():
                 return p.SanityResult(seq=seq, observed_sum=float(self.world_size))
+            case p.CheckKernels():
+                return p.KernelsChecked(seq=seq)
             case p.LoadDenseShard():
                 blocks = req.max_slots * -(-req.max_model_len // req.block_size)  # a CPU rank's default pool
                 return p.LoadDenseShardOk(seq=seq, model_id=req.model_id, num_kv_blocks=blocks)

@@ -106,6 +106,9 @@ class ScriptedEngine:
     def default_sampling(self) -> dict:
         return {}
 
+    def kernels(self) -> dict:
+        return {}
+
     def add_request(self, request_id, prompt_token_ids, params, images=None, grammar=None) -> None:
         if len(prompt_token_ids) >= self.max_model_len:
             raise RequestError("prompt too long", code="context_length_exceeded", param="messages")

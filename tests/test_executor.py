@@ -53,8 +53,8 @@ def test_rank0_handles_the_same_messages_as_the_workers():
     finally:
         executor.shutdown()
     ops = [type(m).__name__ for m in seen]
-    assert ops == ["Init", "CommSanityCheck", "LoadDenseShard", "GenerateStep", "ClearKvCache"]
-    step = seen[3]
+    assert ops == ["Init", "CommSanityCheck", "CheckKernels", "LoadDenseShard", "GenerateStep", "ClearKvCache"]
+    step = seen[4]
     assert [(s.slot, s.token_ids, s.offset, s.new_blocks, s.fresh) for s in step.seqs] == [
         (0, [1, 2, 3], 0, [0], True), (1, [4], 0, [1], True)]
     assert tuple(logits.shape) == (2, executor.config["vocab_size"])

@@ -18,10 +18,12 @@ REQUESTS = [
     p.Ping(seq=11),
     p.Init(seq=12, backend="nccl", comm_id="ab" * 64, timeout_s=7.5),
     p.CommSanityCheck(seq=13),
+    p.CheckKernels(seq=20, config_json='{"hidden_size": 64}', dtype="bfloat16"),
     p.LoadDenseShard(seq=14, model_id="qwen3-tiny", config_json='{"hidden_size": 64}',
                      safetensors_paths=["/m/a.safetensors", "/m/b.safetensors"], dtype="bfloat16",
                      max_slots=3, max_model_len=512, block_size=32, kv_cache_bytes=3 << 30,
-                     gpu_memory_utilization=0.45, max_num_batched_tokens=2048),
+                     gpu_memory_utilization=0.45, max_num_batched_tokens=2048,
+                     failed_kernels={"silu_mul": "rank 1: differs from the reference"}),
     p.GenerateStep(seq=15, model_id="qwen3-tiny",
                    seqs=[p.StepSeq(slot=0, token_ids=[1, 2, 3], offset=32, new_blocks=[7, 4, 9], fresh=True),
                          p.StepSeq(slot=2, token_ids=[9], offset=48, new_blocks=[12]),
@@ -37,6 +39,7 @@ REPLIES = [
     p.Pong(seq=21, rank=2, world_size=4, device="cuda:2", protocol=p.PROTOCOL_VERSION + 1),
     p.InitOk(seq=22, backend="gloo"),
     p.SanityResult(seq=23, observed_sum=4.0),
+    p.KernelsChecked(seq=30, failed={"norm_rope": "OutOfResources: shared memory"}),
     p.LoadDenseShardOk(seq=24, model_id="qwen3-tiny", weight_bytes=123_456, num_kv_blocks=4096),
     p.GenerateStepOk(seq=25, elapsed_ms=3.25),
     p.KvCacheCleared(seq=26),
@@ -46,7 +49,8 @@ REPLIES = [
 ]
 
 OPS = {
-    p.Ping: "ping", p.Init: "init", p.CommSanityCheck: "comm_sanity_check", p.LoadDenseShard: "load_dense_shard",
+    p.Ping: "ping", p.Init: "init", p.CommSanityCheck: "comm_sanity_check", p.CheckKernels: "check_kernels",
+    p.LoadDenseShard: "load_dense_shard", p.KernelsChecked: "kernels_checked",
     p.GenerateStep: "generate_step", p.GenerateStepWithImages: "generate_step_with_images",
     p.ClearKvCache: "clear_kv_cache", p.UnloadModel: "unload_model", p.Shutdown: "shutdown",
     p.Pong: "pong", p.InitOk: "init_ok", p.SanityResult: "sanity_result", p.LoadDenseShardOk: "load_dense_shard_ok",

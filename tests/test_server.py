@@ -36,7 +36,7 @@ def odd_server(request, odd_checkpoint):
 
 
 def test_health_and_models(default_server):
-    assert httpx.get(f"{default_server.url}/health").json() == {"status": "ready"}
+    assert httpx.get(f"{default_server.url}/health").json() == {"status": "ready", "kernels": {"paged_attention": "cpu"}}
     models = client(default_server).models.list()
     assert [m.id for m in models.data] == ["neuron-default"]
     assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN

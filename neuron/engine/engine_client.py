@@ -54,6 +54,10 @@ class EngineClient:
         """How the model takes images; None for a text-only model."""
         return self._loaded().vision
 
+    def kernels(self) -> dict[str, str]:
+        """What runs each fused kernel piece, and why a reference where one does."""
+        return self._loaded().kernels()
+
     def default_sampling(self) -> dict:
         """generation_config.json's sampling defaults."""
         return self._loaded().default_sampling()

@@ -26,6 +26,7 @@ from neuron.engine.structured_output import CompiledGrammar, StructuredOutput
 from neuron.engine.tokenizer import Tokenizer
 from neuron.errors import ConfigError, WorkerError
 from neuron.executor.executor import Executor, ExecutorConfig
+from neuron.layers import cpu_attention, kernel_choice
 from neuron.models import MULTIMODAL_MODEL_TYPES, load_config, supports_prefix_caching, text_config
 from neuron.models.inputs import SeqStep
 from neuron.models.loader import read_generation_config, resolve_model_path
@@ -158,6 +159,14 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.append(self.tokenizer.eos_token_id)
         return sorted(set(ids))
+
+    def kernels(self) -> dict[str, str]:
+        """What runs each fused piece: on CUDA `triton` or `reference: <why>` (the self-check's
+        verdict, the same on every rank); on CPU whether the C++ attention kernel could be built."""
+        if self.executor.devices[0].startswith("cuda"):
+            return kernel_choice.verdict()
+        built = cpu_attention.library() is not None
+        return {"paged_attention": "cpu" if built else "reference: the CPU kernel could not be built here"}
 
     def default_sampling(self) -> dict:
         """Sampling defaults from generation_config.json, applied where a request is silent."""

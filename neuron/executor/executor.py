@@ -112,6 +112,7 @@ class Executor:
         self.devices = rank_devices(cfg.device, cfg.tp)
         self.backend = choose_backend(self.devices)
         self.weight_bytes: list[int] = []
+        self.failed_kernels: dict[str, str] = {}  # fused kernels on their references, on every rank
         self.num_kv_blocks = 0
         self._worker_cmd, self._env = worker_cmd, env
         self.on_failure: Callable[[str], None] | None = None
@@ -199,17 +200,30 @@ class Executor:
         if any(abs(s - self.cfg.tp) > 1e-3 for s in sums):
             raise ConfigError(f"communicator sanity check failed: sums {sums}, expected {self.cfg.tp}")
 
+    def _check_kernels(self, config_json: str) -> dict[str, str]:
+        """Every rank checks its card's fused kernels; one that fails anywhere runs its reference
+        everywhere, so the ranks run the same code."""
+        replies, _ = self._run(lambda seq: p.CheckKernels(seq=seq, config_json=config_json, dtype=self.cfg.dtype),
+                               self.cfg.load_timeout_s)
+        failed: dict[str, str] = {}
+        for rank, reply in enumerate(replies):
+            for piece, why in reply.failed.items():
+                failed.setdefault(piece, f"rank {rank}: {why}")
+        return failed
+
     def _load(self) -> None:
         c = self.cfg
         config_json = json.dumps(self.config)
         share = c.gpu_memory_utilization / self._ranks_sharing_device()
+        self.failed_kernels = self._check_kernels(config_json)
 
         def make(seq: int) -> p.LoadDenseShard:
             return p.LoadDenseShard(seq=seq, model_id=c.model_id, config_json=config_json,
                                     safetensors_paths=self.paths, dtype=c.dtype, max_slots=c.max_slots,
                                     max_model_len=c.max_model_len, block_size=c.block_size,
                                     kv_cache_bytes=c.kv_cache_bytes, gpu_memory_utilization=share,
-                                    max_num_batched_tokens=c.max_num_batched_tokens)
+                                    max_num_batched_tokens=c.max_num_batched_tokens,
+                                    failed_kernels=self.failed_kernels)
 
         layers = int(text_config(self.config)["num_hidden_layers"])
         with LoadProgress(f"loading {c.model_dir.name}", layers) as bar:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from neuron.layers import kernel_choice
 from neuron.layers.paged_attention import HAS_TRITON
 
 
@@ -40,7 +41,7 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension of x."""
-    if _kernel_applies(x):
+    if _kernel_applies(x, "rms_norm"):
         return rms_norm_triton(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 
@@ -49,7 +50,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
               sin: torch.Tensor) -> torch.Tensor:
     """RMSNorm over each head of x ([tokens, heads, head_dim]), then the rotary embedding with each
     token's cos and sin ([tokens, 1, head_dim] or [tokens, head_dim])."""
-    if _kernel_applies(x):
+    if _kernel_applies(x, "norm_rope"):
         return norm_rope_triton(x, weight, eps, cos, sin)
     return apply_rotary(rms_norm_reference(x, weight, eps), cos, sin)
 
@@ -57,20 +58,21 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual sum x + delta ([tokens, hidden]) and its RMSNorm."""
-    if _kernel_applies(x) and delta.stride(-1) == 1 and x.dim() == 2:
+    if _kernel_applies(x, "add_rms_norm") and delta.stride(-1) == 1 and x.dim() == 2:
         return add_rms_norm_triton(x, delta, weight, eps)
     return add_rms_norm_reference(x, delta, weight, eps)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, both [tokens, width] (the halves of a merged projection's output)."""
-    if _kernel_applies(gate) and up.stride(-1) == 1 and gate.dim() == 2:
+    if _kernel_applies(gate, "silu_mul") and up.stride(-1) == 1 and gate.dim() == 2:
         return silu_mul_triton(gate, up)
     return silu_mul_reference(gate, up)
 
 
-def _kernel_applies(x: torch.Tensor) -> bool:
-    return x.is_cuda and HAS_TRITON and x.stride(-1) == 1
+def _kernel_applies(x: torch.Tensor, piece: str) -> bool:
+    """The piece's Triton kernel takes x: a CUDA tensor, Triton installed, the kernel trusted here."""
+    return x.is_cuda and HAS_TRITON and x.stride(-1) == 1 and kernel_choice.use_triton(piece)
 
 
 def _launch_shape(width: int) -> tuple[int, int]:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from neuron.layers import cpu_attention
+from neuron.layers import cpu_attention, kernel_choice
 from neuron.utils.device import to_device
 
 # Looked up, not imported: see `_kernel`. CPU installs need not have Triton; the reference serves them.
@@ -201,7 +201,7 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: Pa
     when Triton is installed, the C++ kernel for CPU tensors once it is built here, the PyTorch
     reference otherwise. `scale` defaults to 1/sqrt(head_dim)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if q.is_cuda and HAS_TRITON:
+    if q.is_cuda and HAS_TRITON and kernel_choice.use_triton("paged_attention"):
         return paged_attention_triton(q, k_pool, v_pool, meta, scale)
     if k_pool.dtype == q.dtype and cpu_attention.supports(q):
         _check_shapes(q, k_pool, v_pool)

@@ -70,6 +70,7 @@ class DecodeGraphs:
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=dev)  # one query per sequence
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor | None] = {}
+        self.failed: dict[int, str] = {}  # buckets that run eagerly, with why
 
     def fits(self, batch: StepBatch) -> bool:
         return (batch.paged is not None and batch.all_decode and batch.prompt_topk is None
@@ -125,26 +126,45 @@ class DecodeGraphs:
         return self.model.run(self.model.embed(batch.token_ids), batch.positions, batch)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Record every bucket's step, largest first, sharing one memory pool. Every rank captures
-        the same buckets in the same order, so the collectives inside stay matched. Kernels compile
-        and libraries set up in an eager warm-up first: none of that may happen during capture.
-        The static inputs are all padding meanwhile, so nothing is written to a sequence's blocks."""
+    def capture(self) -> dict[int, str]:
+        """Record every bucket's step, largest first, sharing one memory pool; the buckets that
+        could not be captured, with why. Such a bucket is dropped alone: its steps run eagerly, the
+        other buckets replay. Every rank captures the same buckets in the same order, so the
+        collectives inside stay matched. Kernels compile and libraries set up in an eager warm-up
+        first: none of that may happen during capture. The static inputs are all padding meanwhile,
+        so nothing is written to a sequence's blocks."""
         self._pad(0, self.buckets[-1])
-        pool = None
+        self._warm_up()
+        failed, pool = {}, None
+        for bucket in reversed(self.buckets):
+            try:
+                pool = self._capture_bucket(bucket, pool)
+            except Exception as exc:  # noqa: BLE001 - a bucket that cannot be captured runs eagerly
+                failed[bucket] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                self.graphs.pop(bucket, None)
+                self.outputs.pop(bucket, None)
+        self._synchronize()
+        return failed
+
+    def _warm_up(self) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for bucket in reversed(self.buckets):
                 self._forward(bucket)
         torch.cuda.current_stream().wait_stream(stream)
-        for bucket in reversed(self.buckets):
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: rank 0 shares the leader's process, whose other threads may use CUDA meanwhile
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self.outputs[bucket] = self._forward(bucket)
-            pool = graph.pool()
-            self.graphs[bucket] = graph
+
+    def _capture_bucket(self, bucket: int, pool):
+        """Record one bucket's step into a graph; the memory pool the next capture shares."""
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: rank 0 shares the leader's process, whose other threads may use CUDA meanwhile
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            self.outputs[bucket] = self._forward(bucket)
+        self.graphs[bucket] = graph
+        return graph.pool()
+
+    @staticmethod
+    def _synchronize() -> None:
         torch.cuda.synchronize()
 
     def release(self) -> None:
@@ -153,16 +173,21 @@ class DecodeGraphs:
 
 
 def capture_decode_graphs(model, max_batch: int) -> DecodeGraphs | None:
-    """Graphs for `model`'s decode steps, or None (logged) when capture fails: decode then runs
-    eagerly. A failure here is a missing capability (an operation that synchronises with the host,
-    a library that cannot be captured), not a wrong result."""
+    """Graphs for `model`'s decode steps, or None (logged) when no bucket could be captured: decode
+    then runs eagerly. A bucket that fails (an operation that synchronises with the host, a library
+    that cannot be captured: a missing capability, not a wrong result) is dropped alone, logged with
+    its reason."""
     graphs = DecodeGraphs(model, max_batch)
     try:
-        graphs.capture()
-    except Exception as exc:
+        failed = graphs.capture()
+    except Exception as exc:  # the warm-up itself failed: nothing can be captured
+        failed = dict.fromkeys(graphs.buckets, f"{type(exc).__name__}: {exc}")
+    for bucket, why in sorted(failed.items()):
+        log.warning("decode batches of %d run eagerly: their CUDA graph could not be captured (%s)", bucket, why)
+    if not graphs.graphs:
         graphs.release()
-        torch.cuda.synchronize()
-        log.warning("CUDA graphs off, decode runs eagerly: capture failed (%s: %s)", type(exc).__name__, exc)
+        log.warning("CUDA graphs off, decode runs eagerly: no batch size could be captured")
         return None
-    log.info("captured decode graphs for batch sizes %s", ", ".join(map(str, graphs.buckets)))
+    graphs.failed = failed
+    log.info("captured decode graphs for batch sizes %s", ", ".join(map(str, sorted(graphs.graphs))))
     return graphs

@@ -39,6 +39,14 @@ class CommSanityCheck(Message):
     """All-reduce a 1 on every rank; the reply's sum must equal the world size."""
 
 
+class CheckKernels(Message):
+    """Check this rank's fused CUDA kernels at the model's widths (`config_json`) and `dtype`; the
+    reply names the ones that failed (none on a CPU rank). Cached per card, so usually instant."""
+
+    config_json: str
+    dtype: str
+
+
 class LoadDenseShard(Message):
     """Load this rank's slices of a dense checkpoint and allocate its KV block pool. The pool holds
     `kv_cache_bytes` when set; otherwise on CUDA this rank's `gpu_memory_utilization` share of its
@@ -55,6 +63,7 @@ class LoadDenseShard(Message):
     kv_cache_bytes: int  # 0: size the pool as the docstring says
     gpu_memory_utilization: float
     max_num_batched_tokens: int
+    failed_kernels: dict[str, str] = {}  # the union of every rank's CheckKernels: these run their references
 
 
 class StepSeq(msgspec.Struct, array_like=True):
@@ -126,6 +135,10 @@ class SanityResult(Message):
     observed_sum: float
 
 
+class KernelsChecked(Message):
+    failed: dict[str, str] = {}  # piece -> why it runs its reference
+
+
 class LoadDenseShardOk(Message):
     model_id: str
     weight_bytes: int = 0
@@ -172,6 +185,7 @@ Request = (
     Ping
     | Init
     | CommSanityCheck
+    | CheckKernels
     | LoadDenseShard
     | GenerateStep
     | GenerateStepWithImages
@@ -180,7 +194,7 @@ Request = (
     | Shutdown
 )
 Reply = (
-    Pong | InitOk | SanityResult | LoadDenseShardOk | GenerateStepOk | KvCacheCleared | Unloaded | Bye | Error
+    Pong | InitOk | SanityResult | KernelsChecked | LoadDenseShardOk | GenerateStepOk | KvCacheCleared | Unloaded | Bye | Error
 )
 
 REQUEST_OPS = frozenset(t.__struct_config__.tag for t in Request.__args__)

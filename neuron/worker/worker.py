@@ -26,6 +26,9 @@ from neuron.distributed.comm import (
 )
 from neuron.distributed.nccl_join import NcclJoin
 from neuron.errors import ConfigError, UnsupportedModel
+from neuron.layers import kernel_choice
+from neuron.layers.kernel_check import Widths, self_check
+from neuron.layers.paged_attention import HAS_TRITON
 from neuron.models import build_model
 from neuron.models.inputs import SeqStep, StepResult
 from neuron.models.kv_cache import StepRejected, plan_num_blocks
@@ -123,6 +126,8 @@ class Worker:
                 return p.InitOk(seq=seq, backend=self.comm.backend), None
             case p.CommSanityCheck():
                 return p.SanityResult(seq=seq, observed_sum=self._sanity()), None
+            case p.CheckKernels():
+                return p.KernelsChecked(seq=seq, failed=self._check_kernels(req)), None
             case p.LoadDenseShard():
                 return self._load(req), None
             case p.GenerateStep():
@@ -175,10 +180,19 @@ class Worker:
         self._need_comm().all_reduce(t)
         return float(t.item())
 
+    def _check_kernels(self, req: p.CheckKernels) -> dict[str, str]:
+        """The fused kernels that fail on this rank's card (cached per card; a subprocess checks)."""
+        if self.device.type != "cuda" or not HAS_TRITON:
+            return {}
+        widths = Widths.of(json.loads(req.config_json), self.world_size)
+        return self_check(str(self.device), str(resolve_dtype(req.dtype, str(self.device))).removeprefix("torch."),
+                          widths)
+
     def _load(self, req: p.LoadDenseShard) -> p.LoadDenseShardOk:
-        """Load the shard and allocate the KV block pool."""
+        """Load the shard and allocate the KV block pool, with the kernels every rank can trust."""
         t0 = time.perf_counter()
         comm = self._need_comm()
+        kernel_choice.apply(req.failed_kernels)
         try:
             config = json.loads(req.config_json)
             dtype = resolve_dtype(req.dtype, str(self.device))

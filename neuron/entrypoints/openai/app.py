@@ -159,6 +159,8 @@ class _Api:
             body["error"] = self.engine.error
         if self.engine.reason:
             body["reason"] = self.engine.reason
+        if self.engine.loaded and (kernels := self.engine.kernels()):  # what runs each fused piece, and why
+            body["kernels"] = kernels
         return JSONResponse(body, 200 if state is EngineState.READY else 503)
 
     async def metrics(self, request: Request) -> Response:

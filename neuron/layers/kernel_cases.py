@@ -1,0 +1,85 @@
+"""The inputs the kernel self-check (`kernel_check`) runs each fused kernel on, with the reference's
+answer: a model's exact widths and dtype, plus the shapes that broke attention kernels before
+(a lone decode token, a prefill tile, a chunk after a cached prefix, a block size that does not
+divide the chunk, blocks scattered through the pool)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from neuron.layers import norm
+from neuron.layers.paged_attention import build_metadata, paged_attention_reference, paged_attention_triton
+
+_EPS = 1e-6
+_ROWS = 7  # not a power of two: the kernels' row masks are part of what is checked
+
+
+def kernels() -> dict[str, Callable]:
+    """Each piece's Triton kernel, called as its case's arguments say."""
+    return {"rms_norm": norm.rms_norm_triton, "add_rms_norm": norm.add_rms_norm_triton,
+            "norm_rope": norm.norm_rope_triton, "silu_mul": norm.silu_mul_triton,
+            "paged_attention": paged_attention_triton}
+
+
+def cases(device: str, dtype: torch.dtype, w) -> dict[str, list[tuple[str, tuple, object]]]:
+    """Per piece: (name, arguments, the reference's output) for each shape checked."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    x, delta, weight = rand(_ROWS, w.hidden), rand(_ROWS, w.hidden), rand(w.hidden)
+    gate, up = rand(_ROWS, w.intermediate), rand(_ROWS, w.intermediate)
+    out = {
+        "rms_norm": [("rms_norm", (x, weight, _EPS), norm.rms_norm_reference(x, weight, _EPS))],
+        "add_rms_norm": [("add_rms_norm", (x, delta, weight, _EPS),
+                          norm.add_rms_norm_reference(x, delta, weight, _EPS))],
+        "silu_mul": [("silu_mul", (gate, up), norm.silu_mul_reference(gate, up))],
+        "norm_rope": [_rope_case(rand, heads, w.head_dim, device, dtype, name)
+                      for heads, name in ((w.heads, "queries"), (w.kv_heads, "keys"))],
+        "paged_attention": _attention_cases(rand, w, device, gen),
+    }
+    return out
+
+
+def _rope_case(rand, heads: int, head_dim: int, device: str, dtype: torch.dtype, name: str):
+    q, weight = rand(_ROWS, heads, head_dim), rand(head_dim)
+    angles = torch.arange(_ROWS, dtype=torch.float32)[:, None] * torch.linspace(0.01, 1.0, head_dim // 2)
+    angles = torch.cat((angles, angles), dim=-1)[:, None, :]
+    cos, sin = angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
+    reference = norm.apply_rotary(norm.rms_norm_reference(q, weight, _EPS), cos, sin)
+    return f"norm_rope ({name})", (q, weight, _EPS, cos, sin), reference
+
+
+# (name, block size, [(cached positions, new tokens) per sequence])
+_ATTENTION_SHAPES = (
+    ("decode", 16, [(40, 1), (1, 1), (130, 1)]),
+    ("prefill", 16, [(0, 37)]),
+    ("chunk after a cached prefix", 16, [(32, 20), (0, 5)]),
+    ("block size not dividing the chunk", 12, [(7, 30), (50, 1)]),
+    ("a lone first token", 16, [(0, 1)]),
+)
+
+
+def _attention_cases(rand, w, device: str, gen: torch.Generator) -> list:
+    out = []
+    for name, block_size, seqs in _ATTENTION_SHAPES:
+        blocks_each = [math.ceil((cached + new) / block_size) for cached, new in seqs]
+        pool_blocks = sum(blocks_each) + 3
+        order = torch.randperm(pool_blocks, generator=gen).tolist()  # blocks scattered through the pool
+        tables, at = [], 0
+        for n in blocks_each:
+            tables.append(order[at : at + n])
+            at += n
+        k_pool = rand(w.kv_heads, pool_blocks * block_size, w.head_dim)
+        v_pool = rand(w.kv_heads, pool_blocks * block_size, w.head_dim)
+        tokens = sum(new for _, new in seqs)
+        q = rand(tokens, w.heads, w.head_dim)
+        meta = build_metadata(tables, [c for c, _ in seqs], [n for _, n in seqs], block_size, device)
+        scale = 1.0 / math.sqrt(w.head_dim)
+        reference = paged_attention_reference(q, k_pool, v_pool, meta, scale)
+        out.append((f"paged attention, {name}", (q, k_pool, v_pool, meta, scale), reference))
+    return out
