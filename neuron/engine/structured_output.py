@@ -43,9 +43,12 @@ COMPILE_STACK_BYTES = 256 * 2**20
 # Bytes of compiled grammars kept (their lexers' states, which the sequences using one share); a
 # grammar larger than half of it is used by its request and not kept.
 CACHE_BYTES = 64 * 2**20
-# llguidance's own bounds (its defaults halved): building the lexer, and each step's mask. A grammar
-# that needs more fails to compile (a 400) or, mid-generation, fails its sequence alone.
-_LIMITS = {"initial_lexer_fuel": 500_000, "step_lexer_fuel": 100_000, "max_lexer_states": 100_000,
+# llguidance's own bounds (its fuel a fifth of its defaults, its lexer states a fifth): building the
+# lexer, and each step's mask. Memory follows the fuel (a pathological regex grew 88 MB at 500k fuel,
+# 38 MB at 200k) and so does what the C heap keeps after it; every grammar the tests and benchmarks
+# use needs far less. One that needs more fails to compile (a 400) or, mid-generation, fails its
+# sequence alone.
+_LIMITS = {"initial_lexer_fuel": 200_000, "step_lexer_fuel": 50_000, "max_lexer_states": 50_000,
            "max_grammar_size": 200_000}
 # JSON without optional whitespace: an answer is one compact line, and a model cannot pad forever.
 _JSON_OPTIONS = {"whitespace_flexible": False}
