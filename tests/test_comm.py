@@ -42,7 +42,15 @@ def fake_nccl_communicator(expected):
                 raise OverflowError("value too large to convert to char")
             assert len(comm_id) == 128
             self.ndev, self.comm_id, self.rank = ndev, comm_id, rank
+            self.calls: list[str] = []
             FakeNcclCommunicator.made.append(self)
+
+        def destroy(self):  # as ncclCommDestroy does when a peer died: never returns
+            self.calls.append("destroy")
+            raise AssertionError("ncclCommDestroy waits for every peer")
+
+        def abort(self):
+            self.calls.append("abort")
 
     return FakeNcclCommunicator
 
@@ -262,3 +270,9 @@ def test_an_nccl_join_is_abandoned_as_soon_as_a_rank_dies(stuck_nccl):
     assert reply.kind == "comm_init_failed"
     assert "joining the NCCL group was aborted: rank 1 exited (code -9)" in reply.message
     assert time.monotonic() - t0 < 2.0
+
+
+def test_closing_aborts_rather_than_destroying_so_a_dead_peer_cannot_block_it(monkeypatch):
+    nccl = install_fake_cupy(monkeypatch)
+    NcclCommunicator(1, 2, comm.nccl_unique_id_hex(), torch.device("cuda:1")).close()
+    assert nccl.NcclCommunicator.made[-1].calls == ["abort"]
