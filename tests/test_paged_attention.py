@@ -14,6 +14,7 @@ _TRITON_IMPORTED_EARLY = "triton" in sys.modules
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+import json  # noqa: E402
 import subprocess  # noqa: E402
 import textwrap  # noqa: E402
 
@@ -217,6 +218,52 @@ def test_kernel_compiles_for_nvidia_gpus():
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     run = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+MATRIX = textwrap.dedent("""
+    import json, sys, torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from neuron.layers.paged_attention import tiles
+    from neuron.layers.triton_attention import paged_attention_kernel as kernel
+
+    DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    out = []
+    for capability in (80, 90, 100):
+        for name, dtype in DTYPES.items():
+            for head_dim in (64, 128, 256):
+                max_rows, block_n = tiles(dtype, head_dim)  # the largest tile the runtime picks
+                pointers = dict(out_ptr=name, q_ptr=name, k_ptr=name, v_ptr=name, tables_ptr="i32",
+                                query_start_ptr="i32", kv_lens_ptr="i32")
+                constexprs = dict(BLOCK_SIZE=16, BLOCK_M=max_rows, GROUP_P=4, HEAD_P=head_dim, BLOCK_N=block_n,
+                                  PRECISION="ieee" if name == "fp32" else None)
+                signature = {a: "constexpr" if a in constexprs else "*" + pointers[a] if a in pointers
+                             else "fp32" if a == "scale" else "i32" for a in kernel.arg_names}
+                compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                          target=GPUTarget("cuda", capability, 32))
+                out.append([capability, name, head_dim, compiled.metadata.shared])
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+def test_every_tile_the_runtime_picks_fits_every_supported_gpu():
+    """Compile the kernel (no GPU needed) in every dtype at head_dim 64, 128 and 256 with the largest
+    tile the runtime would launch, for each code generation (Ampere and Ada share sm_80's, as does
+    Blackwell's sm_120 the 99 KiB class), and compare its shared memory with each GPU's: a
+    combination over a card's limit would fail there with OutOfResources."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed (pip install triton)")
+    from neuron.layers.paged_attention import SHARED_MEMORY
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    run = subprocess.run([sys.executable, "-c", MATRIX], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    family = {80: (80, 86, 89, 120), 90: (90,), 100: (100,)}
+    over = [(cc, name, head_dim, shared) for built, name, head_dim, shared in json.loads(run.stdout.splitlines()[-1])
+            for cc in family[built] if shared > SHARED_MEMORY[cc]]
+    assert over == []
 
 
 # ---- the CPU kernel ----

@@ -157,8 +157,9 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     group = heads // kv_heads
-    group_p = _next_power_of_2(group)
-    block_q = _queries_per_program(meta.max_query_len, group_p)
+    group_p, head_p = _next_power_of_2(group), _next_power_of_2(head_dim)
+    max_rows, block_n = tiles(q.dtype, head_p)
+    block_q = _queries_per_program(meta.max_query_len, group_p, max_rows)
     grid = (meta.num_seqs, -(-meta.max_query_len // block_q), kv_heads)
     precision = "ieee" if q.dtype == torch.float32 else None  # fp32 stays fp32, not TF32
     _kernel()[grid](
@@ -166,14 +167,28 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         scale * _LOG2E, group, head_dim, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_pool.stride(0), k_pool.stride(1), meta.block_tables.stride(0),
         BLOCK_SIZE=meta.block_size, BLOCK_M=block_q * group_p, GROUP_P=group_p,
-        HEAD_P=_next_power_of_2(head_dim), BLOCK_N=_BLOCK_N, PRECISION=precision)
+        HEAD_P=head_p, BLOCK_N=block_n, PRECISION=precision)
     return out
 
 
-def _queries_per_program(max_query_len: int, group_p: int) -> int:
+# Shared memory per block on the GPUs neuron supports (the opt-in maximum), by compute capability.
+SHARED_MEMORY = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
+
+
+def tiles(dtype: torch.dtype, head_p: int) -> tuple[int, int]:
+    """(rows of a program at most, key positions per inner tile) for this dtype and padded head
+    width. fp32 tiles of 256-wide heads take 137 KiB of shared memory at 64 x 32, more than the
+    99 KiB of sm_86/89/120; at 32 x 16 they take 66 KiB. Every other combination fits at 64 x 32
+    (tests/test_paged_attention.py compiles them all and checks against SHARED_MEMORY)."""
+    if dtype == torch.float32 and head_p >= 256:
+        return 32, 16
+    return _MAX_ROWS, _BLOCK_N
+
+
+def _queries_per_program(max_query_len: int, group_p: int, max_rows: int = _MAX_ROWS) -> int:
     """Queries per program, a power of two: as many as the longest query needs, within the row bounds."""
     wanted = _next_power_of_2(max_query_len)
-    return max(1, min(wanted, _MAX_ROWS // group_p), _MIN_ROWS // group_p)
+    return max(1, min(wanted, max_rows // group_p), _MIN_ROWS // group_p)
 
 
 def _next_power_of_2(n: int) -> int:
