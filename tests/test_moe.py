@@ -296,6 +296,21 @@ def test_a_torch_without_grouped_mm_takes_the_loop(monkeypatch):
     assert expert_path(8, 16, "cuda", BF16, 64, 32, True) == "gather"
 
 
+def test_a_torch_whose_grouped_mm_has_no_cpu_kernel_takes_the_loop_on_cpu(monkeypatch):
+    from neuron.layers import moe
+
+    def cuda_only(*args, **kwargs):  # torch 2.8: the op exists, its CPU dispatch does not
+        raise NotImplementedError("Could not run 'aten::_grouped_mm' with arguments from the 'CPU' backend")
+
+    monkeypatch.setattr(torch, "_grouped_mm", cuda_only)
+    moe._grouped_mm_on_cpu.cache_clear()
+    try:
+        assert expert_path(64, 16, "cpu", F32, 64, 32) == "loop"
+        assert expert_path(64, 16, "cuda", BF16, 64, 32, True) == "grouped"
+    finally:
+        moe._grouped_mm_on_cpu.cache_clear()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [BF16, F16])
 def test_decode_steps_neither_synchronise_nor_resist_capture(dtype):

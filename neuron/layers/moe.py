@@ -46,6 +46,8 @@ local rows after routing (tokens routed elsewhere contribute zeros, and the same
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -102,14 +104,26 @@ def expert_path(pairs: int, num_experts: int, device_type: str, dtype: torch.dty
     """"grouped", "gather" or "loop" for a step of `pairs` (token, expert) pairs; see the module
     docstring. `sync_free_grouped_mm`: the device runs grouped_mm's kernel (CUDA sm90 or sm100)."""
     row = 16 // dtype.itemsize  # elements in 16 bytes: grouped_mm's stride alignment
-    grouped = (hasattr(torch, "_grouped_mm") and dtype in _GROUPED_DTYPES
-               and hidden % row == 0 and local_inter % row == 0)
+    grouped = (hasattr(torch, "_grouped_mm") and dtype in _GROUPED_DTYPES and hidden % row == 0
+               and local_inter % row == 0 and (device_type != "cpu" or _grouped_mm_on_cpu(dtype)))
     if device_type == "cuda" and pairs <= GATHER_MAX_PAIRS:
         if not (grouped and sync_free_grouped_mm and dtype == torch.bfloat16):
             return "gather"
     if device_type == "cpu" and pairs * CPU_LOOP_EXPERTS_PER_PAIR < num_experts:
         return "loop"
     return "grouped" if grouped else "loop"
+
+
+@functools.cache
+def _grouped_mm_on_cpu(dtype: torch.dtype) -> bool:
+    """Whether this torch has a CPU kernel for grouped_mm in `dtype` (2.8 has the op, CUDA-only):
+    asked once, with a two-row product."""
+    try:
+        a, b = torch.ones(2, 8, dtype=dtype), torch.ones(2, 8, 8, dtype=dtype)
+        torch._grouped_mm(a, b, offs=torch.tensor([1, 2], dtype=torch.int32))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
 
 
 def _sync_free_grouped_mm(device: torch.device) -> bool:
