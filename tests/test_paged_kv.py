@@ -176,6 +176,41 @@ def test_rank_tables_grow_by_the_blocks_a_step_carries(paged):
     assert cache.tables[0] == [] and cache.filled[0] == 0
 
 
+def test_a_paged_step_crosses_to_the_device_in_one_copy(monkeypatch):
+    """Metadata, token ids and positions of a mixed step travel packed through the cache's staging:
+    one send per step, and nothing else sends host data (on CUDA that is one pinned copy)."""
+    import torch
+
+    from neuron.models import kv_cache
+    from neuron.utils.device import Staging
+
+    cache = _cache()
+    sends, send = [], Staging.send
+    monkeypatch.setattr(Staging, "send", lambda self, arrays: (sends.append(len(arrays)), send(self, arrays))[1])
+    monkeypatch.setattr(kv_cache, "to_device", lambda *a, **k: pytest.fail("a second host-to-device copy"))
+    step = [SeqStep(0, [1, 2, 3, 4, 5], 0, [5, 2], True), SeqStep(1, [9], 0, [3], True)]
+    cache.check(step, vocab_size=10)
+    batch = cache.prepare(step)
+    assert sends == [6]
+    assert batch.token_ids.tolist() == [1, 2, 3, 4, 5, 9] and batch.token_ids.dtype == torch.long
+    assert batch.positions.tolist() == [0, 1, 2, 3, 4, 0]
+    assert batch.paged.slot_mapping.tolist() == [20, 21, 22, 23, 8, 12]
+    assert batch.paged.query_start.tolist() == [0, 5, 6] and batch.paged.kv_lens.tolist() == [5, 1]
+    assert batch.paged.block_tables.tolist() == [[5, 2], [3, 0]]
+
+
+@pytest.mark.gpu
+def test_a_cuda_step_makes_one_host_to_device_copy():
+    import torch
+
+    cache = PagedKVCache(layers=1, num_blocks=8, block_size=4, slots=2, max_len=16, kv_heads=1, head_dim=2,
+                         dtype=torch.float32, device=torch.device("cuda"), paged=True)
+    step = [SeqStep(0, [1, 2, 3, 4, 5], 0, [5, 2], True), SeqStep(1, [9], 0, [3], True)]
+    batch = cache.prepare(step)
+    assert cache.staging.copies == 1
+    assert batch.paged.slot_mapping.tolist() == [20, 21, 22, 23, 8, 12]
+
+
 # ---- end to end (transformers is the oracle) ----
 
 SYSTEM = [(7 * i + 3) % 290 + 1 for i in range(45)]  # no 0: the oracle's pad_token_id

@@ -75,7 +75,7 @@ def checks(dtype: str, widths_json: str) -> dict:
     from neuron.layers import cpu_attention
     from neuron.layers.kernel_check import CHECK_TIMEOUT_S, Widths, run_check_process
 
-    widths = Widths(**json.loads(widths_json))
+    Widths(**json.loads(widths_json))  # malformed widths are refused before any check runs
     out: dict = {"cpu_attention": "built" if cpu_attention.library() is not None else "not built (see the warning)"}
     if not torch.cuda.is_available():
         out["gpu"] = ("no CUDA device: on a GPU this checks rms_norm, add_rms_norm, norm_rope, silu_mul and "

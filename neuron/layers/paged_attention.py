@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from neuron.layers import cpu_attention, kernel_choice
-from neuron.utils.device import to_device
+from neuron.utils.device import Staging
 
 # Looked up, not imported: see `_kernel`. CPU installs need not have Triton; the reference serves them.
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -70,10 +70,17 @@ def build_metadata(block_tables: list[list[int]] | np.ndarray, offsets: list[int
                    block_size: int, device) -> PagedAttentionMetadata:
     """The step's metadata from per-sequence host data: each sequence's block table (lists, or the
     rows of a table the caller keeps as an int32 array), the position its new tokens start at, and
-    how many it brings. Computed on the host with numpy (no Python loop over tokens; torch's CPU
-    repeat_interleave costs milliseconds here), then one host-to-device copy per tensor. The
-    caller has checked that every table covers its sequence's positions (the KV cache refuses
-    steps that do not)."""
+    how many it brings (see `build_step`)."""
+    return build_step(block_tables, offsets, query_lens, block_size, Staging(device))[0]
+
+
+def build_step(block_tables: list[list[int]] | np.ndarray, offsets: list[int], query_lens: list[int],
+               block_size: int, staging: Staging, token_ids: list[int] | None = None,
+               ) -> tuple[PagedAttentionMetadata, torch.Tensor | None, torch.Tensor]:
+    """The step's metadata, its token ids (when given) and every token's position, all computed on
+    the host with numpy (no Python loop over tokens; torch's CPU repeat_interleave costs
+    milliseconds here) and crossing to the device in one copy (`staging`). The caller has checked
+    that every table covers its sequence's positions (the KV cache refuses steps that do not)."""
     lens = np.asarray(query_lens, dtype=np.int64)
     query_start = np.zeros(len(lens) + 1, dtype=np.int32)
     np.cumsum(lens, out=query_start[1:])
@@ -82,9 +89,12 @@ def build_metadata(block_tables: list[list[int]] | np.ndarray, offsets: list[int
     seq = np.repeat(np.arange(len(lens)), lens)
     positions = np.arange(seq.shape[0]) + np.repeat(kv_lens - lens - query_start[:-1], lens)
     slot_mapping = tables[seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    return PagedAttentionMetadata(
-        to_device(query_start, device), to_device(kv_lens, device), to_device(tables, device),
-        to_device(slot_mapping, device), block_size, int(lens.max()), int(kv_lens.max()))
+    ids = np.asarray(token_ids if token_ids is not None else [], dtype=np.int64)
+    starts, filled, flat_tables, rows, where, tokens = staging.send(
+        [query_start, kv_lens, tables, slot_mapping, positions, ids])
+    meta = PagedAttentionMetadata(starts, filled, flat_tables.view(tables.shape), rows.long(), block_size,
+                                  int(lens.max()), int(kv_lens.max()))
+    return meta, (tokens.long() if token_ids is not None else None), where.long()
 
 
 def _padded_tables(block_tables: list[list[int]] | np.ndarray, width: int) -> np.ndarray:

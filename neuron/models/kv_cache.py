@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from neuron.errors import ConfigError, NeuronError
-from neuron.layers.paged_attention import PagedAttentionMetadata, attend, build_metadata
+from neuron.layers.paged_attention import PagedAttentionMetadata, attend, build_step
 from neuron.models.inputs import SeqStep
-from neuron.utils.device import to_device
+from neuron.utils.device import Staging, to_device
 
 _MIB = 2**20
 
@@ -78,6 +78,7 @@ class PagedKVCache:
         # mirrored host-side for it. Otherwise the gather path, kept as a reference for tests.
         self.paged = paged
         self.table_array = np.zeros((slots, blocks_for(max_len, block_size)), dtype=np.int32)
+        self.staging = Staging(device)  # a paged step's host data crosses to the device in one copy
         self.scratch_block = num_blocks
 
     @property
@@ -200,13 +201,12 @@ class PagedKVCache:
     def _paged_batch(self, seqs: list[SeqStep]) -> StepBatch:
         """The step as one flat batch and its attention metadata, built once for every layer."""
         slots, lengths, offsets = [s.slot for s in seqs], [len(s.token_ids) for s in seqs], [s.offset for s in seqs]
-        meta = build_metadata(self.table_array[slots], offsets, lengths, self.block_size, self.device)
         ids = [t for s in seqs for t in s.token_ids]
-        positions = [p for s in seqs for p in range(s.offset, s.offset + len(s.token_ids))]
-        per_token = to_device([ids, positions], self.device, torch.long)
+        meta, token_ids, positions = build_step(self.table_array[slots], offsets, lengths, self.block_size,
+                                                self.staging, ids)
         all_decode = all(n == 1 for n in lengths)
         last_index = None if all_decode else meta.query_start[1:].long() - 1
-        return StepBatch(per_token[0], per_token[1], meta.slot_mapping, slots, lengths,
+        return StepBatch(token_ids, positions, meta.slot_mapping, slots, lengths,
                          [o + n for o, n in zip(offsets, lengths)], last_index, all_decode, [], [], meta)
 
     def commit(self, batch: StepBatch) -> None:
