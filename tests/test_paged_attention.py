@@ -220,12 +220,50 @@ def test_kernel_compiles_for_nvidia_gpus():
     assert run.returncode == 0, run.stderr[-3000:]
 
 
+# Decodes over long and short contexts: with 4 or 8 splits of the longest, the short ones leave
+# splits empty, and the split boundaries fall inside blocks.
+LONG_DECODE = dict(offsets=[300, 3, 150, 517], query_lens=[1, 1, 1, 1], shared=(0, 2, 5))
+
+
+@pytest.mark.parametrize("splits", [2, 4, 8])
+@pytest.mark.parametrize("layout", ["group1", "group4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_split_decode_matches_the_reference(kernel, splits, layout, dtype):
+    from neuron.layers.paged_attention import paged_attention_split
+
+    heads, kv_heads = {"group1": (4, 4), "group4": (8, 2)}[layout]
+    q, k_pool, v_pool, meta = make_step(**LONG_DECODE, heads=heads, kv_heads=kv_heads, dtype=dtype)
+    assert_kernel_matches(lambda *a: paged_attention_split(*a, splits), q, k_pool, v_pool, meta)
+
+
+def test_split_decode_refuses_a_prefill_step(kernel):
+    from neuron.layers.paged_attention import paged_attention_split
+
+    q, k_pool, v_pool, meta = make_step(**MIXED)
+    with pytest.raises(ValueError, match="decode steps"):
+        paged_attention_split(q, k_pool, v_pool, meta, 0.125, 2)
+
+
+@pytest.mark.parametrize("programs, kv_len, expected", [
+    (8, 4096, 16),   # batch-1 Qwen3-8B (8 KV heads) on 132 SMs: 2 x 132 / 8 = 33, capped at 32 -> 16 (a power of two)
+    (8, 1000, 2),    # a short context: no split under 256 positions
+    (8, 200, 1),
+    (132, 4096, 1),  # the GPU is full already
+    (64, 8192, 4),   # 264 / 64 -> 5 -> 4
+])
+def test_decode_splits(programs, kv_len, expected):
+    from neuron.layers.paged_attention import decode_splits
+
+    assert decode_splits(programs, kv_len, 132) == expected
+
+
 MATRIX = textwrap.dedent("""
     import json, sys, torch, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from neuron.layers.paged_attention import tiles
     from neuron.layers.triton_attention import paged_attention_kernel as kernel
+    from neuron.layers.triton_attention import paged_attention_split_kernel as split
 
     DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     out = []
@@ -242,14 +280,23 @@ MATRIX = textwrap.dedent("""
                 compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                                           target=GPUTarget("cuda", capability, 32))
                 out.append([capability, name, head_dim, compiled.metadata.shared])
+                pointers = dict(part_acc_ptr="fp32", part_ml_ptr="fp32", q_ptr=name, k_ptr=name, v_ptr=name,
+                                tables_ptr="i32", query_start_ptr="i32", kv_lens_ptr="i32")
+                constexprs = dict(SPLITS=16, BLOCK_SIZE=16, BLOCK_M=16, HEAD_P=head_dim, BLOCK_N=block_n,
+                                  PRECISION="ieee" if name == "fp32" else None)
+                signature = {a: "constexpr" if a in constexprs else "*" + pointers[a] if a in pointers
+                             else "fp32" if a == "scale" else "i32" for a in split.arg_names}
+                compiled = triton.compile(ASTSource(fn=split, signature=signature, constexprs=constexprs),
+                                          target=GPUTarget("cuda", capability, 32))
+                out.append([capability, name + " split", head_dim, compiled.metadata.shared])
     print(json.dumps(out))
 """)
 
 
 @pytest.mark.slow
 def test_every_tile_the_runtime_picks_fits_every_supported_gpu():
-    """Compile the kernel (no GPU needed) in every dtype at head_dim 64, 128 and 256 with the largest
-    tile the runtime would launch, for each code generation (Ampere and Ada share sm_80's, as does
+    """Compile the kernels (no GPU needed; the split decode one too) in every dtype at head_dim 64,
+    128 and 256 with the largest tile the runtime would launch, for each code generation (Ampere and Ada share sm_80's, as does
     Blackwell's sm_120 the 99 KiB class), and compare its shared memory with each GPU's: a
     combination over a card's limit would fail there with OutOfResources."""
     if not HAS_TRITON:

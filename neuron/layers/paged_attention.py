@@ -27,6 +27,7 @@ programs (flash-decoding) is the next step there.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -160,7 +161,12 @@ def _kernel():
 
 def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
-    """The Triton kernel's causal attention of the step's queries ([T, heads, head_dim])."""
+    """The Triton kernel's causal attention of the step's queries ([T, heads, head_dim]); a decode
+    step with too few (sequence, KV head) programs to fill the GPU splits its keys over more."""
+    if meta.max_query_len == 1 and q.is_cuda:
+        splits = decode_splits(meta.num_seqs * k_pool.shape[0], meta.max_kv_len, _multiprocessors(q.device))
+        if splits > 1:
+            return paged_attention_split(q, k_pool, v_pool, meta, scale, splits)
     tokens, heads, head_dim = q.shape
     kv_heads = k_pool.shape[0]
     _check_shapes(q, k_pool, v_pool)
@@ -178,6 +184,56 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         k_pool.stride(0), k_pool.stride(1), meta.block_tables.stride(0),
         BLOCK_SIZE=meta.block_size, BLOCK_M=block_q * group_p, GROUP_P=group_p,
         HEAD_P=head_p, BLOCK_N=block_n, PRECISION=precision)
+    return out
+
+
+_SPLIT_MIN_KEYS = 256  # positions a split gets at least: shorter ones cost more in the merge than they save
+_MAX_SPLITS = 32
+
+
+def decode_splits(programs: int, max_kv_len: int, multiprocessors: int) -> int:
+    """How many splits of the keys a decode step's programs (sequence x KV head) take: enough for
+    about two programs per multiprocessor, no split shorter than _SPLIT_MIN_KEYS positions; a
+    power of two (the merge reads the splits as one tile); 1 when the GPU is full already."""
+    if programs >= multiprocessors:
+        return 1
+    wanted = min(-(-2 * multiprocessors // programs), max_kv_len // _SPLIT_MIN_KEYS, _MAX_SPLITS)
+    return 1 << max(wanted, 1).bit_length() - 1
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def paged_attention_split(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                          meta: PagedAttentionMetadata, scale: float, splits: int) -> torch.Tensor:
+    """A decode step's attention (one query per sequence) with each sequence's keys in `splits`
+    parts on programs of their own, merged after (flash-decoding)."""
+    from neuron.layers.triton_attention import paged_attention_split_kernel, split_combine_kernel
+
+    tokens, heads, head_dim = q.shape
+    kv_heads = k_pool.shape[0]
+    _check_shapes(q, k_pool, v_pool)
+    if meta.max_query_len != 1:
+        raise ValueError(f"split attention serves decode steps (one query per sequence), got {meta.max_query_len}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    head_p = _next_power_of_2(head_dim)
+    _, block_n = tiles(q.dtype, head_p)
+    split_len = -(-(-(-meta.max_kv_len // splits)) // block_n) * block_n  # a whole number of key tiles
+    part_acc = torch.empty((meta.num_seqs, heads, splits, head_p), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((meta.num_seqs, heads, splits, 2), dtype=torch.float32, device=q.device)
+    out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+    group = heads // kv_heads
+    precision = "ieee" if q.dtype == torch.float32 else None
+    paged_attention_split_kernel[(meta.num_seqs, kv_heads, splits)](
+        part_acc, part_ml, q, k_pool, v_pool, meta.block_tables, meta.query_start, meta.kv_lens,
+        scale * _LOG2E, group, heads, head_dim, split_len, q.stride(0), q.stride(1), k_pool.stride(0),
+        k_pool.stride(1), meta.block_tables.stride(0), SPLITS=splits, BLOCK_SIZE=meta.block_size,
+        BLOCK_M=max(_MIN_ROWS, _next_power_of_2(group)), HEAD_P=head_p, BLOCK_N=block_n, PRECISION=precision)
+    split_combine_kernel[(meta.num_seqs, heads)](
+        out, part_acc, part_ml, meta.query_start, heads, head_dim, out.stride(0), out.stride(1),
+        SPLITS=splits, HEAD_P=head_p)
     return out
 
 
