@@ -142,14 +142,29 @@ def sample(
 
 def _to_host(*tensors: torch.Tensor) -> list[list]:
     """The step's one device-to-host transfer, of every tensor the host needs. On CUDA each is
-    copied into pinned memory without blocking, then the host waits for the stream once."""
+    copied without blocking into pinned memory kept from step to step (pinning costs more than
+    the copy), then the host waits for the stream once; the next step writes the buffers again
+    only after this one has read them."""
     if tensors[0].device.type != "cuda":
         return [t.tolist() for t in tensors]
-    buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    buffers = [_pinned(t.dtype, i, t.numel()).view(t.shape) for i, t in enumerate(tensors)]
     for buffer, t in zip(buffers, tensors):
         buffer.copy_(t, non_blocking=True)
     torch.cuda.current_stream(tensors[0].device).synchronize()
     return [b.tolist() for b in buffers]
+
+
+_PINNED: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+
+
+def _pinned(dtype: torch.dtype, index: int, n: int) -> torch.Tensor:
+    """The first `n` elements of the `index`-th pinned buffer of `dtype`, grown (doubling) when short."""
+    buffer = _PINNED.get((dtype, index))
+    if buffer is None or buffer.numel() < n:
+        buffer = torch.empty(max(n, 2 * (0 if buffer is None else buffer.numel()), 256), dtype=dtype,
+                             pin_memory=True)
+        _PINNED[(dtype, index)] = buffer
+    return buffer[:n]
 
 
 def _greedy(x: torch.Tensor) -> torch.Tensor:

@@ -71,6 +71,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor | None] = {}
         self.failed: dict[int, str] = {}  # buckets that run eagerly, with why
+        self.logits: torch.Tensor | None = None  # rank 0: every bucket's logits, rows of one buffer
 
     def fits(self, batch: StepBatch) -> bool:
         return (batch.paged is not None and batch.all_decode and batch.prompt_topk is None
@@ -155,11 +156,20 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
 
     def _capture_bucket(self, bucket: int, pool):
-        """Record one bucket's step into a graph; the memory pool the next capture shares."""
+        """Record one bucket's step into a graph; the memory pool the next capture shares. The
+        logits land in rows of one buffer that every bucket shares (rank 0's; the other ranks have
+        none), so the graphs keep one [largest bucket, vocab] of them alive, not one per bucket,
+        and the step's own output is freed back to the pool for the next capture."""
         graph = torch.cuda.CUDAGraph()
         # thread_local: rank 0 shares the leader's process, whose other threads may use CUDA meanwhile
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            self.outputs[bucket] = self._forward(bucket)
+            logits = self._forward(bucket)
+            if logits is not None:
+                if self.logits is None:  # allocated in the first (largest) capture, from the shared pool
+                    self.logits = torch.empty_like(logits)
+                self.logits[:bucket].copy_(logits)
+                logits = self.logits[:bucket]
+            self.outputs[bucket] = logits
         self.graphs[bucket] = graph
         return graph.pool()
 
@@ -170,6 +180,7 @@ class DecodeGraphs:
     def release(self) -> None:
         self.graphs.clear()
         self.outputs.clear()
+        self.logits = None
 
 
 def capture_decode_graphs(model, max_batch: int) -> DecodeGraphs | None:

@@ -176,6 +176,8 @@ class Worker:
             self._joining = None  # the communicator keeps the store alive from here; a failed join drops it
 
     def _sanity(self) -> float:
+        """All-reduce a 1 on the rank's device. It is the communicator's first collective, so NCCL
+        allocates its buffers here, before the KV pool is sized from what is free."""
         t = torch.ones(1, device=self.device)
         self._need_comm().all_reduce(t)
         return float(t.item())
