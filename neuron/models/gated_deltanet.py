@@ -22,6 +22,7 @@ from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
 from neuron.layers.tensor_parallel import ColumnParallelLinear, Reader, RowParallelLinear, Shard
 from neuron.models.inputs import SeqStep
+from neuron.utils.device import to_device
 
 CHUNK = 64  # tokens solved together in a prompt; bounds the [chunk, chunk] systems
 
@@ -97,9 +98,9 @@ class DeltaNetState:
         self.offsets = [s.offset for s in seqs]
         self.lengths = [len(s.token_ids) for s in seqs]
         self.all_decode = all(n == 1 for n in self.lengths)
-        self.slots_t = torch.tensor(self.slots, device=self.device) if len(seqs) > 1 else None
+        self.slots_t = to_device(self.slots, self.device, torch.long) if len(seqs) > 1 else None
         fresh = [o == 0 for o in self.offsets]
-        self.fresh = torch.tensor(fresh, device=self.device) if any(fresh) and len(seqs) > 1 else None
+        self.fresh = to_device(fresh, self.device, torch.bool) if any(fresh) and len(seqs) > 1 else None
 
     def gather(self, state: torch.Tensor) -> torch.Tensor:
         """A decode step's slot states, [B, ...]."""
