@@ -137,19 +137,30 @@ def test_a_bucket_that_cannot_be_captured_is_dropped_alone(monkeypatch):
     graphs = cuda_graphs.DecodeGraphs.__new__(cuda_graphs.DecodeGraphs)
     graphs.buckets, graphs.graphs, graphs.outputs = [1, 2, 4, 8], {}, {}
     monkeypatch.setattr(graphs, "_pad", lambda start, end: None, raising=False)
-    monkeypatch.setattr(graphs, "_warm_up", lambda: None, raising=False)
     monkeypatch.setattr(graphs, "_synchronize", lambda: None, raising=False)
 
+    def warm_up(bucket):
+        if bucket == 8:  # the eager step under sync-debug "error": an op that waits for the host
+            raise RuntimeError("called a synchronizing CUDA operation\n  File moe.py, line 187, in _loop")
+
     def capture_bucket(bucket, pool):
-        if bucket == 4:  # as a step over 16 (token, expert) pairs that synchronises would
+        if bucket == 4:  # an op capture refuses
             raise RuntimeError("operation not permitted when stream is capturing\nCUDA error")
         graphs.graphs[bucket] = f"graph {bucket}"
         return "pool"
 
+    def check_replay(bucket):
+        if bucket == 2:
+            raise ValueError("its replay differs from the eager step by 0.5")
+
+    monkeypatch.setattr(graphs, "_warm_up", warm_up, raising=False)
     monkeypatch.setattr(graphs, "_capture_bucket", capture_bucket, raising=False)
+    monkeypatch.setattr(graphs, "_check_replay", check_replay, raising=False)
     failed = graphs.capture()
-    assert failed == {4: "RuntimeError: operation not permitted when stream is capturing"}
-    assert sorted(graphs.graphs) == [1, 2, 8]
+    assert failed == {8: "RuntimeError: called a synchronizing CUDA operation",
+                      4: "RuntimeError: operation not permitted when stream is capturing",
+                      2: "ValueError: its replay differs from the eager step by 0.5"}
+    assert sorted(graphs.graphs) == [1]
     assert graphs.bucket(3) == 4 and 4 not in graphs.graphs  # its steps run eagerly: run() finds no graph
 
 

@@ -130,30 +130,50 @@ class DecodeGraphs:
     def capture(self) -> dict[int, str]:
         """Record every bucket's step, largest first, sharing one memory pool; the buckets that
         could not be captured, with why. Such a bucket is dropped alone: its steps run eagerly, the
-        other buckets replay. Every rank captures the same buckets in the same order, so the
-        collectives inside stay matched. Kernels compile and libraries set up in an eager warm-up
-        first: none of that may happen during capture. The static inputs are all padding meanwhile,
-        so nothing is written to a sequence's blocks."""
+        other buckets replay. Each bucket first runs eagerly (kernels compile and libraries set up
+        then, since none of that may happen during capture) with host synchronisation an error, so
+        an operation that would break capture is named; after capture its replay must equal that
+        eager step. Every rank captures the same buckets in the same order, so the collectives
+        inside stay matched. The static inputs are all padding meanwhile, so nothing is written to
+        a sequence's blocks."""
         self._pad(0, self.buckets[-1])
-        self._warm_up()
         failed, pool = {}, None
         for bucket in reversed(self.buckets):
             try:
+                self._warm_up(bucket)
                 pool = self._capture_bucket(bucket, pool)
+                self._check_replay(bucket)
             except Exception as exc:  # noqa: BLE001 - a bucket that cannot be captured runs eagerly
-                failed[bucket] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                text = str(exc).strip()
+                failed[bucket] = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
                 self.graphs.pop(bucket, None)
                 self.outputs.pop(bucket, None)
         self._synchronize()
         return failed
 
-    def _warm_up(self) -> None:
+    def _warm_up(self, bucket: int) -> None:
+        """The bucket's step, eagerly, on a side stream, with any host synchronisation an error."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for bucket in reversed(self.buckets):
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.cuda.stream(stream):
                 self._forward(bucket)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
         torch.cuda.current_stream().wait_stream(stream)
+
+    def _check_replay(self, bucket: int) -> None:
+        """Rank 0 (the one with logits): the bucket's replay equals its eager step."""
+        if self.outputs.get(bucket) is None:
+            return
+        self.graphs[bucket].replay()
+        replayed = self.outputs[bucket].clone()
+        eager = self._forward(bucket)
+        diff = (replayed - eager).abs().max().item()
+        if not diff <= 1e-3 * max(eager.abs().max().item(), 1.0):  # NaN fails too
+            raise ValueError(f"its replay differs from the eager step by {diff:.3g}")
 
     def _capture_bucket(self, bucket: int, pool):
         """Record one bucket's step into a graph; the memory pool the next capture shares. The
