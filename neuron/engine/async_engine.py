@@ -1,9 +1,10 @@
 """The bridge between asyncio handlers and the engine, which runs on one thread of its own.
 
-Handlers only call `open` (the engine's thread-safe `add_request`) and `RequestStream.close`
-(`abort`), and read their request's asyncio.Queue. The engine thread loads the model, then steps
-while there is work and sleeps on an event otherwise; after each step it hands the updates to the
-event loop with `call_soon_threadsafe`. A request a client abandons therefore leaves the engine at
+Handlers submit with `open` (the engine's thread-safe `add_request`), read their request's
+`RequestStream`, and close it (`abort` if it still runs); everything else they ask of the model goes
+through `EngineClient`. The engine thread loads the model, then steps while there is work and
+sleeps on an event otherwise; after each step it hands the updates to the event loop with
+`call_soon_threadsafe`, which queues them on their streams. A request a client abandons therefore leaves the engine at
 a step boundary, and nothing but the engine thread ever touches the ranks.
 
 The lifecycle lives in one place, `AsyncEngine.state`: loading -> ready, and from there failed,

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import anyio
 import msgspec
 
 from neuron.config import settings
 from neuron.engine.async_engine import AsyncEngine, EngineState, NotReady, Overloaded, RequestStream
-from neuron.engine.llm_engine import RequestError
+from neuron.engine.llm_engine import RequestError, Update
 from neuron.engine.parallel_sampling import num_samples, ranked, sample_id, sample_params
 from neuron.engine.sampling_params import InvalidParams, SamplingParams
 from neuron.engine.structured_output import CompiledGrammar
@@ -24,6 +25,7 @@ from neuron.entrypoints.openai.api_errors import (
     unsupported,
 )
 from neuron.entrypoints.openai.api_types import SamplingRequest, UsageInfo
+from neuron.entrypoints.openai.streaming import DONE, KEEPALIVE, merged_updates
 from neuron.multimodal.image import ImageInput
 
 # OpenAI's defaults, used where neither the request nor generation_config.json says otherwise.
@@ -199,6 +201,35 @@ def check_prompt_logprobs(prompts: list[list[int]], params: SamplingParams) -> N
         raise bad_request(f"the request asks for {entries} prompt log-probabilities (prompt tokens x samples x "
                           f"(top-k + 1)); at most {budget} are returned per request (NEURON_MAX_PROMPT_LOGPROBS): "
                           "ask for fewer samples, a smaller top-k or a shorter prompt", param="prompt_logprobs")
+
+
+async def stream_events(samples: Samples, keepalive_s: float,
+                        chunks: Callable[[int, Update], Awaitable[list[bytes]]],
+                        usage: Callable[[UsageInfo], bytes] | None, opening: Sequence[bytes] = ()) -> AsyncIterator[bytes]:
+    """The SSE body of both endpoints: `opening`, then for each batch of updates the chunks they make
+    (`chunks(choice, update)`, one write per batch), a keep-alive comment whenever `keepalive_s`
+    passes with nothing, an error event (and the end) when a sample fails, the usage chunk when the
+    request asked for it, and `[DONE]`. The samples are closed however it ends."""
+    try:
+        for chunk in opening:
+            yield chunk
+        async for batch in merged_updates(samples.streams, keepalive_s):
+            if batch is None:
+                yield KEEPALIVE
+                continue
+            out: list[bytes] = []
+            for k, update in batch:
+                if update.finish_reason == "error":
+                    yield b"".join(out) + sse(stream_error(samples.streams[k], update.error).body())
+                    return
+                out += await chunks(k, update)
+            if out:
+                yield b"".join(out)  # one write for what the batch brought
+        if usage is not None:
+            yield usage(samples.usage(range(len(samples.streams))))
+        yield DONE
+    finally:
+        samples.close()
 
 
 def open_samples(engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: SamplingParams,

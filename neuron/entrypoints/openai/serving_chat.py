@@ -44,18 +44,13 @@ from neuron.entrypoints.openai.common import (
     sampling_params,
     sse,
     stream_error,
+    stream_events,
 )
 from neuron.entrypoints.openai.guided import compile_guided
 from neuron.entrypoints.openai.logprobs import LogprobRenderer
 from neuron.entrypoints.openai.prompt_input import Limiters, check_prompt_chars, off_loop
 from neuron.entrypoints.openai.response_parser import OutputParser, Parsed
-from neuron.entrypoints.openai.streaming import (
-    DONE,
-    KEEPALIVE,
-    EventStreamResponse,
-    json_unless_disconnected,
-    merged_updates,
-)
+from neuron.entrypoints.openai.streaming import EventStreamResponse, json_unless_disconnected
 from neuron.multimodal.image import ImageError, ImageInput
 
 
@@ -233,24 +228,13 @@ def _update_chunks(ctx: ChatRequestContext, state: ChoiceState, index: int, upda
 async def _events(ctx: ChatRequestContext, samples: Samples, keepalive_s: float) -> AsyncIterator[bytes]:
     """Every sample is returned when streaming (best_of > n is refused), so stream k is choice k;
     each choice opens with its role, then chunks of all choices interleave as they come."""
-    try:
-        states = [ChoiceState(ctx) for _ in samples.streams]
-        for index in range(len(states)):
-            yield _chunk(ctx, ChatChunkChoice(index, DeltaMessage(role="assistant", content="")))
-        async for batch in merged_updates(samples.streams, keepalive_s):
-            if batch is None:
-                yield KEEPALIVE
-                continue
-            chunks = []
-            for k, update in batch:
-                if update.finish_reason == "error":
-                    yield b"".join(chunks) + sse(stream_error(samples.streams[k], update.error).body())
-                    return
-                chunks += _update_chunks(ctx, states[k], k, update)
-            if chunks:
-                yield b"".join(chunks)  # one write for what the batch brought
-        if ctx.req.stream_options and ctx.req.stream_options.include_usage:
-            yield _chunk(ctx, None, samples.usage(range(len(samples.streams))))
-        yield DONE
-    finally:
-        samples.close()
+    states = [ChoiceState(ctx) for _ in samples.streams]
+    opening = [_chunk(ctx, ChatChunkChoice(i, DeltaMessage(role="assistant", content=""))) for i in range(len(states))]
+
+    async def chunks(k: int, update: Update) -> list[bytes]:
+        return _update_chunks(ctx, states[k], k, update)
+
+    wants_usage = ctx.req.stream_options and ctx.req.stream_options.include_usage
+    usage = (lambda u: _chunk(ctx, None, u)) if wants_usage else None
+    async for event in stream_events(samples, keepalive_s, chunks, usage, opening):
+        yield event

@@ -36,18 +36,13 @@ from neuron.entrypoints.openai.common import (
     sampling_params,
     sse,
     stream_error,
+    stream_events,
 )
 from neuron.entrypoints.openai.echo import echo_logprobs, prompt_topk, vllm_prompt_logprobs, with_prompt_logprobs
 from neuron.entrypoints.openai.guided import compile_guided
 from neuron.entrypoints.openai.logprobs import LogprobRenderer
 from neuron.entrypoints.openai.prompt_input import Limiters, check_prompt_chars, check_prompt_ids, off_loop
-from neuron.entrypoints.openai.streaming import (
-    DONE,
-    KEEPALIVE,
-    EventStreamResponse,
-    json_unless_disconnected,
-    merged_updates,
-)
+from neuron.entrypoints.openai.streaming import EventStreamResponse, json_unless_disconnected
 
 # OpenAI's default for this endpoint.
 DEFAULT_MAX_TOKENS = 16
@@ -208,26 +203,15 @@ def _chunk(ctx: _Context, choice: CompletionChoice | None, usage: UsageInfo | No
 
 async def _events(ctx: _Context, samples: Samples, keepalive_s: float) -> AsyncIterator[bytes]:
     """Every sample is returned when streaming (best_of > n is refused), so stream k is choice k."""
-    try:
-        async for batch in merged_updates(samples.streams, keepalive_s):
-            if batch is None:
-                yield KEEPALIVE
-                continue
-            chunks = []
-            for k, update in batch:
-                if update.finish_reason == "error":
-                    yield b"".join(chunks) + sse(stream_error(samples.streams[k], update.error).body())
-                    return
-                text, (logprobs, prompt_logprobs) = ctx.text(k, update), await _rendered(ctx, k, update)
-                if text or logprobs or update.finished:
-                    reason = update.finish_reason if update.finished else None
-                    stop_reason = update.stop_reason if update.finished else None
-                    chunks.append(_chunk(ctx, CompletionChoice(k, text, logprobs, reason, stop_reason,
-                                                               prompt_logprobs)))
-            if chunks:
-                yield b"".join(chunks)  # one write for what the batch brought
-        if ctx.req.stream_options and ctx.req.stream_options.include_usage:
-            yield _chunk(ctx, None, samples.usage(range(len(samples.streams))))
-        yield DONE
-    finally:
-        samples.close()
+
+    async def chunks(k: int, update: Update) -> list[bytes]:
+        text, (logprobs, prompt_logprobs) = ctx.text(k, update), await _rendered(ctx, k, update)
+        if not (text or logprobs or update.finished):
+            return []
+        reason, stop_reason = (update.finish_reason, update.stop_reason) if update.finished else (None, None)
+        return [_chunk(ctx, CompletionChoice(k, text, logprobs, reason, stop_reason, prompt_logprobs))]
+
+    wants_usage = ctx.req.stream_options and ctx.req.stream_options.include_usage
+    usage = (lambda u: _chunk(ctx, None, u)) if wants_usage else None
+    async for event in stream_events(samples, keepalive_s, chunks, usage):
+        yield event
