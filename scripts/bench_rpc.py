@@ -1,4 +1,4 @@
-"""What the wire costs per step: a decode `generate_step` for a batch of B sequences (one in 16
+"""What the wire costs per step: a decode `forward_step` for a batch of B sequences (one in 16
 crossing into a new KV block, as in a steady decode with 16-token blocks) sent to a live worker
 and its reply read back, without the forward (the worker has no model loaded, so it decodes
 the whole request and answers `model_not_loaded`; encoding, pipes and decoding are all paid).
@@ -25,13 +25,13 @@ def main() -> int:
     args = ap.parse_args()
     proc = subprocess.Popen([sys.executable, "-m", "neuron", "--worker", "--rank", "1", "--tp-size", "2"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    seqs = [p.StepSeq(slot=i, token_ids=[100_000 + i], offset=1000 + i, new_blocks=[] if i % 16 else [5000 + i])
+    seqs = [p.SeqStep(slot=i, token_ids=[100_000 + i], offset=1000 + i, new_blocks=[] if i % 16 else [5000 + i])
             for i in range(args.batch)]
     samples, size = [], 0
     try:
         for seq in range(1, args.n + 1):
             t0 = time.perf_counter()
-            line = codec.encode(p.GenerateStep(seq=seq, model_id="model", seqs=seqs))
+            line = codec.encode(p.ForwardStep(seq=seq, model_id="model", seqs=seqs))
             proc.stdin.write(line)
             proc.stdin.flush()
             reply = codec.decode_reply(proc.stdout.readline())
@@ -42,7 +42,7 @@ def main() -> int:
         proc.stdin.close()
         proc.wait(timeout=10)
     samples = sorted(samples[50:])
-    print(f"generate_step, batch {args.batch}: {size} bytes per request; round trip median "
+    print(f"forward_step, batch {args.batch}: {size} bytes per request; round trip median "
           f"{statistics.median(samples) * 1e6:.1f} us, p90 {samples[int(len(samples) * 0.9)] * 1e6:.1f} us")
     return 0
 

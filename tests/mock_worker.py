@@ -71,11 +71,11 @@ class Mock:
                 return p.SanityResult(seq=seq, observed_sum=float(self.world_size))
             case p.CheckKernels():
                 return p.KernelsChecked(seq=seq)
-            case p.LoadDenseShard():
+            case p.LoadShard():
                 blocks = req.max_slots * -(-req.max_model_len // req.block_size)  # a CPU rank's default pool
-                return p.LoadDenseShardOk(seq=seq, model_id=req.model_id, num_kv_blocks=blocks)
-            case p.GenerateStep() | p.GenerateStepWithImages():
-                return p.GenerateStepOk(seq=seq, elapsed_ms=float(self.rank))
+                return p.LoadShardOk(seq=seq, model_id=req.model_id, num_kv_blocks=blocks)
+            case p.ForwardStep() | p.ForwardStepWithImages():
+                return p.ForwardStepOk(seq=seq, elapsed_ms=float(self.rank))
             case p.ClearKvCache():
                 return p.KvCacheCleared(seq=seq)
             case p.UnloadModel():

@@ -14,8 +14,8 @@ from checkpoints import build_checkpoint
 from neuron.distributed.comm import SingleRank
 from neuron.models import build_model
 from neuron.models.cuda_graphs import DecodeGraphs, batch_buckets
-from neuron.models.inputs import SeqStep
 from neuron.models.loader import CheckpointReader, safetensors_files
+from neuron.step import SeqStep
 
 BLOCK = 4
 MAX_LEN = 64

@@ -12,8 +12,8 @@ import pytest
 from neuron.errors import ConfigError
 from neuron.executor.executor import Executor, ExecutorConfig
 from neuron.models.default import default_model_dir
-from neuron.models.inputs import SeqStep
 from neuron.rpc import protocol as p
+from neuron.step import SeqStep
 
 MOCK = Path(__file__).resolve().with_name("mock_worker.py")
 
@@ -53,7 +53,7 @@ def test_rank0_handles_the_same_messages_as_the_workers():
     finally:
         executor.shutdown()
     ops = [type(m).__name__ for m in seen]
-    assert ops == ["Init", "CommSanityCheck", "CheckKernels", "LoadDenseShard", "GenerateStep", "ClearKvCache"]
+    assert ops == ["Init", "CommSanityCheck", "CheckKernels", "LoadShard", "ForwardStep", "ClearKvCache"]
     step = seen[4]
     assert [(s.slot, s.token_ids, s.offset, s.new_blocks, s.fresh) for s in step.seqs] == [
         (0, [1, 2, 3], 0, [0], True), (1, [4], 0, [1], True)]

@@ -12,8 +12,8 @@ from neuron import LLM, SamplingParams
 from neuron.engine.block_manager import BlockManager, chain_hash
 from neuron.engine.sequence import Sequence
 from neuron.errors import ConfigError
-from neuron.models.inputs import SeqStep
 from neuron.models.kv_cache import PagedKVCache, StepRejected
+from neuron.step import SeqStep
 
 
 def seq(tokens: list[int], rid: str = "r") -> Sequence:

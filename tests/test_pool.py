@@ -69,8 +69,8 @@ def pool_log():
     logger.setLevel(old_level)
 
 
-def step(seq: int) -> p.GenerateStep:
-    return p.GenerateStep(seq=seq, model_id="m", seqs=[p.StepSeq(slot=0, token_ids=[1], offset=0)])
+def step(seq: int) -> p.ForwardStep:
+    return p.ForwardStep(seq=seq, model_id="m", seqs=[p.SeqStep(slot=0, token_ids=[1], offset=0)])
 
 
 def clear(seq: int) -> p.ClearKvCache:
@@ -86,7 +86,7 @@ def assert_drained(pool: WorkerPool) -> None:
 
 def assert_step_replies(replies: list, world_size: int) -> None:
     """Each worker's own reply, in rank order (the mock puts its rank in elapsed_ms)."""
-    assert [type(r) for r in replies] == [p.GenerateStepOk] * (world_size - 1)
+    assert [type(r) for r in replies] == [p.ForwardStepOk] * (world_size - 1)
     assert [r.elapsed_ms for r in replies] == [float(rank) for rank in range(1, world_size)]
 
 
@@ -122,8 +122,8 @@ def test_every_op_round_trip(make_pool):
 
 
 def test_drain_after_rank0_error(make_pool, pool_log):
-    pool = make_pool(3, {1: [{"op": "generate_step", "action": "delay", "s": 0.3}],
-                         2: [{"op": "generate_step", "action": "delay", "s": 0.5}]})
+    pool = make_pool(3, {1: [{"op": "forward_step", "action": "delay", "s": 0.3}],
+                         2: [{"op": "forward_step", "action": "delay", "s": 0.5}]})
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 0 failed"):
         pool.fan_out(step, raise_boom, 3.0)
@@ -137,7 +137,7 @@ def test_drain_after_rank0_error(make_pool, pool_log):
 
 
 def test_rank0_error_wins_over_worker_error(make_pool):
-    pool = make_pool(2, {1: [{"op": "generate_step", "nth": 1, "action": "error", "kind": "forward_failed"}]})
+    pool = make_pool(2, {1: [{"op": "forward_step", "nth": 1, "action": "error", "kind": "forward_failed"}]})
     with pytest.raises(RuntimeError, match="rank 0 failed"):
         pool.fan_out(step, raise_boom, 3.0)
     assert_drained(pool)
@@ -145,8 +145,8 @@ def test_rank0_error_wins_over_worker_error(make_pool):
 
 
 def test_one_worker_fails_and_the_other_is_still_drained(make_pool, pool_log):
-    pool = make_pool(3, {1: [{"op": "generate_step", "nth": 1, "action": "error", "kind": "forward_failed"}],
-                         2: [{"op": "generate_step", "nth": 1, "action": "delay", "s": 0.4}]})
+    pool = make_pool(3, {1: [{"op": "forward_step", "nth": 1, "action": "error", "kind": "forward_failed"}],
+                         2: [{"op": "forward_step", "nth": 1, "action": "delay", "s": 0.4}]})
     t0 = time.monotonic()
     with pytest.raises(WorkerError) as info:
         pool.fan_out(step, lambda msg: None, 3.0)
@@ -161,7 +161,7 @@ def test_one_worker_fails_and_the_other_is_still_drained(make_pool, pool_log):
 
 
 def test_stale_reply_is_discarded(make_pool, pool_log):
-    pool = make_pool(2, {1: [{"op": "generate_step", "action": "stale"}]})
+    pool = make_pool(2, {1: [{"op": "forward_step", "action": "stale"}]})
     _, replies = pool.fan_out(step, None, 3.0)
     assert_step_replies(replies, 2)
     assert pool_log.count("stale") == 1
@@ -169,18 +169,18 @@ def test_stale_reply_is_discarded(make_pool, pool_log):
 
 
 def test_duplicate_reply_does_not_poison_the_next_request(make_pool, pool_log):
-    pool = make_pool(3, {2: [{"op": "generate_step", "nth": 1, "action": "duplicate"}]})
+    pool = make_pool(3, {2: [{"op": "forward_step", "nth": 1, "action": "duplicate"}]})
     assert_step_replies(pool.fan_out(step, None, 3.0)[1], 3)
     replies = pool.broadcast(clear, 3.0)
     assert [type(r) for r in replies] == [p.KvCacheCleared, p.KvCacheCleared]
-    assert pool_log.count("stale GenerateStepOk") == 1
+    assert pool_log.count("stale ForwardStepOk") == 1
     assert_drained(pool)
 
 
 @pytest.mark.parametrize("action, logged", [("garbage", "non-protocol line"), ("oversized", "over 4096 bytes")])
 def test_bad_lines_are_skipped(make_pool, pool_log, monkeypatch, action, logged):
     monkeypatch.setenv("NEURON_MAX_LINE_BYTES", "4096")
-    pool = make_pool(2, {1: [{"op": "generate_step", "action": action}]})
+    pool = make_pool(2, {1: [{"op": "forward_step", "action": action}]})
     assert_step_replies(pool.fan_out(step, None, 3.0)[1], 2)
     assert pool_log.count(logged) == 1
     assert_step_replies(pool.fan_out(step, None, 3.0)[1], 2)
@@ -191,7 +191,7 @@ def test_bad_lines_are_skipped(make_pool, pool_log, monkeypatch, action, logged)
 
 
 def test_worker_error_names_rank_and_kind(make_pool):
-    pool = make_pool(3, {2: [{"op": "generate_step", "nth": 1, "action": "error", "kind": "forward_failed",
+    pool = make_pool(3, {2: [{"op": "forward_step", "nth": 1, "action": "error", "kind": "forward_failed",
                               "message": "out of memory"}]})
     with pytest.raises(WorkerError) as info:
         pool.fan_out(step, lambda msg: None, 3.0)
@@ -202,8 +202,8 @@ def test_worker_error_names_rank_and_kind(make_pool):
 
 
 def test_lowest_failing_rank_is_raised(make_pool):
-    pool = make_pool(3, {1: [{"op": "generate_step", "action": "error", "kind": "load_failed"}],
-                         2: [{"op": "generate_step", "action": "error", "kind": "forward_failed"}]})
+    pool = make_pool(3, {1: [{"op": "forward_step", "action": "error", "kind": "load_failed"}],
+                         2: [{"op": "forward_step", "action": "error", "kind": "forward_failed"}]})
     with pytest.raises(WorkerError) as info:
         pool.fan_out(step, None, 3.0)
     assert (info.value.rank, info.value.kind) == (1, "load_failed")
@@ -211,7 +211,7 @@ def test_lowest_failing_rank_is_raised(make_pool):
 
 
 def test_crash_mid_operation_is_noticed_at_once(make_pool):
-    pool = make_pool(3, {2: [{"op": "generate_step", "action": "crash", "s": 0.1, "code": 7}]})
+    pool = make_pool(3, {2: [{"op": "forward_step", "action": "crash", "s": 0.1, "code": 7}]})
     exited: list[int] = []
     pool.on_worker_exit(lambda w: exited.append(w.rank))
     deadline = 3.0
@@ -238,7 +238,7 @@ def test_crash_at_spawn(make_pool):
 
 @pytest.mark.parametrize("action", ["hang", pytest.param("silence", marks=pytest.mark.slow)])
 def test_unanswered_request_times_out(make_pool, pool_log, action):
-    pool = make_pool(3, {1: [{"op": "generate_step", "nth": 1, "action": action}]})
+    pool = make_pool(3, {1: [{"op": "forward_step", "nth": 1, "action": action}]})
     deadline = 1.0
     t0 = time.monotonic()
     with pytest.raises(WorkerError) as info:
@@ -282,7 +282,7 @@ def test_shutdown_reaps_every_worker(make_pool, world_size):
 
 @pytest.mark.slow
 def test_shutdown_kills_a_hung_worker_after_grace(make_pool):
-    pool = make_pool(3, {2: [{"op": "generate_step", "action": "hang"}]})
+    pool = make_pool(3, {2: [{"op": "forward_step", "action": "hang"}]})
     with pytest.raises(WorkerError):
         pool.fan_out(step, None, 0.5)
     procs = [w.proc for w in pool.workers]
@@ -320,7 +320,7 @@ def test_broken_pool_raises_at_once(make_pool, pool_log):
 def test_watchdog_frees_rank0_stuck_on_a_hung_worker(make_pool):
     """Rank 0 blocked in a collective with a silent peer: at the deadline the peer is killed, which is
     what frees a real all-reduce, and the step fails as a timeout naming that rank."""
-    pool = make_pool(3, {2: [{"op": "generate_step", "action": "hang"}]})
+    pool = make_pool(3, {2: [{"op": "forward_step", "action": "hang"}]})
     hung = pool.workers[1]
 
     def stuck_in_collective(msg):

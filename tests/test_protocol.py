@@ -19,16 +19,16 @@ REQUESTS = [
     p.Init(seq=12, backend="nccl", comm_id="ab" * 64, timeout_s=7.5),
     p.CommSanityCheck(seq=13),
     p.CheckKernels(seq=20, config_json='{"hidden_size": 64}', dtype="bfloat16"),
-    p.LoadDenseShard(seq=14, model_id="qwen3-tiny", config_json='{"hidden_size": 64}',
+    p.LoadShard(seq=14, model_id="qwen3-tiny", config_json='{"hidden_size": 64}',
                      safetensors_paths=["/m/a.safetensors", "/m/b.safetensors"], dtype="bfloat16",
                      max_slots=3, max_model_len=512, block_size=32, kv_cache_bytes=3 << 30,
                      gpu_memory_utilization=0.45, max_num_batched_tokens=2048,
                      failed_kernels={"silu_mul": "rank 1: differs from the reference"}),
-    p.GenerateStep(seq=15, model_id="qwen3-tiny",
-                   seqs=[p.StepSeq(slot=0, token_ids=[1, 2, 3], offset=32, new_blocks=[7, 4, 9], fresh=True),
-                         p.StepSeq(slot=2, token_ids=[9], offset=48, new_blocks=[12]),
-                         p.StepSeq(slot=1, token_ids=[5], offset=41)]),
-    p.GenerateStepWithImages(seq=16, model_id="qwen3.5-tiny", seqs=[p.StepSeq(slot=1, token_ids=[5, 6], offset=4)],
+    p.ForwardStep(seq=15, model_id="qwen3-tiny",
+                   seqs=[p.SeqStep(slot=0, token_ids=[1, 2, 3], offset=32, new_blocks=[7, 4, 9], fresh=True),
+                         p.SeqStep(slot=2, token_ids=[9], offset=48, new_blocks=[12]),
+                         p.SeqStep(slot=1, token_ids=[5], offset=41)]),
+    p.ForwardStepWithImages(seq=16, model_id="qwen3.5-tiny", seqs=[p.SeqStep(slot=1, token_ids=[5, 6], offset=4)],
                              image_token_id=151655, image_data_uris=["data:image/png;base64,AAAA"], chunk_size=256),
     p.ClearKvCache(seq=17, model_id="qwen3-tiny", slots=[0, 3]),
     p.UnloadModel(seq=18, model_id="qwen3-tiny"),
@@ -40,8 +40,8 @@ REPLIES = [
     p.InitOk(seq=22, backend="gloo"),
     p.SanityResult(seq=23, observed_sum=4.0),
     p.KernelsChecked(seq=30, failed={"norm_rope": "OutOfResources: shared memory"}),
-    p.LoadDenseShardOk(seq=24, model_id="qwen3-tiny", weight_bytes=123_456, num_kv_blocks=4096),
-    p.GenerateStepOk(seq=25, elapsed_ms=3.25),
+    p.LoadShardOk(seq=24, model_id="qwen3-tiny", weight_bytes=123_456, num_kv_blocks=4096),
+    p.ForwardStepOk(seq=25, elapsed_ms=3.25),
     p.KvCacheCleared(seq=26),
     p.Unloaded(seq=27, model_id="qwen3-tiny"),
     p.Bye(seq=28),
@@ -50,11 +50,11 @@ REPLIES = [
 
 OPS = {
     p.Ping: "ping", p.Init: "init", p.CommSanityCheck: "comm_sanity_check", p.CheckKernels: "check_kernels",
-    p.LoadDenseShard: "load_dense_shard", p.KernelsChecked: "kernels_checked",
-    p.GenerateStep: "generate_step", p.GenerateStepWithImages: "generate_step_with_images",
+    p.LoadShard: "load_shard", p.KernelsChecked: "kernels_checked",
+    p.ForwardStep: "forward_step", p.ForwardStepWithImages: "forward_step_with_images",
     p.ClearKvCache: "clear_kv_cache", p.UnloadModel: "unload_model", p.Shutdown: "shutdown",
-    p.Pong: "pong", p.InitOk: "init_ok", p.SanityResult: "sanity_result", p.LoadDenseShardOk: "load_dense_shard_ok",
-    p.GenerateStepOk: "generate_step_ok", p.KvCacheCleared: "kv_cache_cleared", p.Unloaded: "unloaded",
+    p.Pong: "pong", p.InitOk: "init_ok", p.SanityResult: "sanity_result", p.LoadShardOk: "load_shard_ok",
+    p.ForwardStepOk: "forward_step_ok", p.KvCacheCleared: "kv_cache_cleared", p.Unloaded: "unloaded",
     p.Bye: "bye", p.Error: "error",
 }
 
@@ -88,12 +88,12 @@ def test_defaults_are_omitted_and_restored():
 def test_step_seq_stays_small_and_compatible():
     """A decode step's sequence is a short array; a sender that knows no blocks is still understood,
     and the prompt-logprobs flag rides at the end."""
-    assert codec.encode(p.StepSeq(slot=2, token_ids=[9], offset=41)) == b"[2,[9],41,[],false,null]\n"
-    flagged = p.StepSeq(slot=2, token_ids=[9, 8], offset=0, prompt_logprobs=1)
+    assert codec.encode(p.SeqStep(slot=2, token_ids=[9], offset=41)) == b"[2,[9],41,[],false,null]\n"
+    flagged = p.SeqStep(slot=2, token_ids=[9, 8], offset=0, prompt_logprobs=1)
     assert codec.encode(flagged) == b"[2,[9,8],0,[],false,1]\n"
-    line = b'{"op":"generate_step","seq":5,"model_id":"m","seqs":[[2,[9],41]]}\n'
+    line = b'{"op":"forward_step","seq":5,"model_id":"m","seqs":[[2,[9],41]]}\n'
     step = codec.decode_request(line)
-    assert step.seqs == [p.StepSeq(slot=2, token_ids=[9], offset=41, new_blocks=[], fresh=False)]
+    assert step.seqs == [p.SeqStep(slot=2, token_ids=[9], offset=41, new_blocks=[], fresh=False)]
 
 
 def test_hand_written_ping():
@@ -125,7 +125,7 @@ def test_missing_field_is_bad_request_with_seq():
 
 
 def test_wrong_type_is_bad_request_with_seq():
-    err = codec.decode_request(b'{"op":"generate_step","seq":8,"model_id":"m","seqs":"oops"}\n')
+    err = codec.decode_request(b'{"op":"forward_step","seq":8,"model_id":"m","seqs":"oops"}\n')
     assert (err.kind, err.seq) == (p.ErrorKind.BAD_REQUEST, 8)
 
 

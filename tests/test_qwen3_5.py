@@ -16,10 +16,10 @@ from neuron.errors import ConfigError
 from neuron.layers.tensor_parallel import Shard
 from neuron.models import build_model
 from neuron.models.gated_deltanet import DeltaNetHeads, delta_chunked, delta_step
-from neuron.models.inputs import SeqStep
 from neuron.models.kv_cache import StepRejected
 from neuron.models.loader import CheckpointReader, safetensors_files
 from neuron.models.qwen3_5 import MRotary
+from neuron.step import SeqStep
 
 NEW_TOKENS = 8
 LONG = [(i * 37 + 11) % 301 for i in range(150)]  # many 16-token prefill chunks; 3 delta-rule chunks in one shot

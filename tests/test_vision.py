@@ -352,13 +352,13 @@ def test_text_models_refuse_images(tmp_path):
         assert (info.value.status, info.value.code) == (400, "vision_unsupported")
 
 
-# ---- the rank refuses a bad generate_step_with_images alike on every rank, changing nothing ----
+# ---- the rank refuses a bad forward_step_with_images alike on every rank, changing nothing ----
 
 
 @pytest.fixture(scope="module")
 def rank(vl_checkpoint):
     r = Worker(0, 1)
-    r.execute(p.LoadDenseShard(seq=1, model_id="m", config_json=(vl_checkpoint / "config.json").read_text(),
+    r.execute(p.LoadShard(seq=1, model_id="m", config_json=(vl_checkpoint / "config.json").read_text(),
                             safetensors_paths=[str(f) for f in safetensors_files(vl_checkpoint)], dtype="float32",
                             max_slots=2, max_model_len=128, block_size=16, kv_cache_bytes=0,
                             gpu_memory_utilization=0.9, max_num_batched_tokens=128))
@@ -368,7 +368,7 @@ def rank(vl_checkpoint):
 
 def _step(ids, uris, image_token_id, chunk=16, fresh=True):
     blocks = list(range(math.ceil(len(ids) / 16)))
-    return p.GenerateStepWithImages(seq=2, model_id="m", seqs=[p.StepSeq(0, ids, 0, blocks, fresh)],
+    return p.ForwardStepWithImages(seq=2, model_id="m", seqs=[p.SeqStep(0, ids, 0, blocks, fresh)],
                                     image_token_id=image_token_id, image_data_uris=uris, chunk_size=chunk)
 
 
@@ -385,7 +385,7 @@ def test_rank_refuses_mismatched_images_before_any_work(rank, vl_checkpoint):
         (_step(ids, ["data:image/png;base64,AAAA"], tid), "image 0"),
         (_step(ids, [uri], tid, chunk=0), "chunk_size"),
         (_step(ids, [uri], tid, fresh=False), "position 0"),
-        (p.GenerateStepWithImages(seq=2, model_id="m", seqs=[], image_token_id=tid, image_data_uris=[uri],
+        (p.ForwardStepWithImages(seq=2, model_id="m", seqs=[], image_token_id=tid, image_data_uris=[uri],
                                   chunk_size=4), "at least one sequence"),
     ]
     for req, match in cases:
@@ -393,8 +393,8 @@ def test_rank_refuses_mismatched_images_before_any_work(rank, vl_checkpoint):
         assert isinstance(reply, p.Error) and reply.kind == p.ErrorKind.BAD_REQUEST, reply
         assert match in reply.message
     ok, _ = rank.execute(_step(ids, [uri], tid))
-    assert isinstance(ok, p.GenerateStepOk)
-    missing, _ = rank.execute(p.GenerateStepWithImages(seq=3, model_id="nope", seqs=[], image_token_id=tid,
+    assert isinstance(ok, p.ForwardStepOk)
+    missing, _ = rank.execute(p.ForwardStepWithImages(seq=3, model_id="nope", seqs=[], image_token_id=tid,
                                                        image_data_uris=[], chunk_size=4))
     assert missing.kind == p.ErrorKind.MODEL_NOT_LOADED
 

@@ -100,7 +100,7 @@ def test_garbage_is_bad_request(worker, line):
 
 
 def test_missing_field_is_bad_request_with_seq(worker):
-    reply = worker.ask(b'{"op":"generate_step","seq":11}\n')
+    reply = worker.ask(b'{"op":"forward_step","seq":11}\n')
     assert (type(reply), reply.kind, reply.seq) == (p.Error, p.ErrorKind.BAD_REQUEST, 11)
 
 
@@ -113,7 +113,7 @@ def test_oversized_line_then_ping(worker):
 
 
 def test_step_before_init_is_an_error_not_a_crash(worker):
-    step = p.GenerateStep(seq=14, model_id="m", seqs=[p.StepSeq(slot=0, token_ids=[1, 2], offset=0)])
+    step = p.ForwardStep(seq=14, model_id="m", seqs=[p.SeqStep(slot=0, token_ids=[1, 2], offset=0)])
     reply = worker.ask(step)
     assert (type(reply), reply.kind, reply.seq) == (p.Error, p.ErrorKind.MODEL_NOT_LOADED, 14)
     reply = worker.ask(p.ClearKvCache(seq=15, model_id="m"))

@@ -28,9 +28,9 @@ from neuron.errors import ConfigError, WorkerError
 from neuron.executor.executor import Executor, ExecutorConfig
 from neuron.layers import cpu_attention, kernel_choice
 from neuron.models import MULTIMODAL_MODEL_TYPES, load_config, supports_prefix_caching, text_config
-from neuron.models.inputs import SeqStep
 from neuron.models.loader import read_generation_config, resolve_model_path
 from neuron.multimodal.image import ImageError, ImageInput, VisionSpec
+from neuron.step import SeqStep
 from neuron.utils.device import to_device
 
 log = logging.getLogger("neuron.engine.llm_engine")

@@ -29,10 +29,11 @@ from neuron.errors import ConfigError, NeuronError, PoolBroken, WorkerError
 from neuron.executor.pool import WorkerPool, default_worker_cmd
 from neuron.executor.progress import LoadProgress
 from neuron.models import load_config, text_config
-from neuron.models.inputs import SeqStep, StepResult
+from neuron.models.inputs import StepResult
 from neuron.models.loader import safetensors_files
 from neuron.rpc import codec
 from neuron.rpc import protocol as p
+from neuron.step import SeqStep
 from neuron.worker.worker import Worker
 
 log = logging.getLogger("neuron.executor")
@@ -96,10 +97,6 @@ def rank_devices(device: str, tp: int) -> list[str]:
         n = max(1, torch.cuda.device_count())
         return [f"cuda:{r % n}" for r in range(tp)]
     return [device] * tp
-
-
-def as_wire(seqs: list[SeqStep]) -> list[p.StepSeq]:
-    return [p.StepSeq(s.slot, s.token_ids, s.offset, s.new_blocks, s.fresh, s.prompt_logprobs) for s in seqs]
 
 
 class Executor:
@@ -217,8 +214,8 @@ class Executor:
         share = c.gpu_memory_utilization / self._ranks_sharing_device()
         self.failed_kernels = self._check_kernels(config_json)
 
-        def make(seq: int) -> p.LoadDenseShard:
-            return p.LoadDenseShard(seq=seq, model_id=c.model_id, config_json=config_json,
+        def make(seq: int) -> p.LoadShard:
+            return p.LoadShard(seq=seq, model_id=c.model_id, config_json=config_json,
                                     safetensors_paths=self.paths, dtype=c.dtype, max_slots=c.max_slots,
                                     max_model_len=c.max_model_len, block_size=c.block_size,
                                     kv_cache_bytes=c.kv_cache_bytes, gpu_memory_utilization=share,
@@ -255,8 +252,8 @@ class Executor:
 
     def run_step(self, seqs: list[SeqStep]) -> StepResult:
         """One batched forward on every rank; what rank 0 kept (logits and any prompt logprobs)."""
-        model_id, wire = self.cfg.model_id, as_wire(seqs)
-        _, kept = self._run(lambda seq: p.GenerateStep(seq=seq, model_id=model_id, seqs=wire),
+        model_id = self.cfg.model_id
+        _, kept = self._run(lambda seq: p.ForwardStep(seq=seq, model_id=model_id, seqs=seqs),
                             self.cfg.step_timeout_s)
         return kept
 
@@ -264,11 +261,11 @@ class Executor:
                          chunk_size: int) -> torch.Tensor:
         """Prefill sequences with images on every rank; rank 0's logits of each one's last token.
         The deadline allows each prefill chunk a step's time."""
-        model_id, wire = self.cfg.model_id, as_wire(seqs)
+        model_id = self.cfg.model_id
         chunks = max(1, max(math.ceil(len(s.token_ids) / chunk_size) for s in seqs))
 
-        def make(seq: int) -> p.GenerateStepWithImages:
-            return p.GenerateStepWithImages(seq=seq, model_id=model_id, seqs=wire, image_token_id=image_token_id,
+        def make(seq: int) -> p.ForwardStepWithImages:
+            return p.ForwardStepWithImages(seq=seq, model_id=model_id, seqs=seqs, image_token_id=image_token_id,
                                             image_data_uris=image_data_uris, chunk_size=chunk_size)
 
         _, logits = self._run(make, self.cfg.step_timeout_s * chunks)

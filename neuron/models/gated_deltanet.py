@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
 from neuron.layers.tensor_parallel import ColumnParallelLinear, Reader, RowParallelLinear, Shard
-from neuron.models.inputs import SeqStep
+from neuron.step import SeqStep
 from neuron.utils.device import to_device
 
 CHUNK = 64  # tokens solved together in a prompt; bounds the [chunk, chunk] systems

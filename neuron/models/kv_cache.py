@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from neuron.errors import ConfigError, NeuronError
 from neuron.layers.paged_attention import PagedAttentionMetadata, attend, build_step
-from neuron.models.inputs import SeqStep
+from neuron.step import SeqStep
 from neuron.utils.device import Staging, to_device
 
 _MIB = 2**20

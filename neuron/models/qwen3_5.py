@@ -33,12 +33,12 @@ from neuron.layers.tensor_parallel import (
 from neuron.models import MULTIMODAL_MODEL_TYPES
 from neuron.models.base import CausalLM
 from neuron.models.gated_deltanet import CHUNK, DeltaNetHeads, DeltaNetState, GatedDeltaNet
-from neuron.models.inputs import SeqStep
 from neuron.models.kv_cache import PagedKVCache, StepBatch, StepRejected
 from neuron.models.qwen3 import MLP
 from neuron.models.qwen3_5_images import prefill_with_images
 from neuron.models.qwen3_5_vision import VisionTower
 from neuron.multimodal.image import VisionSpec
+from neuron.step import SeqStep
 
 LINEAR, FULL = "linear_attention", "full_attention"
 

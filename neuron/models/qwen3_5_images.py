@@ -9,9 +9,9 @@ import math
 
 import torch
 
-from neuron.models.inputs import SeqStep
 from neuron.models.kv_cache import StepRejected
 from neuron.multimodal.image import ImageError, image_spans, mrope_positions, preprocess
+from neuron.step import SeqStep
 
 
 @torch.inference_mode()

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+from neuron.step import SeqStep
+
+PROTOCOL_VERSION = 2
 
 
 def _snake(name: str) -> str:
@@ -47,7 +49,7 @@ class CheckKernels(Message):
     dtype: str
 
 
-class LoadDenseShard(Message):
+class LoadShard(Message):
     """Load this rank's slices of a dense checkpoint and allocate its KV block pool. The pool holds
     `kv_cache_bytes` when set; otherwise on CUDA this rank's `gpu_memory_utilization` share of its
     device minus weights and an activation reserve for steps of `max_num_batched_tokens`, and on
@@ -66,35 +68,21 @@ class LoadDenseShard(Message):
     failed_kernels: dict[str, str] = {}  # the union of every rank's CheckKernels: these run their references
 
 
-class StepSeq(msgspec.Struct, array_like=True):
-    """One sequence of a batched step: its slot, its new token ids, where they start, and the KV
-    block ids its slot's block table gains this step (none most steps, one when decode crosses a
-    block boundary). `fresh`: the sequence's first step in this slot; the table restarts as
-    `new_blocks`, whose first `offset` positions already hold its cached prefix."""
-
-    slot: int
-    token_ids: list[int]
-    offset: int
-    new_blocks: list[int] = []
-    fresh: bool = False
-    prompt_logprobs: int | None = None  # every rank sees it: the LM head's gathers must pair up
-
-
-class GenerateStep(Message):
-    """Run one batched forward. Workers reply `generate_step_ok`; only rank 0 keeps logits."""
+class ForwardStep(Message):
+    """Run one batched forward. Workers reply `forward_step_ok`; only rank 0 keeps logits."""
 
     model_id: str
-    seqs: list[StepSeq]
+    seqs: list[SeqStep]
 
 
-class GenerateStepWithImages(Message):
+class ForwardStepWithImages(Message):
     """Prefill whole sequences (fresh, offset 0) whose tokens hold runs of `image_token_id`: the
     images, in order, fill those runs, each the next run its patch grid covers. Every rank
     decodes the same `data:` URIs the same way, runs its replicated vision tower, and walks the
     prompts in the same chunks of `chunk_size` tokens, so the collectives pair up."""
 
     model_id: str
-    seqs: list[StepSeq]
+    seqs: list[SeqStep]
     image_token_id: int
     image_data_uris: list[str]
     chunk_size: int
@@ -139,13 +127,13 @@ class KernelsChecked(Message):
     failed: dict[str, str] = {}  # piece -> why it runs its reference
 
 
-class LoadDenseShardOk(Message):
+class LoadShardOk(Message):
     model_id: str
     weight_bytes: int = 0
     num_kv_blocks: int = 0  # the leader schedules with the smallest pool of all ranks
 
 
-class GenerateStepOk(Message):
+class ForwardStepOk(Message):
     elapsed_ms: float = 0.0
 
 
@@ -186,15 +174,15 @@ Request = (
     | Init
     | CommSanityCheck
     | CheckKernels
-    | LoadDenseShard
-    | GenerateStep
-    | GenerateStepWithImages
+    | LoadShard
+    | ForwardStep
+    | ForwardStepWithImages
     | ClearKvCache
     | UnloadModel
     | Shutdown
 )
 Reply = (
-    Pong | InitOk | SanityResult | KernelsChecked | LoadDenseShardOk | GenerateStepOk | KvCacheCleared | Unloaded | Bye | Error
+    Pong | InitOk | SanityResult | KernelsChecked | LoadShardOk | ForwardStepOk | KvCacheCleared | Unloaded | Bye | Error
 )
 
 REQUEST_OPS = frozenset(t.__struct_config__.tag for t in Request.__args__)

@@ -30,10 +30,11 @@ from neuron.layers import kernel_choice
 from neuron.layers.kernel_check import Widths, self_check
 from neuron.layers.paged_attention import HAS_TRITON
 from neuron.models import build_model
-from neuron.models.inputs import SeqStep, StepResult
+from neuron.models.inputs import StepResult
 from neuron.models.kv_cache import StepRejected, plan_num_blocks
 from neuron.models.loader import CheckpointReader
 from neuron.rpc import protocol as p
+from neuron.step import SeqStep
 
 log = logging.getLogger("neuron.worker")
 
@@ -64,11 +65,6 @@ def set_cpu_threads(world_size: int) -> None:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     torch.set_num_threads(max(1, cores // world_size))
-
-
-def seq_steps(seqs: list[p.StepSeq]) -> list[SeqStep]:
-    """The wire's sequences as the model's step input."""
-    return [SeqStep(s.slot, s.token_ids, s.offset, s.new_blocks, s.fresh, s.prompt_logprobs) for s in seqs]
 
 
 class Worker:
@@ -128,16 +124,16 @@ class Worker:
                 return p.SanityResult(seq=seq, observed_sum=self._sanity()), None
             case p.CheckKernels():
                 return p.KernelsChecked(seq=seq, failed=self._check_kernels(req)), None
-            case p.LoadDenseShard():
+            case p.LoadShard():
                 return self._load(req), None
-            case p.GenerateStep():
+            case p.ForwardStep():
                 t0 = time.perf_counter()
-                logits = self._step(req.model_id, seq_steps(req.seqs))
-                return p.GenerateStepOk(seq=seq, elapsed_ms=_ms(t0)), logits
-            case p.GenerateStepWithImages():
+                logits = self._step(req.model_id, req.seqs)
+                return p.ForwardStepOk(seq=seq, elapsed_ms=_ms(t0)), logits
+            case p.ForwardStepWithImages():
                 t0 = time.perf_counter()
                 logits = self._step_with_images(req)
-                return p.GenerateStepOk(seq=seq, elapsed_ms=_ms(t0)), logits
+                return p.ForwardStepOk(seq=seq, elapsed_ms=_ms(t0)), logits
             case p.ClearKvCache():
                 self._clear(req.model_id, req.slots)
                 return p.KvCacheCleared(seq=seq), None
@@ -190,7 +186,7 @@ class Worker:
         return self_check(str(self.device), str(resolve_dtype(req.dtype, str(self.device))).removeprefix("torch."),
                           widths)
 
-    def _load(self, req: p.LoadDenseShard) -> p.LoadDenseShardOk:
+    def _load(self, req: p.LoadShard) -> p.LoadShardOk:
         """Load the shard and allocate the KV block pool, with the kernels every rank can trust."""
         t0 = time.perf_counter()
         comm = self._need_comm()
@@ -214,7 +210,7 @@ class Worker:
         self.models[req.model_id] = model
         nbytes = model.weight_bytes()
         log.info("loaded %s shard: %.1f MiB in %.0f ms", req.model_id, nbytes / 2**20, _ms(t0))
-        return p.LoadDenseShardOk(seq=req.seq, model_id=req.model_id, weight_bytes=nbytes, num_kv_blocks=num_blocks)
+        return p.LoadShardOk(seq=req.seq, model_id=req.model_id, weight_bytes=nbytes, num_kv_blocks=num_blocks)
 
     def _graphs_wanted(self, model) -> bool:
         """Decode from CUDA graphs: on CUDA, over the paged cache, with collectives the GPU stream
@@ -222,7 +218,7 @@ class Worker:
         return (self.device.type == "cuda" and not settings().no_cuda_graphs and model.cache.paged
                 and model.supports_cuda_graphs and self._need_comm().backend in ("single", "nccl"))
 
-    def _plan_kv(self, model, req: p.LoadDenseShard) -> int:
+    def _plan_kv(self, model, req: p.LoadShard) -> int:
         if req.block_size < 1:
             raise ConfigError(f"KV block size must be >= 1, got {req.block_size}")
         block_bytes = model.kv_block_bytes(req.block_size)
@@ -252,13 +248,13 @@ class Worker:
         model.cache.commit(batch)
         return StepResult(logits, batch.prompt_out or {})
 
-    def _step_with_images(self, req: p.GenerateStepWithImages) -> torch.Tensor | None:
+    def _step_with_images(self, req: p.ForwardStepWithImages) -> torch.Tensor | None:
         """Prefill sequences whose prompts hold images, walking the same chunks as every rank."""
         model = self._model(req.model_id)
         if getattr(model, "vision", None) is None:
             raise WorkerFailure(p.ErrorKind.UNSUPPORTED_ARCH, f"model {req.model_id!r} has no vision tower")
         try:
-            return model.prefill_with_images(seq_steps(req.seqs), req.image_token_id, req.image_data_uris,
+            return model.prefill_with_images(req.seqs, req.image_token_id, req.image_data_uris,
                                              req.chunk_size)
         except StepRejected as exc:
             raise WorkerFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc

@@ -1,0 +1,27 @@
+"""The step record: what one sequence does in a batched step, from the scheduler to every rank.
+
+The leader's engine makes one per scheduled sequence; the executor sends the list to the workers
+inside `ForwardStep` (the wire encodes it once, as a compact array) and hands rank 0 the very same
+objects; each rank's model reads it. One record, no copies into other shapes on the way. Plain data,
+no torch, so the wire, the mock workers and the fuzzers use it too.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SeqStep(msgspec.Struct, array_like=True):
+    """One sequence of a batched step: its slot, its new token ids, where they start, and the KV
+    block ids its slot's block table gains this step (none most steps, one when decode crosses a
+    block boundary). `fresh`: the sequence's first step in its slot; the table restarts as
+    `new_blocks`, whose first `offset` positions already hold its cached prefix.
+    `prompt_logprobs`: the top-k wanted with the logprobs of its tokens in this chunk (None: not
+    wanted); every rank sees it, as the LM head's gathers must pair up."""
+
+    slot: int
+    token_ids: list[int]
+    offset: int
+    new_blocks: list[int] = []
+    fresh: bool = False
+    prompt_logprobs: int | None = None
