@@ -83,7 +83,7 @@ def test_decode_from_cuda_graphs_matches_eager_decode(monkeypatch):
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         with LLM(device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8) as llm:
-            model = llm.engine.executor.rank0.models["model"]
+            model = llm.engine.executor.rank0.models["model"].model
             captured = len(model.graphs.graphs) if model.graphs is not None else 0
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
         assert model.graphs is None  # released at shutdown
@@ -100,7 +100,7 @@ def test_decode_from_cuda_graphs_matches_eager_decode(monkeypatch):
 def test_cuda_graphs_are_captured_for_every_bucket(monkeypatch):
     monkeypatch.setenv("NEURON_ATTENTION", "paged")
     with LLM(device="cuda", max_model_len=256, max_num_seqs=20) as llm:
-        graphs = llm.engine.executor.rank0.models["model"].graphs
+        graphs = llm.engine.executor.rank0.models["model"].model.graphs
         assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8, 16, 32]
         assert len(_tokens(llm)) == len(PROMPTS)
 

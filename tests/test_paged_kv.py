@@ -305,7 +305,7 @@ def test_memory_follows_real_lengths(odd_checkpoint):
     budget = 40 * _block_bytes(odd_checkpoint, 2, 8)  # 320 tokens; 8 x 128 would need 1024
     with LLM(str(odd_checkpoint), tensor_parallel_size=2, device="cpu", dtype="float32", max_model_len=128,
              max_num_seqs=8, block_size=8, kv_cache_memory=budget) as llm:
-        pool = llm.engine.executor.rank0.models["model"].cache.k[0]
+        pool = llm.engine.executor.rank0.models["model"].model.cache.k[0]
         # the paged cache's pool has one block past those handed out (the scratch block of CUDA graphs)
         assert llm.engine.executor.num_kv_blocks == 40 and pool.shape[1] == (40 + 1) * 8
         steps = _record_steps(llm)

@@ -31,7 +31,7 @@ def test_odd_checkpoint(odd_checkpoint, tp):
     """vocab 301 (no tp divides it), one KV head replicated, head_dim 24 != 64/4, untied. Through
     the default attention: each step one flat batch, KV blocks read in place (the C++ kernel)."""
     with LLM(str(odd_checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
-        assert llm.engine.executor.rank0.models["model"].cache.paged
+        assert llm.engine.executor.rank0.models["model"].model.cache.paged
         _check(llm, odd_checkpoint)
 
 
@@ -62,5 +62,5 @@ def test_gather_reference_path(odd_checkpoint, tp, monkeypatch):
     SDPA, equals transformers too."""
     monkeypatch.setenv("NEURON_ATTENTION", "gather")
     with LLM(str(odd_checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
-        assert not llm.engine.executor.rank0.models["model"].cache.paged
+        assert not llm.engine.executor.rank0.models["model"].model.cache.paged
         _check(llm, odd_checkpoint)

@@ -310,7 +310,7 @@ def test_gpu_memory_guard_answers_503(vl_llm, vl_checkpoint, monkeypatch):
 def test_the_samples_of_a_request_run_the_vision_tower_once(vl_llm, vl_checkpoint, monkeypatch):
     """n samples are admitted one step apart (a step prefills one sequence with images); the tower's
     output for their image is kept, so it runs once, and each sample equals the request sent alone."""
-    tower = vl_llm.engine.executor.rank0.models["model"].vision
+    tower = vl_llm.engine.executor.rank0.models["model"].model.vision
     calls = []
     run = type(tower).__call__
     monkeypatch.setattr(type(tower), "__call__", lambda self, *a: (calls.append(a[1]), run(self, *a))[1])

@@ -1,0 +1,116 @@
+"""A rank's model runner: the model, its KV cache, and turning a step into a forward on this rank.
+
+The worker owns one per loaded model. Loading builds the model and reads this rank's slices, sizes
+the KV pool from what the device has left, allocates it and captures the decode graphs; a step is
+checked against the cache (every rank refuses a bad one alike, before any collective), run and
+committed. Rank 0's runner keeps the logits the leader samples from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from neuron.config import settings
+from neuron.distributed.comm import Communicator
+from neuron.errors import ConfigError, UnsupportedModel
+from neuron.models import build_model
+from neuron.models.inputs import StepResult
+from neuron.models.kv_cache import StepRejected, plan_num_blocks
+from neuron.models.loader import CheckpointReader
+from neuron.rpc import protocol as p
+from neuron.step import SeqStep
+from neuron.worker.failure import WorkerFailure, resolve_dtype
+
+log = logging.getLogger("neuron.worker")
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int):
+        self.model = model
+        self.num_blocks = num_blocks
+
+    @classmethod
+    def load(cls, req: p.LoadShard, comm: Communicator, device: torch.device,
+             on_layer_loaded: Callable[[int, int], None] | None = None) -> ModelRunner:
+        """Build the model, read this rank's slices, size and allocate the KV pool, capture graphs."""
+        try:
+            dtype = resolve_dtype(req.dtype, str(device))
+            model_dir = Path(req.safetensors_paths[0]).parent if req.safetensors_paths else None
+            model = build_model(json.loads(req.config_json), comm, dtype, device, model_dir)
+            with CheckpointReader(req.safetensors_paths) as reader:
+                model.load(reader, on_layer_loaded)
+            num_blocks = _plan_kv(model, req, device)
+            model.allocate(num_blocks, req.block_size, req.max_slots, req.max_model_len,
+                           paged=settings().attention == "paged")
+            if _graphs_wanted(model, device, comm):
+                model.capture_decode_graphs(req.max_slots)
+        except UnsupportedModel as exc:
+            raise WorkerFailure(p.ErrorKind.UNSUPPORTED_ARCH, str(exc)) from exc
+        except (ConfigError, ValueError, OSError) as exc:
+            raise WorkerFailure(p.ErrorKind.LOAD_FAILED, str(exc)) from exc
+        return cls(model, num_blocks)
+
+    def step(self, seqs: list[SeqStep]) -> StepResult:
+        """One batched forward; what this rank keeps of it (rank 0: logits and prompt logprobs)."""
+        model = self.model
+        try:
+            model.cache.check(seqs, model.config.vocab_size)
+        except StepRejected as exc:
+            raise WorkerFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
+        batch = model.cache.prepare(seqs)
+        if any(s.prompt_logprobs is not None for s in seqs):
+            batch.prompt_topk = [s.prompt_logprobs for s in seqs]
+        try:
+            logits = model.forward(batch)
+        except Exception as exc:
+            raise WorkerFailure(p.ErrorKind.FORWARD_FAILED, f"{type(exc).__name__}: {exc}") from exc
+        model.cache.commit(batch)
+        return StepResult(logits, batch.prompt_out or {})
+
+    def step_with_images(self, req: p.ForwardStepWithImages) -> torch.Tensor | None:
+        """Prefill sequences whose prompts hold images, walking the same chunks as every rank."""
+        if getattr(self.model, "vision", None) is None:
+            raise WorkerFailure(p.ErrorKind.UNSUPPORTED_ARCH, f"model {req.model_id!r} has no vision tower")
+        try:
+            return self.model.prefill_with_images(req.seqs, req.image_token_id, req.image_data_uris, req.chunk_size)
+        except StepRejected as exc:
+            raise WorkerFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
+        except Exception as exc:
+            raise WorkerFailure(p.ErrorKind.FORWARD_FAILED, f"{type(exc).__name__}: {exc}") from exc
+
+    def clear(self, slots: list[int] | None) -> None:
+        try:
+            self.model.cache.clear(slots)
+        except StepRejected as exc:
+            raise WorkerFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
+
+    def release(self) -> None:
+        """Free the captured graphs (and their memory pool) now."""
+        self.model.release_graphs()
+
+
+def _graphs_wanted(model, device: torch.device, comm: Communicator) -> bool:
+    """Decode from CUDA graphs: on CUDA, over the paged cache, with collectives the GPU stream
+    runs (one rank, or NCCL), for a model that allows it, unless NEURON_NO_CUDA_GRAPHS."""
+    return (device.type == "cuda" and not settings().no_cuda_graphs and model.cache.paged
+            and model.supports_cuda_graphs and comm.backend in ("single", "nccl"))
+
+
+def _plan_kv(model, req: p.LoadShard, device: torch.device) -> int:
+    if req.block_size < 1:
+        raise ConfigError(f"KV block size must be >= 1, got {req.block_size}")
+    block_bytes = model.kv_block_bytes(req.block_size)
+    reserve = model.activation_bytes(req.max_num_batched_tokens, req.max_slots, req.max_model_len,
+                                     paged=settings().attention == "paged")
+    num_blocks = plan_num_blocks(block_bytes, req.block_size, max_slots=req.max_slots,
+                                 max_model_len=req.max_model_len, kv_cache_bytes=req.kv_cache_bytes,
+                                 gpu_memory_utilization=req.gpu_memory_utilization,
+                                 activation_reserve=reserve, device=device)
+    log.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, req.block_size,
+             num_blocks * block_bytes / 2**20)
+    return num_blocks
