@@ -10,6 +10,29 @@ import triton.language as tl
 
 
 @triton.jit
+def _attend_tile(q, m, l, acc, k_ptr, v_ptr, table_ptr, kv_base, stride_kr, pos, pos_ok, visible, dims, head_dim,
+                 scale, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of key positions `pos` (those in the sequence: `pos_ok`) folded into the rows' online
+    softmax (running max `m` and sum `l` in log2 units, unnormalised output `acc`); `visible` masks
+    the scores a row may not see. Each position's pool row is found through the sequence's block
+    table (`table_ptr`), so tiles need not align with KV blocks."""
+    block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+    kv_rows = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+    kv_off = kv_base + kv_rows[:, None] * stride_kr + dims[None, :]
+    kv_mask = pos_ok[:, None] & (dims < head_dim)[None, :]
+    k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # log2 units: scale holds log2(e)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
 def paged_attention_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, query_start_ptr, kv_lens_ptr,
     scale, group, head_dim, stride_qt, stride_qh, stride_ot, stride_oh, stride_kh, stride_kr, stride_table,
@@ -40,21 +63,9 @@ def paged_attention_kernel(
     kv_base = kv_head.to(tl.int64) * stride_kh
     for start in range(0, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        pos_ok = pos < kv_end
-        block = tl.load(tables_ptr + seq * stride_table + pos // BLOCK_SIZE, mask=pos_ok, other=0)
-        kv_rows = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-        kv_off = kv_base + kv_rows[:, None] * stride_kr + dims[None, :]
-        kv_mask = pos_ok[:, None] & (dims < head_dim)[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # log2 units: scale holds log2(e)
-        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = _attend_tile(q, m, l, acc, k_ptr, v_ptr, tables_ptr + seq * stride_table, kv_base, stride_kr,
+                                 pos, pos < kv_end, pos[None, :] <= q_pos[:, None], dims, head_dim, scale,
+                                 BLOCK_SIZE, PRECISION)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]  # padding rows have l == 0 and are not stored
     out_off = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -89,20 +100,8 @@ def paged_attention_split_kernel(
     for tile in range(start, end, BLOCK_N):
         pos = tile + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
-        block = tl.load(tables_ptr + seq * stride_table + pos // BLOCK_SIZE, mask=pos_ok, other=0)
-        kv_rows = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-        kv_off = kv_base + kv_rows[:, None] * stride_kr + dims[None, :]
-        kv_mask = pos_ok[:, None] & (dims < head_dim)[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(pos_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = _attend_tile(q, m, l, acc, k_ptr, v_ptr, tables_ptr + seq * stride_table, kv_base, stride_kr,
+                                 pos, pos_ok, pos_ok[None, :], dims, head_dim, scale, BLOCK_SIZE, PRECISION)
     part = (seq * num_heads + head).to(tl.int64) * SPLITS + split  # [BLOCK_M]
     tl.store(part_ml_ptr + part * 2, m, mask=row_ok)
     tl.store(part_ml_ptr + part * 2 + 1, l, mask=row_ok)
