@@ -172,3 +172,19 @@ def test_doctor_runs_on_a_cpu_machine_and_says_what_it_would_check():
     assert env["torch"] == torch.__version__ and env["gpus"] == [] and env["python"] == sys.version.split()[0]
     assert report["kernels"]["cpu_attention"] == "built"
     assert report["kernels"]["gpu"].startswith("no CUDA device: on a GPU this checks rms_norm, add_rms_norm")
+
+
+def test_doctor_reports_each_gpus_failing_kernels(monkeypatch):
+    from neuron.entrypoints import doctor
+    from neuron.layers import kernel_check as check
+
+    answers = iter(['{"silu_mul": "silu_mul: differs from the reference by 1.0e-02 of its largest value"}', "{}"])
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(check, "run_check_process", lambda args: (calls.append(args), next(answers))[1])
+    report = doctor.checks("bfloat16", json.dumps({"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16,
+                                                   "intermediate": 96}))
+    assert report["cuda:0"] == {"silu_mul": "silu_mul: differs from the reference by 1.0e-02 of its largest value"}
+    assert report["cuda:1"] == "every kernel matches its reference"
+    assert [a[a.index("--device") + 1] for a in calls] == ["cuda:0", "cuda:1"]
