@@ -29,6 +29,12 @@ constexpr int TILE_N = 32;    // key positions per softmax tile
 constexpr int MAX_ROWS = 32;  // queries x group heads per work item: the accumulators stay in L1
 constexpr int LANES = 16;     // independent partial sums of a dot product (one AVX-512 or two AVX2 registers)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+// Below this many multiply-adds (query rows x keys x head_dim over the step) one thread does the
+// whole step: a parallel region ends in a barrier that waits for every thread of the team, and on
+// cores shared with other processes a descheduled thread makes that wait milliseconds, which
+// dwarfs a batch-1 decode's attention (tens of microseconds). torch's own ops skip threads for
+// small work the same way (at::parallel_for's grain size).
+constexpr int64_t MIN_PARALLEL_WORK = int64_t(1) << 21;
 
 // Pool element types: fp32 in place; bf16 and fp16 are widened to fp32 as they are read.
 struct bf16 { uint16_t bits; };
@@ -266,7 +272,9 @@ void run(const Args& a, int threads) {
     const int64_t per_tile = std::max<int64_t>(1, MAX_ROWS / group);
     const std::vector<Item> items = plan(a, per_tile);
     const int64_t n = int64_t(items.size());
-#pragma omp parallel num_threads(threads)
+    int64_t work = 0;
+    for (const Item& it : items) work += it.nq * group * (a.kv_lens[it.b] - it.q0) * a.head_dim;
+#pragma omp parallel num_threads(threads) if (work >= MIN_PARALLEL_WORK)
     {
         Scratch w;
         w.size_for(per_tile * group, dim<DT>(a));
