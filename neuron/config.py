@@ -163,6 +163,8 @@ class Settings:
                               "PyTorch reference where neither is available); gather, a reference path for "
                               "tests, copies each context out of the block pool for SDPA",
                               choices=("gather", "paged"))
+    no_onednn: bool = _setting(bool, False, "run CPU fp32 linear layers through F.linear instead of oneDNN with "
+                               "each weight prepacked once (a second, packed copy of the weights)")
     no_cuda_graphs: bool = _setting(bool, False, "run decode steps eagerly instead of replaying them from CUDA "
                                     "graphs (graphs need CUDA, attention=paged, one rank per GPU or tp 1, "
                                     "and a model without recurrent layers)")
