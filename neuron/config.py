@@ -166,6 +166,8 @@ class Settings:
     kernels: str = _setting(str, "auto", "which fused CUDA kernels run: auto, each one that passed the start-up "
                             "self-check on this card (cached per card and versions); triton, all of them "
                             "unchecked; reference, none (PyTorch's operations)", choices=("auto", "triton", "reference"))
+    no_onednn: bool = _setting(bool, False, "run CPU fp32 linear layers through F.linear instead of oneDNN with "
+                               "each weight prepacked once (a second, packed copy of the weights)")
     no_cuda_graphs: bool = _setting(bool, False, "run decode steps eagerly instead of replaying them from CUDA "
                                     "graphs (graphs need CUDA, attention=paged, one rank per GPU or tp 1, "
                                     "and a model without recurrent layers)")

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
+from neuron.layers.cpu_linear import linear
 from neuron.layers.norm import rms_norm
 
 
@@ -76,7 +77,7 @@ class ColumnParallelLinear:
         return cls(_place(w, dtype, device), None if b is None else _place(b, dtype, device))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(self, x, self.weight, self.bias)
 
 
 class RowParallelLinear:
@@ -102,7 +103,7 @@ class RowParallelLinear:
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output, before the all-reduce and the bias: for a block that
         sums several row-parallel outputs (a MoE's shared expert) and reduces once."""
-        return F.linear(x, self.weight)
+        return linear(self, x, self.weight)
 
 
 @dataclass(slots=True, frozen=True)
@@ -165,7 +166,7 @@ class QKVParallelLinear:
         return cls(_place(w, dtype, device), None if b is None else _place(b, dtype, device), layout)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return linear(self, x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
 class MergedColumnParallelLinear:
@@ -182,7 +183,7 @@ class MergedColumnParallelLinear:
         return cls(_place(w, dtype, device), (end - start,) * len(prefixes))
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight).split(self.sizes, dim=-1)
+        return linear(self, x, self.weight).split(self.sizes, dim=-1)
 
 
 def _vocab_rows(r: Reader, name: str, vocab: int, shard: Shard, dtype, device) -> tuple[torch.Tensor, int]:
@@ -234,7 +235,7 @@ class ParallelLMHead:
         return cls(w, vocab, comm)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor | None:
-        local = F.linear(h, self.weight)
+        local = linear(self, h, self.weight)
         parts = self.comm.gather_to_rank0(local)
         if parts is None:
             return None

@@ -1,0 +1,43 @@
+"""x W^T on CPU through oneDNN with W prepacked once, for steps of many rows.
+
+torch's F.linear hands a [rows, in] x [out, in]^T product to MKL's sgemm, which re-reads the
+weight in its row-major layout every call; oneDNN's inner-product with the weight reordered once
+into its blocked layout ran a 64 x 1024 x 6144 decode GEMM at 98 GFLOP/s against F.linear's 40 on
+the 2-core benchmark machine, and the 191M model's offline throughput went from 162-166 to 234-241
+output tok/s (docs/benchmarks.md). For a single row (batch-1 decode) F.linear is faster, so steps
+below MIN_ROWS keep it. The packed copy is a second copy of each weight, made on a layer's first
+large step; NEURON_NO_ONEDNN turns it off.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from neuron.config import settings
+
+MIN_ROWS = 16
+
+
+def linear(owner, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), through `owner`'s packed copy of `weight` where that pays."""
+    if not _large_cpu_fp32(x, weight):
+        return F.linear(x, weight, bias)
+    cached = getattr(owner, "_onednn", None)
+    if cached is None or cached[0] is not weight:  # first use, or the layer's weight was replaced
+        cached = (weight, _pack(weight))
+        owner._onednn = cached
+    if cached[1] is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, cached[1], bias, "none", [], "")
+
+
+def _large_cpu_fp32(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] >= MIN_ROWS
+            and x.dtype == weight.dtype == torch.float32)
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+    if settings().no_onednn or not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)

@@ -1,0 +1,49 @@
+"""CPU linear layers through oneDNN with prepacked weights: equal to F.linear up to fp32 summation
+order for steps of many rows, F.linear itself below that, when switched off, and off CPU fp32."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from neuron.layers import cpu_linear
+
+
+class Owner:
+    pass
+
+
+@pytest.fixture
+def data():
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(64, 256, generator=gen), torch.randn(384, 256, generator=gen), torch.randn(384, generator=gen)
+
+
+def test_many_rows_match_f_linear_and_pack_once(data):
+    x, w, b = data
+    owner = Owner()
+    torch.testing.assert_close(cpu_linear.linear(owner, x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    packed = owner._onednn
+    assert packed[0] is w and packed[1] is not None
+    cpu_linear.linear(owner, x, w)
+    assert owner._onednn is packed  # not packed again
+    other = w.clone()
+    torch.testing.assert_close(cpu_linear.linear(owner, x, other), F.linear(x, other), atol=1e-4, rtol=1e-5)
+    assert owner._onednn[0] is other  # a replaced weight is packed afresh
+
+
+def test_few_rows_and_half_precision_use_f_linear(data):
+    x, w, b = data
+    owner = Owner()
+    few = x[: cpu_linear.MIN_ROWS - 1]
+    assert torch.equal(cpu_linear.linear(owner, few, w, b), F.linear(few, w, b))
+    half = x.bfloat16(), w.bfloat16()
+    assert torch.equal(cpu_linear.linear(owner, *half), F.linear(*half))
+    assert not hasattr(owner, "_onednn")
+
+
+def test_switched_off(data, monkeypatch):
+    monkeypatch.setenv("NEURON_NO_ONEDNN", "1")
+    x, w, b = data
+    owner = Owner()
+    assert torch.equal(cpu_linear.linear(owner, x, w, b), F.linear(x, w, b))
+    assert owner._onednn == (w, None)
