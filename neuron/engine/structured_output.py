@@ -107,9 +107,14 @@ class CompiledGrammar:
     _template: llguidance.LLMatcher
     nbytes: int = 0  # memory it holds, as measured when it was built
 
+    @property
+    def too_large_to_keep(self) -> bool:
+        """Over half the cache's bytes: used by its request, never cached, its heap handed back."""
+        return self.nbytes > CACHE_BYTES // 2
+
     def matcher(self) -> GrammarMatcher:
         matcher = GrammarMatcher(self._template.deep_copy())
-        if self.nbytes > CACHE_BYTES // 2:  # its lexer grows as it runs: give the heap back when it ends
+        if self.too_large_to_keep:  # its lexer grows as it runs: give the heap back when it ends
             weakref.finalize(matcher, release_free_heap)
         return matcher
 
@@ -171,7 +176,7 @@ class StructuredOutput:
 
     def _keep(self, compiled: CompiledGrammar) -> None:
         """Cache `compiled` unless it is too large to; evict the least recently used past CACHE_BYTES."""
-        if compiled.nbytes > CACHE_BYTES // 2:
+        if compiled.too_large_to_keep:
             return
         with self._lock:
             self._cache[compiled.spec] = compiled
@@ -184,10 +189,6 @@ class StructuredOutput:
         if evicted:
             release_free_heap()  # once the requests using them end, their lexers' memory can go back
 
-    @property
-    def cache_bytes(self) -> int:
-        return self._cache_bytes
-
     def _measured_build(self, spec: tuple[str, str], param: str) -> CompiledGrammar:
         """`_build`, with the C-heap growth it caused as the grammar's size (at least its spec's)."""
         tokenizer = self._tokenizer()  # shared by every grammar: not counted in any one's size
@@ -199,7 +200,7 @@ class StructuredOutput:
             raise
         grew = 0 if before is None else max(heap_in_use() - before, 0)
         compiled = CompiledGrammar(spec, matcher, max(grew, 2 * len(spec[1])))
-        if compiled.nbytes > CACHE_BYTES // 2:  # not kept: once its requests are done, give its heap back
+        if compiled.too_large_to_keep:  # once its requests are done, give its heap back
             weakref.finalize(compiled, release_free_heap)
         return compiled
 
