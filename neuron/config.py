@@ -140,7 +140,7 @@ class Settings:
     num_threads: int | None = _setting(int, None, "torch threads per CPU rank", lo=1, unset="cores / tp")
     cache_dir: str | None = _setting(str, None, "where the embedded default model and the CPU kernels are built",
                                      unset="$XDG_CACHE_HOME/neuron, else ~/.cache/neuron")
-    cxx: str | None = _setting(str, None, "C++ compiler that builds the CPU attention kernel, once per machine",
+    cxx: str | None = _setting(str, None, "C++ compiler that builds the CPU kernels, once per machine",
                                unset="the first of g++, c++, clang++ on PATH")
 
     # Batching and the KV cache.
@@ -168,6 +168,8 @@ class Settings:
                             "unchecked; reference, none (PyTorch's operations)", choices=("auto", "triton", "reference"))
     no_onednn: bool = _setting(bool, False, "run CPU fp32 linear layers through F.linear instead of oneDNN with "
                                "each weight prepacked once (a second, packed copy of the weights)")
+    no_cpu_ops: bool = _setting(bool, False, "run the CPU fp32 step's small-batch linear layers and element-wise "
+                                "passes (norms, rotary, SiLU) in PyTorch instead of neuron's C++ kernels")
     no_cuda_graphs: bool = _setting(bool, False, "run decode steps eagerly instead of replaying them from CUDA "
                                     "graphs (graphs need CUDA, attention=paged, one rank per GPU or tp 1, "
                                     "and a model without recurrent layers)")

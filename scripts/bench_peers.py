@@ -47,9 +47,21 @@ def parse() -> argparse.Namespace:
 
 def ensure_peer(venv: Path) -> None:
     probe = [str(venv / "bin" / "python"), "-c", "import vllm"]
-    if (venv / "bin" / "python").exists() and subprocess.run(probe, capture_output=True).returncode == 0:
-        return
-    subprocess.run(["bash", str(PEERS / "setup.sh"), str(venv)], check=True)
+    if not (venv / "bin" / "python").exists() or subprocess.run(probe, capture_output=True).returncode != 0:
+        subprocess.run(["bash", str(PEERS / "setup.sh"), str(venv)], check=True)
+    guard_entry_point(venv / "bin" / "vllm")
+
+
+def guard_entry_point(script: Path) -> None:
+    """Put the `vllm` wrapper that setup.sh writes under a `__main__` guard. vLLM's CPU build starts
+    its engine-core process with multiprocessing's spawn, which imports the parent's main script
+    again; unguarded, that import runs `vllm serve` a second time and the server dies at start-up
+    ("An attempt has been made to start a new process before the current process has finished its
+    bootstrapping phase")."""
+    text = script.read_text()
+    call = "sys.exit(main())"
+    if call in text and "__main__" not in text:
+        script.write_text(text.replace(call, f'if __name__ == "__main__":\n    {call}'))
 
 
 def ensure_checkpoint(path: Path) -> None:

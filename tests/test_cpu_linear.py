@@ -1,5 +1,6 @@
 """CPU linear layers through oneDNN with prepacked weights: equal to F.linear up to fp32 summation
-order for steps of many rows, F.linear itself below that, when switched off, and off CPU fp32."""
+order for steps of many rows, neuron's own kernel for a few rows (test_cpu_ops.py), F.linear
+when switched off and off CPU fp32."""
 
 import pytest
 import torch
@@ -31,11 +32,11 @@ def test_many_rows_match_f_linear_and_pack_once(data):
     assert owner._onednn[0] is other  # a replaced weight is packed afresh
 
 
-def test_few_rows_and_half_precision_use_f_linear(data):
+def test_few_rows_and_half_precision_are_not_packed(data):
     x, w, b = data
     owner = Owner()
     few = x[: cpu_linear.MIN_ROWS - 1]
-    assert torch.equal(cpu_linear.linear(owner, few, w, b), F.linear(few, w, b))
+    torch.testing.assert_close(cpu_linear.linear(owner, few, w, b), F.linear(few, w, b), atol=1e-4, rtol=1e-5)
     half = x.bfloat16(), w.bfloat16()
     assert torch.equal(cpu_linear.linear(owner, *half), F.linear(*half))
     assert not hasattr(owner, "_onednn")

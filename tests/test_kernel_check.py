@@ -170,7 +170,7 @@ def test_doctor_runs_on_a_cpu_machine_and_says_what_it_would_check():
     report = json.loads(out.stdout)
     env = report["environment"]
     assert env["torch"] == torch.__version__ and env["gpus"] == [] and env["python"] == sys.version.split()[0]
-    assert report["kernels"]["cpu_attention"] == "built"
+    assert report["kernels"]["cpu_attention"] == report["kernels"]["cpu_ops"] == "built"
     assert report["kernels"]["gpu"].startswith("no CUDA device: on a GPU this checks rms_norm, add_rms_norm")
 
 

@@ -585,3 +585,24 @@ def test_a_cuda_step_synchronises_once(batch):
     assert len(syncs) == 1, syncs
     fixed = [i for i, s in enumerate(samplers) if s.generator is not None or s.params.greedy]
     assert [result.token_ids[i] for i in fixed] == [expected.token_ids[i] for i in fixed]
+
+
+@pytest.mark.parametrize("u", [0.0, 0.5, 1.0 - 2**-24])  # the lowest, a middle and the highest uniform
+def test_inverse_cdf_never_lands_on_a_zero_probability_token(monkeypatch, u):
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0, 0.0],
+                          [0.0, 1e-30, 0.0, 0.0, 0.0]])
+    monkeypatch.setattr(torch, "rand_like", lambda t: torch.full_like(t, u))
+    picks = sampling._inverse_cdf(probs, None).tolist()
+    assert all(probs[row, pick] > 0 for row, pick in enumerate(picks))
+    assert picks[0] == (1 if u < 0.25 else 3)
+    ids = torch.tensor([[7, 3, 9, 1, 0]]).expand(4, -1)
+    assert sampling._inverse_cdf(probs, ids).tolist() == [ids[0, p].item() for p in picks]
+
+
+def test_inverse_cdf_keeps_a_tiny_probability_after_a_large_one(monkeypatch):
+    """In float32 the 1e-9 after 0.5 vanishes from the running sum and could never be drawn; the
+    sums are float64, so a uniform that falls in its sliver picks it."""
+    probs = torch.tensor([[0.5, 1e-9, 0.5]])
+    total = probs.double().sum().item()
+    monkeypatch.setattr(torch, "rand_like", lambda t: torch.full_like(t, (0.5 + 0.5e-9) / total))
+    assert sampling._inverse_cdf(probs, None).tolist() == [1]

@@ -230,7 +230,10 @@ def _draw(x: torch.Tensor, samplers: list[SequenceSampler]) -> torch.Tensor:
     """One draw per row; -1 for a row with nothing to draw from. The unseeded rows draw together
     from the global generator; a seeded row draws again alone, from its own generator."""
     probs, ids, ok = _filtered_probs(x, [s.params for s in samplers])
-    picks = _race(probs, ids, torch.empty_like(probs).exponential_())
+    if probs.is_cuda:
+        picks = _race(probs, ids, torch.empty_like(probs).exponential_())
+    else:
+        picks = _inverse_cdf(probs, ids)
     for j, s in enumerate(samplers):
         if s.generator is not None:
             picks[j : j + 1] = _seeded_draw(x[j : j + 1], s)
@@ -245,6 +248,22 @@ def _seeded_draw(row: torch.Tensor, sampler: SequenceSampler) -> torch.Tensor:
     if ids is not None:
         probs = torch.zeros_like(row).scatter_(-1, ids, probs)
     return _race(probs, None, torch.empty_like(probs).exponential_(generator=sampler.generator))
+
+
+def _inverse_cdf(probs: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """Each row's token by inverse transform: the first column whose cumulative probability
+    exceeds u * total, u ~ Uniform[0, 1), one number per row. On CPU this is the draw for the
+    unseeded rows: the race below needs an exponential number per vocabulary entry, and torch
+    makes those one at a time (20 ms for 32 rows of a 32,000-token vocabulary, against 0.6 ms
+    here). The sums are in float64, so even a token of probability 1e-12 keeps its share; a zero
+    probability adds nothing to the sum and is never the first column to exceed it, and the target
+    stays strictly below the row's total, so some column always exceeds it."""
+    cdf = probs.double().cumsum_(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(torch.rand_like(total) * total, total.nextafter(torch.zeros_like(total)))
+    # a failed row (NaN, discarded by the caller) may name the column past the end: keep it in range
+    won = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_max_(cdf.shape[-1] - 1)
+    return won if ids is None else ids.gather(-1, won[:, None]).squeeze(-1)
 
 
 def _race(probs: torch.Tensor, ids: torch.Tensor | None, noise: torch.Tensor) -> torch.Tensor:

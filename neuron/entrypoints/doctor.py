@@ -69,14 +69,15 @@ def _driver_version() -> str | None:
 
 
 def checks(dtype: str, widths_json: str) -> dict:
-    """Each GPU's failing kernels (fresh checks, in subprocesses), and the CPU attention kernel."""
+    """Each GPU's failing kernels (fresh checks, in subprocesses), and the CPU kernels."""
     import torch
 
-    from neuron.layers import cpu_attention
+    from neuron.layers import cpu_attention, cpu_ops
     from neuron.layers.kernel_check import CHECK_TIMEOUT_S, Widths, run_check_process
 
     Widths(**json.loads(widths_json))  # malformed widths are refused before any check runs
-    out: dict = {"cpu_attention": "built" if cpu_attention.library() is not None else "not built (see the warning)"}
+    out: dict = {name: "built" if lib is not None else "not built (see the warning)"
+                 for name, lib in (("cpu_attention", cpu_attention.library()), ("cpu_ops", cpu_ops.library()))}
     if not torch.cuda.is_available():
         out["gpu"] = ("no CUDA device: on a GPU this checks rms_norm, add_rms_norm, norm_rope, silu_mul and "
                       "paged_attention against their PyTorch references")

@@ -1,12 +1,13 @@
-"""x W^T on CPU through oneDNN with W prepacked once, for steps of many rows.
+"""x W^T on CPU: neuron's own kernel for a few rows, oneDNN with W prepacked once for many.
 
 torch's F.linear hands a [rows, in] x [out, in]^T product to MKL's sgemm, which re-reads the
 weight in its row-major layout every call; oneDNN's inner-product with the weight reordered once
 into its blocked layout ran a 64 x 1024 x 6144 decode GEMM at 98 GFLOP/s against F.linear's 40 on
 the 2-core benchmark machine, and the 191M model's offline throughput went from 162-166 to 234-241
-output tok/s (docs/benchmarks.md). For a single row (batch-1 decode) F.linear is faster, so steps
-below MIN_ROWS keep it. The packed copy is a second copy of each weight, made on a layer's first
-large step; NEURON_NO_ONEDNN turns it off.
+output tok/s (docs/benchmarks.md). For a few rows (small-batch decode) both lose to a kernel that
+streams the row-major weight once (cpu_ops.linear, up to cpu_ops.MAX_LINEAR_ROWS rows); between
+that and MIN_ROWS, oneDNN still leads. The packed copy is a second copy of each weight, made on a
+layer's first large step; NEURON_NO_ONEDNN turns it off.
 """
 
 from __future__ import annotations
@@ -15,12 +16,17 @@ import torch
 import torch.nn.functional as F
 
 from neuron.config import settings
+from neuron.layers import cpu_ops
 
-MIN_ROWS = 16
+MIN_ROWS = cpu_ops.MAX_LINEAR_ROWS + 1
 
 
 def linear(owner, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through `owner`'s packed copy of `weight` where that pays."""
+    """F.linear(x, weight, bias), through neuron's kernel for a few rows, or `owner`'s packed copy of
+    `weight` where that pays."""
+    if x.dim() == 2 and x.shape[0] <= cpu_ops.MAX_LINEAR_ROWS and cpu_ops.takes(x, weight) \
+            and (bias is None or bias.dtype == x.dtype):
+        return cpu_ops.linear(x, weight, bias)
     if not _large_cpu_fp32(x, weight):
         return F.linear(x, weight, bias)
     cached = getattr(owner, "_onednn", None)

@@ -4,8 +4,9 @@ applies to queries and keys, and the MLP's silu(gate) * up.
 In PyTorch each is a handful of small operations (an upcast, the norm, a downcast, the weight;
 then a negation, a concatenation, two products and a sum for the rotation), and at batch 1 each
 costs a kernel launch and a trip through memory. On CUDA with Triton installed, one kernel does
-each (neuron/layers/triton_norm.py), rounding where the PyTorch version rounds; elsewhere the
-PyTorch version runs, and is the reference the kernels are tested against.
+each (neuron/layers/triton_norm.py), rounding where the PyTorch version rounds; on CPU in fp32,
+one C++ loop (neuron/layers/cpu_ops.py); elsewhere the PyTorch version runs, and is the reference
+the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from neuron.layers import kernel_choice
+from neuron.layers import cpu_ops, kernel_choice
 from neuron.layers.paged_attention import HAS_TRITON
 
 
@@ -43,6 +44,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension of x."""
     if _kernel_applies(x, "rms_norm"):
         return rms_norm_triton(x, weight, eps)
+    if cpu_ops.takes(x, weight):
+        return cpu_ops.rms_norm(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 
 
@@ -52,6 +55,9 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
     token's cos and sin ([tokens, 1, head_dim] or [tokens, head_dim])."""
     if _kernel_applies(x, "norm_rope"):
         return norm_rope_triton(x, weight, eps, cos, sin)
+    if (x.dim() == 3 and x.shape[-1] % 2 == 0 and cos.shape[-1] == x.shape[-1]
+            and cos.numel() == x.shape[0] * x.shape[-1] and cpu_ops.takes(x, weight, cos, sin)):
+        return cpu_ops.norm_rope(x, weight, eps, cos, sin)
     return apply_rotary(rms_norm_reference(x, weight, eps), cos, sin)
 
 
@@ -60,6 +66,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     """The residual sum x + delta ([tokens, hidden]) and its RMSNorm."""
     if _kernel_applies(x, "add_rms_norm") and delta.stride(-1) == 1 and x.dim() == 2:
         return add_rms_norm_triton(x, delta, weight, eps)
+    if x.dim() == 2 and delta.shape == x.shape and cpu_ops.takes(x, delta, weight):
+        return cpu_ops.add_rms_norm(x, delta, weight, eps)
     return add_rms_norm_reference(x, delta, weight, eps)
 
 
@@ -67,6 +75,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, both [tokens, width] (the halves of a merged projection's output)."""
     if _kernel_applies(gate, "silu_mul") and up.stride(-1) == 1 and gate.dim() == 2:
         return silu_mul_triton(gate, up)
+    if gate.dim() == 2 and up.shape == gate.shape and cpu_ops.takes(gate, up):
+        return cpu_ops.silu_mul(gate, up)
     return silu_mul_reference(gate, up)
 
 

@@ -1,0 +1,124 @@
+"""The CPU fp32 step's small-batch linear layers and element-wise passes (`csrc/cpu_ops.cpp`),
+called through ctypes.
+
+Batch-1 decode is bound by reading the weights: torch's F.linear sends a one-row product to MKL's
+sgemv, which on the benchmark machine read the 191M model's weights at about 17 GB/s and took
+twice as long again for two rows; the kernel here streams each weight once at 30 GB/s for up to
+four rows (docs/benchmarks.md). Between the matrix products, each element-wise pass (RMSNorm, the
+residual add + RMSNorm, the per-head RMSNorm + rotary of queries and keys, silu(gate) * up) is one
+loop instead of several PyTorch operations and their temporaries.
+
+Built on first use (and by `./run install`) like the attention kernel (neuron.utils.native); where
+it cannot be built, or NEURON_NO_CPU_OPS is set, `enabled()` is False and the callers keep their
+PyTorch versions. `python -m neuron.layers.cpu_ops` builds it and prints where it lies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from neuron.config import settings
+from neuron.utils import native
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+MAX_LINEAR_ROWS = 4  # above this oneDNN's packed GEMM is faster (cpu_linear.py)
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "neuron_linear": [_P, _I, _I, _P, _I, _I, _I, _P, _P, _I, ctypes.c_int],
+    "neuron_rms_norm": [_P, _I, _I, _I, _P, _F, _P, _I, ctypes.c_int],
+    "neuron_add_rms_norm": [_P, _I, _P, _I, _I, _I, _P, _F, _P, _I, _P, _I, ctypes.c_int],
+    "neuron_norm_rope": [_P, _I, _I, _I, _I, _I, _P, _F, _P, _P, _I, _P, _I, _I, ctypes.c_int],
+    "neuron_silu_mul": [_P, _I, _P, _I, _I, _I, _P, _I, ctypes.c_int],
+}
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded library, built if this machine has none yet; None where it cannot be built."""
+    lib = native.load(SOURCE, "CPU linear layers and element-wise passes run in PyTorch")
+    if lib is not None:
+        for name, args in _SIGNATURES.items():
+            getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = None
+    return lib
+
+
+@functools.cache
+def _wanted() -> bool:
+    return not settings().no_cpu_ops
+
+
+def enabled() -> bool:
+    """Whether the kernels run here: not turned off, and built."""
+    return _wanted() and library() is not None
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: fp32 on CPU, rows contiguous, the library enabled."""
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors)
+            and enabled())
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] times weight [n, k] transposed, plus bias [n]; for the few rows of a small decode step."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype)
+    library().neuron_linear(x.data_ptr(), m, x.stride(0), weight.data_ptr(), n, k, weight.stride(0),
+                            None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), n, _threads())
+    return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    width = x.shape[-1]
+    rows = x.reshape(-1, width)
+    out = torch.empty(rows.shape, dtype=x.dtype)
+    library().neuron_rms_norm(rows.data_ptr(), rows.shape[0], rows.stride(0), width, weight.data_ptr(), eps,
+                              out.data_ptr(), width, _threads())
+    return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, width = x.shape
+    total = torch.empty((rows, width), dtype=x.dtype)
+    out = torch.empty_like(total)
+    library().neuron_add_rms_norm(x.data_ptr(), x.stride(0), delta.data_ptr(), delta.stride(0), rows, width,
+                                  weight.data_ptr(), eps, total.data_ptr(), width, out.data_ptr(), width, _threads())
+    return total, out
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+    tokens, heads, head_dim = x.shape
+    cos, sin = cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim)
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty((tokens, heads, head_dim), dtype=x.dtype)
+    library().neuron_norm_rope(x.data_ptr(), tokens, heads, x.stride(0), x.stride(1), head_dim, weight.data_ptr(),
+                               eps, cos.data_ptr(), sin.data_ptr(), cos.stride(0), out.data_ptr(), heads * head_dim,
+                               head_dim, _threads())
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    rows, width = gate.shape
+    out = torch.empty((rows, width), dtype=gate.dtype)
+    library().neuron_silu_mul(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), rows, width,
+                              out.data_ptr(), width, _threads())
+    return out
+
+
+if __name__ == "__main__":
+    if library() is None:
+        raise SystemExit("the CPU kernels could not be built here; see the warning above")
+    print(native.build(SOURCE))

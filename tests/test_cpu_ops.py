@@ -1,0 +1,113 @@
+"""The C++ small-batch linear kernel and element-wise passes (neuron/layers/cpu_ops.py) against
+their PyTorch references: fp32 to summation order, on shapes with vector tails and strided rows,
+on one thread and on several; the dispatch that routes CPU fp32 to them, and only that."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from neuron.layers import cpu_linear, cpu_ops, norm
+
+pytestmark = pytest.mark.skipif(cpu_ops.library() is None, reason="the CPU kernels could not be built here")
+
+
+@pytest.fixture
+def no_cpu_ops(monkeypatch):
+    """NEURON_NO_CPU_OPS set for the test (the flag is read once per process, so read it again)."""
+    monkeypatch.setenv("NEURON_NO_CPU_OPS", "1")
+    cpu_ops._wanted.cache_clear()
+    yield
+    monkeypatch.delenv("NEURON_NO_CPU_OPS")
+    cpu_ops._wanted.cache_clear()
+
+
+class Owner:
+    """What a linear layer is to cpu_linear: somewhere to keep a packed weight."""
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# (rows, out, in): one row, two, three, four; widths with and without a vector tail; one big enough
+# that the threads split the weight rows; outputs that leave a partial tile of rows
+@pytest.mark.parametrize("m,n,k", [(1, 7, 5), (2, 33, 100), (3, 64, 256), (4, 4096, 1024), (1, 1030, 1027)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_f_linear(m, n, k, bias):
+    gen = _gen(m * n + k)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    torch.testing.assert_close(cpu_ops.linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def test_linear_reads_strided_rows():
+    """x as a slice of a wider tensor and W as rows of a bigger matrix (a merged projection's part)."""
+    gen = _gen(1)
+    wide, big = torch.randn(3, 300, generator=gen), torch.randn(50, 300, generator=gen)
+    x, w = wide[:, :200], big[10:40, :200]
+    torch.testing.assert_close(cpu_ops.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 64), (3, 1000), (70, 1024)])  # the last one runs on several threads
+def test_rms_norm_and_add_rms_norm(rows, width):
+    gen = _gen(rows + width)
+    x, delta = torch.randn(rows, width, generator=gen) * 3, torch.randn(rows, width, generator=gen)
+    weight = torch.rand(width, generator=gen) + 0.5
+    torch.testing.assert_close(cpu_ops.rms_norm(x, weight, 1e-6), norm.rms_norm_reference(x, weight, 1e-6))
+    total, normed = cpu_ops.add_rms_norm(x, delta, weight, 1e-6)
+    ref_total, ref_normed = norm.add_rms_norm_reference(x, delta, weight, 1e-6)
+    assert torch.equal(total, ref_total)
+    torch.testing.assert_close(normed, ref_normed)
+
+
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 2, 16), (9, 4, 64), (64, 16, 128)])
+def test_norm_rope_on_a_strided_view_of_a_merged_projection(tokens, heads, head_dim):
+    """Queries as the leading columns of a qkv projection's output, viewed per head."""
+    gen = _gen(tokens * heads)
+    qkv = torch.randn(tokens, (heads + 2) * head_dim, generator=gen)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    weight = torch.rand(head_dim, generator=gen) + 0.5
+    angles = torch.rand(tokens, 1, head_dim // 2, generator=gen) * 50
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    expected = norm.apply_rotary(norm.rms_norm_reference(q, weight, 1e-6), cos, sin)
+    torch.testing.assert_close(cpu_ops.norm_rope(q, weight, 1e-6, cos, sin), expected)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 48), (5, 3000), (64, 3072)])
+def test_silu_mul_as_halves_of_a_merged_projection(rows, width):
+    gen = _gen(rows + width)
+    merged = torch.randn(rows, 2 * width, generator=gen) * 5
+    merged[0, :6] = torch.tensor([100.0, -100.0, 0.0, -0.0, 88.0, -88.0])  # saturated and zero gates
+    gate, up = merged.split(width, dim=-1)
+    torch.testing.assert_close(cpu_ops.silu_mul(gate, up), norm.silu_mul_reference(gate, up))
+
+
+def test_the_layers_route_cpu_fp32_through_the_kernels(monkeypatch):
+    called = []
+    for name in ("rms_norm", "norm_rope", "add_rms_norm", "silu_mul", "linear"):
+        real = getattr(cpu_ops, name)
+        monkeypatch.setattr(cpu_ops, name, lambda *a, _real=real, _name=name: called.append(_name) or _real(*a))
+    x, weight = torch.randn(3, 2, 16), torch.rand(16) + 0.5
+    cos = sin = torch.ones(3, 1, 16)
+    norm.rms_norm(x, weight, 1e-6)
+    norm.norm_rope(x, weight, 1e-6, cos, sin)
+    norm.add_rms_norm(x[:, 0], x[:, 1], weight, 1e-6)
+    norm.silu_mul(x[:, 0], x[:, 1])
+    cpu_linear.linear(Owner(), x[:, 0], torch.randn(8, 16))
+    assert called == ["rms_norm", "norm_rope", "add_rms_norm", "silu_mul", "linear"]
+    called.clear()
+    half = x.bfloat16(), weight.bfloat16()
+    norm.rms_norm(*half, 1e-6)  # other dtypes keep PyTorch
+    cpu_linear.linear(Owner(), torch.randn(cpu_ops.MAX_LINEAR_ROWS + 1, 16), torch.randn(8, 16))  # oneDNN's
+    assert called == []
+
+
+def test_switched_off_the_layers_run_pytorch_exactly(no_cpu_ops):
+    gen = _gen(3)
+    x, weight = torch.randn(3, 2, 16, generator=gen), torch.rand(16, generator=gen) + 0.5
+    cos, sin = torch.rand(3, 1, 16, generator=gen), torch.rand(3, 1, 16, generator=gen)
+    assert torch.equal(norm.rms_norm(x, weight, 1e-6), norm.rms_norm_reference(x, weight, 1e-6))
+    expected = norm.apply_rotary(norm.rms_norm_reference(x, weight, 1e-6), cos, sin)
+    assert torch.equal(norm.norm_rope(x, weight, 1e-6, cos, sin), expected)
+    w = torch.randn(8, 16, generator=gen)
+    assert torch.equal(cpu_linear.linear(Owner(), x[:, 0], w), F.linear(x[:, 0], w))
