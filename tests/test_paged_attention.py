@@ -372,3 +372,12 @@ def test_cpu_kernel_uses_the_threads_torch_has(cpu_kernel):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(cpu_kernel(*step_tensors, 0.1), alone)
+
+
+@pytest.mark.parametrize("head_dim", [256, 96])
+@pytest.mark.parametrize("step", ["decode", "mixed"])
+def test_cpu_kernel_wide_and_unrolled_head_sizes(cpu_kernel, head_dim, step):
+    """256 takes the kernel's register-blocked loops in chunks; 96 (not a size the kernel unrolls)
+    its plain loops; both with keys past several tiles, whose rows the kernel prefetches."""
+    assert_kernel_matches(cpu_kernel, *make_step(**(DECODE if step == "decode" else MIXED), heads=8, kv_heads=4,
+                                                 head_dim=head_dim, device="cpu"))

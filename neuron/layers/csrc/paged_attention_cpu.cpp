@@ -14,6 +14,9 @@
 // (one query per sequence) are bound by reading K and V, so a score is a plain dot product of a
 // query row with a key row; prefill chunks are a small share of a step's attention time.
 #include <omp.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -105,6 +108,38 @@ inline void axpy(float* __restrict y, float a, const float* __restrict x, int d_
     for (int d = 0; d < D; ++d) y[d] += a * x[d];
 }
 
+// Explicit vectors for the head sizes known at compile time: one register's worth of floats,
+// VL of them (GCC splits a width the CPU lacks into the registers it has).
+#if defined(__AVX512F__)
+constexpr int VL = 16;
+#else
+constexpr int VL = 8;
+#endif
+typedef float vecf __attribute__((vector_size(VL * sizeof(float))));
+constexpr int CHUNK = VL == 16 ? 8 : 4;  // accumulator vectors per row held in registers at once
+
+inline vecf vload(const float* p) {
+    vecf v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+inline void vstore(float* p, vecf v) { std::memcpy(p, &v, sizeof v); }
+inline float hsum(vecf v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#elif defined(__AVX__)
+    const __m256 x = reinterpret_cast<__m256>(v);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+#else
+    float s = 0.0f;
+    for (int l = 0; l < VL; ++l) s += v[l];
+    return s;
+#endif
+}
+
 struct Args {
     void* out;
     const void* q;
@@ -160,6 +195,22 @@ void load_rows(const Args& a, const void* pool, const int32_t* table, int64_t h,
     }
 }
 
+// Ask for K or V rows of positions [n0, n0 + nn) of KV head h to be brought into cache while the
+// current tile computes: a block's rows are contiguous, but blocks lie anywhere in the pool, and
+// at each jump the hardware prefetcher starts over (the loads of the key rows were where the
+// decode step's time went).
+template <typename T, int DT>
+void prefetch_rows(const Args& a, const void* pool, const int32_t* table, int64_t h, int64_t n0, int nn) {
+    const int64_t bytes = dim<DT>(a) * int64_t(sizeof(T));
+    for (int n = 0; n < nn; ++n) {
+        const int64_t p = n0 + n;
+        const int64_t row = int64_t(table[p / a.block_size]) * a.block_size + p % a.block_size;
+        const char* src = reinterpret_cast<const char*>(static_cast<const T*>(pool) + h * a.pool_stride_h +
+                                                        row * a.pool_stride_row);
+        for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(src + off, 0, 3);
+    }
+}
+
 // The item's query rows (row = query * group + head in the group), widened and pre-scaled.
 template <typename T, int DT>
 void load_queries(const Args& a, const Item& it, int64_t group, float* qbuf) {
@@ -178,8 +229,26 @@ template <int DT>
 void scores(const Args& a, int64_t rows, int64_t group, int64_t first_pos, int64_t n0, int nn,
             const float** krows, Scratch& w) {
     const int64_t D = dim<DT>(a);
-    for (int n = 0; n < nn; ++n)
-        for (int64_t r = 0; r < rows; ++r) w.s[r * TILE_N + n] = dot<DT>(&w.q[r * D], krows[n], D);
+    if constexpr (DT != 0 && DT % (2 * VL) == 0) {
+        // each key row is loaded into registers once and dotted with every row of the item
+        constexpr int NV = DT / VL;
+        for (int n = 0; n < nn; ++n) {
+            vecf k[NV];
+            for (int j = 0; j < NV; ++j) k[j] = vload(krows[n] + j * VL);
+            for (int64_t r = 0; r < rows; ++r) {
+                const float* q = &w.q[r * DT];
+                vecf s0 = vload(q) * k[0], s1 = vload(q + VL) * k[1];
+                for (int j = 2; j < NV; j += 2) {
+                    s0 += vload(q + j * VL) * k[j];
+                    s1 += vload(q + (j + 1) * VL) * k[j + 1];
+                }
+                w.s[r * TILE_N + n] = hsum(s0 + s1);
+            }
+        }
+    } else {
+        for (int n = 0; n < nn; ++n)
+            for (int64_t r = 0; r < rows; ++r) w.s[r * TILE_N + n] = dot<DT>(&w.q[r * D], krows[n], D);
+    }
     if (n0 + nn - 1 <= first_pos) return;  // every key of the tile is visible to every row
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t visible = first_pos + r / group - n0 + 1;  // keys of the tile this row sees
@@ -205,11 +274,25 @@ void accumulate(const Args& a, int64_t rows, int nn, const float** vrows, Scratc
             sum += s[n];
         }
         float* acc = &w.acc[r * D];
-        if (alpha != 1.0f) {
+        if constexpr (DT != 0 && DT % (CHUNK * VL) == 0) {
+            // CHUNK vectors of the accumulator stay in registers across the tile's values
+            for (int c = 0; c < DT; c += CHUNK * VL) {
+                vecf part[CHUNK];
+                for (int j = 0; j < CHUNK; ++j) part[j] = vload(acc + c + j * VL) * alpha;
+                for (int n = 0; n < nn; ++n) {
+                    const float p = s[n];
+                    const float* v = vrows[n] + c;
+                    for (int j = 0; j < CHUNK; ++j) part[j] += p * vload(v + j * VL);
+                }
+                for (int j = 0; j < CHUNK; ++j) vstore(acc + c + j * VL, part[j]);
+            }
+        } else {
+            if (alpha != 1.0f) {
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+                for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+            }
+            for (int n = 0; n < nn; ++n) axpy<DT>(acc, s[n], vrows[n], D);
         }
-        for (int n = 0; n < nn; ++n) axpy<DT>(acc, s[n], vrows[n], D);
         w.l[r] = w.l[r] * alpha + sum;
         w.m[r] = m_new;
     }
@@ -245,6 +328,11 @@ void attend_item(const Args& a, const Item& it, Scratch& w) {
         const int nn = int(std::min<int64_t>(TILE_N, end - n0));
         load_rows<T, DT>(a, a.k_pool, table, it.h, n0, nn, w.k.data(), krows);
         load_rows<T, DT>(a, a.v_pool, table, it.h, n0, nn, w.v.data(), vrows);
+        if (n0 + TILE_N < end) {
+            const int next = int(std::min<int64_t>(TILE_N, end - n0 - TILE_N));
+            prefetch_rows<T, DT>(a, a.k_pool, table, it.h, n0 + TILE_N, next);
+            prefetch_rows<T, DT>(a, a.v_pool, table, it.h, n0 + TILE_N, next);
+        }
         scores<DT>(a, rows, group, first_pos, n0, nn, krows, w);
         accumulate<DT>(a, rows, nn, vrows, w);
     }
