@@ -30,7 +30,7 @@ def small_prefill_chunks(monkeypatch):
 @pytest.fixture(scope="session")
 def default_tokenizer():
     from neuron.engine.tokenizer import Tokenizer
-    from neuron.models.default import default_model_dir
+    from neuron.utils.default_checkpoint import default_model_dir
 
     return Tokenizer.from_dir(default_model_dir())
 

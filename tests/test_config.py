@@ -57,7 +57,6 @@ def test_every_variable_used_is_declared():
 def test_only_the_config_module_reads_the_environment():
     readers = [f.relative_to(ROOT).as_posix() for f in (ROOT / "neuron").rglob("*.py")
                if re.search(r"environ(\.get)?[\[(]\s*\"NEURON_", f.read_text())]
-    # worker.py and models/default.py move to settings() with the executor and worker restructuring.
     assert readers == []
 
 

@@ -11,9 +11,9 @@ import pytest
 
 from neuron.errors import ConfigError
 from neuron.executor.executor import Executor, ExecutorConfig
-from neuron.models.default import default_model_dir
 from neuron.rpc import protocol as p
 from neuron.step import SeqStep
+from neuron.utils.default_checkpoint import default_model_dir
 
 MOCK = Path(__file__).resolve().with_name("mock_worker.py")
 

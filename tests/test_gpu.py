@@ -13,7 +13,7 @@ import torch
 from server_harness import wait_until
 
 from neuron import LLM, SamplingParams
-from neuron.models.default import default_model_dir
+from neuron.utils.default_checkpoint import default_model_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40))]

@@ -33,8 +33,8 @@ from neuron.engine.async_engine import AsyncEngine
 from neuron.errors import PoolBroken, WorkerError
 from neuron.executor.executor import Executor, ExecutorConfig, resource_shortage
 from neuron.executor.pool import WorkerPool
-from neuron.models.default import default_model_dir
 from neuron.rpc import protocol as p
+from neuron.utils.default_checkpoint import default_model_dir
 from neuron.worker.worker import Worker
 
 LOOPBACK_HEX = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it

@@ -123,7 +123,7 @@ def test_per_rank_weights_are_about_one_over_tp(odd_checkpoint):
 
 def test_default_checkpoint_copy_keeps_working(tmp_path, monkeypatch):
     monkeypatch.setenv("NEURON_CACHE_DIR", str(tmp_path / "cache"))
-    from neuron.models.default import default_model_dir
+    from neuron.utils.default_checkpoint import default_model_dir
 
     src = default_model_dir()
     dst = tmp_path / "copy"

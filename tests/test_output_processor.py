@@ -9,7 +9,7 @@ from neuron.engine.sampling_params import SamplingParams
 from neuron.engine.sequence import Sequence
 from neuron.engine.tokenizer import Tokenizer
 from neuron.entrypoints.openai.logprobs import LogprobRenderer
-from neuron.models import default as default_ckpt
+from neuron.utils import default_checkpoint as default_ckpt
 
 TEXT = "Hello world, stop here. The end"
 MAX_MODEL_LEN = 64

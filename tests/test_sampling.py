@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from neuron.engine import sampling
+from neuron.engine import draw, sampling
 from neuron.engine.sampling import SequenceSampler, TokenBitmask, sample
 from neuron.engine.sampling_params import InvalidParams, SamplingParams
 
@@ -448,7 +448,7 @@ def test_a_token_alone_with_probability_is_always_drawn(params):
 def test_a_zero_probability_never_wins_even_against_zero_noise():
     probs = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.0, 0.0, 0.0, 1e-30]])
     noise = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 50.0]])
-    assert sampling._race(probs, None, noise).tolist() == [1, 3]
+    assert draw.race(probs, None, noise).tolist() == [1, 3]
 
 
 def test_failed_rows_do_not_disturb_the_draws_of_the_others():
@@ -592,11 +592,11 @@ def test_inverse_cdf_never_lands_on_a_zero_probability_token(monkeypatch, u):
     probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0, 0.0],
                           [0.0, 1e-30, 0.0, 0.0, 0.0]])
     monkeypatch.setattr(torch, "rand_like", lambda t: torch.full_like(t, u))
-    picks = sampling._inverse_cdf(probs, None).tolist()
+    picks = draw.inverse_cdf(probs, None).tolist()
     assert all(probs[row, pick] > 0 for row, pick in enumerate(picks))
     assert picks[0] == (1 if u < 0.25 else 3)
     ids = torch.tensor([[7, 3, 9, 1, 0]]).expand(4, -1)
-    assert sampling._inverse_cdf(probs, ids).tolist() == [ids[0, p].item() for p in picks]
+    assert draw.inverse_cdf(probs, ids).tolist() == [ids[0, p].item() for p in picks]
 
 
 def test_inverse_cdf_keeps_a_tiny_probability_after_a_large_one(monkeypatch):
@@ -605,4 +605,4 @@ def test_inverse_cdf_keeps_a_tiny_probability_after_a_large_one(monkeypatch):
     probs = torch.tensor([[0.5, 1e-9, 0.5]])
     total = probs.double().sum().item()
     monkeypatch.setattr(torch, "rand_like", lambda t: torch.full_like(t, (0.5 + 0.5e-9) / total))
-    assert sampling._inverse_cdf(probs, None).tolist() == [1]
+    assert draw.inverse_cdf(probs, None).tolist() == [1]

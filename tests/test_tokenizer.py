@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from neuron.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
-from neuron.models import default as default_ckpt
+from neuron.utils import default_checkpoint as default_ckpt
 
 TEXTS = [
     "Hello, world! How are you today?",

@@ -14,8 +14,8 @@ from checkpoints import cached_model, greedy_with_logprobs
 from test_qwen3_5 import MULTIMODAL_TEXT, VISION
 from tokenizers import AddedToken
 
-from neuron.models.default import build_tokenizer, tokenizer_config
 from neuron.multimodal.image import VisionSpec, check_image, expand_placeholders
+from neuron.utils.default_checkpoint import build_tokenizer, tokenizer_config
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -1,0 +1,51 @@
+"""What an engine runs: the model, how it is split and batched, and its KV cache. A field left
+out takes its setting (neuron.config), so `neuron serve`, `LLM(...)` and NEURON_* variables agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from neuron.config import check, from_settings, settings
+
+
+def _prefix_caching() -> bool | None:
+    """None: on for every model whose layers can share prefixes; NEURON_NO_PREFIX_CACHING turns it off."""
+    return False if settings().no_prefix_caching else None
+
+
+# EngineConfig fields bounded like the setting they default to (field: setting).
+_CHECKED = {"tp": "tp", "dtype": "dtype", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
+            "max_num_batched_tokens": "max_num_batched_tokens", "prefill_chunk_tokens": "prefill_chunk_tokens",
+            "block_size": "kv_block_size", "gpu_memory_utilization": "gpu_memory_utilization"}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """What the engine runs. A field left out takes its setting (neuron.config: NEURON_* or the
+    table's default) as it stands when the config is built."""
+
+    model: str | None = from_settings("model")  # path or repo id; None serves the embedded default
+    tp: int = from_settings("tp")
+    device: str | None = from_settings("device")  # None: cuda when present, else cpu
+    dtype: str = from_settings("dtype")
+    max_model_len: int | None = from_settings("max_model_len")  # None: the model's limit, capped
+    max_num_seqs: int = from_settings("max_num_seqs")
+    max_num_batched_tokens: int | None = from_settings("max_num_batched_tokens")
+    prefill_chunk_tokens: int = from_settings("prefill_chunk_tokens")
+    hf_cache_dir: str | None = None
+    served_model_name: str | None = from_settings("served_model_name")
+    block_size: int = from_settings("kv_block_size")
+    kv_cache_memory: int | str | None = from_settings("kv_cache_memory")  # per rank, bytes or "4GiB"
+    gpu_memory_utilization: float = from_settings("gpu_memory_utilization")
+    enable_prefix_caching: bool | None = field(default_factory=_prefix_caching)  # True: refuse models without it
+
+    def __post_init__(self) -> None:
+        for name, setting in _CHECKED.items():
+            check(setting, getattr(self, name), name)
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
