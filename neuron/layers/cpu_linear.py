@@ -5,8 +5,8 @@ weight in its row-major layout every call; oneDNN's inner-product with the weigh
 into its blocked layout ran a 64 x 1024 x 6144 decode GEMM at 98 GFLOP/s against F.linear's 40 on
 the 2-core benchmark machine, and the 191M model's offline throughput went from 162-166 to 234-241
 output tok/s (docs/benchmarks.md). For a few rows (small-batch decode) both lose to a kernel that
-streams the row-major weight once (cpu_ops.linear, up to cpu_ops.MAX_LINEAR_ROWS rows); between
-that and MIN_ROWS, oneDNN still leads. The packed copy is a second copy of each weight, made on a
+streams the row-major weight once (cpu_ops.linear, up to cpu_ops.MAX_LINEAR_ROWS rows); from
+MIN_ROWS rows up, oneDNN leads. The packed copy is a second copy of each weight, made on a
 layer's first large step; NEURON_NO_ONEDNN turns it off.
 """
 

@@ -73,8 +73,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype)
+    bias = None if bias is None else bias.contiguous()  # held until the call returns
     library().neuron_linear(x.data_ptr(), m, x.stride(0), weight.data_ptr(), n, k, weight.stride(0),
-                            None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), n, _threads())
+                            None if bias is None else bias.data_ptr(), y.data_ptr(), n, _threads())
     return y
 
 

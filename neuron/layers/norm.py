@@ -44,7 +44,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension of x."""
     if _kernel_applies(x, "rms_norm"):
         return rms_norm_triton(x, weight, eps)
-    if cpu_ops.takes(x, weight):
+    if weight.shape == x.shape[-1:] and cpu_ops.takes(x, weight):
         return cpu_ops.rms_norm(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 
@@ -55,7 +55,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
     token's cos and sin ([tokens, 1, head_dim] or [tokens, head_dim])."""
     if _kernel_applies(x, "norm_rope"):
         return norm_rope_triton(x, weight, eps, cos, sin)
-    if (x.dim() == 3 and x.shape[-1] % 2 == 0 and cos.shape[-1] == x.shape[-1]
+    if (x.dim() == 3 and x.shape[-1] % 2 == 0 and cos.shape[-1] == x.shape[-1] and weight.shape == x.shape[-1:]
             and cos.numel() == x.shape[0] * x.shape[-1] and cpu_ops.takes(x, weight, cos, sin)):
         return cpu_ops.norm_rope(x, weight, eps, cos, sin)
     return apply_rotary(rms_norm_reference(x, weight, eps), cos, sin)
@@ -66,7 +66,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     """The residual sum x + delta ([tokens, hidden]) and its RMSNorm."""
     if _kernel_applies(x, "add_rms_norm") and delta.stride(-1) == 1 and x.dim() == 2:
         return add_rms_norm_triton(x, delta, weight, eps)
-    if x.dim() == 2 and delta.shape == x.shape and cpu_ops.takes(x, delta, weight):
+    if x.dim() == 2 and delta.shape == x.shape and weight.shape == x.shape[-1:] and cpu_ops.takes(x, delta, weight):
         return cpu_ops.add_rms_norm(x, delta, weight, eps)
     return add_rms_norm_reference(x, delta, weight, eps)
 
