@@ -47,6 +47,18 @@ def test_build_is_cached_by_source(cache, tmp_path):
     assert native.load(source, "test").neuron_answer() == 43
 
 
+@needs_compiler
+def test_a_changed_header_beside_the_source_is_a_new_library(cache, tmp_path):
+    (tmp_path / "answer.h").write_text("inline int answer() { return 42; }\n")
+    source = tmp_path / "answer.cpp"
+    source.write_text('#include "answer.h"\nextern "C" int neuron_answer() { return answer(); }\n')
+    built = native.build(source)
+    assert native.load(source, "test").neuron_answer() == 42
+    (tmp_path / "answer.h").write_text("inline int answer() { return 43; }\n")
+    assert native.build(source) != built
+    assert native.load(source, "test").neuron_answer() == 43
+
+
 def _build_in_child(source: str, queue) -> None:
     queue.put(str(native.build(Path(source))))
 

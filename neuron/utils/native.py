@@ -49,6 +49,8 @@ def library_path(source: Path, cxx: str) -> Path:
     """Where the library built from `source` by `cxx` for this CPU lives in the cache."""
     key = hashlib.sha256()
     key.update(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):  # what the source may include from its folder
+        key.update(header.name.encode() + header.read_bytes())
     key.update(_compiler_identity(cxx).encode())
     key.update(" ".join(FLAGS).encode())
     key.update(_cpu_flags().encode())

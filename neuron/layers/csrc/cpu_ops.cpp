@@ -15,6 +15,8 @@
 // their temporaries with one pass and one parallel region. Rows are split over threads only when
 // there is enough work: a parallel region ends in a barrier for the whole team, and on cores shared
 // with other processes that wait costs more than a small pass.
+#include "exp2.h"
+
 #include <omp.h>
 
 #include <algorithm>
@@ -76,27 +78,6 @@ inline void weight_rows(const float* x, int64_t m, int64_t xs, const float* w, i
     for (; r + 4 <= m; r += 4) tile<NBT, 4>(x + r * xs, xs, w, ws, k, y + r * ys, ys, bias);
     for (; r + 2 <= m; r += 2) tile<NBT, 2>(x + r * xs, xs, w, ws, k, y + r * ys, ys, bias);
     for (; r < m; ++r) tile<NBT, 1>(x + r * xs, xs, w, ws, k, y + r * ys, ys, bias);
-}
-
-// 2^x for x <= 0, vectorisable: the same polynomial as the attention kernel's (relative error
-// ~2e-7); 0 below -126.
-#pragma omp declare simd
-inline float exp2_neg(float x_in) {
-    const float x = std::max(x_in, -126.0f);
-    float n = std::nearbyint(x);
-    float f = x - n;
-    float p = 1.5353362e-4f;
-    p = p * f + 1.3398874e-3f;
-    p = p * f + 9.6184355e-3f;
-    p = p * f + 5.5503366e-2f;
-    p = p * f + 2.4022648e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    int32_t bits;
-    std::memcpy(&bits, &p, 4);
-    bits += int32_t(n) << 23;
-    std::memcpy(&p, &bits, 4);
-    return x_in < -126.0f ? 0.0f : p;
 }
 
 // 1 / sqrt(mean(x^2) + eps) over one row.
