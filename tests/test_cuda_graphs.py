@@ -15,6 +15,7 @@ from neuron.distributed.comm import SingleRank
 from neuron.models import build_model
 from neuron.models.cuda_graphs import DecodeGraphs, batch_buckets
 from neuron.models.loader import CheckpointReader, safetensors_files
+from neuron.models.step_input import BlockTables
 from neuron.step import SeqStep
 
 BLOCK = 4
@@ -34,13 +35,21 @@ def _model(path, paged: bool = True):
         model.load(r)
     model.allocate(num_blocks=SLOTS * MAX_LEN // BLOCK, block_size=BLOCK, max_slots=SLOTS, max_model_len=MAX_LEN,
                    paged=paged)
+    _TABLES[id(model)] = BlockTables(SLOTS, SLOTS * MAX_LEN // BLOCK, BLOCK, MAX_LEN, torch.device("cpu"), paged)
     return model
 
 
+_TABLES: dict[int, BlockTables] = {}  # each test model's block tables, as its runner would keep them
+
+
+def _tables(model) -> BlockTables:
+    return _TABLES[id(model)]
+
+
 def _step(model, seqs: list[SeqStep]) -> torch.Tensor:
-    batch = model.cache.prepare(seqs)
+    batch = _tables(model).prepare(seqs)
     logits = model.forward(batch)
-    model.cache.commit(batch)
+    _tables(model).commit(batch)
     return logits
 
 
@@ -85,12 +94,12 @@ def test_steps_that_do_not_fit_run_the_plain_forward(checkpoint):
     """A prefill chunk, or more sequences than the largest bucket, is not a graph's step."""
     model = _model(checkpoint)
     graphs = DecodeGraphs(model, max_batch=2)
-    prefill = model.cache.prepare([SeqStep(0, [1, 2, 3], 0, [0], fresh=True)])
+    prefill = _tables(model).prepare([SeqStep(0, [1, 2, 3], 0, [0], fresh=True)])
     assert not graphs.fits(prefill)
-    model.cache.commit(prefill)
-    decode = model.cache.prepare([SeqStep(0, [4], 3)])
+    _tables(model).commit(prefill)
+    decode = _tables(model).prepare([SeqStep(0, [4], 3)])
     assert graphs.fits(decode)
-    three = model.cache.prepare([SeqStep(s, [1], 0, [s + 1], fresh=True) for s in (1, 2, 3)])
+    three = _tables(model).prepare([SeqStep(s, [1], 0, [s + 1], fresh=True) for s in (1, 2, 3)])
     assert three.all_decode and not graphs.fits(three)
 
 

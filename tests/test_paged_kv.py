@@ -12,7 +12,7 @@ from neuron import LLM, SamplingParams
 from neuron.engine.block_manager import BlockManager, chain_hash
 from neuron.engine.sequence import Sequence
 from neuron.errors import ConfigError
-from neuron.models.kv_cache import PagedKVCache, StepRejected
+from neuron.models.step_input import BlockTables, StepRejected
 from neuron.step import SeqStep
 
 
@@ -134,11 +134,11 @@ def test_prefix_caching_off():
 # ---- a rank's cache ----
 
 
-def _cache(paged: bool = True) -> PagedKVCache:
+def _cache(paged: bool = True) -> BlockTables:
+    """A rank's block tables (the runner's; the pools are the model's and play no part here)."""
     import torch
 
-    return PagedKVCache(layers=1, num_blocks=8, block_size=4, slots=2, max_len=16, kv_heads=1, head_dim=2,
-                        dtype=torch.float32, device=torch.device("cpu"), paged=paged)
+    return BlockTables(slots=2, num_blocks=8, block_size=4, max_len=16, device=torch.device("cpu"), paged=paged)
 
 
 @pytest.mark.parametrize("step, message", [
@@ -177,17 +177,17 @@ def test_rank_tables_grow_by_the_blocks_a_step_carries(paged):
 
 
 def test_a_paged_step_crosses_to_the_device_in_one_copy(monkeypatch):
-    """Metadata, token ids and positions of a mixed step travel packed through the cache's staging:
+    """Metadata, token ids and positions of a mixed step travel packed through the tables' staging:
     one send per step, and nothing else sends host data (on CUDA that is one pinned copy)."""
     import torch
 
-    from neuron.models import kv_cache
+    from neuron.models import step_input
     from neuron.utils.device import Staging
 
     cache = _cache()
     sends, send = [], Staging.send
     monkeypatch.setattr(Staging, "send", lambda self, arrays: (sends.append(len(arrays)), send(self, arrays))[1])
-    monkeypatch.setattr(kv_cache, "to_device", lambda *a, **k: pytest.fail("a second host-to-device copy"))
+    monkeypatch.setattr(step_input, "to_device", lambda *a, **k: pytest.fail("a second host-to-device copy"))
     step = [SeqStep(0, [1, 2, 3, 4, 5], 0, [5, 2], True), SeqStep(1, [9], 0, [3], True)]
     cache.check(step, vocab_size=10)
     batch = cache.prepare(step)
@@ -203,8 +203,7 @@ def test_a_paged_step_crosses_to_the_device_in_one_copy(monkeypatch):
 def test_a_cuda_step_makes_one_host_to_device_copy():
     import torch
 
-    cache = PagedKVCache(layers=1, num_blocks=8, block_size=4, slots=2, max_len=16, kv_heads=1, head_dim=2,
-                         dtype=torch.float32, device=torch.device("cuda"), paged=True)
+    cache = BlockTables(slots=2, num_blocks=8, block_size=4, max_len=16, device=torch.device("cuda"), paged=True)
     step = [SeqStep(0, [1, 2, 3, 4, 5], 0, [5, 2], True), SeqStep(1, [9], 0, [3], True)]
     batch = cache.prepare(step)
     assert cache.staging.copies == 1

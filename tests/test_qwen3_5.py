@@ -16,9 +16,9 @@ from neuron.errors import ConfigError
 from neuron.layers.tensor_parallel import Shard
 from neuron.models import build_model
 from neuron.models.gated_deltanet import DeltaNetHeads, delta_chunked, delta_step
-from neuron.models.kv_cache import StepRejected
 from neuron.models.loader import CheckpointReader, safetensors_files
 from neuron.models.qwen3_5 import MRotary
+from neuron.models.step_input import BlockTables, StepRejected
 from neuron.step import SeqStep
 
 NEW_TOKENS = 8
@@ -195,19 +195,30 @@ def test_recurrent_state_cannot_rewind(multimodal_checkpoint):
     with CheckpointReader(safetensors_files(multimodal_checkpoint)) as r:
         model.load(r)
     model.allocate(8, 4, 2, 64)
-    cache = model.cache
+    cache, tables = model.cache, BlockTables(2, 8, 4, 64, torch.device("cpu"))
+
+    def check(step):
+        tables.check(step, 301)
+        cache.check(step, 301)
+
+    def start(step):
+        batch = tables.prepare(step)
+        cache.begin(step)
+        return batch
+
     first = [SeqStep(0, [1, 2, 3], 0, [0], True)]
-    cache.check(first, 301)
-    batch = cache.prepare(first)
+    check(first)
+    batch = start(first)
     model.forward(batch)
+    tables.commit(batch)
     cache.commit(batch)
-    cache.check([SeqStep(0, [4], 3)], 301)
+    check([SeqStep(0, [4], 3)])
     with pytest.raises(StepRejected, match="recurrent state"):
-        cache.check([SeqStep(0, [3], 2)], 301)
+        check([SeqStep(0, [3], 2)])
     with pytest.raises(StepRejected, match="cached prefix"):
-        cache.check([SeqStep(1, [5], 4, [1, 2], True)], 301)
-    cache.check([SeqStep(0, [9, 9], 0, [3], True)], 301)  # a new sequence in a reused slot starts afresh
-    cache.prepare([SeqStep(0, [4], 3)])  # a step that never commits
+        check([SeqStep(1, [5], 4, [1, 2], True)])
+    check([SeqStep(0, [9, 9], 0, [3], True)])  # a new sequence in a reused slot starts afresh
+    start([SeqStep(0, [4], 3)])  # a step that never commits
     with pytest.raises(StepRejected, match="failed step"):
         cache.check([SeqStep(0, [4], 3)], 301)
 

@@ -27,7 +27,7 @@ import logging
 import torch
 
 from neuron.layers.paged_attention import PagedAttentionMetadata
-from neuron.models.kv_cache import StepBatch
+from neuron.models.step_input import StepBatch, blocks_for
 
 log = logging.getLogger("neuron.models")
 
@@ -65,7 +65,8 @@ class DecodeGraphs:
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.slot_mapping = torch.full((n,), self.scratch_block * self.block_size, dtype=torch.long, device=dev)
         self.kv_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.full((n, cache.table_array.shape[1]), self.scratch_block, dtype=torch.int32,
+        self.block_tables = torch.full((n, blocks_for(cache.max_len, cache.block_size)), self.scratch_block,
+                                       dtype=torch.int32,
                                        device=dev)
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=dev)  # one query per sequence
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

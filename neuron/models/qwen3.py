@@ -23,7 +23,8 @@ from neuron.layers.tensor_parallel import (
     VocabParallelEmbedding,
 )
 from neuron.models.base import CausalLM
-from neuron.models.kv_cache import PagedKVCache, StepBatch
+from neuron.models.kv_cache import PagedKVCache
+from neuron.models.step_input import StepBatch
 
 SUPPORTED_ROPE_TYPES = ("default",)
 
@@ -213,8 +214,8 @@ class Qwen3ForCausalLM(CausalLM):
         c = self.config
         self.check_model_len(max_model_len, c.max_position_embeddings)
         self.rotary = Rotary(c.head_dim, c.rope_theta, max_model_len, self.dtype, self.device)
-        self.cache = PagedKVCache(c.num_layers, num_blocks, block_size, max_slots, max_model_len,
-                                  self.layout.local_kv_heads, c.head_dim, self.dtype, self.device, paged)
+        self.cache = PagedKVCache(c.num_layers, num_blocks, block_size, max_model_len, self.layout.local_kv_heads,
+                                  c.head_dim, self.dtype, self.device, paged)
 
     def layer_tensors(self, layer) -> list[torch.Tensor]:
         a, m = layer.attn, layer.mlp

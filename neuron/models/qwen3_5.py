@@ -33,10 +33,11 @@ from neuron.layers.tensor_parallel import (
 from neuron.models import MULTIMODAL_MODEL_TYPES
 from neuron.models.base import CausalLM
 from neuron.models.gated_deltanet import CHUNK, DeltaNetHeads, DeltaNetState, GatedDeltaNet
-from neuron.models.kv_cache import PagedKVCache, StepBatch, StepRejected
+from neuron.models.kv_cache import PagedKVCache
 from neuron.models.qwen3 import MLP
 from neuron.models.qwen3_5_images import prefill_with_images
 from neuron.models.qwen3_5_vision import VisionTower
+from neuron.models.step_input import BlockTables, StepBatch, StepRejected
 from neuron.multimodal.image import VisionSpec
 from neuron.step import SeqStep
 
@@ -217,16 +218,16 @@ class HybridCache:
     The recurrent state cannot rewind or be shared: a step continues exactly where its slot's
     state stands, or starts a sequence from nothing at offset 0 (a cached prefix cannot seed it)."""
 
-    def __init__(self, kv: PagedKVCache, linear: DeltaNetState):
+    def __init__(self, kv: PagedKVCache, linear: DeltaNetState, slots: int):
         self.kv = kv
         self.linear = linear
-        self.state_at: list[int | None] = [0] * kv.num_slots  # None: a step failed mid-way
+        self.state_at: list[int | None] = [0] * slots  # None: a step failed mid-way
         # Text after images sits at `offset + shift` on every rotary axis: an image's tokens
         # advance positions by its grid's longer side, not by their count.
-        self.shift = [0] * kv.num_slots
+        self.shift = [0] * slots
 
     def check(self, seqs: list[SeqStep], vocab_size: int) -> None:
-        self.kv.check(seqs, vocab_size)
+        """Refuse a step the recurrent state cannot take (the block tables checked the rest)."""
         for s in seqs:
             if s.fresh or s.offset == 0:
                 if s.offset:
@@ -243,14 +244,12 @@ class HybridCache:
                     "a linear-attention step must continue where the slot stands or restart at 0"
                 )
 
-    def prepare(self, seqs: list[SeqStep]) -> StepBatch:
-        batch = self.kv.prepare(seqs)
+    def begin(self, seqs: list[SeqStep]) -> None:
         self.linear.begin(seqs)
         for s in seqs:
             self.state_at[s.slot] = None  # until the step commits
             if s.fresh:
                 self.shift[s.slot] = 0
-        return batch
 
     def positions(self, batch: StepBatch) -> torch.Tensor:
         """The step's rotary positions: each token's offset plus its slot's shift."""
@@ -263,14 +262,12 @@ class HybridCache:
         return batch.positions + per_seq
 
     def commit(self, batch: StepBatch) -> None:
-        self.kv.commit(batch)
         step = self.linear
         for slot, offset, n in zip(step.slots, step.offsets, step.lengths):
             self.state_at[slot] = offset + n
 
     def clear(self, slots: list[int] | None) -> None:
-        self.kv.clear(slots)
-        for slot in range(self.kv.num_slots) if slots is None else slots:
+        for slot in range(len(self.state_at)) if slots is None else slots:
             self.state_at[slot] = 0
             self.shift[slot] = 0
 
@@ -381,11 +378,11 @@ class Qwen35ForCausalLM(CausalLM):
         c = self.config
         self.check_model_len(max_model_len, c.max_position_embeddings)
         self.rotary = MRotary(c.rotary_dim, c.rope_theta, c.mrope_section, max_model_len, self.dtype, self.device)
-        kv = PagedKVCache(c.layer_types.count(FULL), num_blocks, block_size, max_slots, max_model_len,
+        kv = PagedKVCache(c.layer_types.count(FULL), num_blocks, block_size, max_model_len,
                           self.layout.local_kv_heads, c.head_dim, self.dtype, self.device, paged)
         linear = DeltaNetState(c.layer_types.count(LINEAR), max_slots, self._conv_dim(), c.conv_kernel, self.heads,
                                self.dtype, self.device)
-        self.cache = HybridCache(kv, linear)
+        self.cache = HybridCache(kv, linear, max_slots)
 
     def layer_tensors(self, layer) -> list[torch.Tensor]:
         return layer.mixer.tensors() + [layer.mlp.gate_up.weight, layer.mlp.down.weight]
@@ -399,7 +396,7 @@ class Qwen35ForCausalLM(CausalLM):
         assert self.cache is not None
         return self.run(self.embed(batch.token_ids), self.cache.positions(batch), batch)
 
-    def prefill_with_images(self, seqs: list[SeqStep], image_token_id: int, image_data_uris: list[str],
-                            chunk_size: int) -> torch.Tensor | None:
+    def prefill_with_images(self, tables: BlockTables, seqs: list[SeqStep], image_token_id: int,
+                            image_data_uris: list[str], chunk_size: int) -> torch.Tensor | None:
         """Prefill whole sequences whose tokens hold image placeholders (see qwen3_5_images)."""
-        return prefill_with_images(self, seqs, image_token_id, image_data_uris, chunk_size)
+        return prefill_with_images(self, tables, seqs, image_token_id, image_data_uris, chunk_size)

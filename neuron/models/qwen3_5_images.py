@@ -9,14 +9,14 @@ import math
 
 import torch
 
-from neuron.models.kv_cache import StepRejected
+from neuron.models.step_input import BlockTables, StepRejected
 from neuron.multimodal.image import ImageError, image_spans, mrope_positions, preprocess
 from neuron.step import SeqStep
 
 
 @torch.inference_mode()
-def prefill_with_images(model, seqs: list[SeqStep], image_token_id: int, image_data_uris: list[str],
-                        chunk_size: int) -> torch.Tensor | None:
+def prefill_with_images(model, tables: BlockTables, seqs: list[SeqStep], image_token_id: int,
+                        image_data_uris: list[str], chunk_size: int) -> torch.Tensor | None:
     """Prefill whole sequences whose tokens hold image placeholders, in chunks of `chunk_size`
     tokens (every rank walks the same chunks, so the collectives pair up). The images go to
     the sequences in order, each taking the next run of placeholders its grid fills. Returns
@@ -31,10 +31,11 @@ def prefill_with_images(model, seqs: list[SeqStep], image_token_id: int, image_d
         if not s.fresh or s.offset != 0:
             raise StepRejected(f"slot {s.slot}: a step with images prefills a whole sequence from "
                                "position 0 (fresh, offset 0)")
+    tables.check(seqs, model.config.vocab_size)
     model.cache.check(seqs, model.config.vocab_size)
     embeds, grids, first_rows = _embeddings(model, image_data_uris)
     layouts = _layouts(model, seqs, grids, first_rows, image_token_id)
-    return _walk_chunks(model, seqs, layouts, embeds, chunk_size)
+    return _walk_chunks(model, tables, seqs, layouts, embeds, chunk_size)
 
 
 def _embeddings(model, uris: list[str]) -> tuple[torch.Tensor | None, list, list[int]]:
@@ -99,7 +100,7 @@ def _layouts(model, seqs: list[SeqStep], grids: list, first_rows: list[int], ima
     return layouts
 
 
-def _walk_chunks(model, seqs: list[SeqStep], layouts: list, embeds: torch.Tensor | None,
+def _walk_chunks(model, tables: BlockTables, seqs: list[SeqStep], layouts: list, embeds: torch.Tensor | None,
                  chunk_size: int) -> torch.Tensor | None:
     lengths = [len(s.token_ids) for s in seqs]
     last: list[torch.Tensor | None] = [None] * len(seqs)
@@ -111,7 +112,8 @@ def _walk_chunks(model, seqs: list[SeqStep], layouts: list, embeds: torch.Tensor
                 first = k == 0
                 sub.append(SeqStep(s.slot, s.token_ids[a:b], a, s.new_blocks if first else [], s.fresh and first))
                 members.append((i, a, b))
-        batch = model.cache.prepare(sub)
+        batch = tables.prepare(sub)
+        model.cache.begin(sub)
         x = model.embed(batch.token_ids)
         positions, rows, sources, base = [], [], [], 0
         for i, a, b in members:
@@ -126,6 +128,7 @@ def _walk_chunks(model, seqs: list[SeqStep], layouts: list, embeds: torch.Tensor
         if rows:
             x[torch.cat(rows)] = embeds[torch.cat(sources)].to(x.dtype)
         logits = model.run(x, torch.cat(positions, dim=1), batch)
+        tables.commit(batch)
         model.cache.commit(batch)
         if logits is not None:
             for j, (i, a, b) in enumerate(members):

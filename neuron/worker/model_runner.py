@@ -1,9 +1,11 @@
 """A rank's model runner: the model, its KV cache, and turning a step into a forward on this rank.
 
 The worker owns one per loaded model. Loading builds the model and reads this rank's slices, sizes
-the KV pool from what the device has left, allocates it and captures the decode graphs; a step is
-checked against the cache (every rank refuses a bad one alike, before any collective), run and
-committed. Rank 0's runner keeps the logits the leader samples from.
+the KV pool from what the device has left, allocates it and captures the decode graphs. The runner
+keeps each slot's block table (`BlockTables`): a step is checked against them and against the
+model's own per-slot state (every rank refuses a bad one alike, before any collective), turned
+into the batch's tensors, run and committed. Rank 0's runner keeps the logits the leader samples
+from.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError, UnsupportedModel
 from neuron.models import build_model
 from neuron.models.inputs import StepResult
-from neuron.models.kv_cache import StepRejected, plan_num_blocks
+from neuron.models.kv_cache import plan_num_blocks
 from neuron.models.loader import CheckpointReader
+from neuron.models.step_input import BlockTables, StepRejected
 from neuron.rpc import protocol as p
 from neuron.step import SeqStep
 from neuron.worker.failure import WorkerFailure, resolve_dtype
@@ -30,9 +33,10 @@ log = logging.getLogger("neuron.worker")
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int):
+    def __init__(self, model, num_blocks: int, tables: BlockTables):
         self.model = model
         self.num_blocks = num_blocks
+        self.tables = tables
 
     @classmethod
     def load(cls, req: p.LoadShard, comm: Communicator, device: torch.device,
@@ -45,30 +49,34 @@ class ModelRunner:
             with CheckpointReader(req.safetensors_paths) as reader:
                 model.load(reader, on_layer_loaded)
             num_blocks = _plan_kv(model, req, device)
-            model.allocate(num_blocks, req.block_size, req.max_slots, req.max_model_len,
-                           paged=settings().attention == "paged")
+            paged = settings().attention == "paged"
+            model.allocate(num_blocks, req.block_size, req.max_slots, req.max_model_len, paged=paged)
+            tables = BlockTables(req.max_slots, num_blocks, req.block_size, req.max_model_len, device, paged)
             if _graphs_wanted(model, device, comm):
                 model.capture_decode_graphs(req.max_slots)
         except UnsupportedModel as exc:
             raise WorkerFailure(p.ErrorKind.UNSUPPORTED_ARCH, str(exc)) from exc
         except (ConfigError, ValueError, OSError) as exc:
             raise WorkerFailure(p.ErrorKind.LOAD_FAILED, str(exc)) from exc
-        return cls(model, num_blocks)
+        return cls(model, num_blocks, tables)
 
     def step(self, seqs: list[SeqStep]) -> StepResult:
         """One batched forward; what this rank keeps of it (rank 0: logits and prompt logprobs)."""
-        model = self.model
+        model, tables = self.model, self.tables
         try:
+            tables.check(seqs, model.config.vocab_size)
             model.cache.check(seqs, model.config.vocab_size)
         except StepRejected as exc:
             raise WorkerFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
-        batch = model.cache.prepare(seqs)
+        batch = tables.prepare(seqs)
+        model.cache.begin(seqs)
         if any(s.prompt_logprobs is not None for s in seqs):
             batch.prompt_topk = [s.prompt_logprobs for s in seqs]
         try:
             logits = model.forward(batch)
         except Exception as exc:
             raise WorkerFailure(p.ErrorKind.FORWARD_FAILED, f"{type(exc).__name__}: {exc}") from exc
+        tables.commit(batch)
         model.cache.commit(batch)
         return StepResult(logits, batch.prompt_out or {})
 
@@ -77,7 +85,8 @@ class ModelRunner:
         if getattr(self.model, "vision", None) is None:
             raise WorkerFailure(p.ErrorKind.UNSUPPORTED_ARCH, f"model {req.model_id!r} has no vision tower")
         try:
-            return self.model.prefill_with_images(req.seqs, req.image_token_id, req.image_data_uris, req.chunk_size)
+            return self.model.prefill_with_images(self.tables, req.seqs, req.image_token_id, req.image_data_uris,
+                                                  req.chunk_size)
         except StepRejected as exc:
             raise WorkerFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
         except Exception as exc:
@@ -85,6 +94,7 @@ class ModelRunner:
 
     def clear(self, slots: list[int] | None) -> None:
         try:
+            self.tables.clear(slots)
             self.model.cache.clear(slots)
         except StepRejected as exc:
             raise WorkerFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
@@ -97,8 +107,8 @@ class ModelRunner:
 def _graphs_wanted(model, device: torch.device, comm: Communicator) -> bool:
     """Decode from CUDA graphs: on CUDA, over the paged cache, with collectives the GPU stream
     runs (one rank, or NCCL), for a model that allows it, unless NEURON_NO_CUDA_GRAPHS."""
-    return (device.type == "cuda" and not settings().no_cuda_graphs and model.cache.paged
-            and model.supports_cuda_graphs and comm.backend in ("single", "nccl"))
+    return (device.type == "cuda" and not settings().no_cuda_graphs and model.supports_cuda_graphs
+            and model.cache.paged and comm.backend in ("single", "nccl"))
 
 
 def _plan_kv(model, req: p.LoadShard, device: torch.device) -> int:
