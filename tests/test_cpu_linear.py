@@ -48,3 +48,27 @@ def test_switched_off(data, monkeypatch):
     owner = Owner()
     assert torch.equal(cpu_linear.linear(owner, x, w, b), F.linear(x, w, b))
     assert owner._onednn == (w, None)
+
+
+def test_steps_of_a_few_rows_share_one_padded_onednn_primitive(data, monkeypatch):
+    """Between the small-batch kernel's rows and PADDED_ROWS, oneDNN sees the step padded to
+    PADDED_ROWS rows (one cached primitive for all those sizes) and the caller the rows it sent."""
+    x, w, b = data
+    owner = Owner()
+    seen = []
+    mkldnn = torch.ops.mkldnn
+
+    class Ops:
+        _reorder_linear_weight = mkldnn._reorder_linear_weight
+
+        @staticmethod
+        def _linear_pointwise(inp, *args):
+            seen.append(inp.shape[0])
+            return mkldnn._linear_pointwise(inp, *args)
+
+    monkeypatch.setattr(torch.ops, "mkldnn", Ops)
+    for rows in range(cpu_linear.MIN_ROWS, cpu_linear.PADDED_ROWS + 2):
+        got = cpu_linear.linear(owner, x[:rows], w, b)
+        assert got.shape == (rows, w.shape[0])
+        torch.testing.assert_close(got, F.linear(x[:rows], w, b), atol=1e-4, rtol=1e-5)
+    assert set(seen) == {cpu_linear.PADDED_ROWS, cpu_linear.PADDED_ROWS + 1}
