@@ -96,7 +96,7 @@ def test_unsupported_model_type_fails_before_workers(tmp_path, monkeypatch):
 
     from neuron import LLM
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     spawned = []
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: spawned.append(a))
     with pytest.raises(UnsupportedModel, match="supported types: qwen3"):

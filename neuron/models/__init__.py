@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from neuron.errors import UnsupportedModel
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+DENSE_MODEL_TYPES = ("qwen3", "llama", "mistral", "qwen2")  # one decoder (qwen3.py), switches per family
+SUPPORTED_MODEL_TYPES = (*DENSE_MODEL_TYPES, "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 # Multimodal layouts: the language model's settings nested in `text_config`, a vision tower beside it.
 MULTIMODAL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 # Hybrid models whose linear-attention layers keep recurrent state per slot.
@@ -47,7 +48,7 @@ def text_config(config: dict) -> dict:
 def build_model(config: dict, comm, dtype, device, model_dir=None):
     """This rank's (unloaded) share of the model named by `config` (read from `model_dir`)."""
     model_type = check_supported(config)
-    if model_type == "qwen3":
+    if model_type in DENSE_MODEL_TYPES:
         from neuron.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
         return Qwen3ForCausalLM(Qwen3Config.from_dict(config), comm, dtype, device)

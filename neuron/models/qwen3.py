@@ -1,5 +1,9 @@
 """Qwen3 dense, tensor-parallel and batched: every step carries several sequences, each with its
-own KV slot and position offset; the single-sequence step is the batch of one."""
+own KV slot and position offset; the single-sequence step is the batch of one.
+
+The same decoder runs the dense families whose layers differ from Qwen3's only in switches:
+Llama and Mistral (no per-head q/k RMSNorm; `attention_bias` on q, k, v and o) and Qwen2 / Qwen2.5
+(no q/k norm; biases on q, k and v, none on o)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import torch
 
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
-from neuron.layers.norm import add_rms_norm, norm_rope, silu_mul
+from neuron.layers.norm import add_rms_norm, apply_rotary, norm_rope, silu_mul
 from neuron.layers.tensor_parallel import (
     HeadLayout,
     MergedColumnParallelLinear,
@@ -42,10 +46,14 @@ class Qwen3Config:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q, k and v
+    o_bias: bool = False
+    qk_norm: bool = True  # Qwen3's RMSNorm over each query and key head before the rotary embedding
 
     @classmethod
     def from_dict(cls, d: dict) -> "Qwen3Config":
+        family = d.get("model_type", "qwen3")
+        _check_family(family, d)
         try:
             heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])
@@ -61,7 +69,9 @@ class Qwen3Config:
                 rope_theta=_rope_theta(d),
                 max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=bool(d.get("attention_bias", False)),
+                attention_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
+                o_bias=family != "qwen2" and bool(d.get("attention_bias", False)),
+                qk_norm=family == "qwen3" or family == "qwen3_moe",
             )
         except KeyError as exc:
             raise ConfigError(f"config.json lacks required field {exc.args[0]!r}") from None
@@ -70,6 +80,16 @@ class Qwen3Config:
         if d.get("use_sliding_window"):
             raise ConfigError("sliding-window attention (use_sliding_window=true) is not supported")
         return cfg
+
+
+def _check_family(family: str, d: dict) -> None:
+    """Refuse what the shared decoder does not run, naming it."""
+    if d.get("mlp_bias"):
+        raise ConfigError(f"{family}: mlp_bias=true is not supported (biases on the MLP projections)")
+    window = d.get("sliding_window")
+    if family == "mistral" and window is not None and int(window) < int(d.get("max_position_embeddings", 0)):
+        raise ConfigError(f"mistral: sliding-window attention (sliding_window={window}) is not supported; "
+                          "neuron attends over the whole context, which changes this model's output past the window")
 
 
 def _rope_theta(d: dict) -> float:
@@ -108,8 +128,12 @@ class Attention:
     def __call__(self, h: torch.Tensor, batch: StepBatch, rope: tuple, cache: PagedKVCache) -> torch.Tensor:
         t = h.shape[0]
         q, k, v = self.qkv(h)
-        q = norm_rope(q.view(t, self.heads, self.head_dim), self.q_norm.weight, self.q_norm.eps, *rope)
-        k = norm_rope(k.view(t, self.kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps, *rope)
+        q, k = q.view(t, self.heads, self.head_dim), k.view(t, self.kv_heads, self.head_dim)
+        if self.q_norm is None:  # Llama, Mistral, Qwen2: the rotary embedding alone
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        else:
+            q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, *rope)
+            k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, *rope)
         cache.write(self.layer, batch, k, v.view(t, self.kv_heads, self.head_dim))
         return self.o_proj(cache.attend(self.layer, batch, q).reshape(t, -1))
 
@@ -171,10 +195,12 @@ class Qwen3ForCausalLM(CausalLM):
         p = f"model.layers.{i}"
         qkv = QKVParallelLinear.load(r, f"{p}.self_attn", self.layout, dt, dev, bias=c.attention_bias)
         o_proj = RowParallelLinear.load(
-            r, f"{p}.self_attn.o_proj", c.num_heads * c.head_dim, s, self.comm, dt, dev, bias=c.attention_bias
+            r, f"{p}.self_attn.o_proj", c.num_heads * c.head_dim, s, self.comm, dt, dev, bias=c.o_bias
         )
-        q_norm = RMSNorm.load(r, f"{p}.self_attn.q_norm.weight", c.rms_norm_eps, dt, dev)
-        k_norm = RMSNorm.load(r, f"{p}.self_attn.k_norm.weight", c.rms_norm_eps, dt, dev)
+        q_norm = k_norm = None
+        if c.qk_norm:
+            q_norm = RMSNorm.load(r, f"{p}.self_attn.q_norm.weight", c.rms_norm_eps, dt, dev)
+            k_norm = RMSNorm.load(r, f"{p}.self_attn.k_norm.weight", c.rms_norm_eps, dt, dev)
         attn = Attention(i, qkv, o_proj, q_norm, k_norm, self.layout)
         input_norm = RMSNorm.load(r, f"{p}.input_layernorm.weight", c.rms_norm_eps, dt, dev)
         post_norm = RMSNorm.load(r, f"{p}.post_attention_layernorm.weight", c.rms_norm_eps, dt, dev)
