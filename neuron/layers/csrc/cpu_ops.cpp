@@ -15,7 +15,7 @@
 // their temporaries with one pass and one parallel region. Rows are split over threads only when
 // there is enough work: a parallel region ends in a barrier for the whole team, and on cores shared
 // with other processes that wait costs more than a small pass.
-#include "exp2.h"
+#include "simd.h"
 
 #include <omp.h>
 
@@ -26,46 +26,27 @@
 
 namespace {
 
-#ifdef __AVX512F__
-constexpr int LANES = 16;
-#else
-constexpr int LANES = 8;
-#endif
-typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
-
 constexpr int NB = 8;  // weight rows per linear tile
 constexpr int64_t MIN_PARALLEL_LINEAR = int64_t(1) << 18;    // multiply-adds
 constexpr int64_t MIN_PARALLEL_ELEMENTS = int64_t(1) << 15;  // elements of an element-wise pass
-
-inline vec load(const float* p) {
-    vec v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-}
-
-inline float sum(vec v) {
-    float s = 0.0f;
-    for (int l = 0; l < LANES; ++l) s += v[l];
-    return s;
-}
 
 // RB rows of x against NB rows of W: RB x NB dot products of length k, written to y[r][j].
 template <int NBT, int RB>
 inline void tile(const float* x, int64_t xs, const float* w, int64_t ws, int64_t k, float* y, int64_t ys,
                  const float* bias) {
-    vec acc[RB][NBT] = {};
+    vecf acc[RB][NBT] = {};
     int64_t c = 0;
-    for (; c + LANES <= k; c += LANES) {
-        vec wv[NBT];
-        for (int j = 0; j < NBT; ++j) wv[j] = load(w + j * ws + c);
+    for (; c + VL <= k; c += VL) {
+        vecf wv[NBT];
+        for (int j = 0; j < NBT; ++j) wv[j] = vload(w + j * ws + c);
         for (int r = 0; r < RB; ++r) {
-            const vec xv = load(x + r * xs + c);
+            const vecf xv = vload(x + r * xs + c);
             for (int j = 0; j < NBT; ++j) acc[r][j] += wv[j] * xv;
         }
     }
     for (int r = 0; r < RB; ++r)
         for (int j = 0; j < NBT; ++j) {
-            float s = sum(acc[r][j]);
+            float s = hsum(acc[r][j]);
             for (int64_t t = c; t < k; ++t) s += w[j * ws + t] * x[r * xs + t];
             y[r * ys + j] = bias ? s + bias[j] : s;
         }

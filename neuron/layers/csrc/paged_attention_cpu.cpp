@@ -13,12 +13,9 @@
 // in fp32: one max and one rescale of the accumulators per tile, not per key. Decode steps
 // (one query per sequence) are bound by reading K and V, so a score is a plain dot product of a
 // query row with a key row; prefill chunks are a small share of a step's attention time.
-#include "exp2.h"
+#include "simd.h"
 
 #include <omp.h>
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cmath>
@@ -87,37 +84,7 @@ inline void axpy(float* __restrict y, float a, const float* __restrict x, int d_
     for (int d = 0; d < D; ++d) y[d] += a * x[d];
 }
 
-// Explicit vectors for the head sizes known at compile time: one register's worth of floats,
-// VL of them (GCC splits a width the CPU lacks into the registers it has).
-#if defined(__AVX512F__)
-constexpr int VL = 16;
-#else
-constexpr int VL = 8;
-#endif
-typedef float vecf __attribute__((vector_size(VL * sizeof(float))));
 constexpr int CHUNK = VL == 16 ? 8 : 4;  // accumulator vectors per row held in registers at once
-
-inline vecf vload(const float* p) {
-    vecf v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-}
-inline void vstore(float* p, vecf v) { std::memcpy(p, &v, sizeof v); }
-inline float hsum(vecf v) {
-#if defined(__AVX512F__)
-    return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
-#elif defined(__AVX__)
-    const __m256 x = reinterpret_cast<__m256>(v);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-#else
-    float s = 0.0f;
-    for (int l = 0; l < VL; ++l) s += v[l];
-    return s;
-#endif
-}
 
 struct Args {
     void* out;

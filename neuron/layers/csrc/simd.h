@@ -1,0 +1,72 @@
+// What the CPU kernels (paged_attention_cpu.cpp, cpu_ops.cpp) share: one register's worth of
+// floats as a vector type with its loads, stores and horizontal sum, and a vectorisable 2^x.
+// neuron/utils/native.py keys each library's cache entry on the headers of this folder too, so a
+// change here rebuilds both.
+#pragma once
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// One register's worth of floats, VL of them (GCC splits a width the CPU lacks into the
+// registers it has).
+#if defined(__AVX512F__)
+constexpr int VL = 16;
+#else
+constexpr int VL = 8;
+#endif
+typedef float vecf __attribute__((vector_size(VL * sizeof(float))));
+
+inline vecf vload(const float* p) {
+    vecf v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+inline void vstore(float* p, vecf v) { std::memcpy(p, &v, sizeof v); }
+inline float hsum(vecf v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#elif defined(__AVX__)
+    const __m256 x = reinterpret_cast<__m256>(v);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+#else
+    float s = 0.0f;
+    for (int l = 0; l < VL; ++l) s += v[l];
+    return s;
+#endif
+}
+
+// 2^x for x <= 0 (softmax exponents, already in base 2), vectorisable: split x into an integer n
+// and a fraction f in [-0.5, 0.5], a degree-6 polynomial for 2^f (relative error ~2e-7), and n
+// added to the float's exponent. Below -126 (a masked key's -inf included) the result is 0: a
+// score that far below the row's maximum contributes nothing in fp32.
+#pragma omp declare simd
+inline float exp2_neg(float x_in) {
+    const float x = std::max(x_in, -126.0f);
+    float n = std::nearbyint(x);
+    float f = x - n;
+    float p = 1.5353362e-4f;
+    p = p * f + 1.3398874e-3f;
+    p = p * f + 9.6184355e-3f;
+    p = p * f + 5.5503366e-2f;
+    p = p * f + 2.4022648e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    int32_t bits;
+    std::memcpy(&bits, &p, 4);
+    bits += int32_t(n) << 23;
+    std::memcpy(&p, &bits, 4);
+    return x_in < -126.0f ? 0.0f : p;
+}
+
+}  // namespace
