@@ -35,3 +35,14 @@ def test_write_replaces_only_its_block(tmp_path, monkeypatch):
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nearlier text\n") and text.count("bench_peers: begin") == 1
     assert "second table" in text and "first table" not in text
+
+
+def test_the_vllm_wrapper_is_put_under_a_main_guard_once(tmp_path):
+    """setup.sh's wrapper calls main() at import; vLLM's spawned engine core re-imports it."""
+    script = tmp_path / "vllm"
+    script.write_text("import sys\nfrom vllm.entrypoints.cli.main import main\nsys.exit(main())\n")
+    bench["guard_entry_point"](script)
+    guarded = script.read_text()
+    assert guarded.endswith('if __name__ == "__main__":\n    sys.exit(main())\n')
+    bench["guard_entry_point"](script)
+    assert script.read_text() == guarded

@@ -71,7 +71,7 @@ class Qwen3Config:
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
                 o_bias=family != "qwen2" and bool(d.get("attention_bias", False)),
-                qk_norm=family == "qwen3" or family == "qwen3_moe",
+                qk_norm=family in ("qwen3", "qwen3_moe"),
             )
         except KeyError as exc:
             raise ConfigError(f"config.json lacks required field {exc.args[0]!r}") from None
