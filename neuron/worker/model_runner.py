@@ -20,6 +20,7 @@ import torch
 from neuron.config import settings
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError, UnsupportedModel
+from neuron.layers import cpu_attention, cpu_ops
 from neuron.models import build_model
 from neuron.models.inputs import StepResult
 from neuron.models.kv_cache import plan_num_blocks
@@ -48,6 +49,8 @@ class ModelRunner:
             model = build_model(json.loads(req.config_json), comm, dtype, device, model_dir)
             with CheckpointReader(req.safetensors_paths) as reader:
                 model.load(reader, on_layer_loaded)
+            if device.type == "cpu":
+                _load_cpu_kernels()
             num_blocks = _plan_kv(model, req, device)
             paged = settings().attention == "paged"
             model.allocate(num_blocks, req.block_size, req.max_slots, req.max_model_len, paged=paged)
@@ -102,6 +105,14 @@ class ModelRunner:
     def release(self) -> None:
         """Free the captured graphs (and their memory pool) now."""
         self.model.release_graphs()
+
+
+def _load_cpu_kernels() -> None:
+    """Build (on a machine's first run, or with a fresh NEURON_CACHE_DIR: seconds) and load the CPU
+    kernels now, while the shard loads, rather than inside the first step, which the step deadline
+    bounds."""
+    cpu_attention.library()
+    cpu_ops.library()
 
 
 def _graphs_wanted(model, device: torch.device, comm: Communicator) -> bool:
