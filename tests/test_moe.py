@@ -169,7 +169,7 @@ def test_grouped_experts_equal_a_per_token_loop(moe_checkpoint):
 
     model = build_model({**MOE, "model_type": "qwen3_moe"}, SingleRank(), torch.float32, torch.device("cpu"))
     with CheckpointReader(safetensors_files(moe_checkpoint)) as r:
-        block = model._load_mlp(r, 0)
+        block = model.load_mlp(r, 0)
     assert isinstance(block, SparseMoE)
     x = torch.randn(7, MOE["hidden_size"])
     ids, weights = block.router(x)
@@ -241,10 +241,10 @@ def test_expert_paths_equal_the_per_expert_loop(route):
     block = _block(experts, hidden=32, inter=16)
     x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(1))
     flat_ids = torch.tensor(ids).flatten()
-    loop = block._experts(x, flat_ids, "loop")
+    loop = block.experts(x, flat_ids, "loop")
     torch.testing.assert_close(loop, _pair_by_pair(block, x, flat_ids), atol=1e-5, rtol=1e-5)
-    assert torch.equal(block._experts(x, flat_ids, "grouped"), loop)
-    torch.testing.assert_close(block._experts(x, flat_ids, "gather"), loop, atol=1e-6, rtol=1e-5)
+    assert torch.equal(block.experts(x, flat_ids, "grouped"), loop)
+    torch.testing.assert_close(block.experts(x, flat_ids, "gather"), loop, atol=1e-6, rtol=1e-5)
 
 
 def test_grouped_equals_the_loop_over_many_routed_tokens():
@@ -252,7 +252,7 @@ def test_grouped_equals_the_loop_over_many_routed_tokens():
     x = torch.randn(300, 64, generator=torch.Generator().manual_seed(1))
     flat_ids = block.router(x)[0].flatten()
     assert block.path_for(flat_ids.numel()) == "grouped"
-    assert torch.equal(block._experts(x, flat_ids, "grouped"), block._experts(x, flat_ids, "loop"))
+    assert torch.equal(block.experts(x, flat_ids, "grouped"), block.experts(x, flat_ids, "loop"))
 
 
 @pytest.mark.parametrize("hidden, inter", [(30, 16), (32, 6)], ids=["hidden 30", "expert width 6"])
@@ -264,8 +264,8 @@ def test_unaligned_widths_fall_back_to_the_loop(hidden, inter):
     flat_ids = block.router(x)[0].flatten()
     assert block.path_for(flat_ids.numel()) == "loop"
     with pytest.raises(RuntimeError, match="16 bytes"):
-        block._experts(x, flat_ids, "grouped")
-    torch.testing.assert_close(block._experts(x, flat_ids), _pair_by_pair(block, x, flat_ids), atol=1e-5, rtol=1e-5)
+        block.experts(x, flat_ids, "grouped")
+    torch.testing.assert_close(block.experts(x, flat_ids), _pair_by_pair(block, x, flat_ids), atol=1e-5, rtol=1e-5)
 
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -325,7 +325,7 @@ def test_decode_steps_neither_synchronise_nor_resist_capture(dtype):
         torch.cuda.set_sync_debug_mode("default")
     flat_ids = block.router(x)[0].flatten()
     torch.testing.assert_close(eager, block.partial(x), atol=0, rtol=0)
-    reference = (block._experts(x, flat_ids, "loop").view(2, 8, -1) * block.router(x)[1].unsqueeze(-1)).sum(1)
+    reference = (block.experts(x, flat_ids, "loop").view(2, 8, -1) * block.router(x)[1].unsqueeze(-1)).sum(1)
     torch.testing.assert_close(eager, reference, atol=2e-2, rtol=2e-2)
     static = x.clone()
     side = torch.cuda.Stream()

@@ -195,7 +195,7 @@ def _block(path, comm: Communicator, layer: int) -> SharedExpertMoE:
     config = json.loads((path / "config.json").read_text())
     model = build_model(config, comm, torch.float32, torch.device("cpu"))
     with CheckpointReader(safetensors_files(path)) as r:
-        return model._load_mlp(r, f"model.language_model.layers.{layer}.mlp")
+        return model.load_mlp(r, f"model.language_model.layers.{layer}.mlp")
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

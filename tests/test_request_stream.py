@@ -51,9 +51,9 @@ def test_next_reads_in_order_and_waits_for_the_engine():
     async def scenario():
         s = _stream("a")
         loop = asyncio.get_running_loop()
-        s._put(_update("a", 1))
-        loop.call_later(0.05, s._put, _update("a", 2))
-        loop.call_later(0.1, s._put, _update("a", 3, finished=True))
+        s.put(_update("a", 1))
+        loop.call_later(0.05, s.put, _update("a", 2))
+        loop.call_later(0.1, s.put, _update("a", 3, finished=True))
         return [u.token_ids[0] async for u in s], s.read_final
 
     assert _run(scenario()) == ([1, 2, 3], True)
@@ -63,7 +63,7 @@ def test_a_reader_behind_gets_everything_queued_in_one_batch():
     async def scenario():
         s = _stream("a")
         for t in range(4):
-            s._put(_update("a", t, finished=t == 3))
+            s.put(_update("a", t, finished=t == 3))
         return [batch async for batch in merged_updates([s], every_s=5)]
 
     batches = _run(scenario())
@@ -75,9 +75,9 @@ def test_samples_interleave_in_stream_order_and_leave_when_finished():
     async def scenario():
         a, b = _stream("a"), _stream("b")
         loop = asyncio.get_running_loop()
-        b._put(_update("b", 10))
-        a._put(_update("a", 1, finished=True))
-        loop.call_later(0.05, b._put, _update("b", 11, finished=True))
+        b.put(_update("b", 10))
+        a.put(_update("a", 1, finished=True))
+        loop.call_later(0.05, b.put, _update("b", 11, finished=True))
         return [batch async for batch in merged_updates([a, b], every_s=5)]
 
     batches = _run(scenario())
@@ -87,7 +87,7 @@ def test_samples_interleave_in_stream_order_and_leave_when_finished():
 def test_keepalive_when_nothing_comes():
     async def scenario():
         s = _stream("a")
-        asyncio.get_running_loop().call_later(0.25, s._put, _update("a", 7, finished=True))
+        asyncio.get_running_loop().call_later(0.25, s.put, _update("a", 7, finished=True))
         return [batch async for batch in merged_updates([s], every_s=0.1)]
 
     batches = _run(scenario())
@@ -108,7 +108,7 @@ def test_a_cancelled_wait_leaves_no_waiter_behind(timeout):
         with pytest.raises(asyncio.CancelledError):
             await task
         assert s._waiter is None
-        s._put(_update("a", 1))
+        s.put(_update("a", 1))
         await asyncio.sleep(0.06)
         return await wait_any([s], 0.01)
 

@@ -126,7 +126,7 @@ def test_non_streaming_request_gets_a_503_naming_the_rank(tp2_server):
     poster = threading.Thread(target=lambda: result.append(
         httpx.post(f"{tp2_server.base_url}/completions", json=body, timeout=60)))
     poster.start()
-    wait_until(lambda: any(s.num_output_tokens >= 5 for s in list(tp2_server.engine._streams.values())), 30,
+    wait_until(lambda: any(s.num_output_tokens >= 5 for s in tp2_server.engine.open_streams), 30,
                "the request never started generating")
     os.kill(proc.pid, signal.SIGKILL)
     poster.join(15)

@@ -163,7 +163,7 @@ def test_queue_full_is_503(stub_server, stub):
     threads = [threading.Thread(target=occupy) for _ in range(2)]
     for t in threads:
         t.start()
-    wait_until(lambda: len(stub_server.engine._streams) == 2)
+    wait_until(lambda: len(stub_server.engine.open_streams) == 2)
     r = httpx.post(f"{stub_server.base_url}/chat/completions", json=chat("hi"), headers=auth())
     assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
     assert int(r.headers["retry-after"]) >= 1
@@ -182,8 +182,8 @@ def test_client_disconnect_aborts_the_request(stub_server, stub):
                       headers=auth(), timeout=5) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")  # the role chunk; the first token never comes
-        assert len(stub_server.engine._streams) == 1
-    wait_until(lambda: not stub_server.engine._streams and not stub._active and stub._inbox.empty())
+        assert len(stub_server.engine.open_streams) == 1
+    wait_until(lambda: not stub_server.engine.open_streams and not stub._active and stub._inbox.empty())
 
 
 def test_context_length_from_the_engine(stub_server):

@@ -65,7 +65,7 @@ def test_drain_finishes_short_requests_and_cancels_long_ones(default_tokenizer):
                    threading.Thread(target=post, args=(chat, body("endless"), results, "endless"))]
         for t in clients:
             t.start()
-        wait_until(lambda: len(s.engine._streams) == 3, 10)
+        wait_until(lambda: len(s.engine.open_streams) == 3, 10)
         started = time.monotonic()
         s.begin_shutdown()
         wait_until(lambda: httpx.get(f"{s.url}/health").status_code == 503, 10)
@@ -93,7 +93,7 @@ def test_second_signal_cuts_the_grace_period_short(default_tokenizer):
         client = threading.Thread(target=stream, args=(f"{s.base_url}/completions",
                                                        {"model": "stub", "prompt": "endless"}, results, "r"))
         client.start()
-        wait_until(lambda: len(s.engine._streams) == 1, 10)
+        wait_until(lambda: len(s.engine.open_streams) == 1, 10)
         started = time.monotonic()
         s.begin_shutdown()
         wait_until(lambda: s.engine.state.value == "shutting_down", 10)

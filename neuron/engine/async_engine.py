@@ -118,6 +118,11 @@ class AsyncEngine(EngineClient):
         return self._state
 
     @property
+    def open_streams(self) -> list[RequestStream]:
+        """The streams of the requests admitted and not yet closed, oldest first."""
+        return list(self._streams.values())
+
+    @property
     def error(self) -> str | None:
         return self._error
 
@@ -246,7 +251,7 @@ class AsyncEngine(EngineClient):
                 kind = failure_kind or update.failure_kind  # a rank's failure, else the request's own
                 if kind is not None and update.finish_reason == "error":
                     stream.failure_kind = kind
-            stream._put(update)
+            stream.put(update)
             if update.finished:
                 self._finished(stream, update)
 

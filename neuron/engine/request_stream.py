@@ -44,7 +44,7 @@ class RequestStream:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def _put(self, update: Update) -> None:
+    def put(self, update: Update) -> None:
         """Event-loop thread: record timings and queue the update for the handler."""
         if update.token_ids:
             now = time.monotonic()

@@ -167,7 +167,7 @@ class SparseMoE:
         """This rank's share of the block's output, before the all-reduce: a model that adds more
         to the block (a shared expert) sums its share in first and reduces once."""
         ids, weights = self.router(x)
-        y = self._experts(x, ids.flatten())
+        y = self.experts(x, ids.flatten())
         # back to [t, k, hidden], weighted and summed over each token's experts
         return (y.view(*ids.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
@@ -176,7 +176,7 @@ class SparseMoE:
         return expert_path(pairs, w.shape[0], w.device.type, w.dtype, w.shape[1], self.local_inter,
                            self.sync_free_grouped_mm)
 
-    def _experts(self, x: torch.Tensor, flat_ids: torch.Tensor, path: str | None = None) -> torch.Tensor:
+    def experts(self, x: torch.Tensor, flat_ids: torch.Tensor, path: str | None = None) -> torch.Tensor:
         """Each (token, expert) pair's expert output, in flat_ids' order ([t * k, hidden]), by
         `path` (the one `expert_path` chooses unless given)."""
         path = path or self.path_for(flat_ids.numel())

@@ -204,9 +204,9 @@ class Qwen3ForCausalLM(CausalLM):
         attn = Attention(i, qkv, o_proj, q_norm, k_norm, self.layout)
         input_norm = RMSNorm.load(r, f"{p}.input_layernorm.weight", c.rms_norm_eps, dt, dev)
         post_norm = RMSNorm.load(r, f"{p}.post_attention_layernorm.weight", c.rms_norm_eps, dt, dev)
-        return DecoderLayer(attn, self._load_mlp(r, i), input_norm, post_norm)
+        return DecoderLayer(attn, self.load_mlp(r, i), input_norm, post_norm)
 
-    def _load_mlp(self, r: Reader, i: int):
+    def load_mlp(self, r: Reader, i: int):
         """Layer i's feed-forward block; a hook for models whose layers differ only there (MoE)."""
         c, s, p = self.config, self.shard, f"model.layers.{i}.mlp"
         gate_up = MergedColumnParallelLinear.load(

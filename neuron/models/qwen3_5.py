@@ -334,9 +334,9 @@ class Qwen35ForCausalLM(CausalLM):
             mixer = GatedAttention.load(r, index, f"{p}.self_attn", c, self.layout, self.comm, dt, dev)
         input_norm = OffsetRMSNorm.load(r, f"{p}.input_layernorm.weight", c.rms_norm_eps, dev)
         post_norm = OffsetRMSNorm.load(r, f"{p}.post_attention_layernorm.weight", c.rms_norm_eps, dev)
-        return DecoderLayer(mixer, self._load_mlp(r, f"{p}.mlp"), input_norm, post_norm)
+        return DecoderLayer(mixer, self.load_mlp(r, f"{p}.mlp"), input_norm, post_norm)
 
-    def _load_mlp(self, r: Reader, p: str):
+    def load_mlp(self, r: Reader, p: str):
         """The feed-forward block under `p`; a hook for models whose layers differ only there (MoE)."""
         c, s, dt, dev = self.config, self.shard, self.dtype, self.device
         gate_up = MergedColumnParallelLinear.load(r, [f"{p}.gate_proj", f"{p}.up_proj"], c.intermediate_size, s, dt, dev)

@@ -82,9 +82,9 @@ class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
         super().__init__(config.base, comm, dtype, device, vision, vision_config)
         self.moe = config
 
-    def _load_mlp(self, r: Reader, p: str) -> SharedExpertMoE:
+    def load_mlp(self, r: Reader, p: str) -> SharedExpertMoE:
         m = self.moe
-        shared = super()._load_mlp(r, f"{p}.shared_expert")  # the dense MLP, at the shared expert's width
+        shared = super().load_mlp(r, f"{p}.shared_expert")  # the dense MLP, at the shared expert's width
         # transformers' Qwen3.5 MoE router always renormalises its top-k weights (no norm_topk_prob)
         routed = SparseMoE.load(r, p, m.num_experts, m.moe_intermediate_size, m.top_k, True, self.shard,
                                 self.comm, self.dtype, self.device)

@@ -62,10 +62,10 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         # refused here, before any weight is read, rather than midway through the load
         self.shard.even(config.moe_intermediate_size, "moe_intermediate_size")
 
-    def _load_mlp(self, r: Reader, i: int):
+    def load_mlp(self, r: Reader, i: int):
         m = self.moe
         if not m.is_sparse(i):
-            return super()._load_mlp(r, i)
+            return super().load_mlp(r, i)
         return SparseMoE.load(r, f"model.layers.{i}.mlp", m.num_experts, m.moe_intermediate_size, m.top_k,
                               m.norm_topk_prob, self.shard, self.comm, self.dtype, self.device)
 
