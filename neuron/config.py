@@ -133,6 +133,10 @@ class Settings:
         unset="the embedded tiny default model, whose random weights make noise")
     served_model_name: str | None = _setting(str, None, "the name clients pass as `model`",
                                              unset="MODEL as given")
+    hf_overrides: str | None = _setting(
+        str, None, "a JSON object merged into the checkpoint's config.json as it is read, such as "
+        '\'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}\' '
+        "to run a model past its native context with YaRN", unset="config.json as it is")
     tp: int = _setting(int, 1, "tensor-parallel size: how many ranks (devices) share the model", lo=1)
     device: str | None = _setting(str, None, "cpu, cuda or cuda:N", unset="cuda when present, else cpu")
     dtype: str = _setting(str, "auto", "weight and activation dtype; auto is bfloat16 on CUDA, float32 on CPU",

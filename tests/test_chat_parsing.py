@@ -9,7 +9,13 @@ import pytest
 
 from neuron.entrypoints.openai.api_errors import APIError
 from neuron.entrypoints.openai.chat_utils import normalise_messages
-from neuron.entrypoints.openai.response_parser import OutputParser, Parsed, parse_tool_call, prompt_opens_reasoning
+from neuron.entrypoints.openai.response_parser import (
+    OutputParser,
+    Parsed,
+    parse_tool_call,
+    prompt_opens_reasoning,
+    tool_format,
+)
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -67,7 +73,7 @@ def test_reasoning_disabled_keeps_tags_as_text():
 
 
 def test_tool_call():
-    out = parse(f"<think>need weather</think>\n\n{CALL}", tools=True)
+    out = parse(f"<think>need weather</think>\n\n{CALL}", tools="tags")
     assert out.reasoning == "need weather"
     assert out.content == ""
     assert len(out.tool_calls) == 1
@@ -77,7 +83,7 @@ def test_tool_call():
 
 def test_several_tool_calls_and_surrounding_text():
     second = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
-    out = parse(f"Let me check.\n{CALL}\n{second}\n", tools=True)
+    out = parse(f"Let me check.\n{CALL}\n{second}\n", tools="tags")
     assert out.content == "Let me check."
     assert [c.name for c in out.tool_calls] == ["get_weather", "get_time"]
     assert json.loads(out.tool_calls[1].arguments) == {}
@@ -85,25 +91,25 @@ def test_several_tool_calls_and_surrounding_text():
 
 def test_invalid_tool_json_stays_content():
     bad = "<tool_call>\n{not json}\n</tool_call>"
-    out = parse(f"before {bad} after", tools=True)
+    out = parse(f"before {bad} after", tools="tags")
     assert out.content == f"before {bad} after"
     assert out.tool_calls == []
 
 
 def test_unclosed_tool_call_is_content():
-    out = parse('text <tool_call>{"name": "f", "arguments": {}', tools=True)
+    out = parse('text <tool_call>{"name": "f", "arguments": {}', tools="tags")
     assert out.content == 'text <tool_call>{"name": "f", "arguments": {}'
     assert out.tool_calls == []
 
 
 def test_tool_tags_are_text_without_tools():
-    out = parse(CALL, tools=False)
+    out = parse(CALL, tools=None)
     assert out.content == CALL and out.tool_calls == []
 
 
 def test_trailing_whitespace_kept_without_tool_call():
-    assert parse("Hello\n", tools=True).content == "Hello\n"
-    assert parse("Hello\n", tools=False).content == "Hello\n"
+    assert parse("Hello\n", tools="tags").content == "Hello\n"
+    assert parse("Hello\n", tools=None).content == "Hello\n"
 
 
 def test_arguments_given_as_string():
@@ -116,11 +122,16 @@ def test_arguments_given_as_string():
 
 @pytest.mark.parametrize("text,kw", [
     ("<think>\nLet me think.\n</think>\n\nThe answer is 4.", {}),
-    (f"  <think>a<b</think>\n\nx <tool_call> y {CALL}\n{CALL} tail <tool_ca", {"tools": True}),
+    (f"  <think>a<b</think>\n\nx <tool_call> y {CALL}\n{CALL} tail <tool_ca", {"tools": "tags"}),
     ("plain </think> text <thin", {}),
-    ("more reasoning</think>\n\nanswer <tool_call>{}</tool_call>", {"in_reasoning": True, "tools": True}),
+    ("more reasoning</think>\n\nanswer <tool_call>{}</tool_call>", {"in_reasoning": True, "tools": "tags"}),
     ("<thi", {}),
-    ("\n\n", {"tools": True}),
+    ("\n\n", {"tools": "tags"}),
+    (' \n{"name": "f", "parameters": {"x": [1, 2]}}; {"name": "g", "parameters": {}}', {"tools": "json"}),
+    ('I will not call {"name": "f"}', {"tools": "json"}),
+    ('Checking. [TOOL_CALLS][{"name": "f", "arguments": {"a": "[b]"}}]', {"tools": "mistral"}),
+    ('[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}', {"tools": "mistral"}),
+    ("[TOOL_CALL", {"tools": "mistral"}),
 ])
 def test_any_split_parses_like_the_whole(text, kw):
     """Streaming equals non-streaming: every way of cutting the text gives the same result."""
@@ -174,3 +185,44 @@ def test_messages_reject_images_and_bad_roles():
     assert e.value.param == "messages[0].role"
     with pytest.raises(APIError):
         normalise_messages([])
+
+
+def test_llama_json_calls():
+    out = parse(' {"name": "get_weather", "parameters": {"city": "Paris"}}', tools="json", reasoning=False)
+    assert out.content == "" and [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+    two = parse('{"name": "f", "parameters": {"x": 1}};{"name": "g", "parameters": {}}', tools="json")
+    assert [c.name for c in two.tool_calls] == ["f", "g"]
+
+
+@pytest.mark.parametrize("text", ['{"name": "f", "parameters": {"x": 1}', '{"city": "Paris"}',
+                                  'Sure: {"name": "f", "parameters": {}}', '{"name": "f", "parameters": {}}; oops'])
+def test_llama_json_that_is_not_a_whole_call_stays_content(text):
+    out = parse(text, tools="json", reasoning=False)
+    assert out.tool_calls == [] and out.content == text
+
+
+def test_mistral_calls_in_both_forms():
+    listed = parse('[TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]',
+                   tools="mistral", reasoning=False)
+    assert listed.content == "" and [(c.name, json.loads(c.arguments)) for c in listed.tool_calls] == [
+        ("f", {"x": 1}), ("g", {})]
+    named = parse('Let me look.[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]g[ARGS]{}', tools="mistral")
+    assert named.content == "Let me look." and [c.name for c in named.tool_calls] == ["f", "g"]
+    broken = parse("[TOOL_CALLS]f[ARGS]{oops", tools="mistral")
+    assert broken.tool_calls == [] and broken.content == "[TOOL_CALLS]f[ARGS]{oops"
+
+
+def test_the_format_follows_the_tokenizer_and_template():
+    class Tok:
+        def __init__(self, tokens, template=""):
+            self.tokens, self.chat_template = tokens, template
+
+        def token_to_id(self, token):
+            return self.tokens.get(token)
+
+    assert tool_format(Tok({"<tool_call>": 5})) == "tags"
+    assert tool_format(Tok({}, "{% if tools %}<tool_call>{% endif %}")) == "tags"
+    assert tool_format(Tok({"[TOOL_CALLS]": 9})) == "mistral"
+    assert tool_format(Tok({"<|python_tag|>": 7})) == "json"
+    assert tool_format(Tok({"<|eot_id|>": 1})) is None

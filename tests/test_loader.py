@@ -83,11 +83,16 @@ def test_vocab_shards_cover_odd_vocab():
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
-def test_unsupported_rope_scaling_is_rejected():
+def test_rope_parameters_are_read_from_either_place():
     base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
-    with pytest.raises(ConfigError, match="yarn"):
-        Qwen3Config.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
-    assert Qwen3Config.from_dict({**base, "rope_theta": 5.0}).rope_theta == 5.0
+    with pytest.raises(ConfigError, match="rope type 'dynamic'"):
+        Qwen3Config.from_dict({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
+    assert Qwen3Config.from_dict({**base, "rope_theta": 5.0}).rope.theta == 5.0
+    new = Qwen3Config.from_dict({**base, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 7.0},
+                                 "max_position_embeddings": 64}).rope
+    assert (new.rope_type, new.theta, new.factor, new.original_max_position_embeddings) == ("yarn", 7.0, 4.0, 64)
+    legacy = Qwen3Config.from_dict({**base, "rope_theta": 3.0, "rope_scaling": {"type": "linear", "factor": 2.0}}).rope
+    assert (legacy.rope_type, legacy.theta, legacy.factor) == ("linear", 3.0, 2.0)
 
 
 def test_unsupported_model_type_fails_before_workers(tmp_path, monkeypatch):

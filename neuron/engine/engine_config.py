@@ -4,11 +4,13 @@ out takes its setting (neuron.config), so `neuron serve`, `LLM(...)` and NEURON_
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
 
 from neuron.config import check, from_settings, settings
+from neuron.errors import ConfigError
 
 
 def _prefix_caching() -> bool | None:
@@ -36,6 +38,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = from_settings("max_num_batched_tokens")
     prefill_chunk_tokens: int = from_settings("prefill_chunk_tokens")
     hf_cache_dir: str | None = None
+    hf_overrides: dict | str | None = from_settings("hf_overrides")  # merged into config.json (JSON text or a dict)
     served_model_name: str | None = from_settings("served_model_name")
     block_size: int = from_settings("kv_block_size")
     kv_cache_memory: int | str | None = from_settings("kv_cache_memory")  # per rank, bytes or "4GiB"
@@ -45,6 +48,19 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name, setting in _CHECKED.items():
             check(setting, getattr(self, name), name)
+        self.hf_overrides = parse_overrides(self.hf_overrides)
+
+
+def parse_overrides(value: dict | str | None) -> dict | None:
+    """`hf_overrides` as a dict: a JSON object's text is parsed; anything but an object is refused."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"hf_overrides must be a JSON object; {exc}") from None
+    if value is not None and not isinstance(value, dict):
+        raise ConfigError(f"hf_overrides must be a JSON object (keys of config.json), got {value!r:.80}")
+    return value
 
 
 def default_device() -> str:

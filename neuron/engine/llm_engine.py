@@ -27,7 +27,7 @@ from neuron.engine.tokenizer import Tokenizer
 from neuron.errors import ConfigError, WorkerError
 from neuron.executor.executor import Executor, ExecutorConfig
 from neuron.layers import cpu_attention, kernel_choice
-from neuron.models import MULTIMODAL_MODEL_TYPES, load_config, supports_prefix_caching, text_config
+from neuron.models import MULTIMODAL_MODEL_TYPES, context_length, load_config, supports_prefix_caching, text_config
 from neuron.models.loader import read_generation_config, resolve_model_path
 from neuron.multimodal.image import ImageError, ImageInput, VisionSpec
 from neuron.step import SeqStep
@@ -46,10 +46,10 @@ class LLMEngine:
         else:
             self.model_dir = resolve_model_path(cfg.model, cfg.hf_cache_dir)
         self.model_name = cfg.served_model_name or (cfg.model or "neuron-default")
-        self.config = load_config(self.model_dir)  # refused before any worker starts
+        self.config = load_config(self.model_dir, cfg.hf_overrides)  # refused before any worker starts
         self.device = cfg.device or default_device()
         self.max_model_len = self._max_model_len()
-        self.vocab_size = int(text_config(self.config)["vocab_size"])
+        self.vocab_size = _vocab_size(self.config)
         self.tokenizer = Tokenizer.from_dir(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
         self.generation_config = read_generation_config(self.model_dir)
         self.eos_token_ids = self._eos_ids()
@@ -103,12 +103,13 @@ class LLMEngine:
         return spec if has_tower else None
 
     def _max_model_len(self) -> int:
-        native = int(text_config(self.config).get("max_position_embeddings", 2048))
+        native = context_length(self.config)
         wanted = self.cfg.max_model_len
         if wanted is None:
             return min(native, MAX_MODEL_LEN_CAP)
         if not 1 < wanted <= native:
-            raise ConfigError(f"max_model_len must be in 2..{native} (the model's max_position_embeddings), got {wanted}")
+            raise ConfigError(f"max_model_len must be in 2..{native} (the model's max_position_embeddings, stretched "
+                              f"by its rope scaling if it has one), got {wanted}")
         return wanted
 
     def _eos_ids(self) -> list[int]:
@@ -353,6 +354,13 @@ class LLMEngine:
         self.executor.shutdown()
 
 
+def _vocab_size(config: dict) -> int:
+    t = text_config(config)
+    if not isinstance(t.get("vocab_size"), int) or t["vocab_size"] < 1:
+        raise ConfigError(f"config.json needs vocab_size as a positive integer, got {t.get('vocab_size')!r}")
+    return t["vocab_size"]
+
+
 def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """These rows of `logits`. The index travels without blocking: indexing with a list would copy
     it from pageable memory, and the host would wait for the step's forward."""
@@ -366,9 +374,12 @@ def _internal(doing: str, exc: Exception) -> str:
 
 
 def encode_prompt(engine: LLMEngine, prompt: str) -> list[int]:
+    """A text prompt's ids with the special tokens the tokenizer's post-processor adds (Llama's and
+    Mistral's BOS; nothing for Qwen's), as transformers and vLLM encode a completion's prompt. A
+    chat's template writes its own BOS, so rendered chats are encoded without them."""
     if engine.tokenizer is None:
         raise RequestError("this checkpoint has no tokenizer.json: send token ids instead of text", param="prompt")
-    return engine.tokenizer.encode(prompt)
+    return engine.tokenizer.encode(prompt, add_special_tokens=True)
 
 
 __all__ = ["EngineConfig", "ImageError", "LLMEngine", "RequestError", "Update", "encode_prompt"]

@@ -172,18 +172,20 @@ class QKVParallelLinear:
 class MergedColumnParallelLinear:
     """Several column-parallel projections of the same input (gate and up) in one matmul."""
 
-    def __init__(self, weight: torch.Tensor, sizes: tuple[int, ...]):
+    def __init__(self, weight: torch.Tensor, sizes: tuple[int, ...], bias: torch.Tensor | None = None):
         self.weight = weight
         self.sizes = sizes
+        self.bias = bias
 
     @classmethod
-    def load(cls, r: Reader, prefixes: list[str], out_features: int, shard: Shard, dtype, device):
+    def load(cls, r: Reader, prefixes: list[str], out_features: int, shard: Shard, dtype, device, bias=False):
         start, end = shard.even(out_features, f"{prefixes[0]} outputs")
         w = torch.cat([r.read(f"{p}.weight", 0, start, end) for p in prefixes])
-        return cls(_place(w, dtype, device), (end - start,) * len(prefixes))
+        b = _place(torch.cat([r.read(f"{p}.bias", 0, start, end) for p in prefixes]), dtype, device) if bias else None
+        return cls(_place(w, dtype, device), (end - start,) * len(prefixes), b)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return linear(self, x, self.weight).split(self.sizes, dim=-1)
+        return linear(self, x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
 def _vocab_rows(r: Reader, name: str, vocab: int, shard: Shard, dtype, device) -> tuple[torch.Tensor, int]:

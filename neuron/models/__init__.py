@@ -22,15 +22,25 @@ def check_supported(config: dict) -> str:
     return model_type
 
 
-def load_config(model_dir) -> dict:
-    """A checkpoint's config.json, refused at once when neuron cannot run its architecture."""
+def load_config(model_dir, overrides: dict | None = None) -> dict:
+    """A checkpoint's config.json with `overrides` merged in (nested objects key by key), refused at
+    once when neuron cannot run its architecture."""
     from pathlib import Path
 
     from neuron.models.loader import read_json
 
-    config = read_json(Path(model_dir) / "config.json")
+    config = merged(read_json(Path(model_dir) / "config.json"), overrides or {})
     check_supported(config)
     return config
+
+
+def merged(base: dict, overrides: dict) -> dict:
+    """`base` with `overrides` laid over it: an object over an object merges key by key, anything
+    else replaces (a null removes nothing: it sets the key to null, as in config.json)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def supports_prefix_caching(config: dict) -> bool:
@@ -43,6 +53,14 @@ def text_config(config: dict) -> dict:
     """The language model's settings (vocabulary, context length): nested in multimodal configs."""
     nested = config.get("text_config")
     return nested if isinstance(nested, dict) else config
+
+
+def context_length(config: dict) -> int:
+    """The longest context the model runs: max_position_embeddings, stretched by its rope scaling."""
+    from neuron.layers.rope import RopeScaling
+
+    t = text_config(config)
+    return RopeScaling.from_config(t).max_len(int(t.get("max_position_embeddings", 2048)))
 
 
 def build_model(config: dict, comm, dtype, device, model_dir=None):

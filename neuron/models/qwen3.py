@@ -15,6 +15,7 @@ import torch
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
 from neuron.layers.norm import add_rms_norm, apply_rotary, norm_rope, silu_mul
+from neuron.layers.rope import RopeScaling, Rotary
 from neuron.layers.tensor_parallel import (
     HeadLayout,
     MergedColumnParallelLinear,
@@ -30,8 +31,6 @@ from neuron.models.base import CausalLM
 from neuron.models.kv_cache import PagedKVCache
 from neuron.models.step_input import StepBatch
 
-SUPPORTED_ROPE_TYPES = ("default",)
-
 
 @dataclass(slots=True)
 class Qwen3Config:
@@ -43,11 +42,12 @@ class Qwen3Config:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
+    rope: RopeScaling
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # q, k and v
     o_bias: bool = False
+    mlp_bias: bool = False  # Llama's optional biases on gate, up and down
     qk_norm: bool = True  # Qwen3's RMSNorm over each query and key head before the rotary embedding
 
     @classmethod
@@ -66,12 +66,13 @@ class Qwen3Config:
                 num_kv_heads=int(d.get("num_key_value_heads") or heads),
                 head_dim=int(d.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=_rope_theta(d),
+                rope=RopeScaling.from_config(d),
                 max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
                 o_bias=family != "qwen2" and bool(d.get("attention_bias", False)),
                 qk_norm=family in ("qwen3", "qwen3_moe"),
+                mlp_bias=family in ("llama", "mistral") and bool(d.get("mlp_bias", False)),
             )
         except KeyError as exc:
             raise ConfigError(f"config.json lacks required field {exc.args[0]!r}") from None
@@ -84,38 +85,12 @@ class Qwen3Config:
 
 def _check_family(family: str, d: dict) -> None:
     """Refuse what the shared decoder does not run, naming it."""
-    if d.get("mlp_bias"):
+    if d.get("mlp_bias") and family not in ("llama", "mistral"):
         raise ConfigError(f"{family}: mlp_bias=true is not supported (biases on the MLP projections)")
     window = d.get("sliding_window")
     if family == "mistral" and window is not None and int(window) < int(d.get("max_position_embeddings", 0)):
         raise ConfigError(f"mistral: sliding-window attention (sliding_window={window}) is not supported; "
                           "neuron attends over the whole context, which changes this model's output past the window")
-
-
-def _rope_theta(d: dict) -> float:
-    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ConfigError(
-            f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)}); "
-            "remove rope_scaling from config.json to run at the native context length"
-        )
-    return float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
-
-
-class Rotary:
-    """RoPE tables for every position up to the model length, indexed per token."""
-
-    def __init__(self, head_dim: int, theta: float, max_len: int, dtype, device):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        freqs = torch.arange(max_len, dtype=torch.float)[:, None] * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
-
-    def tables(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for this step's positions, shaped to broadcast over heads."""
-        return self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
 
 
 class Attention:
@@ -210,9 +185,10 @@ class Qwen3ForCausalLM(CausalLM):
         """Layer i's feed-forward block; a hook for models whose layers differ only there (MoE)."""
         c, s, p = self.config, self.shard, f"model.layers.{i}.mlp"
         gate_up = MergedColumnParallelLinear.load(
-            r, [f"{p}.gate_proj", f"{p}.up_proj"], c.intermediate_size, s, self.dtype, self.device
+            r, [f"{p}.gate_proj", f"{p}.up_proj"], c.intermediate_size, s, self.dtype, self.device, bias=c.mlp_bias
         )
-        down = RowParallelLinear.load(r, f"{p}.down_proj", c.intermediate_size, s, self.comm, self.dtype, self.device)
+        down = RowParallelLinear.load(r, f"{p}.down_proj", c.intermediate_size, s, self.comm, self.dtype, self.device,
+                                      bias=c.mlp_bias)
         return MLP(gate_up, down)
 
     def kv_block_bytes(self, block_size: int) -> int:
@@ -238,8 +214,8 @@ class Qwen3ForCausalLM(CausalLM):
     def allocate(self, num_blocks: int, block_size: int, max_slots: int, max_model_len: int,
                  paged: bool = True) -> None:
         c = self.config
-        self.check_model_len(max_model_len, c.max_position_embeddings)
-        self.rotary = Rotary(c.head_dim, c.rope_theta, max_model_len, self.dtype, self.device)
+        self.check_model_len(max_model_len, c.rope.max_len(c.max_position_embeddings))
+        self.rotary = Rotary(c.head_dim, c.rope, max_model_len, self.dtype, self.device)
         self.cache = PagedKVCache(c.num_layers, num_blocks, block_size, max_model_len, self.layout.local_kv_heads,
                                   c.head_dim, self.dtype, self.device, paged)
 

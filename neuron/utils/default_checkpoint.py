@@ -277,8 +277,9 @@ def build_checkpoint(out: Path) -> None:
     save_file(random_weights(vocab_size), str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def build_tokenizer() -> Tokenizer:
-    """A byte-level BPE tokenizer trained on CORPUS, set up the way Qwen's is."""
+def build_tokenizer(special: tuple[str, ...] = SPECIAL_TOKENS, text: tuple[str, ...] = TEXT_TOKENS) -> Tokenizer:
+    """A byte-level BPE tokenizer trained on CORPUS, set up the way Qwen's is, with the added
+    tokens `special` (dropped when decoding skips special tokens) and `text` after its vocabulary."""
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -296,8 +297,8 @@ def build_tokenizer() -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TEXT_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in text])
     return tok
 
 

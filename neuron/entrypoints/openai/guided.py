@@ -18,7 +18,7 @@ from neuron.engine.structured_output import CompiledGrammar
 from neuron.entrypoints.openai.api_errors import bad_request
 from neuron.entrypoints.openai.api_types import SamplingRequest
 from neuron.entrypoints.openai.prompt_input import off_loop
-from neuron.entrypoints.openai.response_parser import TOOL_CLOSE, TOOL_OPEN
+from neuron.entrypoints.openai.response_parser import MISTRAL_CALLS, TOOL_CLOSE, TOOL_OPEN, tool_format
 
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # A tool call's JSON is compact, like the other JSON grammars, so a model cannot pad it forever.
@@ -114,29 +114,40 @@ def _forced_tool(req) -> str | None:
 
 
 def _tool_grammar(req, forced: str, tokenizer) -> str:
-    """Tool calls as a Lark grammar (llguidance's dialect, `%json` for a call's JSON): one call, or
-    for "required" with parallel calls allowed, one or more, each `<tool_call>\\n{...}\\n</tool_call>`."""
+    """Tool calls as a Lark grammar (llguidance's dialect, `%json` for a call's JSON), in the format
+    the model's family writes and the response parser reads (`tool_format`): one call, or for
+    "required" with parallel calls allowed, one or more. tags: each `<tool_call>\\n{...}\\n</tool_call>`;
+    json: `{"name", "parameters"}` objects separated by `;`; mistral: `[TOOL_CALLS]` and a list."""
     tools = _functions(req.tools)
     if forced != "required":
         if forced not in tools:
             raise bad_request(f"tool_choice names the function {forced!r}, which is not among the tools",
                               param="tool_choice")
         tools = {forced: tools[forced]}
-    rules = [f"call_{i}: %json {json.dumps(_call_schema(name, params))}" for i, (name, params) in enumerate(tools.items())]
+    fmt = tool_format(tokenizer) if tokenizer is not None else "tags"
+    key = "parameters" if fmt == "json" else "arguments"
+    rules = [f"call_{i}: %json {json.dumps(_call_schema(name, params, key))}"
+             for i, (name, params) in enumerate(tools.items())]
     calls = " | ".join(f"call_{i}" for i in range(len(rules)))
     repeat = forced == "required" and req.parallel_tool_calls is not False
-    start = 'start: call ("\\n" call)*' if repeat else "start: call"
-    call = f'call: {_tag(TOOL_OPEN, tokenizer)} "\\n" ({calls}) "\\n" {_tag(TOOL_CLOSE, tokenizer)}'
+    if fmt == "mistral":
+        body = 'call ("," call)*' if repeat else "call"
+        start, call = f'start: {_tag(MISTRAL_CALLS, tokenizer)} "[" {body} "]"', f"call: {calls}"
+    elif fmt == "json":
+        start, call = ('start: call (";" call)*' if repeat else "start: call"), f"call: {calls}"
+    else:
+        start = 'start: call ("\\n" call)*' if repeat else "start: call"
+        call = f'call: {_tag(TOOL_OPEN, tokenizer)} "\\n" ({calls}) "\\n" {_tag(TOOL_CLOSE, tokenizer)}'
     return "\n".join([start, call, *rules]) + "\n"
 
 
-def _call_schema(name: str, params: dict) -> dict:
+def _call_schema(name: str, params: dict, key: str = "arguments") -> dict:
     """The JSON of one call to `name`, a schema of its own. The parameters' definitions move to its
     root, where their `#/$defs/...` references point (pydantic writes nested models so)."""
     defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
     arguments = {k: v for k, v in params.items() if k not in defs}
-    return {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
-            "required": ["name", "arguments"], "additionalProperties": False, **defs, "x-guidance": _COMPACT}
+    return {"type": "object", "properties": {"name": {"const": name}, key: arguments},
+            "required": ["name", key], "additionalProperties": False, **defs, "x-guidance": _COMPACT}
 
 
 def _tag(tag: str, tokenizer) -> str:

@@ -1,10 +1,20 @@
 """The model's output split into reasoning, content and tool calls.
 
-Qwen-style models think inside `<think>...</think>` and call tools with
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. These tags are ordinary added tokens,
-so they arrive in the decoded text. `OutputParser` is fed the text in whatever pieces it comes
-and holds back only what might still turn into a tag, so a streamed answer splits exactly as the
-same text parsed in one piece.
+Qwen-style models think inside `<think>...</think>`. Tool calls come in the format of the
+checkpoint's family (`tool_format` tells which from its tokenizer and chat template):
+
+- `tags` (Qwen2.5, Qwen3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+  anywhere in the reply, as often as the model likes;
+- `json` (Llama 3.1 and later): the whole reply is `{"name": ..., "parameters": {...}}`, or several
+  such objects separated by `;` (after `<|python_tag|>`, a special token the decoded text drops);
+- `mistral`: `[TOOL_CALLS]` and then a JSON list of `{"name": ..., "arguments": {...}}`, or
+  `name[ARGS]{...}` once per call (newer tokenizers).
+
+The tags and markers arrive in the decoded text (`[TOOL_CALLS]` is a special token, so a chat with
+tools decodes special tokens). `OutputParser` is fed the text in whatever pieces it comes and holds
+back only what might still turn into a tag, so a streamed answer splits exactly as the same text
+parsed in one piece; a reply that is a JSON call, or the rest of one after `[TOOL_CALLS]`, is held
+until it ends and becomes tool calls only if all of it parses.
 """
 
 from __future__ import annotations
@@ -16,6 +26,23 @@ from neuron.engine.tokenizer import Tokenizer
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+PYTHON_TAG = "<|python_tag|>"
+TOOL_FORMATS = ("tags", "json", "mistral")
+
+
+def tool_format(tokenizer: Tokenizer) -> str | None:
+    """How this checkpoint's model writes tool calls (one of TOOL_FORMATS), or None when neuron
+    knows no format for it: then requests with tools are refused rather than answered with the
+    calls left in the text."""
+    template = tokenizer.chat_template or ""
+    if tokenizer.token_to_id(TOOL_OPEN) is not None or TOOL_OPEN in template:
+        return "tags"
+    if tokenizer.token_to_id(MISTRAL_CALLS) is not None:
+        return "mistral"
+    if tokenizer.token_to_id(PYTHON_TAG) is not None:
+        return "json"
+    return None
 
 
 def prompt_opens_reasoning(prompt: str) -> bool:
@@ -47,9 +74,51 @@ class Parsed:
 def parse_tool_call(body: str) -> ParsedToolCall | None:
     """The JSON between the tool-call tags, or None when it is not a well-formed call."""
     try:
-        obj = json.loads(body)
+        return _call(json.loads(body))
     except json.JSONDecodeError:
         return None
+
+
+def parse_json_calls(text: str) -> list[ParsedToolCall] | None:
+    """Llama's calls: one JSON object, or several separated by `;`; None unless all of them parse."""
+    text = text.strip()
+    try:
+        objs = [json.loads(text)]
+    except json.JSONDecodeError:
+        try:
+            objs = [json.loads(part) for part in text.split(";")]
+        except json.JSONDecodeError:
+            return None
+    return _all_calls(objs)
+
+
+def parse_mistral_calls(text: str) -> list[ParsedToolCall] | None:
+    """What follows `[TOOL_CALLS]`: a JSON list of calls, or `name[ARGS]{...}` per call (each
+    after its own marker); None unless all of it parses."""
+    body = text.removeprefix(MISTRAL_CALLS).strip()
+    if body.startswith("["):
+        try:
+            objs = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        return _all_calls(objs) if isinstance(objs, list) else None
+    objs = []
+    for part in body.split(MISTRAL_CALLS):
+        name, sep, args = part.partition(MISTRAL_ARGS)
+        try:
+            objs.append({"name": name.strip(), "arguments": json.loads(args)} if sep else None)
+        except json.JSONDecodeError:
+            return None
+    return _all_calls(objs)
+
+
+def _all_calls(objs: list) -> list[ParsedToolCall] | None:
+    calls = [_call(obj) for obj in objs]
+    return calls if calls and None not in calls else None
+
+
+def _call(obj) -> ParsedToolCall | None:
+    """A decoded call: `name` and its `arguments` (or Llama's `parameters`) as an object."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -76,18 +145,21 @@ class OutputParser:
 
     reasoning: the tokenizer knows the think tags; a leading `<think>` opens reasoning.
     in_reasoning: the prompt already opened `<think>`, so the output starts inside it.
-    tools: the request offered tools, so `<tool_call>` blocks are parsed.
+    tools: the request offered tools, and the format its calls come in (TOOL_FORMATS); None: no
+    tools, every tag is text.
     """
 
-    def __init__(self, *, reasoning: bool, in_reasoning: bool = False, tools: bool = False):
+    def __init__(self, *, reasoning: bool, in_reasoning: bool = False, tools: str | None = None):
         self._mode = "reasoning" if in_reasoning else "start" if reasoning else "content"
         self._tools = tools
+        self._opener = {"tags": TOOL_OPEN, "mistral": MISTRAL_CALLS}.get(tools)
         self._buf = ""  # text not yet classified
         self._ws = ""  # trailing content whitespace, dropped if a tool call follows
         self._after_tool = False
+        self._content_began = False  # json: a call is a reply that opens with `{`
 
     @classmethod
-    def for_chat(cls, tokenizer: Tokenizer, prompt: str, *, tools: bool) -> "OutputParser":
+    def for_chat(cls, tokenizer: Tokenizer, prompt: str, *, tools: str | None) -> "OutputParser":
         """The parser for a reply to `prompt`: reasoning where the tokenizer has both think tags,
         starting inside it where the prompt left `<think>` open."""
         thinks = tokenizer.token_to_id(THINK_OPEN) is not None and tokenizer.token_to_id(THINK_CLOSE) is not None
@@ -110,7 +182,7 @@ class OutputParser:
     def _drain(self, final: bool) -> Parsed:
         out = Parsed()
         step = {"start": self._start, "reasoning": self._reasoning, "after_think": self._after_think,
-                "content": self._plain, "tool": self._tool_call}
+                "content": self._plain, "tool": self._tool_call, "tail": self._tail}
         while step[self._mode](out, final):
             pass
         return out
@@ -147,13 +219,21 @@ class OutputParser:
         return True
 
     def _plain(self, out: Parsed, final: bool) -> bool:
-        if self._tools:
-            at = self._buf.find(TOOL_OPEN)
+        if self._tools == "json" and not self._content_began:
+            head = self._buf.lstrip()
+            if not head:
+                return False
+            self._content_began = True
+            if head.startswith("{"):
+                self._buf, self._mode = head, "tail"
+                return True
+        if self._opener is not None:
+            at = self._buf.find(self._opener)
             if at != -1:
                 self._content(out, self._buf[:at])
-                self._buf, self._mode = self._buf[at:], "tool"
+                self._buf, self._mode = self._buf[at:], "tool" if self._tools == "tags" else "tail"
                 return True
-        keep = _partial_tag(self._buf, TOOL_OPEN) if self._tools and not final else 0
+        keep = _partial_tag(self._buf, self._opener) if self._opener is not None and not final else 0
         self._content(out, self._buf[: len(self._buf) - keep])
         self._buf = self._buf[len(self._buf) - keep:]
         return False
@@ -171,6 +251,20 @@ class OutputParser:
             out.tool_calls.append(call)
             self._ws, self._after_tool = "", True
         return True
+
+    def _tail(self, out: Parsed, final: bool) -> bool:
+        """A reply's calls that end with it (json, mistral): parsed whole once the reply is over."""
+        if not final:
+            return False
+        parse = parse_json_calls if self._tools == "json" else parse_mistral_calls
+        calls = parse(self._buf)
+        if calls is None:
+            self._content(out, self._buf)
+        else:
+            out.tool_calls += calls
+            self._ws, self._after_tool = "", True
+        self._buf, self._mode = "", "content"
+        return False
 
     def _content(self, out: Parsed, text: str) -> None:
         if not self._tools:

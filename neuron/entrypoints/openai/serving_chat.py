@@ -49,7 +49,7 @@ from neuron.entrypoints.openai.common import (
 from neuron.entrypoints.openai.guided import compile_guided
 from neuron.entrypoints.openai.logprobs import LogprobRenderer
 from neuron.entrypoints.openai.prompt_input import Limiters, check_prompt_chars, off_loop
-from neuron.entrypoints.openai.response_parser import OutputParser, Parsed
+from neuron.entrypoints.openai.response_parser import TOOL_FORMATS, OutputParser, Parsed, tool_format
 from neuron.entrypoints.openai.streaming import EventStreamResponse, json_unless_disconnected
 from neuron.multimodal.image import ImageError, ImageInput
 
@@ -57,8 +57,11 @@ from neuron.multimodal.image import ImageError, ImageInput
 class ChatRequestContext:
     """Everything about one chat request that its response needs."""
 
-    def __init__(self, req: ChatCompletionRequest, model: str, tokenizer, prompt: str, top_logprobs: int | None):
+    def __init__(self, req: ChatCompletionRequest, model: str, tokenizer, prompt: str, top_logprobs: int | None,
+                 tools: str | None):
+        """`tools`: the format the reply's tool calls come in (TOOL_FORMATS); None when it offers none."""
         self.req = req
+        self.tools = tools
         self.id = new_id("chatcmpl")
         self.created = now()
         self.model = model
@@ -73,7 +76,7 @@ class ChoiceState:
     def __init__(self, ctx: ChatRequestContext):
         self.top_logprobs = ctx.top_logprobs
         self.render = LogprobRenderer(ctx.tokenizer, ctx.req.return_tokens_as_token_ids)
-        self.parser = OutputParser.for_chat(ctx.tokenizer, ctx.prompt, tools=_uses_tools(ctx.req))
+        self.parser = OutputParser.for_chat(ctx.tokenizer, ctx.prompt, tools=ctx.tools)
         self.num_tool_calls = 0
 
     def logprobs(self, update: Update) -> ChatLogprobs | None:
@@ -96,6 +99,19 @@ _TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt"})
 
 def _uses_tools(req: ChatCompletionRequest) -> bool:
     return bool(req.tools) and req.tool_choice != "none"
+
+
+def _tool_format(req: ChatCompletionRequest, tokenizer) -> str | None:
+    """The format of the reply's tool calls; a request with tools for a model whose format neuron
+    does not know is refused, rather than answered with its calls left in the text."""
+    if not _uses_tools(req):
+        return None
+    fmt = tool_format(tokenizer)
+    if fmt is None:
+        raise bad_request(f"this model's tokenizer and chat template show no tool-call format neuron reads (it reads "
+                          f"{', '.join(TOOL_FORMATS)}: Qwen's <tool_call> tags, Llama 3.1's JSON and Mistral's "
+                          '[TOOL_CALLS]); send the request without tools, or with tool_choice "none"', param="tools")
+    return fmt
 
 
 def _check(req: ChatCompletionRequest) -> None:
@@ -144,13 +160,16 @@ async def create_chat_completion(request: Request, engine: AsyncEngine, req: Cha
     max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if getattr(req, max_name) == 0:  # only /v1/completions scores a prompt without generating (echo)
         raise bad_request(f"{max_name} must be >= 1 or null, got 0", param=max_name)
+    tools = _tool_format(req, engine.tokenizer)
     params = sampling_params(req, engine.default_sampling(), max_tokens=getattr(req, max_name), logprobs=top_logprobs,
                              renames={"logprobs": "top_logprobs", "max_tokens": max_name})
+    if tools == "mistral":  # its calls open with a special token, which the parser must see
+        params.skip_special_tokens = False
     check_sequences(engine, 1, params)  # before compiling or rendering anything
     grammar = await compile_guided(engine, req, limiters.grammar)
     check_prompt_chars(engine, template_content_chars(req.messages), "messages")  # at once, before the template
     prompt, prompt_ids, images = await off_loop(limiters.tokenize, _render, engine, req)
-    ctx = ChatRequestContext(req, engine.model_name, engine.tokenizer, prompt, top_logprobs)
+    ctx = ChatRequestContext(req, engine.model_name, engine.tokenizer, prompt, top_logprobs, tools)
     samples = open_samples(engine, ctx.id, [prompt_ids], params, "messages", images, grammar)
     if req.stream:
         return EventStreamResponse(_events(ctx, samples, keepalive_s), on_close=samples.close)

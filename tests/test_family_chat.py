@@ -1,0 +1,172 @@
+"""Chat for the dense families on checkpoints with their own templates and tokenizers (built in
+tests/family_chat.py): the template renders as transformers renders it, text prompts get the BOS
+their tokenizer adds, tool calls come back as OpenAI `tool_calls` through the official client in
+each family's format (forced by a grammar on the real model, and parsed from a scripted reply),
+a model whose format is unknown is refused tools, and each of Llama 3's three stop ids ends a
+generation."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jsonschema
+import openai
+import pytest
+import torch
+from family_chat import FAMILIES, LLAMA3_STOPS, build_family_checkpoint
+from safetensors.torch import load_file, save_file
+from server_harness import LiveServer, ScriptedEngine, client, real_engine, scripted_engine
+
+from neuron.engine.tokenizer import Tokenizer
+from neuron.entrypoints.openai.response_parser import tool_format
+from neuron.utils.default_checkpoint import build_tokenizer
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+           "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    {"role": "user", "content": "And now?"},
+]
+FORMATS = {"llama3": "json", "qwen2.5": "tags", "mistral": "mistral"}
+# What each family's model writes when it calls get_weather, in the pieces a stream might bring.
+REPLIES = {
+    "llama3": ['{"name": "get_weather", ', '"parameters": {"city": ', '"Paris"}}'],
+    "qwen2.5": ["<tool_call>", '\n{"name": "get_weather", "arguments": ', '{"city": "Paris"}}\n', "</tool_call>"],
+    "mistral": ["[TOOL_CALLS]", '[{"name": "get_weather", ', '"arguments": {"city": "Paris"}}]'],
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    return request.param, build_family_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def test_the_template_renders_as_transformers(family):
+    import transformers
+
+    name, path = family
+    ours = Tokenizer.from_dir(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(path)
+    for messages, tools in ((HISTORY, TOOLS), (HISTORY[:2], None)):
+        want = theirs.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        got = ours.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+        assert got == want, name
+        assert ours.encode(got) == theirs(want, add_special_tokens=False).input_ids
+    assert tool_format(ours) == FORMATS[name]
+
+
+def test_a_text_prompt_gets_the_bos_its_tokenizer_adds(family):
+    import transformers
+
+    from neuron import LLM, SamplingParams
+
+    name, path = family
+    text = "Hello there, how are you?"
+    want = transformers.AutoTokenizer.from_pretrained(path)(text).input_ids
+    with LLM(str(path), device="cpu", dtype="float32") as llm:
+        [out] = llm.generate([text], SamplingParams(max_tokens=1, temperature=0.0))
+    assert out.prompt_token_ids == want
+    tok, bos = Tokenizer.from_dir(path), FAMILIES[name][4]
+    assert want == ([tok.token_to_id(bos)] if bos else []) + tok.encode(text)
+
+
+@pytest.mark.slow
+def test_forced_tool_calls_round_trip_through_the_openai_client(family):
+    """tool_choice holds the real model to its family's call format, which the parser then reads."""
+    name, path = family
+    with LiveServer(real_engine(str(path), 1, max_model_len=512)) as server:
+        server.wait_ready()
+        api = client(server)
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for kwargs in (dict(tool_choice=named), dict(tool_choice="required", parallel_tool_calls=False)):
+            out = api.chat.completions.create(model=str(path), messages=HISTORY, tools=TOOLS, max_tokens=120,
+                                              seed=1, **kwargs)
+            choice = out.choices[0]
+            assert choice.finish_reason == "tool_calls", (name, choice.message)
+            assert choice.message.content is None
+            [call] = choice.message.tool_calls
+            schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), schema)
+        chunks = list(api.chat.completions.create(model=str(path), messages=HISTORY, tools=TOOLS, max_tokens=120,
+                                                  tool_choice=named, stream=True, seed=2))
+        calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+        assert [c.function.name for c in calls] == ["get_weather"]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_in_the_family_format_becomes_tool_calls(family, stream):
+    name, path = family
+    stub = ScriptedEngine(Tokenizer.from_dir(path), {"Paris": REPLIES[name]})
+    with LiveServer(scripted_engine(stub)) as server:
+        api = client(server.wait_ready(10))
+        request = dict(model="stub", messages=HISTORY[:2], tools=TOOLS)
+        if stream:
+            chunks = list(api.chat.completions.create(stream=True, **request))
+            calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            message = api.chat.completions.create(**request).choices[0]
+            calls, content, reason = message.message.tool_calls, message.message.content or "", message.finish_reason
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+            ("get_weather", {"city": "Paris"})]
+        assert content == "" and reason == "tool_calls"
+        # Without tools the same reply is text (the special [TOOL_CALLS] is then skipped by decoding,
+        # but a scripted reply is text already).
+        plain = api.chat.completions.create(model="stub", messages=HISTORY[:2]).choices[0].message
+        assert plain.content == "".join(REPLIES[name]) and not plain.tool_calls
+
+
+def test_tools_are_refused_where_the_call_format_is_unknown():
+    backend = build_tokenizer(("<|eot|>",), ())
+    tok = Tokenizer(backend, eos_token="<|eot|>", chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert tool_format(tok) is None
+    with LiveServer(scripted_engine(ScriptedEngine(tok, {}))) as server:
+        api = client(server.wait_ready(10))
+        with pytest.raises(openai.BadRequestError) as err:
+            api.chat.completions.create(model="stub", messages=HISTORY[:2], tools=TOOLS)
+        assert err.value.body["param"] == "tools" and "tool-call format" in err.value.body["message"]
+        out = api.chat.completions.create(model="stub", messages=HISTORY[:2], tools=TOOLS, tool_choice="none")
+        assert out.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_each_of_llamas_three_stop_ids_ends_generation(tmp_path):
+    """Llama 3 stops on <|end_of_text|>, <|eom_id|> and <|eot_id|> (generation_config lists all
+    three). The head is untied and one row is set so that greedy decoding writes that stop id at
+    once: a copy of the row of the token it would write, scaled to win."""
+    import transformers
+
+    from neuron import LLM, SamplingParams
+
+    base = build_family_checkpoint(tmp_path / "base", "llama3")
+    tok = Tokenizer.from_dir(base)
+    prompt = tok.encode("Hello there", add_special_tokens=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+    first = int(logits.argmax())
+    weights = load_file(base / "model.safetensors")
+    embed = weights["model.embed_tokens.weight"]
+    config = json.loads((base / "config.json").read_text())
+    for stop in LLAMA3_STOPS:
+        path = tmp_path / stop.strip("<|>")
+        shutil.copytree(base, path)
+        head = embed.clone()
+        head[tok.token_to_id(stop)] = embed[first] * (1.1 if logits[first] > 0 else 0.9)
+        save_file({**weights, "lm_head.weight": head}, path / "model.safetensors", metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+        with LLM(str(path), device="cpu", dtype="float32") as llm:
+            assert tok.token_to_id(stop) in llm.engine.eos_token_ids
+            [out] = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, temperature=0.0))
+        assert out.outputs[0].finish_reason == "stop", stop
+        assert out.outputs[0].token_ids == [tok.token_to_id(stop)] and out.outputs[0].text == "", stop
