@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from neuron.config import settings
 from neuron.errors import PoolBroken, WorkerError
+from neuron.executor.watchdog import StepWatchdog
 from neuron.rpc import codec
 from neuron.rpc import protocol as p
 from neuron.utils import procfs
@@ -161,6 +162,7 @@ class WorkerPool:
         self._lock = threading.Lock()  # one exit report per worker, from its reader or the monitor
         self._monitor_stop = threading.Event()
         self._monitor: threading.Thread | None = None
+        self._watchdog = StepWatchdog(self._kill_owing)
 
     # ---- lifecycle ----
 
@@ -235,6 +237,7 @@ class WorkerPool:
         """Ask every worker to exit, then reap it; kill whoever outstays the grace period."""
         self._closing = True
         self._stop_monitor()
+        self._watchdog.stop()
         for w in self.workers:
             if w.alive():
                 try:
@@ -260,6 +263,7 @@ class WorkerPool:
         """Tear down at once (the pool is beyond saving); nothing of it keeps running."""
         self._closing = True
         self._stop_monitor()
+        self._watchdog.stop()
         for w in self.workers:
             if w.alive():
                 w.proc.kill()
@@ -307,22 +311,22 @@ class WorkerPool:
                 errors.append(exc)
         result = None
         local_error: BaseException | None = None
-        watchdog = self._watch(deadline_s) if local is not None and self.workers else None
+        watched = self._watchdog.arm(deadline_s) if local is not None and self.workers else None
         if local is not None:
             try:
                 result = local(msg)
             except BaseException as exc:  # noqa: BLE001 - re-raised after the drain
                 local_error = exc
         replies = []
-        if watchdog is not None and watchdog.finished.is_set():
+        if watched is not None and self._watchdog.fired(watched):
             deadline += _DRAIN_GRACE_S  # ranks freed by the watchdog still owe their error reply
         for w in sent:
             try:
                 replies.append(w.expect(seq, deadline))
             except WorkerError as exc:
                 errors.append(exc)
-        if watchdog is not None:
-            watchdog.cancel()
+        if watched is not None:
+            self._watchdog.disarm()
         lost = [e for e in errors if e.kind in ("timeout", "worker_exited")]
         if lost:  # a rank gone or stuck is the cause; rank 0's collective error is its echo
             raise min(lost, key=lambda e: e.rank)
@@ -332,16 +336,10 @@ class WorkerPool:
             raise min(errors, key=lambda e: e.rank)
         return result, replies
 
-    def _watch(self, deadline_s: float) -> threading.Timer:
-        """Past the deadline, kill the workers that still owe a reply. A rank stopped inside a
-        collective would otherwise hold rank 0 in the all-reduce until the collective timeout;
-        killed, its connections close and every backend reports that at once."""
-        timer = threading.Timer(deadline_s, self._kill_owing)
-        timer.daemon = True
-        timer.start()
-        return timer
-
     def _kill_owing(self) -> None:
+        """Past a step's deadline (the watchdog's call), kill the workers that still owe a reply. A
+        rank stopped inside a collective would otherwise hold rank 0 in the all-reduce until the
+        collective timeout; killed, its connections close and every backend reports that at once."""
         owing = [w for w in self.workers if w.alive() and w.replies.empty()]
         # A frozen rank holds the live ones inside the collective with it: kill it alone, and the
         # others' collectives fail and they answer. Only if none is frozen are all owing ones killed.

@@ -59,9 +59,13 @@ def enabled() -> bool:
 
 
 def takes(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels take these tensors: fp32 on CPU, rows contiguous, the library enabled."""
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors)
-            and enabled())
+    """Whether the kernels take these tensors: fp32 on CPU, rows contiguous, the library enabled.
+    Asked before every kernel call, so written for a small model's step, whose host side is most of
+    its time: a plain loop over cheap properties (no generator, no device object)."""
+    for t in tensors:
+        if not t.is_cpu or t.dtype is not torch.float32 or t.stride(-1) != 1:
+            return False
+    return enabled()
 
 
 def _threads() -> int:

@@ -22,7 +22,8 @@ class Staging:
     buffer kept from step to step (pinning memory costs more than copying a step's few kilobytes),
     copied without blocking, and handed out as views of the one device tensor; before the buffer is
     written again, the previous copy out of it must have finished (an event says so, at once in
-    practice). On CPU the arrays are packed and viewed, and nothing is copied."""
+    practice). On CPU each array becomes a tensor over its own memory (no copy, its dtype kept):
+    packing them would only add work to a step whose host side is most of its time."""
 
     def __init__(self, device: str | torch.device):
         self.device = torch.device(device)
@@ -31,11 +32,12 @@ class Staging:
         self.copies = 0  # host-to-device copies made, for the tests that count them
 
     def send(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        """Each array (any shape, values that fit int32) as a flat int32 tensor on the device."""
+        """Each array (any shape, values that fit int32) as a flat int32 tensor on the device (on
+        CPU: as it is, shape and dtype kept)."""
+        if self.device.type != "cuda":
+            return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
         sizes = [a.size for a in arrays]
         flat = np.concatenate([np.asarray(a, dtype=np.int32).ravel() for a in arrays])
-        if self.device.type != "cuda":
-            return list(torch.from_numpy(flat).split(sizes))
         host = self._buffer(flat.size)
         host.numpy()[: flat.size] = flat
         device = host[: flat.size].to(self.device, non_blocking=True)
