@@ -138,7 +138,9 @@ def test_yarn_turned_on_by_hf_overrides(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5, ignore_eos=True)
     with pytest.raises(ConfigError, match="max_model_len"):
         LLM(str(path), device="cpu", dtype="float32", max_model_len=256)
-    with LLM(str(path), device="cpu", dtype="float32", hf_overrides={"rope_scaling": yarn}) as llm:
+    # at tp 2, so the workers build their shards from the overridden config the leader sends
+    with LLM(str(path), tensor_parallel_size=2, device="cpu", dtype="float32",
+             hf_overrides={"rope_scaling": yarn}) as llm:
         assert llm.engine.max_model_len == 256
         [out] = llm.generate([{"prompt_token_ids": LONG_PROMPT}], params)
     config = transformers.AutoConfig.from_pretrained(path)
