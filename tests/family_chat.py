@@ -131,7 +131,8 @@ def build_family_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
     stops = [tok.token_to_id(t) for t in LLAMA3_STOPS] if family == "llama3" else [tok.token_to_id(eos)]
     config = getattr(transformers, config_name)(**{
         **BASE, "vocab_size": tok.get_vocab_size(), "tie_word_embeddings": family == "llama3",
-        "bos_token_id": tok.token_to_id(bos) if bos else None, "eos_token_id": stops[0] if family != "llama3" else stops,
+        "bos_token_id": tok.token_to_id(bos) if bos else None,
+        "eos_token_id": stops if family == "llama3" else stops[0],
         **({"sliding_window": None} if family == "mistral" else {})})
     torch.manual_seed(seed)
     getattr(transformers, model_name)(config).eval().save_pretrained(path, safe_serialization=True)

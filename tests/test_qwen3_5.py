@@ -17,7 +17,7 @@ from neuron.layers.tensor_parallel import Shard
 from neuron.models import build_model
 from neuron.models.gated_deltanet import DeltaNetHeads, delta_chunked, delta_step
 from neuron.models.loader import CheckpointReader, safetensors_files
-from neuron.models.qwen3_5 import MRotary
+from neuron.models.qwen3_5 import MRotary, Qwen35Config
 from neuron.models.step_input import BlockTables, StepRejected
 from neuron.step import SeqStep
 
@@ -233,3 +233,14 @@ def test_head_sharding_layouts():
         DeltaNetHeads(2, 6, 16, 16, Shard(0, 4)).validate()
     with pytest.raises(ConfigError):
         DeltaNetHeads(3, 6, 16, 16, Shard(0, 2)).validate()  # 3 value heads per rank straddle groups of 2
+
+
+def test_rope_scaling_laid_over_the_rope_parameters_is_refused():
+    """An override given as rope_scaling (--hf-overrides) wins over the config's rope_parameters,
+    as it does for the dense decoder: Qwen3.5 refuses it rather than run at the stretched length
+    with its plain rope."""
+    text = dict(MULTIMODAL_TEXT, model_type="qwen3_5_text")
+    assert Qwen35Config.from_dict(text).mrope_section == [2, 1, 1]
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    with pytest.raises(ConfigError, match="rope type 'yarn'"):
+        Qwen35Config.from_dict(dict(text, rope_scaling=yarn))

@@ -46,7 +46,7 @@ class RopeScaling:
     @classmethod
     def from_config(cls, d: dict) -> RopeScaling:
         """The rope of a (text) config dict; an unknown or inexact type is refused naming it."""
-        params = _parameters(d)
+        params = rope_parameters(d)
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in ROPE_TYPES:
             why = _WHY_NOT.get(rope_type, "neuron does not implement it")
@@ -58,16 +58,17 @@ class RopeScaling:
             raise ConfigError(f"rope type {rope_type!r} needs {', '.join(missing)} in the config's rope parameters")
         theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
         original = d.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
-        if rope_type in ("llama3", "yarn") and original is None:
-            original = d.get("max_position_embeddings")
-        if rope_type in ("llama3", "yarn") and original is None:
-            raise ConfigError(f"rope type {rope_type!r} needs original_max_position_embeddings")
+        if rope_type in ("llama3", "yarn"):
+            original = original or d.get("max_position_embeddings")
+            if original is None:
+                raise ConfigError(f"rope type {rope_type!r} needs original_max_position_embeddings")
         try:
             return cls(rope_type, float(theta), float(params.get("factor") or 1.0),
                        None if original is None else int(original),
                        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
                        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-                       beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+                       beta_fast=float(params.get("beta_fast") or 32.0),
+                       beta_slow=float(params.get("beta_slow") or 1.0),
                        attention_factor=_optional_float(params.get("attention_factor")),
                        mscale=_optional_float(params.get("mscale")),
                        mscale_all_dim=_optional_float(params.get("mscale_all_dim")),
@@ -78,7 +79,7 @@ class RopeScaling:
     def max_len(self, max_position_embeddings: int) -> int:
         """The context the scaling stretches the model to: what `max_model_len` defaults to and may
         reach. llama3 checkpoints already state the stretched length; yarn stretches its original."""
-        if self.rope_type in ("linear",):
+        if self.rope_type == "linear":
             return int(max_position_embeddings * self.factor)
         if self.rope_type == "yarn":
             return max(max_position_embeddings, int(self.original_max_position_embeddings * self.factor))
@@ -142,9 +143,10 @@ class RopeScaling:
         return mscale(self.factor)
 
 
-def _parameters(d: dict) -> dict:
+def rope_parameters(d: dict) -> dict:
     """transformers 5's `rope_parameters` with the older `rope_scaling` laid over it (an override
-    given as `rope_scaling` then wins), each's `type` read as `rope_type`."""
+    given as `rope_scaling` then wins), each's `type` read as `rope_type`. Every model reads its
+    rope through this, so an override is never seen by one part and missed by another."""
     out: dict = {}
     for source in (d.get("rope_parameters"), d.get("rope_scaling")):
         if isinstance(source, dict):

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
 from neuron.layers.norm import apply_rotary
+from neuron.layers.rope import rope_parameters
 from neuron.layers.tensor_parallel import (
     ColumnParallelLinear,
     HeadLayout,
@@ -117,8 +118,8 @@ class Qwen35Config:
 
 
 def _rope(t: dict) -> dict:
-    params = t.get("rope_parameters") or t.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    params = rope_parameters(t)
+    rope_type = params.get("rope_type", "default")
     if rope_type != "default":
         raise ConfigError(
             f"rope type {rope_type!r} is not supported (supported: default); "
