@@ -141,6 +141,11 @@ class Settings:
     device: str | None = _setting(str, None, "cpu, cuda or cuda:N", unset="cuda when present, else cpu")
     dtype: str = _setting(str, "auto", "weight and activation dtype; auto is bfloat16 on CUDA, float32 on CPU",
                           choices=("auto", "float32", "bfloat16", "float16"))
+    quantization: str | None = _setting(
+        str, None, "quantize each rank's linear-layer weights as it reads them and keep them quantized: int8, one "
+        "symmetric scale per output row (embeddings, norms and the LM head stay in the model dtype); a checkpoint "
+        "stored quantized (GGUF) is kept as stored without it", choices=("int8",),
+        unset="weights as the checkpoint stores them")
     num_threads: int | None = _setting(int, None, "torch threads per CPU rank", lo=1, unset="cores / tp")
     cache_dir: str | None = _setting(str, None, "where the embedded default model and the CPU kernels are built",
                                      unset="$XDG_CACHE_HOME/neuron, else ~/.cache/neuron")
@@ -174,6 +179,8 @@ class Settings:
                                "each weight prepacked once (a second, packed copy of the weights)")
     no_cpu_ops: bool = _setting(bool, False, "run the CPU fp32 step's small-batch linear layers and element-wise "
                                 "passes (norms, rotary, SiLU) in PyTorch instead of neuron's C++ kernels")
+    no_quant_kernels: bool = _setting(bool, False, "multiply quantized weights by dequantizing them first (the "
+                                      "reference) instead of through neuron's CPU kernel for them")
     no_cuda_graphs: bool = _setting(bool, False, "run decode steps eagerly instead of replaying them from CUDA "
                                     "graphs (graphs need CUDA, attention=paged, one rank per GPU or tp 1, "
                                     "and a model without recurrent layers)")

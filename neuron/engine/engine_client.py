@@ -46,6 +46,11 @@ class EngineClient:
         return self._loaded().max_model_len
 
     @property
+    def quantization(self) -> str | None:
+        """How the weights are held when not in the model dtype ("int8", a GGUF file's types)."""
+        return self._loaded().quantization
+
+    @property
     def vocab_size(self) -> int:
         return self._loaded().vocab_size
 

@@ -19,7 +19,7 @@ def _prefix_caching() -> bool | None:
 
 
 # EngineConfig fields bounded like the setting they default to (field: setting).
-_CHECKED = {"tp": "tp", "dtype": "dtype", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
+_CHECKED = {"tp": "tp", "dtype": "dtype", "quantization": "quantization", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
             "max_num_batched_tokens": "max_num_batched_tokens", "prefill_chunk_tokens": "prefill_chunk_tokens",
             "block_size": "kv_block_size", "gpu_memory_utilization": "gpu_memory_utilization"}
 
@@ -33,6 +33,7 @@ class EngineConfig:
     tp: int = from_settings("tp")
     device: str | None = from_settings("device")  # None: cuda when present, else cpu
     dtype: str = from_settings("dtype")
+    quantization: str | None = from_settings("quantization")  # "int8": quantize at load
     max_model_len: int | None = from_settings("max_model_len")  # None: the model's limit, capped
     max_num_seqs: int = from_settings("max_num_seqs")
     max_num_batched_tokens: int | None = from_settings("max_num_batched_tokens")

@@ -48,6 +48,7 @@ class LLMEngine:
         self.model_name = cfg.served_model_name or (cfg.model or "neuron-default")
         self.config = load_config(self.model_dir, cfg.hf_overrides)  # refused before any worker starts
         self.device = cfg.device or default_device()
+        self.quantization = cfg.quantization
         self.max_model_len = self._max_model_len()
         self.vocab_size = _vocab_size(self.config)
         self.tokenizer = Tokenizer.from_dir(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
@@ -58,7 +59,7 @@ class LLMEngine:
         step_tokens = cfg.max_num_batched_tokens or max(chunk, cfg.max_num_seqs)
         self.scheduler = Scheduler(cfg.max_num_seqs, step_tokens, chunk)
         executor_cfg = ExecutorConfig(self.model_dir, max_model_len=self.max_model_len, tp=cfg.tp, device=self.device,
-                                      dtype=cfg.dtype, max_slots=cfg.max_num_seqs,
+                                      dtype=cfg.dtype, quantization=cfg.quantization, max_slots=cfg.max_num_seqs,
                                       max_num_batched_tokens=max(step_tokens, cfg.max_num_seqs), **self._kv_settings())
         kwargs = {"worker_cmd": worker_cmd} if worker_cmd else {}
         self.executor = Executor(executor_cfg, model_config=self.config, **kwargs)

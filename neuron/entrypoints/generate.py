@@ -7,7 +7,7 @@ import sys
 from neuron.entrypoints.options import add_model, add_options
 
 # The settings `neuron generate` takes as flags; the rest come from the environment or the defaults.
-OPTIONS = ("tp", "device", "dtype", "max_model_len", "max_num_seqs", "kv_cache_memory", "gpu_memory_utilization",
+OPTIONS = ("tp", "device", "dtype", "quantization", "max_model_len", "max_num_seqs", "kv_cache_memory", "gpu_memory_utilization",
            "no_prefix_caching")
 
 
@@ -50,6 +50,7 @@ def _generate(args) -> int:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     setup_logging()
     llm = LLM(args.model, tensor_parallel_size=args.tp, device=args.device, dtype=args.dtype,
+              quantization=args.quantization,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=False if args.no_prefix_caching else None)

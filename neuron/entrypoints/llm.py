@@ -62,6 +62,7 @@ class LLM:
         gpu_memory_utilization: float | None = None,
         enable_prefix_caching: bool | None = None,
         hf_overrides: dict | None = None,
+        quantization: str | None = None,
         **kwargs,
     ):
         if kwargs:
@@ -69,7 +70,8 @@ class LLM:
         given = dict(model=model, tp=tensor_parallel_size, device=device, dtype=dtype, max_model_len=max_model_len,
                      max_num_seqs=max_num_seqs, hf_cache_dir=download_dir, block_size=block_size,
                      kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-                     enable_prefix_caching=enable_prefix_caching, hf_overrides=hf_overrides)
+                     enable_prefix_caching=enable_prefix_caching, hf_overrides=hf_overrides,
+                     quantization=quantization)
         cfg = EngineConfig(**{k: v for k, v in given.items() if v is not None})
         self.engine = LLMEngine(cfg).start()
         self._ids = itertools.count()

@@ -78,6 +78,7 @@ class ExecutorConfig:
     tp: int = from_settings("tp")
     device: str = "cpu"  # one device string: the engine resolves the `device` setting's "cuda when present"
     dtype: str = from_settings("dtype")
+    quantization: str | None = from_settings("quantization")
     max_slots: int = from_settings("max_num_seqs")
     model_id: str = "model"
     block_size: int = from_settings("kv_block_size")
@@ -216,7 +217,8 @@ class Executor:
 
         def make(seq: int) -> p.LoadShard:
             return p.LoadShard(seq=seq, model_id=c.model_id, config_json=config_json,
-                                    safetensors_paths=self.paths, dtype=c.dtype, max_slots=c.max_slots,
+                                    safetensors_paths=self.paths, dtype=c.dtype, quantization=c.quantization or "",
+                                    max_slots=c.max_slots,
                                     max_model_len=c.max_model_len, block_size=c.block_size,
                                     kv_cache_bytes=c.kv_cache_bytes, gpu_memory_utilization=share,
                                     max_num_batched_tokens=c.max_num_batched_tokens,
@@ -233,7 +235,8 @@ class Executor:
         # Ranks size their pools alone (free memory differs per device); every block id the
         # leader hands out must exist on all of them.
         self.num_kv_blocks = min(r.num_kv_blocks for r in replies)
-        log.info("weights per rank: %s MiB; KV cache: %d blocks of %d tokens (%d tokens)",
+        log.info("weights per rank%s: %s MiB; KV cache: %d blocks of %d tokens (%d tokens)",
+                 f" ({c.quantization})" if c.quantization else "",
                  ", ".join(f"{b / 2**20:.1f}" for b in self.weight_bytes), self.num_kv_blocks, c.block_size,
                  self.num_kv_blocks * c.block_size)
         if self.num_kv_blocks * c.block_size < c.max_model_len:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from neuron.config import settings
-from neuron.layers import cpu_ops
+from neuron.layers import cpu_ops, quantized
 
 MIN_ROWS = cpu_ops.MAX_LINEAR_ROWS + 1
 # oneDNN builds and caches a primitive (and its scratch memory) for every row count it sees, so
@@ -28,7 +28,9 @@ PADDED_ROWS = 16
 
 def linear(owner, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), through neuron's kernel for a few rows, or `owner`'s packed copy of
-    `weight` where that pays."""
+    `weight` where that pays; a quantized weight through its own kernel (quantized.py)."""
+    if not isinstance(weight, torch.Tensor):
+        return quantized.linear(x, weight, bias)
     if x.dim() == 2 and x.shape[0] <= cpu_ops.MAX_LINEAR_ROWS and cpu_ops.takes(x, weight) \
             and (bias is None or bias.dtype == x.dtype):
         return cpu_ops.linear(x, weight, bias)

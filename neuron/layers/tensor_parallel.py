@@ -14,8 +14,10 @@ import torch.nn.functional as F
 
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
+from neuron.layers import quantized
 from neuron.layers.cpu_linear import linear
 from neuron.layers.norm import rms_norm
+from neuron.layers.quantized import QuantizedWeight, Weight
 
 
 @dataclass(slots=True, frozen=True)
@@ -49,9 +51,25 @@ class Reader:
     def has(self, name: str) -> bool:
         raise NotImplementedError
 
+    def read_weight(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None,
+                    vocab: bool = False) -> torch.Tensor | QuantizedWeight:
+        """A linear layer's weight (or this rank's slice of it): quantized where the checkpoint
+        stores it so or the reader quantizes at load, else as `read` gives it. `vocab`: the rows of
+        an embedding or LM head, which load-time quantization leaves in the model dtype."""
+        return self.read(name, dim, start, end)
+
 
 def _place(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t.to(device=device, dtype=dtype).contiguous()
+
+
+def _weight(r: Reader, parts: list[tuple[str, int, int, int | None]], dtype, device) -> Weight:
+    """A linear layer's weight: `parts` (name, dim, start, end) read and stacked along the outputs,
+    dense in `dtype` or kept quantized as read."""
+    ws = [r.read_weight(name, dim, a, b) for name, dim, a, b in parts]
+    if all(isinstance(w, torch.Tensor) for w in ws):
+        return _place(ws[0] if len(ws) == 1 else torch.cat(ws), dtype, device)
+    return quantized.stack(ws, dtype, device)
 
 
 class ColumnParallelLinear:
@@ -64,7 +82,7 @@ class ColumnParallelLinear:
     @classmethod
     def load(cls, r: Reader, prefix: str, out_features: int, shard: Shard, dtype, device, bias=False):
         start, end = shard.even(out_features, f"{prefix} outputs")
-        w = _place(r.read(f"{prefix}.weight", 0, start, end), dtype, device)
+        w = _weight(r, [(f"{prefix}.weight", 0, start, end)], dtype, device)
         b = _place(r.read(f"{prefix}.bias", 0, start, end), dtype, device) if bias else None
         return cls(w, b)
 
@@ -72,9 +90,9 @@ class ColumnParallelLinear:
     def load_ranges(cls, r: Reader, parts: list[tuple[str, int, int]], dtype, device, bias=False):
         """Rows [start, end) of each named projection, stacked into one matmul: for fused
         checkpoints whose per-head groups make a rank's share several runs of rows."""
-        w = torch.cat([r.read(f"{name}.weight", 0, a, b) for name, a, b in parts])
+        w = _weight(r, [(f"{name}.weight", 0, a, b) for name, a, b in parts], dtype, device)
         b = torch.cat([r.read(f"{name}.bias", 0, a, b) for name, a, b in parts]) if bias else None
-        return cls(_place(w, dtype, device), None if b is None else _place(b, dtype, device))
+        return cls(w, None if b is None else _place(b, dtype, device))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self, x, self.weight, self.bias)
@@ -91,7 +109,7 @@ class RowParallelLinear:
     @classmethod
     def load(cls, r: Reader, prefix: str, in_features: int, shard: Shard, comm, dtype, device, bias=False):
         start, end = shard.even(in_features, f"{prefix} inputs")
-        w = _place(r.read(f"{prefix}.weight", 1, start, end), dtype, device)
+        w = _weight(r, [(f"{prefix}.weight", 1, start, end)], dtype, device)
         b = _place(r.read(f"{prefix}.bias"), dtype, device) if bias else None
         return cls(w, comm, b)
 
@@ -161,9 +179,9 @@ class QKVParallelLinear:
         q0, q1 = s.rank * layout.local_heads * d, (s.rank + 1) * layout.local_heads * d
         k0, k1 = (h * d for h in layout.kv_head_range())
         parts = [(f"{prefix}.q_proj", q0, q1), (f"{prefix}.k_proj", k0, k1), (f"{prefix}.v_proj", k0, k1)]
-        w = torch.cat([r.read(f"{name}.weight", 0, a, b) for name, a, b in parts])
+        w = _weight(r, [(f"{name}.weight", 0, a, b) for name, a, b in parts], dtype, device)
         b = torch.cat([r.read(f"{name}.bias", 0, a, b) for name, a, b in parts]) if bias else None
-        return cls(_place(w, dtype, device), None if b is None else _place(b, dtype, device), layout)
+        return cls(w, None if b is None else _place(b, dtype, device), layout)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return linear(self, x, self.weight, self.bias).split(self.sizes, dim=-1)
@@ -180,18 +198,21 @@ class MergedColumnParallelLinear:
     @classmethod
     def load(cls, r: Reader, prefixes: list[str], out_features: int, shard: Shard, dtype, device, bias=False):
         start, end = shard.even(out_features, f"{prefixes[0]} outputs")
-        w = torch.cat([r.read(f"{p}.weight", 0, start, end) for p in prefixes])
+        w = _weight(r, [(f"{p}.weight", 0, start, end) for p in prefixes], dtype, device)
         b = _place(torch.cat([r.read(f"{p}.bias", 0, start, end) for p in prefixes]), dtype, device) if bias else None
-        return cls(_place(w, dtype, device), (end - start,) * len(prefixes), b)
+        return cls(w, (end - start,) * len(prefixes), b)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return linear(self, x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
-def _vocab_rows(r: Reader, name: str, vocab: int, shard: Shard, dtype, device) -> tuple[torch.Tensor, int]:
-    """This rank's vocabulary rows, zero-padded to the common shard size."""
+def _vocab_rows(r: Reader, name: str, vocab: int, shard: Shard, dtype, device) -> tuple[Weight, int]:
+    """This rank's vocabulary rows, zero-padded to the common shard size (kept quantized where the
+    checkpoint stores them so)."""
     start, end, per = shard.padded(vocab)
-    rows = r.read(name, 0, start, end) if end > start else None
+    rows = r.read_weight(name, 0, start, end, vocab=True) if end > start else None
+    if isinstance(rows, QuantizedWeight):
+        return rows.pad_rows(per).to(device), start
     hidden = r.read(name, 0, 0, 1).shape[1] if rows is None else rows.shape[1]
     w = torch.zeros(per, hidden, dtype=dtype, device=device)
     if rows is not None:
@@ -202,22 +223,28 @@ def _vocab_rows(r: Reader, name: str, vocab: int, shard: Shard, dtype, device) -
 class VocabParallelEmbedding:
     """Each rank embeds the ids in its vocabulary range (zeros elsewhere); an all-reduce sums."""
 
-    def __init__(self, weight: torch.Tensor, start: int, comm: Communicator):
+    def __init__(self, weight: Weight, start: int, comm: Communicator, dtype: torch.dtype | None = None):
         self.weight = weight
         self.start = start
         self.comm = comm
+        self.dtype = dtype  # what a quantized table's rows dequantize to
 
     @classmethod
     def load(cls, r: Reader, name: str, vocab: int, shard: Shard, comm, dtype, device):
         w, start = _vocab_rows(r, name, vocab, shard, dtype, device)
-        return cls(w, start, comm)
+        return cls(w, start, comm, dtype)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, torch.Tensor):
+            return F.embedding(ids, self.weight)
+        return self.weight.take_rows(ids.reshape(-1)).dequantize(self.dtype).view(*ids.shape, -1)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.comm.world_size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         self.comm.all_reduce(out)
         return out
@@ -226,7 +253,7 @@ class VocabParallelEmbedding:
 class ParallelLMHead:
     """Vocabulary-parallel output projection; the full logits exist on rank 0 only."""
 
-    def __init__(self, weight: torch.Tensor, vocab: int, comm: Communicator):
+    def __init__(self, weight: Weight, vocab: int, comm: Communicator):
         self.weight = weight
         self.vocab = vocab
         self.comm = comm

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from neuron.errors import ConfigError
+from neuron.layers import quantized
 from neuron.models import prompt_logprobs
 
 
@@ -28,6 +29,7 @@ class CausalLM:
         tensors = [self.embed.weight, self.lm_head.weight, self.norm.weight]
         for layer in self.layers:
             tensors += self.layer_tensors(layer)
+        tensors = [t for w in tensors for t in quantized.tensors(w)]
         unique = {t.data_ptr(): t for t in tensors}  # tied embeddings count once
         return sum(t.numel() * t.element_size() for t in unique.values())
 

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from neuron.errors import ConfigError, ModelNotFound
+from neuron.layers import quantized
 from neuron.layers.tensor_parallel import Reader
 
 
@@ -121,3 +122,40 @@ class CheckpointReader(Reader):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class QuantizingReader(Reader):
+    """A reader whose linear-layer weights come out quantized (`--quantization int8`): each slice is
+    quantized as it is read, so a rank never holds more than one dense tensor at a time."""
+
+    def __init__(self, inner: Reader, method: str):
+        if method != "int8":
+            raise ConfigError(f"quantization {method!r} is not supported here (int8 is)")
+        self.inner = inner
+
+    def has(self, name: str) -> bool:
+        return self.inner.has(name)
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        return self.inner.read(name, dim, start, end)
+
+    def read_weight(self, name, dim=None, start=0, end=None, vocab=False):
+        w = self.inner.read_weight(name, dim, start, end, vocab)
+        if vocab or not isinstance(w, torch.Tensor) or w.dim() != 2:
+            return w
+        return quantized.quantize_int8(w)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __enter__(self) -> "QuantizingReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_checkpoint(paths: list[str], quantization: str = "") -> Reader:
+    """This rank's reader over the checkpoint's weight files, quantizing at load where asked."""
+    reader = CheckpointReader(paths)
+    return QuantizingReader(reader, quantization) if quantization else reader

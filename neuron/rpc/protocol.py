@@ -11,7 +11,7 @@ import msgspec
 
 from neuron.step import SeqStep
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 def _snake(name: str) -> str:
@@ -66,6 +66,7 @@ class LoadShard(Message):
     gpu_memory_utilization: float
     max_num_batched_tokens: int
     failed_kernels: dict[str, str] = {}  # the union of every rank's CheckKernels: these run their references
+    quantization: str = ""  # "int8": each rank quantizes its linear-layer slices as it reads them
 
 
 class ForwardStep(Message):

@@ -24,7 +24,7 @@ from neuron.layers import cpu_attention, cpu_ops
 from neuron.models import build_model
 from neuron.models.inputs import StepResult
 from neuron.models.kv_cache import plan_num_blocks
-from neuron.models.loader import CheckpointReader
+from neuron.models.loader import open_checkpoint
 from neuron.models.step_input import BlockTables, StepRejected
 from neuron.rpc import protocol as p
 from neuron.step import SeqStep
@@ -47,7 +47,7 @@ class ModelRunner:
             dtype = resolve_dtype(req.dtype, str(device))
             model_dir = Path(req.safetensors_paths[0]).parent if req.safetensors_paths else None
             model = build_model(json.loads(req.config_json), comm, dtype, device, model_dir)
-            with CheckpointReader(req.safetensors_paths) as reader:
+            with open_checkpoint(req.safetensors_paths, req.quantization) as reader:
                 model.load(reader, on_layer_loaded)
             if device.type == "cpu":
                 _load_cpu_kernels()

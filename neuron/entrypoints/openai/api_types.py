@@ -192,6 +192,7 @@ class ModelCard(Struct):
     id: str
     created: int
     max_model_len: int | None
+    quantization: str | None = None  # how the weights are held, when not in the model dtype
     owned_by: str = "neuron"
     object: str = "model"
 

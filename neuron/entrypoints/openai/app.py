@@ -161,6 +161,8 @@ class _Api:
             body["reason"] = self.engine.reason
         if self.engine.loaded and (kernels := self.engine.kernels()):  # what runs each fused piece, and why
             body["kernels"] = kernels
+        if self.engine.loaded and self.engine.quantization:
+            body["quantization"] = self.engine.quantization
         return JSONResponse(body, 200 if state is EngineState.READY else 503)
 
     async def metrics(self, request: Request) -> Response:
@@ -168,7 +170,7 @@ class _Api:
 
     async def models(self, request: Request) -> Response:
         check_ready(self.engine)
-        card = ModelCard(self.engine.model_name, self.started, self.engine.max_model_len)
+        card = ModelCard(self.engine.model_name, self.started, self.engine.max_model_len, self.engine.quantization)
         return Response(msgspec.json.encode(ModelList([card])), media_type="application/json")
 
     async def chat(self, request: Request) -> Response:

@@ -1,0 +1,244 @@
+"""Weights kept quantized in memory: integer codes with a scale (and an offset) per group of inputs.
+
+Every format neuron reads lands in one layout, `QuantizedWeight`:
+
+    W[n, c] = s(n, g) * q[n, c] - z(n, g),   g = c // group
+
+with q int8 codes (`bits` 8) or 4-bit codes packed two to a byte (`bits` 4: in each group of 32
+inputs byte i holds input i in its low nibble and input i + 16 in its high one, values 0..15, as
+GGUF's Q4_0 stores them). s is a float per `per_super` groups, times an int8 sub-scale per group
+where the format has two levels (GGUF's K-quants); z likewise, or absent. Load-time int8 is the
+case group = k (one scale per output row); GGUF's Q8_0 is group 32; Q4_K is 4-bit codes in groups
+of 32 under super-blocks of 256.
+
+The CPU fp32 step multiplies through `cpu_ops.qlinear` (csrc/cpu_ops.cpp), which widens and scales
+each weight vector as it streams past and so reads 1 or 0.5 bytes per weight instead of 4; every
+other case (CUDA, bf16, many rows, NEURON_NO_QUANT_KERNELS) dequantizes and multiplies, the
+reference the kernel is checked against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+
+from neuron.config import settings
+from neuron.errors import ConfigError
+from neuron.layers import cpu_ops
+
+# Rows of x up to which the kernel runs; above, dequantizing the weight once and handing the product
+# to the dense path costs less than the kernel's fp32 arithmetic (docs/benchmarks.md).
+MAX_KERNEL_ROWS = 32
+
+
+@dataclass(slots=True)
+class QuantizedWeight:
+    codes: torch.Tensor  # uint8 [n, k] (int8 codes as bytes) or [n, k // 2] (4-bit)
+    k: int
+    bits: int
+    group: int
+    scale: torch.Tensor  # float32 [n, groups // per_super]
+    per_super: int = 1
+    scale_sub: torch.Tensor | None = None  # int8 [n, groups]
+    offset: torch.Tensor | None = None  # float32 [n, groups // per_super]
+    offset_sub: torch.Tensor | None = None  # int8 [n, groups]
+    format: str = "int8"  # what it was read or quantized as, for messages and logs
+    layout: object = field(default=None, init=False, repr=False, compare=False)  # the kernel's view, made once
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.k
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.codes, self.scale, self.scale_sub, self.offset, self.offset_sub) if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def _map(self, fn) -> "QuantizedWeight":
+        def opt(t):
+            return None if t is None else fn(t)
+        return replace(self, codes=fn(self.codes), scale=fn(self.scale), scale_sub=opt(self.scale_sub),
+                       offset=opt(self.offset), offset_sub=opt(self.offset_sub))
+
+    def to(self, device) -> "QuantizedWeight":
+        return self._map(lambda t: t.to(device).contiguous())
+
+    def rows(self, start: int, end: int) -> "QuantizedWeight":
+        """Output rows [start, end): whole rows, no boundary to respect."""
+        return self._map(lambda t: t[start:end])
+
+    def take_rows(self, index: torch.Tensor) -> "QuantizedWeight":
+        return self._map(lambda t: t[index])
+
+    def pad_rows(self, rows: int) -> "QuantizedWeight":
+        """Zero rows appended up to `rows` (a vocabulary shard's padding): zero scales and offsets."""
+        extra = rows - self.codes.shape[0]
+        return self if extra <= 0 else self._map(lambda t: torch.cat((t, t.new_zeros((extra, t.shape[1])))))
+
+    def columns(self, start: int, end: int, what: str = "weight") -> "QuantizedWeight":
+        """Inputs [start, end), which must fall on the format's block boundaries."""
+        block = self.group * self.per_super
+        if start % block or end % block:
+            raise ConfigError(
+                f"{what}: a {self.format} tensor's inputs split in blocks of {block}, and this rank's share "
+                f"[{start}, {end}) of {self.k} does not fall on them; choose a tensor-parallel size that does")
+        g0, g1 = start // self.group, end // self.group
+        top = slice(g0 // self.per_super, g1 // self.per_super)
+
+        def opt(t, sl):
+            return None if t is None else t[:, sl]
+        per_byte = 8 // self.bits
+        return replace(self, codes=self.codes[:, start // per_byte:end // per_byte], k=end - start,
+                       scale=self.scale[:, top], scale_sub=opt(self.scale_sub, slice(g0, g1)),
+                       offset=opt(self.offset, top), offset_sub=opt(self.offset_sub, slice(g0, g1)),
+                       group=min(self.group, end - start))
+
+    def codes_int(self) -> torch.Tensor:
+        """The integer codes, [n, k] int32."""
+        if self.bits == 8:
+            return self.codes.view(torch.int8).to(torch.int32)
+        n = self.codes.shape[0]
+        blocks = self.codes.reshape(n, -1, 16).to(torch.int32)
+        return torch.cat((blocks & 15, blocks >> 4), dim=-1).reshape(n, self.k)
+
+    def _factor(self, top: torch.Tensor, sub: torch.Tensor | None) -> torch.Tensor:
+        """A per-group factor (scale or offset), [n, groups] float32."""
+        f = top.float().repeat_interleave(self.per_super, dim=1)
+        return f if sub is None else f * sub.to(torch.float32)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W as a dense [n, k] tensor: the reference every kernel is checked against."""
+        n = self.codes.shape[0]
+        q = self.codes_int().to(torch.float32).reshape(n, -1, self.group)
+        w = q * self._factor(self.scale, self.scale_sub).unsqueeze(-1)
+        if self.offset is not None:
+            w = w - self._factor(self.offset, self.offset_sub).unsqueeze(-1)
+        return w.reshape(n, self.k).to(dtype)
+
+
+def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Several weights of one layout stacked along the outputs (q, k, v; gate and up)."""
+    first = parts[0]
+    for p in parts[1:]:
+        if (p.k, p.bits, p.group, p.per_super, p.format) != (first.k, first.bits, first.group, first.per_super,
+                                                           first.format) \
+                or (p.offset is None) != (first.offset is None) or (p.scale_sub is None) != (first.scale_sub is None):
+            raise ValueError("cat_rows takes weights of one layout")
+
+    def cat(name):
+        ts = [getattr(p, name) for p in parts]
+        return None if ts[0] is None else torch.cat(ts)
+    return replace(first, codes=cat("codes"), scale=cat("scale"), scale_sub=cat("scale_sub"), offset=cat("offset"),
+                   offset_sub=cat("offset_sub"))
+
+
+class StackedWeight:
+    """Weights of different layouts stacked along the outputs (a GGUF file that stores q and k as Q4_K
+    and v as Q6_K): one product per part, the outputs concatenated."""
+
+    def __init__(self, parts: list[QuantizedWeight | torch.Tensor]):
+        self.parts = parts
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for p in self.parts for t in (p.tensors() if isinstance(p, QuantizedWeight) else [p])]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) if isinstance(p, QuantizedWeight) else p.to(dtype) for p in self.parts])
+
+
+Weight = torch.Tensor | QuantizedWeight | StackedWeight
+
+
+def stack(parts: list[torch.Tensor | QuantizedWeight], dtype: torch.dtype, device) -> QuantizedWeight | StackedWeight:
+    """Parts of one linear layer's weight stacked along the outputs, on `device`: one quantized weight
+    where they share a layout, else a StackedWeight (dense parts in `dtype`)."""
+    quant = [p for p in parts if isinstance(p, QuantizedWeight)]
+    if len(quant) == len(parts):
+        try:
+            return cat_rows(parts).to(device)
+        except ValueError:
+            pass
+    return StackedWeight([p.to(device) if isinstance(p, QuantizedWeight) else p.to(device=device, dtype=dtype)
+                          for p in parts])
+
+
+def tensors(w: Weight) -> list[torch.Tensor]:
+    """The tensors a weight holds, for counting its bytes."""
+    return [w] if isinstance(w, torch.Tensor) else w.tensors()
+
+
+def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
+    """Symmetric int8 with one scale per output row: q = round(w / s), s = max|w| / 127."""
+    w = w.float()
+    n, k = w.shape
+    scale = w.abs().amax(dim=1, keepdim=True) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight(codes=q.view(torch.uint8), k=k, bits=8, group=k, scale=scale, format="int8")
+
+
+class _Layout(ctypes.Structure):
+    _fields_ = [
+        ("codes", ctypes.c_void_p), ("code_stride", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+        ("bits", ctypes.c_int32), ("group", ctypes.c_int32), ("per_super", ctypes.c_int32),
+        ("scale", ctypes.c_void_p), ("scale_stride", ctypes.c_int64),
+        ("scale_sub", ctypes.c_void_p), ("scale_sub_stride", ctypes.c_int64),
+        ("offset", ctypes.c_void_p), ("offset_stride", ctypes.c_int64),
+        ("offset_sub", ctypes.c_void_p), ("offset_sub_stride", ctypes.c_int64),
+    ]
+
+
+@functools.cache
+def _kernels_wanted() -> bool:
+    return not settings().no_quant_kernels
+
+
+def _kernel_takes(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> bool:
+    if x.dim() != 2 or x.shape[0] > MAX_KERNEL_ROWS or not _kernels_wanted():
+        return False
+    if w.group % 16 or (w.bits == 4 and w.group % 32) or w.k % w.group:
+        return False
+    floats = [x, w.scale] + ([w.offset] if w.offset is not None else []) + ([bias] if bias is not None else [])
+    return w.codes.is_cpu and w.codes.stride(-1) == 1 and cpu_ops.takes(*floats)
+
+
+def _layout(w: QuantizedWeight) -> _Layout:
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+
+    def stride(t):
+        return 0 if t is None else t.stride(0)
+    return _Layout(w.codes.data_ptr(), w.codes.stride(0), w.codes.shape[0], w.k, w.bits, w.group, w.per_super,
+                   ptr(w.scale), stride(w.scale), ptr(w.scale_sub), stride(w.scale_sub),
+                   ptr(w.offset), stride(w.offset), ptr(w.offset_sub), stride(w.offset_sub))
+
+
+def linear(x: torch.Tensor, w: QuantizedWeight | StackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + bias for a quantized W: the CPU kernel where it takes the case, else the reference."""
+    if isinstance(w, StackedWeight):
+        y = torch.cat([linear(x, p) if isinstance(p, QuantizedWeight) else F.linear(x, p) for p in w.parts], dim=-1)
+        return y if bias is None else y + bias
+    if _kernel_takes(x, w, bias):
+        m = x.shape[0]
+        y = torch.empty((m, w.shape[0]), dtype=torch.float32)
+        if w.layout is None:
+            w.layout = _layout(w)
+        cpu_ops.library().neuron_qlinear(x.data_ptr(), m, x.stride(0), ctypes.byref(w.layout),
+                                         None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
+                                         torch.get_num_threads())
+        return y
+    return F.linear(x, w.dequantize(x.dtype), bias)

@@ -1,0 +1,143 @@
+"""CPU decode of one checkpoint held in different ways: fp32, bf16, int8 quantized at load, and GGUF
+files of the same weights (Q8_0, Q4_K), with llama.cpp on the same GGUF files where
+llama-cpp-python is installed.
+
+    python scripts/bench_quant.py                          # a random ~190M-parameter Qwen3, built here
+    python scripts/bench_quant.py --checkpoint DIR --tokens 64 --repeats 3 --json-out out.json
+
+For each: weight bytes per rank (what the ranks report after loading), batch-1 decode tok/s (one
+sequence) and batch-16 decode tok/s (16 sequences at once), each the median of --repeats runs, and
+the ratio to fp32. Greedy decoding ignores EOS so every run has the same length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# ~190M parameters: 8 layers of hidden 1024, a 32000-token vocabulary, untied
+SHAPE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
+             num_key_value_heads=8, head_dim=128)
+PROMPT_TOKENS = 16
+
+
+def build(path: Path) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(**SHAPE, max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.02,
+                      eos_token_id=None, bos_token_id=None)
+    Qwen3ForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+
+
+def prompts(count: int) -> list[list[int]]:
+    return [[(7 * i + 13 * j) % 1000 + 5 for j in range(PROMPT_TOKENS)] for i in range(count)]
+
+
+def time_neuron(model: str, tokens: int, repeats: int, batch: int, **kwargs) -> tuple[int, float]:
+    """(weight bytes of rank 0, median decode tok/s) for `batch` sequences at once."""
+    from neuron import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    rates = []
+    with LLM(model, device="cpu", max_num_seqs=max(batch, 1), max_model_len=512, **kwargs) as llm:
+        weight_bytes = llm.engine.executor.weight_bytes[0]
+        inputs = [{"prompt_token_ids": p} for p in prompts(batch)]
+        llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+        for _ in range(repeats):
+            # decode rate: the same batch with 1 token and with `tokens` tokens, the difference
+            start = time.perf_counter()
+            llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+            prefill = time.perf_counter() - start
+            start = time.perf_counter()
+            llm.generate(inputs, params)
+            rates.append(batch * (tokens - 1) / max(time.perf_counter() - start - prefill, 1e-9))
+    return weight_bytes, statistics.median(rates)
+
+
+def time_llama_cpp(path: str, tokens: int, repeats: int) -> float | None:
+    """llama.cpp's batch-1 decode tok/s on the same GGUF file; None where llama-cpp-python is missing."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=path, n_ctx=512, n_threads=torch.get_num_threads(), verbose=False)
+    rates = []
+    for _ in range(repeats):
+        llm.reset()
+        llm.eval(prompts(1)[0])
+        start = time.perf_counter()
+        for _ in range(tokens):
+            token = llm.sample(temp=0.0)
+            llm.eval([token])
+        rates.append(tokens / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", help="a Qwen3 / Llama checkpoint directory (default: a random one built here)")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=16, help="the larger batch (the smaller is 1)")
+    ap.add_argument("--only", help="comma-separated variants to run (fp32, bf16, int8, Q8_0, Q4_K)")
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(args.checkpoint) if args.checkpoint else Path(tmp) / "ckpt"
+        if not args.checkpoint:
+            build(ckpt)
+        variants = {"fp32": (str(ckpt), dict(dtype="float32")), "bf16": (str(ckpt), dict(dtype="bfloat16")),
+                    "int8": (str(ckpt), dict(dtype="float32", quantization="int8"))}
+        gguf_files = {}
+        try:
+            from neuron.utils.gguf_writer import write_gguf
+        except ImportError:
+            write_gguf = None
+        for kind in ("Q8_0", "Q4_K"):
+            if write_gguf is not None:
+                gguf_files[kind] = write_gguf(ckpt, Path(tmp) / f"model-{kind}.gguf", kind)
+                variants[kind] = (str(gguf_files[kind]), dict(dtype="float32"))
+        wanted = set(args.only.split(",")) if args.only else set(variants)
+        results = {}
+        for name, (model, kwargs) in variants.items():
+            if name not in wanted:
+                continue
+            nbytes, b1 = time_neuron(model, args.tokens, args.repeats, 1, **kwargs)
+            _, bn = time_neuron(model, args.tokens, args.repeats, args.batch, **kwargs)
+            results[name] = dict(weight_bytes=nbytes, batch1_tok_s=b1, batchN_tok_s=bn)
+            if name in gguf_files:
+                results[name]["llama_cpp_batch1_tok_s"] = time_llama_cpp(str(gguf_files[name]), args.tokens,
+                                                                         args.repeats)
+            print(f"{name}: {nbytes / 2**20:.1f} MiB, batch 1 {b1:.1f} tok/s, batch {args.batch} {bn:.1f} tok/s",
+                  file=sys.stderr)
+
+    base = results.get("fp32")
+    bf16 = results.get("bf16")
+    print(f"\n{'variant':8} {'MiB/rank':>9} {'x bf16 B':>9} {'b1 tok/s':>9} {'x fp32':>7} "
+          f"{f'b{args.batch} tok/s':>10} {'x fp32':>7} {'llama.cpp b1':>13}")
+    for name, r in results.items():
+        vs_bf16 = f"{r['weight_bytes'] / bf16['weight_bytes']:.2f}" if bf16 else "-"
+        x1 = f"{r['batch1_tok_s'] / base['batch1_tok_s']:.2f}" if base else "-"
+        xn = f"{r['batchN_tok_s'] / base['batchN_tok_s']:.2f}" if base else "-"
+        lc = r.get("llama_cpp_batch1_tok_s")
+        lc_text = "-" if name not in gguf_files else ("not installed" if lc is None else f"{lc:.1f}")
+        print(f"{name:8} {r['weight_bytes'] / 2**20:9.1f} {vs_bf16:>9} {r['batch1_tok_s']:9.1f} {x1:>7} "
+              f"{r['batchN_tok_s']:10.1f} {xn:>7} {lc_text:>13}")
+    print(f"\n{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(dict(tokens=args.tokens, batch=args.batch, results=results), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Quantized weights: the CPU kernel against dequantize-then-matmul, and load-time int8 end to end
+against transformers running the same int8-rounded weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import ODD, build_checkpoint, greedy_with_logprobs
+
+from neuron import LLM, SamplingParams
+from neuron.errors import ConfigError
+from neuron.layers import cpu_ops, quantized
+from neuron.layers.quantized import QuantizedWeight, quantize_int8
+
+needs_kernel = pytest.mark.skipif(not cpu_ops.enabled(), reason="the CPU kernels could not be built here")
+
+
+def _random(bits: int, n: int, k: int, group: int, per_super: int = 1, sub: bool = False, offset: bool = False,
+            seed: int = 0) -> QuantizedWeight:
+    g = torch.Generator().manual_seed(seed)
+    groups = k // group
+    codes = torch.randint(0, 256, (n, k * bits // 8), dtype=torch.uint8, generator=g)
+
+    def top():
+        return torch.rand(n, groups // per_super, generator=g) * 0.01
+
+    def subs():
+        return torch.randint(-64, 64, (n, groups), dtype=torch.int8, generator=g) if sub else None
+    return QuantizedWeight(codes=codes, k=k, bits=bits, group=group, per_super=per_super, scale=top(),
+                           scale_sub=subs(), offset=top() if offset else None, offset_sub=subs() if offset else None,
+                           format="test")
+
+
+LAYOUTS = {
+    "int8 per row": dict(bits=8, group=192),
+    "8-bit groups of 32 (Q8_0)": dict(bits=8, group=32),
+    "8-bit groups of 16 under two-level scales (Q6_K)": dict(bits=8, group=16, per_super=16, sub=True),
+    "4-bit with offsets (Q4_0)": dict(bits=4, group=32, offset=True),
+    "4-bit, two-level scales and offsets (Q4_K)": dict(bits=4, group=32, per_super=8, sub=True, offset=True),
+    "4-bit groups of 128 (AWQ-like)": dict(bits=4, group=128, offset=True),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16])
+def test_kernel_equals_dequantize_then_matmul(layout, rows):
+    spec = LAYOUTS[layout]
+    k = 192 if spec["group"] == 192 else 512
+    w = _random(n=37, k=k, **spec)  # 37 rows: whole tiles and a ragged end
+    x = torch.randn(rows, k)
+    bias = torch.randn(37)
+    ref = torch.nn.functional.linear(x.double(), w.dequantize().double(), bias.double())
+    got = quantized.linear(x, w, bias)
+    assert got.dtype == torch.float32
+    scale = ref.abs().max().item()
+    assert (got.double() - ref).abs().max().item() <= 1e-5 * scale
+
+
+def test_int8_rounds_each_row_to_its_own_scale():
+    w = torch.randn(8, 64) * torch.logspace(-3, 1, 8).unsqueeze(1)
+    q = quantize_int8(w)
+    assert q.codes.dtype == torch.uint8 and q.scale.shape == (8, 1)
+    err = (q.dequantize() - w).abs().amax(dim=1)
+    assert torch.all(err <= q.scale.squeeze(1) / 2 * (1 + 1e-6))
+    assert q.codes_int().abs().amax(dim=1).tolist() == [127] * 8
+    zero = quantize_int8(torch.zeros(2, 32))
+    assert torch.equal(zero.dequantize(), torch.zeros(2, 32))
+
+
+def test_column_slices_fall_on_blocks_or_are_refused():
+    w = _random(bits=4, n=4, k=512, group=32, per_super=8, sub=True, offset=True)
+    half = w.columns(256, 512)
+    assert torch.equal(half.dequantize(), w.dequantize()[:, 256:])
+    with pytest.raises(ConfigError, match=r"blocks of 256.*\[128, 512\) of 512"):
+        w.columns(128, 512, "blk.0.ffn_down.weight")
+    rows = w.rows(1, 3)
+    assert torch.equal(rows.dequantize(), w.dequantize()[1:3])
+    padded = w.pad_rows(6)
+    assert torch.equal(padded.dequantize()[4:], torch.zeros(2, 512))
+
+
+def test_weights_of_different_layouts_stack_by_parts():
+    a, b = _random(bits=4, n=6, k=64, group=32, offset=True), _random(bits=8, n=3, k=64, group=16, seed=1)
+    stacked = quantized.stack([a, b], torch.float32, "cpu")
+    assert isinstance(stacked, quantized.StackedWeight) and stacked.shape == (9, 64)
+    x = torch.randn(2, 64)
+    ref = x @ torch.cat([a.dequantize(), b.dequantize()]).T
+    assert torch.allclose(quantized.linear(x, stacked), ref, atol=1e-5)
+    same = quantized.stack([a, a], torch.float32, "cpu")
+    assert isinstance(same, QuantizedWeight) and same.shape == (12, 64)
+
+
+# ---- load-time int8 end to end ------------------------------------------------------------------
+
+PROMPTS = [[5, 17, 200, 3], list(range(10, 50))]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("int8"), seed=1, **ODD)
+
+
+def _int8_reference(path, tp: int):
+    """transformers with every linear weight but the LM head replaced by its int8 rounding as
+    neuron's ranks make it: per output row, and for the row-parallel o_proj and down_proj per
+    rank's slice of the inputs."""
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name != "lm_head":
+            w = mod.weight.data
+            if name.endswith(("o_proj", "down_proj")):
+                mod.weight.data = torch.cat([quantize_int8(c).dequantize() for c in w.chunk(tp, dim=1)], 1)
+            else:
+                mod.weight.data = quantize_int8(w).dequantize()
+    return model
+
+
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
+def test_int8_at_load_matches_transformers_on_the_rounded_weights(checkpoint, tp):
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
+    with LLM(str(checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32", quantization="int8") as llm:
+        model = llm.engine.executor.rank0.models["model"].model
+        assert isinstance(model.layers[0].mlp.gate_up.weight, QuantizedWeight)
+        assert isinstance(model.lm_head.weight, torch.Tensor)  # the LM head stays in the model dtype
+        quant_bytes = llm.engine.executor.weight_bytes
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    reference = _int8_reference(checkpoint, tp)
+    for prompt, out in zip(PROMPTS, outs):
+        tokens, logprobs = greedy_with_logprobs(reference, prompt, 8)
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        for step, lp in enumerate(got.logprobs):
+            for tid, value in lp.items():
+                assert abs(value - logprobs[step][tid].item()) <= 1e-3
+    with LLM(str(checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
+        dense_bytes = llm.engine.executor.weight_bytes
+    assert all(q < d for q, d in zip(quant_bytes, dense_bytes))
+
+
+def test_int8_kernel_and_reference_paths_agree(checkpoint, monkeypatch):
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
+    runs = []
+    for reference in ("0", "1"):
+        monkeypatch.setenv("NEURON_NO_QUANT_KERNELS", reference)
+        quantized._kernels_wanted.cache_clear()
+        with LLM(str(checkpoint), device="cpu", dtype="float32", quantization="int8") as llm:
+            runs.append(llm.generate({"prompt_token_ids": PROMPTS[1]}, params)[0].outputs[0])
+    quantized._kernels_wanted.cache_clear()
+    assert runs[0].token_ids == runs[1].token_ids
+    for a, b in zip(runs[0].logprobs, runs[1].logprobs):
+        assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4
+
+
+def test_unknown_quantization_is_refused():
+    with pytest.raises(ConfigError, match="quantization"):
+        LLM(device="cpu", quantization="int3")
+
+
+def test_served_int8_says_so_in_health_and_models(checkpoint):
+    import httpx
+    from server_harness import LiveServer, client, real_engine
+
+    with LiveServer(real_engine(str(checkpoint), 1, name="odd", quantization="int8")) as server:
+        server.wait_ready()
+        assert httpx.get(f"{server.url}/health").json()["quantization"] == "int8"
+        card = client(server).models.list().data[0]
+        assert card.model_extra["quantization"] == "int8"
+        out = client(server).completions.create(model="odd", prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                                extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 4
