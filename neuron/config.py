@@ -133,6 +133,9 @@ class Settings:
         unset="the embedded tiny default model, whose random weights make noise")
     served_model_name: str | None = _setting(str, None, "the name clients pass as `model`",
                                              unset="MODEL as given")
+    tokenizer: str | None = _setting(
+        str, None, "a folder or cached repo id whose tokenizer.json (and chat template, generation_config.json) "
+        "to use instead of the checkpoint's", unset="the checkpoint's own, or the one a GGUF file carries")
     hf_overrides: str | None = _setting(
         str, None, "a JSON object merged into the checkpoint's config.json as it is read, such as "
         '\'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}\' '

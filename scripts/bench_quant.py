@@ -23,6 +23,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from gguf_files import write_gguf  # noqa: E402  (the tests' GGUF writer: llama.cpp's layout, K-quants included)
+
 # ~190M parameters: 8 layers of hidden 1024, a 32000-token vocabulary, untied
 SHAPE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
              num_key_value_heads=8, head_dim=128)
@@ -99,14 +102,11 @@ def main() -> int:
         variants = {"fp32": (str(ckpt), dict(dtype="float32")), "bf16": (str(ckpt), dict(dtype="bfloat16")),
                     "int8": (str(ckpt), dict(dtype="float32", quantization="int8"))}
         gguf_files = {}
-        try:
-            from neuron.utils.gguf_writer import write_gguf
-        except ImportError:
-            write_gguf = None
         for kind in ("Q8_0", "Q4_K"):
-            if write_gguf is not None:
-                gguf_files[kind] = write_gguf(ckpt, Path(tmp) / f"model-{kind}.gguf", kind)
-                variants[kind] = (str(gguf_files[kind]), dict(dtype="float32"))
+            if args.only and kind not in args.only.split(","):
+                continue
+            gguf_files[kind] = write_gguf(ckpt, Path(tmp) / f"model-{kind}.gguf", kind)
+            variants[kind] = (str(gguf_files[kind]), dict(dtype="float32"))
         wanted = set(args.only.split(",")) if args.only else set(variants)
         results = {}
         for name, (model, kwargs) in variants.items():

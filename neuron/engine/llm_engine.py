@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from pathlib import Path
 
 import torch
 
@@ -28,6 +29,7 @@ from neuron.errors import ConfigError, WorkerError
 from neuron.executor.executor import Executor, ExecutorConfig
 from neuron.layers import cpu_attention, kernel_choice
 from neuron.models import MULTIMODAL_MODEL_TYPES, context_length, load_config, supports_prefix_caching, text_config
+from neuron.models.gguf import GGUFFile, find_gguf
 from neuron.models.loader import read_generation_config, resolve_model_path
 from neuron.multimodal.image import ImageError, ImageInput, VisionSpec
 from neuron.step import SeqStep
@@ -47,12 +49,13 @@ class LLMEngine:
             self.model_dir = resolve_model_path(cfg.model, cfg.hf_cache_dir)
         self.model_name = cfg.served_model_name or (cfg.model or "neuron-default")
         self.config = load_config(self.model_dir, cfg.hf_overrides)  # refused before any worker starts
+        self.gguf = find_gguf(self.model_dir)
         self.device = cfg.device or default_device()
-        self.quantization = cfg.quantization
+        self.quantization = cfg.quantization or (f"gguf: {GGUFFile(self.gguf).types()}" if self.gguf else None)
         self.max_model_len = self._max_model_len()
         self.vocab_size = _vocab_size(self.config)
-        self.tokenizer = Tokenizer.from_dir(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
-        self.generation_config = read_generation_config(self.model_dir)
+        self.tokenizer, tokenizer_dir = self._tokenizer()
+        self.generation_config = read_generation_config(tokenizer_dir) if tokenizer_dir else {}
         self.eos_token_ids = self._eos_ids()
         self.vision = self._vision_spec()
         chunk = cfg.prefill_chunk_tokens
@@ -89,6 +92,18 @@ class LLMEngine:
         """A block manager over the pool the ranks just allocated (empty: a new pool holds nothing)."""
         caching = self.cfg.enable_prefix_caching is not False and supports_prefix_caching(self.config)
         self.scheduler.use_blocks(BlockManager(self.executor.num_kv_blocks, self.executor.cfg.block_size, caching))
+
+    def _tokenizer(self) -> tuple[Tokenizer | None, Path | None]:
+        """The tokenizer (--tokenizer's, else the checkpoint's own or the GGUF file's; None without
+        one) and the folder whose generation_config.json applies."""
+        source = self.cfg.tokenizer
+        folder = resolve_model_path(source, self.cfg.hf_cache_dir) if source else None
+        if folder is not None and not folder.is_dir():
+            raise ConfigError(f"--tokenizer {source}: pass a folder (or cached repo) holding tokenizer.json")
+        if folder is None and self.gguf is not None:
+            return Tokenizer.from_gguf(self.gguf), None
+        folder = folder or self.model_dir
+        return (Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None), folder
 
     def _vision_spec(self) -> VisionSpec | None:
         """How the checkpoint takes images; None when it has no vision tower (config or weights)."""

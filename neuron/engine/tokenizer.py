@@ -112,6 +112,26 @@ class Tokenizer:
             templates=templates,
         )
 
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> "Tokenizer | None":
+        """The tokenizer a GGUF file carries in its metadata (tokenizer.ggml.*, tokenizer.chat_template),
+        rebuilt by transformers' GGUF converter; None when the file carries none."""
+        from transformers import AutoTokenizer
+
+        from neuron.models.gguf import GGUFFile
+
+        path = Path(path)
+        if GGUFFile(path).field("tokenizer.ggml.model") is None:
+            return None
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as exc:  # the converter's errors are of many kinds
+            raise TokenizerError(f"cannot build the tokenizer of {path.name}: {exc}") from None
+        named = {k: v for k in _NAMED_TOKENS if isinstance(v := getattr(tok, k, None), str)}
+        template = tok.chat_template if isinstance(tok.chat_template, str) else None
+        return cls(tok.backend_tokenizer, eos_token=named.get("eos_token"), chat_template=template,
+                   named_tokens=named, templates={"default": template} if template else {})
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # The batch calls release the GIL while they work and encode does not, so a long prompt
         # tokenized in a worker thread leaves the event loop free. The fast one skips offsets

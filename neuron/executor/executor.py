@@ -30,7 +30,7 @@ from neuron.executor.pool import WorkerPool, default_worker_cmd
 from neuron.executor.progress import LoadProgress
 from neuron.models import load_config, text_config
 from neuron.models.inputs import StepResult
-from neuron.models.loader import safetensors_files
+from neuron.models.loader import weight_files
 from neuron.rpc import codec
 from neuron.rpc import protocol as p
 from neuron.step import SeqStep
@@ -106,7 +106,7 @@ class Executor:
         """`model_config`: the checkpoint's config.json when the caller has read it already."""
         self.cfg = cfg
         self.config = model_config if model_config is not None else load_config(cfg.model_dir)
-        self.paths = [str(f) for f in safetensors_files(cfg.model_dir)]
+        self.paths = [str(f) for f in weight_files(cfg.model_dir)]
         self.devices = rank_devices(cfg.device, cfg.tp)
         self.backend = choose_backend(self.devices)
         self.weight_bytes: list[int] = []

@@ -27,9 +27,12 @@ def load_config(model_dir, overrides: dict | None = None) -> dict:
     once when neuron cannot run its architecture."""
     from pathlib import Path
 
+    from neuron.models.gguf import GGUFFile, find_gguf
     from neuron.models.loader import read_json
 
-    config = merged(read_json(Path(model_dir) / "config.json"), overrides or {})
+    gguf = find_gguf(Path(model_dir))
+    base = GGUFFile(gguf).config() if gguf is not None else read_json(Path(model_dir) / "config.json")
+    config = merged(base, overrides or {})
     check_supported(config)
     return config
 

@@ -38,18 +38,28 @@ def _snapshot(repo_dir: Path, revision: str) -> Path | None:
 
 
 def resolve_model_path(model: str, cache_dir: str | None = None, revision: str = "main") -> Path:
-    """A local directory as is, or a repo id ("org/name") found in the local Hugging Face cache."""
+    """A local directory or .gguf file as is, or a repo id ("org/name") found in the local Hugging
+    Face cache, optionally followed by a file in it ("org/name/model-Q4_K_M.gguf")."""
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return path.resolve()
     if path.exists():
-        raise ModelNotFound(f"{model} is a file; pass the checkpoint's directory")
+        raise ModelNotFound(f"{model} is a file but not a .gguf one; pass the checkpoint's directory or a GGUF file")
+    repo, file = model, None
+    if model.endswith(".gguf") and model.count("/") >= 2:
+        repo, file = model.split("/", 2)[:2], model.split("/", 2)[2]
+        repo = "/".join(repo)
     searched = []
     for cache in hub_cache_dirs(cache_dir):
-        repo_dir = cache / f"models--{model.replace('/', '--')}"
+        repo_dir = cache / f"models--{repo.replace('/', '--')}"
         searched.append(str(repo_dir))
         if repo_dir.is_dir() and (snap := _snapshot(repo_dir, revision)) is not None:
-            return snap
+            if file is None:
+                return snap
+            if (snap / file).is_file():
+                return snap / file
+            raise ModelNotFound(f"{file} is not in {repo} ({snap}); its GGUF files: "
+                                f"{', '.join(sorted(p.name for p in snap.glob('*.gguf'))) or 'none'}")
     raise ModelNotFound(
         f"model {model!r} is neither a directory nor in the local Hugging Face cache "
         f"(looked in: {', '.join(searched)}). neuron does not download: fetch it first, "
@@ -69,6 +79,14 @@ def read_json(path: Path) -> dict:
 def read_generation_config(model_dir: Path) -> dict:
     path = model_dir / "generation_config.json"
     return read_json(path) if path.is_file() else {}
+
+
+def weight_files(model_path: Path) -> list[Path]:
+    """The files a checkpoint's weights live in: its GGUF file, or its safetensors files."""
+    from neuron.models.gguf import find_gguf
+
+    gguf = find_gguf(Path(model_path))
+    return [gguf] if gguf is not None else safetensors_files(Path(model_path))
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -157,5 +175,10 @@ class QuantizingReader(Reader):
 
 def open_checkpoint(paths: list[str], quantization: str = "") -> Reader:
     """This rank's reader over the checkpoint's weight files, quantizing at load where asked."""
-    reader = CheckpointReader(paths)
+    if len(paths) == 1 and str(paths[0]).endswith(".gguf"):
+        from neuron.models.gguf import GGUFReader
+
+        reader = GGUFReader(paths[0])
+    else:
+        reader = CheckpointReader(paths)
     return QuantizingReader(reader, quantization) if quantization else reader

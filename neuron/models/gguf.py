@@ -1,0 +1,319 @@
+"""GGUF files (llama.cpp, Ollama) as checkpoints: the config and tokenizer from the file's metadata,
+the weights kept in their quantized blocks and split across ranks.
+
+Each rank maps the file and copies out only its slices: output rows whole, input columns on the
+type's block boundaries (32 values for Q8_0 and Q4_0, 256 for the K-quants), refused otherwise with
+the sizes. The blocks are rewritten once into neuron's quantized layout (neuron/layers/quantized.py)
+without changing a value: Q8_0 as int8 codes under a scale per 32; Q4_0 as 4-bit codes with offset
+8 d; Q4_K and Q5_K as 4- and 8-bit codes under two-level scales and offsets (d x sc, dmin x m per 32);
+Q6_K as int8 codes (q - 32) under d x scale per 16. F32, F16 and BF16 tensors load as dense ones.
+llama.cpp stores Llama's q and k rows permuted for its rotary layout; the reader undoes that.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from neuron.errors import ConfigError
+from neuron.layers.quantized import QuantizedWeight
+from neuron.layers.tensor_parallel import Reader
+
+ARCHITECTURES = {"qwen3": "qwen3", "llama": "llama", "qwen3moe": "qwen3_moe"}
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+}
+_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
+              "model.norm.weight": "output_norm.weight"}
+QK_K = 256
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:  # a dependency; missing only in a broken install
+        raise ConfigError("reading GGUF files needs the `gguf` package (pip install gguf)") from None
+    return gguf
+
+
+def gguf_name(name: str) -> str | None:
+    """The GGUF tensor that holds a transformers-named weight; None for names GGUF does not use."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    parts = name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER_NAMES:
+        return f"blk.{parts[2]}.{_LAYER_NAMES[parts[3]]}"
+    return None
+
+
+def find_gguf(path: Path) -> Path | None:
+    """`path` itself when it is a .gguf file, the one .gguf file of a directory without safetensors
+    weights (several are refused by name), else None."""
+    if path.is_file():
+        return path if path.suffix == ".gguf" else None
+    files = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if not files or any(path.glob("*.safetensors")):
+        return None
+    if len(files) > 1:
+        raise ConfigError(f"{path} holds several GGUF files ({', '.join(f.name for f in files)}); "
+                          f"name one: {path / files[0].name}")
+    return files[0]
+
+
+class GGUFFile:
+    """A GGUF file's metadata and tensor index (the tensors stay mapped, unread, until sliced)."""
+
+    def __init__(self, path: str | Path):
+        gguf = _gguf()
+        self.path = Path(path)
+        try:
+            self.reader = gguf.GGUFReader(str(path), "r")
+        except (ValueError, OSError, KeyError) as exc:
+            raise ConfigError(f"{path} is not a readable GGUF file: {exc}") from None
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        arch = self.field("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise ConfigError(f"{self.path.name}: GGUF architecture {arch!r} is not supported "
+                              f"(supported: {', '.join(ARCHITECTURES)})")
+        self.arch = arch
+
+    def field(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        if f is None:
+            return default
+        return f.contents()
+
+    def _arch_field(self, key: str, default=None):
+        return self.field(f"{self.arch}.{key}", default)
+
+    def config(self) -> dict:
+        """The model's hyper-parameters as a transformers config.json would hold them."""
+        need = {"num_hidden_layers": "block_count", "hidden_size": "embedding_length",
+                "num_attention_heads": "attention.head_count"}
+        missing = [key for key in need.values() if self._arch_field(key) is None]
+        if missing:
+            raise ConfigError(f"{self.path.name}: GGUF metadata lacks {', '.join(self.arch + '.' + k for k in missing)}")
+        hidden, heads = int(self._arch_field("embedding_length")), int(self._arch_field("attention.head_count"))
+        embed = self.tensors.get("token_embd.weight")
+        tokens = self.field("tokenizer.ggml.tokens")
+        vocab = self._arch_field("vocab_size") or (len(tokens) if tokens else None) \
+            or (int(embed.shape[1]) if embed is not None else None)
+        config = {
+            "model_type": ARCHITECTURES[self.arch],
+            "architectures": [{"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+                               "qwen3moe": "Qwen3MoeForCausalLM"}[self.arch]],
+            "vocab_size": int(vocab),
+            "hidden_size": hidden,
+            "num_hidden_layers": int(self._arch_field("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self._arch_field("attention.head_count_kv", heads)),
+            "head_dim": int(self._arch_field("attention.key_length", hidden // heads)),
+            "rms_norm_eps": float(self._arch_field("attention.layer_norm_rms_epsilon", 1e-6)),
+            "max_position_embeddings": int(self._arch_field("context_length", 4096)),
+            "rope_theta": float(self._arch_field("rope.freq_base", 10000.0)),
+            "tie_word_embeddings": "output.weight" not in self.tensors,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+        }
+        ff = self._arch_field("feed_forward_length")
+        if ff is not None:
+            config["intermediate_size"] = int(ff)
+        if self.arch == "qwen3moe":
+            config.update(num_experts=int(self._arch_field("expert_count")),
+                          num_experts_per_tok=int(self._arch_field("expert_used_count")),
+                          moe_intermediate_size=int(self._arch_field("expert_feed_forward_length")),
+                          norm_topk_prob=True)
+        if self.arch == "llama":
+            config["attention_bias"] = "blk.0.attn_q.bias" in self.tensors
+        scaling = self._arch_field("rope.scaling.type")
+        if scaling not in (None, "none"):
+            config["rope_scaling"] = {
+                "rope_type": scaling, "factor": float(self._arch_field("rope.scaling.factor", 1.0)),
+                "original_max_position_embeddings": int(self._arch_field("rope.scaling.original_context_length",
+                                                                         config["max_position_embeddings"]))}
+        for key, meta in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
+                          ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+            if (value := self.field(meta)) is not None:
+                config[key] = int(value)
+        return config
+
+    def types(self) -> str:
+        """The file's weight types, most common first ("Q4_K, Q6_K, F32"), for logs and /health."""
+        counts: dict[str, int] = {}
+        for t in self.tensors.values():
+            if len(t.shape) > 1:
+                counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(t.n_elements)
+        return ", ".join(sorted(counts, key=counts.get, reverse=True))
+
+
+class GGUFReader(Reader):
+    """This rank's reader over a GGUF file, under transformers' tensor names."""
+
+    def __init__(self, path: str | Path):
+        self.file = GGUFFile(path)
+        cfg = self.file.config()
+        self._heads = {"q": cfg["num_attention_heads"], "k": cfg["num_key_value_heads"]}
+        self._permuted = self.file.arch == "llama"
+
+    def has(self, name: str) -> bool:
+        return gguf_name(name) in self.file.tensors
+
+    def _tensor(self, name: str):
+        key = gguf_name(name)
+        t = self.file.tensors.get(key) if key else None
+        if t is None:
+            raise ConfigError(f"weight {name!r} ({key or 'no GGUF name'}) is missing from {self.file.path.name}")
+        return key, t
+
+    def _rows(self, name: str, n: int, start: int, end: int) -> np.ndarray | slice:
+        """The file's rows for transformers' rows [start, end): llama.cpp permutes Llama's q and k
+        rows within each head (pairs of the rotary halves interleaved)."""
+        proj = name.rsplit(".", 2)[-2] if self._permuted else ""
+        if proj not in ("q_proj", "k_proj"):
+            return slice(start, end)
+        heads = self._heads[proj[0]]
+        half = n // heads // 2
+        # transformers' row h*2*half + t*half + i sits at file row h*2*half + 2*i + t
+        h, rest = np.divmod(np.arange(start, end), 2 * half)
+        t, i = np.divmod(rest, half)
+        return h * 2 * half + 2 * i + t
+
+    def _raw(self, name: str, dim: int | None, start: int, end: int | None):
+        """(type, this slice's rows as stored, its column count): quantized rows stay bytes."""
+        key, t = self._tensor(name)
+        gguf = _gguf()
+        kind = gguf.GGMLQuantizationType(int(t.tensor_type))
+        data = t.data
+        shape = [int(s) for s in reversed(t.shape)]  # transformers' order: [out, in]
+        if len(shape) == 1:
+            return kind, np.array(data if dim is None else data[start:end]), shape[0]
+        n, k = shape
+        if dim is None or dim == 0:
+            a, b = (0, n) if dim is None else (start, n if end is None else end)
+            return kind, np.array(data[self._rows(name, n, a, b)]), k  # a copy of these rows only
+        end = k if end is None else end
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        if start % block or end % block:
+            raise ConfigError(
+                f"{key} ({kind.name}, {n} x {k}): this rank's inputs [{start}, {end}) do not fall on the type's "
+                f"blocks of {block} values; choose a tensor-parallel size that splits {k} into multiples of {block}")
+        a, b = (start, end) if kind.name in _DENSE else (start // block * size, end // block * size)
+        return kind, np.array(data[self._rows(name, n, 0, n), a:b]), end - start
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        w = self.read_weight(name, dim, start, end)
+        return w.dequantize() if isinstance(w, QuantizedWeight) else w
+
+    def read_weight(self, name, dim=None, start=0, end=None, vocab=False):
+        kind, raw, k = self._raw(name, dim, start, end)
+        if kind.name in _DENSE:
+            return _DENSE[kind.name](raw)
+        decode = _DECODERS.get(kind.name)
+        if decode is None:
+            raise ConfigError(f"{gguf_name(name)}: GGUF tensor type {kind.name} is not supported "
+                              f"(supported: {', '.join([*_DENSE, *_DECODERS])})")
+        return decode(raw.reshape(raw.shape[0], -1, _gguf().GGML_QUANT_SIZES[kind][1]), k)
+
+    def close(self) -> None:
+        self.file = None
+
+    def __enter__(self) -> "GGUFReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---- the block formats, rewritten into QuantizedWeight without changing a value -------------------
+
+
+def _f16(blocks: np.ndarray, at: int) -> torch.Tensor:
+    """The fp16 field at byte `at` of every block, as float32 [rows, blocks]."""
+    return torch.from_numpy(np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32))
+
+
+def _pack4(q: np.ndarray) -> torch.Tensor:
+    """4-bit codes [rows, k] (values 0..15) packed as neuron's layout: per 32, byte i = q[i] | q[i+16] << 4."""
+    rows = q.shape[0]
+    g = q.reshape(rows, -1, 2, 16).astype(np.uint8)
+    return torch.from_numpy(np.ascontiguousarray((g[:, :, 0] | (g[:, :, 1] << 4)).reshape(rows, -1)))
+
+
+def _int8_codes(q: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(q.astype(np.int8).reshape(q.shape[0], -1)).view(np.uint8))
+
+
+def _scale_min(blocks: np.ndarray, at: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K-quants' eight 6-bit scales and mins per super-block, packed in 12 bytes at `at`."""
+    s = blocks[..., at:at + 12]
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    rows = blocks.shape[0]
+    return (torch.from_numpy(np.ascontiguousarray(sc.reshape(rows, -1)).astype(np.int8)),
+            torch.from_numpy(np.ascontiguousarray(mn.reshape(rows, -1)).astype(np.int8)))
+
+
+def _q8_0(blocks: np.ndarray, k: int) -> QuantizedWeight:
+    return QuantizedWeight(codes=_int8_codes(blocks[..., 2:34].view(np.int8)), k=k, bits=8, group=32,
+                           scale=_f16(blocks, 0), format="Q8_0")
+
+
+def _q4_0(blocks: np.ndarray, k: int) -> QuantizedWeight:
+    d = _f16(blocks, 0)
+    qs = blocks[..., 2:18]  # byte i: value i (low nibble), value i + 16 (high): neuron's layout already
+    return QuantizedWeight(codes=torch.from_numpy(np.ascontiguousarray(qs.reshape(blocks.shape[0], -1))), k=k,
+                           bits=4, group=32, scale=d, offset=d * 8, format="Q4_0")
+
+
+def _q4_k(blocks: np.ndarray, k: int) -> QuantizedWeight:
+    rows, nb = blocks.shape[:2]
+    sc, mn = _scale_min(blocks, 4)
+    qs = blocks[..., 16:144].reshape(rows, nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(rows, -1)
+    return QuantizedWeight(codes=_pack4(q), k=k, bits=4, group=32, per_super=8, scale=_f16(blocks, 0), scale_sub=sc,
+                           offset=_f16(blocks, 2), offset_sub=mn, format="Q4_K")
+
+
+def _q5_k(blocks: np.ndarray, k: int) -> QuantizedWeight:
+    rows, nb = blocks.shape[:2]
+    sc, mn = _scale_min(blocks, 4)
+    qh = blocks[..., 16:48].reshape(rows, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+    ql = blocks[..., 48:176].reshape(rows, nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    q = (ql & 0x0F).reshape(rows, nb, 8, 32) | ((qh & 0x01) << 4)
+    return QuantizedWeight(codes=_int8_codes(q), k=k, bits=8, group=32, per_super=8, scale=_f16(blocks, 0),
+                           scale_sub=sc, offset=_f16(blocks, 2), offset_sub=mn, format="Q5_K")
+
+
+def _q6_k(blocks: np.ndarray, k: int) -> QuantizedWeight:
+    rows, nb = blocks.shape[:2]
+    ql = blocks[..., 0:128].reshape(rows, nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    qh = blocks[..., 128:192].reshape(rows, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+    q = (ql & 0x0F).reshape(rows, nb, 8, 32) | ((qh & 0x03).reshape(rows, nb, 8, 32) << 4)
+    scales = torch.from_numpy(np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(rows, -1).copy())
+    return QuantizedWeight(codes=_int8_codes(q.astype(np.int16) - 32), k=k, bits=8, group=16, per_super=16,
+                           scale=_f16(blocks, 208), scale_sub=scales, format="Q6_K")
+
+
+_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+_DENSE = {
+    "F32": lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)),
+    "F16": lambda a: torch.from_numpy(np.ascontiguousarray(a).astype(np.float32)),
+    "BF16": lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16).float(),
+}

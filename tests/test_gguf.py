@@ -1,0 +1,168 @@
+"""GGUF files as checkpoints: every supported tensor type reads back exactly as `gguf.dequantize`
+reads it, and Qwen3 and Llama files (q and k permuted as llama.cpp writes them) generate the tokens
+and logprobs transformers gets from the same file, split across 1, 2 and 4 ranks."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import build_checkpoint, greedy_with_logprobs
+from gguf_files import quantize, write_gguf
+
+from neuron import LLM, SamplingParams
+from neuron.engine.tokenizer import Tokenizer
+from neuron.errors import ConfigError, ModelNotFound
+from neuron.layers.quantized import QuantizedWeight
+from neuron.models import gguf as neuron_gguf
+from neuron.models.loader import resolve_model_path
+
+gguf = pytest.importorskip("gguf", reason="the gguf package is a dependency of neuron; this install lacks it")
+
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"]
+# Shapes every type can hold (K-quant rows are multiples of 256) and every tp up to 4 can split:
+# o_proj's 256 inputs split in 32s (Q8_0) and down_proj's 1024 in 256s (K-quants) at tp 4.
+SHAPE = dict(vocab_size=301, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, tie_word_embeddings=False, initializer_range=0.05)
+MIXED = {"attn_q.weight": "Q4_K", "attn_k.weight": "Q5_K", "attn_v.weight": "Q6_K", "attn_output.weight": "Q8_0",
+         "ffn_gate.weight": "Q4_0", "ffn_up.weight": "BF16", "ffn_down.weight": "Q6_K", "token_embd.weight": "Q8_0",
+         "output.weight": "Q4_K", "default": "F16"}
+PROMPTS = [[5, 17, 200, 3], list(range(10, 50))]
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_each_type_reads_back_as_gguf_dequantizes_it(kind):
+    x = np.random.default_rng(0).standard_normal((5, 512)).astype(np.float32) * 0.1
+    data, qtype = quantize(x, kind)
+    reference = data if kind == "F32" else gguf.dequantize(data, qtype)
+    if kind in neuron_gguf._DECODERS:
+        block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+        w = neuron_gguf._DECODERS[kind](data.reshape(5, -1, block_bytes), 512)
+        assert isinstance(w, QuantizedWeight) and w.shape == (5, 512)
+        ours = w.dequantize()
+    else:
+        ours = neuron_gguf._DENSE[kind](data)
+    assert torch.equal(ours, torch.from_numpy(np.asarray(reference, dtype=np.float32)))
+    assert np.abs(reference - x).max() < 0.05  # the fixture's blocks are a fair rounding of x
+
+
+def _hf_checkpoint(tmp_path, family: str):
+    if family == "qwen3":
+        return build_checkpoint(tmp_path / "hf", seed=3, **SHAPE)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(4)
+    config = LlamaConfig(**SHAPE, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
+                         eos_token_id=None, bos_token_id=None)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    return tmp_path / "hf"
+
+
+def _mixed_gguf(tmp, family: str):
+    hf = _hf_checkpoint(tmp, family)
+    return hf, write_gguf(hf, tmp / "model.gguf", MIXED)
+
+
+@pytest.fixture(scope="module")
+def qwen3_gguf(tmp_path_factory):
+    return _mixed_gguf(tmp_path_factory.mktemp("gguf-qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def llama_gguf(tmp_path_factory):
+    return _mixed_gguf(tmp_path_factory.mktemp("gguf-llama"), "llama")
+
+
+def _transformers_reference(hf, path):
+    """transformers' own reading of the GGUF file (its dequantization, its undoing of llama.cpp's
+    q/k permutation), under the original checkpoint's config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                config=AutoConfig.from_pretrained(hf)).eval()
+
+
+def _check_against_transformers(hf, path, tp: int) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
+    with LLM(str(path), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
+        model = llm.engine.executor.rank0.models["model"].model
+        layer = model.layers[0]
+        assert isinstance(layer.mlp.down.weight, QuantizedWeight) and layer.mlp.down.weight.format == "Q6_K"
+        assert isinstance(layer.attn.o_proj.weight, QuantizedWeight)
+        assert isinstance(model.lm_head.weight, QuantizedWeight)  # kept as the file stores it
+        assert llm.engine.quantization.startswith("gguf: ")
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    reference = _transformers_reference(hf, path)
+    for prompt, out in zip(PROMPTS, outs):
+        tokens, logprobs = greedy_with_logprobs(reference, prompt, 8)
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        for step, lp in enumerate(got.logprobs):
+            for tid, value in lp.items():
+                assert abs(value - logprobs[step][tid].item()) <= 1e-3
+
+
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
+def test_qwen3_gguf_matches_transformers_reading_the_same_file(qwen3_gguf, tp):
+    _check_against_transformers(*qwen3_gguf, tp)
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_llama_gguf_matches_transformers_reading_the_same_file(llama_gguf, tp):
+    """llama.cpp stores Llama's q and k rows permuted; neuron undoes it as transformers does."""
+    _check_against_transformers(*llama_gguf, tp)
+
+
+def test_a_split_off_the_block_boundaries_is_refused_with_the_sizes(tmp_path):
+    hf = _hf_checkpoint(tmp_path, "qwen3")
+    path = write_gguf(hf, tmp_path / "k.gguf", {"attn_output.weight": "Q4_K", "default": "Q8_0"})
+    with pytest.raises(Exception, match=r"blk\.0\.attn_output\.weight \(Q4_K, 256 x 256\).*\[0, 128\).*blocks of 256"):
+        LLM(str(path), tensor_parallel_size=2, device="cpu", dtype="float32")
+
+
+def test_an_unsupported_type_is_refused_naming_it_and_the_tensor(tmp_path):
+    hf = _hf_checkpoint(tmp_path, "qwen3")
+    path = write_gguf(hf, tmp_path / "q5_0.gguf", {"ffn_up.weight": "Q5_0", "default": "Q8_0"})
+    with pytest.raises(Exception, match=r"blk\.0\.ffn_up\.weight: GGUF tensor type Q5_0 is not supported"):
+        LLM(str(path), device="cpu", dtype="float32")
+
+
+def test_the_tokenizer_and_chat_template_come_from_the_file(tmp_path):
+    from neuron.utils.default_checkpoint import default_model_dir
+
+    src = default_model_dir()
+    path = write_gguf(src, tmp_path / "default.gguf", "Q8_0")
+    with LLM(str(path), device="cpu", dtype="float32") as llm:
+        tok = llm.get_tokenizer()
+        ref = Tokenizer.from_dir(src)
+        for text in ("Hello world, it's 2026!", "<|im_start|>user\nhi<|im_end|>"):
+            assert tok.encode(text) == ref.encode(text)
+        assert tok.chat_template == ref.chat_template
+        eos = json.loads((src / "config.json").read_text())["eos_token_id"]
+        assert eos in llm.engine.eos_token_ids
+        out = llm.chat([[{"role": "user", "content": "hi"}]], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert out[0].outputs[0].token_ids and isinstance(out[0].outputs[0].text, str)
+
+    (tmp_path / "bare").mkdir()
+    bare = write_gguf(src, tmp_path / "bare" / "model.gguf", "Q8_0", tokenizer=False)
+    with LLM(str(bare), device="cpu", dtype="float32") as llm:
+        assert llm.get_tokenizer() is None
+    with LLM(str(bare.parent), device="cpu", dtype="float32", tokenizer=str(src)) as llm:  # a folder holding one
+        assert llm.get_tokenizer().encode("Hello") == ref.encode("Hello")
+
+
+def test_a_gguf_file_in_a_cached_repo_is_found_by_name(tmp_path, monkeypatch):
+    snap = tmp_path / "hub" / "models--org--tiny-GGUF" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("abc123")
+    (snap / "tiny-Q8_0.gguf").write_bytes(b"")
+    (snap / "tiny-Q4_K_M.gguf").write_bytes(b"")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert resolve_model_path("org/tiny-GGUF/tiny-Q4_K_M.gguf") == snap / "tiny-Q4_K_M.gguf"
+    with pytest.raises(ModelNotFound, match="tiny-Q4_K_M.gguf, tiny-Q8_0.gguf"):
+        resolve_model_path("org/tiny-GGUF/tiny-Q2_K.gguf")
+    with pytest.raises(ConfigError, match="several GGUF files"):
+        neuron_gguf.find_gguf(snap)
