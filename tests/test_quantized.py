@@ -171,3 +171,26 @@ def test_served_int8_says_so_in_health_and_models(checkpoint):
         out = client(server).completions.create(model="odd", prompt=PROMPTS[0], max_tokens=4, temperature=0,
                                                 extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 4
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_fp8_codes_widen_exactly(rows):
+    """Every e4m3 byte (subnormals, both zeros, the largest) through the kernel's bit-level widening
+    equals torch's float8_e4m3fn conversion times the block scale."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(2)
+    codes = codes[(codes.view(torch.float8_e4m3fn).float().isfinite())]  # NaN bytes are never weights
+    k = codes.numel() // 16 * 16
+    n = 12
+    w = QuantizedWeight(codes=codes[:k].repeat(n, 1).roll(3, dims=1).contiguous(), k=k, bits=8, group=16,
+                        scale=torch.rand(n, k // 16) * 2.0 ** torch.randint(-12, 7, (n, k // 16)).float(),
+                        format="fp8", fp8=True)
+    x = torch.randn(rows, k)
+    ref = torch.nn.functional.linear(x.double(), w.dequantize().double())
+    got = quantized.linear(x, w)
+    assert (got.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    one = torch.zeros(1, k)
+    for c in (0, 7, k - 1):  # a single input picks out single weights: exact
+        one.zero_()
+        one[0, c] = 1.0
+        assert torch.equal(quantized.linear(one, w)[0], w.dequantize()[:, c])

@@ -31,6 +31,7 @@ from neuron.layers import cpu_attention, kernel_choice
 from neuron.models import MULTIMODAL_MODEL_TYPES, context_length, load_config, supports_prefix_caching, text_config
 from neuron.models.gguf import GGUFFile, find_gguf
 from neuron.models.loader import read_generation_config, resolve_model_path
+from neuron.models.quant_formats import checkpoint_quantization
 from neuron.multimodal.image import ImageError, ImageInput, VisionSpec
 from neuron.step import SeqStep
 from neuron.utils.device import to_device
@@ -51,7 +52,7 @@ class LLMEngine:
         self.config = load_config(self.model_dir, cfg.hf_overrides)  # refused before any worker starts
         self.gguf = find_gguf(self.model_dir)
         self.device = cfg.device or default_device()
-        self.quantization = cfg.quantization or (f"gguf: {GGUFFile(self.gguf).types()}" if self.gguf else None)
+        self.quantization = cfg.quantization or _stored_quantization(self.config, self.gguf)
         self.max_model_len = self._max_model_len()
         self.vocab_size = _vocab_size(self.config)
         self.tokenizer, tokenizer_dir = self._tokenizer()
@@ -399,3 +400,15 @@ def encode_prompt(engine: LLMEngine, prompt: str) -> list[int]:
 
 
 __all__ = ["EngineConfig", "ImageError", "LLMEngine", "RequestError", "Update", "encode_prompt"]
+
+
+def _stored_quantization(config: dict, gguf: Path | None) -> str | None:
+    """How a checkpoint stores its weights when quantized: a GGUF file's types, or the method."""
+    if gguf is not None:
+        return f"gguf: {GGUFFile(gguf).types()}"
+    spec = checkpoint_quantization(config)
+    if spec is None:
+        return None
+    bits = f" {spec['bits']}-bit" if "bits" in spec else ""
+    return f"{spec['method']}{bits}"
+

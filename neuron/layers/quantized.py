@@ -47,11 +47,17 @@ class QuantizedWeight:
     offset: torch.Tensor | None = None  # float32 [n, groups // per_super]
     offset_sub: torch.Tensor | None = None  # int8 [n, groups]
     format: str = "int8"  # what it was read or quantized as, for messages and logs
-    layout: object = field(default=None, init=False, repr=False, compare=False)  # the kernel's view, made once
+    fp8: bool = False  # codes are FP8 e4m3 bytes (bits 8), not integers
+    # Stored column j multiplies input input_index[j] (the input width: a zero input, padding):
+    # groups that are not runs of consecutive inputs (GPTQ's act-order, g_idx) gathered into runs.
+    input_index: torch.Tensor | None = None
+    inputs: int = 0  # the layer's input width where input_index is set
+    # the kernel's view, made on first use; False where the kernel cannot take this weight
+    layout: object = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.codes.shape[0], self.k
+        return self.codes.shape[0], (self.k if self.input_index is None else self.inputs)
 
     @property
     def device(self) -> torch.device:
@@ -71,7 +77,8 @@ class QuantizedWeight:
                        offset=opt(self.offset), offset_sub=opt(self.offset_sub))
 
     def to(self, device) -> "QuantizedWeight":
-        return self._map(lambda t: t.to(device).contiguous())
+        index = None if self.input_index is None else self.input_index.to(device)
+        return replace(self._map(lambda t: t.to(device).contiguous()), input_index=index)
 
     def rows(self, start: int, end: int) -> "QuantizedWeight":
         """Output rows [start, end): whole rows, no boundary to respect."""
@@ -87,6 +94,8 @@ class QuantizedWeight:
 
     def columns(self, start: int, end: int, what: str = "weight") -> "QuantizedWeight":
         """Inputs [start, end), which must fall on the format's block boundaries."""
+        if self.input_index is not None:
+            raise ValueError("a weight with gathered inputs is sliced before it is built")
         block = self.group * self.per_super
         if start % block or end % block:
             raise ConfigError(
@@ -104,7 +113,9 @@ class QuantizedWeight:
                        group=min(self.group, end - start))
 
     def codes_int(self) -> torch.Tensor:
-        """The integer codes, [n, k] int32."""
+        """The codes as numbers, [n, k]: int32, or float32 for FP8."""
+        if self.fp8:
+            return self.codes.view(torch.float8_e4m3fn).to(torch.float32)
         if self.bits == 8:
             return self.codes.view(torch.int8).to(torch.int32)
         n = self.codes.shape[0]
@@ -116,8 +127,8 @@ class QuantizedWeight:
         f = top.float().repeat_interleave(self.per_super, dim=1)
         return f if sub is None else f * sub.to(torch.float32)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """W as a dense [n, k] tensor: the reference every kernel is checked against."""
+    def stored(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The stored columns dequantized, [n, k] (in input_index's order where that is set)."""
         n = self.codes.shape[0]
         q = self.codes_int().to(torch.float32).reshape(n, -1, self.group)
         w = q * self._factor(self.scale, self.scale_sub).unsqueeze(-1)
@@ -125,13 +136,28 @@ class QuantizedWeight:
             w = w - self._factor(self.offset, self.offset_sub).unsqueeze(-1)
         return w.reshape(n, self.k).to(dtype)
 
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W as a dense [n, inputs] tensor: the reference every kernel is checked against."""
+        w = self.stored(dtype)
+        if self.input_index is None:
+            return w
+        out = w.new_zeros((w.shape[0], self.inputs + 1))
+        out[:, self.input_index] = w  # padding columns all land on the last, dropped
+        return out[:, :self.inputs]
+
+    def gather_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """x's columns in the stored order (zeros where the stored column is padding)."""
+        return torch.nn.functional.pad(x, (0, 1))[:, self.input_index]
+
 
 def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Several weights of one layout stacked along the outputs (q, k, v; gate and up)."""
     first = parts[0]
     for p in parts[1:]:
-        if (p.k, p.bits, p.group, p.per_super, p.format) != (first.k, first.bits, first.group, first.per_super,
-                                                           first.format) \
+        if (p.k, p.bits, p.group, p.per_super, p.format, p.fp8) != (first.k, first.bits, first.group, first.per_super,
+                                                                    first.format, first.fp8) \
+                or (p.input_index is None) != (first.input_index is None) \
+                or (p.input_index is not None and not torch.equal(p.input_index, first.input_index)) \
                 or (p.offset is None) != (first.offset is None) or (p.scale_sub is None) != (first.scale_sub is None):
             raise ValueError("cat_rows takes weights of one layout")
 
@@ -194,7 +220,7 @@ def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
 class _Layout(ctypes.Structure):
     _fields_ = [
         ("codes", ctypes.c_void_p), ("code_stride", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
-        ("bits", ctypes.c_int32), ("group", ctypes.c_int32), ("per_super", ctypes.c_int32),
+        ("bits", ctypes.c_int32), ("group", ctypes.c_int32), ("per_super", ctypes.c_int32), ("fp8", ctypes.c_int32),
         ("scale", ctypes.c_void_p), ("scale_stride", ctypes.c_int64),
         ("scale_sub", ctypes.c_void_p), ("scale_sub_stride", ctypes.c_int64),
         ("offset", ctypes.c_void_p), ("offset_stride", ctypes.c_int64),
@@ -222,7 +248,7 @@ def _layout(w: QuantizedWeight) -> _Layout:
 
     def stride(t):
         return 0 if t is None else t.stride(0)
-    return _Layout(w.codes.data_ptr(), w.codes.stride(0), w.codes.shape[0], w.k, w.bits, w.group, w.per_super,
+    return _Layout(w.codes.data_ptr(), w.codes.stride(0), w.codes.shape[0], w.k, w.bits, w.group, w.per_super, int(w.fp8),
                    ptr(w.scale), stride(w.scale), ptr(w.scale_sub), stride(w.scale_sub),
                    ptr(w.offset), stride(w.offset), ptr(w.offset_sub), stride(w.offset_sub))
 
@@ -232,13 +258,17 @@ def linear(x: torch.Tensor, w: QuantizedWeight | StackedWeight, bias: torch.Tens
     if isinstance(w, StackedWeight):
         y = torch.cat([linear(x, p) if isinstance(p, QuantizedWeight) else F.linear(x, p) for p in w.parts], dim=-1)
         return y if bias is None else y + bias
+    if w.input_index is not None:
+        x = w.gather_inputs(x)
     if _kernel_takes(x, w, bias):
-        m = x.shape[0]
-        y = torch.empty((m, w.shape[0]), dtype=torch.float32)
         if w.layout is None:
-            w.layout = _layout(w)
-        cpu_ops.library().neuron_qlinear(x.data_ptr(), m, x.stride(0), ctypes.byref(w.layout),
-                                         None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
-                                         torch.get_num_threads())
-        return y
-    return F.linear(x, w.dequantize(x.dtype), bias)
+            # FP8 codes are scaled by scale x 2^120 in the kernel (csrc/cpu_ops.cpp), finite below 2^8
+            w.layout = _layout(w) if not w.fp8 or bool(w.scale.abs().max() < 256) else False
+        if w.layout:
+            m = x.shape[0]
+            y = torch.empty((m, w.shape[0]), dtype=torch.float32)
+            cpu_ops.library().neuron_qlinear(x.data_ptr(), m, x.stride(0), ctypes.byref(w.layout),
+                                             None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
+                                             torch.get_num_threads())
+            return y
+    return F.linear(x, w.stored(x.dtype), bias)

@@ -14,11 +14,14 @@ RECURRENT_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_
 
 def check_supported(config: dict) -> str:
     """Fail early, before any worker starts, for a checkpoint neuron cannot run."""
+    from neuron.models.quant_formats import checkpoint_quantization
+
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModel(
             f"model_type {model_type!r} is not supported; supported types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    checkpoint_quantization(config)  # a quantized checkpoint neuron cannot read is refused here, by name
     return model_type
 
 

@@ -119,6 +119,12 @@ class CheckpointReader(Reader):
     def names(self) -> list[str]:
         return list(self._where)
 
+    def shape(self, name: str) -> list[int]:
+        f = self._where.get(name)
+        if f is None:
+            raise ConfigError(f"weight {name!r} is missing from the checkpoint")
+        return list(f.get_slice(name).get_shape())
+
     def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         f = self._where.get(name)
         if f is None:
@@ -173,12 +179,17 @@ class QuantizingReader(Reader):
         self.close()
 
 
-def open_checkpoint(paths: list[str], quantization: str = "") -> Reader:
-    """This rank's reader over the checkpoint's weight files, quantizing at load where asked."""
+def open_checkpoint(paths: list[str], quantization: str = "", config: dict | None = None) -> Reader:
+    """This rank's reader over the checkpoint's weight files: a GGUF file's, or safetensors ones
+    (quantized where `config`'s quantization_config says so), quantizing at load where asked."""
+    from neuron.models.quant_formats import PrequantizedReader, checkpoint_quantization
+
     if len(paths) == 1 and str(paths[0]).endswith(".gguf"):
         from neuron.models.gguf import GGUFReader
 
         reader = GGUFReader(paths[0])
     else:
         reader = CheckpointReader(paths)
+        if (spec := checkpoint_quantization(config or {})) is not None:
+            reader = PrequantizedReader(reader, spec)
     return QuantizingReader(reader, quantization) if quantization else reader

@@ -46,8 +46,9 @@ class ModelRunner:
         try:
             dtype = resolve_dtype(req.dtype, str(device))
             model_dir = Path(req.safetensors_paths[0]).parent if req.safetensors_paths else None
-            model = build_model(json.loads(req.config_json), comm, dtype, device, model_dir)
-            with open_checkpoint(req.safetensors_paths, req.quantization) as reader:
+            config = json.loads(req.config_json)
+            model = build_model(config, comm, dtype, device, model_dir)
+            with open_checkpoint(req.safetensors_paths, req.quantization, config) as reader:
                 model.load(reader, on_layer_loaded)
             if device.type == "cpu":
                 _load_cpu_kernels()

@@ -171,9 +171,10 @@ void neuron_silu_mul(const float* gate, int64_t gs, const float* up, int64_t us,
 // ---------------------------------------------------------------------------------------------
 // Quantized weights (neuron/layers/quantized.py): y[m, n] = x[m, k] W[n, k]^T (+ bias) where
 //   W[n][c] = s(n, g) * q[n][c] - z(n, g),  g = c / group,
-// q the integer codes and s, z a scale and an offset per group of `group` inputs. The codes are
-// int8 (`bits` 8), or for `bits` 4 two to a byte: in each group of 32 inputs, byte i holds input i
-// in its low nibble and input i + 16 in its high one (GGUF's Q4_0 layout), values 0..15. A scale
+// q the codes and s, z a scale and an offset per group of `group` inputs. The codes are int8
+// (`bits` 8), FP8 e4m3 bytes (`bits` 8 and `fp8`), or for `bits` 4 two to a byte: in each group
+// of 32 inputs, byte i holds input i in its low nibble and input i + 16 in its high one (GGUF's
+// Q4_0 layout), values 0..15. A scale
 // is a float per `per_super` groups, times an int8 sub-scale per group where those are given (the
 // K-quants' two-level scales); the offset likewise, and absent for symmetric formats.
 //
@@ -184,7 +185,7 @@ struct QuantizedWeight {
     const uint8_t* codes;
     int64_t code_stride;  // bytes per weight row
     int64_t n, k;
-    int32_t bits, group, per_super;
+    int32_t bits, group, per_super, fp8;
     const float* scale;
     int64_t scale_stride;
     const int8_t* scale_sub;  // nullable
@@ -197,6 +198,7 @@ struct QuantizedWeight {
 
 namespace {
 
+enum Codes { I8, U4, E4M3 };
 constexpr int QNB = 4;  // weight rows per quantized tile
 constexpr int PREFETCH_TILES = 2;
 
@@ -235,18 +237,46 @@ inline vecf widen_u4(const uint8_t* p) {
     return v;
 }
 
+// VL FP8 e4m3 bytes as floats times 2^-120, exactly: the sign moved to bit 31 and the 7 bits of
+// exponent and mantissa to bits 26..20 make a float whose exponent is e4m3's minus 120 for normal
+// values (e4m3's bias is 7, fp32's 127) and whose subnormal is e4m3's subnormal times 2^-120 too.
+// The kernel folds 2^120 into each group's scale, so no conversion instruction is needed.
+inline vecf widen_e4m3(const uint8_t* p) {
+#if defined(__AVX512F__)
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7F)), 20),
+                                         _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24));
+    const __m512 f = _mm512_castsi512_ps(bits);
+#elif defined(__AVX2__)
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7F)), 20),
+                                         _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24));
+    const __m256 f = _mm256_castsi256_ps(bits);
+#else
+    vecf f;
+    for (int l = 0; l < VL; ++l) {
+        const uint32_t bits = (uint32_t(p[l] & 0x7F) << 20) | (uint32_t(p[l] & 0x80) << 24);
+        std::memcpy(&f[l], &bits, 4);
+    }
+#endif
+    vecf v;
+    std::memcpy(&v, &f, sizeof v);
+    return v;
+}
+constexpr float TWO_TO_120 = 0x1p120f;
+
 inline float group_factor(const float* top, int64_t ts, const int8_t* sub, int64_t ss, int64_t row, int64_t g,
                           int per_super) {
     const float f = top[row * ts + g / per_super];
     return sub ? f * float(sub[row * ss + g]) : f;
 }
 
-// RB rows of x against NBT weight rows starting at `o`. PLAIN: one symmetric scale per row (load-time
-// int8), applied to the finished sums instead of to every weight vector.
+// RB rows of x against NBT weight rows starting at `o`; CODES is I8, U4 or E4M3. PLAIN: one symmetric
+// scale per row (load-time int8), applied to the finished sums instead of to every weight vector.
 // The weight rows of a tile are short (a 1024-input int8 row is 16 cache lines), too short for the
 // hardware's stream prefetcher to learn, so each step also prefetches one line of the tile PREFETCH_TILES
 // ahead: the kernel read the 191M model's int8 weights at 13 GB/s without it and 30+ with it.
-template <int NBT, int RB, int BITS, bool PLAIN>
+template <int NBT, int RB, int CODES, bool PLAIN>
 inline void qtile(const float* x, int64_t xs, const QuantizedWeight& w, int64_t o, float* y, int64_t ys,
                   const float* bias) {
     vecf acc[RB][NBT] = {};
@@ -264,17 +294,18 @@ inline void qtile(const float* x, int64_t xs, const QuantizedWeight& w, int64_t 
                 const float z = w.offset ? group_factor(w.offset, w.offset_stride, w.offset_sub,
                                                         w.offset_sub_stride, o + j, g, w.per_super)
                                          : 0.0f;
-                sv[j] = vecf{} + s;
+                sv[j] = vecf{} + (CODES == E4M3 ? s * TWO_TO_120 : s);
                 zv[j] = vecf{} + z;
             }
         }
         const int64_t c0 = g * w.group;
-        if constexpr (BITS == 8) {
+        if constexpr (CODES != U4) {
             for (int64_t c = c0; c < c0 + w.group; c += VL) {
                 vecf wv[NBT];
                 if (line < lines) __builtin_prefetch(next + 64 * line++, 0, 3);
                 for (int j = 0; j < NBT; ++j) {
-                    wv[j] = widen_i8(w.codes + (o + j) * w.code_stride + c);
+                    const uint8_t* p = w.codes + (o + j) * w.code_stride + c;
+                    wv[j] = CODES == E4M3 ? widen_e4m3(p) : widen_i8(p);
                     if constexpr (!PLAIN) wv[j] = wv[j] * sv[j] - zv[j];
                 }
                 for (int r = 0; r < RB; ++r) {
@@ -310,16 +341,16 @@ inline void qtile(const float* x, int64_t xs, const QuantizedWeight& w, int64_t 
         }
 }
 
-template <int NBT, int BITS, bool PLAIN>
+template <int NBT, int CODES, bool PLAIN>
 inline void qweight_rows(const float* x, int64_t m, int64_t xs, const QuantizedWeight& w, int64_t o, float* y,
                          int64_t ys, const float* bias) {
     int64_t r = 0;
-    for (; r + 4 <= m; r += 4) qtile<NBT, 4, BITS, PLAIN>(x + r * xs, xs, w, o, y + r * ys, ys, bias);
-    for (; r + 2 <= m; r += 2) qtile<NBT, 2, BITS, PLAIN>(x + r * xs, xs, w, o, y + r * ys, ys, bias);
-    for (; r < m; ++r) qtile<NBT, 1, BITS, PLAIN>(x + r * xs, xs, w, o, y + r * ys, ys, bias);
+    for (; r + 4 <= m; r += 4) qtile<NBT, 4, CODES, PLAIN>(x + r * xs, xs, w, o, y + r * ys, ys, bias);
+    for (; r + 2 <= m; r += 2) qtile<NBT, 2, CODES, PLAIN>(x + r * xs, xs, w, o, y + r * ys, ys, bias);
+    for (; r < m; ++r) qtile<NBT, 1, CODES, PLAIN>(x + r * xs, xs, w, o, y + r * ys, ys, bias);
 }
 
-template <int BITS, bool PLAIN>
+template <int CODES, bool PLAIN>
 void qlinear(const float* x, int64_t m, int64_t xs, const QuantizedWeight& w, const float* bias, float* y,
              int64_t ys, int threads) {
     const int64_t n = w.n, tiles = (n + QNB - 1) / QNB;
@@ -327,10 +358,10 @@ void qlinear(const float* x, int64_t m, int64_t xs, const QuantizedWeight& w, co
     for (int64_t t = 0; t < tiles; ++t) {
         const int64_t o = t * QNB;
         if (o + QNB <= n) {
-            qweight_rows<QNB, BITS, PLAIN>(x, m, xs, w, o, y + o, ys, bias ? bias + o : nullptr);
+            qweight_rows<QNB, CODES, PLAIN>(x, m, xs, w, o, y + o, ys, bias ? bias + o : nullptr);
         } else {
             for (int64_t j = o; j < n; ++j)
-                qweight_rows<1, BITS, PLAIN>(x, m, xs, w, j, y + j, ys, bias ? bias + j : nullptr);
+                qweight_rows<1, CODES, PLAIN>(x, m, xs, w, j, y + j, ys, bias ? bias + j : nullptr);
         }
     }
 }
@@ -345,9 +376,13 @@ void neuron_qlinear(const float* x, int64_t m, int64_t xs, const QuantizedWeight
                     int64_t ys, int threads) {
     const bool plain = w->group == w->k && !w->offset && !w->scale_sub;
     if (w->bits == 4)
-        plain ? qlinear<4, true>(x, m, xs, *w, bias, y, ys, threads) : qlinear<4, false>(x, m, xs, *w, bias, y, ys, threads);
+        qlinear<U4, false>(x, m, xs, *w, bias, y, ys, threads);
+    else if (w->fp8)
+        qlinear<E4M3, false>(x, m, xs, *w, bias, y, ys, threads);
+    else if (plain)
+        qlinear<I8, true>(x, m, xs, *w, bias, y, ys, threads);
     else
-        plain ? qlinear<8, true>(x, m, xs, *w, bias, y, ys, threads) : qlinear<8, false>(x, m, xs, *w, bias, y, ys, threads);
+        qlinear<I8, false>(x, m, xs, *w, bias, y, ys, threads);
 }
 
 }  // extern "C"

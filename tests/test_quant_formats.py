@@ -1,0 +1,160 @@
+"""Quantized safetensors checkpoints (FP8 block-wise, AWQ, GPTQ with and without act-order,
+compressed-tensors W4A16/W8A16): the weights neuron holds equal the format's dequantization, and
+greedy tokens and logprobs at tp 1, 2 and 4 equal transformers' on the dequantized model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import build_checkpoint, greedy_with_logprobs
+from quant_checkpoints import (
+    awq_checkpoint,
+    compressed_tensors_checkpoint,
+    dense_checkpoint,
+    fp8_checkpoint,
+    gptq_checkpoint,
+)
+
+from neuron import LLM, SamplingParams
+from neuron.errors import ConfigError
+from neuron.layers.quantized import QuantizedWeight
+from neuron.models import load_config
+from neuron.models.loader import CheckpointReader, safetensors_files
+from neuron.models.quant_formats import PrequantizedReader, checkpoint_quantization
+
+# Every width a multiple of 128 (FP8 blocks, 128-input groups), split by tp 4 on group boundaries
+# except where a test means otherwise.
+SHAPE = dict(vocab_size=301, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=2, head_dim=64, tie_word_embeddings=False, initializer_range=0.05)
+PROMPTS = [[5, 17, 200, 3], list(range(10, 50))]
+
+FORMATS = {
+    "fp8": lambda src, dst: fp8_checkpoint(src, dst),
+    "fp8-bf16-scales": lambda src, dst: fp8_checkpoint(src, dst, scale_dtype=torch.bfloat16),
+    "awq": lambda src, dst: awq_checkpoint(src, dst),
+    "gptq": lambda src, dst: gptq_checkpoint(src, dst),
+    "gptq-act-order": lambda src, dst: gptq_checkpoint(src, dst, act_order=True),
+    "gptq-8bit": lambda src, dst: gptq_checkpoint(src, dst, bits=8, group=64),
+    "w4a16": lambda src, dst: compressed_tensors_checkpoint(src, dst),
+    "w4a16-asym": lambda src, dst: compressed_tensors_checkpoint(src, dst, symmetric=False),
+    "w8a16": lambda src, dst: compressed_tensors_checkpoint(src, dst, bits=8),
+}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("src"), seed=5, **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def written(source, tmp_path_factory):
+    cache = {}
+
+    def get(fmt):
+        if fmt not in cache:
+            tmp = tmp_path_factory.mktemp(fmt)
+            path, dense = FORMATS[fmt](source, tmp / "q")
+            cache[fmt] = (path, dense, dense_checkpoint(source, tmp / "dense", dense))
+        return cache[fmt]
+    return get
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_held_weights_equal_the_formats_dequantization(written, fmt):
+    path, dense, _ = written(fmt)
+    spec = checkpoint_quantization(load_config(path))
+    with PrequantizedReader(CheckpointReader(safetensors_files(path)), spec) as r:
+        for name, want in dense.items():
+            w = r.read_weight(name)
+            assert isinstance(w, QuantizedWeight), name
+            assert torch.equal(w.dequantize(), want), name
+            n, k = want.shape
+            half = r.read_weight(name, 1, k // 2, k)  # a row-parallel rank's share
+            assert torch.equal(half.dequantize(), want[:, k // 2:]), name
+            rows = r.read_weight(name, 0, 64, n)
+            assert torch.equal(rows.dequantize(), want[64:]), name
+
+
+@pytest.mark.parametrize("fmt,tp", [(f, 1) for f in FORMATS] + [
+    ("fp8", 2), ("awq", 2), ("gptq-act-order", 2), ("w4a16", 2),
+    pytest.param("fp8", 4, marks=pytest.mark.slow), pytest.param("gptq-act-order", 4, marks=pytest.mark.slow),
+    pytest.param("awq", 4, marks=pytest.mark.slow), pytest.param("w8a16", 4, marks=pytest.mark.slow)])
+def test_generation_matches_transformers_on_the_dequantized_model(written, fmt, tp):
+    from transformers import Qwen3ForCausalLM
+
+    path, _, dense_path = written(fmt)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
+    with LLM(str(path), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
+        layer = llm.engine.executor.rank0.models["model"].model.layers[0]
+        assert isinstance(layer.mlp.down.weight, QuantizedWeight)
+        assert llm.engine.quantization.split()[0] == checkpoint_quantization(load_config(path))["method"]
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    reference = Qwen3ForCausalLM.from_pretrained(dense_path, dtype=torch.float32).eval()
+    for prompt, out in zip(PROMPTS, outs):
+        tokens, logprobs = greedy_with_logprobs(reference, prompt, 8)
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        for step, lp in enumerate(got.logprobs):
+            for tid, value in lp.items():
+                assert abs(value - logprobs[step][tid].item()) <= 1e-3
+
+
+def test_fp8_matches_transformers_own_dequantization(written):
+    """transformers reads the FP8 checkpoint itself (on CPU it dequantizes block by block)."""
+    from transformers import AutoModelForCausalLM
+
+    path, _, _ = written("fp8")
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
+    with LLM(str(path), device="cpu", dtype="float32") as llm:
+        got = llm.generate({"prompt_token_ids": PROMPTS[1]}, params)[0].outputs[0]
+    tokens, logprobs = greedy_with_logprobs(reference, PROMPTS[1], 6)
+    assert got.token_ids == tokens
+    assert max(abs(v - logprobs[s][t].item()) for s, lp in enumerate(got.logprobs) for t, v in lp.items()) <= 1e-3
+
+
+def test_compressed_tensors_matches_its_own_decompression(written):
+    """compressed-tensors' unpacking (its helpers, as its decompressor runs them) gives the weights neuron holds."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.torch import load_file
+
+    path, _, _ = written("w4a16-asym")
+    tensors = load_file(path / "model.safetensors")
+    prefix = "model.layers.0.mlp.down_proj"
+    n, k = tensors[f"{prefix}.weight_shape"].tolist()
+    q = unpack_from_int32(tensors[f"{prefix}.weight_packed"], 4, torch.Size([n, k]))
+    zp = unpack_from_int32(tensors[f"{prefix}.weight_zero_point"], 4, torch.Size([n, k // 128]), packed_dim=0)
+    scale = tensors[f"{prefix}.weight_scale"].float()
+    want = (q.float() - zp.float().repeat_interleave(128, 1)) * scale.repeat_interleave(128, 1)
+    spec = checkpoint_quantization(load_config(path))
+    with PrequantizedReader(CheckpointReader(safetensors_files(path)), spec) as r:
+        assert torch.equal(r.read_weight(f"{prefix}.weight").dequantize(), want)
+
+
+def test_fp8_split_off_its_blocks_is_refused(written):
+    path, _, _ = written("fp8")
+    spec = checkpoint_quantization(load_config(path))
+    with PrequantizedReader(CheckpointReader(safetensors_files(path)), spec) as r:
+        with pytest.raises(ConfigError, match=r"inputs \[64, 256\) do not start on a block.*multiples of 128"):
+            r.read_weight("model.layers.0.self_attn.o_proj.weight", 1, 64, 256)
+
+
+@pytest.mark.parametrize("qc,message", [
+    ({"quant_method": "bitsandbytes"}, "checkpoint quantization 'bitsandbytes' is not supported"),
+    ({"quant_method": "fp8", "weight_block_size": None}, "block-wise scales"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "GEMM layout"),
+    ({"quant_method": "gptq", "bits": 3}, "4 or 8 bits"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized",
+      "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8, "strategy": "tensor"}}}}, "not supported"),
+])
+def test_what_is_not_read_is_refused_before_loading(source, tmp_path, qc, message):
+    import json
+    import shutil
+
+    dst = tmp_path / "ckpt"
+    shutil.copytree(source, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = qc
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message):
+        load_config(dst)
