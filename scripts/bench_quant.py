@@ -1,6 +1,6 @@
 """CPU decode of one checkpoint held in different ways: fp32, bf16, int8 quantized at load, and GGUF
-files of the same weights (Q8_0, Q4_K), with llama.cpp on the same GGUF files where
-llama-cpp-python is installed.
+files of the same weights (Q8_0, Q4_K), with llama.cpp (llama-cpp-python, in this Python or the
+one --llama-cpp-python names) on the same GGUF files, "not installed" where it is missing.
 
     python scripts/bench_quant.py                          # a random ~190M-parameter Qwen3, built here
     python scripts/bench_quant.py --checkpoint DIR --tokens 64 --repeats 3 --json-out out.json
@@ -66,23 +66,37 @@ def time_neuron(model: str, tokens: int, repeats: int, batch: int, **kwargs) -> 
     return weight_bytes, statistics.median(rates)
 
 
-def time_llama_cpp(path: str, tokens: int, repeats: int) -> float | None:
-    """llama.cpp's batch-1 decode tok/s on the same GGUF file; None where llama-cpp-python is missing."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    llm = Llama(model_path=path, n_ctx=512, n_threads=torch.get_num_threads(), verbose=False)
-    rates = []
-    for _ in range(repeats):
-        llm.reset()
-        llm.eval(prompts(1)[0])
-        start = time.perf_counter()
-        for _ in range(tokens):
-            token = llm.sample(temp=0.0)
-            llm.eval([token])
-        rates.append(tokens / (time.perf_counter() - start))
-    return statistics.median(rates)
+# Run by the Python that has llama-cpp-python (this one, or --llama-cpp-python's): greedy decode of
+# one sequence after the same 16-token prompt, the median of `repeats` runs.
+LLAMA_CPP = """
+import statistics, sys, time
+from llama_cpp import Llama
+path, tokens, repeats, threads, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), eval(sys.argv[5])
+llm = Llama(model_path=path, n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+rates = []
+for _ in range(repeats):
+    llm.reset()
+    llm.eval(prompt)
+    start = time.perf_counter()
+    for _ in range(tokens):
+        llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
+    rates.append(tokens / (time.perf_counter() - start))
+print(statistics.median(rates))
+"""
+
+
+def time_llama_cpp(python: str, path: str, tokens: int, repeats: int) -> float | None:
+    """llama.cpp's batch-1 decode tok/s on the same GGUF file; None where `python` lacks llama-cpp-python."""
+    import subprocess
+
+    args = [python, "-c", LLAMA_CPP, path, str(tokens), str(repeats), str(torch.get_num_threads()),
+            repr(prompts(1)[0])]
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode != 0:
+        if "No module named 'llama_cpp'" in done.stderr:
+            return None
+        raise RuntimeError(f"llama.cpp run failed: {done.stderr[-2000:]}")
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
@@ -92,6 +106,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16, help="the larger batch (the smaller is 1)")
     ap.add_argument("--only", help="comma-separated variants to run (fp32, bf16, int8, Q8_0, Q4_K)")
+    ap.add_argument("--llama-cpp-python", default=sys.executable,
+                    help="a Python with llama-cpp-python installed (a side venv; default: this one)")
     ap.add_argument("--json-out")
     args = ap.parse_args()
 
@@ -116,8 +132,8 @@ def main() -> int:
             _, bn = time_neuron(model, args.tokens, args.repeats, args.batch, **kwargs)
             results[name] = dict(weight_bytes=nbytes, batch1_tok_s=b1, batchN_tok_s=bn)
             if name in gguf_files:
-                results[name]["llama_cpp_batch1_tok_s"] = time_llama_cpp(str(gguf_files[name]), args.tokens,
-                                                                         args.repeats)
+                results[name]["llama_cpp_batch1_tok_s"] = time_llama_cpp(args.llama_cpp_python, str(gguf_files[name]),
+                                                                         args.tokens, args.repeats)
             print(f"{name}: {nbytes / 2**20:.1f} MiB, batch 1 {b1:.1f} tok/s, batch {args.batch} {bn:.1f} tok/s",
                   file=sys.stderr)
 

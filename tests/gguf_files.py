@@ -21,8 +21,9 @@ GGUF_NAMES = {
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
 }
+EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 TOP = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
        "model.norm.weight": "output_norm.weight"}
 
@@ -117,8 +118,9 @@ def quantize(x: np.ndarray, kind: str):
     qtype = gguf.GGMLQuantizationType[kind]
     if kind == "F32":
         return x.astype(np.float32), qtype
-    if kind in K_QUANTIZERS:
-        return K_QUANTIZERS[kind](x.astype(np.float32)), qtype
+    if kind in K_QUANTIZERS:  # any leading dimensions (stacked experts): rows of the last one
+        rows = K_QUANTIZERS[kind](x.reshape(-1, x.shape[-1]).astype(np.float32))
+        return rows.reshape(*x.shape[:-1], rows.shape[-1]), qtype
     return gguf.quants.quantize(x.astype(np.float32), qtype), qtype
 
 
@@ -127,7 +129,7 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _add_tokenizer(writer, hf_dir: Path) -> None:
+def _add_tokenizer(writer, hf_dir: Path, vocab_size: int) -> None:
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     vocab = dict(tok["model"]["vocab"])
     special = set()
@@ -135,14 +137,17 @@ def _add_tokenizer(writer, hf_dir: Path) -> None:
         vocab[added["content"]] = added["id"]
         if added.get("special"):
             special.add(added["id"])
-    tokens = [""] * (max(vocab.values()) + 1)
+    # llama.cpp sizes the vocabulary by the token list: pad it to the embedding's rows as its
+    # converter does, with unused placeholder tokens
+    tokens = [f"[PAD{i}]" for i in range(max(vocab_size, max(vocab.values()) + 1))]
     for text, i in vocab.items():
         tokens[i] = text
+    unused = set(range(len(tokens))) - set(vocab.values())
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"].get("merges", [])]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
-    writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    writer.add_token_types([3 if i in special else 5 if i in unused else 1 for i in range(len(tokens))])
     writer.add_token_merges(merges)
     cfg_file = hf_dir / "tokenizer_config.json"
     cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
@@ -166,7 +171,7 @@ def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", to
 
     hf_dir = Path(hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
-    arch = {"qwen3": "qwen3", "llama": "llama"}[config["model_type"]]
+    arch = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3moe"}[config["model_type"]]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     w = gguf.GGUFWriter(str(out), arch)
@@ -182,15 +187,25 @@ def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", to
     rope = config.get("rope_parameters") or {}
     w.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
     w.add_vocab_size(config["vocab_size"])
+    if arch == "qwen3moe":
+        w.add_expert_count(config.get("num_experts") or config["num_local_experts"])
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if tokenizer and (hf_dir / "tokenizer.json").is_file():
-        _add_tokenizer(w, hf_dir)
+        _add_tokenizer(w, hf_dir, config["vocab_size"])
     tensors = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
         tensors.update(load_file(f))
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
+    stacked: dict[str, dict[int, np.ndarray]] = {}
+    for name in [n for n in tensors if ".mlp.experts." in n]:  # one [experts, out, in] tensor per projection
+        _, _, layer, _, _, e, proj, _ = name.split(".")
+        stacked.setdefault(f"blk.{layer}.{EXPERTS[proj]}.weight", {})[int(e)] = tensors.pop(name)
+    for gname, experts in stacked.items():
+        tensors[gname] = np.stack([experts[e] for e in sorted(experts)])
     for name, value in tensors.items():
-        gname = _gguf_name(name)
+        gname = name if name in stacked else _gguf_name(name)
         x = value.astype(np.float32)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             x = _permute(x, heads if "q_proj" in name else kv_heads)

@@ -166,3 +166,35 @@ def test_a_gguf_file_in_a_cached_repo_is_found_by_name(tmp_path, monkeypatch):
         resolve_model_path("org/tiny-GGUF/tiny-Q2_K.gguf")
     with pytest.raises(ConfigError, match="several GGUF files"):
         neuron_gguf.find_gguf(snap)
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_qwen3_moe_gguf_keeps_its_experts_quantized(tmp_path, tp):
+    """qwen3moe: experts stacked per projection in the file, each rank reading its slice of each
+    expert, run through the quantized kernel."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(6)
+    config = Qwen3MoeConfig(vocab_size=301, hidden_size=256, intermediate_size=512, moe_intermediate_size=512,
+                            num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                            tie_word_embeddings=False, initializer_range=0.05, eos_token_id=None, bos_token_id=None,
+                            norm_topk_prob=True)  # what every Qwen3-MoE uses, and llama.cpp assumes
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    path = write_gguf(tmp_path / "hf", tmp_path / "moe.gguf",
+                      {"ffn_gate_exps.weight": "Q4_K", "ffn_up_exps.weight": "Q8_0", "ffn_down_exps.weight": "Q6_K",
+                       "ffn_gate_inp.weight": "F32", "default": "Q8_0"})
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
+    with LLM(str(path), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
+        moe = llm.engine.executor.rank0.models["model"].model.layers[0].mlp
+        assert moe.quantized and moe.path_for(1) == "loop"
+        assert isinstance(moe.w_down[0], QuantizedWeight) and moe.w_down[0].format == "Q6_K"
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    reference = _transformers_reference(tmp_path / "hf", path)
+    for prompt, out in zip(PROMPTS, outs):
+        tokens, logprobs = greedy_with_logprobs(reference, prompt, 8)
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        for step, lp in enumerate(got.logprobs):
+            for tid, value in lp.items():
+                assert abs(value - logprobs[step][tid].item()) <= 1e-3

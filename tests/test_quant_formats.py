@@ -158,3 +158,41 @@ def test_what_is_not_read_is_refused_before_loading(source, tmp_path, qc, messag
     (dst / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=message):
         load_config(dst)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8-at-load"])
+def test_moe_experts_stay_quantized(tmp_path, fmt):
+    """A Qwen3-MoE checkpoint's experts, stored as FP8 or quantized at load, run quantized (the loop
+    path through the kernel) and match transformers on the same rounded weights."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from neuron.layers.quantized import quantize_int8
+
+    torch.manual_seed(7)
+    config = Qwen3MoeConfig(vocab_size=301, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+                            num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64, max_position_embeddings=512, norm_topk_prob=True,
+                            tie_word_embeddings=False, initializer_range=0.05, eos_token_id=None, bos_token_id=None)
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    if fmt == "fp8":
+        path, dense = fp8_checkpoint(tmp_path / "hf", tmp_path / "q")
+        kwargs = {}
+    else:
+        from safetensors.torch import load_file
+
+        tensors = load_file(tmp_path / "hf" / "model.safetensors")
+        path, kwargs = tmp_path / "hf", {"quantization": "int8"}
+        dense = {n: quantize_int8(w).dequantize() for n, w in tensors.items()
+                 if n.endswith("proj.weight")}  # tp 1: every linear weight per output row
+    reference_dir = dense_checkpoint(tmp_path / "hf", tmp_path / "dense", dense)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
+    with LLM(str(path), device="cpu", dtype="float32", **kwargs) as llm:
+        moe = llm.engine.executor.rank0.models["model"].model.layers[0].mlp
+        assert moe.quantized and isinstance(moe.w_down[0], QuantizedWeight)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    reference = Qwen3MoeForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
+    for prompt, out in zip(PROMPTS, outs):
+        tokens, logprobs = greedy_with_logprobs(reference, prompt, 8)
+        assert out.outputs[0].token_ids == tokens
+        for step, lp in enumerate(out.outputs[0].logprobs):
+            assert max(abs(v - logprobs[step][t].item()) for t, v in lp.items()) <= 1e-3

@@ -194,3 +194,14 @@ def test_fp8_codes_widen_exactly(rows):
         one.zero_()
         one[0, c] = 1.0
         assert torch.equal(quantized.linear(one, w)[0], w.dequantize()[:, c])
+
+
+@needs_kernel
+def test_half_precision_steps_use_the_kernel_in_fp32():
+    w = _random(bits=4, n=40, k=256, group=32, offset=True)
+    x = torch.randn(3, 256).bfloat16()
+    got = quantized.linear(x, w)
+    assert got.dtype == torch.bfloat16
+    ref = torch.nn.functional.linear(x.double(), w.dequantize().double())
+    assert torch.equal(got, ref.float().to(torch.bfloat16)) or \
+        (got.double() - ref).abs().max().item() <= 2 ** -7 * ref.abs().max().item()  # one bf16 rounding

@@ -52,7 +52,9 @@ import torch
 import torch.nn.functional as F
 
 from neuron.distributed.comm import Communicator
+from neuron.layers import quantized
 from neuron.layers.norm import silu_mul
+from neuron.layers.quantized import Weight
 from neuron.layers.tensor_parallel import Reader, Shard, _place
 
 
@@ -73,17 +75,21 @@ class Router:
         return ids, weights.to(x.dtype)
 
 
-def _read_expert(r: Reader, prefix: str, e: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert e's gate/up rows [start, end) stacked ([2 * n, hidden]) and its down columns [hidden, n]."""
+def _read_expert(r: Reader, prefix: str, e: int, start: int, end: int) -> tuple[Weight, Weight]:
+    """Expert e's gate/up rows [start, end) stacked ([2 * n, hidden]) and its down columns [hidden, n];
+    kept quantized where the checkpoint stores them so or the reader quantizes at load."""
     if r.has(f"{prefix}.gate_up_proj"):  # fused layout: [E, 2 * inter, hidden] and [E, hidden, inter]
         inter = r.read(f"{prefix}.down_proj", 0, e, e + 1).shape[2]
         fused = r.read(f"{prefix}.gate_up_proj", 0, e, e + 1)[0]
         gate_up = torch.cat([fused[start:end], fused[inter + start: inter + end]])
         return gate_up, r.read(f"{prefix}.down_proj", 0, e, e + 1)[0, :, start:end]
     p = f"{prefix}.{e}"
-    gate = r.read(f"{p}.gate_proj.weight", 0, start, end)
-    up = r.read(f"{p}.up_proj.weight", 0, start, end)
-    return torch.cat([gate, up]), r.read(f"{p}.down_proj.weight", 1, start, end)
+    gate = r.read_weight(f"{p}.gate_proj.weight", 0, start, end)
+    up = r.read_weight(f"{p}.up_proj.weight", 0, start, end)
+    down = r.read_weight(f"{p}.down_proj.weight", 1, start, end)
+    if isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor):
+        return torch.cat([gate, up]), down
+    return [gate, up], down  # stacked once the layer knows its device
 
 
 
@@ -135,15 +141,20 @@ def _sync_free_grouped_mm(device: torch.device) -> bool:
 
 
 class SparseMoE:
-    """Router plus stacked experts: w_gate_up [E, 2 * inter_local, hidden], w_down [E, hidden, inter_local]."""
+    """Router plus stacked experts: w_gate_up [E, 2 * inter_local, hidden], w_down [E, hidden, inter_local];
+    or, for quantized experts, lists of one quantized weight per expert, run by the loop path
+    through the quantized kernel (neuron/layers/quantized.py)."""
 
-    def __init__(self, router: Router, w_gate_up: torch.Tensor, w_down: torch.Tensor, comm: Communicator):
+    def __init__(self, router: Router, w_gate_up: torch.Tensor | list, w_down: torch.Tensor | list,
+                 comm: Communicator):
         self.router = router
         self.w_gate_up, self.w_down = w_gate_up, w_down
         self.comm = comm
-        self.local_inter = w_down.shape[2]
-        self.expert_ids = torch.arange(w_down.shape[0], device=w_down.device)
-        self.sync_free_grouped_mm = _sync_free_grouped_mm(w_down.device)
+        self.quantized = isinstance(w_down, list)
+        self.local_inter = w_down[0].shape[1] if self.quantized else w_down.shape[2]
+        device = router.weight.device
+        self.expert_ids = torch.arange(len(w_down) if self.quantized else w_down.shape[0], device=device)
+        self.sync_free_grouped_mm = _sync_free_grouped_mm(device)
 
     @classmethod
     def load(cls, r: Reader, prefix: str, num_experts: int, intermediate: int, top_k: int,
@@ -151,12 +162,18 @@ class SparseMoE:
         start, end = shard.even(intermediate, "moe_intermediate_size")
         router = Router(_place(r.read(f"{prefix}.gate.weight"), dtype, device), top_k, norm_topk_prob)
         parts = [_read_expert(r, f"{prefix}.experts", e, start, end) for e in range(num_experts)]
-        w_gate_up = _place(torch.stack([g for g, _ in parts]), dtype, device)
-        w_down = _place(torch.stack([d for _, d in parts]), dtype, device)
+        if all(isinstance(g, torch.Tensor) and isinstance(d, torch.Tensor) for g, d in parts):
+            w_gate_up = _place(torch.stack([g for g, _ in parts]), dtype, device)
+            w_down = _place(torch.stack([d for _, d in parts]), dtype, device)
+            return cls(router, w_gate_up, w_down, comm)
+        w_gate_up = [quantized.stack(g if isinstance(g, list) else [g], dtype, device) for g, _ in parts]
+        w_down = [quantized.stack([d], dtype, device) for _, d in parts]
         return cls(router, w_gate_up, w_down, comm)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.router.weight, self.w_gate_up, self.w_down]
+        experts = [self.w_gate_up, self.w_down] if not self.quantized else \
+            [t for w in self.w_gate_up + self.w_down for t in quantized.tensors(w)]
+        return [self.router.weight, *experts]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.partial(x)
@@ -172,6 +189,8 @@ class SparseMoE:
         return (y.view(*ids.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
     def path_for(self, pairs: int) -> str:
+        if self.quantized:
+            return "loop"
         w = self.w_down
         return expert_path(pairs, w.shape[0], w.device.type, w.dtype, w.shape[1], self.local_inter,
                            self.sync_free_grouped_mm)
@@ -200,10 +219,13 @@ class SparseMoE:
         begin = 0
         for e, end in enumerate(ends.tolist()):  # the host reads the counts: a sync on a GPU
             if end > begin:
-                gate, up = F.linear(tokens[begin:end], self.w_gate_up[e]).split(self.local_inter, dim=-1)
-                out[begin:end] = F.linear(silu_mul(gate, up), self.w_down[e])
+                gate, up = self._linear(tokens[begin:end], self.w_gate_up[e]).split(self.local_inter, dim=-1)
+                out[begin:end] = self._linear(silu_mul(gate, up), self.w_down[e])
             begin = end
         return out
+
+    def _linear(self, x: torch.Tensor, w) -> torch.Tensor:
+        return quantized.linear(x, w) if self.quantized else F.linear(x, w)
 
     def _gathered(self, x: torch.Tensor, flat_ids: torch.Tensor, k: int) -> torch.Tensor:
         tokens = x.unsqueeze(1).expand(-1, k, -1).reshape(-1, 1, x.shape[-1])  # [t * k, 1, hidden]

@@ -33,6 +33,7 @@ from neuron.layers import cpu_ops
 # Rows of x up to which the kernel runs; above, dequantizing the weight once and handing the product
 # to the dense path costs less than the kernel's fp32 arithmetic (docs/benchmarks.md).
 MAX_KERNEL_ROWS = 32
+MAX_PER_SUPER = 16  # csrc/cpu_ops.cpp's MAX_PER_SUPER
 
 
 @dataclass(slots=True)
@@ -238,6 +239,8 @@ def _kernel_takes(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None
         return False
     if w.group % 16 or (w.bits == 4 and w.group % 32) or w.k % w.group:
         return False
+    if w.per_super > MAX_PER_SUPER or w.per_super & (w.per_super - 1):  # the kernel's shift and its buffer
+        return False
     floats = [x, w.scale] + ([w.offset] if w.offset is not None else []) + ([bias] if bias is not None else [])
     return w.codes.is_cpu and w.codes.stride(-1) == 1 and cpu_ops.takes(*floats)
 
@@ -260,15 +263,18 @@ def linear(x: torch.Tensor, w: QuantizedWeight | StackedWeight, bias: torch.Tens
         return y if bias is None else y + bias
     if w.input_index is not None:
         x = w.gather_inputs(x)
-    if _kernel_takes(x, w, bias):
+    # a half-precision CPU step runs the kernel in fp32 (its activations are a few rows) and casts back
+    half = x.dtype in (torch.bfloat16, torch.float16) and x.is_cpu
+    xk, bk = (x.float(), None if bias is None else bias.float()) if half else (x, bias)
+    if _kernel_takes(xk, w, bk):
         if w.layout is None:
             # FP8 codes are scaled by scale x 2^120 in the kernel (csrc/cpu_ops.cpp), finite below 2^8
             w.layout = _layout(w) if not w.fp8 or bool(w.scale.abs().max() < 256) else False
         if w.layout:
-            m = x.shape[0]
-            y = torch.empty((m, w.shape[0]), dtype=torch.float32)
-            cpu_ops.library().neuron_qlinear(x.data_ptr(), m, x.stride(0), ctypes.byref(w.layout),
-                                             None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
+            m = xk.shape[0]
+            y = torch.empty((m, w.codes.shape[0]), dtype=torch.float32)
+            cpu_ops.library().neuron_qlinear(xk.data_ptr(), m, xk.stride(0), ctypes.byref(w.layout),
+                                             None if bk is None else bk.data_ptr(), y.data_ptr(), y.stride(0),
                                              torch.get_num_threads())
-            return y
+            return y.to(x.dtype) if half else y
     return F.linear(x, w.stored(x.dtype), bias)

@@ -39,6 +39,7 @@ _LAYER_NAMES = {
     "mlp.down_proj.weight": "ffn_down.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",
 }
+_EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
               "model.norm.weight": "output_norm.weight"}
 QK_K = 256
@@ -54,12 +55,23 @@ def _gguf():
 
 def gguf_name(name: str) -> str | None:
     """The GGUF tensor that holds a transformers-named weight; None for names GGUF does not use."""
+    return locate(name)[0]
+
+
+def locate(name: str) -> tuple[str | None, int | None]:
+    """(GGUF tensor, expert) holding a transformers-named weight: MoE experts are stacked in one
+    tensor per projection (blk.N.ffn_gate_exps.weight, [experts, out, in])."""
     if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
+        return _TOP_NAMES[name], None
     parts = name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER_NAMES:
-        return f"blk.{parts[2]}.{_LAYER_NAMES[parts[3]]}"
-    return None
+    if len(parts) != 4 or parts[:2] != ["model", "layers"]:
+        return None, None
+    if parts[3] in _LAYER_NAMES:
+        return f"blk.{parts[2]}.{_LAYER_NAMES[parts[3]]}", None
+    expert = parts[3].split(".")  # mlp.experts.E.gate_proj.weight
+    if len(expert) == 5 and expert[:2] == ["mlp", "experts"] and expert[3] in _EXPERT_NAMES and expert[4] == "weight":
+        return f"blk.{parts[2]}.{_EXPERT_NAMES[expert[3]]}.weight", int(expert[2])
+    return None, None
 
 
 def find_gguf(path: Path) -> Path | None:
@@ -138,7 +150,8 @@ class GGUFFile:
             config.update(num_experts=int(self._arch_field("expert_count")),
                           num_experts_per_tok=int(self._arch_field("expert_used_count")),
                           moe_intermediate_size=int(self._arch_field("expert_feed_forward_length")),
-                          norm_topk_prob=True)
+                          # llama.cpp normalises Qwen3-MoE's top-k weights unless the file says otherwise
+                          norm_topk_prob=bool(self._arch_field("expert_weights_norm", True)))
         if self.arch == "llama":
             config["attention_bias"] = "blk.0.attn_q.bias" in self.tensors
         scaling = self._arch_field("rope.scaling.type")
@@ -175,11 +188,11 @@ class GGUFReader(Reader):
         return gguf_name(name) in self.file.tensors
 
     def _tensor(self, name: str):
-        key = gguf_name(name)
+        key, expert = locate(name)
         t = self.file.tensors.get(key) if key else None
         if t is None:
             raise ConfigError(f"weight {name!r} ({key or 'no GGUF name'}) is missing from {self.file.path.name}")
-        return key, t
+        return key, t, expert
 
     def _rows(self, name: str, n: int, start: int, end: int) -> np.ndarray | slice:
         """The file's rows for transformers' rows [start, end): llama.cpp permutes Llama's q and k
@@ -196,11 +209,13 @@ class GGUFReader(Reader):
 
     def _raw(self, name: str, dim: int | None, start: int, end: int | None):
         """(type, this slice's rows as stored, its column count): quantized rows stay bytes."""
-        key, t = self._tensor(name)
+        key, t, expert = self._tensor(name)
         gguf = _gguf()
         kind = gguf.GGMLQuantizationType(int(t.tensor_type))
         data = t.data
-        shape = [int(s) for s in reversed(t.shape)]  # transformers' order: [out, in]
+        shape = [int(s) for s in reversed(t.shape)]  # transformers' order: [out, in], [experts, out, in]
+        if expert is not None:
+            data, shape = data[expert], shape[1:]
         if len(shape) == 1:
             return kind, np.array(data if dim is None else data[start:end]), shape[0]
         n, k = shape
