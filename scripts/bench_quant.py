@@ -45,25 +45,44 @@ def prompts(count: int) -> list[list[int]]:
     return [[(7 * i + 13 * j) % 1000 + 5 for j in range(PROMPT_TOKENS)] for i in range(count)]
 
 
-def time_neuron(model: str, tokens: int, repeats: int, batch: int, **kwargs) -> tuple[int, float]:
-    """(weight bytes of rank 0, median decode tok/s) for `batch` sequences at once."""
+def decode_rate(llm, tokens: int, batch: int) -> float:
+    """Decode tok/s of `batch` sequences at once: the same batch with 1 token and with `tokens`
+    tokens, the difference."""
+    from neuron import SamplingParams
+
+    inputs = [{"prompt_token_ids": p} for p in prompts(batch)]
+    start = time.perf_counter()
+    llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+    return batch * (tokens - 1) / max(time.perf_counter() - start - prefill, 1e-9)
+
+
+def time_neuron(variants: dict, tokens: int, repeats: int, batch: int) -> dict:
+    """Every variant loaded at once and measured in turn, round after round, so that a machine whose
+    speed drifts (a shared VM) shifts all of them alike: per variant, rank 0's weight bytes and the
+    median batch-1 and batch-`batch` decode tok/s."""
     from neuron import LLM, SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    rates = []
-    with LLM(model, device="cpu", max_num_seqs=max(batch, 1), max_model_len=512, **kwargs) as llm:
-        weight_bytes = llm.engine.executor.weight_bytes[0]
-        inputs = [{"prompt_token_ids": p} for p in prompts(batch)]
-        llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    llms = {name: LLM(model, device="cpu", max_num_seqs=batch, max_model_len=512, **kwargs)
+            for name, (model, kwargs) in variants.items()}
+    try:
+        for llm in llms.values():  # warm-up
+            llm.generate([{"prompt_token_ids": p} for p in prompts(batch)],
+                         SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        rates = {name: ([], []) for name in llms}
         for _ in range(repeats):
-            # decode rate: the same batch with 1 token and with `tokens` tokens, the difference
-            start = time.perf_counter()
-            llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-            prefill = time.perf_counter() - start
-            start = time.perf_counter()
-            llm.generate(inputs, params)
-            rates.append(batch * (tokens - 1) / max(time.perf_counter() - start - prefill, 1e-9))
-    return weight_bytes, statistics.median(rates)
+            for name, llm in llms.items():
+                rates[name][0].append(decode_rate(llm, tokens, 1))
+                rates[name][1].append(decode_rate(llm, tokens, batch))
+        return {name: dict(weight_bytes=llm.engine.executor.weight_bytes[0],
+                           batch1_tok_s=statistics.median(rates[name][0]),
+                           batchN_tok_s=statistics.median(rates[name][1]))
+                for name, llm in llms.items()}
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
 
 
 # Run by the Python that has llama-cpp-python (this one, or --llama-cpp-python's): greedy decode of
@@ -124,18 +143,12 @@ def main() -> int:
             gguf_files[kind] = write_gguf(ckpt, Path(tmp) / f"model-{kind}.gguf", kind)
             variants[kind] = (str(gguf_files[kind]), dict(dtype="float32"))
         wanted = set(args.only.split(",")) if args.only else set(variants)
-        results = {}
-        for name, (model, kwargs) in variants.items():
-            if name not in wanted:
-                continue
-            nbytes, b1 = time_neuron(model, args.tokens, args.repeats, 1, **kwargs)
-            _, bn = time_neuron(model, args.tokens, args.repeats, args.batch, **kwargs)
-            results[name] = dict(weight_bytes=nbytes, batch1_tok_s=b1, batchN_tok_s=bn)
+        results = time_neuron({k: v for k, v in variants.items() if k in wanted}, args.tokens, args.repeats,
+                              args.batch)
+        for name, r in results.items():
             if name in gguf_files:
-                results[name]["llama_cpp_batch1_tok_s"] = time_llama_cpp(args.llama_cpp_python, str(gguf_files[name]),
-                                                                         args.tokens, args.repeats)
-            print(f"{name}: {nbytes / 2**20:.1f} MiB, batch 1 {b1:.1f} tok/s, batch {args.batch} {bn:.1f} tok/s",
-                  file=sys.stderr)
+                r["llama_cpp_batch1_tok_s"] = time_llama_cpp(args.llama_cpp_python, str(gguf_files[name]),
+                                                             args.tokens, args.repeats)
 
     base = results.get("fp32")
     bf16 = results.get("bf16")

@@ -26,7 +26,8 @@ def references() -> dict:
     """Every piece's PyTorch reference in its kernel's place: what a card whose kernels work gives."""
     return {"rms_norm": norm.rms_norm_reference, "add_rms_norm": norm.add_rms_norm_reference,
             "norm_rope": lambda x, w, eps, cos, sin: norm.apply_rotary(norm.rms_norm_reference(x, w, eps), cos, sin),
-            "silu_mul": norm.silu_mul_reference, "paged_attention": paged_attention_reference}
+            "silu_mul": norm.silu_mul_reference, "paged_attention": paged_attention_reference,
+            "quant_linear": lambda x, w: torch.nn.functional.linear(x, w.stored(x.dtype))}
 
 
 def test_working_kernels_pass_every_shape():
@@ -73,7 +74,7 @@ def choice():
 
 def test_a_failed_piece_runs_its_reference_and_the_verdict_says_why(choice, monkeypatch):
     choice.apply({"silu_mul": "rank 1: differs from the reference by 1.0e-02 of its largest value"})
-    assert [choice.use_triton(p) for p in choice.PIECES] == [True, True, True, False, True]
+    assert [choice.use_triton(p) for p in choice.PIECES] == [True, True, True, False, True, True]
     assert choice.verdict()["silu_mul"] == "reference: rank 1: differs from the reference by 1.0e-02 of its largest value"
     assert choice.verdict()["rms_norm"] == "triton"
     monkeypatch.setenv("NEURON_KERNELS", "reference")

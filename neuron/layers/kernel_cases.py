@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from neuron.layers import norm
+from neuron.layers import norm, quantized
 from neuron.layers.paged_attention import build_metadata, paged_attention_reference, paged_attention_triton
 
 _EPS = 1e-6
@@ -21,7 +21,7 @@ def kernels() -> dict[str, Callable]:
     """Each piece's Triton kernel, called as its case's arguments say."""
     return {"rms_norm": norm.rms_norm_triton, "add_rms_norm": norm.add_rms_norm_triton,
             "norm_rope": norm.norm_rope_triton, "silu_mul": norm.silu_mul_triton,
-            "paged_attention": paged_attention_triton}
+            "paged_attention": paged_attention_triton, "quant_linear": quantized.linear_triton}
 
 
 def cases(device: str, dtype: torch.dtype, w) -> dict[str, list[tuple[str, tuple, object]]]:
@@ -41,7 +41,39 @@ def cases(device: str, dtype: torch.dtype, w) -> dict[str, list[tuple[str, tuple
         "norm_rope": [_rope_case(rand, heads, w.head_dim, device, dtype, name)
                       for heads, name in ((w.heads, "queries"), (w.kv_heads, "keys"))],
         "paged_attention": _attention_cases(rand, w, device, gen),
+        "quant_linear": _quant_cases(rand, w, device, dtype, gen),
     }
+    return out
+
+
+def _quant_cases(rand, w, device: str, dtype: torch.dtype, gen: torch.Generator) -> list:
+    """Every layout of quantized weight neuron holds, at the MLP's shapes (gate/up: hidden inputs;
+    down: intermediate inputs, rounded up to the layouts' blocks), for a decode step and a prefill tile."""
+    def layout(name: str, n: int, k: int):
+        codes8 = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen)
+        codes4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+        if name == "fp8":
+            codes8 = codes8 & 0xF7  # no NaN bytes (S.1111.111)
+        tops = {"int8": (k, 1), "fp8": (128, 1), "4-bit": (32, 1), "two-level": (32, 8)}[name]
+        group, per_super = tops
+        groups = k // group
+        scale = torch.rand(n, groups // per_super, generator=gen) * 0.02
+        sub = torch.randint(0, 64, (n, groups), dtype=torch.int8, generator=gen) if per_super > 1 else None
+        offset = torch.rand(n, groups // per_super, generator=gen) * 0.05 if name in ("4-bit", "two-level") else None
+        return quantized.QuantizedWeight(
+            codes=codes4 if name in ("4-bit", "two-level") else codes8, k=k, bits=4 if "4" in name or name == "two-level"
+            else 8, group=group, per_super=per_super, scale=scale, scale_sub=sub, offset=offset,
+            offset_sub=torch.randint(0, 64, (n, groups), dtype=torch.int8, generator=gen) if sub is not None else None,
+            format=name, fp8=name == "fp8").to(device)
+
+    out = []
+    inter = -(-w.intermediate // 256) * 256
+    for name in ("int8", "fp8", "4-bit", "two-level"):
+        for rows, (n, k) in ((1, (w.intermediate, -(-w.hidden // 256) * 256)), (_ROWS * 5, (w.hidden, inter))):
+            weight = layout(name, n, k)
+            x = rand(rows, k)
+            reference = torch.nn.functional.linear(x, weight.stored(dtype))
+            out.append((f"quantized linear, {name}, {rows} rows", (x, weight), reference))
     return out
 
 

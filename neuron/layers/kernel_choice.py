@@ -10,7 +10,7 @@ from neuron.config import settings
 
 log = logging.getLogger("neuron.kernels")
 
-PIECES = ("rms_norm", "add_rms_norm", "norm_rope", "silu_mul", "paged_attention")
+PIECES = ("rms_norm", "add_rms_norm", "norm_rope", "silu_mul", "paged_attention", "quant_linear")
 
 _failed: dict[str, str] = {}  # this process's pieces on their reference, with why
 _mode: list[str] = []  # NEURON_KERNELS, read once (the layers ask for every kernel launch)

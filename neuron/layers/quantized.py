@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -28,7 +29,8 @@ import torch.nn.functional as F
 
 from neuron.config import settings
 from neuron.errors import ConfigError
-from neuron.layers import cpu_ops
+from neuron.layers import cpu_ops, kernel_choice
+from neuron.layers.paged_attention import HAS_TRITON
 
 # Rows of x up to which the kernel runs; above, dequantizing the weight once and handing the product
 # to the dense path costs less than the kernel's fp32 arithmetic (docs/benchmarks.md).
@@ -277,4 +279,37 @@ def linear(x: torch.Tensor, w: QuantizedWeight | StackedWeight, bias: torch.Tens
                                              None if bk is None else bk.data_ptr(), y.data_ptr(), y.stride(0),
                                              torch.get_num_threads())
             return y.to(x.dtype) if half else y
+    if x.is_cuda and x.dim() == 2 and HAS_TRITON and kernel_choice.use_triton("quant_linear"):
+        return linear_triton(x, w, bias)
     return F.linear(x, w.stored(x.dtype), bias)
+
+
+def linear_triton(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + bias by the Triton kernel (triton_quant.py), x [m, k] already in W's input order;
+    trusted on a GPU once the start-up self-check passed it (kernel_check)."""
+    import triton
+
+    from neuron.layers.triton_quant import quant_linear_kernel
+
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, n = x.shape[0], w.codes.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_m = 16 if m <= 16 else 64
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
+
+    def ptr(t):
+        return t if t is not None else w.scale  # never read: its flag is off
+
+    def stride(t):
+        return t.stride(0) if t is not None else 0
+    quant_linear_kernel[grid](
+        x, w.codes, w.scale, ptr(w.scale_sub), ptr(w.offset), ptr(w.offset_sub), bias if bias is not None else x, y,
+        m, n, w.k, x.stride(0), w.codes.stride(0), w.scale.stride(0), stride(w.scale_sub), stride(w.offset),
+        stride(w.offset_sub), y.stride(0),
+        GROUP=w.group, PER_SUPER=w.per_super, BITS=w.bits, FP8=w.fp8, HAS_SUB=w.scale_sub is not None,
+        HAS_OFFSET=w.offset is not None, HAS_BIAS=bias is not None,
+        # float32 activations multiply in float32, not TF32; so does every dtype in Triton's CPU
+        # interpreter, whose dot mishandles bfloat16 (the products are the same: bf16 x bf16 is exact in fp32)
+        IEEE=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64)
+    return y
