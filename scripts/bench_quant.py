@@ -1,4 +1,4 @@
-"""CPU decode of one checkpoint held in different ways: fp32, bf16, int8 quantized at load, and GGUF
+"""CPU decode of one checkpoint held in different ways: fp32, bf16, int8 and fp8 quantized at load, and GGUF
 files of the same weights (Q8_0, Q4_K), with llama.cpp (llama-cpp-python, in this Python or the
 one --llama-cpp-python names) on the same GGUF files, "not installed" where it is missing.
 
@@ -124,7 +124,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16, help="the larger batch (the smaller is 1)")
-    ap.add_argument("--only", help="comma-separated variants to run (fp32, bf16, int8, Q8_0, Q4_K)")
+    ap.add_argument("--only", help="comma-separated variants to run (fp32, bf16, int8, fp8, Q8_0, Q4_K)")
     ap.add_argument("--llama-cpp-python", default=sys.executable,
                     help="a Python with llama-cpp-python installed (a side venv; default: this one)")
     ap.add_argument("--json-out")
@@ -135,7 +135,8 @@ def main() -> int:
         if not args.checkpoint:
             build(ckpt)
         variants = {"fp32": (str(ckpt), dict(dtype="float32")), "bf16": (str(ckpt), dict(dtype="bfloat16")),
-                    "int8": (str(ckpt), dict(dtype="float32", quantization="int8"))}
+                    "int8": (str(ckpt), dict(dtype="float32", quantization="int8")),
+                    "fp8": (str(ckpt), dict(dtype="float32", quantization="fp8"))}
         gguf_files = {}
         for kind in ("Q8_0", "Q4_K"):
             if args.only and kind not in args.only.split(","):

@@ -101,9 +101,9 @@ def checkpoint(tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp("int8"), seed=1, **ODD)
 
 
-def _int8_reference(path, tp: int):
-    """transformers with every linear weight but the LM head replaced by its int8 rounding as
-    neuron's ranks make it: per output row, and for the row-parallel o_proj and down_proj per
+def _int8_reference(path, tp: int, quantize=quantize_int8):
+    """transformers with every linear weight but the LM head replaced by its rounding as neuron's
+    ranks make it: per output row (and group), and for the row-parallel o_proj and down_proj per
     rank's slice of the inputs."""
     from transformers import Qwen3ForCausalLM
 
@@ -112,22 +112,23 @@ def _int8_reference(path, tp: int):
         if isinstance(mod, torch.nn.Linear) and name != "lm_head":
             w = mod.weight.data
             if name.endswith(("o_proj", "down_proj")):
-                mod.weight.data = torch.cat([quantize_int8(c).dequantize() for c in w.chunk(tp, dim=1)], 1)
+                mod.weight.data = torch.cat([quantize(c).dequantize() for c in w.chunk(tp, dim=1)], 1)
             else:
-                mod.weight.data = quantize_int8(w).dequantize()
+                mod.weight.data = quantize(w).dequantize()
     return model
 
 
-@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
-def test_int8_at_load_matches_transformers_on_the_rounded_weights(checkpoint, tp):
+@pytest.mark.parametrize("method,tp", [("int8", 1), ("int8", 2), pytest.param("int8", 4, marks=pytest.mark.slow),
+                                       ("fp8", 1), ("fp8", 2)])
+def test_quantization_at_load_matches_transformers_on_the_rounded_weights(checkpoint, method, tp):
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
-    with LLM(str(checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32", quantization="int8") as llm:
+    with LLM(str(checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32", quantization=method) as llm:
         model = llm.engine.executor.rank0.models["model"].model
         assert isinstance(model.layers[0].mlp.gate_up.weight, QuantizedWeight)
         assert isinstance(model.lm_head.weight, torch.Tensor)  # the LM head stays in the model dtype
         quant_bytes = llm.engine.executor.weight_bytes
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    reference = _int8_reference(checkpoint, tp)
+    reference = _int8_reference(checkpoint, tp, quantized.QUANTIZERS[method])
     for prompt, out in zip(PROMPTS, outs):
         tokens, logprobs = greedy_with_logprobs(reference, prompt, 8)
         got = out.outputs[0]

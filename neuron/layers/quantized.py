@@ -220,6 +220,23 @@ def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(codes=q.view(torch.uint8), k=k, bits=8, group=k, scale=scale, format="int8")
 
 
+def quantize_fp8(w: torch.Tensor) -> QuantizedWeight:
+    """FP8 e4m3 with one scale per output row and 128 inputs (per row where the width is not a
+    multiple of 128): codes = w / s rounded to e4m3, s = max|w| / 448 over the group."""
+    w = w.float()
+    n, k = w.shape
+    group = 128 if k % 128 == 0 else k
+    blocks = w.reshape(n, k // group, group)
+    scale = blocks.abs().amax(dim=-1) / 448.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = (blocks / scale.unsqueeze(-1)).reshape(n, k).to(torch.float8_e4m3fn)
+    return QuantizedWeight(codes=codes.view(torch.uint8), k=k, bits=8, group=group, scale=scale, format="fp8",
+                           fp8=True)
+
+
+QUANTIZERS = {"int8": quantize_int8, "fp8": quantize_fp8}
+
+
 class _Layout(ctypes.Structure):
     _fields_ = [
         ("codes", ctypes.c_void_p), ("code_stride", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),

@@ -149,13 +149,14 @@ class CheckpointReader(Reader):
 
 
 class QuantizingReader(Reader):
-    """A reader whose linear-layer weights come out quantized (`--quantization int8`): each slice is
-    quantized as it is read, so a rank never holds more than one dense tensor at a time."""
+    """A reader whose linear-layer weights come out quantized (`--quantization int8` or `fp8`): each
+    slice is quantized as it is read, so a rank never holds more than one dense tensor at a time."""
 
     def __init__(self, inner: Reader, method: str):
-        if method != "int8":
-            raise ConfigError(f"quantization {method!r} is not supported here (int8 is)")
+        if method not in quantized.QUANTIZERS:
+            raise ConfigError(f"quantization {method!r} is not supported (supported: {', '.join(quantized.QUANTIZERS)})")
         self.inner = inner
+        self.quantize = quantized.QUANTIZERS[method]
 
     def has(self, name: str) -> bool:
         return self.inner.has(name)
@@ -167,7 +168,7 @@ class QuantizingReader(Reader):
         w = self.inner.read_weight(name, dim, start, end, vocab)
         if vocab or not isinstance(w, torch.Tensor) or w.dim() != 2:
             return w
-        return quantized.quantize_int8(w)
+        return self.quantize(w)
 
     def close(self) -> None:
         self.inner.close()
