@@ -109,7 +109,7 @@ def test_qwen3_gguf_matches_transformers_reading_the_same_file(qwen3_gguf, tp):
     _check_against_transformers(*qwen3_gguf, tp)
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_llama_gguf_matches_transformers_reading_the_same_file(llama_gguf, tp):
     """llama.cpp stores Llama's q and k rows permuted; neuron undoes it as transformers does."""
     _check_against_transformers(*llama_gguf, tp)
