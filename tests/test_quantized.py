@@ -68,16 +68,12 @@ def test_int8_rounds_each_row_to_its_own_scale():
     assert torch.equal(zero.dequantize(), torch.zeros(2, 32))
 
 
-def test_column_slices_fall_on_blocks_or_are_refused():
+def test_vocabulary_padding_rows_are_zero():
     w = _random(bits=4, n=4, k=512, group=32, per_super=8, sub=True, offset=True)
-    half = w.columns(256, 512)
-    assert torch.equal(half.dequantize(), w.dequantize()[:, 256:])
-    with pytest.raises(ConfigError, match=r"blocks of 256.*\[128, 512\) of 512"):
-        w.columns(128, 512, "blk.0.ffn_down.weight")
-    rows = w.rows(1, 3)
-    assert torch.equal(rows.dequantize(), w.dequantize()[1:3])
     padded = w.pad_rows(6)
+    assert torch.equal(padded.dequantize()[:4], w.dequantize())
     assert torch.equal(padded.dequantize()[4:], torch.zeros(2, 512))
+    assert torch.equal(padded.take_rows(torch.tensor([5, 1])).dequantize()[1], w.dequantize()[1])
 
 
 def test_weights_of_different_layouts_stack_by_parts():

@@ -390,18 +390,6 @@ def _internal(doing: str, exc: Exception) -> str:
     return f"internal error while {doing}: {type(exc).__name__}: {exc}"
 
 
-def encode_prompt(engine: LLMEngine, prompt: str) -> list[int]:
-    """A text prompt's ids with the special tokens the tokenizer's post-processor adds (Llama's and
-    Mistral's BOS; nothing for Qwen's), as transformers and vLLM encode a completion's prompt. A
-    chat's template writes its own BOS, so rendered chats are encoded without them."""
-    if engine.tokenizer is None:
-        raise RequestError("this checkpoint has no tokenizer.json: send token ids instead of text", param="prompt")
-    return engine.tokenizer.encode(prompt, add_special_tokens=True)
-
-
-__all__ = ["EngineConfig", "ImageError", "LLMEngine", "RequestError", "Update", "encode_prompt"]
-
-
 def _stored_quantization(config: dict, gguf: Path | None) -> str | None:
     """How a checkpoint stores its weights when quantized: a GGUF file's types, or the method."""
     if gguf is not None:
@@ -412,3 +400,14 @@ def _stored_quantization(config: dict, gguf: Path | None) -> str | None:
     bits = f" {spec['bits']}-bit" if "bits" in spec else ""
     return f"{spec['method']}{bits}"
 
+
+def encode_prompt(engine: LLMEngine, prompt: str) -> list[int]:
+    """A text prompt's ids with the special tokens the tokenizer's post-processor adds (Llama's and
+    Mistral's BOS; nothing for Qwen's), as transformers and vLLM encode a completion's prompt. A
+    chat's template writes its own BOS, so rendered chats are encoded without them."""
+    if engine.tokenizer is None:
+        raise RequestError("this checkpoint has no tokenizer.json: send token ids instead of text", param="prompt")
+    return engine.tokenizer.encode(prompt, add_special_tokens=True)
+
+
+__all__ = ["EngineConfig", "ImageError", "LLMEngine", "RequestError", "Update", "encode_prompt"]

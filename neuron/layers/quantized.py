@@ -1,20 +1,24 @@
-"""Weights kept quantized in memory: integer codes with a scale (and an offset) per group of inputs.
+"""Weights kept quantized in memory: codes with a scale (and an offset) per group of inputs.
 
 Every format neuron reads lands in one layout, `QuantizedWeight`:
 
     W[n, c] = s(n, g) * q[n, c] - z(n, g),   g = c // group
 
-with q int8 codes (`bits` 8) or 4-bit codes packed two to a byte (`bits` 4: in each group of 32
-inputs byte i holds input i in its low nibble and input i + 16 in its high one, values 0..15, as
-GGUF's Q4_0 stores them). s is a float per `per_super` groups, times an int8 sub-scale per group
-where the format has two levels (GGUF's K-quants); z likewise, or absent. Load-time int8 is the
-case group = k (one scale per output row); GGUF's Q8_0 is group 32; Q4_K is 4-bit codes in groups
-of 32 under super-blocks of 256.
+with q int8 codes (`bits` 8), FP8 e4m3 bytes (`bits` 8, `fp8`), or 4-bit codes packed two to a
+byte (`bits` 4: in each group of 32 inputs byte i holds input i in its low nibble and input i + 16
+in its high one, values 0..15, as GGUF's Q4_0 stores them). s is a float per `per_super` groups,
+times an int8 sub-scale per group where the format has two levels (GGUF's K-quants); z likewise,
+or absent. Load-time int8 is the case group = k (one scale per output row); GGUF's Q8_0 is group
+32; Q4_K is 4-bit codes in groups of 32 under super-blocks of 256. Groups that are not runs of
+consecutive inputs (GPTQ's act-order) are stored gathered, with `input_index` saying which input
+each stored column multiplies.
 
-The CPU fp32 step multiplies through `cpu_ops.qlinear` (csrc/cpu_ops.cpp), which widens and scales
-each weight vector as it streams past and so reads 1 or 0.5 bytes per weight instead of 4; every
-other case (CUDA, bf16, many rows, NEURON_NO_QUANT_KERNELS) dequantizes and multiplies, the
-reference the kernel is checked against.
+A CPU step of up to MAX_KERNEL_ROWS rows multiplies through neuron's C++ kernel
+(`neuron_qlinear` in csrc/cpu_ops.cpp), which widens and scales each weight vector as it streams
+past and so reads 1 or 0.5 bytes per weight instead of 4; a CUDA step through the Triton kernel
+(triton_quant.py) once the start-up self-check passed it; every other case (more rows,
+NEURON_NO_QUANT_KERNELS, a kernel the self-check failed) dequantizes and multiplies, the reference
+both kernels are checked against.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import torch
 import torch.nn.functional as F
 
 from neuron.config import settings
-from neuron.errors import ConfigError
 from neuron.layers import cpu_ops, kernel_choice
 from neuron.layers.paged_attention import HAS_TRITON
 
@@ -62,16 +65,8 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, int]:
         return self.codes.shape[0], (self.k if self.input_index is None else self.inputs)
 
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
-
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.codes, self.scale, self.scale_sub, self.offset, self.offset_sub) if t is not None]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def _map(self, fn) -> "QuantizedWeight":
         def opt(t):
@@ -83,10 +78,6 @@ class QuantizedWeight:
         index = None if self.input_index is None else self.input_index.to(device)
         return replace(self._map(lambda t: t.to(device).contiguous()), input_index=index)
 
-    def rows(self, start: int, end: int) -> "QuantizedWeight":
-        """Output rows [start, end): whole rows, no boundary to respect."""
-        return self._map(lambda t: t[start:end])
-
     def take_rows(self, index: torch.Tensor) -> "QuantizedWeight":
         return self._map(lambda t: t[index])
 
@@ -94,26 +85,6 @@ class QuantizedWeight:
         """Zero rows appended up to `rows` (a vocabulary shard's padding): zero scales and offsets."""
         extra = rows - self.codes.shape[0]
         return self if extra <= 0 else self._map(lambda t: torch.cat((t, t.new_zeros((extra, t.shape[1])))))
-
-    def columns(self, start: int, end: int, what: str = "weight") -> "QuantizedWeight":
-        """Inputs [start, end), which must fall on the format's block boundaries."""
-        if self.input_index is not None:
-            raise ValueError("a weight with gathered inputs is sliced before it is built")
-        block = self.group * self.per_super
-        if start % block or end % block:
-            raise ConfigError(
-                f"{what}: a {self.format} tensor's inputs split in blocks of {block}, and this rank's share "
-                f"[{start}, {end}) of {self.k} does not fall on them; choose a tensor-parallel size that does")
-        g0, g1 = start // self.group, end // self.group
-        top = slice(g0 // self.per_super, g1 // self.per_super)
-
-        def opt(t, sl):
-            return None if t is None else t[:, sl]
-        per_byte = 8 // self.bits
-        return replace(self, codes=self.codes[:, start // per_byte:end // per_byte], k=end - start,
-                       scale=self.scale[:, top], scale_sub=opt(self.scale_sub, slice(g0, g1)),
-                       offset=opt(self.offset, top), offset_sub=opt(self.offset_sub, slice(g0, g1)),
-                       group=min(self.group, end - start))
 
     def codes_int(self) -> torch.Tensor:
         """The codes as numbers, [n, k]: int32, or float32 for FP8."""

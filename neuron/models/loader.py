@@ -46,9 +46,9 @@ def resolve_model_path(model: str, cache_dir: str | None = None, revision: str =
     if path.exists():
         raise ModelNotFound(f"{model} is a file but not a .gguf one; pass the checkpoint's directory or a GGUF file")
     repo, file = model, None
-    if model.endswith(".gguf") and model.count("/") >= 2:
-        repo, file = model.split("/", 2)[:2], model.split("/", 2)[2]
-        repo = "/".join(repo)
+    if model.endswith(".gguf") and model.count("/") >= 2:  # org/name/file.gguf
+        org, name, file = model.split("/", 2)
+        repo = f"{org}/{name}"
     searched = []
     for cache in hub_cache_dirs(cache_dir):
         repo_dir = cache / f"models--{repo.replace('/', '--')}"
