@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from checkpoints import build_checkpoint, greedy_with_logprobs
+from checkpoints import assert_matches_reference, build_checkpoint, greedy_with_logprobs
 from gguf_files import quantize, write_gguf
 
 from neuron import LLM, SamplingParams
@@ -96,12 +96,7 @@ def _check_against_transformers(hf, path, tp: int) -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     reference = _transformers_reference(hf, path)
     for prompt, out in zip(PROMPTS, outs):
-        tokens, logprobs = greedy_with_logprobs(reference, prompt, 8)
-        got = out.outputs[0]
-        assert got.token_ids == tokens
-        for step, lp in enumerate(got.logprobs):
-            for tid, value in lp.items():
-                assert abs(value - logprobs[step][tid].item()) <= 1e-3
+        assert_matches_reference(out.outputs[0], *greedy_with_logprobs(reference, prompt, 8))
 
 
 @pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
@@ -192,9 +187,4 @@ def test_qwen3_moe_gguf_keeps_its_experts_quantized(tmp_path, tp):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     reference = _transformers_reference(tmp_path / "hf", path)
     for prompt, out in zip(PROMPTS, outs):
-        tokens, logprobs = greedy_with_logprobs(reference, prompt, 8)
-        got = out.outputs[0]
-        assert got.token_ids == tokens
-        for step, lp in enumerate(got.logprobs):
-            for tid, value in lp.items():
-                assert abs(value - logprobs[step][tid].item()) <= 1e-3
+        assert_matches_reference(out.outputs[0], *greedy_with_logprobs(reference, prompt, 8))

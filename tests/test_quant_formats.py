@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import build_checkpoint, greedy_with_logprobs
+from checkpoints import assert_matches_reference, build_checkpoint, greedy_with_logprobs
 from quant_checkpoints import (
     awq_checkpoint,
     compressed_tensors_checkpoint,
@@ -91,12 +91,7 @@ def test_generation_matches_transformers_on_the_dequantized_model(written, fmt, 
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     reference = Qwen3ForCausalLM.from_pretrained(dense_path, dtype=torch.float32).eval()
     for prompt, out in zip(PROMPTS, outs):
-        tokens, logprobs = greedy_with_logprobs(reference, prompt, 8)
-        got = out.outputs[0]
-        assert got.token_ids == tokens
-        for step, lp in enumerate(got.logprobs):
-            for tid, value in lp.items():
-                assert abs(value - logprobs[step][tid].item()) <= 1e-3
+        assert_matches_reference(out.outputs[0], *greedy_with_logprobs(reference, prompt, 8))
 
 
 def test_fp8_matches_transformers_own_dequantization(written):
@@ -197,10 +192,7 @@ def test_moe_experts_stay_quantized(tmp_path, fmt):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     reference = Qwen3MoeForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
     for prompt, out in zip(PROMPTS, outs):
-        tokens, logprobs = greedy_with_logprobs(reference, prompt, 8)
-        assert out.outputs[0].token_ids == tokens
-        for step, lp in enumerate(out.outputs[0].logprobs):
-            assert max(abs(v - logprobs[step][t].item()) for t, v in lp.items()) <= 1e-3
+        assert_matches_reference(out.outputs[0], *greedy_with_logprobs(reference, prompt, 8))
 
 
 @pytest.mark.gpu

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import ODD, build_checkpoint, greedy_with_logprobs
+from checkpoints import ODD, assert_matches_reference, build_checkpoint, greedy_with_logprobs
 
 from neuron import LLM, SamplingParams
 from neuron.errors import ConfigError
@@ -126,12 +126,7 @@ def test_quantization_at_load_matches_transformers_on_the_rounded_weights(checkp
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     reference = _int8_reference(checkpoint, tp, quantized.QUANTIZERS[method])
     for prompt, out in zip(PROMPTS, outs):
-        tokens, logprobs = greedy_with_logprobs(reference, prompt, 8)
-        got = out.outputs[0]
-        assert got.token_ids == tokens
-        for step, lp in enumerate(got.logprobs):
-            for tid, value in lp.items():
-                assert abs(value - logprobs[step][tid].item()) <= 1e-3
+        assert_matches_reference(out.outputs[0], *greedy_with_logprobs(reference, prompt, 8))
     with LLM(str(checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
         dense_bytes = llm.engine.executor.weight_bytes
     assert all(q < d for q, d in zip(quant_bytes, dense_bytes))

@@ -58,6 +58,15 @@ class Reader:
         an embedding or LM head, which load-time quantization leaves in the model dtype."""
         return self.read(name, dim, start, end)
 
+    def close(self) -> None:
+        """Let go of the files; a reader is used in a `with` block."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def _place(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t.to(device=device, dtype=dtype).contiguous()

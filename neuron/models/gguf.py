@@ -248,12 +248,6 @@ class GGUFReader(Reader):
     def close(self) -> None:
         self.file = None
 
-    def __enter__(self) -> "GGUFReader":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 # ---- the block formats, rewritten into QuantizedWeight without changing a value -------------------
 

@@ -141,12 +141,6 @@ class CheckpointReader(Reader):
         self._files.clear()
         self._where.clear()
 
-    def __enter__(self) -> "CheckpointReader":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 class QuantizingReader(Reader):
     """A reader whose linear-layer weights come out quantized (`--quantization int8` or `fp8`): each
@@ -172,12 +166,6 @@ class QuantizingReader(Reader):
 
     def close(self) -> None:
         self.inner.close()
-
-    def __enter__(self) -> "QuantizingReader":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def open_checkpoint(paths: list[str], quantization: str = "", config: dict | None = None) -> Reader:

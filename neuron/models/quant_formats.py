@@ -265,9 +265,3 @@ class PrequantizedReader(Reader):
 
     def close(self) -> None:
         self.inner.close()
-
-    def __enter__(self) -> "PrequantizedReader":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
