@@ -141,6 +141,10 @@ class Settings:
         '\'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}\' '
         "to run a model past its native context with YaRN", unset="config.json as it is")
     tp: int = _setting(int, 1, "tensor-parallel size: how many ranks (devices) share the model", lo=1)
+    speculative_config: str | None = _setting(
+        str, None, 'speculative decoding, a JSON object: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        "(also prompt_lookup_min, prompt_lookup_max, disable_by_batch_size); output is unchanged, "
+        "only the number of steps", unset="off")
     device: str | None = _setting(str, None, "cpu, cuda or cuda:N", unset="cuda when present, else cpu")
     dtype: str = _setting(str, "auto", "weight and activation dtype; auto is bfloat16 on CUDA, float32 on CPU",
                           choices=("auto", "float32", "bfloat16", "float16"))

@@ -17,7 +17,8 @@ class SeqStep(msgspec.Struct, array_like=True):
     block boundary). `fresh`: the sequence's first step in its slot; the table restarts as
     `new_blocks`, whose first `offset` positions already hold its cached prefix.
     `prompt_logprobs`: the top-k wanted with the logprobs of its tokens in this chunk (None: not
-    wanted); every rank sees it, as the LM head's gathers must pair up."""
+    wanted); every rank sees it, as the LM head's gathers must pair up. `logits`: how many of its
+    last positions rank 0 returns logits for (a speculative step scores its proposed tokens too)."""
 
     slot: int
     token_ids: list[int]
@@ -25,3 +26,4 @@ class SeqStep(msgspec.Struct, array_like=True):
     new_blocks: list[int] = []
     fresh: bool = False
     prompt_logprobs: int | None = None
+    logits: int = 1

@@ -90,6 +90,7 @@ class ScriptedEngine:
         self.model_name = "stub"
         self.max_model_len = max_model_len
         self.quantization = None
+        self.speculative = None
         self.vocab_size = tokenizer.vocab_size
         self.eos_token_ids: list[int] = []
         self.gate = threading.Event()

@@ -87,10 +87,12 @@ def test_defaults_are_omitted_and_restored():
 
 def test_step_seq_stays_small_and_compatible():
     """A decode step's sequence is a short array; a sender that knows no blocks is still understood,
-    and the prompt-logprobs flag rides at the end."""
-    assert codec.encode(p.SeqStep(slot=2, token_ids=[9], offset=41)) == b"[2,[9],41,[],false,null]\n"
+    and the prompt-logprobs flag and the count of positions whose logits come back ride at the end."""
+    assert codec.encode(p.SeqStep(slot=2, token_ids=[9], offset=41)) == b"[2,[9],41,[],false,null,1]\n"
     flagged = p.SeqStep(slot=2, token_ids=[9, 8], offset=0, prompt_logprobs=1)
-    assert codec.encode(flagged) == b"[2,[9,8],0,[],false,1]\n"
+    assert codec.encode(flagged) == b"[2,[9,8],0,[],false,1,1]\n"
+    speculative = p.SeqStep(slot=2, token_ids=[9, 4, 4, 4], offset=7, logits=4)
+    assert codec.encode(speculative) == b"[2,[9,4,4,4],7,[],false,null,4]\n"
     line = b'{"op":"forward_step","seq":5,"model_id":"m","seqs":[[2,[9],41]]}\n'
     step = codec.decode_request(line)
     assert step.seqs == [p.SeqStep(slot=2, token_ids=[9], offset=41, new_blocks=[], fresh=False)]

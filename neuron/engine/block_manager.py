@@ -85,6 +85,13 @@ class BlockManager:
         for _ in range(self._missing(seq)):
             seq.block_table.append(self._new_block())
 
+    def reserve(self, seq: Sequence, positions: int) -> int:
+        """Blocks for the sequence's first `positions` positions, as far as free blocks go (its
+        speculative tokens); the positions its blocks cover now."""
+        while self.blocks_for(positions) > len(seq.block_table) and self.num_free > 0:
+            seq.block_table.append(self._new_block())
+        return len(seq.block_table) * self.block_size
+
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's claim on its blocks; cached ones stay reusable until evicted."""
         for b in reversed(seq.block_table):  # the tail of a prefix goes before its head

@@ -34,6 +34,7 @@ class EngineConfig:
     device: str | None = from_settings("device")  # None: cuda when present, else cpu
     dtype: str = from_settings("dtype")
     quantization: str | None = from_settings("quantization")  # "int8": quantize at load
+    speculative_config: dict | str | None = from_settings("speculative_config")  # speculative.SpeculativeConfig
     max_model_len: int | None = from_settings("max_model_len")  # None: the model's limit, capped
     max_num_seqs: int = from_settings("max_num_seqs")
     max_num_batched_tokens: int | None = from_settings("max_num_batched_tokens")

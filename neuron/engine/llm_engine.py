@@ -22,7 +22,8 @@ from neuron.engine.output_processor import OutputProcessor, Update
 from neuron.engine.sampling import SampleFailure, SequenceSampler, TokenBitmask, sample
 from neuron.engine.sampling_params import SamplingParams
 from neuron.engine.scheduler import Scheduled, Scheduler
-from neuron.engine.sequence import Sequence
+from neuron.engine.sequence import Sequence, Status
+from neuron.engine.speculative import Acceptance, SpeculativeConfig, ngram_proposal
 from neuron.engine.structured_output import CompiledGrammar, StructuredOutput
 from neuron.engine.tokenizer import Tokenizer
 from neuron.errors import ConfigError, WorkerError
@@ -61,7 +62,11 @@ class LLMEngine:
         self.vision = self._vision_spec()
         chunk = cfg.prefill_chunk_tokens
         step_tokens = cfg.max_num_batched_tokens or max(chunk, cfg.max_num_seqs)
-        self.scheduler = Scheduler(cfg.max_num_seqs, step_tokens, chunk)
+        self.speculative = self._speculative_config()
+        self.spec_counts = [0, 0, 0]  # tokens proposed, proposed tokens accepted, speculative sequence-steps
+        spec = self.speculative
+        self.scheduler = Scheduler(cfg.max_num_seqs, step_tokens, chunk, propose=self._propose if spec else None,
+                                   speculate_up_to=spec.disable_by_batch_size if spec else 0)
         executor_cfg = ExecutorConfig(self.model_dir, max_model_len=self.max_model_len, tp=cfg.tp, device=self.device,
                                       dtype=cfg.dtype, quantization=cfg.quantization, max_slots=cfg.max_num_seqs,
                                       max_num_batched_tokens=max(step_tokens, cfg.max_num_seqs), **self._kv_settings())
@@ -93,6 +98,28 @@ class LLMEngine:
         """A block manager over the pool the ranks just allocated (empty: a new pool holds nothing)."""
         caching = self.cfg.enable_prefix_caching is not False and supports_prefix_caching(self.config)
         self.scheduler.use_blocks(BlockManager(self.executor.num_kv_blocks, self.executor.cfg.block_size, caching))
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        spec = SpeculativeConfig.parse(self.cfg.speculative_config)
+        if spec is not None and not supports_prefix_caching(self.config):
+            raise ConfigError(f"speculative decoding is not available for model_type {self.config.get('model_type')!r}: "
+                              "its recurrent layers' state cannot be rolled back past rejected tokens")
+        return spec
+
+    def _propose(self, seq: Sequence) -> list[int]:
+        """A decoding sequence's proposed next tokens: as many as its acceptance earns, the room
+        left under max_tokens and the model length allows."""
+        if seq.images or seq.params.prompt_logprobs is not None:
+            return []
+        if seq.acceptance is None:
+            seq.acceptance = Acceptance()
+        spec = self.speculative
+        k = min(seq.acceptance.length(spec.num_speculative_tokens), seq.max_tokens - len(seq.output_token_ids) - 1,
+                self.max_model_len - seq.num_tokens)
+        if k <= 0:
+            return []
+        return ngram_proposal(seq.prompt_token_ids + seq.output_token_ids, k, spec.prompt_lookup_min,
+                              spec.prompt_lookup_max)
 
     def _tokenizer(self) -> tuple[Tokenizer | None, Path | None]:
         """The tokenizer (--tokenizer's, else the checkpoint's own or the GGUF file's; None without
@@ -219,9 +246,16 @@ class LLMEngine:
             return updates
         rows, scored = self.scheduler.update_from_output(ran)
         updates += [self.outputs.end(seq) for seq in scored]  # prompt scored, nothing to generate
-        if rows:
-            updates += self._sample([ran[i] for i in rows], _rows(logits, rows))
-        return updates
+        if not rows:
+            return updates
+        ready = [ran[i] for i in rows]
+        if any(s.proposal for s in ran):
+            starts = [0]
+            for s in ran:
+                starts.append(starts[-1] + s.logits)
+            flat = [r for i in rows for r in range(starts[i], starts[i + 1])]
+            return updates + self._sample_speculative(ready, _rows(logits, flat))
+        return updates + self._sample(ready, _rows(logits, rows))
 
     def _execute(self, batch: list[Scheduled], updates: list[Update]) -> tuple[torch.Tensor | None, list[Scheduled]]:
         """Run the step's forwards (sequences with images apart); the logits and the scheduled
@@ -254,7 +288,7 @@ class LLMEngine:
 
     @staticmethod
     def _steps(part: list[Scheduled]) -> list[SeqStep]:
-        return [SeqStep(s.seq.slot, s.token_ids, s.offset, s.new_blocks, s.fresh, prompt_logprobs.wanted(s))
+        return [SeqStep(s.seq.slot, s.token_ids, s.offset, s.new_blocks, s.fresh, prompt_logprobs.wanted(s), s.logits)
                 for s in part]
 
     def _forward_failed(self, part: list[Scheduled], exc: Exception) -> list[Update]:
@@ -278,6 +312,38 @@ class LLMEngine:
             return [self._sample_alone(s, logits[i : i + 1]) for i, s in enumerate(ready)]
         return [self._advance_or_fail(s, token, lp, result.failed.get(i))
                 for i, (s, token, lp) in enumerate(zip(ready, result.token_ids, result.logprobs))]
+
+    def _sample_speculative(self, ready: list[Scheduled], logits: torch.Tensor) -> list[Update]:
+        """Sample each sequence's positions in order, as plain decode steps would, while the token
+        sampled equals the one proposed (speculative.py); the first that differs is kept, the rest
+        of the proposal dropped. `logits`: each sequence's `logits` rows, in order."""
+        starts = [0]
+        for s in ready:
+            starts.append(starts[-1] + s.logits)
+        updates: list[Update] = []
+        accepted = [0] * len(ready)
+        active, position = list(range(len(ready))), 0
+        while active:
+            part = [ready[i] for i in active]
+            updates += self._sample(part, _rows(logits, [starts[i] + position for i in active]))
+            still = []
+            for i in active:
+                s = ready[i]
+                if s.seq.status is Status.RUNNING and position < len(s.proposal) \
+                        and s.seq.output_token_ids[-1] == s.proposal[position]:
+                    accepted[i] += 1
+                    still.append(i)
+            active, position = still, position + 1
+        for s, n in zip(ready, accepted):
+            if not s.proposal:
+                continue
+            s.seq.acceptance.record(len(s.proposal), n)
+            self.spec_counts[0] += len(s.proposal)
+            self.spec_counts[1] += n
+            self.spec_counts[2] += 1
+            if s.seq.status is Status.RUNNING:
+                self.scheduler.accept_proposed(s.seq, n)
+        return updates
 
     def _sample_alone(self, s: Scheduled, row: torch.Tensor) -> Update:
         try:

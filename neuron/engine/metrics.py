@@ -33,6 +33,7 @@ class Metrics:
         self.state = Enum("neuron_engine_state", "Engine lifecycle state", states=list(STATES), registry=r)
         self.state.state("loading")
         self._kv_cache_metrics(r)
+        self._spec_metrics(r)
 
     def engine_load(self, running: int, waiting: int, kv_usage: float) -> None:
         self.running.set(running)
@@ -61,6 +62,33 @@ class Metrics:
         self._prefix_seen = (queries, hits)
         if queries:
             self.prefix_hit_rate.set(hits / queries)
+
+    # ---- speculative decoding, mirrored from the engine by speculative() ----
+
+    def _spec_metrics(self, r: CollectorRegistry) -> None:
+        self.spec_proposed = Counter("neuron_spec_decode_num_draft_tokens", "Tokens proposed by speculative decoding",
+                                     registry=r)
+        self.spec_accepted = Counter("neuron_spec_decode_num_accepted_tokens", "Proposed tokens the target kept",
+                                     registry=r)
+        self.spec_drafts = Counter("neuron_spec_decode_num_drafts", "Sequence-steps that carried a proposal",
+                                   registry=r)
+        self.spec_acceptance = Gauge("neuron_spec_decode_acceptance_rate", "Accepted over proposed tokens since start "
+                                     "(0..1)", registry=r)
+        self.spec_mean_length = Gauge("neuron_spec_decode_mean_accepted_length", "Tokens a speculative sequence-step "
+                                      "produced on average since start (accepted + 1)", registry=r)
+        self._spec_seen = (0, 0, 0)
+
+    def speculative(self, proposed: int, accepted: int, drafts: int) -> None:
+        """The engine's cumulative speculative counts (engine.spec_counts)."""
+        seen = self._spec_seen
+        for metric, now, before in zip((self.spec_proposed, self.spec_accepted, self.spec_drafts),
+                                       (proposed, accepted, drafts), seen):
+            metric.inc(max(0, now - before))
+        self._spec_seen = (proposed, accepted, drafts)
+        if proposed:
+            self.spec_acceptance.set(accepted / proposed)
+        if drafts:
+            self.spec_mean_length.set(accepted / drafts + 1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

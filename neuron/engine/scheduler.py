@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from neuron.engine.block_manager import BlockManager
@@ -31,6 +32,12 @@ class Scheduled:
     offset: int
     new_blocks: list[int] = field(default_factory=list)  # blocks the ranks' table of the slot gains
     fresh: bool = False  # the sequence's first step in its slot
+    proposal: list[int] = field(default_factory=list)  # speculative tokens after its last one, scored too
+
+    @property
+    def logits(self) -> int:
+        """Positions whose logits the step returns: the last token's, and each proposed one's."""
+        return 1 + len(self.proposal)
 
     @property
     def with_images(self) -> bool:
@@ -40,12 +47,13 @@ class Scheduled:
     @property
     def completes_prompt(self) -> bool:
         """After this chunk the sequence has no pending tokens, so its logits are sampled."""
-        return self.offset + len(self.token_ids) == self.seq.num_tokens
+        return self.offset + len(self.token_ids) - len(self.proposal) == self.seq.num_tokens
 
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk: int,
-                 blocks: BlockManager | None = None):
+                 blocks: BlockManager | None = None, propose: Callable[[Sequence], list[int]] | None = None,
+                 speculate_up_to: int = 0):
         self.max_num_seqs = max_num_seqs
         self.budget = max(max_num_batched_tokens, max_num_seqs)
         self.prefill_chunk = prefill_chunk
@@ -56,6 +64,10 @@ class Scheduler:
         self.prefix_cache_queries = 0  # tokens of admitted sequences looked up in the prefix cache
         self.prefix_cache_hits = 0  # of those, tokens found there (their prefill skipped)
         self.num_preemptions = 0
+        # speculative decoding (speculative.py): a decoding sequence's proposed tokens, asked for in
+        # steps of at most `speculate_up_to` decoding sequences
+        self.propose = propose
+        self.speculate_up_to = speculate_up_to
 
     def use_blocks(self, blocks: BlockManager) -> None:
         """Schedule over a new block pool (at start, and after the ranks were rebuilt)."""
@@ -74,12 +86,14 @@ class Scheduler:
         decoding = [s for s in self.running if s.num_computed == s.num_tokens - 1]
         prefilling = [s for s in self.running if s.num_computed < s.num_tokens - 1]
         preempted = False
+        speculate = self.propose is not None and len(decoding) <= self.speculate_up_to
         for seq in decoding:
             if seq.status is not Status.RUNNING or not self._room_for_next_token(seq):
                 preempted = True
                 continue
-            batch.append(self._scheduled(seq, seq.pending()))
-            budget -= 1
+            proposal = self._proposal(seq, budget - 1) if speculate else []
+            batch.append(self._scheduled(seq, seq.pending() + proposal, proposal))
+            budget -= 1 + len(proposal)
         for seq in prefilling:
             if budget <= 0:
                 break
@@ -130,6 +144,15 @@ class Scheduler:
         self.blocks.append(seq)
         return True
 
+    def _proposal(self, seq: Sequence, budget: int) -> list[int]:
+        """The sequence's proposed tokens, as many as the budget and free blocks hold (never
+        preempting for them)."""
+        proposal = self.propose(seq)[: max(budget, 0)]
+        if proposal:
+            covered = self.blocks.reserve(seq, seq.num_computed + 1 + len(proposal))
+            proposal = proposal[: covered - seq.num_computed - 1]
+        return proposal
+
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's slot and blocks and queue it first, to be recomputed."""
         log.info("request %s preempted at %d tokens: out of KV blocks (%d in the pool)", seq.request_id,
@@ -146,12 +169,12 @@ class Scheduler:
         batch.append(self._scheduled(seq, tokens))
         return len(tokens)
 
-    def _scheduled(self, seq: Sequence, tokens: list[int]) -> Scheduled:
+    def _scheduled(self, seq: Sequence, tokens: list[int], proposal: list[int] | None = None) -> Scheduled:
         """The step of one sequence, with the blocks the ranks have not been told about."""
         new_blocks = seq.block_table[seq.num_blocks_sent :]
         fresh = seq.num_blocks_sent == 0
         seq.num_blocks_sent = len(seq.block_table)
-        return Scheduled(seq, tokens, seq.num_computed, new_blocks, fresh)
+        return Scheduled(seq, tokens, seq.num_computed, new_blocks, fresh, proposal or [])
 
     def update_from_output(self, ran: list[Scheduled]) -> tuple[list[int], list[Sequence]]:
         """The step ran: its tokens are in the KV cache and newly full blocks become cacheable.
@@ -159,7 +182,8 @@ class Scheduler:
         decode), and the sequences that only scored their prompt (max_tokens 0), which it retires."""
         rows, scored = [], []
         for i, s in enumerate(ran):
-            s.seq.num_computed = s.offset + len(s.token_ids)
+            # proposed tokens count as computed only once the sampling kept them (accept_proposed)
+            s.seq.num_computed = s.offset + len(s.token_ids) - len(s.proposal)
             self.blocks.cache_computed(s.seq)
             if not s.completes_prompt:
                 continue
@@ -169,6 +193,12 @@ class Scheduler:
             else:
                 rows.append(i)
         return rows, scored
+
+    def accept_proposed(self, seq: Sequence, accepted: int) -> None:
+        """`accepted` proposed tokens were sampled as proposed: their keys and values, written by the
+        step, are the sequence's; full blocks among them become cacheable."""
+        seq.num_computed += accepted
+        self.blocks.cache_computed(seq)
 
     @staticmethod
     def advance(seq: Sequence, token: int) -> bool:

@@ -37,6 +37,7 @@ class Sequence:
     images: list = field(default_factory=list)  # ImageInputs filling the prompt's placeholders, in order
     grammar: GrammarMatcher | None = None  # structured output: where its text is in the grammar it must match
     prompt_logprobs: list[dict[int, float] | None] | None = None  # one per prompt token computed so far, if asked
+    acceptance: object = None  # speculative decoding: its proposals' recent acceptance (speculative.Acceptance)
 
     @property
     def num_tokens(self) -> int:

@@ -64,6 +64,7 @@ class LLM:
         hf_overrides: dict | None = None,
         quantization: str | None = None,
         tokenizer: str | None = None,
+        speculative_config: dict | str | None = None,
         **kwargs,
     ):
         if kwargs:
@@ -72,7 +73,7 @@ class LLM:
                      max_num_seqs=max_num_seqs, hf_cache_dir=download_dir, block_size=block_size,
                      kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
                      enable_prefix_caching=enable_prefix_caching, hf_overrides=hf_overrides,
-                     quantization=quantization, tokenizer=tokenizer)
+                     quantization=quantization, tokenizer=tokenizer, speculative_config=speculative_config)
         cfg = EngineConfig(**{k: v for k, v in given.items() if v is not None})
         self.engine = LLMEngine(cfg).start()
         self._ids = itertools.count()

@@ -42,7 +42,7 @@ class StepBatch:
     slots: list[int]
     lengths: list[int]  # new tokens per sequence
     kv_lens: list[int]  # filled positions of each sequence after this step
-    last_index: torch.Tensor | None  # [B] each sequence's last token in the flat batch (prefill steps)
+    last_index: torch.Tensor | None  # each sequence's last token(s) in the flat batch (all but decode steps)
     all_decode: bool  # every sequence brings exactly one token
     read_rows: list[torch.Tensor]  # pool rows to attend over: decode, one [B, L] (padded; [L] for a lone
     # sequence); prefill, [kv_len] per sequence
@@ -90,6 +90,8 @@ class BlockTables:
             ids = s.token_ids
             if not ids:
                 raise StepRejected(f"slot {slot}: a step needs at least one token")
+            if not 1 <= s.logits <= len(ids):
+                raise StepRejected(f"slot {slot}: logits for {s.logits} positions of a {len(ids)}-token step")
             if min(ids) < 0 or max(ids) >= vocab_size:
                 raise StepRejected(f"slot {slot}: token id outside the vocabulary (0..{vocab_size - 1})")
             self._check_blocks(s)
@@ -176,7 +178,7 @@ class BlockTables:
             n, offset = len(s.token_ids), s.offset
             flat_ids += s.token_ids
             positions += range(offset, offset + n)
-            ends.append(len(flat_ids) - 1)
+            ends += range(len(flat_ids) - min(s.logits, n), len(flat_ids))
             kv_lens.append(offset + n)
             write_rows.append(self.slot_rows[s.slot, offset : offset + n])
             read_rows.append(self.slot_rows[s.slot, : offset + n])
@@ -194,7 +196,11 @@ class BlockTables:
         meta, token_ids, positions = build_step(self.table_array[slots], offsets, lengths, self.block_size,
                                                 self.staging, ids)
         all_decode = all(n == 1 for n in lengths)
-        last_index = None if all_decode else meta.query_start[1:].long() - 1
+        last_index = None
+        if not all_decode:
+            last_index = meta.query_start[1:].long() - 1
+            if any(s.logits > 1 for s in seqs):  # a speculative step: the proposals' positions too
+                last_index = to_device(logit_rows(lengths, [s.logits for s in seqs]), self.device, torch.long)
         return StepBatch(token_ids, positions, meta.slot_mapping, slots, lengths,
                          [o + n for o, n in zip(offsets, lengths)], last_index, all_decode, [], [], meta)
 
@@ -217,6 +223,15 @@ def _causal_mask(n: int, offset: int, device) -> torch.Tensor:
     rows = torch.arange(n, device=device)[:, None] + offset
     cols = torch.arange(offset + n, device=device)[None, :]
     return cols <= rows
+
+
+def logit_rows(lengths: list[int], wanted: list[int]) -> list[int]:
+    """The flat batch's rows whose logits are returned: each sequence's last `wanted` tokens."""
+    rows, end = [], 0
+    for n, k in zip(lengths, wanted):
+        end += n
+        rows += range(end - min(k, n), end)
+    return rows
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

@@ -11,7 +11,7 @@ import msgspec
 
 from neuron.step import SeqStep
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 def _snake(name: str) -> str:
