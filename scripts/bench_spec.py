@@ -50,26 +50,36 @@ def grounded_prompts(model: str, count: int, seed_len: int, grounding: int) -> l
     return [s + o.outputs[0].token_ids for s, o in zip(seeds, outs)]
 
 
-def time_neuron(model: str, prompts: list[list[int]], tokens: int, repeats: int, spec: dict | None) -> tuple:
+def time_neuron(model: str, prompts: list[list[int]], tokens: int, repeats: int) -> dict:
+    """Without and with speculation, both loaded at once and run in turn, round after round (the
+    VM's speed drifts): per variant and batch size, (median tok/s, acceptance, outputs)."""
     from neuron import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    result = {}
-    with LLM(model, device="cpu", dtype="float32", max_num_seqs=len(prompts), max_model_len=1024,
-             speculative_config=spec) as llm:
-        llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(temperature=0.0, max_tokens=4))
+    llms = {name: LLM(model, device="cpu", dtype="float32", max_num_seqs=len(prompts), max_model_len=1024,
+                      speculative_config=spec) for name, spec in (("plain", None), ("ngram", SPEC))}
+    try:
+        rates = {(name, b): [] for name in llms for b in (1, len(prompts))}
+        counts, outputs = {}, {}
+        for llm in llms.values():
+            llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(temperature=0.0, max_tokens=4))
         for batch in (1, len(prompts)):
             inputs = [{"prompt_token_ids": p} for p in prompts[:batch]]
-            rates = []
-            before = list(llm.engine.spec_counts)
+            before = list(llms["ngram"].engine.spec_counts)
             for _ in range(repeats):
-                start = time.perf_counter()
-                outs = llm.generate(inputs, params)
-                rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
-            proposed, accepted = (llm.engine.spec_counts[i] - before[i] for i in (0, 1))
-            result[batch] = (statistics.median(rates), accepted / proposed if proposed else None,
-                             [o.outputs[0].token_ids for o in outs])
-    return result
+                for name, llm in llms.items():
+                    start = time.perf_counter()
+                    outs = llm.generate(inputs, params)
+                    rates[name, batch].append(sum(len(o.outputs[0].token_ids) for o in outs)
+                                              / (time.perf_counter() - start))
+                    outputs[name, batch] = [o.outputs[0].token_ids for o in outs]
+            proposed, accepted = (llms["ngram"].engine.spec_counts[i] - before[i] for i in (0, 1))
+            counts[batch] = accepted / proposed if proposed else None
+        return {(name, b): (statistics.median(r), counts[b] if name == "ngram" else None, outputs[name, b])
+                for (name, b), r in rates.items()}
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
 
 
 def time_transformers(model: str, prompt: list[int], tokens: int, repeats: int, lookup: int | None) -> tuple:
@@ -105,8 +115,9 @@ def main() -> int:
         if not args.checkpoint:
             build(Path(ckpt))
         prompts = grounded_prompts(ckpt, args.batch, 16, args.grounding)
-        plain = time_neuron(ckpt, prompts, args.tokens, args.repeats, None)
-        spec = time_neuron(ckpt, prompts, args.tokens, args.repeats, SPEC)
+        timed = time_neuron(ckpt, prompts, args.tokens, args.repeats)
+        plain = {b: timed["plain", b] for b in (1, args.batch)}
+        spec = {b: timed["ngram", b] for b in (1, args.batch)}
         hf_plain = time_transformers(ckpt, prompts[0], args.tokens, args.repeats, None)
         hf_lookup = time_transformers(ckpt, prompts[0], args.tokens, args.repeats, SPEC["num_speculative_tokens"])
     same = all(plain[b][2] == spec[b][2] for b in plain)

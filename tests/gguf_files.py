@@ -20,6 +20,7 @@ GGUF_NAMES = {
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
 }
@@ -171,7 +172,7 @@ def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", to
 
     hf_dir = Path(hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
-    arch = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3moe"}[config["model_type"]]
+    arch = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3moe", "qwen2": "qwen2"}[config["model_type"]]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     w = gguf.GGUFWriter(str(out), arch)

@@ -51,6 +51,19 @@ def test_each_type_reads_back_as_gguf_dequantizes_it(kind):
 def _hf_checkpoint(tmp_path, family: str):
     if family == "qwen3":
         return build_checkpoint(tmp_path / "hf", seed=3, **SHAPE)
+    if family == "qwen2":  # biases on q, k and v
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(8)
+        shape = {k: v for k, v in SHAPE.items() if k != "head_dim"}
+        config = Qwen2Config(**shape, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
+                             eos_token_id=None, bos_token_id=None)
+        model = Qwen2ForCausalLM(config)
+        for layer in model.model.layers:  # non-zero biases, so that reading them is tested
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.05)
+        model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+        return tmp_path / "hf"
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(4)
@@ -102,6 +115,12 @@ def _check_against_transformers(hf, path, tp: int) -> None:
 @pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_qwen3_gguf_matches_transformers_reading_the_same_file(qwen3_gguf, tp):
     _check_against_transformers(*qwen3_gguf, tp)
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_qwen2_gguf_matches_transformers_reading_the_same_file(tmp_path, tp):
+    """Qwen2 / Qwen2.5 files: biases on q, k and v read from the file too."""
+    _check_against_transformers(*_mixed_gguf(tmp_path, "qwen2"), tp)
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])

@@ -112,7 +112,8 @@ def test_no_speculation_in_a_step_past_the_batch_bound(repetitive):
 def test_ngram_proposals():
     assert ngram_proposal([1, 2, 3, 9, 1, 2, 3], 2, 1, 3) == [9, 1]  # the 3-gram 1 2 3 was followed by 9
     assert ngram_proposal([1, 2, 3, 9, 5, 2, 3], 3, 1, 3) == [9, 5, 2]  # 2 3 (a 2-gram) was followed by 9
-    assert ngram_proposal([4, 4, 4], 3, 1, 3) == [4]  # the latest earlier 2-gram 4 4 was followed by one 4
+    assert ngram_proposal([4, 4, 4], 3, 1, 3) == [4, 4, 4]  # a run continues
+    assert ngram_proposal([8, 1, 2, 1, 2], 5, 1, 2) == [1, 2, 1, 2, 1]  # so does a period of two
     assert ngram_proposal([1, 2, 3, 4], 3, 1, 3) == []  # nothing repeats
     assert ngram_proposal([1, 2, 1], 3, 2, 3) == []  # below prompt_lookup_min
 

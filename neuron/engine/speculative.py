@@ -74,8 +74,10 @@ class SpeculativeConfig:
 
 
 def ngram_proposal(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the sequence's last n tokens
-    (n from n_max down to n_min); [] where none occurs."""
+    """k tokens that followed the latest earlier occurrence of the sequence's last n tokens (n from
+    n_max down to n_min); [] where none occurs. Where that occurrence is so recent that what
+    followed it runs into the sequence's end, the text is periodic there and the proposal continues
+    the period (a run of one token proposes more of it)."""
     length = len(tokens)
     if length < n_min + 1 or k < 1:
         return []
@@ -86,7 +88,8 @@ def ngram_proposal(tokens: list[int], k: int, n_min: int, n_max: int) -> list[in
         hits = np.flatnonzero((windows == pattern).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return tokens[start:start + k]
+            period = length - start
+            return [tokens[start + i % period] for i in range(k)]
     return []
 
 

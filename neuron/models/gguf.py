@@ -21,7 +21,7 @@ from neuron.errors import ConfigError
 from neuron.layers.quantized import QuantizedWeight
 from neuron.layers.tensor_parallel import Reader
 
-ARCHITECTURES = {"qwen3": "qwen3", "llama": "llama", "qwen3moe": "qwen3_moe"}
+ARCHITECTURES = {"qwen3": "qwen3", "llama": "llama", "qwen3moe": "qwen3_moe", "qwen2": "qwen2"}
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -129,7 +129,7 @@ class GGUFFile:
         config = {
             "model_type": ARCHITECTURES[self.arch],
             "architectures": [{"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
-                               "qwen3moe": "Qwen3MoeForCausalLM"}[self.arch]],
+                               "qwen3moe": "Qwen3MoeForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.arch]],
             "vocab_size": int(vocab),
             "hidden_size": hidden,
             "num_hidden_layers": int(self._arch_field("block_count")),
