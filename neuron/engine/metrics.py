@@ -56,10 +56,7 @@ class Metrics:
     def kv_cache(self, usage: float, queries: int, hits: int) -> None:
         """The engine's block usage and its cumulative prefix-cache counts (engine.prefix_cache_counts())."""
         self.kv_cache_usage.set(usage)
-        seen_queries, seen_hits = self._prefix_seen
-        self.prefix_queries.inc(max(0, queries - seen_queries))
-        self.prefix_hits.inc(max(0, hits - seen_hits))
-        self._prefix_seen = (queries, hits)
+        self._prefix_seen = _mirror((self.prefix_queries, self.prefix_hits), (queries, hits), self._prefix_seen)
         if queries:
             self.prefix_hit_rate.set(hits / queries)
 
@@ -80,11 +77,8 @@ class Metrics:
 
     def speculative(self, proposed: int, accepted: int, drafts: int) -> None:
         """The engine's cumulative speculative counts (engine.spec_counts)."""
-        seen = self._spec_seen
-        for metric, now, before in zip((self.spec_proposed, self.spec_accepted, self.spec_drafts),
-                                       (proposed, accepted, drafts), seen):
-            metric.inc(max(0, now - before))
-        self._spec_seen = (proposed, accepted, drafts)
+        self._spec_seen = _mirror((self.spec_proposed, self.spec_accepted, self.spec_drafts),
+                                  (proposed, accepted, drafts), self._spec_seen)
         if proposed:
             self.spec_acceptance.set(accepted / proposed)
         if drafts:
@@ -92,3 +86,12 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _mirror(counters: tuple, now: tuple[int, ...], seen: tuple[int, ...]) -> tuple[int, ...]:
+    """Advance Prometheus counters by what an engine's cumulative counts gained since `seen` (a
+    rebuilt engine starts again from zero, which adds nothing); the counts to remember."""
+    for counter, value, before in zip(counters, now, seen):
+        counter.inc(max(0, value - before))
+    return now
+

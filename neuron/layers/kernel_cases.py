@@ -60,9 +60,10 @@ def _quant_cases(rand, w, device: str, dtype: torch.dtype, gen: torch.Generator)
         scale = torch.rand(n, groups // per_super, generator=gen) * 0.02
         sub = torch.randint(0, 64, (n, groups), dtype=torch.int8, generator=gen) if per_super > 1 else None
         offset = torch.rand(n, groups // per_super, generator=gen) * 0.05 if name in ("4-bit", "two-level") else None
+        four = name in ("4-bit", "two-level")
         return quantized.QuantizedWeight(
-            codes=codes4 if name in ("4-bit", "two-level") else codes8, k=k, bits=4 if "4" in name or name == "two-level"
-            else 8, group=group, per_super=per_super, scale=scale, scale_sub=sub, offset=offset,
+            codes=codes4 if four else codes8, k=k, bits=4 if four else 8, group=group, per_super=per_super,
+            scale=scale, scale_sub=sub, offset=offset,
             offset_sub=torch.randint(0, 64, (n, groups), dtype=torch.int8, generator=gen) if sub is not None else None,
             format=name, fp8=name == "fp8").to(device)
 

@@ -142,6 +142,14 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
                    offset_sub=cat("offset_sub"))
 
 
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [n, k] (values 0..15, k a multiple of 32) in QuantizedWeight's layout, uint8
+    [n, k // 2]: in each group of 32, byte i holds code i (low nibble) and code i + 16 (high)."""
+    n = q.shape[0]
+    g = q.reshape(n, -1, 2, 16).to(torch.uint8)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, -1).contiguous()
+
+
 class StackedWeight:
     """Weights of different layouts stacked along the outputs (a GGUF file that stores q and k as Q4_K
     and v as Q6_K): one product per part, the outputs concatenated."""

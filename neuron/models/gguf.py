@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from neuron.errors import ConfigError
-from neuron.layers.quantized import QuantizedWeight
+from neuron.layers.quantized import QuantizedWeight, pack_nibbles
 from neuron.layers.tensor_parallel import Reader
 
 ARCHITECTURES = {"qwen3": "qwen3", "llama": "llama", "qwen3moe": "qwen3_moe", "qwen2": "qwen2"}
@@ -257,13 +257,6 @@ def _f16(blocks: np.ndarray, at: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32))
 
 
-def _pack4(q: np.ndarray) -> torch.Tensor:
-    """4-bit codes [rows, k] (values 0..15) packed as neuron's layout: per 32, byte i = q[i] | q[i+16] << 4."""
-    rows = q.shape[0]
-    g = q.reshape(rows, -1, 2, 16).astype(np.uint8)
-    return torch.from_numpy(np.ascontiguousarray((g[:, :, 0] | (g[:, :, 1] << 4)).reshape(rows, -1)))
-
-
 def _int8_codes(q: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(q.astype(np.int8).reshape(q.shape[0], -1)).view(np.uint8))
 
@@ -296,7 +289,7 @@ def _q4_k(blocks: np.ndarray, k: int) -> QuantizedWeight:
     sc, mn = _scale_min(blocks, 4)
     qs = blocks[..., 16:144].reshape(rows, nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
     q = (qs & 0x0F).reshape(rows, -1)
-    return QuantizedWeight(codes=_pack4(q), k=k, bits=4, group=32, per_super=8, scale=_f16(blocks, 0), scale_sub=sc,
+    return QuantizedWeight(codes=pack_nibbles(torch.from_numpy(np.ascontiguousarray(q))), k=k, bits=4, group=32, per_super=8, scale=_f16(blocks, 0), scale_sub=sc,
                            offset=_f16(blocks, 2), offset_sub=mn, format="Q4_K")
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from neuron.errors import ConfigError
-from neuron.layers.quantized import QuantizedWeight
+from neuron.layers.quantized import QuantizedWeight, pack_nibbles
 from neuron.layers.tensor_parallel import Reader
 
 METHODS = ("fp8", "awq", "gptq", "compressed-tensors")
@@ -125,9 +125,7 @@ def _grouped(q: torch.Tensor, bits: int, group_of: torch.Tensor, scales: torch.T
     s = scales[:, ids].float()
     z = torch.full_like(s, float(1 << (bits - 1))) if zeros is None else zeros[:, ids].float()
     if bits == 4:
-        g = codes.reshape(n, -1, 2, 16).to(torch.uint8)
-        packed, offset = g[:, :, 0] | (g[:, :, 1] << 4), s * z
-        stored = packed.reshape(n, -1)
+        stored, offset = pack_nibbles(codes), s * z
     else:  # 8-bit codes held as int8: q - 128, with the 128 moved into the offset
         stored = (codes - 128).to(torch.int8).view(torch.uint8)
         offset = s * (z - 128)
@@ -151,6 +149,13 @@ def _unpack_cols(words: torch.Tensor, bits: int, order=None) -> torch.Tensor:
     if order is not None:
         out = out[..., list(np.argsort(order))]  # column position p holds nibble order.index(p)
     return out.reshape(words.shape[0], -1)
+
+
+def _ranges(dim: int | None, start: int, end: int | None, n: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The output rows and input columns of a read of [n, k] sliced along `dim` (None: whole)."""
+    rows = (start, n if end is None else end) if dim == 0 else (0, n)
+    cols = (start, k if end is None else end) if dim == 1 else (0, k)
+    return rows, cols
 
 
 class PrequantizedReader(Reader):
@@ -189,8 +194,7 @@ class PrequantizedReader(Reader):
     def _fp8(self, name, dim, start, end) -> QuantizedWeight | torch.Tensor:
         n, k = self._shape(name)
         bm, bk = self.spec["block"]
-        rows = (start, n if end is None else end) if dim == 0 else (0, n)
-        cols = (start, k if end is None else end) if dim == 1 else (0, k)
+        rows, cols = _ranges(dim, start, end, n, k)
         if cols[0] % bk:
             raise ConfigError(f"{name} (fp8, {n} x {k}, blocks of {bm} x {bk}): this rank's inputs "
                               f"[{cols[0]}, {cols[1]}) do not start on a block; choose a tensor-parallel size "
@@ -210,8 +214,7 @@ class PrequantizedReader(Reader):
         group = self.spec["group"]
         k, n8 = self._shape(f"{prefix}.qweight")
         n = n8 * 8
-        rows = (start, n if end is None else end) if dim == 0 else (0, n)
-        cols = (start, k if end is None else end) if dim == 1 else (0, k)
+        rows, cols = _ranges(dim, start, end, n, k)
         w0, w1 = rows[0] // 8, -(-rows[1] // 8)
         qweight = self.inner.read(f"{prefix}.qweight", 0, *cols)[:, w0:w1]
         q = _unpack_cols(qweight, 4, _AWQ_ORDER).T[rows[0] - 8 * w0: rows[1] - 8 * w0]  # [out, in]
@@ -228,8 +231,7 @@ class PrequantizedReader(Reader):
         per = 32 // bits
         k8, n = self._shape(f"{prefix}.qweight")
         k = k8 * per
-        rows = (start, n if end is None else end) if dim == 0 else (0, n)
-        cols = (start, k if end is None else end) if dim == 1 else (0, k)
+        rows, cols = _ranges(dim, start, end, n, k)
         r0, r1 = cols[0] // per, -(-cols[1] // per)
         qweight = self.inner.read(f"{prefix}.qweight", 0, r0, r1)[:, rows[0]:rows[1]]
         q = _unpack_rows(qweight, bits)[cols[0] - per * r0: cols[1] - per * r0].T  # [out, in]
@@ -247,8 +249,7 @@ class PrequantizedReader(Reader):
         bits, group = self.spec["bits"], self.spec["group"]
         per = 32 // bits
         n, k = (int(v) for v in self.inner.read(f"{prefix}.weight_shape").tolist())
-        rows = (start, n if end is None else end) if dim == 0 else (0, n)
-        cols = (start, k if end is None else end) if dim == 1 else (0, k)
+        rows, cols = _ranges(dim, start, end, n, k)
         c0, c1 = cols[0] // per, -(-cols[1] // per)
         packed = self.inner.read(f"{prefix}.weight_packed", 0, *rows)[:, c0:c1]
         q = _unpack_cols(packed, bits)[:, cols[0] - per * c0: cols[1] - per * c0]  # unsigned: value + 2^(bits-1)
