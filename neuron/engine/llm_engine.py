@@ -30,7 +30,7 @@ from neuron.errors import ConfigError, WorkerError
 from neuron.executor.executor import Executor, ExecutorConfig
 from neuron.layers import cpu_attention, kernel_choice
 from neuron.models import MULTIMODAL_MODEL_TYPES, context_length, load_config, supports_prefix_caching, text_config
-from neuron.models.gguf import GGUFFile, find_gguf
+from neuron.models.gguf import find_gguf, open_file
 from neuron.models.loader import read_generation_config, resolve_model_path
 from neuron.models.quant_formats import checkpoint_quantization
 from neuron.multimodal.image import ImageError, ImageInput, VisionSpec
@@ -459,7 +459,7 @@ def _internal(doing: str, exc: Exception) -> str:
 def _stored_quantization(config: dict, gguf: Path | None) -> str | None:
     """How a checkpoint stores its weights when quantized: a GGUF file's types, or the method."""
     if gguf is not None:
-        return f"gguf: {GGUFFile(gguf).types()}"
+        return f"gguf: {open_file(gguf).types()}"
     spec = checkpoint_quantization(config)
     if spec is None:
         return None

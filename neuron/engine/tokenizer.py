@@ -118,10 +118,10 @@ class Tokenizer:
         rebuilt by transformers' GGUF converter; None when the file carries none."""
         from transformers import AutoTokenizer
 
-        from neuron.models.gguf import GGUFFile
+        from neuron.models.gguf import open_file
 
         path = Path(path)
-        if GGUFFile(path).field("tokenizer.ggml.model") is None:
+        if open_file(path).field("tokenizer.ggml.model") is None:
             return None
         try:
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

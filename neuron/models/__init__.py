@@ -30,11 +30,11 @@ def load_config(model_dir, overrides: dict | None = None) -> dict:
     once when neuron cannot run its architecture."""
     from pathlib import Path
 
-    from neuron.models.gguf import GGUFFile, find_gguf
+    from neuron.models.gguf import find_gguf, open_file
     from neuron.models.loader import read_json
 
     gguf = find_gguf(Path(model_dir))
-    base = GGUFFile(gguf).config() if gguf is not None else read_json(Path(model_dir) / "config.json")
+    base = open_file(gguf).config() if gguf is not None else read_json(Path(model_dir) / "config.json")
     config = merged(base, overrides or {})
     check_supported(config)
     return config

@@ -12,6 +12,7 @@ llama.cpp stores Llama's q and k rows permuted for its rotary layout; the reader
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +87,19 @@ def find_gguf(path: Path) -> Path | None:
         raise ConfigError(f"{path} holds several GGUF files ({', '.join(f.name for f in files)}); "
                           f"name one: {path / files[0].name}")
     return files[0]
+
+
+def open_file(path: str | Path) -> GGUFFile:
+    """The GGUF file at `path`, parsed once per process while it is unchanged: the leader reads its
+    config, types and tokenizer and rank 0 its tensors, and parsing a large file's metadata (a
+    vocabulary of 150k tokens) takes seconds."""
+    st = Path(path).stat()
+    return _opened(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _opened(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(path)
 
 
 class GGUFFile:
@@ -179,7 +193,7 @@ class GGUFReader(Reader):
     """This rank's reader over a GGUF file, under transformers' tensor names."""
 
     def __init__(self, path: str | Path):
-        self.file = GGUFFile(path)
+        self.file = open_file(path)
         cfg = self.file.config()
         self._heads = {"q": cfg["num_attention_heads"], "k": cfg["num_key_value_heads"]}
         self._permuted = self.file.arch == "llama"
