@@ -40,6 +40,30 @@ def build_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def truncated_copy(src: Path, dst: Path, layers: int) -> Path:
+    """A checkpoint of `src`'s first `layers` decoder layers, its embeddings, final norm and head:
+    a draft that agrees with `src` as far as the dropped layers change little."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    if isinstance(config.get("layer_types"), list):
+        config["layer_types"] = config["layer_types"][:layers]
+    (dst / "config.json").write_text(json.dumps(config))
+    kept = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for name, tensor in load_file(f).items():
+            parts = name.split(".")
+            if "layers" in parts and int(parts[parts.index("layers") + 1]) >= layers:
+                continue
+            kept[name] = tensor
+    save_file(kept, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
 def reference_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
     """transformers' greedy tokens and the log-softmax of its logits at each step."""
     from transformers import Qwen3ForCausalLM

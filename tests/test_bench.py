@@ -22,7 +22,7 @@ import uvicorn
 from server_harness import wait_until
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from neuron.bench import BenchConfig, BenchError, RequestRecord, describe, result_summary, run_benchmark, summarize
@@ -41,6 +41,7 @@ class Behaviour:
     send_usage: bool = True
     fail_every: int = 0  # every n-th request answers 500
     error_every: int = 0  # every n-th request sends an error event after one token
+    speculates: bool = False  # /metrics counts speculative decoding: per request 2 drafts, 6 tokens, 3 kept
 
 
 @dataclass
@@ -60,6 +61,17 @@ class FakeServer:
         self.epoch += 1
         self.count = self.in_flight = self.max_in_flight = 0
         self.arrivals, self.bodies, self.headers = [], [], []
+
+    async def metrics(self, request: Request) -> PlainTextResponse:
+        """Prometheus text: speculative decoding's counters (vLLM's names) when it speculates."""
+        if not self.b.speculates:
+            return PlainTextResponse("# no speculation\n")
+        n = self.count + 100  # counted since before the run
+        lines = []
+        for name, per in (("drafts", 2), ("draft_tokens", 6), ("accepted_tokens", 3)):
+            lines += [f"# TYPE vllm:spec_decode_num_{name} counter",
+                      f'vllm:spec_decode_num_{name}_total{{model_name="fake-model"}} {per * n}']
+        return PlainTextResponse("\n".join(lines) + "\n")
 
     async def models(self, request: Request) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
@@ -106,7 +118,7 @@ def _event(obj: dict) -> str:
 def fake_openai_server():
     """An OpenAI-compatible stand-in (Uvicorn in a thread) that streams what its Behaviour says."""
     fake = FakeServer()
-    app = Starlette(routes=[Route("/v1/models", fake.models),
+    app = Starlette(routes=[Route("/v1/models", fake.models), Route("/metrics", fake.metrics),
                             Route("/v1/completions", fake.generate, methods=["POST"]),
                             Route("/v1/chat/completions", fake.generate, methods=["POST"])])
     sock = socket.socket()
@@ -333,7 +345,8 @@ def test_cli_prints_table_and_writes_json(fake, tmp_path, capsys):
                  "Output token throughput (tok/s)", "TTFT", "TPOT", "ITL", "E2E", "p99"):
         assert text in table
     doc = json.loads(out.read_text())
-    assert set(doc) == {"model", "interrupted", "config", "summary", "requests"}
+    assert set(doc) == {"model", "interrupted", "config", "summary", "speculation", "requests"}
+    assert doc["speculation"] is None and "Speculative" not in table  # the server did not speculate
     assert doc["config"]["concurrency"] == 2 and doc["config"]["request_rate"] is None
     assert "api_key" not in doc["config"]
     summary = doc["summary"]
@@ -344,6 +357,19 @@ def test_cli_prints_table_and_writes_json(fake, tmp_path, capsys):
     fields = {"index", "start_s", "ttft_s", "itl_s", "e2e_s", "tpot_s", "output_tokens", "prompt_tokens", "error"}
     assert fields <= set(doc["requests"][0])
     assert sorted(r["output_tokens"] for r in doc["requests"]) == sorted(b["max_tokens"] for b in fake.bodies)
+
+
+def test_speculative_decoding_is_reported_when_the_server_speculates(fake, tmp_path, capsys):
+    """The server's speculative counters over the run (read from /metrics before and after)."""
+    fake.reset(speculates=True)
+    out = tmp_path / "run.json"
+    assert _cli(["--base-url", fake.url, "-n", "4", "--input-len", "8", "--output-len", "3",
+                 "--json-out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "Speculative acceptance" in table and "50.0% (12 of 24 proposed tokens)" in table
+    assert "2.50 tokens per speculative step" in table  # 1 + 12 kept / 8 drafts
+    spec = json.loads(out.read_text())["speculation"]
+    assert spec["drafts"] == 8 and spec["acceptance_rate"] == 0.5 and spec["mean_accepted_length"] == 2.5
 
 
 def test_cli_reports_failures_and_exit_code(fake, capsys):

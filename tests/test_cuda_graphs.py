@@ -90,6 +90,53 @@ def test_padded_decode_equals_the_plain_forward(checkpoint):
         torch.testing.assert_close(padded.cache.v[layer][:, :rows], plain.cache.v[layer][:, :rows])
 
 
+def test_padded_verifying_steps_equal_the_plain_forward(checkpoint):
+    """Speculative decoding's verifying steps (graphs of 4 tokens per sequence): sequences bring 1
+    to 4 tokens and ask for the logits of their last 1 to 4, in batches of 5, 3 and 1 padded to 8, 4
+    and 1, crossing block boundaries: the same logits, and the same KV in every block but the
+    scratch one (where padding rows write)."""
+    plain, padded = _model(checkpoint), _model(checkpoint)
+    padded.verify_graphs = DecodeGraphs(padded, max_batch=SLOTS, query_len=4)
+    prompts = {slot: list(range(3 + slot, 3 + slot + 5 + 2 * slot)) for slot in range(5)}
+    blocks = {slot: list(range(slot * 16, slot * 16 + 16)) for slot in prompts}
+    prefill = [SeqStep(s, ids, 0, blocks[s], fresh=True) for s, ids in prompts.items()]
+    for model in (plain, padded):
+        _step(model, prefill)
+    lengths = {s: len(ids) for s, ids in prompts.items()}
+    for round_, active in enumerate(([0, 1, 2, 3, 4], [0, 2, 4], [3], [0, 1, 2, 3, 4])):
+        for k in range(3):
+            seqs = []
+            for s in active:
+                n = 1 + (s + k + round_) % 4
+                seqs.append(SeqStep(s, [(7 * s + lengths[s] + j) % 256 for j in range(n)], lengths[s],
+                                    logits=1 + (s + k) % n))
+            batch = _tables(padded).prepare(seqs)
+            assert padded.verify_graphs.fits(batch) == (not batch.all_decode)
+            expected, got = _step(plain, seqs), _step(padded, seqs)
+            assert got.shape == expected.shape == (sum(s.logits for s in seqs), 256)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+            for s in seqs:
+                lengths[s.slot] += len(s.token_ids)
+    rows = padded.cache.scratch_block * BLOCK
+    for layer in range(len(plain.layers)):
+        torch.testing.assert_close(padded.cache.k[layer][:, :rows], plain.cache.k[layer][:, :rows])
+        torch.testing.assert_close(padded.cache.v[layer][:, :rows], plain.cache.v[layer][:, :rows])
+
+
+def test_verifying_graphs_take_only_steps_that_fit(checkpoint):
+    """More tokens than the graphs' query length, or padding rows past the model length, run the
+    plain forward."""
+    model = _model(checkpoint)
+    graphs = DecodeGraphs(model, max_batch=2, query_len=4)
+    long = _tables(model).prepare([SeqStep(0, [1, 2, 3, 4, 5], 0, [0, 1], fresh=True)])
+    assert not graphs.fits(long)
+    _tables(model).commit(long)
+    near_end = _tables(model).prepare([SeqStep(1, list(range(MAX_LEN - 2)), 0, list(range(2, 2 + 16)), fresh=True)])
+    _tables(model).commit(near_end)
+    assert graphs.fits(_tables(model).prepare([SeqStep(0, [6, 7], 5, logits=2)]))
+    assert not graphs.fits(_tables(model).prepare([SeqStep(1, [6, 7], MAX_LEN - 2, logits=2)]))
+
+
 def test_steps_that_do_not_fit_run_the_plain_forward(checkpoint):
     """A prefill chunk, or more sequences than the largest bucket, is not a graph's step."""
     model = _model(checkpoint)

@@ -105,6 +105,32 @@ def test_cuda_graphs_are_captured_for_every_bucket(monkeypatch):
         assert len(_tokens(llm)) == len(PROMPTS)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_on_cuda_replays_verifying_graphs(monkeypatch, method):
+    """Verifying steps from their own CUDA graphs (4 tokens per sequence, buckets up to 8), a draft
+    on the same device: greedy output as without speculation, and proposals were kept."""
+    monkeypatch.setenv("NEURON_ATTENTION", "paged")
+    spec = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    if method == "draft":
+        spec = {"method": "draft", "model": str(default_model_dir()), "num_speculative_tokens": 3}
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], list(range(10, 40)) * 2]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    runs = []
+    for config in (None, spec):
+        # float32: a 4-row step and four 1-row steps round alike (bf16 could flip a near tie)
+        with LLM(device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8, speculative_config=config) as llm:
+            model = llm.engine.executor.rank0.models["model"].model
+            if config is not None:
+                assert model.verify_graphs is not None and sorted(model.verify_graphs.graphs) == [1, 2, 4, 8]
+                assert model.verify_graphs.query_len == 4
+            runs.append([o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                      params)])
+            if config is not None:
+                assert llm.engine.spec_counts[1] > 0
+    assert runs[0] == runs[1]
+
+
 def test_shutdown_releases_rank0_and_the_device_cache(monkeypatch):
     """The release path itself, on CPU: closing a rank drops its models, and on a CUDA rank the
     caching allocator's free blocks go back to the device."""

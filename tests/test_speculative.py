@@ -1,20 +1,24 @@
-"""Speculative decoding with n-gram proposals: output equal to decoding without it (greedy, seeded
-sampling, stop strings, structured output, at tp 1 and 2), sampled distributions that agree, no
-speculation in large batches, and the proposer and config on their own."""
+"""Speculative decoding with n-gram, suffix and draft-model proposals: output equal to decoding
+without it (greedy, seeded sampling, stop strings, structured output, at tp 1 and 2, through
+preemption and recovery), sampled distributions that agree, no speculation in large batches, and
+the proposers and config on their own."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from checkpoints import build_checkpoint
+from checkpoints import build_checkpoint, truncated_copy
 
 from neuron import LLM, SamplingParams
 from neuron.engine.sampling_params import GuidedDecodingParams
 from neuron.engine.speculative import Acceptance, SpeculativeConfig, ngram_proposal
+from neuron.engine.suffix import OutputCache, SuffixIndex, propose_from_text
 from neuron.errors import ConfigError
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 3}
+METHODS = ("ngram", "suffix", "draft")
 # Unequal prompts; repeated spans give the proposer something to find.
 PROMPTS = [[5, 17, 20, 3], list(range(10, 40)), [7, 8, 9, 7, 8, 9, 7, 8], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 
@@ -25,6 +29,17 @@ def repetitive(tmp_path_factory):
     n-gram proposals find (about half of them are taken)."""
     return build_checkpoint(tmp_path_factory.mktemp("spec"), seed=4, vocab_size=301, initializer_range=0.02,
                             tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def draft(repetitive, tmp_path_factory):
+    """The repetitive model's first layer alone: a draft that agrees with it often, not always."""
+    return truncated_copy(repetitive, tmp_path_factory.mktemp("draft"), 1)
+
+
+def _spec(method: str, draft_path=None) -> dict:
+    return {"ngram": SPEC, "suffix": SUFFIX,
+            "draft": {"method": "draft", "model": str(draft_path), "num_speculative_tokens": 3}}[method]
 
 
 def _run(path, params, spec=None, tp=1, prompts=PROMPTS, **kwargs):
@@ -42,24 +57,30 @@ def _assert_same(a, b) -> None:
             assert lx.keys() == ly.keys() and max(abs(lx[t] - ly[t]) for t in lx) < 1e-4
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("temperature,seed,penalty", [(0.0, None, 1.0), (0.02, 11, 1.0), (0.9, 12, 1.1)])
-def test_output_equals_decoding_without_speculation(repetitive, tp, temperature, seed, penalty):
+def test_output_equals_decoding_without_speculation(repetitive, draft, method, tp, temperature, seed, penalty):
     """Greedy, and seeded sampling (with a repetition penalty, which counts the tokens kept before
-    each position): the same tokens and logprobs with and without speculation."""
+    each position): the same tokens and logprobs with and without speculation, for each proposer."""
     params = SamplingParams(temperature=temperature, seed=seed, max_tokens=40, logprobs=2, ignore_eos=True,
                             repetition_penalty=penalty)
     plain, _ = _run(repetitive, params, tp=tp)
-    spec, (proposed, accepted, drafts) = _run(repetitive, params, SPEC, tp=tp)
+    spec, (proposed, accepted, drafts) = _run(repetitive, params, _spec(method, draft), tp=tp)
     assert proposed > 0 and drafts > 0 and accepted <= proposed
     if penalty == 1.0:
         assert accepted > 0  # some proposals were kept: the accepting path ran
     _assert_same(spec, plain)
 
 
-def test_stop_strings_and_structured_output_cut_inside_an_accepted_run():
-    """The default model (a tokenizer): a stop string met mid-run ends the output where it ends
-    without speculation, and JSON output stays inside its schema."""
+@pytest.mark.parametrize("method", METHODS)
+def test_stop_strings_and_structured_output_cut_inside_an_accepted_run(method):
+    """The default model (a tokenizer; its own draft, so every proposal is kept): a stop string
+    met mid-run ends the output where it ends without speculation, and JSON output stays inside
+    its schema."""
+    from neuron.utils.default_checkpoint import default_model_dir
+
+    spec = _spec(method, default_model_dir())
     stop = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     texts, _ = _run(None, stop, prompts=[[5, 6, 7, 5, 6, 7]])
     word = texts[0].text[len(texts[0].text) // 2:][:3]
@@ -69,21 +90,26 @@ def test_stop_strings_and_structured_output_cut_inside_an_accepted_run():
     results = {}
     for name, params in (("stop", cut), ("json", guided)):
         plain, _ = _run(None, params, prompts=[[5, 6, 7, 5, 6, 7], [9, 9, 9]])
-        spec, counts = _run(None, params, SPEC, prompts=[[5, 6, 7, 5, 6, 7], [9, 9, 9]])
+        got, counts = _run(None, params, spec, prompts=[[5, 6, 7, 5, 6, 7], [9, 9, 9]])
         assert counts[0] > 0
-        _assert_same(spec, plain)
-        assert [o.text for o in spec] == [o.text for o in plain]
-        results[name] = spec
+        if method == "draft":
+            # the target drafting for itself: every proposal is kept, but for those cut by the stop
+            # string (the end of a run) or past the grammar (none: proposals are checked against it)
+            assert counts[1] == counts[0] if name == "json" else counts[0] - counts[1] <= 2 * 3
+        _assert_same(got, plain)
+        assert [o.text for o in got] == [o.text for o in plain]
+        results[name] = got
     assert results["stop"][0].finish_reason == "stop" and word not in results["stop"][0].text
     assert all(o.text.startswith('{"a":"') for o in results["json"])
 
 
-def test_sampled_distributions_agree(repetitive):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sampled_distributions_agree(repetitive, draft, method):
     """Unseeded sampling: the second token's distribution (the first a proposal can change), over
     many draws with and without speculation, passes a chi-square test of equality."""
-    prompt = list(range(301))  # every token appears: a proposal always exists
+    prompt = list(range(301))  # every token appears: an n-gram proposal always exists
     params = SamplingParams(temperature=1.0, top_k=4, max_tokens=2, ignore_eos=True)
-    spec = dict(SPEC, disable_by_batch_size=64)
+    spec = dict(_spec(method, draft), disable_by_batch_size=64)
     counts = []
     for config in (None, spec):
         outs, _ = _run(repetitive, params, config, prompts=[prompt] * 400, max_num_seqs=64, max_model_len=512)
@@ -130,12 +156,30 @@ def test_acceptance_sets_the_proposal_length():
     assert a.length(3) == 3
 
 
+def test_a_costly_proposer_proposes_what_pays():
+    """A draft whose token costs a quarter of a target step: 3 tokens at 82 % acceptance, 1 at 30 %,
+    none (but a retry now and then) at 10 %, where no proposal beats a plain step."""
+    a = Acceptance()
+    for rate, k in ((0.82, 3), (0.3, 1)):
+        a.rate = rate
+        assert a.length(3, cost=0.25) == k
+    a.rate = 0.1
+    lengths = [a.length(3, cost=0.25) for _ in range(16)]
+    assert lengths.count(0) == 14 and lengths.count(1) == 2
+
+
 @pytest.mark.parametrize("value,message", [
     ('{"method": "eagle"}', "method 'eagle' is not available"),
     ('{"num_speculative_tokens": 0}', "1..16"),
     ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min <= prompt_lookup_max"),
     ('{"k": 3}', "unknown key"),
     ("[1]", "JSON object"),
+    ('{"method": "draft"}', "method draft needs model"),
+    ('{"method": "ngram", "model": "x"}', "for method draft, not 'ngram'"),
+    ('{"method": "draft", "model": "x", "draft_tensor_parallel_size": 2}', "draft_tensor_parallel_size must be 1"),
+    ('{"method": "suffix", "suffix_decoding_min_token_prob": 1.5}', "min_token_prob must be in"),
+    ('{"method": "suffix", "suffix_decoding_max_tree_depth": "deep"}', "must be an integer"),
+    ('{"num_speculative_tokens": 2.5}', "must be an integer"),
 ])
 def test_bad_configs_are_refused(value, message):
     with pytest.raises(ConfigError, match=message):
@@ -151,3 +195,118 @@ def test_models_with_recurrent_state_are_refused(tmp_path):
 
     with pytest.raises(ConfigError, match="recurrent layers' state cannot be rolled back"):
         LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", speculative_config=SPEC))
+
+
+def test_vllm_spellings_are_taken():
+    assert SpeculativeConfig.parse({"method": "draft_model", "model": "m"}).method == "draft"
+    cfg = SpeculativeConfig.parse('{"method": "suffix", "suffix_decoding_max_spec_factor": 2}')
+    assert cfg.suffix_decoding_max_spec_factor == 2.0 and isinstance(cfg.suffix_decoding_max_spec_factor, float)
+
+
+def test_suffix_index_proposes_the_most_frequent_likely_continuation():
+    index = SuffixIndex(depth=8)
+    text = [1, 2, 3, 4, 9, 1, 2, 3, 4, 9, 1, 2, 3, 5, 1, 2, 3]
+    index.extend(text[:10])
+    index.extend(text[10:])  # grown in pieces, as a request's own index is
+    # after 1 2 3, 4 followed twice and 5 once: 4 (prob 2/3), then 9 (2/3 along the path)
+    assert index.propose(None, 4, 0.1, 2.0) == ([4, 9, 1, 2], pytest.approx(4 * 2 / 3))
+    assert index.propose(text, 4, 0.1, 2.0)[0] == [4, 9, 1, 2]  # the same context, walked from the root
+    assert index.propose(None, 4, 0.7, 2.0) == ([], 0.0)  # 2/3 is below min_prob 0.7
+    assert index.propose(None, 4, 0.1, 1.0)[0] == [4, 9, 1]  # 3 tokens matched earn 3 at 1 per token
+    assert index.propose(None, 4, 0.1, 0.5)[0] == [4, 9]
+    assert index.propose([7, 7], 3, 0.1, 1.0) == ([], 0.0)  # 7 never occurred
+    assert SuffixIndex(depth=8).propose([1, 2], 3, 0.1, 1.0) == ([], 0.0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_searching_a_text_proposes_what_its_index_would(seed):
+    """A request's own tokens are searched where they lie; the proposal is the one a trie of them
+    makes (periodic and random texts over small vocabularies, so spans recur)."""
+    import random
+
+    rng = random.Random(seed)
+    vocab, n = rng.choice([2, 3, 5]), rng.randrange(2, 80)
+    text = [rng.randrange(vocab) for _ in range(n)] if seed % 2 else [i % vocab for i in range(n)]
+    index = SuffixIndex(depth=10)
+    index.extend(text)
+    for k, min_prob, factor in ((4, 0.1, 1.0), (6, 0.3, 2.0), (1, 0.0, 0.5)):
+        got, expected = propose_from_text(text, k, 10, min_prob, factor)
+        want, want_expected = index.propose(None, k, min_prob, factor)
+        assert got == want and expected == pytest.approx(want_expected)
+
+
+def test_the_shared_index_forgets_the_oldest_outputs():
+    cache = OutputCache(depth=6, max_texts=2)
+    cache.add([1, 2, 3, 4])
+    assert cache.index.propose([8, 1, 2], 2, 0.1, 1.0)[0] == [3, 4]
+    cache.add([5, 6, 7])
+    cache.add([5, 6, 8])  # the first output leaves
+    assert cache.index.propose([8, 1, 2], 2, 0.1, 1.0)[0] == []
+    assert cache.index.propose([5, 6], 1, 0.1, 1.0)[0] in ([7], [8])
+    assert not cache.index.root.children.get(1)  # its nodes are gone, not left at count 0
+
+
+def test_suffix_proposals_learn_from_earlier_outputs(repetitive):
+    """A request whose output repeats an earlier request's output is proposed that output's
+    continuation from the shared index; the outputs stay equal to decoding without it."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompt = [[250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    with LLM(str(repetitive), device="cpu", dtype="float32", speculative_config=SUFFIX) as llm:
+        first = llm.generate([{"prompt_token_ids": p} for p in prompt], params)[0].outputs[0]
+        before = list(llm.engine.spec_counts)
+        again = llm.generate([{"prompt_token_ids": p} for p in prompt], params)[0].outputs[0]
+        second = [b - a for a, b in zip(before, llm.engine.spec_counts)]
+    plain, _ = _run(repetitive, params, prompts=prompt)
+    assert first.token_ids == again.token_ids == plain[0].token_ids
+    assert second[1] / second[0] > before[1] / before[0]  # the second run is proposed its own output
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_preempted_sequences_speculate_again_unchanged(repetitive, draft, method):
+    """Under a KV pool too small for the batch, sequences are preempted and recomputed while they
+    speculate (a draft's pool mirrors the target's blocks): outputs as without speculation."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    block_bytes = 2 * 2 * 2 * 16 * 4 * 4  # K and V, 2 layers, 2 KV heads of 16, 4 tokens, fp32
+    kwargs = dict(max_model_len=64, block_size=4, kv_cache_memory=16 * block_bytes)
+    plain, _ = _run(repetitive, params, **kwargs)
+    with LLM(str(repetitive), device="cpu", dtype="float32", speculative_config=_spec(method, draft), **kwargs) as llm:
+        assert llm.engine.executor.num_kv_blocks == 16
+        outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.spec_counts[1] > 0
+        assert llm.engine.kv_cache_usage() == 0.0
+    _assert_same(outs, plain)
+
+
+@pytest.mark.slow
+def test_speculation_survives_recovery(repetitive, draft):
+    """tp 2 with a draft: after a worker is killed and the ranks are rebuilt, the same requests
+    give the same tokens as before, still speculating."""
+    import os
+    import signal
+
+    from server_harness import wait_until
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    with LLM(str(repetitive), tensor_parallel_size=2, device="cpu", dtype="float32",
+             speculative_config=_spec("draft", draft)) as llm:
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        victim = llm.engine.executor.pool.workers[0].proc
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=30)
+        wait_until(lambda: llm.engine.failure is not None, 10, "the dead rank was not noticed")
+        before = llm.engine.spec_counts[0]
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.spec_counts[0] > before
+    assert again == first
+
+
+def test_a_draft_with_another_vocabulary_is_refused(repetitive, tmp_path):
+    other = build_checkpoint(tmp_path / "other", vocab_size=256)
+    from neuron.engine.engine_config import EngineConfig
+    from neuron.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ConfigError, match="vocab_size 256, the target 301"):
+        LLMEngine(EngineConfig(model=str(repetitive), device="cpu",
+                               speculative_config={"method": "draft", "model": str(other)}))

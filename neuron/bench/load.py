@@ -112,6 +112,7 @@ class BenchResult:
     records: list[RequestRecord]  # finished requests, in the order they were sent
     duration_s: float
     interrupted: bool = False  # stopped early; requests still in flight are not in `records`
+    speculation: dict[str, float] | None = None  # the server's speculative decoding over the run, if it speculated
 
 
 class _Failed(Exception):
@@ -135,11 +136,14 @@ async def run_benchmark(config: BenchConfig, stop: anyio.Event | None = None) ->
             if config.warmup:
                 warm = [requests[i % len(requests)] for i in range(config.warmup)]
                 await runner.run(warm, [], perf_counter(), paced=False)
+            counts = await spec_counts(client, config.base_url)
             t0 = perf_counter()
             try:
                 await runner.run(requests, result.records, t0, progress=config.progress)
             finally:
                 result.duration_s = perf_counter() - t0
+            after = await spec_counts(client, config.base_url)
+            result.speculation = spec_summary(counts, after)
             tg.cancel_scope.cancel()
     result.interrupted = stop is not None and stop.is_set()
     result.records.sort(key=lambda r: r.index)
@@ -157,6 +161,47 @@ async def first_model(client: httpx.AsyncClient, base_url: str) -> str:
         raise BenchError(message) from None
     except (httpx.HTTPError, ValueError, LookupError, TypeError) as e:
         raise BenchError(f"cannot read a model name from {url} ({type(e).__name__}: {e}); pass --model") from None
+
+
+# speculative decoding's Prometheus counters: neuron's, and vLLM's names for a vLLM server
+SPEC_COUNTERS = {"drafts": ("neuron_spec_decode_num_drafts", "vllm:spec_decode_num_drafts"),
+                 "draft_tokens": ("neuron_spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens"),
+                 "accepted_tokens": ("neuron_spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens")}
+
+
+async def spec_counts(client: httpx.AsyncClient, base_url: str) -> dict[str, float] | None:
+    """The server's speculative-decoding counters from its /metrics (beside the API's /v1), summed
+    over their labels; None where it has none or does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    root = base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url
+    try:
+        resp = await client.get(f"{root}/metrics", timeout=10.0)
+        resp.raise_for_status()
+        families = list(text_string_to_metric_families(resp.text))
+    except (httpx.HTTPError, ValueError):
+        return None
+    totals: dict[str, float] = {}
+    for sample in (sample for fam in families for sample in fam.samples):
+        totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    counts = {}
+    for key, names in SPEC_COUNTERS.items():
+        found = [totals[f"{n}_total"] for n in names if f"{n}_total" in totals]
+        if not found:
+            return None
+        counts[key] = found[0]
+    return counts
+
+
+def spec_summary(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    """What the server proposed and kept between two readings; None where it did not speculate."""
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before[k] for k in after}
+    if d["drafts"] <= 0 or d["draft_tokens"] <= 0:
+        return None
+    return d | {"acceptance_rate": d["accepted_tokens"] / d["draft_tokens"],
+                "mean_accepted_length": 1 + d["accepted_tokens"] / d["drafts"]}
 
 
 def _client(config: BenchConfig) -> httpx.AsyncClient:

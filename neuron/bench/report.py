@@ -96,6 +96,10 @@ def format_table(result: BenchResult, summary: Summary | None = None) -> str:
         ("Total token throughput (tok/s)", f"{s.total_token_throughput:.2f}"),
         ("Input / output tokens", f"{s.input_tokens} / {s.output_tokens}"),
     ]
+    if (spec := result.speculation) is not None:
+        rows += [("Speculative acceptance", f"{spec['acceptance_rate']:.1%} ({spec['accepted_tokens']:.0f} of "
+                                            f"{spec['draft_tokens']:.0f} proposed tokens)"),
+                 ("Mean accepted length", f"{spec['mean_accepted_length']:.2f} tokens per speculative step")]
     width = max(len(k) for k, _ in rows) + 2
     lines = [f"{k:<{width}}{v}" for k, v in rows]
     lines += ["", f"{'Latency (ms)':<14}" + "".join(f"{h:>10}" for h in ("mean", "p50", "p90", "p99"))]
@@ -112,7 +116,7 @@ def to_json(result: BenchResult, summary: Summary | None = None) -> bytes:
     """The summary, the settings and every request's raw timings, indented."""
     requests = [asdict(r) | {"tpot_s": r.tpot_s} for r in result.records]
     doc = {"model": result.model, "interrupted": result.interrupted, "config": result.config.to_dict(),
-           "summary": summary or result_summary(result), "requests": requests}
+           "summary": summary or result_summary(result), "speculation": result.speculation, "requests": requests}
     return msgspec.json.format(msgspec.json.encode(doc), indent=2) + b"\n"
 
 

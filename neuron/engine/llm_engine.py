@@ -23,7 +23,7 @@ from neuron.engine.sampling import SampleFailure, SequenceSampler, TokenBitmask,
 from neuron.engine.sampling_params import SamplingParams
 from neuron.engine.scheduler import Scheduled, Scheduler
 from neuron.engine.sequence import Sequence, Status
-from neuron.engine.speculative import Acceptance, SpeculativeConfig, ngram_proposal
+from neuron.engine.speculative import Acceptance, SpeculativeConfig, make_proposer
 from neuron.engine.structured_output import CompiledGrammar, StructuredOutput
 from neuron.engine.tokenizer import Tokenizer
 from neuron.errors import ConfigError, WorkerError
@@ -65,11 +65,15 @@ class LLMEngine:
         self.speculative = self._speculative_config()
         self.spec_counts = [0, 0, 0]  # tokens proposed, proposed tokens accepted, speculative sequence-steps
         spec = self.speculative
-        self.scheduler = Scheduler(cfg.max_num_seqs, step_tokens, chunk, propose=self._propose if spec else None,
+        self.proposer = self._proposer(step_tokens) if spec else None
+        self.scheduler = Scheduler(cfg.max_num_seqs, step_tokens, chunk, proposer=self.proposer,
+                                   spec_length=self._spec_length,
                                    speculate_up_to=spec.disable_by_batch_size if spec else 0)
         executor_cfg = ExecutorConfig(self.model_dir, max_model_len=self.max_model_len, tp=cfg.tp, device=self.device,
                                       dtype=cfg.dtype, quantization=cfg.quantization, max_slots=cfg.max_num_seqs,
-                                      max_num_batched_tokens=max(step_tokens, cfg.max_num_seqs), **self._kv_settings())
+                                      max_num_batched_tokens=max(step_tokens, cfg.max_num_seqs), **self._kv_settings(),
+                                      verify_tokens=1 + spec.num_speculative_tokens if spec else 0,
+                                      verify_batch=spec.disable_by_batch_size if spec else 0)
         kwargs = {"worker_cmd": worker_cmd} if worker_cmd else {}
         self.executor = Executor(executor_cfg, model_config=self.config, **kwargs)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -85,6 +89,13 @@ class LLMEngine:
         self._new_blocks()
         return self
 
+    def _proposer(self, step_tokens: int):
+        cfg = self.cfg
+        return make_proposer(self.speculative, target_config=self.config, device=self.device, dtype=cfg.dtype,
+                             max_model_len=self.max_model_len, max_slots=cfg.max_num_seqs, block_size=cfg.block_size,
+                             step_tokens=step_tokens, prefill_chunk=cfg.prefill_chunk_tokens,
+                             hf_cache_dir=cfg.hf_cache_dir)
+
     def _kv_settings(self) -> dict:
         cfg = self.cfg
         kv_bytes = 0 if cfg.kv_cache_memory is None else parse_bytes(cfg.kv_cache_memory, "kv_cache_memory")
@@ -98,6 +109,9 @@ class LLMEngine:
         """A block manager over the pool the ranks just allocated (empty: a new pool holds nothing)."""
         caching = self.cfg.enable_prefix_caching is not False and supports_prefix_caching(self.config)
         self.scheduler.use_blocks(BlockManager(self.executor.num_kv_blocks, self.executor.cfg.block_size, caching))
+        if self.proposer is not None:
+            # a draft's pool mirrors the target's; its cost is priced against a target rank's weights
+            self.proposer.start(self.executor.num_kv_blocks, max(self.executor.weight_bytes))
 
     def _speculative_config(self) -> SpeculativeConfig | None:
         spec = SpeculativeConfig.parse(self.cfg.speculative_config)
@@ -106,20 +120,15 @@ class LLMEngine:
                               "its recurrent layers' state cannot be rolled back past rejected tokens")
         return spec
 
-    def _propose(self, seq: Sequence) -> list[int]:
-        """A decoding sequence's proposed next tokens: as many as its acceptance earns, the room
-        left under max_tokens and the model length allows."""
+    def _spec_length(self, seq: Sequence) -> int:
+        """How many tokens a decoding sequence may have proposed: as many as its acceptance earns,
+        the room left under max_tokens and the model length allows."""
         if seq.images or seq.params.prompt_logprobs is not None:
-            return []
+            return 0
         if seq.acceptance is None:
             seq.acceptance = Acceptance()
-        spec = self.speculative
-        k = min(seq.acceptance.length(spec.num_speculative_tokens), seq.max_tokens - len(seq.output_token_ids) - 1,
-                self.max_model_len - seq.num_tokens)
-        if k <= 0:
-            return []
-        return ngram_proposal(seq.prompt_token_ids + seq.output_token_ids, k, spec.prompt_lookup_min,
-                              spec.prompt_lookup_max)
+        return min(seq.acceptance.length(self.speculative.num_speculative_tokens, self.proposer.cost),
+                   seq.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens)
 
     def _tokenizer(self) -> tuple[Tokenizer | None, Path | None]:
         """The tokenizer (--tokenizer's, else the checkpoint's own or the GGUF file's; None without
@@ -435,6 +444,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        if self.proposer is not None:
+            self.proposer.close()
 
 
 def _vocab_size(config: dict) -> int:

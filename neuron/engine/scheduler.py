@@ -52,8 +52,8 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk: int,
-                 blocks: BlockManager | None = None, propose: Callable[[Sequence], list[int]] | None = None,
-                 speculate_up_to: int = 0):
+                 blocks: BlockManager | None = None, proposer=None,
+                 spec_length: Callable[[Sequence], int] | None = None, speculate_up_to: int = 0):
         self.max_num_seqs = max_num_seqs
         self.budget = max(max_num_batched_tokens, max_num_seqs)
         self.prefill_chunk = prefill_chunk
@@ -64,9 +64,10 @@ class Scheduler:
         self.prefix_cache_queries = 0  # tokens of admitted sequences looked up in the prefix cache
         self.prefix_cache_hits = 0  # of those, tokens found there (their prefill skipped)
         self.num_preemptions = 0
-        # speculative decoding (speculative.py): a decoding sequence's proposed tokens, asked for in
-        # steps of at most `speculate_up_to` decoding sequences
-        self.propose = propose
+        # speculative decoding (speculative.py): proposed tokens for decoding sequences, as many as
+        # `spec_length` allows each, asked of `proposer` in steps of at most `speculate_up_to` of them
+        self.proposer = proposer
+        self.spec_length = spec_length
         self.speculate_up_to = speculate_up_to
 
     def use_blocks(self, blocks: BlockManager) -> None:
@@ -86,14 +87,20 @@ class Scheduler:
         decoding = [s for s in self.running if s.num_computed == s.num_tokens - 1]
         prefilling = [s for s in self.running if s.num_computed < s.num_tokens - 1]
         preempted = False
-        speculate = self.propose is not None and len(decoding) <= self.speculate_up_to
+        ready = []
         for seq in decoding:
             if seq.status is not Status.RUNNING or not self._room_for_next_token(seq):
                 preempted = True
                 continue
-            proposal = self._proposal(seq, budget - 1) if speculate else []
+            ready.append(seq)
+        budget -= len(ready)
+        # a step that prefills is bound by compute already: proposals would only add to it
+        speculate = (self.proposer is not None and len(ready) <= self.speculate_up_to and not prefilling
+                     and not (self.waiting and self.free_slots))
+        proposals = self._proposals(ready, budget) if speculate else [[] for _ in ready]
+        for seq, proposal in zip(ready, proposals):
             batch.append(self._scheduled(seq, seq.pending() + proposal, proposal))
-            budget -= 1 + len(proposal)
+            budget -= len(proposal)
         for seq in prefilling:
             if budget <= 0:
                 break
@@ -144,14 +151,28 @@ class Scheduler:
         self.blocks.append(seq)
         return True
 
-    def _proposal(self, seq: Sequence, budget: int) -> list[int]:
-        """The sequence's proposed tokens, as many as the budget and free blocks hold (never
-        preempting for them)."""
-        proposal = self.propose(seq)[: max(budget, 0)]
-        if proposal:
-            covered = self.blocks.reserve(seq, seq.num_computed + 1 + len(proposal))
-            proposal = proposal[: covered - seq.num_computed - 1]
-        return proposal
+    def _proposals(self, seqs: list[Sequence], budget: int) -> list[list[int]]:
+        """Each decoding sequence's proposed tokens: as many as it earns (spec_length), the budget
+        and free blocks hold (reserved first, never preempting for them: a draft model writes its
+        keys and values there while it proposes)."""
+        ks = []
+        for seq in seqs:
+            k = max(min(self.spec_length(seq), budget), 0)
+            if k:
+                covered = self.blocks.reserve(seq, seq.num_computed + 1 + k)
+                k = max(min(k, covered - seq.num_computed - 1), 0)
+            ks.append(k)
+            budget -= k
+        wanted = [i for i, k in enumerate(ks) if k]
+        proposals = [[] for _ in seqs]
+        if wanted:
+            made = self.proposer.propose([seqs[i] for i in wanted], [ks[i] for i in wanted])
+            for i, proposal in zip(wanted, made):
+                proposal = list(proposal[: ks[i]])
+                if seqs[i].grammar is not None:  # what the grammar refuses would be refused by its mask
+                    proposal = proposal[: seqs[i].grammar.valid_prefix(proposal)]
+                proposals[i] = proposal
+        return proposals
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's slot and blocks and queue it first, to be recomputed."""
@@ -222,6 +243,8 @@ class Scheduler:
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
+        if self.proposer is not None:
+            self.proposer.release(seq, seq.status is Status.FINISHED)
         if seq.slot is not None:
             self.free_slots.append(seq.slot)
             seq.slot = None

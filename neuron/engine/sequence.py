@@ -38,6 +38,7 @@ class Sequence:
     grammar: GrammarMatcher | None = None  # structured output: where its text is in the grammar it must match
     prompt_logprobs: list[dict[int, float] | None] | None = None  # one per prompt token computed so far, if asked
     acceptance: object = None  # speculative decoding: its proposals' recent acceptance (speculative.Acceptance)
+    proposer_state: object = None  # and what its proposer keeps for it (a suffix index, the draft's progress)
 
     @property
     def num_tokens(self) -> int:

@@ -89,6 +89,13 @@ class GrammarMatcher:
         """Advance past `token_id`; False when the grammar refuses it (see `error`)."""
         return self.ll.consume_token(token_id)
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many leading tokens of `token_ids` the grammar would take from here (its state unchanged)."""
+        try:
+            return self.ll.validate_tokens(token_ids)
+        except (ValueError, TypeError, OverflowError):  # a token id past the tokenizer's vocabulary
+            return 0
+
     @property
     def terminated(self) -> bool:
         """The output is complete: the grammar allows nothing more (or has failed)."""

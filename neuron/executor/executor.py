@@ -90,6 +90,8 @@ class ExecutorConfig:
     collective_timeout_s: float = from_settings("collective_timeout_s")
     load_timeout_s: float = from_settings("load_timeout_s")
     step_timeout_s: float = from_settings("tp_step_timeout_s")
+    verify_tokens: int = 0  # speculative decoding: tokens per sequence of a verifying step (1 + proposals)
+    verify_batch: int = 0  # and the most sequences that speculate in one step
 
 
 def rank_devices(device: str, tp: int) -> list[str]:
@@ -222,7 +224,8 @@ class Executor:
                                     max_model_len=c.max_model_len, block_size=c.block_size,
                                     kv_cache_bytes=c.kv_cache_bytes, gpu_memory_utilization=share,
                                     max_num_batched_tokens=c.max_num_batched_tokens,
-                                    failed_kernels=self.failed_kernels)
+                                    failed_kernels=self.failed_kernels, verify_tokens=c.verify_tokens,
+                                    verify_batch=c.verify_batch)
 
         layers = int(text_config(self.config)["num_hidden_layers"])
         with LoadProgress(f"loading {c.model_dir.name}", layers) as bar:

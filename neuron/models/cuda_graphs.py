@@ -16,6 +16,14 @@ run on the GPU stream (one rank, or NCCL: gloo is driven from the host), and mod
 reads no per-step host state (`CausalLM.supports_cuda_graphs`). Steps that bring a prefill chunk,
 ask for prompt logprobs or exceed the largest bucket run eagerly, as before.
 
+Verifying steps of speculative decoding (speculative.py) have graphs of their own, one per
+batch-size bucket at a fixed `query_len` (1 + num_speculative_tokens): each sequence's row range
+is query_len long, its real tokens first and padding after. Its padding rows sit at the positions
+after its real tokens, so its real rows' causal attention never sees them, and write their keys and
+values to the scratch block; padding sequences are query_len tokens at positions 0.. in the
+scratch block. The graph returns every row's logits and the step keeps the rows it asked for. A
+step fits when no sequence brings more than query_len tokens (a short prefill chunk fits too).
+
 On CPU the same buffers and padding run eagerly (`capture=False`), which is how the tests check
 the padding against the plain forward without a GPU.
 """
@@ -28,6 +36,7 @@ import torch
 
 from neuron.layers.paged_attention import PagedAttentionMetadata
 from neuron.models.step_input import StepBatch, blocks_for
+from neuron.utils.device import to_device
 
 log = logging.getLogger("neuron.models")
 
@@ -49,34 +58,43 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Static inputs for decode steps of up to `max(buckets)` sequences, and a graph per bucket
-    once `capture` ran (CUDA only); `run` serves a step that `fits`."""
+    """Static inputs for decode steps (`query_len` 1) or verifying steps (`query_len` > 1) of up to
+    `max(buckets)` sequences, and a graph per bucket once `capture` ran (CUDA only); `run` serves a
+    step that `fits`."""
 
-    def __init__(self, model, max_batch: int):
+    def __init__(self, model, max_batch: int, query_len: int = 1):
         cache = model.cache
         if cache is None or not cache.paged:
             raise ValueError("decode graphs need the paged KV cache (NEURON_ATTENTION=paged)")
         self.model = model
         self.buckets = batch_buckets(max_batch)
+        self.query_len = q = query_len
         n, dev = self.buckets[-1], cache.device
         self.block_size, self.max_len = cache.block_size, cache.max_len
         self.scratch_block = cache.scratch_block
-        self.token_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), self.scratch_block * self.block_size, dtype=torch.long, device=dev)
-        self.kv_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.token_ids = torch.zeros(n * q, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n * q, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((n * q,), self.scratch_block * self.block_size, dtype=torch.long, device=dev)
+        self.kv_lens = torch.full((n,), q, dtype=torch.int32, device=dev)
         self.block_tables = torch.full((n, blocks_for(cache.max_len, cache.block_size)), self.scratch_block,
                                        dtype=torch.int32,
                                        device=dev)
-        self.query_start = torch.arange(n + 1, dtype=torch.int32, device=dev)  # one query per sequence
+        self.query_start = torch.arange(0, n * q + 1, q, dtype=torch.int32, device=dev)  # query_len per sequence
+        self.all_rows = torch.arange(n * q, dtype=torch.long, device=dev) if q > 1 else None  # every row's logits
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor | None] = {}
         self.failed: dict[int, str] = {}  # buckets that run eagerly, with why
         self.logits: torch.Tensor | None = None  # rank 0: every bucket's logits, rows of one buffer
 
     def fits(self, batch: StepBatch) -> bool:
-        return (batch.paged is not None and batch.all_decode and batch.prompt_topk is None
-                and batch.paged.num_seqs <= self.buckets[-1])
+        if batch.paged is None or batch.prompt_topk is not None or batch.paged.num_seqs > self.buckets[-1]:
+            return False
+        if self.query_len == 1:
+            return batch.all_decode
+        # a verifying step (or short chunks) whose padding rows stay inside the model length
+        q = self.query_len
+        return (not batch.all_decode and max(batch.lengths) <= q
+                and all(kv - n + q <= self.max_len for kv, n in zip(batch.kv_lens, batch.lengths)))
 
     def bucket(self, size: int) -> int:
         return next(b for b in self.buckets if b >= size)
@@ -86,14 +104,57 @@ class DecodeGraphs:
         """The step's logits (rank 0; None elsewhere), from its bucket's graph if captured."""
         size = batch.paged.num_seqs
         bucket = self.bucket(size)
-        self._load(batch, size, bucket)
+        if self.query_len == 1:
+            self._load(batch, size, bucket)
+        else:
+            self._load_verifying(batch, size, bucket)
         if bucket in self.graphs:
             self.graphs[bucket].replay()
             logits = self.outputs[bucket]
         else:
             logits = self._forward(bucket)
-        # a copy: the graph's output buffer is overwritten by the next replay
-        return None if logits is None else logits[:size].clone()
+        if logits is None:
+            return None
+        if self.query_len == 1:
+            return logits[:size].clone()  # a copy: the graph's output buffer is overwritten by the next replay
+        return logits.index_select(0, to_device(self._kept_rows(batch), logits.device, torch.long))
+
+    def _kept_rows(self, batch: StepBatch) -> list[int]:
+        """The padded rows of the logits each sequence asked for: the last of its real rows."""
+        q, rows = self.query_len, []
+        counts = batch.logit_counts or [1] * len(batch.lengths)
+        for i, (n, c) in enumerate(zip(batch.lengths, counts)):
+            rows += range(i * q + n - min(c, n), i * q + n)
+        return rows
+
+    def _load_verifying(self, batch: StepBatch, size: int, bucket: int) -> None:
+        """Copy the step into the static inputs, each sequence in rows i*q.. with padding after its
+        real tokens; rows of sequences size..bucket are padding sequences."""
+        meta, q, bs = batch.paged, self.query_len, self.block_size
+        scratch = self.scratch_block * bs
+        real, positions, slots = [], [], []
+        for i, (n, kv) in enumerate(zip(batch.lengths, batch.kv_lens)):
+            real += range(i * q, i * q + n)
+            positions += range(kv - n, kv - n + q)
+            slots += [scratch + j % bs for j in range(q)]
+        for _ in range(size, bucket):
+            positions += range(q)
+            slots += [scratch + j % bs for j in range(q)]
+        dev = self.token_ids.device
+        dest, host = to_device(real, dev, torch.long), to_device([positions, slots], dev, torch.long)
+        rows = bucket * q
+        self.positions[:rows].copy_(host[0])
+        self.slot_mapping[:rows].copy_(host[1])
+        self.token_ids[:rows].zero_()
+        self.token_ids.index_copy_(0, dest, batch.token_ids)
+        self.slot_mapping.index_copy_(0, dest, meta.slot_mapping)
+        self.kv_lens[:size].copy_(to_device([kv - n + q for kv, n in zip(batch.kv_lens, batch.lengths)], dev,
+                                            torch.int32))
+        self.kv_lens[size:bucket].fill_(q)
+        cols = meta.block_tables.shape[1]
+        self.block_tables[:size, :cols].copy_(meta.block_tables, non_blocking=True)
+        self.block_tables[:size, cols:].fill_(self.scratch_block)
+        self.block_tables[size:bucket].fill_(self.scratch_block)
 
     def _load(self, batch: StepBatch, size: int, bucket: int) -> None:
         """Copy the step into the static inputs and make rows size..bucket padding."""
@@ -107,21 +168,25 @@ class DecodeGraphs:
             self._pad(size, bucket)
 
     def _pad(self, start: int, end: int) -> None:
-        """Make rows start..end padding: one token at position 0 that writes and reads the scratch block."""
-        self.token_ids[start:end].zero_()
-        self.positions[start:end].zero_()
-        self.slot_mapping[start:end].fill_(self.scratch_block * self.block_size)
-        self.kv_lens[start:end].fill_(1)
-        self.block_tables[start:end, 0].fill_(self.scratch_block)
+        """Make sequences start..end padding: query_len tokens at positions 0.. that write and read
+        the scratch block."""
+        q, bs = self.query_len, self.block_size
+        pos = torch.arange(q, device=self.positions.device).repeat(end - start)
+        self.token_ids[start * q : end * q].zero_()
+        self.positions[start * q : end * q].copy_(pos)
+        self.slot_mapping[start * q : end * q].copy_(self.scratch_block * bs + pos % bs)
+        self.kv_lens[start:end].fill_(q)
+        self.block_tables[start:end].fill_(self.scratch_block)
 
     def _batch(self, bucket: int) -> StepBatch:
-        """A decode step over the first `bucket` rows of the static inputs."""
+        """A step over the first `bucket` sequences of the static inputs."""
+        q, rows = self.query_len, bucket * self.query_len
         meta = PagedAttentionMetadata(self.query_start[: bucket + 1], self.kv_lens[:bucket],
-                                      self.block_tables[:bucket], self.slot_mapping[:bucket], self.block_size,
-                                      max_query_len=1, max_kv_len=self.max_len)
-        return StepBatch(self.token_ids[:bucket], self.positions[:bucket], meta.slot_mapping, slots=[],
-                         lengths=[1] * bucket, kv_lens=[], last_index=None, all_decode=True, read_rows=[],
-                         masks=[], paged=meta)
+                                      self.block_tables[:bucket], self.slot_mapping[:rows], self.block_size,
+                                      max_query_len=q, max_kv_len=self.max_len)
+        return StepBatch(self.token_ids[:rows], self.positions[:rows], meta.slot_mapping, slots=[],
+                         lengths=[q] * bucket, kv_lens=[], last_index=None if q == 1 else self.all_rows[:rows],
+                         all_decode=q == 1, read_rows=[], masks=[], paged=meta)
 
     def _forward(self, bucket: int) -> torch.Tensor | None:
         batch = self._batch(bucket)
@@ -204,22 +269,23 @@ class DecodeGraphs:
         self.logits = None
 
 
-def capture_decode_graphs(model, max_batch: int) -> DecodeGraphs | None:
-    """Graphs for `model`'s decode steps, or None (logged) when no bucket could be captured: decode
-    then runs eagerly. A bucket that fails (an operation that synchronises with the host, a library
-    that cannot be captured: a missing capability, not a wrong result) is dropped alone, logged with
-    its reason."""
-    graphs = DecodeGraphs(model, max_batch)
+def capture_decode_graphs(model, max_batch: int, query_len: int = 1) -> DecodeGraphs | None:
+    """Graphs for `model`'s decode steps (query_len 1) or verifying steps, or None (logged) when no
+    bucket could be captured: those steps then run eagerly. A bucket that fails (an operation that
+    synchronises with the host, a library that cannot be captured: a missing capability, not a
+    wrong result) is dropped alone, logged with its reason."""
+    graphs = DecodeGraphs(model, max_batch, query_len)
+    kind = "decode" if query_len == 1 else f"verifying ({query_len} tokens per sequence)"
     try:
         failed = graphs.capture()
     except Exception as exc:  # the warm-up itself failed: nothing can be captured
         failed = dict.fromkeys(graphs.buckets, f"{type(exc).__name__}: {exc}")
     for bucket, why in sorted(failed.items()):
-        log.warning("decode batches of %d run eagerly: their CUDA graph could not be captured (%s)", bucket, why)
+        log.warning("%s batches of %d run eagerly: their CUDA graph could not be captured (%s)", kind, bucket, why)
     if not graphs.graphs:
         graphs.release()
-        log.warning("CUDA graphs off, decode runs eagerly: no batch size could be captured")
+        log.warning("CUDA graphs off for %s steps, they run eagerly: no batch size could be captured", kind)
         return None
     graphs.failed = failed
-    log.info("captured decode graphs for batch sizes %s", ", ".join(map(str, sorted(graphs.graphs))))
+    log.info("captured %s graphs for batch sizes %s", kind, ", ".join(map(str, sorted(graphs.graphs))))
     return graphs

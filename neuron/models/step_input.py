@@ -50,6 +50,7 @@ class StepBatch:
     paged: PagedAttentionMetadata | None = None  # the flat step for attention that reads blocks in place
     prompt_topk: list[int | None] | None = None  # per sequence: top-k of its chunk's prompt logprobs, if asked
     prompt_out: dict | None = None  # rank 0: PromptChunkLogprobs by sequence index, filled by the forward
+    logit_counts: list[int] | None = None  # a speculative step: each sequence's rows of logits (else one each)
 
 
 class BlockTables:
@@ -196,13 +197,15 @@ class BlockTables:
         meta, token_ids, positions = build_step(self.table_array[slots], offsets, lengths, self.block_size,
                                                 self.staging, ids)
         all_decode = all(n == 1 for n in lengths)
-        last_index = None
+        last_index, counts = None, None
         if not all_decode:
             last_index = meta.query_start[1:].long() - 1
             if any(s.logits > 1 for s in seqs):  # a speculative step: the proposals' positions too
-                last_index = to_device(logit_rows(lengths, [s.logits for s in seqs]), self.device, torch.long)
+                counts = [s.logits for s in seqs]
+                last_index = to_device(logit_rows(lengths, counts), self.device, torch.long)
         return StepBatch(token_ids, positions, meta.slot_mapping, slots, lengths,
-                         [o + n for o, n in zip(offsets, lengths)], last_index, all_decode, [], [], meta)
+                         [o + n for o, n in zip(offsets, lengths)], last_index, all_decode, [], [], meta,
+                         logit_counts=counts)
 
     def commit(self, batch: StepBatch) -> None:
         for slot, kv_len in zip(batch.slots, batch.kv_lens):

@@ -67,6 +67,8 @@ class LoadShard(Message):
     max_num_batched_tokens: int
     failed_kernels: dict[str, str] = {}  # the union of every rank's CheckKernels: these run their references
     quantization: str = ""  # "int8": each rank quantizes its linear-layer slices as it reads them
+    verify_tokens: int = 0  # speculative decoding: tokens per sequence of a verifying step (CUDA graphs)
+    verify_batch: int = 0  # and the most sequences that speculate in one step
 
 
 class ForwardStep(Message):

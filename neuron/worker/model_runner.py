@@ -57,7 +57,7 @@ class ModelRunner:
             model.allocate(num_blocks, req.block_size, req.max_slots, req.max_model_len, paged=paged)
             tables = BlockTables(req.max_slots, num_blocks, req.block_size, req.max_model_len, device, paged)
             if _graphs_wanted(model, device, comm):
-                model.capture_decode_graphs(req.max_slots)
+                model.capture_decode_graphs(req.max_slots, req.verify_tokens, req.verify_batch)
         except UnsupportedModel as exc:
             raise WorkerFailure(p.ErrorKind.UNSUPPORTED_ARCH, str(exc)) from exc
         except (ConfigError, ValueError, OSError) as exc:

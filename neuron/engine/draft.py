@@ -1,0 +1,164 @@
+"""Draft-model proposals: a smaller checkpoint with the target's vocabulary proposes its greedy
+continuation, k tokens by k of its own steps, and the target scores them in one.
+
+Where the draft runs: whole, on rank 0's device, beside rank 0 in the leader's process (an
+executor of one rank, so no worker and no pipe). A draft is small, so a step of it is bound by
+launches and latency, not by reading its weights: splitting it over the target's ranks would add
+an all-reduce per layer and a round trip to every worker per drafted token, to save reading a few
+hundred megabytes. The leader also holds the tokens the draft continues, so nothing else travels.
+The cost is rank 0's memory: the draft's weights and its KV cache sit there alone.
+
+Its KV cache mirrors the target's blocks: a pool of as many blocks, of the same size, written at
+the same block ids. A sequence's positions live in the same blocks in both pools, so the draft
+needs no block manager of its own: the scheduler reserves the blocks a proposal needs before
+asking for it, and a block the target's prefix cache shares holds, in the draft's pool, what the
+draft computes for the same tokens at the same positions. What a sequence's draft holds is
+tracked per sequence: `computed`, the tokens whose keys and values it wrote and that are still
+the sequence's; a proposal's own positions count once the target kept them. A sequence new to its
+slot (admitted, or preempted and readmitted) starts over.
+
+Greedy proposals are a fixed guess given the tokens so far, so the target's position-by-position
+sampling stays exact at any temperature (speculative.py); a sampled draft with rejection
+sampling would keep more tokens at high temperature, at the price of drawing from the draft.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from neuron.errors import ConfigError
+from neuron.executor.executor import Executor, ExecutorConfig
+from neuron.models import load_config, supports_prefix_caching, text_config
+from neuron.models.loader import resolve_model_path
+from neuron.step import SeqStep
+from neuron.worker.failure import resolve_dtype
+
+log = logging.getLogger("neuron.engine.draft")
+
+
+class _State:
+    """What the draft holds for one sequence in its slot."""
+
+    __slots__ = ("slot", "blocks_sent", "computed", "drafted")
+
+    def __init__(self, slot: int):
+        self.slot = slot
+        self.blocks_sent = 0  # leading blocks of the sequence's table the draft's slot has
+        self.computed = 0  # leading tokens of the sequence whose keys and values the draft wrote
+        self.drafted: list[int] = []  # the last proposal's tokens the draft wrote after those (all but its last)
+
+
+class DraftProposer:
+    def __init__(self, model: str, *, target_config: dict, device: str, dtype: str, max_model_len: int,
+                 max_slots: int, block_size: int, step_tokens: int, prefill_chunk: int,
+                 hf_cache_dir: str | None = None):
+        self.model_dir = resolve_model_path(model, hf_cache_dir)
+        self.config = load_config(self.model_dir)
+        theirs, ours = text_config(target_config).get("vocab_size"), text_config(self.config).get("vocab_size")
+        if theirs != ours:
+            raise ConfigError(f"speculative_config: the draft {model} has vocab_size {ours}, the target "
+                              f"{theirs}: a draft must share the target's tokenizer")
+        if not supports_prefix_caching(self.config):
+            raise ConfigError(f"speculative_config: the draft's model_type {self.config.get('model_type')!r} keeps "
+                              "recurrent state, which cannot be rolled back past rejected tokens")
+        self.executor_cfg = ExecutorConfig(self.model_dir, max_model_len=max_model_len, tp=1, device=device,
+                                           dtype=dtype, quantization=None, max_slots=max_slots, model_id="draft",
+                                           block_size=block_size, max_num_batched_tokens=step_tokens)
+        self.chunk = prefill_chunk
+        self.executor: Executor | None = None
+        self.cost = 0.0  # target steps a draft step costs: weights read, the draft's over one target rank's
+
+    def start(self, num_blocks: int, target_weight_bytes: int) -> None:
+        """Load the draft with a pool of `num_blocks` blocks, as many as the target's (kept when the
+        target's ranks come back with no more blocks than before). A step of either reads its
+        weights once, so their sizes price a drafted token in target steps (`cost`)."""
+        if self.executor is not None and self.executor.num_kv_blocks >= num_blocks:
+            return
+        self.close()
+        c = self.executor_cfg
+        c.kv_cache_bytes = num_blocks * _block_bytes(self.config, c.dtype, c.device, c.block_size)
+        self.executor = Executor(c, model_config=self.config).start()
+        if self.executor.num_kv_blocks < num_blocks:
+            have = self.executor.num_kv_blocks
+            self.close()
+            raise ConfigError(f"the draft's KV cache holds {have} blocks, fewer than the target's {num_blocks}")
+        self.cost = self.executor.weight_bytes[0] / max(target_weight_bytes, 1)
+        log.info("draft %s ready on %s (a drafted token costs %.2f target steps)", self.model_dir.name, c.device,
+                 self.cost)
+
+    def propose(self, seqs: list, ks: list[int]) -> list[list[int]]:
+        """Each sequence's greedy continuation by the draft, k tokens (none for one whose catch-up
+        on tokens it has not seen is longer than a prefill chunk: it catches up this step)."""
+        states = [self._state(seq) for seq in seqs]
+        proposals: list[list[int]] = [[] for _ in seqs]
+        # the first step: each sequence's tokens the draft has not seen, its last one at least
+        steps, owners, budget = [], [], self.executor_cfg.max_num_batched_tokens
+        for i, (seq, st) in enumerate(zip(seqs, states)):
+            take = min(seq.num_tokens - st.computed, self.chunk, budget)
+            if take <= 0:
+                continue
+            budget -= take
+            steps.append(self._step(seq, st, seq.token_slice(st.computed, st.computed + take), st.computed))
+            owners.append(i)
+            st.computed += take
+        if not steps:
+            return proposals
+        logits = self.executor.step(steps)
+        ready = [j for j, i in enumerate(owners) if states[i].computed == seqs[i].num_tokens]
+        for j, token in zip(ready, logits[ready].argmax(dim=-1).tolist() if ready else []):
+            i = owners[j]
+            proposals[i].append(token)
+            states[i].drafted = []
+        # then one token per step for each sequence still short of its k
+        while active := [owners[j] for j in ready if len(proposals[owners[j]]) < ks[owners[j]]]:
+            steps = []
+            for i in active:
+                st = states[i]
+                token = proposals[i][-1]
+                steps.append(self._step(seqs[i], st, [token], st.computed + len(st.drafted)))
+                st.drafted.append(token)
+            for i, token in zip(active, self.executor.step(steps).argmax(dim=-1).tolist()):
+                proposals[i].append(token)
+        return proposals
+
+    def _state(self, seq) -> _State:
+        """The sequence's draft state, the drafted tokens it kept since counted as computed, and
+        its last token left to run again (its logits start the next proposal)."""
+        st = seq.proposer_state
+        if st is None or st.slot != seq.slot:
+            st = seq.proposer_state = _State(seq.slot)
+        for token in st.drafted:
+            pos = st.computed
+            if pos >= seq.num_tokens or seq.token_slice(pos, pos + 1)[0] != token:
+                break
+            st.computed += 1
+        st.drafted = []
+        st.computed = min(st.computed, seq.num_tokens - 1)
+        return st
+
+    def _step(self, seq, st: _State, tokens: list[int], offset: int) -> SeqStep:
+        fresh = st.blocks_sent == 0
+        new_blocks = seq.block_table[st.blocks_sent:]
+        st.blocks_sent = len(seq.block_table)
+        return SeqStep(seq.slot, tokens, offset, new_blocks, fresh)
+
+    def release(self, seq, finished: bool) -> None:
+        """The sequence left its slot (finished or preempted): its blocks may go to another."""
+        seq.proposer_state = None
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown()
+            self.executor = None
+
+
+def _block_bytes(config: dict, dtype: str, device: str, block_size: int) -> int:
+    """Bytes of one KV block of a full-attention model (every layer's K and V)."""
+    t = text_config(config)
+    heads = int(t["num_attention_heads"])
+    head_dim = int(t.get("head_dim") or int(t["hidden_size"]) // heads)
+    kv_heads = int(t.get("num_key_value_heads") or heads)
+    size = torch.finfo(resolve_dtype(dtype, device)).bits // 8
+    return 2 * int(t["num_hidden_layers"]) * kv_heads * head_dim * block_size * size
