@@ -141,6 +141,18 @@ class Settings:
         '\'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}\' '
         "to run a model past its native context with YaRN", unset="config.json as it is")
     tp: int = _setting(int, 1, "tensor-parallel size: how many ranks (devices) share the model", lo=1)
+    hosts: str | None = _setting(
+        str, None, "where the ranks run, in rank order: HOST:N entries, comma-separated (the first the leader's "
+        "own host, localhost or its name: localhost:2,gpu2:2), or a file of them", unset="every rank on this machine")
+    worker_launcher: str = _setting(str, "ssh -T {host}", "the command that starts a rank on another host of "
+                                    "--hosts ({host} replaced; neuron --worker ... appended; its stdin and stdout "
+                                    "carry the protocol): srun, kubectl exec -i and ip netns exec work alike")
+    cluster_address: str | None = _setting(
+        str, None, "the leader's IPv4 address that ranks on other hosts reach: the rendezvous listens there",
+        unset="127.0.0.1 (required with ranks on other hosts, or --cluster-interface)")
+    cluster_interface: str | None = _setting(
+        str, None, "the network interface whose IPv4 address is the cluster address; also NCCL's socket interface",
+        unset="none")
     speculative_config: str | None = _setting(
         str, None, 'speculative decoding, a JSON object: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
         "(also prompt_lookup_min, prompt_lookup_max, disable_by_batch_size); output is unchanged, "

@@ -23,6 +23,7 @@ import time
 import torch
 from torch.distributed import ProcessGroupGloo, Store, TCPStore
 
+from neuron.distributed.net import LOOPBACK
 from neuron.errors import NeuronError
 
 log = logging.getLogger("neuron.comm")
@@ -70,7 +71,6 @@ class SingleRank(Communicator):
         return [tensor]
 
 
-LOOPBACK = "127.0.0.1"
 # Gloo retries a refused pair connection for five times the group's timeout: the group is built with
 # this short one, so a rank that died after posting its address fails the join within seconds, and
 # then gets the collective timeout for its operations.
@@ -78,14 +78,15 @@ _CONNECT_TIMEOUT_S = 1.0
 _POLL_S = 0.05
 
 
-def host_store(world_size: int, timeout_s: float) -> TCPStore:
-    """The rendezvous store's server, on a free loopback port (rank 0). TCPStore binds every
-    interface when it opens the port itself, so it is handed a socket bound to loopback."""
-    sock = socket.create_server((LOOPBACK, 0), backlog=max(16, 2 * world_size))
+def host_store(world_size: int, timeout_s: float, address: str = LOOPBACK) -> TCPStore:
+    """The rendezvous store's server, on a free port of `address` (rank 0; loopback unless ranks
+    on other hosts must reach it). TCPStore binds every interface when it opens the port itself,
+    so it is handed a socket bound to that one address."""
+    sock = socket.create_server((address, 0), backlog=max(16, 2 * world_size))
     port, inode = sock.getsockname()[1], os.fstat(sock.fileno()).st_ino
     fd = sock.detach()  # the store owns the descriptor from here and closes it
     try:
-        return TCPStore(LOOPBACK, port, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+        return TCPStore(address, port, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
                         wait_for_workers=False, master_listen_fd=fd, use_libuv=True)
     except BaseException:
         _close_if_ours(fd, inode)
@@ -166,12 +167,14 @@ class Rendezvous(Store):
 class GlooCommunicator(Communicator):
     backend = "gloo"
 
-    def __init__(self, rank: int, world_size: int, rendezvous: Rendezvous, timeout_s: float):
+    def __init__(self, rank: int, world_size: int, rendezvous: Rendezvous, timeout_s: float,
+                 address: str = LOOPBACK):
         """Join the group through `rendezvous` (raises RendezvousAborted when that is given up);
-        collectives then time out after `timeout_s`."""
+        collectives then time out after `timeout_s`. Pair sockets bind `address` (this rank's
+        address on the route to the rendezvous: loopback on one host)."""
         super().__init__(rank, world_size)
         options = ProcessGroupGloo._Options()
-        options._devices = [ProcessGroupGloo.create_device(hostname=LOOPBACK)]  # pair sockets on loopback too
+        options._devices = [ProcessGroupGloo.create_device(hostname=address)]
         options._timeout = datetime.timedelta(seconds=min(timeout_s, _CONNECT_TIMEOUT_S))
         self._store = rendezvous  # gloo calls back into it: it lives as long as the group
         self._pg = ProcessGroupGloo(rendezvous, rank, world_size, options)
@@ -366,12 +369,13 @@ def open_nccl(nccl, world_size: int, unique_id_hex: str, rank: int, index: int):
                     "use CuPy 13 or 14")
 
 
-def choose_backend(devices: list[str]) -> str:
-    """nccl when every rank has its own CUDA device and CuPy's NCCL fits torch; gloo otherwise."""
+def choose_backend(devices: list[str], hosts: tuple[str, ...] | None = None) -> str:
+    """nccl when every rank has its own CUDA device (on its host) and CuPy's NCCL fits torch; gloo
+    otherwise."""
     if len(devices) == 1:
         return "single"
     cuda = all(d.startswith("cuda") for d in devices)
-    distinct = len(set(devices)) == len(devices)
+    distinct = len(set(zip(hosts or [""] * len(devices), devices))) == len(devices)
     if not (cuda and distinct):
         return "gloo"
     problem = nccl_problem()

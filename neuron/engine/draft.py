@@ -63,7 +63,7 @@ class DraftProposer:
         if not supports_prefix_caching(self.config):
             raise ConfigError(f"speculative_config: the draft's model_type {self.config.get('model_type')!r} keeps "
                               "recurrent state, which cannot be rolled back past rejected tokens")
-        self.executor_cfg = ExecutorConfig(self.model_dir, max_model_len=max_model_len, tp=1, device=device,
+        self.executor_cfg = ExecutorConfig(self.model_dir, max_model_len=max_model_len, tp=1, hosts=None, device=device,
                                            dtype=dtype, quantization=None, max_slots=max_slots, model_id="draft",
                                            block_size=block_size, max_num_batched_tokens=step_tokens)
         self.chunk = prefill_chunk

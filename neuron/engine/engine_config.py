@@ -31,6 +31,10 @@ class EngineConfig:
 
     model: str | None = from_settings("model")  # path or repo id; None serves the embedded default
     tp: int = from_settings("tp")
+    hosts: str | None = from_settings("hosts")  # ranks on other hosts (executor.placement)
+    worker_launcher: str = from_settings("worker_launcher")
+    cluster_address: str | None = from_settings("cluster_address")
+    cluster_interface: str | None = from_settings("cluster_interface")
     device: str | None = from_settings("device")  # None: cuda when present, else cpu
     dtype: str = from_settings("dtype")
     quantization: str | None = from_settings("quantization")  # "int8": quantize at load

@@ -65,6 +65,10 @@ class LLM:
         quantization: str | None = None,
         tokenizer: str | None = None,
         speculative_config: dict | str | None = None,
+        hosts: str | None = None,
+        worker_launcher: str | None = None,
+        cluster_address: str | None = None,
+        cluster_interface: str | None = None,
         **kwargs,
     ):
         if kwargs:
@@ -73,7 +77,9 @@ class LLM:
                      max_num_seqs=max_num_seqs, hf_cache_dir=download_dir, block_size=block_size,
                      kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
                      enable_prefix_caching=enable_prefix_caching, hf_overrides=hf_overrides,
-                     quantization=quantization, tokenizer=tokenizer, speculative_config=speculative_config)
+                     quantization=quantization, tokenizer=tokenizer, speculative_config=speculative_config,
+                     hosts=hosts, worker_launcher=worker_launcher, cluster_address=cluster_address,
+                     cluster_interface=cluster_interface)
         cfg = EngineConfig(**{k: v for k, v in given.items() if v is not None})
         self.engine = LLMEngine(cfg).start()
         self._ids = itertools.count()

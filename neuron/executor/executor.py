@@ -26,6 +26,7 @@ import torch
 from neuron.config import from_settings, settings
 from neuron.distributed.comm import choose_backend, nccl_unique_id_hex
 from neuron.errors import ConfigError, NeuronError, PoolBroken, WorkerError
+from neuron.executor.placement import Placement, cluster_address, launcher_argv, parse_hosts
 from neuron.executor.pool import WorkerPool, default_worker_cmd
 from neuron.executor.progress import LoadProgress
 from neuron.models import load_config, text_config
@@ -76,6 +77,10 @@ class ExecutorConfig:
     model_dir: Path
     max_model_len: int
     tp: int = from_settings("tp")
+    hosts: str | None = from_settings("hosts")  # placement.parse_hosts
+    worker_launcher: str = from_settings("worker_launcher")
+    cluster_address: str | None = from_settings("cluster_address")
+    cluster_interface: str | None = from_settings("cluster_interface")
     device: str = "cpu"  # one device string: the engine resolves the `device` setting's "cuda when present"
     dtype: str = from_settings("dtype")
     quantization: str | None = from_settings("quantization")
@@ -94,11 +99,13 @@ class ExecutorConfig:
     verify_batch: int = 0  # and the most sequences that speculate in one step
 
 
-def rank_devices(device: str, tp: int) -> list[str]:
-    """`cuda` spreads ranks over the visible GPUs (sharing when there are fewer than ranks)."""
+def rank_devices(device: str, tp: int, placement: Placement | None = None) -> list[str]:
+    """`cuda` spreads ranks over the visible GPUs (sharing when there are fewer than ranks); a rank
+    on another host takes the GPU of its index among that host's ranks."""
+    placement = placement or Placement.local(tp)
     if device == "cuda":
         n = max(1, torch.cuda.device_count())
-        return [f"cuda:{r % n}" for r in range(tp)]
+        return [f"cuda:{r % n}" if placement.is_local(r) else f"cuda:{placement.local_index(r)}" for r in range(tp)]
     return [device] * tp
 
 
@@ -109,15 +116,32 @@ class Executor:
         self.cfg = cfg
         self.config = model_config if model_config is not None else load_config(cfg.model_dir)
         self.paths = [str(f) for f in weight_files(cfg.model_dir)]
-        self.devices = rank_devices(cfg.device, cfg.tp)
-        self.backend = choose_backend(self.devices)
+        self.placement = parse_hosts(cfg.hosts, cfg.tp)
+        self.cluster_address = cluster_address(cfg.cluster_address, cfg.cluster_interface, self.placement)
+        self.devices = rank_devices(cfg.device, cfg.tp, self.placement)
+        self.backend = choose_backend(self.devices, self.placement.hosts)
         self.weight_bytes: list[int] = []
         self.failed_kernels: dict[str, str] = {}  # fused kernels on their references, on every rank
         self.num_kv_blocks = 0
-        self._worker_cmd, self._env = worker_cmd, env
+        self._worker_cmd, self._env = self._launched(worker_cmd), dict(env or {})
+        if cfg.cluster_interface:  # NCCL's bootstrap and sockets on the cluster's network
+            self._env.setdefault("NCCL_SOCKET_IFNAME", cfg.cluster_interface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", cfg.cluster_interface)  # rank 0, in this process
         self.on_failure: Callable[[str], None] | None = None
         self._stopping: str | None = None
         self._fresh_ranks()
+
+    def _launched(self, worker_cmd: Callable[[int, int, str], list[str]]) -> Callable[[int, int, str], list[str]]:
+        """`worker_cmd`, behind the launcher for ranks on other hosts."""
+        placement, template = self.placement, self.cfg.worker_launcher
+        if not placement.remote:
+            return worker_cmd
+
+        def command(rank: int, world_size: int, device: str) -> list[str]:
+            cmd = worker_cmd(rank, world_size, device)
+            return cmd if placement.is_local(rank) else launcher_argv(template, placement.hosts[rank]) + cmd
+
+        return command
 
     def _fresh_ranks(self) -> None:
         self.rank0 = Worker(0, self.cfg.tp, self.devices[0])
@@ -188,7 +212,7 @@ class Executor:
     def _init_comm(self) -> None:
         timeout = self.cfg.collective_timeout_s
         if self.backend == "gloo":
-            comm_id = self.rank0.host_store(timeout)
+            comm_id = self.rank0.host_store(timeout, self.cluster_address)
         elif self.backend == "nccl":
             comm_id = nccl_unique_id_hex()
         else:

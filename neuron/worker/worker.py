@@ -15,6 +15,7 @@ import torch
 
 from neuron.config import settings
 from neuron.distributed.comm import (
+    LOOPBACK,
     Communicator,
     GlooCommunicator,
     NcclCommunicator,
@@ -24,6 +25,7 @@ from neuron.distributed.comm import (
     make_store,
 )
 from neuron.distributed.nccl_join import NcclJoin
+from neuron.distributed.net import address_towards, interface_of
 from neuron.layers import kernel_choice
 from neuron.layers.kernel_check import Widths, self_check
 from neuron.layers.paged_attention import HAS_TRITON
@@ -60,10 +62,11 @@ class Worker:
         # rank 0: the rendezvous it hosts, until the group is built; any rank: the NCCL join under way
         self._joining: Rendezvous | NcclJoin | None = None
 
-    def host_store(self, timeout_s: float) -> str:
-        """Rank 0 only: listen for the gloo rendezvous on a free loopback port; returns its address.
-        Joining through it may take `timeout_s` and can be cut short by `abort` from then on."""
-        store = host_store(self.world_size, timeout_s)
+    def host_store(self, timeout_s: float, address: str = LOOPBACK) -> str:
+        """Rank 0 only: listen for the gloo rendezvous on a free port of `address` (loopback on one
+        host); returns its address. Joining through it may take `timeout_s` and can be cut short by
+        `abort` from then on."""
+        store = host_store(self.world_size, timeout_s, address)
         self._joining = Rendezvous(store, timeout_s)
         return f"{store.host}:{store.port}"
 
@@ -133,7 +136,11 @@ class Worker:
             elif backend == "gloo":
                 joining = self._joining or Rendezvous(make_store(req.comm_id, self.world_size, req.timeout_s),
                                                       req.timeout_s)
-                self.comm = GlooCommunicator(self.rank, self.world_size, joining, req.timeout_s)
+                address = address_towards(req.comm_id.rpartition(":")[0])
+                if address != LOOPBACK:
+                    log.info("rank %d: collectives over %s (interface %s)", self.rank, address,
+                             interface_of(address) or "unknown")
+                self.comm = GlooCommunicator(self.rank, self.world_size, joining, req.timeout_s, address)
             elif backend == "nccl":
                 self._joining = NcclJoin(
                     lambda: NcclCommunicator(self.rank, self.world_size, req.comm_id, self.device), req.timeout_s)

@@ -1,0 +1,220 @@
+"""Ranks on several hosts (neuron/executor/placement.py), the hosts simulated by Linux network
+namespaces the tests create: a bridge in this namespace with the leader's address, and a veth
+into each "host" with its own; `ip netns exec {host}` is the launcher. Skipped, with the reason,
+where namespaces cannot be created (not root, no `ip`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+
+import pytest
+from checkpoints import ODD, build_checkpoint, reference_greedy
+from server_harness import wait_until
+
+from neuron import LLM, SamplingParams
+from neuron.distributed.net import LOOPBACK, address_towards, interface_address, interface_of
+from neuron.errors import ConfigError
+from neuron.executor.placement import Placement, cluster_address, launcher_argv, parse_hosts
+
+PROMPTS = [[5, 17, 200, 3, 9, 1], list(range(10, 22)), [7, 8, 9]]
+LAUNCHER = "ip netns exec {host}"
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+class Hosts:
+    """A bridge holding the leader's address and `n` namespaces behind veth pairs on it."""
+
+    def __init__(self, n: int):
+        tag = os.getpid() % 10000
+        self.subnet = f"10.213.{tag % 250}"
+        self.leader = f"{self.subnet}.1"
+        self.bridge = f"nb{tag}"
+        self.names = [f"nrn{tag}h{i}" for i in range(1, n + 1)]
+        self.links = [f"nv{tag}x{i}" for i in range(1, n + 1)]
+
+    def up(self) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{self.leader}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for i, (name, link) in enumerate(zip(self.names, self.links), start=2):
+            _ip("netns", "add", name)
+            _ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", name)
+            _ip("link", "set", link, "master", self.bridge, "up")
+            _ip("-n", name, "addr", "add", f"{self.subnet}.{i}/24", "dev", "eth0")
+            _ip("-n", name, "link", "set", "eth0", "up")
+            _ip("-n", name, "link", "set", "lo", "up")
+
+    def down(self) -> None:
+        for name in self.names:
+            _ip("netns", "del", name, check=False)
+        _ip("link", "del", self.bridge, check=False)
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("creating network namespaces needs root and iproute2's ip")
+    h = Hosts(2)
+    try:
+        h.up()
+        # the namespaces reach the leader's address (and nothing else is set up for them)
+        subprocess.run(["ip", "netns", "exec", h.names[0], "python3", "-c",
+                        f"import socket; socket.create_connection(('{h.leader}', 9), 1)"],
+                       capture_output=True, timeout=30)
+    except (subprocess.CalledProcessError, OSError) as exc:
+        h.down()
+        pytest.skip(f"cannot create network namespaces here: {getattr(exc, 'stderr', '') or exc}")
+    yield h
+    h.down()
+
+
+@pytest.fixture(scope="module")
+def odd_checkpoint(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("multihost"), seed=3, **ODD)
+
+
+def _greedy(llm: LLM, n: int = 8) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+
+
+def _llm(path, hosts: Hosts, spec: str, tp: int) -> LLM:
+    return LLM(str(path), tensor_parallel_size=tp, device="cpu", dtype="float32", hosts=spec,
+               worker_launcher=LAUNCHER, cluster_address=hosts.leader)
+
+
+@pytest.mark.parametrize("tp,layout", [(2, "localhost:1,{0}:1"), pytest.param(4, "localhost:2,{0}:1,{1}:1",
+                                                                                  marks=pytest.mark.slow)])
+def test_ranks_on_other_hosts_equal_transformers(odd_checkpoint, hosts, tp, layout):
+    """tp 2 with rank 1 on another host, tp 4 over three hosts: transformers' greedy tokens."""
+    with _llm(odd_checkpoint, hosts, layout.format(*hosts.names), tp) as llm:
+        assert llm.engine.executor.backend == "gloo"
+        assert llm.engine.executor.cluster_address == hosts.leader
+        got = _greedy(llm)
+    for prompt, tokens in zip(PROMPTS, got):
+        assert tokens == reference_greedy(odd_checkpoint, prompt, 8)[0]
+
+
+@pytest.mark.slow
+def test_a_killed_remote_rank_is_rebuilt_through_the_launcher(odd_checkpoint, hosts):
+    """The rank in the other namespace killed: the ranks are rebuilt (the launcher starts it
+    again) and the next requests get the same tokens."""
+    with _llm(odd_checkpoint, hosts, f"localhost:1,{hosts.names[0]}:1", 2) as llm:
+        first = _greedy(llm)
+        victim = llm.engine.executor.pool.workers[0].proc
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=30)
+        wait_until(lambda: llm.engine.failure is not None, 10, "the dead rank was not noticed")
+        assert _greedy(llm) == first
+
+
+@pytest.mark.slow
+def test_a_link_taken_down_mid_run_fails_it_within_the_deadline(odd_checkpoint, hosts, monkeypatch):
+    """The other host's link goes down while a generation runs (before its 20th step): it fails
+    within the collective deadline (not hanging), and once the link is back the ranks are rebuilt
+    and give the same tokens as before."""
+    import time
+
+    from neuron.errors import NeuronError
+
+    monkeypatch.setenv("NEURON_COLLECTIVE_TIMEOUT_S", "3")
+    monkeypatch.setenv("NEURON_TP_STEP_TIMEOUT_S", "6")
+    link = hosts.links[0]
+    with _llm(odd_checkpoint, hosts, f"localhost:1,{hosts.names[0]}:1", 2) as llm:
+        first = _greedy(llm)
+        executor, steps = llm.engine.executor, []
+        step = executor.step
+
+        def cut_at_20(seqs):
+            steps.append(time.monotonic())
+            if len(steps) == 20:
+                _ip("link", "set", link, "down")
+            return step(seqs)
+
+        monkeypatch.setattr(executor, "step", cut_at_20)
+        try:
+            with pytest.raises(NeuronError, match="generation failed"):
+                llm.generate([{"prompt_token_ids": PROMPTS[0]}],
+                             SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+            assert len(steps) == 20 and time.monotonic() - steps[-1] < 6 + 5  # the step deadline, some slack
+        finally:
+            _ip("link", "set", link, "up")
+        monkeypatch.undo()
+        assert _greedy(llm) == first
+
+
+def test_the_launcher_prefixes_only_ranks_on_other_hosts(odd_checkpoint):
+    """No namespace needed: the commands the pool would run."""
+    from neuron.executor.executor import Executor, ExecutorConfig
+
+    cfg = ExecutorConfig(odd_checkpoint, max_model_len=64, tp=3, hosts="localhost:2,gpu7:1",
+                         worker_launcher="srun -w {host} --ntasks 1", cluster_address="10.0.0.5")
+    ex = Executor(cfg)
+    try:
+        assert ex.cluster_address == "10.0.0.5"
+        local, remote = ex._worker_cmd(1, 3, "cpu"), ex._worker_cmd(2, 3, "cpu")
+        assert local[1:3] == ["-m", "neuron"]
+        assert remote[:4] == ["srun", "-w", "gpu7", "--ntasks"] and remote[5:] == local[:5] + ["2"] + local[6:]
+    finally:
+        ex.shutdown()
+
+
+@pytest.mark.slow
+def test_one_host_listens_on_loopback_only(odd_checkpoint):
+    """tp 2 on this machine: every socket the leader and its worker listen on (the rendezvous,
+    gloo's pairs) is bound to 127.0.0.1."""
+    if shutil.which("ss") is None:
+        pytest.skip("needs iproute2's ss to list listening sockets")
+    with LLM(str(odd_checkpoint), tensor_parallel_size=2, device="cpu", dtype="float32") as llm:
+        _greedy(llm, 2)
+        pids = {os.getpid()} | {w.proc.pid for w in llm.engine.executor.pool.workers}
+        lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout.splitlines()
+    ours = [ln.split()[3] for ln in lines if any(f"pid={pid}," in ln for pid in pids)]
+    assert ours and all(addr.startswith(f"{LOOPBACK}:") for addr in ours), ours
+
+
+def test_placements_parse_and_refuse():
+    assert parse_hosts(None, 3) == Placement.local(3)
+    p = parse_hosts("localhost:2, gpu2:2", 4)
+    assert p.hosts == ("localhost", "localhost", "gpu2", "gpu2") and p.remote
+    assert [p.local_index(r) for r in range(4)] == [0, 1, 0, 1]
+    assert not parse_hosts("localhost:2", 2).remote
+    for spec, tp, message in (("gpu2:2", 2, "the first entry must be the leader's own host"),
+                              ("localhost:1,gpu2:2", 2, "places 3 rank"),
+                              ("localhost:0", 1, "not HOST or HOST:N"),
+                              ("localhost,gpu$(rm -rf x)", 2, "not HOST or HOST:N")):
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("$", r"\$")):
+            parse_hosts(spec, tp)
+
+
+def test_a_host_file(tmp_path):
+    f = tmp_path / "hosts"
+    f.write_text("# rank 0 here\nlocalhost:1\ngpu2:2  gpu3\n")
+    assert parse_hosts(str(f), 4).hosts == ("localhost", "gpu2", "gpu2", "gpu3")
+
+
+def test_only_loopback_unless_a_cluster_address_is_set():
+    local, remote = Placement.local(2), parse_hosts("localhost:1,gpu2:1", 2)
+    assert cluster_address(None, None, local) == LOOPBACK
+    with pytest.raises(ConfigError, match="need the leader's address"):
+        cluster_address(None, None, remote)
+    with pytest.raises(ConfigError, match="0.0.0.0 would listen on every interface"):
+        cluster_address("0.0.0.0", None, remote)
+    with pytest.raises(ConfigError, match="IPv4 address"):
+        cluster_address("gpu1", None, remote)
+    assert cluster_address(None, "lo", remote) == LOOPBACK  # an interface's own address
+    with pytest.raises(ConfigError, match="no IPv4 address"):
+        interface_address("nosuchif0")
+    assert interface_of(LOOPBACK) == "lo" and address_towards(LOOPBACK) == LOOPBACK
+
+
+def test_a_launcher_template_must_parse():
+    assert launcher_argv("kubectl exec -i {host} --", "pod-1") == ["kubectl", "exec", "-i", "pod-1", "--"]
+    with pytest.raises(ConfigError, match="worker-launcher"):
+        launcher_argv("ssh '{host}", "a")
