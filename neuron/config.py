@@ -146,13 +146,21 @@ class Settings:
         "own host, localhost or its name: localhost:2,gpu2:2), or a file of them", unset="every rank on this machine")
     worker_launcher: str = _setting(str, "ssh -T {host}", "the command that starts a rank on another host of "
                                     "--hosts ({host} replaced; neuron --worker ... appended; its stdin and stdout "
-                                    "carry the protocol): srun, kubectl exec -i and ip netns exec work alike")
+                                    "carry the protocol): srun, kubectl exec -i and ip netns exec work alike; "
+                                    "connect: those ranks are started elsewhere and dial in (neuron --worker "
+                                    "--connect)")
     cluster_address: str | None = _setting(
         str, None, "the leader's IPv4 address that ranks on other hosts reach: the rendezvous listens there",
         unset="127.0.0.1 (required with ranks on other hosts, or --cluster-interface)")
     cluster_interface: str | None = _setting(
         str, None, "the network interface whose IPv4 address is the cluster address; also NCCL's socket interface",
         unset="none")
+    cluster_port: int = _setting(int, 29600, "the port on the cluster address where ranks started by an "
+                                 "orchestrator (--worker-launcher connect) dial in", lo=1, hi=65535)
+    cluster_token: str | None = _setting(str, None, "the shared secret ranks that dial in present (set it on the "
+                                         "leader and on every worker; never logged)", unset="none")
+    cluster_token_file: str | None = _setting(str, None, "a file whose first line is the cluster token",
+                                              unset="none")
     speculative_config: str | None = _setting(
         str, None, 'speculative decoding, a JSON object: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
         "(also prompt_lookup_min, prompt_lookup_max, disable_by_batch_size); output is unchanged, "

@@ -149,6 +149,114 @@ def test_a_link_taken_down_mid_run_fails_it_within_the_deadline(odd_checkpoint, 
         assert _greedy(llm) == first
 
 
+def _free_port(address: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def _dial_in(hosts: Hosts, host: str, port: int, rank: int, tp: int, token: str) -> subprocess.Popen:
+    """A worker an orchestrator would start: in `host`'s namespace, dialling the leader."""
+    import sys
+
+    cmd = ["ip", "netns", "exec", host, sys.executable, "-m", "neuron", "--worker", "--connect",
+           f"{hosts.leader}:{port}", "--rank", str(rank), "--tp-size", str(tp), "--device", "cpu"]
+    return subprocess.Popen(cmd, env={**os.environ, "NEURON_CLUSTER_TOKEN": token}, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+@pytest.mark.slow
+def test_ranks_that_dial_in(odd_checkpoint, hosts, monkeypatch, caplog):
+    """--worker-launcher connect: the test starts the workers, which dial the leader. One with a
+    wrong token is refused (exit 2, logged without what it sent) and the right one still starts;
+    tp 2 gives transformers' tokens; a dialled-in rank killed is replaced by the next one the
+    orchestrator starts, and the ranks serve again."""
+    import logging
+
+    token, wrong = "s3cret-token", "not-the-token"
+    monkeypatch.setenv("NEURON_CLUSTER_TOKEN", token)
+    port = _free_port(hosts.leader)
+    impostor = _dial_in(hosts, hosts.names[1], port, 1, 2, wrong)
+    workers = []
+    caplog.set_level(logging.INFO, logger="neuron.dial_in")
+
+    def start_the_right_one_once_refused():
+        impostor.wait(timeout=60)
+        workers.append(_dial_in(hosts, hosts.names[0], port, 1, 2, token))
+
+    import threading
+
+    orchestrator = threading.Thread(target=start_the_right_one_once_refused)
+    orchestrator.start()
+    try:
+        with LLM(str(odd_checkpoint), tensor_parallel_size=2, device="cpu", dtype="float32",
+                 hosts=f"localhost:1,{hosts.names[0]}:1", worker_launcher="connect", cluster_address=hosts.leader,
+                 cluster_port=port) as llm:
+            orchestrator.join()
+            assert impostor.wait(timeout=30) == 2
+            assert "wrong cluster token" in caplog.text and wrong not in caplog.text and token not in caplog.text
+            got = _greedy(llm)
+            workers[0].kill()
+            workers[0].wait(timeout=30)
+            wait_until(lambda: llm.engine.failure is not None, 10, "the dead rank was not noticed")
+            workers.append(_dial_in(hosts, hosts.names[0], port, 1, 2, token))  # the orchestrator restarts it
+            assert _greedy(llm) == got
+        assert workers[1].wait(timeout=30) == 0  # shut down by the leader
+    finally:
+        orchestrator.join(timeout=60)
+        for proc in [impostor, *workers]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for prompt, tokens in zip(PROMPTS, got):
+        assert tokens == reference_greedy(odd_checkpoint, prompt, 8)[0]
+
+
+def test_a_dialling_rank_must_be_expected_and_say_who_it_is():
+    """The listener on its own (loopback): malformed greetings, unexpected ranks and wrong tokens
+    are refused with a reason; the expected rank is welcomed; the deadline names who is missing."""
+    import threading
+
+    from neuron.rpc.dial_in import DialInFailed, Listener, dial
+
+    listener = Listener(LOOPBACK, 0, "tok")
+    port = int(listener.address.rpartition(":")[2])
+    answers = {}
+
+    def client(name, rank, token):
+        try:
+            dial(f"{LOOPBACK}:{port}", rank, token, 5.0)
+            answers[name] = "welcome"
+        except ConnectionRefusedError as exc:
+            answers[name] = str(exc)
+
+    result = {}
+    acceptor = threading.Thread(target=lambda: result.update(listener.accept({1}, 20.0)))
+    acceptor.start()
+    for args in (("wrong", 1, "bad"), ("unexpected", 3, "tok"), ("right", 1, "tok")):
+        client(*args)  # one at a time, so the listener sees them in this order
+    acceptor.join()
+    assert answers == {"wrong": "wrong cluster token", "unexpected": "rank 3 is not one this leader is waiting for",
+                       "right": "welcome"}
+    assert set(result) == {1}
+    result[1].kill()
+    with pytest.raises(DialInFailed, match="rank.s. 2 did not dial in"):
+        listener.accept({2}, 0.5)
+    listener.close()
+
+
+def test_the_cluster_token_comes_from_the_setting_or_a_file(tmp_path):
+    from neuron.rpc.dial_in import cluster_token
+
+    (tmp_path / "token").write_text("from-file\n")
+    assert cluster_token("set", None) == "set"
+    assert cluster_token(None, str(tmp_path / "token")) == "from-file"
+    with pytest.raises(ConfigError, match="NEURON_CLUSTER_TOKEN"):
+        cluster_token(None, None)
+
+
 def test_the_launcher_prefixes_only_ranks_on_other_hosts(odd_checkpoint):
     """No namespace needed: the commands the pool would run."""
     from neuron.executor.executor import Executor, ExecutorConfig

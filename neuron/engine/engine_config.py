@@ -35,6 +35,7 @@ class EngineConfig:
     worker_launcher: str = from_settings("worker_launcher")
     cluster_address: str | None = from_settings("cluster_address")
     cluster_interface: str | None = from_settings("cluster_interface")
+    cluster_port: int = from_settings("cluster_port")
     device: str | None = from_settings("device")  # None: cuda when present, else cpu
     dtype: str = from_settings("dtype")
     quantization: str | None = from_settings("quantization")  # "int8": quantize at load

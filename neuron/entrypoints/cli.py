@@ -15,9 +15,19 @@ def _worker_main(argv: list[str]) -> int:
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--tp-size", type=int, required=True)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--connect", metavar="LEADER:PORT", help="dial the leader at its cluster address and port "
+                    "instead of serving stdin/stdout (a rank started by an orchestrator; the cluster token comes "
+                    "from NEURON_CLUSTER_TOKEN or NEURON_CLUSTER_TOKEN_FILE)")
     args = ap.parse_args(argv)
     if not 0 < args.rank < args.tp_size:
         ap.error(f"--rank must be in 1..{args.tp_size - 1} (rank 0 is the leader)")
+    if args.connect:
+        host, _, port = args.connect.rpartition(":")
+        if not host or not port.isdigit():
+            ap.error("--connect takes LEADER:PORT")
+        from neuron.worker.main import main_connect
+
+        return main_connect(args.connect, args.rank, args.tp_size, args.device)
     from neuron.worker.main import main
 
     return main(args.rank, args.tp_size, args.device)

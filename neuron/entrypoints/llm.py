@@ -69,6 +69,7 @@ class LLM:
         worker_launcher: str | None = None,
         cluster_address: str | None = None,
         cluster_interface: str | None = None,
+        cluster_port: int | None = None,
         **kwargs,
     ):
         if kwargs:
@@ -79,7 +80,7 @@ class LLM:
                      enable_prefix_caching=enable_prefix_caching, hf_overrides=hf_overrides,
                      quantization=quantization, tokenizer=tokenizer, speculative_config=speculative_config,
                      hosts=hosts, worker_launcher=worker_launcher, cluster_address=cluster_address,
-                     cluster_interface=cluster_interface)
+                     cluster_interface=cluster_interface, cluster_port=cluster_port)
         cfg = EngineConfig(**{k: v for k, v in given.items() if v is not None})
         self.engine = LLMEngine(cfg).start()
         self._ids = itertools.count()

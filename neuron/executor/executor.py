@@ -26,7 +26,7 @@ import torch
 from neuron.config import from_settings, settings
 from neuron.distributed.comm import choose_backend, nccl_unique_id_hex
 from neuron.errors import ConfigError, NeuronError, PoolBroken, WorkerError
-from neuron.executor.placement import Placement, cluster_address, launcher_argv, parse_hosts
+from neuron.executor.placement import DIAL_IN, Placement, cluster_address, launcher_argv, parse_hosts
 from neuron.executor.pool import WorkerPool, default_worker_cmd
 from neuron.executor.progress import LoadProgress
 from neuron.models import load_config, text_config
@@ -34,6 +34,7 @@ from neuron.models.inputs import StepResult
 from neuron.models.loader import weight_files
 from neuron.rpc import codec
 from neuron.rpc import protocol as p
+from neuron.rpc.dial_in import Listener, cluster_token
 from neuron.step import SeqStep
 from neuron.worker.worker import Worker
 
@@ -81,6 +82,7 @@ class ExecutorConfig:
     worker_launcher: str = from_settings("worker_launcher")
     cluster_address: str | None = from_settings("cluster_address")
     cluster_interface: str | None = from_settings("cluster_interface")
+    cluster_port: int = from_settings("cluster_port")
     device: str = "cpu"  # one device string: the engine resolves the `device` setting's "cuda when present"
     dtype: str = from_settings("dtype")
     quantization: str | None = from_settings("quantization")
@@ -124,6 +126,11 @@ class Executor:
         self.failed_kernels: dict[str, str] = {}  # fused kernels on their references, on every rank
         self.num_kv_blocks = 0
         self._worker_cmd, self._env = self._launched(worker_cmd), dict(env or {})
+        self._listener = None  # ranks that dial in (rpc/dial_in.py): listening for the executor's life
+        if self.placement.remote and cfg.worker_launcher == DIAL_IN:
+            s = settings()
+            self._listener = Listener(self.cluster_address, cfg.cluster_port,
+                                      cluster_token(s.cluster_token, s.cluster_token_file))
         if cfg.cluster_interface:  # NCCL's bootstrap and sockets on the cluster's network
             self._env.setdefault("NCCL_SOCKET_IFNAME", cfg.cluster_interface)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", cfg.cluster_interface)  # rank 0, in this process
@@ -137,15 +144,17 @@ class Executor:
         if not placement.remote:
             return worker_cmd
 
-        def command(rank: int, world_size: int, device: str) -> list[str]:
+        def command(rank: int, world_size: int, device: str) -> list[str] | None:
             cmd = worker_cmd(rank, world_size, device)
-            return cmd if placement.is_local(rank) else launcher_argv(template, placement.hosts[rank]) + cmd
+            if placement.is_local(rank):
+                return cmd
+            return None if template == DIAL_IN else launcher_argv(template, placement.hosts[rank]) + cmd
 
         return command
 
     def _fresh_ranks(self) -> None:
         self.rank0 = Worker(0, self.cfg.tp, self.devices[0])
-        self.pool = WorkerPool(self.cfg.tp, self.devices, self._worker_cmd, self._env)
+        self.pool = WorkerPool(self.cfg.tp, self.devices, self._worker_cmd, self._env, self._listener)
         self.pool.on_worker_exit(self._worker_lost)
 
     @property
@@ -172,6 +181,8 @@ class Executor:
         self._stopping = reason
         self.pool.interrupt(reason)
         self.rank0.abort(reason)
+        if self._listener is not None:  # a start waiting for ranks to dial in gives up at once
+            self._listener.close()
 
     def _check_stopping(self) -> None:
         if self._stopping is not None:
@@ -308,6 +319,8 @@ class Executor:
     def shutdown(self, grace_s: float = 5.0) -> None:
         self.pool.shutdown(grace_s)
         self.rank0.close()
+        if self._listener is not None:
+            self._listener.close()
 
     def _run(self, make: Callable[[int], p.Message], deadline_s: float) -> tuple[list[p.Reply], Any]:
         """Fan `make(seq)` out to every rank, rank 0 included; every rank's reply in rank order and

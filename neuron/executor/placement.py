@@ -26,6 +26,7 @@ from pathlib import Path
 from neuron.distributed.net import LOOPBACK, interface_address
 from neuron.errors import ConfigError
 
+DIAL_IN = "connect"  # --worker-launcher connect: ranks on other hosts are started elsewhere and dial in
 _HOST = re.compile(r"^[A-Za-z0-9_.-]+$")  # a name or address; it goes into the launcher's arguments
 
 

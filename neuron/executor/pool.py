@@ -149,11 +149,13 @@ class WorkerPool:
         devices: list[str] | None = None,
         worker_cmd: Callable[[int, int, str], list[str]] = default_worker_cmd,
         env: dict[str, str] | None = None,
+        listener=None,
     ):
         self.world_size = world_size
         self.devices = devices or ["cpu"] * world_size
-        self.worker_cmd = worker_cmd
+        self.worker_cmd = worker_cmd  # None for a rank that dials in (through `listener`, rpc/dial_in.py)
         self.env = env
+        self.listener = listener
         self.workers: list[WorkerProcess] = []
         self.broken: str | None = None
         self._seq = itertools.count(1)
@@ -169,16 +171,27 @@ class WorkerPool:
     def spawn(self, deadline_s: float) -> list[p.Pong]:
         """Start every worker and wait for each one's `pong`."""
         env = {**os.environ, **(self.env or {}), "PYTHONUNBUFFERED": "1"}
+        dialling = set()
         for rank in range(1, self.world_size):
             cmd = self.worker_cmd(rank, self.world_size, self.devices[rank])
+            if cmd is None:
+                dialling.add(rank)
+                continue
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     env=env, start_new_session=False)
-            worker = WorkerProcess(rank, proc, on_exit=self._worker_exited)
-            worker.start_threads()
-            self.workers.append(worker)
+            self._add_worker(rank, proc)
         log.info("spawned %d worker(s)", len(self.workers))
+        if dialling:
+            for rank, conn in self.listener.accept(dialling, deadline_s).items():
+                self._add_worker(rank, conn)
+            self.workers.sort(key=lambda w: w.rank)
         self._start_monitor()
         return self.broadcast(lambda seq: p.Ping(seq=seq), deadline_s)
+
+    def _add_worker(self, rank: int, proc) -> None:
+        worker = WorkerProcess(rank, proc, on_exit=self._worker_exited)
+        worker.start_threads()
+        self.workers.append(worker)
 
     def _worker_exited(self, worker: WorkerProcess) -> None:
         with self._lock:
@@ -217,6 +230,8 @@ class WorkerPool:
                     if not w.exit_reported:  # its reader never sees EOF while a child of it holds the pipe
                         self._worker_exited(w)
                         w.replies.put(_EOF)
+                    continue
+                if w.proc.pid is None:  # a rank that dialled in: no process here to look at
                     continue
                 stopped_checks[w.rank] = stopped_checks.get(w.rank, 0) + 1 if procfs.stopped(w.proc.pid) else 0
                 if stopped_checks[w.rank] >= _FROZEN_CHECKS and w.killed_because is None:
@@ -343,7 +358,7 @@ class WorkerPool:
         owing = [w for w in self.workers if w.alive() and w.replies.empty()]
         # A frozen rank holds the live ones inside the collective with it: kill it alone, and the
         # others' collectives fail and they answer. Only if none is frozen are all owing ones killed.
-        culprits = [w for w in owing if procfs.stopped(w.proc.pid)] or owing
+        culprits = [w for w in owing if w.proc.pid is not None and procfs.stopped(w.proc.pid)] or owing
         for w in culprits:
             self._condemn(w, "missed the step deadline")
 

@@ -33,6 +33,12 @@ def _die_with_parent() -> None:
 
 
 def serve(rank: int, world_size: int, device: str, stdin, stdout) -> int:
+    _session(rank, world_size, device, stdin, stdout)
+    return 0
+
+
+def _session(rank: int, world_size: int, device: str, stdin, stdout) -> bool:
+    """Answer requests until `shutdown` (True) or the end of the input (False)."""
     from neuron.worker.worker import Worker  # imports torch; the pipe is already ours
 
     worker = Worker(rank, world_size, device)
@@ -45,9 +51,9 @@ def serve(rank: int, world_size: int, device: str, stdin, stdout) -> int:
             _send(stdout, p.Error(seq=-1, kind=p.ErrorKind.LINE_TOO_LONG, message=str(exc)))
             continue
         if line is None:
-            log.info("stdin closed; exiting")
+            log.info("input closed")
             worker.close()
-            return 0
+            return False
         if not line.strip():
             continue
         req = codec.decode_request(line)
@@ -58,7 +64,7 @@ def serve(rank: int, world_size: int, device: str, stdin, stdout) -> int:
         _send(stdout, worker.execute(req)[0])
         if isinstance(req, p.Shutdown):
             worker.close()
-            return 0
+            return True
 
 
 def _send(stdout, msg) -> None:
@@ -79,3 +85,35 @@ def main(rank: int, world_size: int, device: str) -> int:
         return serve(rank, world_size, device, sys.stdin.buffer, stdout)
     except BrokenPipeError:
         return 0
+
+
+def main_connect(address: str, rank: int, world_size: int, device: str) -> int:
+    """`neuron --worker --connect LEADER:PORT`: dial the leader and serve over TCP; dial again
+    when the leader closes the connection (it rebuilds its ranks), exit on `shutdown`, on refusal
+    or when the leader cannot be reached within the worker start deadline."""
+    from neuron.config import settings
+    from neuron.rpc.dial_in import cluster_token, dial
+
+    setup_logging(f"[rank {rank}] ")
+    sys.stdout = sys.stderr  # nothing printed may look like a protocol line
+    s = settings()
+    token = cluster_token(s.cluster_token, s.cluster_token_file)
+    while True:
+        try:
+            sock, reader = dial(address, rank, token, s.worker_start_timeout_s)
+        except ConnectionRefusedError as exc:
+            log.error("the leader at %s refused this rank: %s", address, exc)
+            return 2
+        except OSError as exc:
+            log.error("cannot reach the leader at %s: %s", address, exc)
+            return 1
+        log.info("connected to the leader at %s", address)
+        try:
+            done = _session(rank, world_size, device, reader, sock.makefile("wb"))
+        except OSError:  # the connection broke under a reply
+            done = False
+        finally:
+            sock.close()
+        if done:
+            return 0
+        log.info("the leader closed the connection; dialling again")
