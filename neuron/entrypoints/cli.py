@@ -10,14 +10,7 @@ from neuron import __version__
 
 
 def _worker_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="neuron --worker", description="one tensor-parallel rank (spawned by the leader)")
-    ap.add_argument("--worker", action="store_true", required=True)
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--tp-size", type=int, required=True)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--connect", metavar="LEADER:PORT", help="dial the leader at its cluster address and port "
-                    "instead of serving stdin/stdout (a rank started by an orchestrator; the cluster token comes "
-                    "from NEURON_CLUSTER_TOKEN or NEURON_CLUSTER_TOKEN_FILE)")
+    ap = worker_parser()
     args = ap.parse_args(argv)
     if not 0 < args.rank < args.tp_size:
         ap.error(f"--rank must be in 1..{args.tp_size - 1} (rank 0 is the leader)")
@@ -31,6 +24,18 @@ def _worker_main(argv: list[str]) -> int:
     from neuron.worker.main import main
 
     return main(args.rank, args.tp_size, args.device)
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="neuron --worker", description="one tensor-parallel rank (spawned by the leader)")
+    ap.add_argument("--worker", action="store_true", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--tp-size", type=int, required=True)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--connect", metavar="LEADER:PORT", help="dial the leader at its cluster address and port "
+                    "instead of serving stdin/stdout (a rank started by an orchestrator; the cluster token comes "
+                    "from NEURON_CLUSTER_TOKEN or NEURON_CLUSTER_TOKEN_FILE)")
+    return ap
 
 
 def _parser() -> argparse.ArgumentParser:
