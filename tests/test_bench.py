@@ -85,10 +85,23 @@ class FakeServer:
         self.headers.append(dict(request.headers))
         if self.b.fail_every and n % self.b.fail_every == 0:
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        chat = request.url.path.endswith("/chat/completions")
+        if not body.get("stream"):
+            return await self._whole(body, chat)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        chat = request.url.path.endswith("/chat/completions")
         return StreamingResponse(self._stream(body, chat, n, self.epoch), media_type="text/event-stream")
+
+    async def _whole(self, body: dict, chat: bool) -> JSONResponse:
+        total = body["max_tokens"]
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.b.first_delay + self.b.token_delay * (total - 1))
+        finally:
+            self.in_flight -= 1
+        choice = {"index": 0, "message": {"content": "x " * total}} if chat else {"index": 0, "text": "x " * total}
+        return JSONResponse({"choices": [choice], "usage": {"prompt_tokens": 7, "completion_tokens": total}})
 
     async def _stream(self, body: dict, chat: bool, n: int, epoch: int):
         total, per = body["max_tokens"], self.b.tokens_per_chunk
@@ -117,6 +130,15 @@ def _event(obj: dict) -> str:
 @pytest.fixture(scope="module")
 def fake_openai_server():
     """An OpenAI-compatible stand-in (Uvicorn in a thread) that streams what its Behaviour says."""
+    yield from _serve_fake()
+
+
+@pytest.fixture(scope="module")
+def second_fake_server():
+    yield from _serve_fake()
+
+
+def _serve_fake():
     fake = FakeServer()
     app = Starlette(routes=[Route("/v1/models", fake.models), Route("/metrics", fake.metrics),
                             Route("/v1/completions", fake.generate, methods=["POST"]),
@@ -425,3 +447,86 @@ def test_ctrl_c_stops_and_still_reports(fake, tmp_path):
     doc = json.loads(out.read_text())
     assert doc["interrupted"] is True and 2 <= doc["summary"]["completed"] < 50
     assert not math.isnan(doc["summary"]["duration_s"])
+
+
+# ---- scenarios (neuron bench --scenario)
+
+
+def _scenario_file(tmp_path, a: FakeServer, b: FakeServer, saturation_limit_ms: float) -> Path:
+    """The seed scenarios: one provider streaming and not, three providers (two servers, one named
+    twice) at high concurrency, and a queue saturated by more users than the limit allows."""
+    doc = {
+        "providers": {"a": a.url, "b": b.url, "c": a.url},
+        "scenarios": [
+            {"name": "one-streaming", "providers": ["a"], "users": 2, "requests": 6, "output_len": 4,
+             "input_len": 8, "assert": {"error_rate": 0, "p99_ttft_ms": 2000, "min_output_throughput": 1}},
+            {"name": "one-not-streaming", "providers": ["b"], "users": 2, "requests": 6, "output_len": 4,
+             "input_len": 8, "stream": False, "assert": {"error_rate": 0, "p99_e2e_ms": 2000}},
+            {"name": "three-high-concurrency", "users": 24, "requests": 48, "output_len": [2, 6], "input_len": 8,
+             "assert": {"error_rate": 0, "min_request_throughput": 1}},
+            {"name": "queue-saturation", "providers": ["a"], "users": 1, "requests": 6, "output_len": 3,
+             "input_len": 8, "assert": {"p99_queue_ms": saturation_limit_ms}},
+        ],
+    }
+    path = tmp_path / "scenarios.yaml"
+    path.write_text(json.dumps(doc))  # JSON is YAML too
+    return path
+
+
+def test_scenarios_report_pass_and_fail_per_scenario(fake, second_fake_server, tmp_path, capsys):
+    """Against two servers: every scenario runs, requests spread over its providers in turn, and
+    the report says PASS or FAIL per scenario and per assertion; an unmet one exits 1."""
+    b = second_fake_server
+    b.reset(token_delay=0.01)
+    fake.reset(token_delay=0.01)
+    out = tmp_path / "report.json"
+    rc = _cli(["--scenario", str(_scenario_file(tmp_path, fake, b, 100_000)), "--json-out", str(out)])
+    report = capsys.readouterr().out
+    assert rc == 0, report
+    for name in ("one-streaming", "one-not-streaming", "three-high-concurrency", "queue-saturation"):
+        assert f"== {name}: PASS" in report
+    assert "4 scenario(s): 4 passed, 0 failed" in report
+    doc = {d["name"]: d for d in json.loads(out.read_text())}
+    assert doc["one-not-streaming"]["stages_ms"]["ttft"]["p99"] is None  # no first token without streaming
+    assert doc["one-streaming"]["stages_ms"]["decode"]["p50"] > 0
+    assert not any(body.get("stream") for body in b.bodies[:6]) and all(body["stream"] for body in fake.bodies[:6])
+    # three providers over two servers, in turn: a, b, a, a, b, a, ... -> a gets two thirds
+    assert len(fake.bodies) == 6 + 32 + 6 and len(b.bodies) == 6 + 16
+    assert doc["queue-saturation"]["stages_ms"]["queue"]["p99"] > 20  # one user: the others wait
+
+    fake.reset(token_delay=0.01)
+    b.reset(token_delay=0.01)
+    rc = _cli(["--scenario", str(_scenario_file(tmp_path, fake, b, 1.0))])
+    report = capsys.readouterr().out
+    assert rc == 1
+    assert "== queue-saturation: FAIL" in report and "FAIL  p99_queue_ms" in report
+    assert "4 scenario(s): 3 passed, 1 failed (queue-saturation)" in report
+
+
+def test_scenarios_use_the_base_urls_when_they_name_no_providers(fake, second_fake_server, tmp_path, capsys):
+    second_fake_server.reset()
+    path = tmp_path / "s.yaml"
+    path.write_text("scenarios:\n  - name: spread\n    users: 4\n    requests: 8\n    output_len: 2\n"
+                    "    input_len: 4\n    assert: {error_rate: 0}\n")
+    assert _cli(["--scenario", str(path), "--base-url", fake.url, "--base-url", second_fake_server.url]) == 0
+    assert "== spread: PASS" in capsys.readouterr().out
+    assert len(fake.bodies) == len(second_fake_server.bodies) == 4
+
+
+@pytest.mark.parametrize("text,message", [
+    ("scenarios: []", "needs a list of scenarios"),
+    ("scenarios:\n  - {name: x, providers: [nope]}", "no provider named nope"),
+    ("scenarios:\n  - {name: x, assert: {p95_ttft_ms: 1}}", "assertion p95_ttft_ms"),
+    ("scenarios:\n  - {name: x, users: many}", "invalid literal"),
+    ("scenarios:\n  - {name: x, colour: red}", "unknown key"),
+])
+def test_bad_scenario_files_are_refused(fake, tmp_path, capsys, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    assert _cli(["--scenario", str(path), "--base-url", fake.url]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_several_base_urls_need_a_scenario(fake, capsys):
+    assert _cli(["--base-url", fake.url, "--base-url", fake.url, "-n", "1"]) == 2
+    assert "only with --scenario" in capsys.readouterr().err

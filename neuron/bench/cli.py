@@ -16,7 +16,7 @@ import anyio
 from neuron.bench.load import ENDPOINTS, BenchConfig, BenchResult, run_benchmark
 from neuron.bench.report import format_table, require_matplotlib, result_summary, to_json, write_plot
 from neuron.config import SETTINGS
-from neuron.errors import NeuronError
+from neuron.errors import ConfigError, NeuronError
 
 # Where `neuron serve` listens when started without options.
 DEFAULT_BASE_URL = f"http://{SETTINGS['host'].default}:{SETTINGS['port'].default}/v1"
@@ -25,6 +25,7 @@ EXAMPLES = """examples:
   neuron bench --num-requests 200 --concurrency 16 --input-len 512 --output-len 128 --ignore-eos
   neuron bench --base-url http://host:8000/v1 --request-rate 4 --random-input-len 64:1024 --json-out run.json
   neuron bench --endpoint chat --prompts-file prompts.jsonl --concurrency 8 --plot latency.png
+  neuron bench --scenario scenarios.yaml --base-url http://a:8000/v1 --base-url http://b:8000/v1
 """
 
 
@@ -34,8 +35,12 @@ def add_parser(sub) -> None:
                         description="Send streaming requests to an OpenAI-compatible server and report request and "
                                     "token throughput with TTFT, TPOT, ITL and end-to-end latency (mean, p50, p90, "
                                     "p99). Ctrl-C stops early and still reports.")
-    ap.add_argument("--base-url", default=DEFAULT_BASE_URL,
-                    help="the API root, up to and including /v1 (default: %(default)s)")
+    ap.add_argument("--base-url", action="append",
+                    help=f"the API root, up to and including /v1 (default: {DEFAULT_BASE_URL}); several with "
+                         "--scenario: the servers its scenarios spread load across")
+    ap.add_argument("--scenario", metavar="FILE", help="run the named scenarios of a YAML or JSON file against "
+                    "their servers and check their assertions: a PASS/FAIL report, exit status 1 on any FAIL "
+                    "(see neuron/bench/scenario.py for the format)")
     ap.add_argument("--model", help="model name to request (default: the first one GET /models lists)")
     ap.add_argument("--api-key", help="bearer token (default: $OPENAI_API_KEY when set)")
     ap.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions", help="default: %(default)s")
@@ -71,6 +76,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.scenario:
+        return _run_scenarios(args)
     try:
         config = config_from_args(args)
         if args.plot:
@@ -90,12 +97,27 @@ def run(args: argparse.Namespace) -> int:
     return 0 if summary.completed else 1
 
 
+def _run_scenarios(args: argparse.Namespace) -> int:
+    from neuron.bench import scenario
+
+    try:
+        scenarios = scenario.load_scenarios(args.scenario, args.base_url or [DEFAULT_BASE_URL])
+        outcomes = [anyio.run(scenario.run_scenario, s, backend="asyncio") for s in scenarios]
+    except NeuronError as e:
+        print(f"neuron bench: {e}", file=sys.stderr)
+        return 2
+    print(scenario.format_report(outcomes))
+    if args.json_out:
+        Path(args.json_out).write_text(scenario.to_json(outcomes))
+    return 0 if all(o.passed for o in outcomes) else 1
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     def length(fixed: int | None, span: tuple[int, int] | None) -> tuple[int, int]:
         return span or ((fixed, fixed) if fixed is not None else (128, 128))
 
     return BenchConfig(
-        base_url=args.base_url, model=args.model, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+        base_url=_one_url(args.base_url), model=args.model, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
         num_requests=args.num_requests, concurrency=args.concurrency, request_rate=args.request_rate,
         endpoint=args.endpoint, input_len=length(args.input_len, args.random_input_len),
         output_len=length(args.output_len, args.random_output_len), prompts_file=args.prompts_file,
@@ -130,6 +152,12 @@ def _sigint_sets(stop: anyio.Event) -> Iterator[None]:
         yield
     finally:
         loop.remove_signal_handler(signal.SIGINT)
+
+
+def _one_url(urls: list[str] | None) -> str:
+    if urls and len(urls) > 1:
+        raise ConfigError("several --base-url spread load only with --scenario")
+    return urls[0] if urls else DEFAULT_BASE_URL
 
 
 def _length_range(text: str) -> tuple[int, int]:

@@ -51,6 +51,7 @@ class BenchConfig:
     warmup: int = 0  # requests sent and discarded before timing starts
     progress: bool = False  # a progress bar on stderr
     logprobs: int | None = None  # per output token; None: not asked for
+    stream: bool = True  # False: one JSON response per request (no TTFT or inter-token latency)
 
     def __post_init__(self) -> None:
         self.base_url = self.base_url.rstrip("/")
@@ -96,6 +97,8 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)  # gaps between consecutive content chunks
     e2e_s: float | None = None
     output_tokens: int = 0
+    headers_s: float | None = None  # sent until the response's status and headers arrived
+    queue_s: float = 0.0  # waiting for a free user slot before being sent (scenarios)
 
     @property
     def tpot_s(self) -> float | None:
@@ -253,8 +256,11 @@ class _Runner:
         chunks: list[float] = []
         try:
             with anyio.fail_after(self.config.timeout):
-                await self._stream(self._body(req), rec, chunks)
-            if not chunks:
+                if self.config.stream:
+                    await self._stream(self._body(req), rec, chunks)
+                else:
+                    await self._whole(self._body(req), rec, start)
+            if not chunks and (self.config.stream or not rec.output_tokens):
                 raise _Failed(_no_output(rec.output_tokens, self.config.logprobs))
             rec.ok = True
         except (TimeoutError, httpx.TimeoutException):
@@ -274,8 +280,9 @@ class _Runner:
         return rec
 
     def _body(self, req: BenchRequest) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": req.max_tokens, "stream": True,
-                                "stream_options": {"include_usage": True}}
+        body: dict[str, Any] = {"model": self.model, "max_tokens": req.max_tokens, "stream": self.config.stream}
+        if self.config.stream:
+            body["stream_options"] = {"include_usage": True}
         if self.chat:
             body["messages"] = [{"role": "user", "content": req.prompt}]
         else:
@@ -288,8 +295,22 @@ class _Runner:
             body["logprobs"] = self.config.logprobs
         return body
 
+    async def _whole(self, body: dict[str, Any], rec: RequestRecord, start: float) -> None:
+        resp = await self.client.post(self.url, json=body)
+        rec.headers_s = perf_counter() - start  # the body came with them
+        if resp.status_code != 200:
+            raise _Failed(f"HTTP {resp.status_code}: {_shorten(resp.text)}")
+        doc = msgspec.json.decode(resp.content)
+        usage = doc.get("usage") if isinstance(doc, dict) else None
+        if not isinstance(usage, dict) or not usage.get("completion_tokens"):
+            raise _Failed(f"no usage in the response: {_shorten(resp.text)}")
+        rec.output_tokens = usage["completion_tokens"]
+        rec.prompt_tokens = usage.get("prompt_tokens") or rec.prompt_tokens
+
     async def _stream(self, body: dict[str, Any], rec: RequestRecord, chunks: list[float]) -> None:
+        start = perf_counter()
         async with self.client.stream("POST", self.url, json=body) as resp:
+            rec.headers_s = perf_counter() - start
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 raise _Failed(f"HTTP {resp.status_code}: {_shorten(text)}")
