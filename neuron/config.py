@@ -260,6 +260,9 @@ class Settings:
     liveness_interval_s: float = _setting(float, 1.0, "seconds between looks at every worker's process state: a "
                                           "rank seen stopped twice in a row is killed and the ranks rebuilt, "
                                           "whatever the step deadline", lo=0, above=True)
+    heartbeat_timeout_s: float = _setting(float, 5.0, "how long a rank on another host may take to answer the "
+                                          "ping it gets between steps (every liveness interval) before it is "
+                                          "killed and the ranks rebuilt", lo=0, above=True)
     load_timeout_s: float = _setting(float, 600.0, "deadline for loading shards", lo=0, above=True)
     recovery_attempts: int = _setting(int, 3, "rebuilds of the ranks tried after a failure before the model "
                                       "is `failed`; one that fails for lack of descriptors or memory does not "

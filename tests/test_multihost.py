@@ -214,6 +214,42 @@ def test_ranks_that_dial_in(odd_checkpoint, hosts, monkeypatch, caplog):
         assert tokens == reference_greedy(odd_checkpoint, prompt, 8)[0]
 
 
+@pytest.mark.slow
+def test_a_frozen_host_is_found_by_heartbeats(odd_checkpoint, hosts, monkeypatch):
+    """A dialled-in rank (no process here to look at) stopped between steps: the heartbeat it no
+    longer answers marks the ranks failed within about a second, and they serve again once the
+    orchestrator has started a fresh rank."""
+    import time
+
+    token = "hb-token"
+    monkeypatch.setenv("NEURON_CLUSTER_TOKEN", token)
+    monkeypatch.setenv("NEURON_LIVENESS_INTERVAL_S", "0.3")
+    monkeypatch.setenv("NEURON_HEARTBEAT_TIMEOUT_S", "1")
+    port = _free_port(hosts.leader)
+    workers = [_dial_in(hosts, hosts.names[0], port, 1, 2, token)]
+    try:
+        with LLM(str(odd_checkpoint), tensor_parallel_size=2, device="cpu", dtype="float32",
+                 hosts=f"localhost:1,{hosts.names[0]}:1", worker_launcher="connect", cluster_address=hosts.leader,
+                 cluster_port=port) as llm:
+            first = _greedy(llm)
+            time.sleep(1.0)  # idle: heartbeats come and are answered
+            assert llm.engine.failure is None
+            os.kill(workers[0].pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            wait_until(lambda: llm.engine.failure is not None, 10, "the frozen rank was not noticed")
+            assert time.monotonic() - stopped < 0.3 + 1 + 2  # an interval, the heartbeat's timeout, slack
+            assert "heartbeat" in llm.engine.failure
+            workers[0].kill()
+            workers[0].wait(timeout=30)
+            workers.append(_dial_in(hosts, hosts.names[0], port, 1, 2, token))
+            assert _greedy(llm) == first
+    finally:
+        for proc in workers:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def test_a_dialling_rank_must_be_expected_and_say_who_it_is():
     """The listener on its own (loopback): malformed greetings, unexpected ranks and wrong tokens
     are refused with a reason; the expected rank is welcomed; the deadline names who is missing."""

@@ -150,12 +150,15 @@ class WorkerPool:
         worker_cmd: Callable[[int, int, str], list[str]] = default_worker_cmd,
         env: dict[str, str] | None = None,
         listener=None,
+        remote: set[int] | None = None,
     ):
         self.world_size = world_size
         self.devices = devices or ["cpu"] * world_size
         self.worker_cmd = worker_cmd  # None for a rank that dials in (through `listener`, rpc/dial_in.py)
         self.env = env
         self.listener = listener
+        self.remote = remote or set()  # ranks on other hosts: heartbeats, as their processes cannot be seen
+        self._step_lock = threading.Lock()  # a fan-out and a heartbeat never interleave
         self.workers: list[WorkerProcess] = []
         self.broken: str | None = None
         self._seq = itertools.count(1)
@@ -211,7 +214,9 @@ class WorkerPool:
 
     def _start_monitor(self) -> None:
         if self.workers and self._monitor is None:
-            self._monitor = threading.Thread(target=self._watch_liveness, args=(settings().liveness_interval_s,),
+            s = settings()
+            self._monitor = threading.Thread(target=self._watch_liveness,
+                                             args=(s.liveness_interval_s, s.heartbeat_timeout_s),
                                              name="worker-liveness", daemon=True)
             self._monitor.start()
 
@@ -220,11 +225,14 @@ class WorkerPool:
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(_JOIN_S)
 
-    def _watch_liveness(self, interval_s: float) -> None:
+    def _watch_liveness(self, interval_s: float, heartbeat_s: float) -> None:
         """Independent of any step deadline: a frozen rank is killed within about two intervals,
-        between steps as well as during one, and a rank gone without its EOF is reported."""
+        between steps as well as during one, and a rank gone without its EOF is reported. A rank
+        on another host, whose process cannot be seen from here, is pinged between steps instead:
+        one that does not answer within `heartbeat_s` is killed (its host frozen, or cut off)."""
         stopped_checks = {w.rank: 0 for w in self.workers}
         while not self._monitor_stop.wait(interval_s):
+            self._heartbeat(heartbeat_s)
             for w in list(self.workers):
                 if w.proc.poll() is not None:
                     if not w.exit_reported:  # its reader never sees EOF while a child of it holds the pipe
@@ -236,6 +244,31 @@ class WorkerPool:
                 stopped_checks[w.rank] = stopped_checks.get(w.rank, 0) + 1 if procfs.stopped(w.proc.pid) else 0
                 if stopped_checks[w.rank] >= _FROZEN_CHECKS and w.killed_because is None:
                     self._condemn(w, f"was frozen (process state {procfs.state(w.proc.pid)})")
+
+    def _heartbeat(self, timeout_s: float) -> None:
+        """Ping the ranks on other hosts while no step runs (a step has its own deadline)."""
+        if not self.remote or not self._step_lock.acquire(blocking=False):
+            return
+        try:
+            pinged = [w for w in self.workers if w.rank in self.remote and w.alive() and w.killed_because is None]
+            if not pinged or self.broken or self._closing:
+                return
+            seq = next(self._seq)
+            for w in list(pinged):
+                try:
+                    w.send(p.Ping(seq=seq))
+                except WorkerError:
+                    pinged.remove(w)  # gone: its reader reports the exit
+            deadline = time.monotonic() + timeout_s
+            for w in pinged:
+                try:
+                    w.expect(seq, deadline)
+                except WorkerError as exc:
+                    if exc.kind == "timeout" and w.killed_because is None:
+                        self._condemn(w, f"did not answer a heartbeat within {timeout_s:g}s (its host frozen or "
+                                         "cut off)")
+        finally:
+            self._step_lock.release()
 
     def _condemn(self, w: WorkerProcess, reason: str) -> None:
         """Kill a rank that cannot answer; its EOF then fails the step that waits on it, aborts rank 0's
@@ -311,6 +344,11 @@ class WorkerPool:
         ALWAYS drain one reply per worker.
 
         Raises after the drain: rank 0's own error first, else the lowest failing rank's."""
+        with self._step_lock:
+            return self._fan_out(make, local, deadline_s)
+
+    def _fan_out(self, make: Callable[[int], p.Message], local: Callable[[p.Message], Any] | None,
+                 deadline_s: float) -> tuple[Any, list[p.Reply]]:
         if self.broken:
             raise PoolBroken(f"worker pool unusable: {self.broken}")
         seq = next(self._seq)
