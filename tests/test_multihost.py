@@ -293,6 +293,68 @@ def test_the_cluster_token_comes_from_the_setting_or_a_file(tmp_path):
         cluster_token(None, None)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill", "link"])
+def test_a_served_stream_ends_within_the_deadline_and_the_server_serves_again(odd_checkpoint, hosts, monkeypatch,
+                                                                             fault):
+    """`neuron serve` with rank 1 on another host: mid-stream the remote rank is killed, or its
+    link taken down; the stream ends with an error within the deadline, and once the link is back
+    the server has rebuilt its ranks and answers as before."""
+    import json as jsonlib
+    import time
+
+    import httpx
+    from server_harness import LiveServer, real_engine
+
+    monkeypatch.setenv("NEURON_COLLECTIVE_TIMEOUT_S", "3")
+    monkeypatch.setenv("NEURON_TP_STEP_TIMEOUT_S", "6")
+    monkeypatch.setenv("NEURON_RECOVERY_BACKOFF_S", "0.5")
+    monkeypatch.setenv("NEURON_RECOVERY_ATTEMPTS", "20")
+    link = hosts.links[0]
+    engine = real_engine(str(odd_checkpoint), 2, hosts=f"localhost:1,{hosts.names[0]}:1", worker_launcher=LAUNCHER,
+                         cluster_address=hosts.leader)
+    # no tokenizer, no text: logprobs make every token a chunk of its own (and name its id)
+    body = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True,
+            "temperature": 0.0, "logprobs": 0}
+    short = {"model": "m", "prompt": PROMPTS[1], "max_tokens": 8, "ignore_eos": True, "temperature": 0.0,
+             "logprobs": 0, "return_tokens_as_token_ids": True}
+
+    def token_ids(logprobs: dict) -> list[int]:
+        return [int(t.removeprefix("token_id:")) for t in logprobs["tokens"]]
+
+    with LiveServer(engine) as server:
+        server.wait_ready()
+        url = f"{server.base_url}/completions"
+        short["model"] = body["model"] = httpx.get(f"{server.base_url}/models").json()["data"][0]["id"]
+        before = token_ids(httpx.post(url, json=short, timeout=60).json()["choices"][0]["logprobs"])
+        assert before == reference_greedy(odd_checkpoint, PROMPTS[1], 8)[0]
+        events, cut_at = [], None
+        try:
+            with httpx.stream("POST", url, json=body, timeout=60) as resp:
+                for line in resp.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    events.append(jsonlib.loads(line[6:]))
+                    if len(events) == 5:
+                        cut_at = time.monotonic()
+                        if fault == "kill":
+                            os.kill(engine_pool(engine).workers[0].proc.pid, signal.SIGKILL)
+                        else:
+                            _ip("link", "set", link, "down")
+            ended = time.monotonic()
+        finally:
+            _ip("link", "set", link, "up")
+        assert cut_at is not None and ended - cut_at < 6 + 5  # the step deadline, some slack
+        assert "error" in events[-1] and len(events) < 400
+        wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 200, 60, "the server did not recover")
+        assert token_ids(httpx.post(url, json=short, timeout=60).json()["choices"][0]["logprobs"]) == before
+
+
+def engine_pool(engine):
+    """The worker pool behind a served AsyncEngine."""
+    return engine.engine.executor.pool
+
+
 def test_the_launcher_prefixes_only_ranks_on_other_hosts(odd_checkpoint):
     """No namespace needed: the commands the pool would run."""
     from neuron.executor.executor import Executor, ExecutorConfig
