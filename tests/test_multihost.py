@@ -215,6 +215,27 @@ def test_ranks_that_dial_in(odd_checkpoint, hosts, monkeypatch, caplog):
 
 
 @pytest.mark.slow
+def test_four_ranks_over_three_hosts_that_dial_in(odd_checkpoint, hosts, monkeypatch):
+    """tp 4: ranks 0-1 here, rank 2 and 3 dialling in from two other hosts: transformers' tokens."""
+    monkeypatch.setenv("NEURON_CLUSTER_TOKEN", "tp4-token")
+    port = _free_port(hosts.leader)
+    workers = [_dial_in(hosts, hosts.names[i], port, 2 + i, 4, "tp4-token") for i in range(2)]
+    try:
+        with LLM(str(odd_checkpoint), tensor_parallel_size=4, device="cpu", dtype="float32",
+                 hosts=f"localhost:2,{hosts.names[0]}:1,{hosts.names[1]}:1", worker_launcher="connect",
+                 cluster_address=hosts.leader, cluster_port=port) as llm:
+            got = _greedy(llm)
+        assert [w.wait(timeout=30) for w in workers] == [0, 0]
+    finally:
+        for proc in workers:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for prompt, tokens in zip(PROMPTS, got):
+        assert tokens == reference_greedy(odd_checkpoint, prompt, 8)[0]
+
+
+@pytest.mark.slow
 def test_a_frozen_host_is_found_by_heartbeats(odd_checkpoint, hosts, monkeypatch):
     """A dialled-in rank (no process here to look at) stopped between steps: the heartbeat it no
     longer answers marks the ranks failed within about a second, and they serve again once the
@@ -294,12 +315,14 @@ def test_the_cluster_token_comes_from_the_setting_or_a_file(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["launched", "dialled-in"])
 @pytest.mark.parametrize("fault", ["kill", "link"])
 def test_a_served_stream_ends_within_the_deadline_and_the_server_serves_again(odd_checkpoint, hosts, monkeypatch,
-                                                                             fault):
-    """`neuron serve` with rank 1 on another host: mid-stream the remote rank is killed, or its
-    link taken down; the stream ends with an error within the deadline, and once the link is back
-    the server has rebuilt its ranks and answers as before."""
+                                                                             fault, mode):
+    """`neuron serve` with rank 1 on another host, started by the launcher or dialling in: mid-stream
+    the remote rank is killed, or its link taken down; the stream ends with an error within the
+    deadline, and once the link is back (and, for a killed rank that dialled in, the orchestrator
+    has started another) the server has rebuilt its ranks and answers as before."""
     import json as jsonlib
     import time
 
@@ -311,8 +334,14 @@ def test_a_served_stream_ends_within_the_deadline_and_the_server_serves_again(od
     monkeypatch.setenv("NEURON_RECOVERY_BACKOFF_S", "0.5")
     monkeypatch.setenv("NEURON_RECOVERY_ATTEMPTS", "20")
     link = hosts.links[0]
-    engine = real_engine(str(odd_checkpoint), 2, hosts=f"localhost:1,{hosts.names[0]}:1", worker_launcher=LAUNCHER,
-                         cluster_address=hosts.leader)
+    workers, extra = [], {}
+    if mode == "dialled-in":
+        monkeypatch.setenv("NEURON_CLUSTER_TOKEN", "served-token")
+        extra["cluster_port"] = port = _free_port(hosts.leader)
+        workers.append(_dial_in(hosts, hosts.names[0], port, 1, 2, "served-token"))
+    engine = real_engine(str(odd_checkpoint), 2, hosts=f"localhost:1,{hosts.names[0]}:1",
+                         worker_launcher=LAUNCHER if mode == "launched" else "connect", cluster_address=hosts.leader,
+                         **extra)
     # no tokenizer, no text: logprobs make every token a chunk of its own (and name its id)
     body = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True,
             "temperature": 0.0, "logprobs": 0}
@@ -338,16 +367,26 @@ def test_a_served_stream_ends_within_the_deadline_and_the_server_serves_again(od
                     if len(events) == 5:
                         cut_at = time.monotonic()
                         if fault == "kill":
-                            os.kill(engine_pool(engine).workers[0].proc.pid, signal.SIGKILL)
+                            victim = workers[0] if workers else engine_pool(engine).workers[0].proc
+                            os.kill(victim.pid, signal.SIGKILL)
                         else:
                             _ip("link", "set", link, "down")
             ended = time.monotonic()
         finally:
             _ip("link", "set", link, "up")
-        assert cut_at is not None and ended - cut_at < 6 + 5  # the step deadline, some slack
-        assert "error" in events[-1] and len(events) < 400
-        wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 200, 60, "the server did not recover")
-        assert token_ids(httpx.post(url, json=short, timeout=60).json()["choices"][0]["logprobs"]) == before
+        try:
+            assert cut_at is not None and ended - cut_at < 6 + 5  # the step deadline, some slack
+            assert "error" in events[-1] and len(events) < 400
+            if workers and fault == "kill":  # the orchestrator starts another
+                workers.append(_dial_in(hosts, hosts.names[0], port, 1, 2, "served-token"))
+            wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 200, 60,
+                       "the server did not recover")
+            assert token_ids(httpx.post(url, json=short, timeout=60).json()["choices"][0]["logprobs"]) == before
+        finally:
+            for proc in workers:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
 
 
 def engine_pool(engine):

@@ -30,6 +30,20 @@ log = logging.getLogger("neuron.dial_in")
 
 _HELLO_S = 5.0  # how long a connection may take to say who it is
 _HELLO_BYTES = 4096
+# TCP keepalive on both ends: a connection whose peer vanished (its host down, a link cut, a half
+# that closed while the link was down) fails within about idle + interval x count seconds even
+# while nothing is sent, so a worker dials again and the leader learns of the loss.
+_KEEPALIVE = (5, 2, 3)  # idle, interval, count
+_USER_TIMEOUT_MS = 15_000  # unacknowledged data fails the connection after this long
+
+
+def _keepalive(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle, interval, count = _KEEPALIVE
+    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count),
+                        ("TCP_USER_TIMEOUT", _USER_TIMEOUT_MS)):
+        if hasattr(socket, name):  # Linux; elsewhere the system's defaults apply
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 class DialInFailed(NeuronError):
@@ -145,6 +159,7 @@ class Listener:
         return got
 
     def _greet(self, sock: socket.socket, peer: str, expected: set[int]) -> tuple[int, Connection | None]:
+        _keepalive(sock)
         sock.settimeout(_HELLO_S)
         reader = sock.makefile("rb")
         try:
@@ -184,6 +199,7 @@ def dial(address: str, rank: int, token: str, deadline_s: float):
     while True:
         try:
             sock = socket.create_connection((host, int(port)), timeout=5.0)
+            _keepalive(sock)
             break
         except OSError:
             if time.monotonic() > end:
