@@ -79,6 +79,19 @@ def odd_checkpoint(tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp("multihost"), seed=3, **ODD)
 
 
+def _reap(procs) -> None:
+    """Kill whatever of these processes still runs."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _assert_reference(path, got: list[list[int]]) -> None:
+    for prompt, tokens in zip(PROMPTS, got):
+        assert tokens == reference_greedy(path, prompt, 8)[0]
+
+
 def _greedy(llm: LLM, n: int = 8) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
@@ -97,8 +110,7 @@ def test_ranks_on_other_hosts_equal_transformers(odd_checkpoint, hosts, tp, layo
         assert llm.engine.executor.backend == "gloo"
         assert llm.engine.executor.cluster_address == hosts.leader
         got = _greedy(llm)
-    for prompt, tokens in zip(PROMPTS, got):
-        assert tokens == reference_greedy(odd_checkpoint, prompt, 8)[0]
+    _assert_reference(odd_checkpoint, got)
 
 
 @pytest.mark.slow
@@ -206,12 +218,8 @@ def test_ranks_that_dial_in(odd_checkpoint, hosts, monkeypatch, caplog):
         assert workers[1].wait(timeout=30) == 0  # shut down by the leader
     finally:
         orchestrator.join(timeout=60)
-        for proc in [impostor, *workers]:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for prompt, tokens in zip(PROMPTS, got):
-        assert tokens == reference_greedy(odd_checkpoint, prompt, 8)[0]
+        _reap([impostor, *workers])
+    _assert_reference(odd_checkpoint, got)
 
 
 @pytest.mark.slow
@@ -227,12 +235,8 @@ def test_four_ranks_over_three_hosts_that_dial_in(odd_checkpoint, hosts, monkeyp
             got = _greedy(llm)
         assert [w.wait(timeout=30) for w in workers] == [0, 0]
     finally:
-        for proc in workers:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for prompt, tokens in zip(PROMPTS, got):
-        assert tokens == reference_greedy(odd_checkpoint, prompt, 8)[0]
+        _reap(workers)
+    _assert_reference(odd_checkpoint, got)
 
 
 @pytest.mark.slow
@@ -265,10 +269,7 @@ def test_a_frozen_host_is_found_by_heartbeats(odd_checkpoint, hosts, monkeypatch
             workers.append(_dial_in(hosts, hosts.names[0], port, 1, 2, token))
             assert _greedy(llm) == first
     finally:
-        for proc in workers:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        _reap(workers)
 
 
 def test_a_dialling_rank_must_be_expected_and_say_who_it_is():
@@ -383,10 +384,7 @@ def test_a_served_stream_ends_within_the_deadline_and_the_server_serves_again(od
                        "the server did not recover")
             assert token_ids(httpx.post(url, json=short, timeout=60).json()["choices"][0]["logprobs"]) == before
         finally:
-            for proc in workers:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+            _reap(workers)
 
 
 def engine_pool(engine):

@@ -302,6 +302,27 @@ def test_speculation_survives_recovery(repetitive, draft):
     assert again == first
 
 
+def test_a_failing_proposer_costs_only_the_speculation(repetitive, draft, monkeypatch):
+    """A draft whose step fails (a bug, memory) leaves those steps without proposals: every request
+    still completes, with the tokens it would have had."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain, _ = _run(repetitive, params)
+    with LLM(str(repetitive), device="cpu", dtype="float32", speculative_config=_spec("draft", draft)) as llm:
+        proposer, calls = llm.engine.proposer, []
+        propose = proposer.propose
+
+        def flaky(seqs, ks):
+            calls.append(len(seqs))
+            if len(calls) % 2:
+                raise RuntimeError("draft step failed")
+            return propose(seqs, ks)
+
+        monkeypatch.setattr(proposer, "propose", flaky)
+        outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+        assert len(calls) > 2 and llm.engine.spec_counts[1] > 0
+    _assert_same(outs, plain)
+
+
 def test_a_draft_with_another_vocabulary_is_refused(repetitive, tmp_path):
     other = build_checkpoint(tmp_path / "other", vocab_size=256)
     from neuron.engine.engine_config import EngineConfig

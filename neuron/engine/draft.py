@@ -63,9 +63,10 @@ class DraftProposer:
         if not supports_prefix_caching(self.config):
             raise ConfigError(f"speculative_config: the draft's model_type {self.config.get('model_type')!r} keeps "
                               "recurrent state, which cannot be rolled back past rejected tokens")
-        self.executor_cfg = ExecutorConfig(self.model_dir, max_model_len=max_model_len, tp=1, hosts=None, device=device,
-                                           dtype=dtype, quantization=None, max_slots=max_slots, model_id="draft",
-                                           block_size=block_size, max_num_batched_tokens=step_tokens)
+        self.executor_cfg = ExecutorConfig(self.model_dir, max_model_len=max_model_len, tp=1, hosts=None,
+                                           device=device, dtype=dtype, quantization=None, max_slots=max_slots,
+                                           model_id="draft", block_size=block_size,
+                                           max_num_batched_tokens=step_tokens)
         self.chunk = prefill_chunk
         self.executor: Executor | None = None
         self.cost = 0.0  # target steps a draft step costs: weights read, the draft's over one target rank's

@@ -166,7 +166,14 @@ class Scheduler:
         wanted = [i for i, k in enumerate(ks) if k]
         proposals = [[] for _ in seqs]
         if wanted:
-            made = self.proposer.propose([seqs[i] for i in wanted], [ks[i] for i in wanted])
+            try:
+                made = self.proposer.propose([seqs[i] for i in wanted], [ks[i] for i in wanted])
+            except Exception as exc:  # noqa: BLE001 - a failed proposal costs the speculation, not the step
+                log.warning("speculative proposals failed (%s: %s); decoding without them this step",
+                            type(exc).__name__, exc, exc_info=exc)
+                for i in wanted:
+                    seqs[i].proposer_state = None  # a draft starts over where it may have written half
+                return proposals
             for i, proposal in zip(wanted, made):
                 proposal = list(proposal[: ks[i]])
                 if seqs[i].grammar is not None:  # what the grammar refuses would be refused by its mask
