@@ -2,33 +2,22 @@
 they run in Triton's interpreter on CPU tensors; with one they compile and run on CUDA."""
 
 import os
+import subprocess
 import sys
+import textwrap
 
+import pytest
 import torch
+from triton_interpret import DEVICE, require_triton  # before anything loads Triton
 
-# As in test_paged_attention: Triton reads TRITON_INTERPRET once, when first imported.
-_TRITON_IMPORTED_EARLY = "triton" in sys.modules
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from neuron.layers import norm
 
-import subprocess  # noqa: E402
-import textwrap  # noqa: E402
-
-import pytest  # noqa: E402
-
-from neuron.layers import norm  # noqa: E402
-from neuron.layers.paged_attention import HAS_TRITON  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def triton_ready():
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed (pip install triton)")
-    if DEVICE == "cpu" and _TRITON_IMPORTED_EARLY:
-        pytest.fail("triton was imported before this module set TRITON_INTERPRET=1")
+    require_triton()
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor) -> None:

@@ -2,28 +2,20 @@
 Triton kernel against the reference. Without a GPU the kernel runs in Triton's interpreter on CPU
 tensors; with one it compiles and runs on CUDA."""
 
+import json
 import os
+import subprocess
 import sys
+import textwrap
 
+import numpy as np
+import pytest
 import torch
+import torch.nn.functional as F
+from triton_interpret import DEVICE, require_triton  # before anything loads Triton
 
-# Triton reads TRITON_INTERPRET once, when it is first imported, for the whole process; neuron
-# imports Triton only on a kernel's first launch, so setting it here, before any test runs, is in time
-# unless something imported Triton earlier (checked by `kernel`).
-_TRITON_IMPORTED_EARLY = "triton" in sys.modules
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import textwrap  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from neuron.layers import cpu_attention  # noqa: E402
-from neuron.layers.paged_attention import (  # noqa: E402
+from neuron.layers import cpu_attention
+from neuron.layers.paged_attention import (
     HAS_TRITON,
     attend,
     build_metadata,
@@ -32,8 +24,6 @@ from neuron.layers.paged_attention import (  # noqa: E402
     write_kv,
 )
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-INTERPRETING = DEVICE == "cpu"
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 
 # Decode-only: five sequences whose new token lands at the start, middle and end of a block; the
@@ -46,11 +36,7 @@ MIXED = dict(offsets=[0, 32, 5, 16, 47], query_lens=[37, 9, 1, 1, 1], shared=(0,
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed (pip install triton)")
-    if INTERPRETING and _TRITON_IMPORTED_EARLY:
-        pytest.fail("triton was imported before this module set TRITON_INTERPRET=1; set it in the "
-                    "environment of the test run instead")
+    require_triton()
     return paged_attention_triton
 
 

@@ -2,32 +2,18 @@
 matmul, for every layout neuron holds. Without a GPU it runs in Triton's interpreter on CPU tensors;
 with one it compiles and runs on CUDA."""
 
-import os
-import sys
-
+import pytest
 import torch
+from triton_interpret import DEVICE, require_triton  # before anything loads Triton
 
-# As in test_norm_kernels: Triton reads TRITON_INTERPRET once, when first imported.
-_TRITON_IMPORTED_EARLY = "triton" in sys.modules
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-
-from neuron.layers import kernel_cases, kernel_check, quantized  # noqa: E402
-from neuron.layers.kernel_check import Widths  # noqa: E402
-from neuron.layers.paged_attention import HAS_TRITON  # noqa: E402
-from neuron.layers.quantized import QuantizedWeight  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from neuron.layers import kernel_cases, kernel_check, quantized
+from neuron.layers.kernel_check import Widths
+from neuron.layers.quantized import QuantizedWeight
 
 
 @pytest.fixture(scope="module", autouse=True)
 def triton_ready():
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed (pip install triton)")
-    if DEVICE == "cpu" and _TRITON_IMPORTED_EARLY:
-        pytest.fail("triton was imported before this module set TRITON_INTERPRET=1")
+    require_triton()
 
 
 def _layout(kind: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
