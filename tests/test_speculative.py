@@ -206,14 +206,12 @@ def test_vllm_spellings_are_taken():
 def test_suffix_index_proposes_the_most_frequent_likely_continuation():
     index = SuffixIndex(depth=8)
     text = [1, 2, 3, 4, 9, 1, 2, 3, 4, 9, 1, 2, 3, 5, 1, 2, 3]
-    index.extend(text[:10])
-    index.extend(text[10:])  # grown in pieces, as a request's own index is
+    index.add(text)
     # after 1 2 3, 4 followed twice and 5 once: 4 (prob 2/3), then 9 (2/3 along the path)
-    assert index.propose(None, 4, 0.1, 2.0) == ([4, 9, 1, 2], pytest.approx(4 * 2 / 3))
-    assert index.propose(text, 4, 0.1, 2.0)[0] == [4, 9, 1, 2]  # the same context, walked from the root
-    assert index.propose(None, 4, 0.7, 2.0) == ([], 0.0)  # 2/3 is below min_prob 0.7
-    assert index.propose(None, 4, 0.1, 1.0)[0] == [4, 9, 1]  # 3 tokens matched earn 3 at 1 per token
-    assert index.propose(None, 4, 0.1, 0.5)[0] == [4, 9]
+    assert index.propose(text, 4, 0.1, 2.0) == ([4, 9, 1, 2], pytest.approx(4 * 2 / 3))
+    assert index.propose(text, 4, 0.7, 2.0) == ([], 0.0)  # 2/3 is below min_prob 0.7
+    assert index.propose(text, 4, 0.1, 1.0)[0] == [4, 9, 1]  # 3 tokens matched earn 3 at 1 per token
+    assert index.propose(text, 4, 0.1, 0.5)[0] == [4, 9]
     assert index.propose([7, 7], 3, 0.1, 1.0) == ([], 0.0)  # 7 never occurred
     assert SuffixIndex(depth=8).propose([1, 2], 3, 0.1, 1.0) == ([], 0.0)
 
@@ -228,10 +226,10 @@ def test_searching_a_text_proposes_what_its_index_would(seed):
     vocab, n = rng.choice([2, 3, 5]), rng.randrange(2, 80)
     text = [rng.randrange(vocab) for _ in range(n)] if seed % 2 else [i % vocab for i in range(n)]
     index = SuffixIndex(depth=10)
-    index.extend(text)
+    index.add(text)
     for k, min_prob, factor in ((4, 0.1, 1.0), (6, 0.3, 2.0), (1, 0.0, 0.5)):
         got, expected = propose_from_text(text, k, 10, min_prob, factor)
-        want, want_expected = index.propose(None, k, min_prob, factor)
+        want, want_expected = index.propose(text, k, min_prob, factor)
         assert got == want and expected == pytest.approx(want_expected)
 
 

@@ -98,7 +98,7 @@ class RequestRecord:
     e2e_s: float | None = None
     output_tokens: int = 0
     headers_s: float | None = None  # sent until the response's status and headers arrived
-    queue_s: float = 0.0  # waiting for a free user slot before being sent (scenarios)
+    queue_s: float = 0.0  # waiting for a free user slot before being sent
 
     @property
     def tpot_s(self) -> float | None:
@@ -219,6 +219,32 @@ async def _cancel_when_set(stop: anyio.Event, scope: anyio.CancelScope) -> None:
     scope.cancel()
 
 
+async def send_all(requests: list[BenchRequest], send, records: list[RequestRecord], t0: float, *, users: int,
+                   rate: float, seed: int, bar=None) -> None:
+    """`send(i, requests[i], t0)` for every request, `users` at a time, arriving as a Poisson process
+    at `rate` per second (all at once when infinite); each record learns how long it queued for a
+    free user before being sent."""
+    limiter = anyio.CapacityLimiter(users)
+    arrivals = random.Random(seed)
+
+    async def one(index: int, req: BenchRequest) -> None:
+        queued = perf_counter()
+        async with limiter:
+            rec = await send(index, req, t0)
+        rec.queue_s = rec.start_s - (queued - t0)
+        records.append(rec)
+        if bar is not None:
+            bar.update()
+
+    next_at = 0.0
+    async with anyio.create_task_group() as tg:
+        for i, req in enumerate(requests):
+            if not math.isinf(rate):
+                await anyio.sleep(max(0.0, t0 + next_at - perf_counter()))
+                next_at += arrivals.expovariate(rate)
+            tg.start_soon(one, i, req)
+
+
 class _Runner:
     def __init__(self, client: httpx.AsyncClient, config: BenchConfig, model: str):
         self.client, self.config, self.model = client, config, model
@@ -228,27 +254,13 @@ class _Runner:
     async def run(self, requests: list[BenchRequest], records: list[RequestRecord], t0: float,
                   paced: bool = True, progress: bool = False) -> None:
         cfg = self.config
-        limiter = anyio.CapacityLimiter(cfg.concurrency or len(requests))
         bar = _progress_bar(len(requests)) if progress else None
-        arrivals = random.Random(cfg.seed)
-        next_at = 0.0
         try:
-            async with anyio.create_task_group() as tg:
-                for i, req in enumerate(requests):
-                    if paced and not math.isinf(cfg.request_rate):
-                        await anyio.sleep(max(0.0, t0 + next_at - perf_counter()))
-                        next_at += arrivals.expovariate(cfg.request_rate)
-                    tg.start_soon(self._limited, limiter, i, req, records, t0, bar)
+            await send_all(requests, self.send, records, t0, users=cfg.concurrency or len(requests),
+                           rate=cfg.request_rate if paced else math.inf, seed=cfg.seed, bar=bar)
         finally:
             if bar is not None:
                 bar.close()
-
-    async def _limited(self, limiter: anyio.CapacityLimiter, index: int, req: BenchRequest,
-                       records: list[RequestRecord], t0: float, bar) -> None:
-        async with limiter:
-            records.append(await self.send(index, req, t0))
-        if bar is not None:
-            bar.update()
 
     async def send(self, index: int, req: BenchRequest, t0: float) -> RequestRecord:
         start = perf_counter()

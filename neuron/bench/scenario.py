@@ -37,11 +37,9 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any
 
-import anyio
-import numpy as np
-
-from neuron.bench.load import BenchConfig, RequestRecord, _client, _Runner, first_model
+from neuron.bench.load import BenchConfig, RequestRecord, _client, _Runner, first_model, send_all
 from neuron.bench.prompts import build_requests
+from neuron.bench.report import describe
 from neuron.errors import ConfigError
 
 STAGES = ("queue", "headers", "ttft", "decode", "e2e")
@@ -150,24 +148,12 @@ async def run_scenario(s: Scenario) -> Outcome:
     records: list[RequestRecord] = []
     async with _client(configs[0]) as client:
         runners = [_Runner(client, c, await first_model(client, c.base_url)) for c in configs]
-        limiter = anyio.CapacityLimiter(s.users)
-        arrivals = np.random.default_rng(s.seed)
+
+        def send(i: int, req, t0: float):  # the providers in turn
+            return runners[i % len(runners)].send(i, req, t0)
+
         t0 = perf_counter()
-
-        async def one(i: int) -> None:
-            queued = perf_counter()
-            async with limiter:
-                rec = await runners[i % len(runners)].send(i, requests[i], t0)
-            rec.queue_s = rec.start_s - (queued - t0)
-            records.append(rec)
-
-        async with anyio.create_task_group() as tg:
-            next_at = 0.0
-            for i in range(s.requests):
-                if not math.isinf(s.request_rate):
-                    await anyio.sleep(max(0.0, t0 + next_at - perf_counter()))
-                    next_at += arrivals.exponential(1.0 / s.request_rate)
-                tg.start_soon(one, i)
+        await send_all(requests, send, records, t0, users=s.users, rate=s.request_rate, seed=s.seed)
         duration = perf_counter() - t0
     records.sort(key=lambda r: r.index)
     return _outcome(s, records, duration)
@@ -182,8 +168,10 @@ def _outcome(s: Scenario, records: list[RequestRecord], duration: float) -> Outc
         "decode": [r.e2e_s - r.ttft_s for r in ok if r.ttft_s is not None],
         "e2e": [r.e2e_s for r in ok],
     }
-    stages = {k: {p: (float(np.percentile(v, q)) * 1e3 if v else None) for p, q in (("p50", 50), ("p99", 99))}
-              for k, v in values.items()}
+    stages = {}
+    for k, v in values.items():
+        st = describe([x * 1e3 for x in v])
+        stages[k] = {"p50": st.p50, "p99": st.p99}
     error_rate = 1 - len(ok) / len(records) if records else 1.0
     out_tps = sum(r.output_tokens for r in ok) / duration if duration > 0 else 0.0
     req_tps = len(ok) / duration if duration > 0 else 0.0

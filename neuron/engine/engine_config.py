@@ -61,13 +61,19 @@ class EngineConfig:
 
 def parse_overrides(value: dict | str | None) -> dict | None:
     """`hf_overrides` as a dict: a JSON object's text is parsed; anything but an object is refused."""
+    return json_object(value, "hf_overrides", " (keys of config.json)")
+
+
+def json_object(value: dict | str | None, name: str, of: str = "") -> dict | None:
+    """Setting `name` as a dict: a JSON object's text is parsed, None stays None, anything else is
+    refused (`of` says what the object holds)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"hf_overrides must be a JSON object; {exc}") from None
+            raise ConfigError(f"{name} must be a JSON object; {exc}") from None
     if value is not None and not isinstance(value, dict):
-        raise ConfigError(f"hf_overrides must be a JSON object (keys of config.json), got {value!r:.80}")
+        raise ConfigError(f"{name} must be a JSON object{of}, got {value!r:.80}")
     return value
 
 

@@ -94,4 +94,3 @@ def _mirror(counters: tuple, now: tuple[int, ...], seen: tuple[int, ...]) -> tup
     for counter, value, before in zip(counters, now, seen):
         counter.inc(max(0, value - before))
     return now
-

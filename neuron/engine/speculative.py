@@ -30,11 +30,11 @@ reading the weights.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import numpy as np
 
+from neuron.engine.engine_config import json_object
 from neuron.engine.suffix import OutputCache, propose_from_text
 from neuron.errors import ConfigError
 
@@ -64,13 +64,7 @@ class SpeculativeConfig:
         """From `--speculative-config` (JSON text) or `LLM(speculative_config=...)` (a dict); None: off."""
         if value is None or value == "":
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"speculative_config must be a JSON object; {exc}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"speculative_config must be a JSON object, got {value!r:.80}")
+        value = json_object(value, "speculative_config")
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(value) - known)
         if unknown:
@@ -190,17 +184,10 @@ class Acceptance:
             self.rate = 0.7 * self.rate + 0.3 * accepted / proposed
 
 
-class NgramProposer:
-    """Prompt lookup over the sequence's own tokens."""
+class _Lookup:
+    """A proposer that looks tokens up: nothing to load, and free to ask (Acceptance.length)."""
 
-    cost = 0.0  # target steps a proposed token costs (Acceptance.length)
-
-    def __init__(self, cfg: SpeculativeConfig):
-        self.n_min, self.n_max = cfg.prompt_lookup_min, cfg.prompt_lookup_max
-
-    def propose(self, seqs: list, ks: list[int]) -> list[list[int]]:
-        return [ngram_proposal(seq.prompt_token_ids + seq.output_token_ids, k, self.n_min, self.n_max)
-                for seq, k in zip(seqs, ks)]
+    cost = 0.0  # target steps a proposed token costs
 
     def start(self, num_blocks: int, target_weight_bytes: int) -> None:
         pass
@@ -212,10 +199,19 @@ class NgramProposer:
         pass
 
 
-class SuffixProposer:
-    """Suffix decoding (suffix.py): each sequence's own index, and one of earlier outputs."""
+class NgramProposer(_Lookup):
+    """Prompt lookup over the sequence's own tokens."""
 
-    cost = 0.0
+    def __init__(self, cfg: SpeculativeConfig):
+        self.n_min, self.n_max = cfg.prompt_lookup_min, cfg.prompt_lookup_max
+
+    def propose(self, seqs: list, ks: list[int]) -> list[list[int]]:
+        return [ngram_proposal(seq.prompt_token_ids + seq.output_token_ids, k, self.n_min, self.n_max)
+                for seq, k in zip(seqs, ks)]
+
+
+class SuffixProposer(_Lookup):
+    """Suffix decoding (suffix.py): each sequence's own tokens, and an index of earlier outputs."""
 
     def __init__(self, cfg: SpeculativeConfig):
         self.depth = cfg.suffix_decoding_max_tree_depth
@@ -239,12 +235,6 @@ class SuffixProposer:
         """A finished request's output joins the shared index."""
         if finished and seq.finish_reason in ("stop", "length"):
             self.outputs.add(list(seq.output_token_ids))
-
-    def start(self, num_blocks: int, target_weight_bytes: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def make_proposer(cfg: SpeculativeConfig, **draft_kwargs):

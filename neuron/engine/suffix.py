@@ -34,27 +34,23 @@ class _Node:
 class SuffixIndex:
     """The spans of up to `depth` tokens of the texts added, with how often each occurred."""
 
-    __slots__ = ("depth", "root", "_ends")
+    __slots__ = ("depth", "root")
 
     def __init__(self, depth: int):
         self.depth = depth
         self.root = _Node()
-        self._ends: list[_Node] = []  # growing one text: its spans that end at its last token, shortest first
-
-    def extend(self, tokens: list[int]) -> None:
-        """Append tokens to the text being grown (a request's own index)."""
-        self._ends = self._walk(self._ends, tokens, +1)
 
     def add(self, tokens: list[int]) -> None:
         """Count a whole text (a finished request's output)."""
-        self._walk([], tokens, +1)
+        self._walk(tokens, +1)
 
     def remove(self, tokens: list[int]) -> None:
         """Forget a text added before (its nodes' counts fall; those that reach 0 go)."""
-        self._walk([], tokens, -1)
+        self._walk(tokens, -1)
 
-    def _walk(self, ends: list[_Node], tokens: list[int], sign: int) -> list[_Node]:
+    def _walk(self, tokens: list[int], sign: int) -> None:
         limit = self.depth - 1
+        ends: list[_Node] = []  # the spans that end at the last token walked, shortest first
         for t in tokens:
             grown = []
             for parent in [self.root] + ends[:limit]:
@@ -66,16 +62,10 @@ class SuffixIndex:
                     del parent.children[t]
                 grown.append(node)
             ends = grown
-        return ends
 
-    def match(self, context: list[int] | None, longest: int) -> tuple[_Node | None, int]:
-        """The deepest node for a suffix of `context` (None: the text being grown) of at most
-        `longest` tokens that has a continuation, and the suffix's length; (None, 0) where none does."""
-        if context is None:  # the text being grown: its suffixes' nodes are at hand
-            for d in range(min(longest, len(self._ends)), 0, -1):
-                if self._ends[d - 1].children:
-                    return self._ends[d - 1], d
-            return None, 0
+    def match(self, context: list[int], longest: int) -> tuple[_Node | None, int]:
+        """The deepest node for a suffix of `context` of at most `longest` tokens that has a
+        continuation, and the suffix's length; (None, 0) where none does."""
         for d in range(min(longest, len(context)), 0, -1):
             node = self.root
             for t in context[len(context) - d:]:
@@ -87,10 +77,8 @@ class SuffixIndex:
                     return node, d
         return None, 0
 
-    def propose(self, context: list[int] | None, k: int, min_prob: float,
-                spec_factor: float) -> tuple[list[int], float]:
-        """Up to k tokens likely to follow `context` (None: the text being grown), and how many of
-        them are expected to be kept."""
+    def propose(self, context: list[int], k: int, min_prob: float, spec_factor: float) -> tuple[list[int], float]:
+        """Up to k tokens likely to follow `context`, and how many of them are expected to be kept."""
         node, matched = self.match(context, self.depth - 1 - min(k, self.depth - 2))
         if node is None:
             return [], 0.0

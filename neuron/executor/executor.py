@@ -154,8 +154,8 @@ class Executor:
 
     def _fresh_ranks(self) -> None:
         self.rank0 = Worker(0, self.cfg.tp, self.devices[0])
-        remote = {r for r in range(self.cfg.tp) if not self.placement.is_local(r)}
-        self.pool = WorkerPool(self.cfg.tp, self.devices, self._worker_cmd, self._env, self._listener, remote)
+        self.pool = WorkerPool(self.cfg.tp, self.devices, self._worker_cmd, self._env, self._listener,
+                               self.placement.elsewhere)
         self.pool.on_worker_exit(self._worker_lost)
 
     @property

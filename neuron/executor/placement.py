@@ -50,9 +50,14 @@ class Placement:
         return self.hosts[rank] == self.hosts[0]
 
     @property
+    def elsewhere(self) -> set[int]:
+        """The ranks on other hosts than the leader's."""
+        return {r for r in range(len(self.hosts)) if not self.is_local(r)}
+
+    @property
     def remote(self) -> bool:
         """Some rank runs on another host."""
-        return any(not self.is_local(r) for r in range(len(self.hosts)))
+        return bool(self.elsewhere)
 
     def local_index(self, rank: int) -> int:
         """The rank's index among its host's ranks (which GPU of that host it takes)."""

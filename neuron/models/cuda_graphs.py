@@ -35,7 +35,7 @@ import logging
 import torch
 
 from neuron.layers.paged_attention import PagedAttentionMetadata
-from neuron.models.step_input import StepBatch, blocks_for
+from neuron.models.step_input import StepBatch, blocks_for, logit_rows
 from neuron.utils.device import to_device
 
 log = logging.getLogger("neuron.models")
@@ -121,40 +121,25 @@ class DecodeGraphs:
 
     def _kept_rows(self, batch: StepBatch) -> list[int]:
         """The padded rows of the logits each sequence asked for: the last of its real rows."""
-        q, rows = self.query_len, []
-        counts = batch.logit_counts or [1] * len(batch.lengths)
-        for i, (n, c) in enumerate(zip(batch.lengths, counts)):
-            rows += range(i * q + n - min(c, n), i * q + n)
-        return rows
+        return logit_rows(batch.lengths, batch.logit_counts or [1] * len(batch.lengths), stride=self.query_len)
 
     def _load_verifying(self, batch: StepBatch, size: int, bucket: int) -> None:
         """Copy the step into the static inputs, each sequence in rows i*q.. with padding after its
-        real tokens; rows of sequences size..bucket are padding sequences."""
-        meta, q, bs = batch.paged, self.query_len, self.block_size
-        scratch = self.scratch_block * bs
-        real, positions, slots = [], [], []
+        real tokens; sequences size..bucket are padding sequences."""
+        meta, q = batch.paged, self.query_len
+        self._pad(0, bucket)  # every row padding first (scratch slots and tables); the real rows overwrite it
+        real, positions = [], []
         for i, (n, kv) in enumerate(zip(batch.lengths, batch.kv_lens)):
             real += range(i * q, i * q + n)
-            positions += range(kv - n, kv - n + q)
-            slots += [scratch + j % bs for j in range(q)]
-        for _ in range(size, bucket):
-            positions += range(q)
-            slots += [scratch + j % bs for j in range(q)]
+            positions += range(kv - n, kv - n + q)  # its padding rows follow its real ones
         dev = self.token_ids.device
-        dest, host = to_device(real, dev, torch.long), to_device([positions, slots], dev, torch.long)
-        rows = bucket * q
-        self.positions[:rows].copy_(host[0])
-        self.slot_mapping[:rows].copy_(host[1])
-        self.token_ids[:rows].zero_()
+        dest = to_device(real, dev, torch.long)
+        self.positions[: size * q].copy_(to_device(positions, dev, torch.long))
         self.token_ids.index_copy_(0, dest, batch.token_ids)
         self.slot_mapping.index_copy_(0, dest, meta.slot_mapping)
         self.kv_lens[:size].copy_(to_device([kv - n + q for kv, n in zip(batch.kv_lens, batch.lengths)], dev,
                                             torch.int32))
-        self.kv_lens[size:bucket].fill_(q)
-        cols = meta.block_tables.shape[1]
-        self.block_tables[:size, :cols].copy_(meta.block_tables, non_blocking=True)
-        self.block_tables[:size, cols:].fill_(self.scratch_block)
-        self.block_tables[size:bucket].fill_(self.scratch_block)
+        self.block_tables[:size, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
 
     def _load(self, batch: StepBatch, size: int, bucket: int) -> None:
         """Copy the step into the static inputs and make rows size..bucket padding."""

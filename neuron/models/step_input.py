@@ -228,12 +228,15 @@ def _causal_mask(n: int, offset: int, device) -> torch.Tensor:
     return cols <= rows
 
 
-def logit_rows(lengths: list[int], wanted: list[int]) -> list[int]:
-    """The flat batch's rows whose logits are returned: each sequence's last `wanted` tokens."""
-    rows, end = [], 0
-    for n, k in zip(lengths, wanted):
-        end += n
-        rows += range(end - min(k, n), end)
+def logit_rows(lengths: list[int], wanted: list[int], stride: int | None = None) -> list[int]:
+    """The flat batch's rows whose logits are returned: each sequence's last `wanted` tokens. With
+    `stride`, sequence i's rows start at i * stride (a padded batch) instead of after the last's."""
+    rows, start = [], 0
+    for i, (n, k) in enumerate(zip(lengths, wanted)):
+        if stride is not None:
+            start = i * stride
+        rows += range(start + n - min(k, n), start + n)
+        start += n
     return rows
 
 

@@ -21,6 +21,7 @@ import io
 import json
 import logging
 import socket
+import subprocess
 import threading
 import time
 
@@ -97,8 +98,6 @@ class Connection:
         self._closed.set()
 
     def wait(self, timeout: float | None = None) -> int:
-        import subprocess
-
         if not self._closed.wait(timeout):
             raise subprocess.TimeoutExpired(f"rank at {self.peer}", timeout)
         self.sock.close()
@@ -127,7 +126,7 @@ class Listener:
     def __init__(self, address: str, port: int, token: str):
         self.token = token.encode()
         try:
-            self.sock = socket.create_server((address, port), reuse_port=False, backlog=64)
+            self.sock = socket.create_server((address, port), backlog=64)
         except OSError as exc:
             raise ConfigError(f"cannot listen for dialling ranks on {address}:{port}: {exc.strerror}") from None
         self.address = f"{address}:{self.sock.getsockname()[1]}"
