@@ -263,7 +263,9 @@ class Settings:
     heartbeat_timeout_s: float = _setting(float, 5.0, "how long a rank on another host may take to answer the "
                                           "ping it gets between steps (every liveness interval) before it is "
                                           "killed and the ranks rebuilt", lo=0, above=True)
-    load_timeout_s: float = _setting(float, 600.0, "deadline for loading shards", lo=0, above=True)
+    load_timeout_s: float = _setting(float, 600.0, "deadline for loading a model: finding and reading its files, "
+                                     "building its tokenizer, starting its ranks and loading their shards; a load "
+                                     "past it fails, naming the phase it was in", lo=0, above=True)
     recovery_attempts: int = _setting(int, 3, "rebuilds of the ranks tried after a failure before the model "
                                       "is `failed`; one that fails for lack of descriptors or memory does not "
                                       "count and is retried until the resource is back", lo=1)

@@ -48,8 +48,18 @@ def test_repo_id_precedence(tmp_path, monkeypatch):
 
 def test_missing_repo_names_where_it_looked(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(ModelNotFound, match="does not download"):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "no-such-home"))
+    with pytest.raises(ModelNotFound) as err:
         resolve_model_path("org/absent")
+    message = str(err.value)
+    assert f"(looked in: {tmp_path}" in message and "no-such-home" not in message  # caches that exist only
+    assert message.endswith("fetch it first with `hf download org/absent`, or pass a local path.")
+
+
+@pytest.mark.parametrize("path", ["/tmp/does-not-exist", "./missing", "../missing", "~/missing", "a/b/c"])
+def test_a_missing_local_path_is_said_to_be_missing(path):
+    with pytest.raises(ModelNotFound, match=f"^model path {path} does not exist$"):
+        resolve_model_path(path)
 
 
 def test_sharded_index_and_slices(tmp_path):

@@ -228,5 +228,5 @@ def test_generate_with_an_unknown_model_prints_one_line():
     out = subprocess.run([sys.executable, "-m", "neuron", "generate", "/nonexistent"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.startswith("neuron generate: model '/nonexistent' is neither a directory")
+    assert out.stderr == "neuron generate: model path /nonexistent does not exist\n"
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr

@@ -188,7 +188,9 @@ def test_bad_configs_are_refused(value, message):
 
 def test_models_with_recurrent_state_are_refused(tmp_path):
     config = {"model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"], "vocab_size": 64,
-              "max_position_embeddings": 512}
+              "max_position_embeddings": 512, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "linear_num_key_heads": 2,
+              "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16}
     (tmp_path / "config.json").write_text(json.dumps(config))
     from neuron.engine.engine_config import EngineConfig
     from neuron.engine.llm_engine import LLMEngine

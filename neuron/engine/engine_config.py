@@ -21,7 +21,8 @@ def _prefix_caching() -> bool | None:
 # EngineConfig fields bounded like the setting they default to (field: setting).
 _CHECKED = {"tp": "tp", "dtype": "dtype", "quantization": "quantization", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
             "max_num_batched_tokens": "max_num_batched_tokens", "prefill_chunk_tokens": "prefill_chunk_tokens",
-            "block_size": "kv_block_size", "gpu_memory_utilization": "gpu_memory_utilization"}
+            "block_size": "kv_block_size", "gpu_memory_utilization": "gpu_memory_utilization",
+            "load_timeout_s": "load_timeout_s"}
 
 
 @dataclass(slots=True)
@@ -52,6 +53,7 @@ class EngineConfig:
     kv_cache_memory: int | str | None = from_settings("kv_cache_memory")  # per rank, bytes or "4GiB"
     gpu_memory_utilization: float = from_settings("gpu_memory_utilization")
     enable_prefix_caching: bool | None = field(default_factory=_prefix_caching)  # True: refuse models without it
+    load_timeout_s: float = from_settings("load_timeout_s")
 
     def __post_init__(self) -> None:
         for name, setting in _CHECKED.items():
@@ -72,6 +74,8 @@ def json_object(value: dict | str | None, name: str, of: str = "") -> dict | Non
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{name} must be a JSON object; {exc}") from None
+        except RecursionError:
+            raise ConfigError(f"{name} nests its JSON too deeply") from None
     if value is not None and not isinstance(value, dict):
         raise ConfigError(f"{name} must be a JSON object{of}, got {value!r:.80}")
     return value

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,6 +20,7 @@ from neuron.engine import prompt_logprobs
 from neuron.engine.block_manager import BlockManager
 from neuron.engine.engine_config import EngineConfig, default_device
 from neuron.engine.input_processor import InputProcessor, RequestError
+from neuron.engine.loading import load_within
 from neuron.engine.output_processor import OutputProcessor, Update
 from neuron.engine.sampling import SampleFailure, SequenceSampler, TokenBitmask, sample
 from neuron.engine.sampling_params import SamplingParams
@@ -29,7 +32,14 @@ from neuron.engine.tokenizer import Tokenizer
 from neuron.errors import ConfigError, WorkerError
 from neuron.executor.executor import Executor, ExecutorConfig
 from neuron.layers import cpu_attention, kernel_choice
-from neuron.models import MULTIMODAL_MODEL_TYPES, context_length, load_config, supports_prefix_caching, text_config
+from neuron.models import (
+    MULTIMODAL_MODEL_TYPES,
+    check_tp,
+    context_length,
+    load_config,
+    supports_prefix_caching,
+    text_config,
+)
 from neuron.models.gguf import find_gguf, open_file
 from neuron.models.loader import read_generation_config, resolve_model_path
 from neuron.models.quant_formats import checkpoint_quantization
@@ -41,8 +51,12 @@ log = logging.getLogger("neuron.engine.llm_engine")
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig, worker_cmd=None):
+    def __init__(self, cfg: EngineConfig, worker_cmd=None, phases: Callable[[str], None] | None = None):
+        """`phases(what)` hears what the load is doing (loading.Phases, for its deadline's message)."""
         self.cfg = cfg
+        self._shut_down = threading.Event()
+        self.phases = phases or (lambda what: None)
+        self.phases("finding the model")
         if cfg.model is None:
             from neuron.utils.default_checkpoint import default_model_dir
 
@@ -50,12 +64,15 @@ class LLMEngine:
         else:
             self.model_dir = resolve_model_path(cfg.model, cfg.hf_cache_dir)
         self.model_name = cfg.served_model_name or (cfg.model or "neuron-default")
+        self.phases(f"reading the config of {self.model_dir}")
         self.config = load_config(self.model_dir, cfg.hf_overrides)  # refused before any worker starts
+        check_tp(self.config, cfg.tp)
         self.gguf = find_gguf(self.model_dir)
         self.device = cfg.device or default_device()
         self.quantization = cfg.quantization or _stored_quantization(self.config, self.gguf)
         self.max_model_len = self._max_model_len()
         self.vocab_size = _vocab_size(self.config)
+        self.phases("building the tokenizer")
         self.tokenizer, tokenizer_dir = self._tokenizer()
         self.generation_config = read_generation_config(tokenizer_dir) if tokenizer_dir else {}
         self.eos_token_ids = self._eos_ids()
@@ -75,9 +92,11 @@ class LLMEngine:
                                       device=self.device,
                                       dtype=cfg.dtype, quantization=cfg.quantization, max_slots=cfg.max_num_seqs,
                                       max_num_batched_tokens=max(step_tokens, cfg.max_num_seqs), **self._kv_settings(),
+                                      load_timeout_s=cfg.load_timeout_s,
                                       verify_tokens=1 + spec.num_speculative_tokens if spec else 0,
                                       verify_batch=spec.disable_by_batch_size if spec else 0)
         kwargs = {"worker_cmd": worker_cmd} if worker_cmd else {}
+        self.phases("reading the weight index and planning memory")
         self.executor = Executor(executor_cfg, model_config=self.config, **kwargs)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
@@ -88,9 +107,30 @@ class LLMEngine:
                                      self.executor.devices.count(self.executor.devices[0]))
 
     def start(self) -> "LLMEngine":
-        self.executor.start()
+        self.executor.start(self.phases)
         self._new_blocks()
         return self
+
+    @classmethod
+    def load(cls, cfg: EngineConfig, worker_cmd=None,
+             building: Callable[["LLMEngine"], None] | None = None) -> "LLMEngine":
+        """A started engine, built and started within load_timeout_s (loading.LoadTimeout naming the
+        phase otherwise). `building(engine)` hears of the engine before it starts (to interrupt it)."""
+        made: list[LLMEngine] = []
+
+        def build(phases) -> LLMEngine:
+            engine = cls(cfg, worker_cmd, phases)
+            made.append(engine)
+            if building is not None:
+                building(engine)
+            return engine.start()
+
+        def interrupt(reason: str) -> None:
+            if made:
+                made[0].executor.abort(reason)
+
+        return load_within(build, cfg.load_timeout_s, interrupt, close=lambda engine: engine.shutdown(),
+                           hold=lambda engine: engine._shut_down.wait())
 
     def _proposer(self, step_tokens: int):
         cfg = self.cfg
@@ -449,6 +489,7 @@ class LLMEngine:
         self.executor.shutdown()
         if self.proposer is not None:
             self.proposer.close()
+        self._shut_down.set()
 
 
 def _vocab_size(config: dict) -> int:

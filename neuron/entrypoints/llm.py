@@ -82,7 +82,7 @@ class LLM:
                      hosts=hosts, worker_launcher=worker_launcher, cluster_address=cluster_address,
                      cluster_interface=cluster_interface, cluster_port=cluster_port)
         cfg = EngineConfig(**{k: v for k, v in given.items() if v is not None})
-        self.engine = LLMEngine(cfg).start()
+        self.engine = LLMEngine.load(cfg)
         self._ids = itertools.count()
         self._finalizer = weakref.finalize(self, _shutdown_engine, self.engine)
         atexit.register(self._finalizer)

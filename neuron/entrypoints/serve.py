@@ -42,7 +42,7 @@ OPTIONS = ("tp", "hosts", "worker_launcher", "cluster_address", "cluster_interfa
            "max_num_batched_tokens", "kv_cache_memory", "gpu_memory_utilization", "no_prefix_caching", "max_waiting",
            "served_model_name", "api_key", "max_body_bytes", "keepalive_s", "shutdown_grace_s", "max_connections",
            "max_connections_per_client", "header_timeout_s", "body_timeout_s", "min_body_rate", "idle_timeout_s",
-           "allowed_origins", "log_level")
+           "allowed_origins", "load_timeout_s", "log_level")
 
 
 def add_parser(sub) -> None:
@@ -130,9 +130,7 @@ def async_engine(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> AsyncEng
     loading: list[LLMEngine] = []
 
     def load() -> LLMEngine:
-        llm = LLMEngine(engine_cfg)
-        loading.append(llm)
-        return llm.start()
+        return LLMEngine.load(engine_cfg, building=loading.append)
 
     def interrupt(reason: str) -> None:
         if loading:

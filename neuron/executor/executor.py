@@ -32,10 +32,13 @@ from neuron.executor.progress import LoadProgress
 from neuron.models import load_config, text_config
 from neuron.models.inputs import StepResult
 from neuron.models.loader import weight_files
+from neuron.models.memory_plan import HEADROOM, MemoryPlan, available_bytes, check_fits, kv_bytes_per_token, plan
+from neuron.models.step_input import blocks_for
 from neuron.rpc import codec
 from neuron.rpc import protocol as p
 from neuron.rpc.dial_in import Listener, cluster_token
 from neuron.step import SeqStep
+from neuron.worker.failure import resolve_dtype
 from neuron.worker.worker import Worker
 
 log = logging.getLogger("neuron.executor")
@@ -122,6 +125,7 @@ class Executor:
         self.cluster_address = cluster_address(cfg.cluster_address, cfg.cluster_interface, self.placement)
         self.devices = rank_devices(cfg.device, cfg.tp, self.placement)
         self.backend = choose_backend(self.devices, self.placement.hosts)
+        self.kv_cache_bytes = self._plan_host_memory()  # before any worker starts
         self.weight_bytes: list[int] = []
         self.failed_kernels: dict[str, str] = {}  # fused kernels on their references, on every rank
         self.num_kv_blocks = 0
@@ -137,6 +141,36 @@ class Executor:
         self.on_failure: Callable[[str], None] | None = None
         self._stopping: str | None = None
         self._fresh_ranks()
+
+    def _plan_host_memory(self) -> int:
+        """Refuse a model that the CPU ranks on this host cannot hold together (weights, KV cache,
+        rotary tables: memory_plan), with the sizes. Returns each rank's KV budget: the one set,
+        else room for max_slots full-length sequences, lowered to what the host's memory holds
+        when that is less (as a GPU's pool is sized from its free memory), never below one."""
+        c = self.cfg
+        ranks = sum(1 for r, d in enumerate(self.devices) if d == "cpu" and self.placement.is_local(r))
+        if not ranks:
+            return c.kv_cache_bytes
+        dtype_bytes = torch.finfo(resolve_dtype(c.dtype, "cpu")).bits // 8
+        one = blocks_for(c.max_model_len, c.block_size) * c.block_size  # one full-length sequence
+        per_token = kv_bytes_per_token(self.config, c.tp, dtype_bytes)
+        wanted = plan(self.config, [Path(f) for f in self.paths], tp=c.tp, dtype_bytes=dtype_bytes,
+                      quantize_at_load=bool(c.quantization), max_model_len=c.max_model_len,
+                      kv_tokens=c.max_slots * one, kv_cache_bytes=c.kv_cache_bytes)
+        available = available_bytes()
+        fix = ("lower --max-model-len or --kv-cache-memory, use fewer ranks on this host, or a smaller (or "
+               "quantized) model")
+        if c.kv_cache_bytes or available is None or wanted.total * ranks <= available * HEADROOM:
+            check_fits(wanted, ranks, available, fix)
+            return c.kv_cache_bytes
+        least = MemoryPlan(wanted.weights, one * per_token, wanted.tables)
+        check_fits(least, ranks, available, fix)
+        room = int(available * HEADROOM) // ranks - wanted.weights - wanted.tables
+        sequences = room // (one * per_token)
+        log.warning("KV cache: this host's memory holds %d sequences of max_model_len %d per rank, not the %d of "
+                    "--max-num-seqs; set --kv-cache-memory or lower --max-model-len to choose", sequences,
+                    c.max_model_len, c.max_slots)
+        return room // (per_token * c.block_size) * per_token * c.block_size
 
     def _launched(self, worker_cmd: Callable[[int, int, str], list[str]]) -> Callable[[int, int, str], list[str]]:
         """`worker_cmd`, behind the launcher for ranks on other hosts."""
@@ -196,14 +230,19 @@ class Executor:
         self._fresh_ranks()
         self.start()
 
-    def start(self) -> "Executor":
+    def start(self, phases: Callable[[str], None] = lambda what: None) -> "Executor":
+        """Spawn the workers, join the ranks' group and load every rank's shard; `phases(what)`
+        hears which of these it is doing."""
         t0 = time.perf_counter()
         try:
             self._check_stopping()
+            phases(f"starting {self.cfg.tp - 1} worker(s)" if self.cfg.tp > 1 else "starting rank 0")
             self._check_versions(self.pool.spawn(self.cfg.start_timeout_s))
             self._check_stopping()
+            phases(f"joining the ranks' {self.backend} group")
             self._init_comm()
             self._check_stopping()
+            phases("loading the weights")
             self._load()
         except BaseException:
             self.pool.kill()  # nothing of a failed attempt keeps running or listening
@@ -258,7 +297,7 @@ class Executor:
                                     safetensors_paths=self.paths, dtype=c.dtype, quantization=c.quantization or "",
                                     max_slots=c.max_slots,
                                     max_model_len=c.max_model_len, block_size=c.block_size,
-                                    kv_cache_bytes=c.kv_cache_bytes, gpu_memory_utilization=share,
+                                    kv_cache_bytes=self.kv_cache_bytes, gpu_memory_utilization=share,
                                     max_num_batched_tokens=c.max_num_batched_tokens,
                                     failed_kernels=self.failed_kernels, verify_tokens=c.verify_tokens,
                                     verify_batch=c.verify_batch)

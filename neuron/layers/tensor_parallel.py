@@ -51,6 +51,15 @@ class Reader:
     def has(self, name: str) -> bool:
         raise NotImplementedError
 
+    def shape(self, name: str) -> list[int] | None:
+        """The full shape of tensor `name` as a layer sees it, without reading it; None where the
+        format stores it packed and only a read tells."""
+        return None
+
+    def source(self, name: str) -> str:
+        """The file that holds tensor `name`, for messages."""
+        return "the checkpoint"
+
     def read_weight(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None,
                     vocab: bool = False) -> torch.Tensor | QuantizedWeight:
         """A linear layer's weight (or this rank's slice of it): quantized where the checkpoint

@@ -27,16 +27,30 @@ def check_supported(config: dict) -> str:
 
 def load_config(model_dir, overrides: dict | None = None) -> dict:
     """A checkpoint's config.json with `overrides` merged in (nested objects key by key), refused at
-    once when neuron cannot run its architecture."""
+    once when neuron cannot run its architecture or a field is out of its range."""
     from pathlib import Path
 
+    from neuron.errors import ConfigError
+    from neuron.models.config_check import Fields, check_config
     from neuron.models.gguf import find_gguf, open_file
     from neuron.models.loader import read_json
 
     gguf = find_gguf(Path(model_dir))
+    where = str(gguf) if gguf is not None else str(Path(model_dir) / "config.json")
     base = open_file(gguf).config() if gguf is not None else read_json(Path(model_dir) / "config.json")
+    Fields(base, where)  # an object, not a list or a number
+    if overrides:
+        where += " with --hf-overrides"
     config = merged(base, overrides or {})
     check_supported(config)
+    try:
+        check_config(config, where)
+    except ConfigError as exc:
+        key = open_file(gguf).metadata_key(getattr(exc, "field", "")) if gguf is not None else None
+        if key is None or (overrides and getattr(exc, "field", "") in overrides):
+            raise
+        raise ConfigError(f"{exc} (GGUF metadata {key})") from None
+    _architecture(config)[1].from_dict(config)  # what the ranks' parser refuses, refused here first
     return config
 
 
@@ -69,30 +83,63 @@ def context_length(config: dict) -> int:
     return RopeScaling.from_config(t).max_len(int(t.get("max_position_embeddings", 2048)))
 
 
-def build_model(config: dict, comm, dtype, device, model_dir=None):
-    """This rank's (unloaded) share of the model named by `config` (read from `model_dir`)."""
+def _architecture(config: dict) -> tuple[type, type]:
+    """The model class of `config`'s architecture and the class parsing its config."""
     model_type = check_supported(config)
     if model_type in DENSE_MODEL_TYPES:
         from neuron.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
-        return Qwen3ForCausalLM(Qwen3Config.from_dict(config), comm, dtype, device)
+        return Qwen3ForCausalLM, Qwen3Config
     if model_type == "qwen3_moe":
         from neuron.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-        return Qwen3MoeForCausalLM(Qwen3MoeConfig.from_dict(config), comm, dtype, device)
-    vision = None
-    if model_type in MULTIMODAL_MODEL_TYPES:
-        from neuron.multimodal.image import VisionSpec
-
-        vision = VisionSpec.from_checkpoint(config, model_dir)
+        return Qwen3MoeForCausalLM, Qwen3MoeConfig
     if model_type in ("qwen3_5", "qwen3_5_text"):
         from neuron.models.qwen3_5 import Qwen35Config, Qwen35ForCausalLM
 
-        return Qwen35ForCausalLM(Qwen35Config.from_dict(config), comm, dtype, device, vision,
-                                 config.get("vision_config"))
-    if model_type in ("qwen3_5_moe", "qwen3_5_moe_text"):
-        from neuron.models.qwen3_5_moe import Qwen35MoeConfig, Qwen35MoeForCausalLM
+        return Qwen35ForCausalLM, Qwen35Config
+    from neuron.models.qwen3_5_moe import Qwen35MoeConfig, Qwen35MoeForCausalLM
 
-        return Qwen35MoeForCausalLM(Qwen35MoeConfig.from_dict(config), comm, dtype, device, vision,
-                                    config.get("vision_config"))
-    raise AssertionError(model_type)
+    return Qwen35MoeForCausalLM, Qwen35MoeConfig
+
+
+def valid_tp_sizes(config: dict, up_to: int = 64) -> list[int]:
+    """The tensor-parallel sizes up to `up_to` that the model's heads and widths split into."""
+    from neuron.errors import ConfigError
+    from neuron.layers.tensor_parallel import Shard
+
+    model, parser = _architecture(config)
+    typed = parser.from_dict(config)
+    sizes = []
+    for tp in range(1, up_to + 1):
+        try:
+            model.check_split(typed, Shard(0, tp))
+        except ConfigError:
+            continue
+        sizes.append(tp)
+    return sizes
+
+
+def check_tp(config: dict, tp: int) -> None:
+    """Refuse, before any worker starts, a tensor-parallel size the model does not split into,
+    listing the sizes it does."""
+    from neuron.errors import ConfigError
+    from neuron.layers.tensor_parallel import Shard
+
+    model, parser = _architecture(config)
+    try:
+        model.check_split(parser.from_dict(config), Shard(0, tp))
+    except ConfigError as exc:
+        sizes = ", ".join(map(str, valid_tp_sizes(config)))
+        raise ConfigError(f"tensor-parallel size {tp} does not fit this model: {exc}; sizes that do: {sizes}") from None
+
+
+def build_model(config: dict, comm, dtype, device, model_dir=None):
+    """This rank's (unloaded) share of the model named by `config` (read from `model_dir`)."""
+    model, parser = _architecture(config)
+    typed = parser.from_dict(config)
+    if config.get("model_type") not in MULTIMODAL_MODEL_TYPES:
+        return model(typed, comm, dtype, device)
+    from neuron.multimodal.image import VisionSpec
+
+    return model(typed, comm, dtype, device, VisionSpec.from_checkpoint(config, model_dir), config.get("vision_config"))

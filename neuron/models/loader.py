@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from neuron.errors import ConfigError, ModelNotFound
 from neuron.layers import quantized
@@ -45,6 +45,8 @@ def resolve_model_path(model: str, cache_dir: str | None = None, revision: str =
         return path.resolve()
     if path.exists():
         raise ModelNotFound(f"{model} is a file but not a .gguf one; pass the checkpoint's directory or a GGUF file")
+    if _is_path(model):
+        raise ModelNotFound(f"model path {model} does not exist")
     repo, file = model, None
     if model.endswith(".gguf") and model.count("/") >= 2:  # org/name/file.gguf
         org, name, file = model.split("/", 2)
@@ -52,7 +54,8 @@ def resolve_model_path(model: str, cache_dir: str | None = None, revision: str =
     searched = []
     for cache in hub_cache_dirs(cache_dir):
         repo_dir = cache / f"models--{repo.replace('/', '--')}"
-        searched.append(str(repo_dir))
+        if cache.is_dir():  # a cache that is not there is not worth naming
+            searched.append(str(cache))
         if repo_dir.is_dir() and (snap := _snapshot(repo_dir, revision)) is not None:
             if file is None:
                 return snap
@@ -60,20 +63,39 @@ def resolve_model_path(model: str, cache_dir: str | None = None, revision: str =
                 return snap / file
             raise ModelNotFound(f"{file} is not in {repo} ({snap}); its GGUF files: "
                                 f"{', '.join(sorted(p.name for p in snap.glob('*.gguf'))) or 'none'}")
+    looked = f"looked in: {', '.join(searched)}" if searched else "this machine has no Hugging Face cache"
     raise ModelNotFound(
-        f"model {model!r} is neither a directory nor in the local Hugging Face cache "
-        f"(looked in: {', '.join(searched)}). neuron does not download: fetch it first, "
-        f"e.g. `hf download {model}`, or pass a local path."
+        f"model {model!r} is neither a local path nor a repo in the local Hugging Face cache ({looked}). neuron "
+        f"does not download: fetch it first with `hf download {repo}`, or pass a local path."
     )
 
 
+def _is_path(model: str) -> bool:
+    """Whether `model` can only be meant as a path: absolute, relative to here or home, or more than
+    org/name (a repo id with a GGUF file name is told apart by its .gguf ending)."""
+    return model.startswith(("/", "./", "../", "~", ".\\")) or (model.count("/") > 1 and not model.endswith(".gguf")) \
+        or model in (".", "..")
+
+
+MAX_JSON_BYTES = 64 * 2**20  # config, index and tokenizer settings files; real ones are kilobytes to megabytes
+
+
 def read_json(path: Path) -> dict:
+    """A checkpoint's JSON file, refused in one line (naming it) when missing, huge, nested without
+    end, or not JSON."""
     try:
-        return json.loads(path.read_text())
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise ConfigError(f"{path} is {path.stat().st_size} bytes, more than a checkpoint's JSON file holds "
+                              f"({MAX_JSON_BYTES} at most)")
+        return json.loads(path.read_bytes())
     except FileNotFoundError:
         raise ConfigError(f"{path.name} is missing in {path.parent}") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{path} nests its JSON too deeply") from None
+    except OSError as exc:
+        raise ConfigError(f"{path} cannot be read: {exc.strerror or exc}") from None
 
 
 def read_generation_config(model_dir: Path) -> dict:
@@ -90,11 +112,14 @@ def weight_files(model_path: Path) -> list[Path]:
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
-    """The checkpoint's weight files: those named by its index, or every *.safetensors file."""
+    """The checkpoint's weight files: those named by its index (each inside the checkpoint's
+    directory), or every *.safetensors file."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(read_json(index).get("weight_map", {}).values()))
-        files = [model_dir / n for n in names]
+        weight_map = read_json(index).get("weight_map", {})
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ConfigError(f"{index}: weight_map must map tensor names to file names")
+        files = [_inside(model_dir, n, index) for n in sorted(set(weight_map.values()))]
     else:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -105,13 +130,28 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def _inside(model_dir: Path, name: str, index: Path) -> Path:
+    """`name` as a .safetensors file under the checkpoint's directory; a path that leads out of it
+    (absolute, or through `..`) is refused. Judged on the name as written: the Hugging Face cache
+    links every file to its blob elsewhere, which is the directory owner's doing, not the index's."""
+    parts = Path(os.path.normpath(name)).parts
+    if not name or Path(name).is_absolute() or ".." in parts or not name.endswith(".safetensors"):
+        raise ConfigError(f"{index}: weight_map names {name!r}, which is not a .safetensors file inside {model_dir}")
+    return model_dir / name
+
+
 class CheckpointReader(Reader):
     """Reads tensors or slices of them across a checkpoint's safetensors files. A slice read never
-    materialises the full tensor, so a rank holds only its own share."""
+    materialises the full tensor, so a rank holds only its own share. A file that safetensors cannot
+    read is refused naming it, in one line."""
 
     def __init__(self, paths: list[str | Path]):
-        self._files = [safe_open(str(p), framework="pt", device="cpu") for p in paths]
-        self._where = {name: f for f in self._files for name in f.keys()}
+        self._files = []
+        self._where: dict[str, tuple[object, str]] = {}  # tensor name: (open file, its name)
+        for path in paths:
+            f = _safetensors(path, lambda p: safe_open(str(p), framework="pt", device="cpu"))
+            self._files.append(f)
+            self._where.update((name, (f, Path(path).name)) for name in f.keys())
 
     def has(self, name: str) -> bool:
         return name in self._where
@@ -119,27 +159,45 @@ class CheckpointReader(Reader):
     def names(self) -> list[str]:
         return list(self._where)
 
-    def shape(self, name: str) -> list[int]:
-        f = self._where.get(name)
-        if f is None:
+    def source(self, name: str) -> str:
+        return self._where[name][1] if name in self._where else "the checkpoint"
+
+    def _file(self, name: str):
+        if name not in self._where:
             raise ConfigError(f"weight {name!r} is missing from the checkpoint")
-        return list(f.get_slice(name).get_shape())
+        return self._where[name][0]
+
+    def shape(self, name: str) -> list[int]:
+        f = self._file(name)
+        return _safetensors(self.source(name), lambda _: list(f.get_slice(name).get_shape()), name)
 
     def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
-        f = self._where.get(name)
-        if f is None:
-            raise ConfigError(f"weight {name!r} is missing from the checkpoint")
+        f = self._file(name)
         if dim is None:
-            return f.get_tensor(name)
-        sl = f.get_slice(name)
-        shape = sl.get_shape()
-        end = shape[dim] if end is None else end
-        index = tuple(slice(start, end) if d == dim else slice(None) for d in range(len(shape)))
-        return sl[index]
+            return _safetensors(self.source(name), lambda _: f.get_tensor(name), name)
+
+        def sliced(_) -> torch.Tensor:
+            sl = f.get_slice(name)
+            shape = sl.get_shape()
+            stop = shape[dim] if end is None else end
+            return sl[tuple(slice(start, stop) if d == dim else slice(None) for d in range(len(shape)))]
+
+        return _safetensors(self.source(name), sliced, name)
 
     def close(self) -> None:
         self._files.clear()
         self._where.clear()
+
+
+def _safetensors(path, op, tensor: str | None = None):
+    """`op(path)`, with safetensors' own errors (a corrupt header, a dtype it does not know, data
+    past the end of the file) refused in one line naming the file and the tensor."""
+    try:
+        return op(path)
+    except (OSError, ValueError, RuntimeError, TypeError, SafetensorError) as exc:
+        what = f"{Path(str(path)).name}" + (f": tensor {tensor}" if tensor else "")
+        raise ConfigError(f"{what}: not readable as safetensors: {str(exc).splitlines()[0] if str(exc) else exc!r}") \
+            from None
 
 
 class QuantizingReader(Reader):
@@ -154,6 +212,12 @@ class QuantizingReader(Reader):
 
     def has(self, name: str) -> bool:
         return self.inner.has(name)
+
+    def shape(self, name: str) -> list[int] | None:
+        return self.inner.shape(name)
+
+    def source(self, name: str) -> str:
+        return self.inner.source(name)
 
     def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         return self.inner.read(name, dim, start, end)
@@ -170,7 +234,15 @@ class QuantizingReader(Reader):
 
 def open_checkpoint(paths: list[str], quantization: str = "", config: dict | None = None) -> Reader:
     """This rank's reader over the checkpoint's weight files: a GGUF file's, or safetensors ones
-    (quantized where `config`'s quantization_config says so), quantizing at load where asked."""
+    (quantized where `config`'s quantization_config says so), quantizing at load where asked, each
+    read checked against the shapes `config` implies (weight_shapes)."""
+    from neuron.models.weight_shapes import CheckedReader, expected_shapes
+
+    reader = _open_reader(paths, quantization, config)
+    return CheckedReader(reader, expected_shapes(config)) if config is not None else reader
+
+
+def _open_reader(paths: list[str], quantization: str, config: dict | None) -> Reader:
     from neuron.models.quant_formats import PrequantizedReader, checkpoint_quantization
 
     if len(paths) == 1 and str(paths[0]).endswith(".gguf"):

@@ -170,6 +170,13 @@ class PrequantizedReader(Reader):
         prefix = name.removesuffix(".weight")
         return self.inner.has(name) or any(self.inner.has(f"{prefix}.{p}") for p in ("qweight", "weight_packed"))
 
+    def shape(self, name: str) -> list[int] | None:
+        """Stored as is (FP8 codes, unquantized tensors); packed formats tell their shape when read."""
+        return self.inner.shape(name) if self.inner.has(name) else None
+
+    def source(self, name: str) -> str:
+        return self.inner.source(name)
+
     def read(self, name, dim=None, start=0, end=None) -> torch.Tensor:
         w = self.read_weight(name, dim, start, end)
         return w.dequantize() if isinstance(w, QuantizedWeight) else w

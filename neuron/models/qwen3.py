@@ -147,11 +147,16 @@ class Qwen3ForCausalLM(CausalLM):
         self.dtype = dtype
         self.device = device
         self.shard = Shard(comm.rank, comm.world_size)
+        Qwen3ForCausalLM.check_split(config, self.shard)
         self.layout = HeadLayout(config.num_heads, config.num_kv_heads, config.head_dim, self.shard)
-        self.layout.validate()
-        self.shard.even(config.intermediate_size, "intermediate_size")
         self.layers: list[DecoderLayer] = []
         self.cache: PagedKVCache | None = None
+
+    @staticmethod
+    def check_split(config: Qwen3Config, shard: Shard) -> None:
+        """Refuse a tensor-parallel size this model's heads and widths do not split into."""
+        HeadLayout(config.num_heads, config.num_kv_heads, config.head_dim, shard).validate()
+        shard.even(config.intermediate_size, "intermediate_size")
 
     def load(self, r: Reader, progress: Callable[[int, int], None] | None = None) -> None:
         c, s, dt, dev = self.config, self.shard, self.dtype, self.device

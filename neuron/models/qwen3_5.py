@@ -301,13 +301,18 @@ class Qwen35ForCausalLM(CausalLM):
         self.dtype = dtype
         self.device = device
         self.shard = Shard(comm.rank, comm.world_size)
+        Qwen35ForCausalLM.check_split(c, self.shard)
         self.layout = HeadLayout(c.num_heads, c.num_kv_heads, c.head_dim, self.shard)
-        self.layout.validate()
         self.heads = DeltaNetHeads(c.linear_k_heads, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim, self.shard)
-        self.heads.validate()
-        self.shard.even(c.intermediate_size, "intermediate_size")
         self.layers: list[DecoderLayer] = []
         self.cache: HybridCache | None = None
+
+    @staticmethod
+    def check_split(c: Qwen35Config, shard: Shard, mlp_width: str = "intermediate_size") -> None:
+        """Refuse a tensor-parallel size this model's heads and widths do not split into."""
+        HeadLayout(c.num_heads, c.num_kv_heads, c.head_dim, shard).validate()
+        DeltaNetHeads(c.linear_k_heads, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim, shard).validate()
+        shard.even(c.intermediate_size, mlp_width)
 
     def load(self, r: Reader, progress: Callable[[int, int], None] | None = None) -> None:
         c, s, dt, dev = self.config, self.shard, self.dtype, self.device

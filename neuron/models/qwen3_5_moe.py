@@ -74,13 +74,15 @@ class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
 
     def __init__(self, config: Qwen35MoeConfig, comm: Communicator, dtype: torch.dtype, device: torch.device,
                  vision: VisionSpec | None = None, vision_config: dict | None = None):
-        # Refused here, before any weight is read, under the names config.json uses (Qwen3.5's
-        # own check would call the shared expert's width `intermediate_size`).
-        shard = Shard(comm.rank, comm.world_size)
-        shard.even(config.moe_intermediate_size, "moe_intermediate_size")
-        shard.even(config.base.intermediate_size, "shared_expert_intermediate_size")
+        self.check_split(config, Shard(comm.rank, comm.world_size))
         super().__init__(config.base, comm, dtype, device, vision, vision_config)
         self.moe = config
+
+    @staticmethod
+    def check_split(config: Qwen35MoeConfig, shard: Shard, mlp_width: str = "") -> None:
+        # Under the names config.json uses: the dense MLP's width is the shared expert's.
+        Qwen35ForCausalLM.check_split(config.base, shard, "shared_expert_intermediate_size")
+        shard.even(config.moe_intermediate_size, "moe_intermediate_size")
 
     def load_mlp(self, r: Reader, p: str) -> SharedExpertMoE:
         m = self.moe

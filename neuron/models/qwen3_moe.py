@@ -12,7 +12,7 @@ import torch
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
 from neuron.layers.moe import SparseMoE
-from neuron.layers.tensor_parallel import Reader
+from neuron.layers.tensor_parallel import Reader, Shard
 from neuron.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
 
@@ -57,10 +57,14 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """This rank's share of a Qwen3-MoE model: Qwen3's, with MoE blocks where the config says."""
 
     def __init__(self, config: Qwen3MoeConfig, comm: Communicator, dtype: torch.dtype, device: torch.device):
+        self.check_split(config, Shard(comm.rank, comm.world_size))  # before any weight is read
         super().__init__(config.base, comm, dtype, device)
         self.moe = config
-        # refused here, before any weight is read, rather than midway through the load
-        self.shard.even(config.moe_intermediate_size, "moe_intermediate_size")
+
+    @staticmethod
+    def check_split(config: Qwen3MoeConfig, shard: Shard) -> None:
+        Qwen3ForCausalLM.check_split(config.base, shard)
+        shard.even(config.moe_intermediate_size, "moe_intermediate_size")
 
     def load_mlp(self, r: Reader, i: int):
         m = self.moe
