@@ -272,49 +272,6 @@ def test_a_frozen_host_is_found_by_heartbeats(odd_checkpoint, hosts, monkeypatch
         _reap(workers)
 
 
-def test_a_dialling_rank_must_be_expected_and_say_who_it_is():
-    """The listener on its own (loopback): malformed greetings, unexpected ranks and wrong tokens
-    are refused with a reason; the expected rank is welcomed; the deadline names who is missing."""
-    import threading
-
-    from neuron.rpc.dial_in import DialInFailed, Listener, dial
-
-    listener = Listener(LOOPBACK, 0, "tok")
-    port = int(listener.address.rpartition(":")[2])
-    answers = {}
-
-    def client(name, rank, token):
-        try:
-            dial(f"{LOOPBACK}:{port}", rank, token, 5.0)
-            answers[name] = "welcome"
-        except ConnectionRefusedError as exc:
-            answers[name] = str(exc)
-
-    result = {}
-    acceptor = threading.Thread(target=lambda: result.update(listener.accept({1}, 20.0)))
-    acceptor.start()
-    for args in (("wrong", 1, "bad"), ("unexpected", 3, "tok"), ("right", 1, "tok")):
-        client(*args)  # one at a time, so the listener sees them in this order
-    acceptor.join()
-    assert answers == {"wrong": "wrong cluster token", "unexpected": "rank 3 is not one this leader is waiting for",
-                       "right": "welcome"}
-    assert set(result) == {1}
-    result[1].kill()
-    with pytest.raises(DialInFailed, match="rank.s. 2 did not dial in"):
-        listener.accept({2}, 0.5)
-    listener.close()
-
-
-def test_the_cluster_token_comes_from_the_setting_or_a_file(tmp_path):
-    from neuron.rpc.dial_in import cluster_token
-
-    (tmp_path / "token").write_text("from-file\n")
-    assert cluster_token("set", None) == "set"
-    assert cluster_token(None, str(tmp_path / "token")) == "from-file"
-    with pytest.raises(ConfigError, match="NEURON_CLUSTER_TOKEN"):
-        cluster_token(None, None)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["launched", "dialled-in"])
 @pytest.mark.parametrize("fault", ["kill", "link"])

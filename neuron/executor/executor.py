@@ -130,7 +130,7 @@ class Executor:
         self.failed_kernels: dict[str, str] = {}  # fused kernels on their references, on every rank
         self.num_kv_blocks = 0
         self._worker_cmd, self._env = self._launched(worker_cmd), dict(env or {})
-        self._listener = None  # ranks that dial in (rpc/dial_in.py): listening for the executor's life
+        self._listener = None  # ranks that dial in (rpc/dial_in.py): listening while a start awaits them
         if self.placement.remote and cfg.worker_launcher == DIAL_IN:
             s = settings()
             self._listener = Listener(self.cluster_address, cfg.cluster_port,

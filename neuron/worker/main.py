@@ -92,7 +92,7 @@ def main_connect(address: str, rank: int, world_size: int, device: str) -> int:
     when the leader closes the connection (it rebuilds its ranks), exit on `shutdown`, on refusal
     or when the leader cannot be reached within the worker start deadline."""
     from neuron.config import settings
-    from neuron.rpc.dial_in import cluster_token, dial
+    from neuron.rpc.dial_in import Refused, cluster_token, dial
 
     setup_logging(f"[rank {rank}] ")
     sys.stdout = sys.stderr  # nothing printed may look like a protocol line
@@ -101,7 +101,7 @@ def main_connect(address: str, rank: int, world_size: int, device: str) -> int:
     while True:
         try:
             sock, reader = dial(address, rank, token, s.worker_start_timeout_s)
-        except ConnectionRefusedError as exc:
+        except Refused as exc:
             log.error("the leader at %s refused this rank: %s", address, exc)
             return 2
         except OSError as exc:
