@@ -1,8 +1,9 @@
 """Tiny checkpoints with each dense family's chat set-up, written here: a byte-level BPE trained on
 the default model's corpus with the family's added tokens, its BOS post-processor, a chat template
-in the family's layout (tools, tool calls and tool results where the family puts them) and, for
-Llama 3, the three stop ids in generation_config.json. Weights are random (transformers' own
-model class), so the checkpoints test formats, not answers."""
+in the family's layout (tools, tool calls and tool results where the family puts them; Llama 2's
+has no place for them, so it is a model with no tool-call format) and, for Llama 3, the three stop
+ids in generation_config.json. Weights are random (transformers' own model class), so the
+checkpoints test formats, not answers."""
 
 from __future__ import annotations
 
@@ -96,6 +97,20 @@ MISTRAL_TEMPLATE = """\
 {%- endfor -%}
 """
 
+# Llama 2's chat layout, which has no way to write tool calls: tools and tool turns are left out.
+LLAMA2_TEMPLATE = """\
+{{- bos_token -}}
+{%- for message in messages -%}
+    {%- if message.role == "system" -%}
+        {{- "<<SYS>>\\n" + message.content + "\\n<</SYS>>\\n\\n" -}}
+    {%- elif message.role == "user" -%}
+        {{- "[INST] " + message.content + " [/INST]" -}}
+    {%- elif message.role == "assistant" -%}
+        {{- " " + message.content + eos_token -}}
+    {%- endif -%}
+{%- endfor -%}
+"""
+
 LLAMA3_STOPS = ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")
 
 # family: (model_type, transformers classes, special tokens, text tokens, bos, eos, template)
@@ -108,6 +123,7 @@ FAMILIES = {
     "mistral": ("mistral", ("MistralConfig", "MistralForCausalLM"),
                 ("<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
                  "[TOOL_RESULTS]", "[/TOOL_RESULTS]"), (), "<s>", "</s>", MISTRAL_TEMPLATE),
+    "llama2": ("llama", ("LlamaConfig", "LlamaForCausalLM"), ("<s>", "</s>"), (), "<s>", "</s>", LLAMA2_TEMPLATE),
 }
 
 

@@ -20,6 +20,7 @@ import uvicorn
 
 from neuron.engine.async_engine import AsyncEngine
 from neuron.engine.llm_engine import EngineConfig, LLMEngine, RequestError, Update
+from neuron.engine.structured_output import StructuredOutput
 from neuron.entrypoints.openai.app import ServerConfig, build_app
 from neuron.entrypoints.openai.shutdown import GracefulServer
 from neuron.entrypoints.serve import served_name
@@ -82,10 +83,12 @@ RAISE = object()  # a script step on which step() raises, as a bug in the schedu
 class ScriptedEngine:
     """Stands in for LLMEngine: answers each request with the text pieces of the first script whose
     key occurs in its prompt, one piece per step. A float step sleeps that many seconds; clearing
-    `gate` stalls every request."""
+    `gate` stalls every request. Grammars compile for real (their 400s are the server's), but the
+    script stands in for what a model would write under them."""
 
     def __init__(self, tokenizer, scripts: dict[str, list], max_model_len: int = 512):
         self.tokenizer = tokenizer
+        self.structured = StructuredOutput(tokenizer, tokenizer.vocab_size, [])
         self.scripts = scripts
         self.model_name = "stub"
         self.max_model_len = max_model_len

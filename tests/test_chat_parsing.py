@@ -10,8 +10,10 @@ import pytest
 from neuron.entrypoints.openai.api_errors import APIError
 from neuron.entrypoints.openai.chat_utils import normalise_messages
 from neuron.entrypoints.openai.response_parser import (
+    ForcedCallParser,
     OutputParser,
     Parsed,
+    ParsedToolCall,
     parse_tool_call,
     prompt_opens_reasoning,
     tool_format,
@@ -226,3 +228,53 @@ def test_the_format_follows_the_tokenizer_and_template():
     assert tool_format(Tok({"[TOOL_CALLS]": 9})) == "mistral"
     assert tool_format(Tok({"<|python_tag|>": 7})) == "json"
     assert tool_format(Tok({"<|eot_id|>": 1})) is None
+
+
+# ---- a forced tool_choice on a model with no call format: the reply is the grammar's JSON ----
+
+LISTED = '[{"name":"get_weather","parameters":{"city":"}{ ,]["}},{"name":"get_time","parameters":{}}]'
+
+
+def parse_forced(name: str | None, pieces: list[str]) -> Parsed:
+    parser = ForcedCallParser(name)
+    out = Parsed()
+    for piece in pieces:
+        out.extend(parser.feed(piece))
+    out.extend(parser.finish())
+    return out
+
+
+def test_a_named_call_is_the_whole_reply_streamed_as_it_comes():
+    parser = ForcedCallParser("get_weather")
+    assert parser.feed("") == Parsed()
+    assert parser.feed('{"city"') == Parsed(tool_calls=[ParsedToolCall("get_weather", '{"city"')])
+    assert parser.feed(':"Paris"}') == Parsed(arguments=':"Paris"}')
+    assert parser.finish() == Parsed()
+    assert parse_forced("get_weather", ['{"ci', 'ty":"Paris"}']) == Parsed(
+        tool_calls=[ParsedToolCall("get_weather", '{"city":"Paris"}')])
+    # Cut short by max_tokens: the call as far as it got, as vLLM returns it.
+    assert parse_forced("f", ['{"a":[1,']).tool_calls == [ParsedToolCall("f", '{"a":[1,')]
+
+
+def test_required_calls_are_a_list_each_a_call_once_it_closes():
+    parser = ForcedCallParser(None)
+    assert parser.feed('[{"name":"get_weather","parameters":{"city":"}') == Parsed()
+    first = parser.feed('{ ,]["}},{"name":"get_time",')
+    assert first.tool_calls == [ParsedToolCall("get_weather", '{"city": "}{ ,]["}')] and not first.content
+    assert parser.feed('"parameters":{}}]').tool_calls == [ParsedToolCall("get_time", "{}")]
+    assert parser.finish() == Parsed()
+
+
+def test_a_required_list_cut_short_keeps_its_unfinished_call_as_content():
+    out = parse_forced(None, ['[{"name":"f","parameters":{}},{"name":"g","par'])
+    assert out.tool_calls == [ParsedToolCall("f", "{}")] and out.content == '{"name":"g","par'
+
+
+@pytest.mark.parametrize("name, text", [("get_weather", '{"city":"Paris","days":[1,2]}'), (None, LISTED),
+                                        (None, '[{"name":"f","parameters":{}},{"name":"g"')])
+def test_any_split_of_a_forced_reply_parses_like_the_whole(name, text):
+    whole = parse_forced(name, [text])
+    rng = random.Random(1)
+    for _ in range(200):
+        assert parse_forced(name, random_pieces(text, rng)) == whole
+    assert parse_forced(name, list(text)) == whole

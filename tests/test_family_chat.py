@@ -2,7 +2,8 @@
 tests/family_chat.py): the template renders as transformers renders it, text prompts get the BOS
 their tokenizer adds, tool calls come back as OpenAI `tool_calls` through the official client in
 each family's format (forced by a grammar on the real model, and parsed from a scripted reply),
-a model whose format is unknown is refused tools, and each of Llama 3's three stop ids ends a
+a model whose format is unknown is refused `auto` tools but served a forced tool_choice as vLLM
+serves it (the grammar writes the call's JSON alone), and each of Llama 3's three stop ids ends a
 generation."""
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from family_chat import FAMILIES, LLAMA3_STOPS, build_family_checkpoint
 from safetensors.torch import load_file, save_file
 from server_harness import LiveServer, ScriptedEngine, client, real_engine, scripted_engine
 
+from neuron.engine.structured_output import StructuredOutput
 from neuron.engine.tokenizer import Tokenizer
+from neuron.entrypoints.openai.api_types import ChatCompletionRequest
+from neuron.entrypoints.openai.guided import guided_params
 from neuron.entrypoints.openai.response_parser import tool_format
 from neuron.utils.default_checkpoint import build_tokenizer
 
@@ -35,7 +39,8 @@ HISTORY = [
     {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     {"role": "user", "content": "And now?"},
 ]
-FORMATS = {"llama3": "json", "qwen2.5": "tags", "mistral": "mistral"}
+FORMATS = {"llama3": "json", "qwen2.5": "tags", "mistral": "mistral", "llama2": None}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
 # What each family's model writes when it calls get_weather, in the pieces a stream might bring.
 REPLIES = {
     "llama3": ['{"name": "get_weather", ', '"parameters": {"city": ', '"Paris"}}'],
@@ -44,9 +49,27 @@ REPLIES = {
 }
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory):
-    return request.param, build_family_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Each family's checkpoint, built once for the module when a test first asks for it."""
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = build_family_checkpoint(tmp_path_factory.mktemp(name), name)
+        return built[name]
+    return get
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family(request, checkpoints):
+    return request.param, checkpoints(request.param)
+
+
+@pytest.fixture(params=[name for name, fmt in FORMATS.items() if fmt])
+def tool_family(request, checkpoints):
+    """The families with a tool-call format of their own."""
+    return request.param, checkpoints(request.param)
 
 
 def test_the_template_renders_as_transformers(family):
@@ -79,14 +102,13 @@ def test_a_text_prompt_gets_the_bos_its_tokenizer_adds(family):
 
 
 @pytest.mark.slow
-def test_forced_tool_calls_round_trip_through_the_openai_client(family):
+def test_forced_tool_calls_round_trip_through_the_openai_client(tool_family):
     """tool_choice holds the real model to its family's call format, which the parser then reads."""
-    name, path = family
+    name, path = tool_family
     with LiveServer(real_engine(str(path), 1, max_model_len=512)) as server:
         server.wait_ready()
         api = client(server)
-        named = {"type": "function", "function": {"name": "get_weather"}}
-        for kwargs in (dict(tool_choice=named), dict(tool_choice="required", parallel_tool_calls=False)):
+        for kwargs in (dict(tool_choice=NAMED), dict(tool_choice="required", parallel_tool_calls=False)):
             out = api.chat.completions.create(model=str(path), messages=HISTORY, tools=TOOLS, max_tokens=120,
                                               seed=1, **kwargs)
             choice = out.choices[0]
@@ -96,15 +118,15 @@ def test_forced_tool_calls_round_trip_through_the_openai_client(family):
             schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
             jsonschema.validate(json.loads(call.function.arguments), schema)
         chunks = list(api.chat.completions.create(model=str(path), messages=HISTORY, tools=TOOLS, max_tokens=120,
-                                                  tool_choice=named, stream=True, seed=2))
+                                                  tool_choice=NAMED, stream=True, seed=2))
         calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
         assert [c.function.name for c in calls] == ["get_weather"]
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_reply_in_the_family_format_becomes_tool_calls(family, stream):
-    name, path = family
+def test_a_reply_in_the_family_format_becomes_tool_calls(tool_family, stream):
+    name, path = tool_family
     stub = ScriptedEngine(Tokenizer.from_dir(path), {"Paris": REPLIES[name]})
     with LiveServer(scripted_engine(stub)) as server:
         api = client(server.wait_ready(10))
@@ -126,17 +148,131 @@ def test_a_reply_in_the_family_format_becomes_tool_calls(family, stream):
         assert plain.content == "".join(REPLIES[name]) and not plain.tool_calls
 
 
-def test_tools_are_refused_where_the_call_format_is_unknown():
+def formatless_tokenizer() -> Tokenizer:
+    """A tokenizer whose template writes the messages' text and nothing of tools."""
     backend = build_tokenizer(("<|eot|>",), ())
-    tok = Tokenizer(backend, eos_token="<|eot|>", chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
+    return Tokenizer(backend, eos_token="<|eot|>", chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
+
+
+def grammar_takes(tok: Tokenizer, text: str, **request) -> bool:
+    """The grammar the request's tool_choice compiles to takes `text`, and then the end."""
+    req = ChatCompletionRequest(model="m", messages=HISTORY[:2], tools=TOOLS, **request)
+    guided, _ = guided_params(req, tok)
+    eos = tok.token_to_id("<|eot|>")
+    matcher = StructuredOutput(tok, tok.vocab_size, [eos]).compile(guided).matcher()
+    ids = tok.encode(text) + [eos]
+    return matcher.valid_prefix(ids) == len(ids)
+
+
+def test_a_forced_choice_without_a_format_is_the_calls_json_alone():
+    """vLLM's grammars: a named function's arguments object, or a list of {name, parameters}."""
+    tok = formatless_tokenizer()
+    assert grammar_takes(tok, '{"city":"Paris"}', tool_choice=NAMED)
+    assert not grammar_takes(tok, '{"city": "Paris"}', tool_choice=NAMED)  # compact, like all its JSON
+    assert not grammar_takes(tok, '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>',
+                             tool_choice=NAMED)
+    both = '[{"name":"get_weather","parameters":{"city":"Paris"}},{"name":"get_time","parameters":{}}]'
+    assert grammar_takes(tok, both, tool_choice="required")
+    assert not grammar_takes(tok, both, tool_choice="required", parallel_tool_calls=False)
+    assert grammar_takes(tok, '[{"name":"get_time","parameters":{"at":1}}]', tool_choice="required",
+                         parallel_tool_calls=False)
+    assert not grammar_takes(tok, '[{"name":"get_weather","parameters":{}}]', tool_choice="required")
+
+
+def test_tools_are_refused_where_the_call_format_is_unknown():
+    """`auto` would leave the model to write calls in a format nobody reads; "none" is plain chat."""
+    tok = formatless_tokenizer()
     assert tool_format(tok) is None
     with LiveServer(scripted_engine(ScriptedEngine(tok, {}))) as server:
         api = client(server.wait_ready(10))
-        with pytest.raises(openai.BadRequestError) as err:
-            api.chat.completions.create(model="stub", messages=HISTORY[:2], tools=TOOLS)
-        assert err.value.body["param"] == "tools" and "tool-call format" in err.value.body["message"]
+        for choice in ({}, {"tool_choice": "auto"}):
+            with pytest.raises(openai.BadRequestError) as err:
+                api.chat.completions.create(model="stub", messages=HISTORY[:2], tools=TOOLS, **choice)
+            assert err.value.body["param"] == "tools" and "tool-call format" in err.value.body["message"]
         out = api.chat.completions.create(model="stub", messages=HISTORY[:2], tools=TOOLS, tool_choice="none")
         assert out.choices[0].finish_reason == "stop"
+
+
+# What the grammar has the model write, in the pieces a stream might bring.
+ARGUMENTS = ['{"ci', 'ty":', '"Paris"}']
+LISTED = ['[{"name":"get_weather",', '"parameters":{"city":"Paris"}},', '{"name":"get_time","parameters":{}}]']
+
+
+def test_a_forced_choice_without_a_format_comes_back_as_tool_calls():
+    """As vLLM answers a model without a tool parser: a named call is the reply's arguments
+    (finish_reason "stop", as OpenAI ends a named choice), "required" a list of calls
+    ("tool_calls"); streamed, a named call's arguments arrive as they are written."""
+    stub = ScriptedEngine(formatless_tokenizer(), {"Named": ARGUMENTS, "Listed": LISTED})
+    with LiveServer(scripted_engine(stub)) as server:
+        api = client(server.wait_ready(10))
+
+        def ask(text: str, **kw):
+            return api.chat.completions.create(model="stub", messages=[{"role": "user", "content": text}],
+                                               tools=TOOLS, **kw)
+
+        choice = ask("Named", tool_choice=NAMED).choices[0]
+        assert choice.finish_reason == "stop" and choice.message.content is None
+        assert [(c.type, c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+            ("function", "get_weather", '{"city":"Paris"}')]
+        chunks = list(ask("Named", tool_choice=NAMED, stream=True))
+        deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+        assert [(d.index, d.id is not None, d.function.name, d.function.arguments) for d in deltas] == [
+            (0, True, "get_weather", '{"ci'), (0, False, None, 'ty":'), (0, False, None, '"Paris"}')]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+        choice = ask("Listed", tool_choice="required").choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+            ("get_weather", {"city": "Paris"}), ("get_time", {})]
+        chunks = list(ask("Listed", tool_choice="required", stream=True))
+        deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+        assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
+            (0, "get_weather", {"city": "Paris"}), (1, "get_time", {})]
+        assert len({d.id for d in deltas}) == 2 and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("tools, choice, param, words", [
+    (TOOLS, {"type": "function", "function": {"name": "get_wether"}}, "tool_choice", "'get_wether'"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
+     {"type": "function", "function": {"name": "f"}}, "tools", "cannot be compiled"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}], "required", "tools",
+     "cannot be compiled"),
+])
+def test_a_bad_forced_choice_without_a_format_is_400(tools, choice, param, words):
+    with LiveServer(scripted_engine(ScriptedEngine(formatless_tokenizer(), {}))) as server:
+        api = client(server.wait_ready(10))
+        with pytest.raises(openai.BadRequestError) as err:
+            api.chat.completions.create(model="stub", messages=HISTORY[:2], tools=tools, tool_choice=choice)
+        assert err.value.body["param"] == param and words in err.value.body["message"], err.value.body
+
+
+@pytest.mark.slow
+def test_forced_tool_calls_without_a_format_at_tp_2(checkpoints):
+    """Llama 2 has no tool-call format: a named or "required" tool_choice is still served, through
+    the official client, by the real model at tp 2 under the grammar."""
+    path = checkpoints("llama2")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    with LiveServer(real_engine(str(path), 2, max_model_len=512)) as server:
+        api = client(server.wait_ready())
+        request = dict(model=str(path), messages=HISTORY[:2], tools=TOOLS, max_tokens=120)
+        choice = api.chat.completions.create(tool_choice=NAMED, seed=1, **request).choices[0]
+        assert choice.finish_reason == "stop" and choice.message.content is None
+        [call] = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+
+        chunks = list(api.chat.completions.create(tool_choice=NAMED, stream=True, seed=2, **request))
+        deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+        assert [d.function.name for d in deltas if d.function.name] == ["get_weather"] and deltas[0].id
+        assert {d.index for d in deltas} == {0} and len(deltas) > 1  # the arguments come as they are written
+        jsonschema.validate(json.loads("".join(d.function.arguments for d in deltas)), WEATHER)
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+        choice = api.chat.completions.create(tool_choice="required", parallel_tool_calls=False, seed=3,
+                                             **request).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        [call] = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
 @pytest.mark.slow

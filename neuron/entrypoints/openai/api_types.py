@@ -132,11 +132,20 @@ class ChatCompletionResponse(Struct):
     object: str = "chat.completion"
 
 
-class DeltaToolCall(Struct):
+class DeltaFunctionCall(Struct, omit_defaults=True):
+    """A call's name opens it; later deltas of the same call bring more of its arguments only."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(Struct, omit_defaults=True):
+    """The first delta of a call carries its id and type; later ones only its index."""
+
     index: int
-    id: str
-    function: FunctionCall
-    type: str = "function"
+    function: DeltaFunctionCall
+    id: str | None = None
+    type: str | None = None
 
 
 class DeltaMessage(Struct, omit_defaults=True):

@@ -1,9 +1,11 @@
 """A request's structured output: `response_format`, a forced `tool_choice`, or vLLM's `guided_*`
 fields, turned into one grammar and compiled off the event loop.
 
-A forced tool call is constrained to the format the response parser reads (Qwen3's
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), with the tools' parameter schemas, so
-the reply comes back as `tool_calls`.
+A forced tool call is constrained to the format the response parser reads: the model family's own
+(Qwen's `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Llama 3.1's JSON, Mistral's
+`[TOOL_CALLS]`), or for a model with none, the call's JSON alone (vLLM's way for any model: the
+arguments object of a named function, or a list of `{"name", "parameters"}` for "required"), with
+the tools' parameter schemas, so the reply comes back as `tool_calls`.
 """
 
 from __future__ import annotations
@@ -47,8 +49,7 @@ def guided_params(req: SamplingRequest, tokenizer) -> tuple[GuidedDecodingParams
     fmt = req.response_format
     if fmt is not None and _format_type(fmt) != "text":
         found.append(("response_format", None))
-    forced = _forced_tool(req)
-    if forced is not None:
+    if _forces_tool(req):
         found.append(("tool_choice", None))
     if len(found) > 1:
         names = ", ".join(field for field, _ in found)
@@ -59,7 +60,7 @@ def guided_params(req: SamplingRequest, tokenizer) -> tuple[GuidedDecodingParams
     if field == "response_format":
         return _from_format(fmt)
     if field == "tool_choice":
-        return _params("tools", grammar=_tool_grammar(req, forced, tokenizer))
+        return _params("tools", grammar=_tool_grammar(req, tokenizer))
     return _params(field, **{kind: getattr(req, field)})
 
 
@@ -94,11 +95,12 @@ def _from_format(fmt: dict) -> tuple[GuidedDecodingParams, str]:
     return _params("response_format.json_schema.schema", json=schema)
 
 
-def _forced_tool(req) -> str | None:
-    """"required" (any of the tools), a function's name (that one), or None (the model decides)."""
+def _forces_tool(req) -> bool:
+    """Whether tool_choice forces a call: "required" (any of the tools) or a function by its name
+    (`named_tool`); not "none" or "auto" (the model decides). A malformed choice is a 400."""
     choice = getattr(req, "tool_choice", None)
     if choice in (None, "auto", "none"):
-        return None
+        return False
     if choice == "required":
         name = "required"
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
@@ -110,27 +112,39 @@ def _forced_tool(req) -> str | None:
                           '{"name": ...}}', param="tool_choice")
     if not req.tools:
         raise bad_request(f"tool_choice {name!r} needs tools", param="tool_choice")
-    return name
+    return True
 
 
-def _tool_grammar(req, forced: str, tokenizer) -> str:
+def named_tool(req) -> str | None:
+    """The function a named tool_choice names; None for any other choice."""
+    choice = getattr(req, "tool_choice", None)
+    return choice["function"]["name"] if isinstance(choice, dict) else None
+
+
+def _tool_grammar(req, tokenizer) -> str:
     """Tool calls as a Lark grammar (llguidance's dialect, `%json` for a call's JSON), in the format
     the model's family writes and the response parser reads (`tool_format`): one call, or for
     "required" with parallel calls allowed, one or more. tags: each `<tool_call>\\n{...}\\n</tool_call>`;
-    json: `{"name", "parameters"}` objects separated by `;`; mistral: `[TOOL_CALLS]` and a list."""
+    json: `{"name", "parameters"}` objects separated by `;`; mistral: `[TOOL_CALLS]` and a list;
+    none (a model without a format): the arguments alone, or a list of `{"name", "parameters"}`."""
     tools = _functions(req.tools)
-    if forced != "required":
-        if forced not in tools:
-            raise bad_request(f"tool_choice names the function {forced!r}, which is not among the tools",
+    name = named_tool(req)
+    if name is not None:
+        if name not in tools:
+            raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools",
                               param="tool_choice")
-        tools = {forced: tools[forced]}
+        tools = {name: tools[name]}
     fmt = tool_format(tokenizer) if tokenizer is not None else "tags"
-    key = "parameters" if fmt == "json" else "arguments"
-    rules = [f"call_{i}: %json {json.dumps(_call_schema(name, params, key))}"
-             for i, (name, params) in enumerate(tools.items())]
+    if fmt is None and name is not None:
+        return f"start: %json {json.dumps(_compact(tools[name]))}\n"
+    key = "parameters" if fmt in ("json", None) else "arguments"
+    rules = [f"call_{i}: %json {json.dumps(_call_schema(fn, params, key))}"
+             for i, (fn, params) in enumerate(tools.items())]
     calls = " | ".join(f"call_{i}" for i in range(len(rules)))
-    repeat = forced == "required" and req.parallel_tool_calls is not False
-    if fmt == "mistral":
+    repeat = name is None and req.parallel_tool_calls is not False
+    if fmt is None:
+        start, call = ('start: "[" call ("," call)* "]"' if repeat else 'start: "[" call "]"'), f"call: {calls}"
+    elif fmt == "mistral":
         body = 'call ("," call)*' if repeat else "call"
         start, call = f'start: {_tag(MISTRAL_CALLS, tokenizer)} "[" {body} "]"', f"call: {calls}"
     elif fmt == "json":
@@ -146,8 +160,12 @@ def _call_schema(name: str, params: dict, key: str = "arguments") -> dict:
     root, where their `#/$defs/...` references point (pydantic writes nested models so)."""
     defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
     arguments = {k: v for k, v in params.items() if k not in defs}
-    return {"type": "object", "properties": {"name": {"const": name}, key: arguments},
-            "required": ["name", key], "additionalProperties": False, **defs, "x-guidance": _COMPACT}
+    return _compact({"type": "object", "properties": {"name": {"const": name}, key: arguments},
+                     "required": ["name", key], "additionalProperties": False, **defs})
+
+
+def _compact(schema: dict) -> dict:
+    return {**schema, "x-guidance": _COMPACT}
 
 
 def _tag(tag: str, tokenizer) -> str:

@@ -10,6 +10,10 @@ checkpoint's family (`tool_format` tells which from its tokenizer and chat templ
 - `mistral`: `[TOOL_CALLS]` and then a JSON list of `{"name": ..., "arguments": {...}}`, or
   `name[ARGS]{...}` once per call (newer tokenizers).
 
+A model with none of these formats gets a forced `tool_choice` only, as vLLM serves any model: the
+grammar writes the call's JSON and nothing else, and `ForcedCallParser` reads it (the whole reply
+is a named function's arguments, or for `"required"` a JSON list of `{"name", "parameters"}`).
+
 The tags and markers arrive in the decoded text (`[TOOL_CALLS]` is a special token, so a chat with
 tools decodes special tokens). `OutputParser` is fed the text in whatever pieces it comes and holds
 back only what might still turn into a tag, so a streamed answer splits exactly as the same text
@@ -29,6 +33,8 @@ TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 PYTHON_TAG = "<|python_tag|>"
 TOOL_FORMATS = ("tags", "json", "mistral")
+# Not a model's format: a forced tool_choice on a model with none, whose reply is the grammar's JSON.
+GRAMMAR_CALLS = "grammar"
 
 
 def tool_format(tokenizer: Tokenizer) -> str | None:
@@ -58,16 +64,24 @@ class ParsedToolCall:
 
 @dataclass(slots=True)
 class Parsed:
+    """`arguments`: more of the arguments of the last call begun before this piece's `tool_calls`
+    (a call streamed as it is written)."""
+
     content: str = ""
     reasoning: str = ""
     tool_calls: list[ParsedToolCall] = field(default_factory=list)
+    arguments: str = ""
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.reasoning or self.tool_calls)
+        return bool(self.content or self.reasoning or self.tool_calls or self.arguments)
 
     def extend(self, other: "Parsed") -> None:
         self.content += other.content
         self.reasoning += other.reasoning
+        if self.tool_calls:
+            self.tool_calls[-1].arguments += other.arguments
+        else:
+            self.arguments += other.arguments
         self.tool_calls += other.tool_calls
 
 
@@ -279,3 +293,57 @@ class OutputParser:
             self._ws, self._after_tool = text[len(body):], False
         else:
             self._ws += text
+
+
+class ForcedCallParser:
+    """The reply to a forced tool_choice on a model with no call format of its own: the grammar
+    wrote it from its first character to its last (guided.py), so there is nothing else to find.
+
+    name given (a named tool_choice): the whole reply is that function's arguments, a call opened
+    at the first text and continued as it comes. None ("required"): a JSON list of `{"name",
+    "parameters"}` objects, each a call once it closes. Text that is not a whole call (a reply cut
+    short by max_tokens) is content, so nothing is lost; a named call is returned as far as it got,
+    as vLLM returns it.
+    """
+
+    def __init__(self, name: str | None):
+        self._name = name
+        self._opened = False
+        self._buf = ""  # required: the text of the call being written
+        self._decoder = json.JSONDecoder()
+
+    def feed(self, text: str) -> Parsed:
+        return self._named(text, final=False) if self._name is not None else self._listed(text, final=False)
+
+    def finish(self) -> Parsed:
+        return self._named("", final=True) if self._name is not None else self._listed("", final=True)
+
+    def _named(self, text: str, final: bool) -> Parsed:
+        if self._opened:
+            return Parsed(arguments=text)
+        if not text and not final:
+            return Parsed()
+        self._opened = True
+        return Parsed(tool_calls=[ParsedToolCall(self._name, text)])
+
+    def _listed(self, text: str, final: bool) -> Parsed:
+        out = Parsed()
+        self._buf += text
+        while True:
+            self._buf = self._buf.lstrip(" \t\n[,]")  # the list around the calls
+            if not self._buf.startswith("{") or "}" not in self._buf:
+                break
+            try:  # a call is whole once its object closes: no prefix of it decodes
+                obj, end = self._decoder.raw_decode(self._buf)
+            except json.JSONDecodeError:
+                break
+            call = _call(obj)
+            if call is None:
+                out.content += self._buf[:end]
+            else:
+                out.tool_calls.append(call)
+            self._buf = self._buf[end:]
+        if final:
+            out.content += self._buf
+            self._buf = ""
+        return out

@@ -23,6 +23,7 @@ from neuron.entrypoints.openai.api_types import (
     ChatCompletionResponse,
     ChatLogprobs,
     ChatMessage,
+    DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
     FunctionCall,
@@ -46,10 +47,17 @@ from neuron.entrypoints.openai.common import (
     stream_error,
     stream_events,
 )
-from neuron.entrypoints.openai.guided import compile_guided
+from neuron.entrypoints.openai.guided import compile_guided, named_tool
 from neuron.entrypoints.openai.logprobs import LogprobRenderer
 from neuron.entrypoints.openai.prompt_input import Limiters, check_prompt_chars, off_loop
-from neuron.entrypoints.openai.response_parser import TOOL_FORMATS, OutputParser, Parsed, tool_format
+from neuron.entrypoints.openai.response_parser import (
+    GRAMMAR_CALLS,
+    TOOL_FORMATS,
+    ForcedCallParser,
+    OutputParser,
+    Parsed,
+    tool_format,
+)
 from neuron.entrypoints.openai.streaming import EventStreamResponse, json_unless_disconnected
 from neuron.multimodal.image import ImageError, ImageInput
 
@@ -59,7 +67,8 @@ class ChatRequestContext:
 
     def __init__(self, req: ChatCompletionRequest, model: str, tokenizer, prompt: str, top_logprobs: int | None,
                  tools: str | None):
-        """`tools`: the format the reply's tool calls come in (TOOL_FORMATS); None when it offers none."""
+        """`tools`: the format the reply's tool calls come in (TOOL_FORMATS, or GRAMMAR_CALLS); None
+        when it offers none."""
         self.req = req
         self.tools = tools
         self.id = new_id("chatcmpl")
@@ -76,7 +85,10 @@ class ChoiceState:
     def __init__(self, ctx: ChatRequestContext):
         self.top_logprobs = ctx.top_logprobs
         self.render = LogprobRenderer(ctx.tokenizer, ctx.req.return_tokens_as_token_ids)
-        self.parser = OutputParser.for_chat(ctx.tokenizer, ctx.prompt, tools=ctx.tools)
+        forced, name = ctx.tools == GRAMMAR_CALLS, named_tool(ctx.req)
+        self.named = forced and name is not None
+        self.parser = (ForcedCallParser(name) if forced
+                       else OutputParser.for_chat(ctx.tokenizer, ctx.prompt, tools=ctx.tools))
         self.num_tool_calls = 0
 
     def logprobs(self, update: Update) -> ChatLogprobs | None:
@@ -90,7 +102,8 @@ class ChoiceState:
         return [ToolCall(f"call_{uuid.uuid4().hex[:24]}", FunctionCall(c.name, c.arguments)) for c in parsed.tool_calls]
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if reason == "stop" and self.num_tool_calls else reason
+        # A named call the grammar wrote ends as "stop", as OpenAI and vLLM end a named tool_choice.
+        return "tool_calls" if reason == "stop" and self.num_tool_calls and not self.named else reason
 
 
 # Set by the server itself when it renders the template.
@@ -102,16 +115,18 @@ def _uses_tools(req: ChatCompletionRequest) -> bool:
 
 
 def _tool_format(req: ChatCompletionRequest, tokenizer) -> str | None:
-    """The format of the reply's tool calls; a request with tools for a model whose format neuron
-    does not know is refused, rather than answered with its calls left in the text."""
+    """The format of the reply's tool calls. For a model whose format neuron does not know, a
+    forced tool_choice is the grammar's JSON alone (GRAMMAR_CALLS), as vLLM serves any model; the
+    model deciding (`auto`) is refused, rather than answered with its calls left in the text."""
     if not _uses_tools(req):
         return None
     fmt = tool_format(tokenizer)
-    if fmt is None:
+    if fmt is None and req.tool_choice in (None, "auto"):
         raise bad_request(f"this model's tokenizer and chat template show no tool-call format neuron reads (it reads "
                           f"{', '.join(TOOL_FORMATS)}: Qwen's <tool_call> tags, Llama 3.1's JSON and Mistral's "
-                          '[TOOL_CALLS]); send the request without tools, or with tool_choice "none"', param="tools")
-    return fmt
+                          '[TOOL_CALLS]), so it cannot decide on tools itself; send tool_choice "required", a named '
+                          'function or "none"', param="tools")
+    return fmt or GRAMMAR_CALLS
 
 
 def _check(req: ChatCompletionRequest) -> None:
@@ -224,7 +239,9 @@ def _chunk(ctx: ChatRequestContext, choice: ChatChunkChoice | None, usage: Usage
 
 def _delta(state: ChoiceState, parsed: Parsed) -> DeltaMessage:
     first = state.num_tool_calls
-    calls = [DeltaToolCall(first + i, c.id, c.function) for i, c in enumerate(state.tool_calls(parsed))]
+    calls = [DeltaToolCall(first - 1, DeltaFunctionCall(arguments=parsed.arguments))] if parsed.arguments else []
+    calls += [DeltaToolCall(first + i, DeltaFunctionCall(c.function.name, c.function.arguments), c.id, c.type)
+              for i, c in enumerate(state.tool_calls(parsed))]
     return DeltaMessage(content=parsed.content or None, reasoning_content=parsed.reasoning or None,
                         tool_calls=calls or None)
 
