@@ -57,6 +57,19 @@ def test_triton_kernel_equals_dequantize_then_matmul(kind, rows, dtype):
     assert (got.double() - ref).abs().max().item() <= tolerance * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("k,group", [(48, 16), (96, 32), (192, 64)])
+def test_triton_kernel_takes_fp8_blocks_cut_by_a_split(k, group):
+    """A rank's share of FP8 blocks that tp cuts (quant_formats: groups of gcd(block, start, end)),
+    its width under or off the kernel's 64-wide K tile."""
+    g = torch.Generator().manual_seed(2)
+    codes = (torch.randn(70, k, generator=g) * 40).to(torch.float8_e4m3fn).view(torch.uint8)
+    w = QuantizedWeight(codes=codes, k=k, bits=8, group=group, scale=torch.rand(70, k // group, generator=g),
+                        format="fp8", fp8=True).to(DEVICE)
+    x = torch.randn(3, k, generator=g).to(DEVICE)
+    ref = torch.nn.functional.linear(x.double(), w.stored().double())
+    assert (quantized.linear_triton(x, w).double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
 def test_the_self_check_passes_the_kernel_on_every_layout():
     widths = Widths(hidden=200, heads=4, kv_heads=2, head_dim=16, intermediate=300)
     cases = kernel_cases.cases(DEVICE, torch.float32, widths)["quant_linear"]

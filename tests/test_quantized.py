@@ -189,6 +189,21 @@ def test_fp8_codes_widen_exactly(rows):
 
 
 @needs_kernel
+@pytest.mark.parametrize("k,group", [(48, 16), (96, 32), (192, 64)])
+def test_kernel_takes_fp8_blocks_cut_by_a_split(k, group):
+    """A rank's share of FP8 blocks that tp cuts, held in groups of gcd(block, start, end)
+    (quant_formats), runs through the kernel, not the reference."""
+    g = torch.Generator().manual_seed(2)
+    codes = (torch.randn(37, k, generator=g) * 40).to(torch.float8_e4m3fn).view(torch.uint8)
+    w = QuantizedWeight(codes=codes, k=k, bits=8, group=group, scale=torch.rand(37, k // group, generator=g),
+                        format="fp8", fp8=True)
+    x = torch.randn(2, k, generator=g)
+    ref = torch.nn.functional.linear(x.double(), w.dequantize().double())
+    assert (quantized.linear(x, w).double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert w.layout  # set on the kernel's path only
+
+
+@needs_kernel
 def test_half_precision_steps_use_the_kernel_in_fp32():
     w = _random(bits=4, n=40, k=256, group=32, offset=True)
     x = torch.randn(3, 256).bfloat16()

@@ -7,7 +7,7 @@ holding the same values the format's own dequantization gives:
 
 - FP8 (`quant_method: fp8`, e4m3 weights with `weight_scale_inv` per block of
   `weight_block_size` [rows, inputs]): the e4m3 bytes kept as they are, one scale per row and
-  block of inputs. A rank's inputs must start on a block boundary.
+  group of inputs, each group within one block (a rank's share may cut blocks, see `_fp8`).
 - AWQ (AutoAWQ's GEMM layout): `qweight` int32 [inputs, outputs / 8] with each word's eight
   nibbles in the order 0, 2, 4, 6, 1, 3, 5, 7; `qzeros` likewise [groups, outputs / 8]; `scales`
   [groups, outputs]. W = (q - z) s.
@@ -25,6 +25,8 @@ that order first (QuantizedWeight.input_index).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -56,7 +58,8 @@ def checkpoint_quantization(config: dict) -> dict | None:
                           "and GGUF files)")
     if method == "fp8":
         block = q.get("weight_block_size")
-        if not (isinstance(block, list) and len(block) == 2):
+        if not (isinstance(block, list) and len(block) == 2
+                and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
             raise ConfigError("fp8 checkpoints are read with block-wise scales (weight_block_size [128, 128]); "
                               f"this one has weight_block_size {block!r}")
         if q.get("fmt", "e4m3") != "e4m3":
@@ -198,22 +201,28 @@ class PrequantizedReader(Reader):
 
     # FP8 ---------------------------------------------------------------------------------------
 
-    def _fp8(self, name, dim, start, end) -> QuantizedWeight | torch.Tensor:
+    def _fp8(self, name, dim, start, end) -> QuantizedWeight:
         n, k = self._shape(name)
         bm, bk = self.spec["block"]
         rows, cols = _ranges(dim, start, end, n, k)
-        if cols[0] % bk:
-            raise ConfigError(f"{name} (fp8, {n} x {k}, blocks of {bm} x {bk}): this rank's inputs "
-                              f"[{cols[0]}, {cols[1]}) do not start on a block; choose a tensor-parallel size "
-                              f"that splits {k} into multiples of {bk}")
-        w = self.inner.read(name, dim, start, end)
         scale = self.inner.read(f"{name}_scale_inv").float()
-        per_row = scale[torch.arange(*rows) // bm][:, cols[0] // bk: -(-cols[1] // bk)]
-        width = cols[1] - cols[0]
-        if width % bk:  # a ragged last block: the kernel takes whole groups only, so this one is dense
-            return w.float() * per_row.repeat_interleave(bk, dim=1)[:, :width]
-        return QuantizedWeight(codes=w.view(torch.uint8).contiguous(), k=width, bits=8, group=bk,
-                               scale=per_row.contiguous(), format="fp8", fp8=True)
+        grid = (-(-n // bm), -(-k // bk))
+        if tuple(scale.shape) != grid:
+            raise ConfigError(f"{name}_scale_inv has shape {list(scale.shape)}; an fp8 weight of {n} x {k} in blocks "
+                              f"of {bm} x {bk} needs {list(grid)} (config.json's weight_block_size must be the "
+                              "file's)")
+        # A rank's share may cut blocks (Qwen3-30B-A3B's 768-wide experts at tp 4: 192 rows or inputs
+        # a rank against 128-wide blocks). Rows need nothing: each takes its block row's scales. The
+        # inputs [start, end) are held in groups of gcd(bk, start, end), each inside one block and
+        # taking its scale: the kernels' plain layout, without gathered inputs or padding (groups of
+        # 64 there). A group under 16 (a rank's width not a multiple of 16) stays correct but leaves
+        # the CPU kernel for the reference.
+        group = math.gcd(bk, *cols)
+        per_row = scale[torch.arange(*rows) // bm]
+        per_group = per_row[:, torch.arange(*cols, group) // bk]
+        w = self.inner.read(name, dim, start, end)
+        return QuantizedWeight(codes=w.view(torch.uint8).contiguous(), k=cols[1] - cols[0], bits=8, group=group,
+                               scale=per_group.contiguous(), format="fp8", fp8=True)
 
     # AWQ ---------------------------------------------------------------------------------------
 
