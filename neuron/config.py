@@ -219,6 +219,12 @@ class Settings:
     port: int = _setting(int, 8000, "TCP port to listen on; 0 picks a free one", lo=0, hi=65535)
     api_key: str | None = _setting(str, None, "require `Authorization: Bearer <key>` on /v1 routes; "
                                    "/health and /metrics stay open", unset="none, /v1 is open")
+    prefix_cache_isolation: str = _setting(
+        str, "none", "which requests may reuse each other's cached prompt prefixes, whose speed tells one client "
+        "what another sent (docs/reliability.md): none, all unless their cache_salt differs; api-key, only those "
+        "presenting the same bearer token and cache_salt (behind a gateway that forwards per-client keys; refused "
+        "with --api-key); salt, only those with the same cache_salt, a request without one sharing nothing",
+        choices=("none", "api-key", "salt"))
     max_waiting: int = _setting(int, 256, "requests that may wait for a free slot; beyond that the server "
                                 "answers 503 with Retry-After", lo=0)
     max_body_bytes: int = _setting("bytes", 8 * 2**20, "largest request body accepted, in bytes or with a unit "

@@ -100,6 +100,7 @@ class ScriptedEngine:
         self.gate.set()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[str, tuple[int, list]] = {}
+        self.cache_salts: dict[str, str | None] = {}  # each request's cache salt, by request id
         self.was_shut_down = False
 
     failure = None
@@ -114,13 +115,18 @@ class ScriptedEngine:
     def kernels(self) -> dict:
         return {}
 
-    def add_request(self, request_id, prompt_token_ids, params, images=None, grammar=None) -> None:
+    def validate(self, prompt_token_ids, params, images=None) -> int:
         if len(prompt_token_ids) >= self.max_model_len:
             raise RequestError("prompt too long", code="context_length_exceeded", param="messages")
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise RequestError("token id outside the vocabulary", param="prompt")
+        return params.max_tokens
+
+    def add_request(self, request_id, prompt_token_ids, params, images=None, grammar=None, cache_salt=None) -> None:
+        self.validate(prompt_token_ids, params, images)
         prompt = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
         script = next((s for key, s in self.scripts.items() if key in prompt), ["ok"])
+        self.cache_salts[request_id] = cache_salt
         self._inbox.put((request_id, (len(prompt_token_ids), list(script))))
 
     def abort(self, request_id) -> None:

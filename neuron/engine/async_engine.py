@@ -215,15 +215,17 @@ class AsyncEngine(EngineClient):
 
     def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
              images: list[ImageInput] | None = None, count_prompt: bool = True,
-             grammar: CompiledGrammar | None = None) -> RequestStream:
+             grammar: CompiledGrammar | None = None, cache_salt: str | None = None) -> RequestStream:
         """Submit a request (its image placeholders already expanded, its grammar compiled if it has
         one); raises NotReady, Overloaded or the engine's RequestError. `count_prompt`: False for
-        the further samples of a prompt (n, best_of), whose tokens the prompt-token counter already has."""
+        the further samples of a prompt (n, best_of), whose tokens the prompt-token counter already has.
+        `cache_salt`: see LLMEngine.add_request."""
         if self._state is not EngineState.READY:
             raise NotReady(self._state, self._error)
         if len(self._streams) >= self.capacity:
             raise Overloaded(f"all {self.capacity} running and waiting places are taken")
-        self.engine.add_request(request_id, prompt_token_ids, params, images=images, grammar=grammar)
+        self.engine.add_request(request_id, prompt_token_ids, params, images=images, grammar=grammar,
+                                cache_salt=cache_salt)
         stream = RequestStream(self.metrics, request_id, len(prompt_token_ids), self._close)
         self._streams[request_id] = stream
         if count_prompt:

@@ -3,8 +3,10 @@
 Ranks store block tables and nothing else; every decision is made here. With prefix caching, a
 full block is named by a hash chain (its parent block's hash and its own token ids), so a later
 sequence whose tokens start the same way takes the blocks already computed instead of
-recomputing them. Only full blocks are shared and nothing writes to a full block again, so no
-copy-on-write is needed; a sequence's last, partial block is always its own. A cached block that
+recomputing them. A request's cache salt (`Sequence.cache_salt`) is its first block's parent, so
+the whole chain of a salted request differs from that of any other salt or of none: requests
+share blocks only when their salts match. Only full blocks are shared and nothing writes to a full
+block again, so no copy-on-write is needed; a sequence's last, partial block is always its own. A cached block that
 no sequence uses any more stays evictable, least recently freed first, until it is needed.
 """
 
@@ -28,8 +30,24 @@ class Block:
 
 
 def chain_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
-    """A full block's name: its tokens and, through the parent's name, every token before them."""
+    """A full block's name: its tokens and, through the parent's name, every token before them
+    (and the request's salt, the first block's parent)."""
     return hashlib.sha256((parent or b"") + array("q", token_ids).tobytes()).digest()
+
+
+# What a salt's digest starts from. It cannot name a block: a first block hashes token ids, each
+# below the vocabulary size, whose 8 bytes never spell this text; a later block's parent would
+# have to be a hash beginning with it.
+_SALT_DOMAIN = b"neuron cache_salt\0"
+
+
+def salt_key(salt: str | None) -> bytes | None:
+    """What a request's cache salt adds to its first block's hash: a digest, so the salt itself is
+    never kept (nor shown in a repr or a log)."""
+    if salt is None:
+        return None
+    # surrogatepass: a Python string may hold a lone surrogate (a JSON body cannot)
+    return hashlib.sha256(_SALT_DOMAIN + salt.encode("utf-8", "surrogatepass")).digest()
 
 
 class BlockManager:
@@ -160,7 +178,8 @@ class BlockManager:
         """The hash chain of the sequence's first `n` full blocks (kept on the sequence)."""
         hashes, bs = seq.block_hashes, self.block_size
         for i in range(len(hashes), n):
-            hashes.append(chain_hash(hashes[-1] if hashes else None, seq.token_slice(i * bs, (i + 1) * bs)))
+            parent = hashes[-1] if hashes else seq.cache_salt
+            hashes.append(chain_hash(parent, seq.token_slice(i * bs, (i + 1) * bs)))
         return hashes[:n]
 
     def _take(self, b: int) -> None:

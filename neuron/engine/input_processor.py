@@ -1,7 +1,7 @@
 """Checks on a request before it is queued: the prompt against the model's context and
 vocabulary, its images and their placeholders, sampling constraints that could leave nothing to
-sample, and its structured-output grammar. Runs on the caller's thread (the server's worker
-threads, the offline API), never on the engine's."""
+sample, its structured-output grammar and its cache salt. Runs on the caller's thread (the
+server's worker threads, the offline API), never on the engine's."""
 
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ from neuron.multimodal.image import (
 )
 from neuron.utils.procfs import available_memory
 
+# A cache salt is a client's secret (a random 256-bit salt is 43 characters of base64); past this
+# length it is refused rather than hashed.
+MAX_CACHE_SALT_CHARS = 1024
+
 
 class RequestError(NeuronError):
     """A request the engine refuses before any device work; `code` is the OpenAI error code."""
@@ -33,6 +37,16 @@ class RequestError(NeuronError):
         super().__init__(message)
         self.code = code
         self.param = param
+
+
+def check_cache_salt(salt) -> None:
+    """A request's cache salt is None or a non-empty string of at most MAX_CACHE_SALT_CHARS
+    characters. The message says what was wrong without showing the salt: it is a secret."""
+    if salt is None or (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+        return
+    got = f"{len(salt)} characters" if isinstance(salt, str) else type(salt).__name__
+    raise RequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
+                       f"got {got}", param="cache_salt")
 
 
 @dataclass(slots=True)

@@ -17,9 +17,9 @@ import torch
 
 from neuron.config import MAX_MODEL_LEN_CAP, parse_bytes
 from neuron.engine import prompt_logprobs
-from neuron.engine.block_manager import BlockManager
+from neuron.engine.block_manager import BlockManager, salt_key
 from neuron.engine.engine_config import EngineConfig, default_device
-from neuron.engine.input_processor import InputProcessor, RequestError
+from neuron.engine.input_processor import InputProcessor, RequestError, check_cache_salt
 from neuron.engine.loading import load_within
 from neuron.engine.output_processor import OutputProcessor, Update
 from neuron.engine.sampling import SampleFailure, SequenceSampler, TokenBitmask, sample
@@ -244,14 +244,17 @@ class LLMEngine:
         return self.inputs.expand_images(prompt_token_ids, images)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    images: list[ImageInput] | None = None, grammar: CompiledGrammar | None = None) -> None:
+                    images: list[ImageInput] | None = None, grammar: CompiledGrammar | None = None,
+                    cache_salt: str | None = None) -> None:
         """Queue a request. With images, the prompt's placeholders are already expanded
         (`expand_images`) and must hold each image's run of tokens, in order. `grammar`: the
-        params' structured output, compiled already (else it is compiled here)."""
+        params' structured output, compiled already (else it is compiled here). `cache_salt`: the
+        request shares cached prefix blocks only with requests of the same salt (None: unsalted)."""
+        check_cache_salt(cache_salt)
         max_tokens, matcher = self.inputs.admit(prompt_token_ids, params, images, grammar)
         sampler = SequenceSampler(params, prompt_token_ids, self.vocab_size, self.executor.devices[0])
         seq = Sequence(request_id, list(prompt_token_ids), params, sampler, max_tokens, images=list(images or []),
-                       grammar=matcher)
+                       grammar=matcher, cache_salt=salt_key(cache_salt))
         self._inbox.put(("add", seq))
 
     def abort(self, request_id: str) -> None:

@@ -29,6 +29,7 @@ class Sequence:
     slot: int | None = None
     num_computed: int = 0  # tokens whose keys and values are in the sequence's blocks
     block_table: list[int] = field(default_factory=list)
+    cache_salt: bytes | None = None  # its cache salt's digest (block_manager.salt_key): the hash chain's start
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of its full blocks, as far as known
     num_cached_blocks: int = 0  # leading blocks of the table that are in the prefix cache
     num_blocks_sent: int = 0  # leading blocks of the table the ranks already have

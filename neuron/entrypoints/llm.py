@@ -14,6 +14,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from neuron.engine.input_processor import check_cache_salt
 from neuron.engine.llm_engine import EngineConfig, LLMEngine, Update, encode_prompt
 from neuron.engine.parallel_sampling import cumulative_logprob, ranked, sample_id, sample_params
 from neuron.engine.sampling_params import SamplingParams, token_ids
@@ -43,6 +44,19 @@ class RequestOutput:
 
 
 PromptType = str | dict | list[int]
+# What a prompt dict may hold (vLLM's TextPrompt and TokensPrompt, as far as neuron takes them).
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"})
+
+
+@dataclass(slots=True)
+class _Prompt:
+    """One prompt as the engine takes it: token ids with image placeholders expanded, checked images,
+    and the cache salt that decides with which requests it shares cached prefix blocks."""
+
+    text: str | None
+    ids: list[int]
+    images: list[ImageInput] = field(default_factory=list)
+    cache_salt: str | None = None
 
 
 class LLM:
@@ -105,26 +119,26 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         tokenized = [self._tokenize(prompt) for prompt in prompts]  # refuses the whole call before queueing any
         samples = [sample_params(p) for p in params_list]
-        for (_, ids, images), children in zip(tokenized, samples):
-            self.engine.validate(ids, children[0], images)
+        for prompt, children in zip(tokenized, samples):
+            self.engine.validate(prompt.ids, children[0], prompt.images)
         if self.engine.failure is not None:  # a rank died since the last call: bring the ranks back first
             self.engine.recover()
         routes: dict[str, tuple[RequestOutput, int]] = {}
-        outputs = [self._add(text, ids, images, children, routes)
-                   for (text, ids, images), children in zip(tokenized, samples)]
+        outputs = [self._add(prompt, children, routes) for prompt, children in zip(tokenized, samples)]
         self._run(routes)
         for out, p in zip(outputs, params_list):
             _keep_best(out, p)
         return outputs
 
-    def _add(self, text: str | None, ids: list[int], images: list[ImageInput], children: list[SamplingParams],
+    def _add(self, prompt: _Prompt, children: list[SamplingParams],
              routes: dict[str, tuple[RequestOutput, int]]) -> RequestOutput:
-        """Queue one prompt's samples; `routes` learns which output each engine request fills."""
+        """Queue one prompt's samples, all with its salt (they share its prefill); `routes` learns
+        which output each engine request fills."""
         rid = str(next(self._ids))
-        out = RequestOutput(rid, text, ids)
+        out = RequestOutput(rid, prompt.text, prompt.ids)
         for i, child in enumerate(children):
             sid = sample_id(rid, i, len(children))
-            self.engine.add_request(sid, ids, child, images)
+            self.engine.add_request(sid, prompt.ids, child, prompt.images, cache_salt=prompt.cache_salt)
             out.outputs.append(CompletionOutput(i, "", [], None, [] if child.logprobs is not None else None, None))
             routes[sid] = (out, i)
         return out
@@ -143,22 +157,28 @@ class LLM:
             prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
         return self.generate(prompts, sampling_params)
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], list[ImageInput]]:
-        """Text, token ids (image placeholders expanded) and checked images of one prompt."""
+    def _tokenize(self, prompt: PromptType) -> _Prompt:
+        """One prompt: a string, token ids, or a dict of vLLM's keys (`prompt` or `prompt_token_ids`,
+        and `multi_modal_data`, `cache_salt`)."""
         if isinstance(prompt, str):
-            return prompt, encode_prompt(self.engine, prompt), []
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                text, ids = prompt.get("prompt"), token_ids(prompt["prompt_token_ids"], "prompt_token_ids")
-            elif "prompt" in prompt:
-                text, ids = prompt["prompt"], encode_prompt(self.engine, prompt["prompt"])
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-            images = self._images(prompt.get("multi_modal_data"))
-            if not images:
-                return text, ids, []
-            return text, self.engine.expand_images(ids, images), images
-        return None, token_ids(prompt, "prompt"), []
+            return _Prompt(prompt, encode_prompt(self.engine, prompt))
+        if not isinstance(prompt, dict):
+            return _Prompt(None, token_ids(prompt, "prompt"))
+        unknown = set(prompt) - _PROMPT_KEYS
+        if unknown:  # refused, not ignored: a key neuron does not read would do nothing
+            raise ValueError(f"a prompt dict takes {', '.join(sorted(_PROMPT_KEYS))}; got {', '.join(sorted(unknown))}")
+        if "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), token_ids(prompt["prompt_token_ids"], "prompt_token_ids")
+        elif "prompt" in prompt:
+            text, ids = prompt["prompt"], encode_prompt(self.engine, prompt["prompt"])
+        else:
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        salt = prompt.get("cache_salt")
+        check_cache_salt(salt)
+        images = self._images(prompt.get("multi_modal_data"))
+        if images:
+            ids = self.engine.expand_images(ids, images)
+        return _Prompt(text, ids, images, salt)
 
     def _images(self, data: dict | None) -> list[ImageInput]:
         """`multi_modal_data={"image": ...}`: one image or a list, each a base64 `data:` URI or a

@@ -40,7 +40,8 @@ Example: NEURON_TP=2 NEURON_API_KEY=secret neuron serve ./my-model"""
 # The settings `neuron serve` takes as flags, in the order --help lists them.
 OPTIONS = ("tp", "hosts", "worker_launcher", "cluster_address", "cluster_interface", "cluster_port", "host", "port", "device", "dtype", "quantization", "tokenizer", "speculative_config", "max_model_len", "hf_overrides", "max_num_seqs",
            "max_num_batched_tokens", "kv_cache_memory", "gpu_memory_utilization", "no_prefix_caching", "max_waiting",
-           "served_model_name", "api_key", "max_body_bytes", "keepalive_s", "shutdown_grace_s", "max_connections",
+           "served_model_name", "api_key", "prefix_cache_isolation", "max_body_bytes", "keepalive_s",
+           "shutdown_grace_s", "max_connections",
            "max_connections_per_client", "header_timeout_s", "body_timeout_s", "min_body_rate", "idle_timeout_s",
            "allowed_origins", "load_timeout_s", "log_level")
 

@@ -48,6 +48,9 @@ class SamplingRequest(Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: requests share cached prompt prefixes only with requests of the same salt (checked and
+    # combined with the server's --prefix-cache-isolation in common.request_salt)
+    cache_salt: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True):

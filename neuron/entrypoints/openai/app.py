@@ -29,14 +29,16 @@ from neuron.entrypoints.openai.api_types import (
     DetokenizeRequest,
     ModelCard,
     ModelList,
+    SamplingRequest,
     TokenizeRequest,
 )
-from neuron.entrypoints.openai.common import check_ready
+from neuron.entrypoints.openai.common import check_ready, request_salt
 from neuron.entrypoints.openai.connections import BodyTimeout, RequestGuard, parse_origins
 from neuron.entrypoints.openai.prompt_input import Limiters
 from neuron.entrypoints.openai.serving_chat import create_chat_completion
 from neuron.entrypoints.openai.serving_completions import create_completion
 from neuron.entrypoints.openai.serving_tokenization import detokenize, tokenize
+from neuron.errors import ConfigError
 
 log = logging.getLogger("neuron.server")
 
@@ -52,6 +54,7 @@ class ServerConfig:
     host: str = from_settings("host")
     port: int = from_settings("port")
     api_key: str | None = from_settings("api_key")
+    prefix_cache_isolation: str = from_settings("prefix_cache_isolation")  # which requests share cached prefixes
     max_body_bytes: int = from_settings("max_body_bytes")
     keepalive_s: float = from_settings("keepalive_s")  # SSE comment interval while a stream has nothing to say
     shutdown_grace_s: float = from_settings("shutdown_grace_s")  # for in-flight requests
@@ -67,6 +70,12 @@ class ServerConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             check(f.name, getattr(self, f.name))
+        if self.prefix_cache_isolation == "api-key" and self.api_key is not None:
+            raise ConfigError("--prefix-cache-isolation api-key keeps apart clients that present different API keys, "
+                              "but --api-key makes every client present the same one, so it would keep apart nobody: "
+                              "use --prefix-cache-isolation salt (each client sends a secret cache_salt of its own), "
+                              "or leave --api-key unset behind a gateway that checks per-client keys and forwards "
+                              "them")
 
 
 def build_app(engine: AsyncEngine, cfg: ServerConfig) -> Starlette:
@@ -143,9 +152,8 @@ class _Api:
         the key's UTF-8 in constant time."""
         if self.cfg.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        scheme, token = given[:len(_BEARER)], given[len(_BEARER):]
-        if scheme.lower() != _BEARER or not hmac.compare_digest(token.encode("latin-1"), self.cfg.api_key.encode()):
+        token = _bearer(request)
+        if token is None or not hmac.compare_digest(token.encode("latin-1"), self.cfg.api_key.encode()):
             raise APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
                            type="authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
@@ -175,11 +183,20 @@ class _Api:
 
     async def chat(self, request: Request) -> Response:
         req = await self._decode(request, ChatCompletionRequest)
-        return await create_chat_completion(request, self.engine, req, self.cfg.keepalive_s, self.limiters)
+        return await create_chat_completion(request, self.engine, req, self.cfg.keepalive_s, self.limiters,
+                                            self._salt(request, req))
 
     async def completions(self, request: Request) -> Response:
         req = await self._decode(request, CompletionRequest)
-        return await create_completion(request, self.engine, req, self.cfg.keepalive_s, self.limiters)
+        return await create_completion(request, self.engine, req, self.cfg.keepalive_s, self.limiters,
+                                       self._salt(request, req))
+
+    def _salt(self, request: Request, req: SamplingRequest) -> str | None:
+        """The request's cache salt under this server's isolation. The key it presented: the bearer
+        token, else the Authorization header as sent ("" without one: keyless requests share)."""
+        token = _bearer(request)
+        presented = token if token is not None else request.headers.get("authorization", "")
+        return request_salt(req, self.cfg.prefix_cache_isolation, presented)
 
     async def tokenize(self, request: Request) -> Response:
         return await tokenize(self.engine, await self._decode(request, TokenizeRequest), self.limiters.tokenize)
@@ -191,6 +208,12 @@ class _Api:
         decoded = decode_body(await read_body(request, self.cfg.max_body_bytes), kind)
         require_json(request)
         return decoded
+
+
+def _bearer(request: Request) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header; None without one."""
+    given = request.headers.get("authorization", "")
+    return given[len(_BEARER):] if given[:len(_BEARER)].lower() == _BEARER else None
 
 
 def require_json(request: Request) -> None:

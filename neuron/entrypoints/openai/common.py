@@ -1,8 +1,10 @@
-"""What the chat and completions endpoints share: model check, sampling params, admission of a
-request's samples (n, best_of, several prompts), usage."""
+"""What the chat and completions endpoints share: model check, sampling params, the cache salt,
+admission of a request's samples (n, best_of, several prompts), usage."""
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -12,6 +14,7 @@ import msgspec
 
 from neuron.config import settings
 from neuron.engine.async_engine import AsyncEngine, EngineState, NotReady, Overloaded, RequestStream
+from neuron.engine.input_processor import check_cache_salt
 from neuron.engine.llm_engine import RequestError, Update
 from neuron.engine.parallel_sampling import num_samples, ranked, sample_id, sample_params
 from neuron.engine.sampling_params import InvalidParams, SamplingParams
@@ -68,6 +71,23 @@ def check_common(req: SamplingRequest) -> None:
                                      "when all have finished")
     if req.logit_bias:
         raise unsupported("logit_bias", "logit_bias is not supported")
+
+
+def request_salt(req: SamplingRequest, isolation: str, presented_key: str) -> str | None:
+    """The cache salt every sequence of the request carries (its prompts' and samples', which so
+    share one prefill), by --prefix-cache-isolation: `none`, the request's own `cache_salt`; `api-key`,
+    a digest of the key the client presented (`presented_key`) with its `cache_salt`, so that
+    clients with different keys share nothing; `salt`, its `cache_salt`, or without one a salt of
+    its own that no other request has."""
+    try:
+        check_cache_salt(req.cache_salt)
+    except RequestError as exc:
+        raise bad_request(str(exc), param="cache_salt") from None
+    if isolation == "api-key":  # JSON keeps the pair unambiguous whatever the two strings hold
+        return hashlib.sha256(msgspec.json.encode([presented_key, req.cache_salt])).hexdigest()
+    if isolation == "salt" and req.cache_salt is None:
+        return secrets.token_hex(16)
+    return req.cache_salt
 
 
 def check_ready(engine: AsyncEngine) -> None:
@@ -127,9 +147,9 @@ def sampling_params(req: SamplingRequest, defaults: dict, *, max_tokens: int | N
 
 def open_stream(engine: AsyncEngine, request_id: str, prompt_ids: list[int], params: SamplingParams,
                 prompt_param: str, images: list[ImageInput] | None = None, count_prompt: bool = True,
-                grammar: CompiledGrammar | None = None) -> RequestStream:
+                grammar: CompiledGrammar | None = None, cache_salt: str | None = None) -> RequestStream:
     try:
-        return engine.open(request_id, prompt_ids, params, images, count_prompt, grammar)
+        return engine.open(request_id, prompt_ids, params, images, count_prompt, grammar, cache_salt)
     except NotReady as exc:
         raise _not_ready(exc) from None
     except Overloaded as exc:
@@ -234,9 +254,10 @@ async def stream_events(samples: Samples, keepalive_s: float,
 
 def open_samples(engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: SamplingParams,
                  prompt_param: str, images: list[ImageInput] | None = None,
-                 grammar: CompiledGrammar | None = None) -> Samples:
-    """Queue the samples of every prompt, or none of them: every prompt is validated before any is
-    queued, and samples already opened when one is refused (the server full) are aborted."""
+                 grammar: CompiledGrammar | None = None, cache_salt: str | None = None) -> Samples:
+    """Queue the samples of every prompt, all with the request's `cache_salt`, or none of them:
+    every prompt is validated before any is queued, and samples already opened when one is refused
+    (the server full) are aborted."""
     check_sequences(engine, len(prompts), params)
     check_prompt_logprobs(prompts, params)
     total = len(prompts) * num_samples(params)
@@ -252,7 +273,8 @@ def open_samples(engine: AsyncEngine, request_id: str, prompts: list[list[int]],
         for ids in prompts:
             for i, child in enumerate(children):
                 rid = sample_id(request_id, len(streams), total)
-                streams.append(open_stream(engine, rid, ids, child, prompt_param, images, i == 0, grammar))
+                streams.append(open_stream(engine, rid, ids, child, prompt_param, images, i == 0, grammar,
+                                           cache_salt))
     except BaseException:
         for stream in streams:
             stream.close()

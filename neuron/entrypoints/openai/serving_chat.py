@@ -163,8 +163,9 @@ def _render(engine: AsyncEngine, req: ChatCompletionRequest) -> tuple[str, list[
 
 
 async def create_chat_completion(request: Request, engine: AsyncEngine, req: ChatCompletionRequest,
-                                 keepalive_s: float, limiters: Limiters) -> Response:
-    """`limiters` bound how many chats are rendered and tokenized, and grammars compiled, at once."""
+                                 keepalive_s: float, limiters: Limiters, cache_salt: str | None = None) -> Response:
+    """`limiters` bound how many chats are rendered and tokenized, and grammars compiled, at once;
+    `cache_salt` is the request's, as the server's isolation makes it (common.request_salt)."""
     check_model(req, engine.model_name)
     _check(req)
     check_ready(engine)
@@ -185,7 +186,7 @@ async def create_chat_completion(request: Request, engine: AsyncEngine, req: Cha
     check_prompt_chars(engine, template_content_chars(req.messages), "messages")  # at once, before the template
     prompt, prompt_ids, images = await off_loop(limiters.tokenize, _render, engine, req)
     ctx = ChatRequestContext(req, engine.model_name, engine.tokenizer, prompt, top_logprobs, tools)
-    samples = open_samples(engine, ctx.id, [prompt_ids], params, "messages", images, grammar)
+    samples = open_samples(engine, ctx.id, [prompt_ids], params, "messages", images, grammar, cache_salt)
     if req.stream:
         return EventStreamResponse(_events(ctx, samples, keepalive_s), on_close=samples.close)
     return await json_unless_disconnected(request, samples, _collect(ctx, samples))

@@ -130,9 +130,10 @@ def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
 
 
 async def create_completion(request: Request, engine: AsyncEngine, req: CompletionRequest, keepalive_s: float,
-                            limiters: Limiters) -> Response:
-    """`limiters` bound how many prompts are tokenized, and grammars compiled, at once. Choice p * n + i is the i-th sample
-    of prompt p (vLLM's order)."""
+                            limiters: Limiters, cache_salt: str | None = None) -> Response:
+    """`limiters` bound how many prompts are tokenized, and grammars compiled, at once; `cache_salt` is
+    the request's, as the server's isolation makes it (common.request_salt). Choice p * n + i is the
+    i-th sample of prompt p (vLLM's order)."""
     check_model(req, engine.model_name)
     _check(req)
     check_ready(engine)
@@ -144,7 +145,7 @@ async def create_completion(request: Request, engine: AsyncEngine, req: Completi
     grammar = await compile_guided(engine, req, limiters.grammar)
     ids = [await prompt_ids(engine, prompt, limiters.tokenize) for prompt in prompts]
     ctx = _Context(req, engine.model_name, engine.tokenizer, prompts, ids)
-    samples = open_samples(engine, ctx.id, ids, params, "prompt", grammar=grammar)
+    samples = open_samples(engine, ctx.id, ids, params, "prompt", grammar=grammar, cache_salt=cache_salt)
     ctx.per_prompt = samples.per_prompt
     if req.stream:
         return EventStreamResponse(_events(ctx, samples, keepalive_s), on_close=samples.close)
