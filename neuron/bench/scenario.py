@@ -1,8 +1,9 @@
 """`neuron bench --scenario FILE`: named load scenarios against one or more servers, each with
 assertions on what it measured, and a report that says PASS or FAIL per scenario.
 
-The file (YAML or JSON) names the servers ("providers") and the scenarios. Without `providers`,
-the `--base-url`s given on the command line are the providers. Each request's latency
+The file (YAML or JSON) names the servers ("providers") and the scenarios; docs/bench_scenarios.yaml
+shows every key with its range and default (tests/test_bench.py reads and runs it). Without
+`providers`, the `--base-url`s given on the command line are the providers. Each request's latency
 is taken apart as a client sees it: queue (waiting for a free user slot), headers (sent until the
 response's status arrived: connection, admission and, without streaming, the whole generation),
 TTFT, decode (first token to last) and end to end. Assertions: `p99_<stage>_ms` and
