@@ -513,18 +513,135 @@ def test_scenarios_use_the_base_urls_when_they_name_no_providers(fake, second_fa
     assert len(fake.bodies) == len(second_fake_server.bodies) == 4
 
 
+BILLION_LAUGHS = "l0: &l0 [lol]\n" + "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in range(1, 10))
+
+
 @pytest.mark.parametrize("text,message", [
     ("scenarios: []", "needs a list of scenarios"),
-    ("scenarios:\n  - {name: x, providers: [nope]}", "no provider named nope"),
-    ("scenarios:\n  - {name: x, assert: {p95_ttft_ms: 1}}", "assertion p95_ttft_ms"),
-    ("scenarios:\n  - {name: x, users: many}", "invalid literal"),
-    ("scenarios:\n  - {name: x, colour: red}", "unknown key"),
+    ("scenario:\n  - {name: x}", "unknown key(s) scenario (known: providers, scenarios)"),
+    ("[1, 2]", "a scenario file is a mapping with scenarios"),
+    ("scenarios:\n  - {name: x, providers: [nope]}",
+     "scenario 'x': providers must be a non-empty list of names under providers, got ['nope']"),
+    ("scenarios:\n  - {name: x, assert: {p95_ttft_ms: 1}}", "scenario 'x': assert: 'p95_ttft_ms' is not a check"),
+    ("scenarios:\n  - {name: x, assert: {error_rate: 2}}", "assert: error_rate must be a number in 0..1, got 2"),
+    ("scenarios:\n  - {name: x, assert: [p99_ttft_ms]}", "scenario 'x': assert must be a mapping of checks"),
+    ("scenarios:\n  - {name: x, users: many}", "scenario 'x': users must be an integer in 1..10,000, got 'many'"),
+    ("scenarios:\n  - {name: x, stream: 'no'}", "scenario 'x': stream must be true or false, got 'no'"),
+    ("scenarios:\n  - {name: x, input_len: [1, 2, 3]}",
+     "scenario 'x': input_len must be tokens, an integer or a range"),
+    ("scenarios:\n  - {name: x, 1: 2, colour: red}", "scenario 'x': unknown key(s) 1, colour (known: name,"),
+    ("scenarios:\n  - [x]", "scenario 1: must be a mapping of keys"),
+    ("providers: {a: 5}\nscenarios:\n  - {name: x}", "providers: 'a' must name an http:// or https:// URL, got 5"),
+    # numbers past what the run could hold, refused before anything is built (it was gigabytes)
+    ("scenarios:\n  - {name: x, requests: 1000000000000}",
+     "scenario 'x': requests must be an integer in 1..1,000,000, got 1000000000000"),
+    ('{"scenarios": [{"name": "x", "requests": 1e12}]}', "scenario 'x': requests must be an integer in 1..1,000,000"),
+    ("scenarios:\n  - {name: x, users: 100000000}", "scenario 'x': users must be an integer in 1..10,000"),
+    ("scenarios:\n  - {name: x, input_len: 10000000000}", "input_len must be tokens, an integer or a range [A, B] "
+     "with 1 <= A <= B <= 1,048,576, got 10000000000"),
+    ("scenarios:\n  - {name: x, requests: 100000, input_len: [8, 1000]}",
+     "scenario 'x': requests x input_len (100,000 x 1,000 tokens) must be at most 16,777,216 prompt tokens"),
+    ("scenarios:\n  - {name: x, timeout: .inf}", "scenario 'x': timeout must be a number of seconds"),
+    ("scenarios:\n  - {name: x, seed: " + "9" * 5000 + "}", "not a scenario file: Exceeds the limit"),
+    # malformed YAML: aliases (a billion laughs), deep nesting, too many values, bad bytes, syntax
+    (BILLION_LAUGHS + "scenarios: [*l9]", "not a scenario file: aliases (*name) are not accepted at line 2"),
+    ("scenarios: " + "[" * 5000 + "]" * 5000, "not a scenario file: nested deeper than 16 levels at line 1"),
+    ("scenarios:\n" + "".join(" " * i + "- \n" for i in range(40)), "nested deeper than 16 levels at line 17"),
+    ("scenarios: [" + "1, " * 10_001 + "1]", "not a scenario file: more than 10,000 values"),
+    ("scenarios: !!python/object/apply:os.system [echo]", "could not determine a constructor"),
+    ("scenarios:\n  - {name: x",
+     "not a scenario file: expected ',' or '}', but got '<stream end>' at line 2, column 13"),
+    ("scenarios: [\udcff]", "not a scenario file: unacceptable character"),
+    ("# " + "x" * 70_000, "larger than 64 KiB"),
 ])
-def test_bad_scenario_files_are_refused(fake, tmp_path, capsys, text, message):
+def test_bad_scenario_files_are_refused_in_one_line(fake, tmp_path, capsys, text, message):
+    """Wrong types, numbers out of range and malformed YAML: exit status 2 and one line naming the
+    file, the scenario and the key and what it takes, before any request is sent."""
     path = tmp_path / "bad.yaml"
-    path.write_text(text)
+    path.write_bytes(text.encode(errors="surrogateescape"))
     assert _cli(["--scenario", str(path), "--base-url", fake.url]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith(f"neuron bench: {path}: ") and err.count("\n") == 1, err
+    assert message in err and "Traceback" not in err
+    assert fake.count == 0
+
+
+@pytest.mark.parametrize("text", [
+    "scenarios:\n  - {name: x, requests: 1000000000000}",
+    "scenarios:\n  - {name: x, users: 100000000}",
+    "scenarios:\n  - {name: x, input_len: 10000000000}",
+    BILLION_LAUGHS + "scenarios: [*l9]",
+])
+def test_scenario_refusals_come_before_any_memory_is_taken(tmp_path, text):
+    """What a file asks for is refused from its numbers alone: fast, and with less than a few MB
+    allocated (a billion laughs would be 9^9 values, a trillion requests' prompts gigabytes)."""
+    import tracemalloc
+
+    from neuron.bench import scenario
+
+    path = tmp_path / "big.yaml"
+    path.write_text(text)
+    tracemalloc.start()
+    try:
+        started = time.perf_counter()
+        with pytest.raises(ConfigError):
+            scenario.load_scenarios(path, ["http://127.0.0.1:1/v1"])
+        elapsed = time.perf_counter() - started
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert elapsed < 2 and peak < 4 * 2**20
+
+
+def test_bench_numbers_past_what_a_run_can_hold_are_refused(fake, capsys):
+    for argv, message in ((["-n", "1000000000000"], "num_requests must be in 1..1,000,000, got 1,000,000,000,000"),
+                          (["-c", "100000000"], "concurrency must be in 1..10,000"),
+                          (["--input-len", "10000000000"],
+                           "input_len must be a range A:B with 1 <= A <= B <= 1,048,576"),
+                          (["-n", "100000", "--input-len", "1000"], "num_requests x input_len must be at most")):
+        assert _cli(["--base-url", fake.url, *argv]) == 2
+        assert message in capsys.readouterr().err
+    assert fake.count == 0
+
+
+EXAMPLE = ROOT / "docs" / "bench_scenarios.yaml"
+
+
+def test_the_example_scenario_file_reads_as_documented():
+    """The README's example file, through the real parser: every key it shows is taken."""
+    from neuron.bench.scenario import load_scenarios
+
+    burst, steady = load_scenarios(EXAMPLE, [])
+    assert (burst.name, burst.endpoint, burst.users, burst.requests, burst.input_len, burst.output_len) == \
+        ("chat-burst", "chat", 8, 64, (32, 256), (64, 64))
+    assert burst.providers == ["http://127.0.0.1:8000/v1", "http://127.0.0.1:8001/v1"]
+    assert (burst.stream, burst.ignore_eos, burst.seed, burst.timeout, burst.request_rate) == (True, True, 0, 120.0,
+                                                                                                math.inf)
+    assert burst.checks == {"p99_ttft_ms": 2000, "p50_decode_ms": 5000, "error_rate": 0, "min_output_throughput": 10}
+    assert (steady.providers, steady.users, steady.request_rate, steady.output_len) == \
+        (["http://127.0.0.1:8000/v1"], 4, 16.0, (16, 64))
+    # it shows every key the parser takes, and so does the README
+    import yaml
+
+    from neuron.bench.scenario import _RULES
+
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    assert set(doc) == {"providers", "scenarios"} and set().union(*doc["scenarios"]) == set(_RULES)
+    readme = (ROOT / "README.md").read_text()
+    assert all(f"`{key}`" in readme for key in _RULES) and "docs/bench_scenarios.yaml" in readme
+
+
+def test_the_example_scenario_file_runs(fake, second_fake_server, tmp_path, capsys):
+    """The example against two stand-in servers in place of its providers: both scenarios pass."""
+    second_fake_server.reset()
+    text = EXAMPLE.read_text().replace("http://127.0.0.1:8000/v1", fake.url)
+    path = tmp_path / "example.yaml"
+    path.write_text(text.replace("http://127.0.0.1:8001/v1", second_fake_server.url))
+    assert _cli(["--scenario", str(path)]) == 0
+    report = capsys.readouterr().out
+    assert "== chat-burst: PASS" in report and "== steady-arrivals: PASS" in report
+    assert len(fake.bodies) == 32 + 32 and len(second_fake_server.bodies) == 32
+    assert all("messages" in body for body in second_fake_server.bodies)
 
 
 def test_several_base_urls_need_a_scenario(fake, capsys):

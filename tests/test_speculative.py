@@ -13,7 +13,7 @@ from checkpoints import build_checkpoint, truncated_copy
 from neuron import LLM, SamplingParams
 from neuron.engine.sampling_params import GuidedDecodingParams
 from neuron.engine.speculative import Acceptance, SpeculativeConfig, ngram_proposal
-from neuron.engine.suffix import OutputCache, SuffixIndex, propose_from_text
+from neuron.engine.suffix import ROOT, OutputCache, SuffixIndex, propose_from_text
 from neuron.errors import ConfigError
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -180,6 +180,9 @@ def test_a_costly_proposer_proposes_what_pays():
     ('{"method": "suffix", "suffix_decoding_min_token_prob": 1.5}', "min_token_prob must be in"),
     ('{"method": "suffix", "suffix_decoding_max_tree_depth": "deep"}', "must be an integer"),
     ('{"num_speculative_tokens": 2.5}', "must be an integer"),
+    ('{"method": "suffix", "suffix_decoding_max_cache_bytes": 0}', "max_cache_bytes must be at least 1"),
+    ('{"method": "suffix", "suffix_decoding_max_cache_bytes": "lots"}', "byte count such as"),
+    ('{"method": "suffix", "suffix_decoding_max_cache_bytes": true}', "must be an integer"),
 ])
 def test_bad_configs_are_refused(value, message):
     with pytest.raises(ConfigError, match=message):
@@ -203,6 +206,9 @@ def test_vllm_spellings_are_taken():
     assert SpeculativeConfig.parse({"method": "draft_model", "model": "m"}).method == "draft"
     cfg = SpeculativeConfig.parse('{"method": "suffix", "suffix_decoding_max_spec_factor": 2}')
     assert cfg.suffix_decoding_max_spec_factor == 2.0 and isinstance(cfg.suffix_decoding_max_spec_factor, float)
+    assert cfg.suffix_decoding_max_cache_bytes == 64 * 2**20  # the default
+    cfg = SpeculativeConfig.parse('{"method": "suffix", "suffix_decoding_max_cache_bytes": "16MiB"}')
+    assert cfg.suffix_decoding_max_cache_bytes == 16 * 2**20
 
 
 def test_suffix_index_proposes_the_most_frequent_likely_continuation():
@@ -243,7 +249,68 @@ def test_the_shared_index_forgets_the_oldest_outputs():
     cache.add([5, 6, 8])  # the first output leaves
     assert cache.index.propose([8, 1, 2], 2, 0.1, 1.0)[0] == []
     assert cache.index.propose([5, 6], 1, 0.1, 1.0)[0] in ([7], [8])
-    assert not cache.index.root.children.get(1)  # its nodes are gone, not left at count 0
+    assert cache.index.find(ROOT, 1) < 0  # its nodes are gone, not left at count 0
+
+
+@pytest.mark.parametrize("vocab", [3, 40, 5000])
+def test_a_forgetting_index_proposes_what_a_fresh_one_of_its_texts_would(vocab):
+    """Texts forgotten (the oldest, past max_texts) leave nothing behind: the index holds the nodes
+    and makes the proposals of an index built from the texts kept alone (vocabularies small enough
+    for spans to recur, and large enough for nodes with many children)."""
+    import random
+
+    rng = random.Random(vocab)
+    cache = OutputCache(depth=8, max_texts=3)
+    for _ in range(10):
+        cache.add([rng.randrange(vocab) for _ in range(rng.randrange(1, 300))])
+    fresh = SuffixIndex(depth=8)
+    for text in cache.texts:
+        fresh.add(text)
+    assert len(cache.texts) == 3 and cache.index.num_nodes == fresh.num_nodes
+    for _ in range(50):
+        context = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+        assert cache.index.propose(context, 5, 0.05, 2.0) == fresh.propose(context, 5, 0.05, 2.0)
+
+
+def _outputs(n: int, length: int = 2000) -> list[list[int]]:
+    """Outputs that repeat nothing (a 32,000-token vocabulary): the most nodes per token."""
+    import random
+
+    rng = random.Random(0)
+    return [[rng.randrange(32000) for _ in range(length)] for _ in range(n)]
+
+
+def test_the_shared_index_counts_its_bytes():
+    """What the cache says it holds is what it allocated (traced by tracemalloc), within its bound
+    while it forgets: a node is 16 bytes (four int32s), plus the arrays' spare room."""
+    import tracemalloc
+
+    bound, outputs = 2 * 2**20, _outputs(6)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        cache = OutputCache(depth=24, max_texts=1000, max_bytes=bound)
+        for text in outputs:
+            cache.add(text)
+        traced = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(cache.texts) == 2  # 2,000 tokens of new spans: about 45,000 nodes each
+    assert cache.nbytes <= traced <= cache.nbytes + 1024 and traced <= bound
+    assert cache.nbytes / cache.index.num_nodes < 24  # where objects in dictionaries took 264
+
+
+@pytest.mark.slow
+def test_the_shared_index_stays_within_its_bytes():
+    """100 outputs of 2,000 tokens against a 4 MiB bound: the cache never holds more, and keeps the
+    newest outputs, whose continuations it proposes."""
+    bound = 4 * 2**20
+    cache = OutputCache(depth=24, max_texts=1000, max_bytes=bound)
+    for text in _outputs(100):
+        cache.add(text)
+        assert cache.nbytes <= bound
+    assert len(cache.texts) >= 4 and list(cache.texts[-1]) == text
+    assert cache.index.propose(text[:50], 3, 0.1, 1.0)[0] == text[50:53]
 
 
 def test_suffix_proposals_learn_from_earlier_outputs(repetitive):

@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
                          "--scenario: the servers its scenarios spread load across")
     ap.add_argument("--scenario", metavar="FILE", help="run the named scenarios of a YAML or JSON file against "
                     "their servers and check their assertions: a PASS/FAIL report, exit status 1 on any FAIL "
-                    "(see neuron/bench/scenario.py for the format)")
+                    "(the format: docs/bench_scenarios.yaml)")
     ap.add_argument("--model", help="model name to request (default: the first one GET /models lists)")
     ap.add_argument("--api-key", help="bearer token (default: $OPENAI_API_KEY when set)")
     ap.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions", help="default: %(default)s")

@@ -26,6 +26,14 @@ from neuron.bench.prompts import BenchRequest, build_requests
 from neuron.errors import ConfigError, NeuronError
 
 ENDPOINTS = {"completions": "/completions", "chat": "/chat/completions"}
+# What one run may ask for, checked before anything is built: every prompt is made before the first
+# request is sent (a token id in a list takes about 36 bytes), and each request in flight holds a
+# connection.
+MAX_REQUESTS = 1_000_000
+MAX_CONCURRENCY = 10_000
+MAX_TOKENS = 2**20  # a prompt's, an output's
+MAX_PROMPT_TOKENS = 2**24  # all prompts' together: about 600 MB of token ids
+MAX_TIMEOUT_S = 86_400.0
 
 
 class BenchError(NeuronError):
@@ -57,20 +65,23 @@ class BenchConfig:
         self.base_url = self.base_url.rstrip("/")
         if self.endpoint not in ENDPOINTS:
             raise ConfigError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
-        if self.num_requests < 1:
-            raise ConfigError("num_requests must be at least 1")
-        if self.concurrency is not None and self.concurrency < 1:
-            raise ConfigError("concurrency must be at least 1")
+        if not 1 <= self.num_requests <= MAX_REQUESTS:
+            raise ConfigError(f"num_requests must be in 1..{MAX_REQUESTS:,}, got {self.num_requests:,}")
+        if self.concurrency is not None and not 1 <= self.concurrency <= MAX_CONCURRENCY:
+            raise ConfigError(f"concurrency must be in 1..{MAX_CONCURRENCY:,}, got {self.concurrency:,}")
         if not self.request_rate > 0:
             raise ConfigError("request_rate must be positive (inf sends everything at once)")
         for name in ("input_len", "output_len"):
             lo, hi = getattr(self, name)
-            if not 1 <= lo <= hi:
-                raise ConfigError(f"{name} must be a range A:B with 1 <= A <= B, got {lo}:{hi}")
-        if not self.timeout > 0:
-            raise ConfigError("timeout must be positive")
-        if self.warmup < 0:
-            raise ConfigError("warmup must be 0 or more")
+            if not 1 <= lo <= hi <= MAX_TOKENS:
+                raise ConfigError(f"{name} must be a range A:B with 1 <= A <= B <= {MAX_TOKENS:,}, got {lo}:{hi}")
+        if self.prompts_file is None and self.num_requests * self.input_len[1] > MAX_PROMPT_TOKENS:
+            raise ConfigError(f"num_requests x input_len must be at most {MAX_PROMPT_TOKENS:,} prompt tokens, "
+                              f"which are built before the run; got {self.num_requests:,} x {self.input_len[1]:,}")
+        if not 0 < self.timeout <= MAX_TIMEOUT_S:
+            raise ConfigError(f"timeout must be more than 0 and at most {MAX_TIMEOUT_S:,g} seconds")
+        if not 0 <= self.warmup <= MAX_REQUESTS:
+            raise ConfigError(f"warmup must be in 0..{MAX_REQUESTS:,}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ConfigError("logprobs must be 0 or more")
 

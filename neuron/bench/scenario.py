@@ -1,50 +1,43 @@
 """`neuron bench --scenario FILE`: named load scenarios against one or more servers, each with
 assertions on what it measured, and a report that says PASS or FAIL per scenario.
 
-The file (YAML or JSON) names the servers ("providers") and the scenarios:
-
-    providers:
-      a: http://10.0.0.5:8000/v1
-      b: http://10.0.0.6:8000/v1
-    scenarios:
-      - name: chat-burst
-        providers: [a, b]        # requests go to them in turn (no balancer needed); default: all
-        users: 32                # requests in flight at once
-        requests: 256
-        stream: true
-        input_len: [64, 512]     # tokens, fixed or a range drawn per request
-        output_len: 128
-        request_rate: 20         # Poisson arrivals per second; default: all at once
-        assert:
-          p99_ttft_ms: 800
-          error_rate: 0.01
-          min_output_throughput: 500
-
-Without `providers`, the `--base-url`s given on the command line are the providers. Each request's
-latency is taken apart as a client sees it: queue (waiting for a free user slot), headers (sent
-until the response's status arrived: connection, admission and, without streaming, the whole
-generation), TTFT, decode (first token to last) and end to end. Assertions: `p99_<stage>_ms` and
+The file (YAML or JSON) names the servers ("providers") and the scenarios; docs/bench_scenarios.yaml
+shows every key with its range and default (tests/test_bench.py reads and runs it). Without
+`providers`, the `--base-url`s given on the command line are the providers. Each request's latency
+is taken apart as a client sees it: queue (waiting for a free user slot), headers (sent until the
+response's status arrived: connection, admission and, without streaming, the whole generation),
+TTFT, decode (first token to last) and end to end. Assertions: `p99_<stage>_ms` and
 `p50_<stage>_ms` bound a stage's percentile, `error_rate` the share of failed requests,
 `min_output_throughput` and `min_request_throughput` what the scenario sustained.
+
+The file is checked whole before anything is built or sent, every number against a range (the
+prompts are built up front, so `requests: 1e12` would otherwise take the machine's memory first),
+and read without YAML aliases, deeper nesting than MAX_NESTING or more than MAX_NODES values: a
+malformed file gets one line naming the file, the scenario, the key and what it takes.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from time import perf_counter
 from typing import Any
 
-from neuron.bench.load import BenchConfig, RequestRecord, _client, _Runner, first_model, send_all
+import yaml
+
+from neuron.bench.load import (ENDPOINTS, MAX_CONCURRENCY, MAX_PROMPT_TOKENS, MAX_REQUESTS, MAX_TIMEOUT_S, MAX_TOKENS,
+                               BenchConfig, RequestRecord, _client, _Runner, first_model, send_all)
 from neuron.bench.prompts import build_requests
 from neuron.bench.report import describe
 from neuron.errors import ConfigError
 
 STAGES = ("queue", "headers", "ttft", "decode", "e2e")
-_KEYS = {"name", "providers", "users", "requests", "stream", "input_len", "output_len", "request_rate", "endpoint",
-         "ignore_eos", "timeout", "seed", "assert"}
+# A scenario file is small; past these it is refused before it is parsed further.
+MAX_FILE_BYTES = 64 * 1024
+MAX_NODES = 10_000  # mappings, lists and values (about 15 a scenario)
+MAX_NESTING = 16  # levels of mappings and lists (the parser recurses per level)
 
 
 @dataclass(slots=True)
@@ -81,61 +74,217 @@ class Outcome:
 
 
 def load_scenarios(path: str | Path, base_urls: list[str]) -> list[Scenario]:
-    """The file's scenarios, each with its providers' URLs; ConfigError naming what is wrong."""
-    import yaml
-
+    """The file's scenarios, each with its providers' URLs; a one-line ConfigError naming the
+    file, the scenario and the key where anything is wrong, before anything is built or sent."""
+    doc = _read(Path(path))
     try:
-        doc = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"--scenario {path}: {exc}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("scenarios"), list) or not doc["scenarios"]:
-        raise ConfigError(f"--scenario {path}: needs a list of scenarios")
-    providers = doc.get("providers") or {f"url{i}": u for i, u in enumerate(base_urls)}
-    if not isinstance(providers, dict) or not providers:
-        raise ConfigError(f"--scenario {path}: name the servers under providers, or pass --base-url")
+        return _scenarios(doc, base_urls)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def _read(path: Path) -> Any:
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read --scenario {path}: {exc.strerror}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_FILE_BYTES // 1024} KiB; a scenario file is YAML or JSON "
+                          "naming providers and scenarios")
+    try:
+        return yaml.load(data, Loader=_Loader)  # noqa: S506 (a SafeLoader, and stricter)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not a scenario file: {_one_line(exc)}") from None
+    except ValueError as exc:  # a value YAML reads but Python refuses (an integer of 5,000 digits, a 13th month)
+        raise ConfigError(f"{path}: not a scenario file: {exc}") from None
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that refuses aliases (`*name`: a few lines of them can stand for billions of
+    nodes, the "billion laughs"), nesting deeper than MAX_NESTING (its composer recurses once per
+    level) and more than MAX_NODES nodes, at the node that breaks the rule, before building
+    anything."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.nesting = self.nodes = 0
+
+    def compose_node(self, parent, index):
+        mark = self.peek_event().start_mark
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not accepted", mark)
+        if self.nesting >= MAX_NESTING:
+            raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_NESTING} levels", mark)
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise yaml.composer.ComposerError(None, None, f"more than {MAX_NODES:,} values", mark)
+        self.nesting += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.nesting -= 1
+
+
+def _one_line(exc) -> str:
+    """A YAML error's problem and where, without the quoted snippet."""
+    problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
+    if problem is None:
+        return " ".join(str(exc).split())
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{problem}{where}"
+
+
+def _scenarios(doc: Any, base_urls: list[str]) -> list[Scenario]:
+    if not isinstance(doc, dict):
+        raise ConfigError("a scenario file is a mapping with scenarios (a list) and providers (optional)")
+    unknown = sorted(map(str, set(doc) - {"providers", "scenarios"}))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(unknown)} (known: providers, scenarios)")
+    if not isinstance(doc.get("scenarios"), list) or not doc["scenarios"]:
+        raise ConfigError("needs a list of scenarios")
+    providers = _providers(doc.get("providers") or {f"url{i}": u for i, u in enumerate(base_urls)})
     return [_scenario(item, providers, i) for i, item in enumerate(doc["scenarios"])]
 
 
+def _providers(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict) or not value:
+        raise ConfigError("name the servers under providers (name: URL), or pass --base-url")
+    for name, url in value.items():
+        if not isinstance(name, str) or not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ConfigError(f"providers: {_shown(name)} must name an http:// or https:// URL, got {_shown(url)}")
+    return value
+
+
 def _scenario(item: Any, providers: dict[str, str], index: int) -> Scenario:
-    where = f"scenario {index + 1}"
     if not isinstance(item, dict):
-        raise ConfigError(f"{where}: must be a mapping")
-    where = f"scenario {item.get('name', index + 1)!r}"
-    unknown = sorted(set(item) - _KEYS)
+        raise ConfigError(f"scenario {index + 1}: must be a mapping of keys ({', '.join(_RULES)}), "
+                          f"got {_shown(item)}")
+    name = item.get("name", str(index + 1))
+    if not isinstance(name, (str, int)) or isinstance(name, bool) or not 1 <= len(str(name)) <= 100:
+        raise ConfigError(f"scenario {index + 1}: name must be a string of 1 to 100 characters, got {_shown(name)}")
+    where = f"scenario {str(name)!r}"
+    unknown = sorted(map(str, set(item) - set(_RULES)))
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}")
-    names = item.get("providers", list(providers))
-    missing = [n for n in names if n not in providers]
-    if missing:
-        raise ConfigError(f"{where}: no provider named {', '.join(map(str, missing))}")
-    checks = item.get("assert") or {}
-    for key, limit in checks.items():
-        if not _known_check(key) or not isinstance(limit, (int, float)):
-            raise ConfigError(f"{where}: assertion {key}: {limit!r} is not one neuron checks")
-    try:
-        return Scenario(
-            name=str(item.get("name", index + 1)), providers=[providers[n].rstrip("/") for n in names],
-            users=int(item.get("users", 1)), requests=int(item.get("requests", 16)),
-            stream=bool(item.get("stream", True)), input_len=_span(item.get("input_len", 128)),
-            output_len=_span(item.get("output_len", 128)),
-            request_rate=float(item.get("request_rate", math.inf)), endpoint=str(item.get("endpoint", "completions")),
-            ignore_eos=bool(item.get("ignore_eos", True)), timeout=float(item.get("timeout", 300.0)),
-            seed=int(item.get("seed", 0)), checks={k: float(v) for k, v in checks.items()})
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(_RULES)})")
+    values = {}
+    for key, value in item.items():
+        parse, allowed = _RULES[key]
+        try:
+            values[key] = parse(value, providers)
+        except (TypeError, ValueError) as exc:
+            detail = f": {exc}" if str(exc) else f" must be {allowed}, got {_shown(value)}"
+            raise ConfigError(f"{where}: {key}{detail}") from None
+    _check_prompt_tokens(where, values)
+    names = values.get("providers", list(providers))
+    return Scenario(name=str(name), providers=[providers[n].rstrip("/") for n in names],
+                    **{_FIELD.get(k, k): v for k, v in values.items() if k not in ("name", "providers")})
 
 
-def _span(value: Any) -> tuple[int, int]:
-    if isinstance(value, list) and len(value) == 2:
-        return int(value[0]), int(value[1])
-    return int(value), int(value)
+def _check_prompt_tokens(where: str, values: dict[str, Any]) -> None:
+    """Every prompt is built before the first request is sent: their tokens together are bounded."""
+    defaults = {f.name: f.default for f in fields(Scenario)}
+    requests = values.get("requests", defaults["requests"])
+    longest = values.get("input_len", defaults["input_len"])[1]
+    if requests * longest > MAX_PROMPT_TOKENS:
+        raise ConfigError(f"{where}: requests x input_len ({requests:,} x {longest:,} tokens) must be at most "
+                          f"{MAX_PROMPT_TOKENS:,} prompt tokens, which are built before the run; lower either")
 
 
-def _known_check(key: str) -> bool:
+def _integer(lo: int, hi: int):
+    def parse(value: Any, _providers=None) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi or value % 1:
+            raise ValueError
+        return int(value)
+
+    return parse, f"an integer in {lo:,}..{hi:,}"
+
+
+def _number(lo: float, hi: float, what: str):
+    def parse(value: Any, _providers=None) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo < value <= hi:
+            raise ValueError
+        return float(value)
+
+    return parse, what
+
+
+def _span(value: Any, _providers=None) -> tuple[int, int]:
+    lo, hi = value if isinstance(value, list) and len(value) == 2 else (value, value)
+    lo, hi = _tokens(lo), _tokens(hi)
+    if lo > hi:
+        raise ValueError
+    return lo, hi
+
+
+def _flag(value: Any, _providers=None) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError
+    return value
+
+
+def _names(value: Any, providers: dict[str, str]) -> list[str]:
+    if not isinstance(value, list) or not value or not all(isinstance(n, str) and n in providers for n in value):
+        raise ValueError
+    return value
+
+
+def _one_of(*choices: str):
+    def parse(value: Any, _providers=None) -> str:
+        if value not in choices:
+            raise ValueError
+        return value
+
+    return parse, " or ".join(choices)
+
+
+def _checks(value: Any, _providers=None) -> dict[str, float]:
+    if not isinstance(value, dict):
+        raise ValueError
+    for key, limit in value.items():
+        if not _known_check(key):
+            raise ValueError(f"{_shown(key)} is not a check neuron makes ({_CHECKS})")
+        top = 1.0 if key == "error_rate" else math.inf
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 <= limit <= top:
+            allowed = "in 0..1" if key == "error_rate" else "at least 0"
+            raise ValueError(f"{key} must be a number {allowed}, got {_shown(limit)}")
+    return {k: float(v) for k, v in value.items()}
+
+
+def _known_check(key: Any) -> bool:
     if key in ("error_rate", "min_output_throughput", "min_request_throughput"):
         return True
-    pct, _, rest = key.partition("_")
+    pct, _, rest = str(key).partition("_")
     return pct in ("p50", "p99") and rest.endswith("_ms") and rest[:-3] in STAGES
+
+
+_tokens = _integer(1, MAX_TOKENS)[0]
+_CHECKS = (f"p50_<stage>_ms and p99_<stage>_ms for a stage among {', '.join(STAGES)}; error_rate; "
+           "min_output_throughput; min_request_throughput")
+_LENGTH = f"tokens, an integer or a range [A, B] with 1 <= A <= B <= {MAX_TOKENS:,}"
+# Each key: how it is read (a ValueError or TypeError refuses it, its message said where it has
+# one), and what it takes, for the refusal.
+_RULES = {
+    "name": (lambda value, _: value, "a string"),
+    "providers": (_names, "a non-empty list of names under providers"),
+    "users": _integer(1, MAX_CONCURRENCY),
+    "requests": _integer(1, MAX_REQUESTS),
+    "stream": (_flag, "true or false"),
+    "input_len": (_span, _LENGTH),
+    "output_len": (_span, _LENGTH),
+    "request_rate": _number(0, math.inf, "a positive number of requests per second (.inf: all at once)"),
+    "endpoint": _one_of(*ENDPOINTS),
+    "ignore_eos": (_flag, "true or false"),
+    "timeout": _number(0, MAX_TIMEOUT_S, f"a number of seconds, more than 0 and at most {MAX_TIMEOUT_S:,g}"),
+    "seed": _integer(0, 2**63 - 1),
+    "assert": (_checks, f"a mapping of checks ({_CHECKS}) to numbers"),
+}
+_FIELD = {"assert": "checks"}  # the Scenario field a key fills, where its name differs
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 async def run_scenario(s: Scenario) -> Outcome:

@@ -14,10 +14,11 @@ seeded requests included; only the number of target steps changes.
 
 Proposers (the `method`): `ngram` (prompt lookup: the longest recent n-gram, prompt_lookup_max
 down to prompt_lookup_min tokens, found earlier in prompt + output, proposes what followed it
-there); `suffix` (suffix.py: a count-keeping index of the request's tokens and of earlier requests'
-outputs proposes the continuation most often seen, as far as it stays likely); `draft` (draft.py:
-a smaller checkpoint with the same vocabulary proposes its own greedy continuation). Each is a
-fixed guess given the tokens so far, which is what keeps the position-by-position sampling exact.
+there); `suffix` (suffix.py: the request's own tokens, and a count-keeping index of earlier
+requests' outputs bounded in bytes, propose the continuation most often seen, as far as it stays
+likely); `draft` (draft.py: a smaller checkpoint with the same vocabulary proposes its own greedy
+continuation). Each is a fixed guess given the tokens so far, which is what keeps the
+position-by-position sampling exact.
 
 Adaptive: a sequence's k follows its acceptance (an exponential average). For lookups, which cost
 nothing to propose: k_max while a fair share is taken, one token when few are, none while it is
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from neuron.config import parse_bytes
 from neuron.engine.engine_config import json_object
 from neuron.engine.suffix import OutputCache, propose_from_text
 from neuron.errors import ConfigError
@@ -55,6 +57,9 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # the shared index of outputs, in bytes (a number, or with a unit: "64MiB"): about 80 outputs of
+    # 2,000 tokens that repeat nothing (0.75 MB each at depth 24), many more where they repeat each other
+    suffix_decoding_max_cache_bytes: int = 64 * 2**20
     # draft
     model: str | None = None
     draft_tensor_parallel_size: int = 1
@@ -98,6 +103,9 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config: suffix_decoding_max_spec_factor must be positive")
         if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
             raise ConfigError("speculative_config: suffix_decoding_min_token_prob must be in [0, 1]")
+        if self.suffix_decoding_max_cache_bytes < 1:
+            raise ConfigError("speculative_config: suffix_decoding_max_cache_bytes must be at least 1 "
+                              "(suffix_decoding_max_cached_requests 0 turns the shared index off)")
         if self.method == "draft" and not self.model:
             raise ConfigError("speculative_config: method draft needs model, the draft checkpoint "
                               "(a smaller model with the target's vocabulary)")
@@ -111,6 +119,11 @@ def _typed(key: str, value):
         if not isinstance(value, str):
             raise ValueError(f"{key} must be a string, got {value!r:.80}")
         return value
+    if key == "suffix_decoding_max_cache_bytes" and isinstance(value, str):
+        try:
+            return parse_bytes(value, key)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
     kind = float if key in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob") else int
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
         raise ValueError(f"{key} must be {'a number' if kind is float else 'an integer'}, got {value!r:.80}")
@@ -217,7 +230,8 @@ class SuffixProposer(_Lookup):
         self.depth = cfg.suffix_decoding_max_tree_depth
         self.min_prob = cfg.suffix_decoding_min_token_prob
         self.spec_factor = cfg.suffix_decoding_max_spec_factor
-        self.outputs = OutputCache(self.depth, cfg.suffix_decoding_max_cached_requests)
+        self.outputs = OutputCache(self.depth, cfg.suffix_decoding_max_cached_requests,
+                                   cfg.suffix_decoding_max_cache_bytes)
 
     def propose(self, seqs: list, ks: list[int]) -> list[list[int]]:
         return [self._propose(seq, k) for seq, k in zip(seqs, ks)]

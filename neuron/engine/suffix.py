@@ -9,112 +9,268 @@ own tokens and the shared outputs, the source that expects more accepted tokens 
 running products) proposes.
 
 The request's own tokens are searched where they lie (`propose_from_text`: a few vectorised
-passes over them per proposal, nothing to build or keep). The outputs of finished requests (the
-newest `max_texts`), since agents and code tools ask for much the same things again, are counted
-in a trie of every span of up to `depth` tokens (`SuffixIndex`: `depth` node visits per token
-added, a node a count and its children), so a proposal walks `depth` nodes whatever it holds.
+passes over them per proposal, nothing to build or keep). The outputs of finished requests, since
+agents and code tools ask for much the same things again, are counted in a trie of every span of
+up to `depth` tokens (`SuffixIndex`: `depth` node visits per token added), so a proposal walks
+`depth` nodes whatever it holds. A text adds up to `depth` nodes per token, so the nodes are four
+int32s in flat arrays rather than objects, and the cache of outputs (`OutputCache`) is bounded in
+bytes as well as in texts, forgetting the oldest first.
 """
 
 from __future__ import annotations
 
 import math
+import sys
+from array import array
+from bisect import bisect_left
 from collections import deque
 
 import numpy as np
 
+ROOT = 0
+NODE_BYTES = 16  # a node's token, count, first child and next sibling, int32 each
+_WIDE_AT = 8  # children a list scan passes before the node keeps them sorted instead
 
-class _Node:
-    __slots__ = ("count", "children")
 
-    def __init__(self):
-        self.count = 0
-        self.children: dict[int, _Node] = {}
+def _zeros(n: int) -> array:
+    return array("i", bytes(4 * n))
 
 
 class SuffixIndex:
-    """The spans of up to `depth` tokens of the texts added, with how often each occurred."""
+    """The spans of up to `depth` tokens of the texts added, with how often each occurred.
 
-    __slots__ = ("depth", "root")
+    Node n is `token[n]` (the token that leads to it), `count[n]` (the span's occurrences),
+    `child[n]` and `sibling[n]`. Most nodes have one child or a few, kept as a list threaded
+    through `sibling` (-1 ends it; `child` -1: none). A node with more (the root, the first tokens
+    of common phrases) keeps them as two arrays sorted by token, searched by bisection:
+    `child[n]` is then -2 - w, w its slot in `wide_tokens`/`wide_nodes`. Freed nodes are threaded
+    through `sibling` from `free`; the arrays grow only by `reserve` and never shrink, so `nbytes`
+    (every array and list it holds, as allocated) is what it costs.
+    """
 
-    def __init__(self, depth: int):
+    __slots__ = ("depth", "token", "count", "child", "sibling", "used", "free", "nfree",
+                 "wide_tokens", "wide_nodes", "wide_owner")
+
+    def __init__(self, depth: int, capacity: int = 1024):
         self.depth = depth
-        self.root = _Node()
+        self.token, self.count, self.child, self.sibling = (_zeros(capacity) for _ in range(4))
+        self.child[ROOT] = -1
+        self.used, self.free, self.nfree = 1, -1, 0  # slots below `used` were handed out once
+        self.wide_tokens: list[array] = []
+        self.wide_nodes: list[array] = []
+        self.wide_owner = array("i")
 
-    def add(self, tokens: list[int]) -> None:
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.token, self.count, self.child, self.sibling, self.wide_owner, *self.wide_tokens,
+                  *self.wide_nodes)
+        return sum(map(sys.getsizeof, arrays)) + sys.getsizeof(self.wide_tokens) + sys.getsizeof(self.wide_nodes)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.used - self.nfree
+
+    def reserve(self, n: int, max_node_bytes: int | None = None) -> bool:
+        """Room for `n` more nodes, the node arrays growing up to `max_node_bytes`; False where
+        they would pass it."""
+        capacity = len(self.count)
+        short = n - (self.nfree + capacity - self.used)
+        if short <= 0:
+            return True
+        grow = max(short, capacity // 2)  # geometric, so a text's reservation rarely copies the arrays
+        if max_node_bytes is not None:
+            grow = min(grow, (max_node_bytes - 4 * sys.getsizeof(self.count)) // NODE_BYTES)
+            if grow < short:
+                return False
+        # concatenation allocates exactly the new size, which `nbytes` then reports
+        self.token, self.count, self.child, self.sibling = (
+            a + _zeros(grow) for a in (self.token, self.count, self.child, self.sibling))
+        return True
+
+    def add(self, tokens) -> None:
         """Count a whole text (a finished request's output)."""
-        self._walk(tokens, +1)
-
-    def remove(self, tokens: list[int]) -> None:
-        """Forget a text added before (its nodes' counts fall; those that reach 0 go)."""
-        self._walk(tokens, -1)
-
-    def _walk(self, tokens: list[int], sign: int) -> None:
-        limit = self.depth - 1
-        ends: list[_Node] = []  # the spans that end at the last token walked, shortest first
+        self.reserve(len(tokens) * self.depth)  # at most `depth` new spans end at each token
+        limit, count = self.depth - 1, self.count
+        ends: list[int] = []  # the spans that end at the last token walked, shortest first
         for t in tokens:
             grown = []
-            for parent in [self.root] + ends[:limit]:
-                node = parent.children.get(t)
-                if node is None:
-                    node = parent.children[t] = _Node()
-                node.count += sign
-                if node.count <= 0:
-                    del parent.children[t]
+            for parent in [ROOT, *ends[:limit]]:
+                node = self.find(parent, t)
+                if node < 0:
+                    node = self._insert(parent, t)
+                count[node] += 1
                 grown.append(node)
             ends = grown
 
-    def match(self, context: list[int], longest: int) -> tuple[_Node | None, int]:
+    def remove(self, tokens) -> None:
+        """Forget a text added before: its spans' counts fall, and the nodes that reach 0 are freed
+        (the children of such a node reach 0 at the next token, so none is left behind)."""
+        limit, count = self.depth - 1, self.count
+        ends: list[int] = []
+        for t in tokens:
+            grown = []
+            for parent in [ROOT, *ends[:limit]]:
+                node = self.find(parent, t)
+                count[node] -= 1
+                if count[node] == 0:
+                    self._unlink(parent, node)
+                grown.append(node)
+            ends = grown
+
+    def find(self, parent: int, t: int) -> int:
+        """`parent`'s child by token `t`; -1 where it has none."""
+        node = self.child[parent]
+        if node <= -2:
+            tokens = self.wide_tokens[-2 - node]
+            i = bisect_left(tokens, t)
+            return self.wide_nodes[-2 - node][i] if i < len(tokens) and tokens[i] == t else -1
+        token, sibling = self.token, self.sibling
+        while node >= 0 and token[node] != t:
+            node = sibling[node]
+        return node
+
+    def children(self, parent: int):
+        """`parent`'s children's node ids."""
+        node = self.child[parent]
+        if node <= -2:
+            return self.wide_nodes[-2 - node]
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.sibling[node]
+        return out
+
+    def _insert(self, parent: int, t: int) -> int:
+        if self.free >= 0:
+            node, self.free = self.free, self.sibling[self.free]
+            self.nfree -= 1
+        else:
+            node, self.used = self.used, self.used + 1  # `reserve` made room
+        self.token[node], self.count[node], self.child[node] = t, 0, -1
+        head = self.child[parent]
+        if head >= 0 and len(self.children(parent)) >= _WIDE_AT:
+            self._widen(parent)
+            head = self.child[parent]
+        if head <= -2:
+            tokens, nodes = self.wide_tokens[-2 - head], self.wide_nodes[-2 - head]
+            i = bisect_left(tokens, t)
+            tokens.insert(i, t)
+            nodes.insert(i, node)
+        else:
+            self.sibling[node], self.child[parent] = head, node
+        return node
+
+    def _widen(self, parent: int) -> None:
+        kids = sorted(self.children(parent), key=self.token.__getitem__)
+        self.child[parent] = -2 - len(self.wide_nodes)
+        self.wide_tokens.append(array("i", [self.token[n] for n in kids]))
+        self.wide_nodes.append(array("i", kids))
+        self.wide_owner.append(parent)
+
+    def _unlink(self, parent: int, node: int) -> None:
+        head = self.child[parent]
+        if head <= -2:
+            self._unlink_wide(-2 - head, node)
+        elif head == node:
+            self.child[parent] = self.sibling[node]
+        else:
+            while self.sibling[head] != node:
+                head = self.sibling[head]
+            self.sibling[head] = self.sibling[node]
+        self.sibling[node], self.free = self.free, node
+        self.nfree += 1
+
+    def _unlink_wide(self, w: int, node: int) -> None:
+        tokens, nodes = self.wide_tokens[w], self.wide_nodes[w]
+        i = bisect_left(tokens, self.token[node])
+        del tokens[i], nodes[i]
+        if tokens:
+            return
+        # the last child left: the last slot moves into this one, so the lists stay dense
+        self.child[self.wide_owner[w]] = -1
+        last = len(self.wide_nodes) - 1
+        if w != last:
+            self.wide_tokens[w], self.wide_nodes[w] = self.wide_tokens[last], self.wide_nodes[last]
+            self.wide_owner[w] = self.wide_owner[last]
+            self.child[self.wide_owner[w]] = -2 - w
+        del self.wide_tokens[last], self.wide_nodes[last], self.wide_owner[last]
+
+    def match(self, context: list[int], longest: int) -> tuple[int, int]:
         """The deepest node for a suffix of `context` of at most `longest` tokens that has a
-        continuation, and the suffix's length; (None, 0) where none does."""
+        continuation, and the suffix's length; (-1, 0) where none does."""
         for d in range(min(longest, len(context)), 0, -1):
-            node = self.root
+            node = ROOT
             for t in context[len(context) - d:]:
-                node = node.children.get(t)
-                if node is None:
+                node = self.find(node, t)
+                if node < 0:
                     break
             else:
-                if node.children:
+                if self.child[node] != -1:
                     return node, d
-        return None, 0
+        return -1, 0
 
     def propose(self, context: list[int], k: int, min_prob: float, spec_factor: float) -> tuple[list[int], float]:
         """Up to k tokens likely to follow `context`, and how many of them are expected to be kept."""
         node, matched = self.match(context, self.depth - 1 - min(k, self.depth - 2))
-        if node is None:
+        if node < 0:
             return [], 0.0
         k = min(k, max(1, math.ceil(spec_factor * matched)))
+        count, token = self.count, self.token
         proposal, prob, expected = [], 1.0, 0.0
-        while len(proposal) < k and node.children:
-            total = sum(c.count for c in node.children.values())
-            token, child = max(node.children.items(), key=lambda kv: (kv[1].count, -kv[0]))  # ties: smallest id
-            prob *= child.count / total
+        while len(proposal) < k and self.child[node] != -1:
+            kids = self.children(node)
+            total = sum(count[c] for c in kids)
+            child = max(kids, key=lambda c: (count[c], -token[c]))  # ties: smallest id
+            prob *= count[child] / total
             if prob < min_prob:
                 break
-            proposal.append(token)
+            proposal.append(token[child])
             expected += float(prob)
             node = child
         return proposal, expected
 
 
 class OutputCache:
-    """The outputs of the newest `max_texts` finished requests, indexed together."""
+    """The outputs of the newest finished requests, indexed together: at most `max_texts` of them
+    and `max_bytes` in all (the index, and the texts it forgets them by), the oldest forgotten
+    first. A text that alone would not fit is not kept."""
 
-    __slots__ = ("index", "texts", "max_texts")
+    __slots__ = ("index", "texts", "max_texts", "max_bytes", "text_bytes")
 
-    def __init__(self, depth: int, max_texts: int):
+    def __init__(self, depth: int, max_texts: int, max_bytes: int | None = None):
         self.index = SuffixIndex(depth)
-        self.texts: deque[list[int]] = deque()
+        self.texts: deque[array] = deque()
         self.max_texts = max_texts
+        self.max_bytes = max_bytes
+        self.text_bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.index.nbytes + self.text_bytes + sys.getsizeof(self.texts)
 
     def add(self, tokens: list[int]) -> None:
         if self.max_texts < 1 or not tokens:
             return
-        self.index.add(tokens)
-        self.texts.append(tokens)
-        while len(self.texts) > self.max_texts:
-            self.index.remove(self.texts.popleft())
+        text = array("i", tokens)  # 4 bytes a token, where a list of ints holds about 36
+        size = sys.getsizeof(text)
+        need = len(text) * self.index.depth  # the most nodes it can add
+        # The node arrays never shrink, so they get a fixed share: were they to fill the bound, the
+        # rest (sorted children, texts) could grow only by forgetting texts whose nodes free no bytes.
+        node_budget = None if self.max_bytes is None else self.max_bytes * 7 // 8
+        while not self.index.reserve(need, node_budget):
+            if not self.texts:
+                return
+            self._forget_oldest()
+        self.index.add(text)
+        self.texts.append(text)
+        self.text_bytes += size
+        while len(self.texts) > self.max_texts or (self.max_bytes is not None and self.nbytes > self.max_bytes):
+            self._forget_oldest()
 
-
+    def _forget_oldest(self) -> None:
+        text = self.texts.popleft()
+        self.index.remove(text)
+        self.text_bytes -= sys.getsizeof(text)
 def propose_from_text(tokens: list[int], k: int, depth: int, min_prob: float,
                       spec_factor: float) -> tuple[list[int], float]:
     """`SuffixIndex.propose` over one text's own earlier occurrences of its last tokens, without
