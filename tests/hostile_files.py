@@ -326,5 +326,46 @@ def config_cases(root: Path, hf_dir: Path) -> list[Case]:
     return cases
 
 
+# ---- quantized safetensors checkpoints ----
+
+
+def quant_cases(root: Path, hf_dir: Path) -> list[Case]:
+    from quant_checkpoints import awq_checkpoint, compressed_tensors_checkpoint, fp8_checkpoint, gptq_checkpoint
+
+    d = root / "quant"
+    q = "model.layers.0.self_attn.q_proj"
+
+    def case(name: str, names: str, make, change=None, config=None) -> Case:
+        path, _ = make(hf_dir, d / name)
+        if change is not None:
+            _rewrite(path, change)
+        if config is not None:
+            c = json.loads((path / "config.json").read_text())
+            c["quantization_config"].update(config)
+            (path / "config.json").write_text(json.dumps(c))
+        return Case(f"quant-{name}", str(path), names)
+
+    def set_(key, value):
+        def change(t):
+            t[key] = value(t[key])
+        return change
+
+    fp8 = lambda src, dst: fp8_checkpoint(src, dst, block=(32, 32))  # noqa: E731
+    awq = lambda src, dst: awq_checkpoint(src, dst, group=32)  # noqa: E731
+    gptq = lambda src, dst: gptq_checkpoint(src, dst, group=32)  # noqa: E731
+    ct = lambda src, dst: compressed_tensors_checkpoint(src, dst, group=32)  # noqa: E731
+    return [
+        case("fp8-scale-shape", f"{q}.weight_scale_inv", fp8, set_(f"{q}.weight_scale_inv", lambda s: s[:1].clone())),
+        case("fp8-nan-scale", f"{q}.weight", fp8, set_(f"{q}.weight_scale_inv", lambda s: s * float("nan"))),
+        case("fp8-block-zero", "weight_block_size", fp8, config={"weight_block_size": [0, 32]}),
+        case("awq-short-scales", q, awq, set_(f"{q}.scales", lambda s: s[:, :16].clone())),
+        case("gptq-group-past-scales", q, gptq, set_(f"{q}.g_idx", lambda g: g + 99)),
+        case("gptq-group-negative", q, gptq, set_(f"{q}.g_idx", lambda g: g - 1)),
+        case("compressed-shape-lies", f"{q}.weight_shape", ct,
+             set_(f"{q}.weight_shape", lambda s: torch.tensor([64, 64, 64], dtype=s.dtype))),
+    ]
+
+
 def cases(root: Path, hf_dir: Path) -> list[Case]:
-    return gguf_cases(root, hf_dir) + safetensors_cases(root, hf_dir) + config_cases(root, hf_dir)
+    return (gguf_cases(root, hf_dir) + safetensors_cases(root, hf_dir) + config_cases(root, hf_dir)
+            + quant_cases(root, hf_dir))

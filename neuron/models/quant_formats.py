@@ -106,12 +106,14 @@ def _compressed_tensors(q: dict) -> dict:
 
 
 def _grouped(q: torch.Tensor, bits: int, group_of: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-             fmt: str) -> QuantizedWeight:
+             fmt: str, name: str) -> QuantizedWeight:
     """Codes q [n, k] (unsigned, 0..2^bits-1) whose input j belongs to group group_of[j], with
     W = (q - z) s per group (scales, zeros [n, groups], zeros None meaning 2^(bits-1)).
     Runs of consecutive inputs of one common length (a multiple of 32) store as they are; anything
-    else is gathered into padded runs (input_index)."""
+    else is gathered into padded runs (input_index). Scales, zeros and group indices that do not
+    cover the codes are refused naming the weight (`name`)."""
     n, k = q.shape
+    _check_groups(name, n, k, group_of, scales, zeros)
     align = 32
     order = torch.argsort(group_of, stable=True)
     ids, counts = torch.unique_consecutive(group_of[order], return_counts=True)
@@ -134,6 +136,20 @@ def _grouped(q: torch.Tensor, bits: int, group_of: torch.Tensor, scales: torch.T
         offset = s * (z - 128)
     return QuantizedWeight(codes=stored.contiguous(), k=codes.shape[1], bits=bits, group=length, scale=s.contiguous(),
                            offset=offset.contiguous(), format=fmt, input_index=index, inputs=k if index is not None else 0)
+
+
+def _check_groups(name: str, n: int, k: int, group_of: torch.Tensor, scales: torch.Tensor,
+                  zeros: torch.Tensor | None) -> None:
+    """A short scales or zeros tensor, or a group index past them, would index out of range (or, for
+    a negative index, silently wrap): refused here, naming the weight."""
+    if len(group_of) != k:
+        raise ConfigError(f"{name}: its group index covers {len(group_of)} inputs, not the weight's {k}")
+    groups = int(group_of.max()) + 1 if k else 0
+    if k and int(group_of.min()) < 0:
+        raise ConfigError(f"{name}: its group index holds {int(group_of.min())}, below 0")
+    for what, t in (("scales", scales), ("zeros", zeros)):
+        if t is not None and (t.dim() != 2 or t.shape[0] != n or t.shape[1] < groups):
+            raise ConfigError(f"{name}: its {what} read as {list(t.shape)}, too few for {n} outputs in {groups} groups")
 
 
 def _unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
@@ -238,7 +254,7 @@ class PrequantizedReader(Reader):
         zeros = zeros[rows[0] - 8 * w0: rows[1] - 8 * w0]
         scales = self.inner.read(f"{prefix}.scales")[:, rows[0]:rows[1]].T
         group = group if group > 0 else k
-        return _grouped(q, 4, torch.arange(*cols) // group, scales, zeros, "awq")
+        return _grouped(q, 4, torch.arange(*cols) // group, scales, zeros, "awq", prefix)
 
     # GPTQ --------------------------------------------------------------------------------------
 
@@ -257,14 +273,17 @@ class PrequantizedReader(Reader):
             group_of = self.inner.read(f"{prefix}.g_idx").long()[cols[0]:cols[1]]
         else:
             group_of = torch.arange(*cols) // (group if group > 0 else k)
-        return _grouped(q, bits, group_of, scales, zeros & ((1 << bits) - 1), "gptq")
+        return _grouped(q, bits, group_of, scales, zeros & ((1 << bits) - 1), "gptq", prefix)
 
     # compressed-tensors ----------------------------------------------------------------------
 
     def _compressed(self, prefix, dim, start, end) -> QuantizedWeight:
         bits, group = self.spec["bits"], self.spec["group"]
         per = 32 // bits
-        n, k = (int(v) for v in self.inner.read(f"{prefix}.weight_shape").tolist())
+        shape = self.inner.read(f"{prefix}.weight_shape")
+        if tuple(shape.shape) != (2,) or shape.is_floating_point() or not bool((shape > 0).all()):
+            raise ConfigError(f"{prefix}.weight_shape must hold two positive sizes, got {str(shape.tolist())[:80]}")
+        n, k = (int(v) for v in shape.tolist())
         rows, cols = _ranges(dim, start, end, n, k)
         c0, c1 = cols[0] // per, -(-cols[1] // per)
         packed = self.inner.read(f"{prefix}.weight_packed", 0, *rows)[:, c0:c1]
@@ -278,7 +297,7 @@ class PrequantizedReader(Reader):
             group_of = self.inner.read(f"{prefix}.weight_g_idx").long()[cols[0]:cols[1]]
         else:
             group_of = torch.arange(*cols) // (group if group > 0 else k)
-        return _grouped(q, bits, group_of, scales, zeros, "compressed-tensors")
+        return _grouped(q, bits, group_of, scales, zeros, "compressed-tensors", prefix)
 
     def close(self) -> None:
         self.inner.close()
