@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import ipaddress
 import logging
+import socket
 import sys
 from typing import TYPE_CHECKING
 
@@ -70,6 +72,7 @@ def run(args) -> int:
     try:
         engine_cfg, server_cfg = configs(args)
         log_level = args.log_level or settings().log_level
+        sock = listen_socket(server_cfg.host, server_cfg.port)  # before anything loads: a busy port fails at once
     except ConfigError as exc:
         print(f"neuron serve: {exc}", file=sys.stderr)
         return 2
@@ -77,14 +80,30 @@ def run(args) -> int:
     if engine_cfg.model is None:
         log.info("no MODEL given: serving the embedded tiny default model (random weights: its output is noise)")
     try:
-        return asyncio.run(serve(engine_cfg, server_cfg, log_level))
+        return asyncio.run(serve(engine_cfg, server_cfg, log_level, sock))
     except KeyboardInterrupt:  # a Ctrl-C before Uvicorn took over the signals: nothing was running yet
         return 0
 
 
-async def serve(engine_cfg, server_cfg, log_level: str = "info") -> int:
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound to host:port; ConfigError in one line when it cannot be (a port
+    in use, an address this machine does not have)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Uvicorn's own: a restart reuses the port
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"{host}:{port} is already in use: stop what listens there, or serve on another port "
+                              "(--port, NEURON_PORT; --port 0 picks a free one)") from None
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host, --port)") from None
+    return sock
+
+
+async def serve(engine_cfg, server_cfg, log_level: str = "info", sock: socket.socket | None = None) -> int:
     """Run the server until a signal stops it (0, after a graceful shutdown) or the model fails to
-    load (1)."""
+    load (1). `sock`: bound already (listen_socket); else bound here, before the model loads."""
     import uvicorn
 
     from neuron.engine.async_engine import EngineState
@@ -92,6 +111,7 @@ async def serve(engine_cfg, server_cfg, log_level: str = "info") -> int:
     from neuron.entrypoints.openai.connections import rate_limit_server_logs
     from neuron.entrypoints.openai.shutdown import GracefulServer
 
+    sock = sock or listen_socket(server_cfg.host, server_cfg.port)
     rate_limit_server_logs()
     warn_if_exposed(server_cfg.host, server_cfg.api_key)
     limits = connection_limits(server_cfg, engine_cfg.tp)
@@ -103,7 +123,7 @@ async def serve(engine_cfg, server_cfg, log_level: str = "info") -> int:
     config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_level=quiet,
                             timeout_graceful_shutdown=5)
     server = GracefulServer(config, engine, server_cfg.shutdown_grace_s, limits)
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     while not task.done() and not (server.started and engine.state is not EngineState.LOADING):
         await asyncio.sleep(0.05)
     if engine.state is EngineState.READY and server.started:
