@@ -193,6 +193,43 @@ def test_config_and_wire_import_without_torch():
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 
+def _help_sections(text: str) -> dict[str, list[str]]:
+    """The flags (and MODEL) under each titled group of a --help text."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if re.fullmatch(r"[a-z][a-z -]*:", line):
+            current = sections.setdefault(line[:-1], [])
+        elif current is not None and (head := re.match(r"^  (-[-\w]+|MODEL)\b", line)):
+            current.append(head.group(1))
+    return sections
+
+
+def test_serve_help_groups_its_options(capsys, clean_env):
+    sections = _help_sections(_help("serve", capsys))
+    assert list(sections) == ["options", "model", "parallel", "server", "limits", "multi-host"]
+    assert sections["options"] == ["-h"]
+    assert sections["model"][:2] == ["MODEL", "--served-model-name"] and "--speculative-config" in sections["model"]
+    assert sections["parallel"][:2] == ["--tp", "--device"]
+    assert sections["server"][:3] == ["--host", "--port", "--api-key"]
+    assert "--max-connections" in sections["limits"] and "--header-timeout-s" in sections["limits"]
+    assert sections["multi-host"] == ["--hosts", "--worker-launcher", "--cluster-address", "--cluster-interface",
+                                      "--cluster-port"]
+    listed = [flag for title in list(sections)[1:] for flag in sections[title]]
+    assert sorted(listed) == sorted(["MODEL", *(SETTINGS[name].flag for name in serve.OPTIONS)])  # each once
+
+
+def test_speculative_config_help_lists_every_methods_keys(capsys, clean_env):
+    from neuron.engine.speculative import COMMON_KEYS, METHOD_KEYS, METHODS, SpeculativeConfig
+
+    keys = [*COMMON_KEYS, *(key for method in METHODS for key in METHOD_KEYS[method])]
+    assert sorted(keys) == sorted(SpeculativeConfig.__dataclass_fields__)  # every key belongs to a method or all
+    block = _option_blocks(_help("serve", capsys))["--speculative-config"]
+    for method in METHODS:
+        assert f"{method}:" + ",".join(METHOD_KEYS[method]) in block.replace("model(thedraftcheckpoint)", "model")
+    assert "Everymethod:method(ngram,suffixordraft),num_speculative_tokens,disable_by_batch_size;" in block
+
+
 def test_a_busy_port_is_refused_in_one_line_before_anything_loads(capsys, clean_env):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -39,19 +39,33 @@ in upper case); a command-line flag wins over the variable.
 Example: NEURON_TP=2 NEURON_API_KEY=secret neuron serve ./my-model"""
 
 
-# The settings `neuron serve` takes as flags, in the order --help lists them.
-OPTIONS = ("tp", "hosts", "worker_launcher", "cluster_address", "cluster_interface", "cluster_port", "host", "port", "device", "dtype", "quantization", "tokenizer", "speculative_config", "max_model_len", "hf_overrides", "max_num_seqs",
-           "max_num_batched_tokens", "kv_cache_memory", "gpu_memory_utilization", "no_prefix_caching", "max_waiting",
-           "served_model_name", "api_key", "max_body_bytes", "keepalive_s", "shutdown_grace_s", "max_connections",
-           "max_connections_per_client", "header_timeout_s", "body_timeout_s", "min_body_rate", "idle_timeout_s",
-           "allowed_origins", "log_level")
+# The settings `neuron serve` takes as flags, in the groups and the order --help lists them.
+OPTION_GROUPS = (
+    ("model", "what is served, and how its weights are held",
+     ("served_model_name", "tokenizer", "hf_overrides", "dtype", "quantization", "max_model_len",
+      "speculative_config")),
+    ("parallel", "ranks, devices, batching and the KV cache",
+     ("tp", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "gpu_memory_utilization",
+      "no_prefix_caching")),
+    ("server", "the HTTP server", ("host", "port", "api_key", "allowed_origins", "keepalive_s", "shutdown_grace_s",
+                                   "log_level")),
+    ("limits", "what clients may queue, send and hold open",
+     ("max_waiting", "max_body_bytes", "max_connections", "max_connections_per_client", "header_timeout_s",
+      "body_timeout_s", "min_body_rate", "idle_timeout_s")),
+    ("multi-host", "ranks on other hosts (README: Ranks on several hosts)",
+     ("hosts", "worker_launcher", "cluster_address", "cluster_interface", "cluster_port")),
+)
+OPTIONS = tuple(name for _, _, names in OPTION_GROUPS for name in names)
 
 
 def add_parser(sub) -> None:
     ap = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                         description=_DESCRIPTION, epilog=_EPILOG)
-    add_model(ap)
-    add_options(ap, OPTIONS)
+    for title, description, names in OPTION_GROUPS:
+        group = ap.add_argument_group(title, description)
+        if title == "model":
+            add_model(group)
+        add_options(group, names)
     ap.set_defaults(run=run)
 
 
@@ -128,7 +142,8 @@ async def serve(engine_cfg, server_cfg, log_level: str = "info", sock: socket.so
         await asyncio.sleep(0.05)
     if engine.state is EngineState.READY and server.started:
         port = server.servers[0].sockets[0].getsockname()[1]
-        log.info("ready: serving `%s` at http://%s:%d/v1", engine.model_name, server_cfg.host, port)
+        log.info("ready: serving `%s` at http://%s:%d/v1%s", engine.model_name, server_cfg.host, port,
+                 _speculation(engine.speculative))
     failed = engine.state is EngineState.FAILED
     if failed:
         log.error("the model failed to load; stopping")
@@ -186,6 +201,13 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a name: it may resolve to anything
         return False
+
+
+def _speculation(summary: dict | None) -> str:
+    """The ready line's ending when speculative decoding is on: its method and settings."""
+    if summary is None:
+        return ""
+    return " with speculative decoding (" + ", ".join(f"{k}={v}" for k, v in summary.items()) + ")"
 
 
 def served_name(cfg) -> str:
