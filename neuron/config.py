@@ -162,9 +162,12 @@ class Settings:
     cluster_token_file: str | None = _setting(str, None, "a file whose first line is the cluster token",
                                               unset="none")
     speculative_config: str | None = _setting(
-        str, None, 'speculative decoding, a JSON object: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-        "(also prompt_lookup_min, prompt_lookup_max, disable_by_batch_size); output is unchanged, "
-        "only the number of steps", unset="off")
+        str, None, 'speculative decoding, a JSON object: \'{"method": "ngram", "num_speculative_tokens": 4}\'. '
+        "Every method: method (ngram, suffix or draft), num_speculative_tokens, disable_by_batch_size; ngram: "
+        "prompt_lookup_min, prompt_lookup_max; suffix: suffix_decoding_max_tree_depth, "
+        "suffix_decoding_max_cached_requests, suffix_decoding_max_spec_factor, suffix_decoding_min_token_prob; "
+        "draft: model (the draft checkpoint), draft_tensor_parallel_size. Output is unchanged, only the number "
+        "of steps", unset="off")
     device: str | None = _setting(str, None, "cpu, cuda or cuda:N", unset="cuda when present, else cpu")
     dtype: str = _setting(str, "auto", "weight and activation dtype; auto is bfloat16 on CUDA, float32 on CPU",
                           choices=("auto", "float32", "bfloat16", "float16"))

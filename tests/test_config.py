@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import re
 import runpy
+import socket
 import subprocess
 import sys
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import torch
 
 from neuron.config import SETTINGS, Settings, load_settings, settings
 from neuron.engine.llm_engine import EngineConfig
@@ -189,3 +191,75 @@ def test_readme_lists_every_variable_from_the_table():
 def test_config_and_wire_import_without_torch():
     code = "import sys, neuron.config, neuron.rpc.codec; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def _help_sections(text: str) -> dict[str, list[str]]:
+    """The flags (and MODEL) under each titled group of a --help text."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if re.fullmatch(r"[a-z][a-z -]*:", line):
+            current = sections.setdefault(line[:-1], [])
+        elif current is not None and (head := re.match(r"^  (-[-\w]+|MODEL)\b", line)):
+            current.append(head.group(1))
+    return sections
+
+
+def test_serve_help_groups_its_options(capsys, clean_env):
+    sections = _help_sections(_help("serve", capsys))
+    assert list(sections) == ["options", "model", "parallel", "server", "limits", "multi-host"]
+    assert sections["options"] == ["-h"]
+    assert sections["model"][:2] == ["MODEL", "--served-model-name"] and "--speculative-config" in sections["model"]
+    assert sections["parallel"][:2] == ["--tp", "--device"]
+    assert sections["server"][:3] == ["--host", "--port", "--api-key"]
+    assert "--max-connections" in sections["limits"] and "--header-timeout-s" in sections["limits"]
+    assert sections["multi-host"] == ["--hosts", "--worker-launcher", "--cluster-address", "--cluster-interface",
+                                      "--cluster-port"]
+    listed = [flag for title in list(sections)[1:] for flag in sections[title]]
+    assert sorted(listed) == sorted(["MODEL", *(SETTINGS[name].flag for name in serve.OPTIONS)])  # each once
+
+
+def test_speculative_config_help_lists_every_methods_keys(capsys, clean_env):
+    from neuron.engine.speculative import COMMON_KEYS, METHOD_KEYS, METHODS, SpeculativeConfig
+
+    keys = [*COMMON_KEYS, *(key for method in METHODS for key in METHOD_KEYS[method])]
+    assert sorted(keys) == sorted(SpeculativeConfig.__dataclass_fields__)  # every key belongs to a method or all
+    block = _option_blocks(_help("serve", capsys))["--speculative-config"]
+    for method in METHODS:
+        assert f"{method}:" + ",".join(METHOD_KEYS[method]) in block.replace("model(thedraftcheckpoint)", "model")
+    assert "Everymethod:method(ngram,suffixordraft),num_speculative_tokens,disable_by_batch_size;" in block
+
+
+def test_a_busy_port_is_refused_in_one_line_before_anything_loads(capsys, clean_env):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert run_command(["serve", "--port", str(port)]) == 2
+    out = capsys.readouterr()
+    assert out.err == (f"neuron serve: 127.0.0.1:{port} is already in use: stop what listens there, or serve on "
+                       "another port (--port, NEURON_PORT; --port 0 picks a free one)\n")
+    assert out.out == ""
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA torch has CUDA: checked by the next test's fakes")
+def test_cuda_on_a_torch_without_it_is_refused_in_one_line(capsys, clean_env):
+    assert run_command(["serve", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err == (
+        f"neuron serve: device cuda: this torch ({torch.__version__}) is a build without CUDA; install a CUDA build "
+        "(https://pytorch.org/get-started/locally/; `./run` picks one on a machine with an NVIDIA GPU), or use "
+        "--device cpu\n")
+
+
+@pytest.mark.parametrize("device, message", [
+    ("gpu", "device must be cpu, cuda or cuda:N (N a GPU index), got 'gpu'"),
+    ("cuda:x", "device must be cpu, cuda or cuda:N (N a GPU index), got 'cuda:x'"),
+    ("cuda:2", "device cuda:2: torch sees 2 GPU(s), cuda:0 to cuda:1"),
+])
+def test_a_device_this_machine_lacks_is_refused_before_any_rank_starts(device, message, monkeypatch, clean_env):
+    monkeypatch.setattr(torch.version, "cuda", "12.8")  # a CUDA build with two GPUs visible
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(device=device)
+    assert str(info.value) == message
+    assert EngineConfig(device="cuda:1").device == "cuda:1"

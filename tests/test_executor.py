@@ -4,11 +4,14 @@ and workers of another protocol version refused at start-up."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
+from neuron.engine.llm_engine import EngineConfig, LLMEngine
 from neuron.errors import ConfigError
 from neuron.executor.executor import Executor, ExecutorConfig
 from neuron.rpc import protocol as p
@@ -58,3 +61,12 @@ def test_rank0_handles_the_same_messages_as_the_workers():
     assert [(s.slot, s.token_ids, s.offset, s.new_blocks, s.fresh) for s in step.seqs] == [
         (0, [1, 2, 3], 0, [0], True), (1, [4], 0, [1], True)]
     assert tuple(logits.shape) == (2, executor.config["vocab_size"])
+
+
+def test_the_load_log_calls_the_model_by_its_served_name(caplog):
+    caplog.set_level(logging.INFO, logger="neuron")
+    engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", served_model_name="tiny-chat", max_model_len=64,
+                                    max_num_seqs=1)).start()
+    engine.shutdown()
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(re.fullmatch(r"model `tiny-chat` ready on tp=1 \(single\) in \d+ ms", line) for line in lines), lines

@@ -4,7 +4,10 @@ when there is no compiler or the build fails."""
 
 import logging
 import multiprocessing
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,6 +104,20 @@ def test_a_failed_build_names_the_error_and_leaves_nothing(cache, tmp_path, capl
         assert native.load(source, "broken falls back") is None
     assert "broken falls back" in caplog.text and "broken.cpp" in caplog.text
     assert [p.name for p in (cache / "kernels").iterdir() if not p.name.endswith(".lock")] == []
+
+
+@needs_compiler
+def test_the_command_builds_several_at_once_without_torch_and_names_a_failure(cache, tmp_path):
+    good, broken = tmp_path / "answer.cpp", tmp_path / "broken.cpp"
+    good.write_text(TINY)
+    broken.write_text("this is not C++\n")
+    code = ("import sys; from neuron.utils import native; code = native.main(sys.argv[1:]); "
+            "sys.exit(3 if 'torch' in sys.modules else code)")
+    out = subprocess.run([sys.executable, "-c", code, str(broken), str(good)], capture_output=True, text=True,
+                         env={**os.environ, "NEURON_CACHE_DIR": str(cache)}, timeout=300)
+    assert out.returncode == 1  # not 3: torch was never imported
+    assert out.stdout.splitlines() == [str(native.library_path(good, native.compiler()))]
+    assert out.stderr.startswith(f"{broken}: ") and "failed on broken.cpp" in out.stderr
 
 
 def test_no_compiler_on_path_is_reported(monkeypatch):

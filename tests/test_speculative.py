@@ -9,6 +9,7 @@ import json
 
 import pytest
 from checkpoints import build_checkpoint, truncated_copy
+from server_harness import LiveServer, ServeProcess, health, real_engine
 
 from neuron import LLM, SamplingParams
 from neuron.engine.sampling_params import GuidedDecodingParams
@@ -398,3 +399,23 @@ def test_a_draft_with_another_vocabulary_is_refused(repetitive, tmp_path):
     with pytest.raises(ConfigError, match="vocab_size 256, the target 301"):
         LLMEngine(EngineConfig(model=str(repetitive), device="cpu",
                                speculative_config={"method": "draft", "model": str(other)}))
+
+
+def test_health_says_when_speculation_is_on_and_how():
+    spec = {"method": "suffix", "num_speculative_tokens": 4}
+    with LiveServer(real_engine(None, 1, speculative_config=spec)) as server:
+        assert health(server.wait_ready())["speculative"] == {
+            "method": "suffix", "num_speculative_tokens": 4, "disable_by_batch_size": 8,
+            "suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 1000,
+            "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
+    # Off: no such field (tests/test_server.py pins the whole /health of a server without it).
+
+
+@pytest.mark.slow
+def test_the_start_up_log_says_when_speculation_is_on():
+    with ServeProcess("--speculative-config", json.dumps(SPEC)) as server:
+        ready = next(line for line in server.lines if "ready: serving" in line)
+        assert ready.rstrip().endswith(
+            f"{server.base_url} with speculative decoding (method=ngram, num_speculative_tokens=3, "
+            "disable_by_batch_size=8, prompt_lookup_min=1, prompt_lookup_max=3)")
+        assert health(server)["speculative"]["method"] == "ngram"

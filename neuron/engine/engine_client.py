@@ -51,6 +51,12 @@ class EngineClient:
         return self._loaded().quantization
 
     @property
+    def speculative(self) -> dict | None:
+        """Speculative decoding's method and settings (SpeculativeConfig.summary); None when off."""
+        spec = self._loaded().speculative
+        return spec.summary() if spec is not None else None
+
+    @property
     def vocab_size(self) -> int:
         return self._loaded().vocab_size
 

@@ -5,6 +5,7 @@ out takes its setting (neuron.config), so `neuron serve`, `LLM(...)` and NEURON_
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,8 @@ def _prefix_caching() -> bool | None:
     """None: on for every model whose layers can share prefixes; NEURON_NO_PREFIX_CACHING turns it off."""
     return False if settings().no_prefix_caching else None
 
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 # EngineConfig fields bounded like the setting they default to (field: setting).
 _CHECKED = {"tp": "tp", "dtype": "dtype", "quantization": "quantization", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
@@ -58,6 +61,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name, setting in _CHECKED.items():
             check(setting, getattr(self, name), name)
+        if self.device is not None:
+            check_device(self.device)
         self.hf_overrides = parse_overrides(self.hf_overrides)
 
 
@@ -79,6 +84,26 @@ def json_object(value: dict | str | None, name: str, of: str = "") -> dict | Non
     if value is not None and not isinstance(value, dict):
         raise ConfigError(f"{name} must be a JSON object{of}, got {value!r:.80}")
     return value
+
+
+def check_device(device: str) -> None:
+    """Refuse, in one line before any rank starts, a device this torch cannot give: a rank would
+    otherwise fail deep inside torch (a CPU build has no `torch._C._cuda_setDevice`)."""
+    if not _DEVICE.fullmatch(device):
+        raise ConfigError(f"device must be cpu, cuda or cuda:N (N a GPU index), got {device!r}")
+    if device == "cpu":
+        return
+    index = device.partition(":")[2]
+    if torch.version.cuda is None:
+        raise ConfigError(f"device {device}: this torch ({torch.__version__}) is a build without CUDA; install a CUDA "
+                          "build (https://pytorch.org/get-started/locally/; `./run` picks one on a machine with an "
+                          "NVIDIA GPU), or use --device cpu")
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ConfigError(f"device {device}: torch (CUDA {torch.version.cuda}) sees no GPU; check `nvidia-smi` and "
+                          "CUDA_VISIBLE_DEVICES, or use --device cpu")
+    if index and int(index) >= count:
+        raise ConfigError(f"device {device}: torch sees {count} GPU(s), cuda:0 to cuda:{count - 1}")
 
 
 def default_device() -> str:

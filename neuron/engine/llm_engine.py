@@ -89,7 +89,7 @@ class LLMEngine:
         executor_cfg = ExecutorConfig(self.model_dir, max_model_len=self.max_model_len, tp=cfg.tp, hosts=cfg.hosts,
                                       worker_launcher=cfg.worker_launcher, cluster_address=cfg.cluster_address,
                                       cluster_interface=cfg.cluster_interface, cluster_port=cfg.cluster_port,
-                                      device=self.device,
+                                      device=self.device, name=self.model_name,
                                       dtype=cfg.dtype, quantization=cfg.quantization, max_slots=cfg.max_num_seqs,
                                       max_num_batched_tokens=max(step_tokens, cfg.max_num_seqs), **self._kv_settings(),
                                       load_timeout_s=cfg.load_timeout_s,

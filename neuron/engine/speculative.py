@@ -42,6 +42,14 @@ from neuron.errors import ConfigError
 
 METHODS = ("ngram", "suffix", "draft")
 _ALIASES = {"draft_model": "draft", "[ngram]": "ngram"}
+# The keys every method reads, and each method's own (--speculative-config's help lists them all).
+COMMON_KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size")
+METHOD_KEYS = {
+    "ngram": ("prompt_lookup_min", "prompt_lookup_max"),
+    "suffix": ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+               "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"),
+    "draft": ("model", "draft_tensor_parallel_size"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +95,10 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config: {exc}") from None
         cfg._check()
         return cfg
+
+    def summary(self) -> dict:
+        """The keys this method reads, with their values: what /health and the start-up log show."""
+        return {key: getattr(self, key) for key in COMMON_KEYS + METHOD_KEYS[self.method]}
 
     def _check(self) -> None:
         if not 1 <= self.num_speculative_tokens <= 16:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import ipaddress
 import logging
+import socket
 import sys
 from typing import TYPE_CHECKING
 
@@ -37,20 +39,33 @@ in upper case); a command-line flag wins over the variable.
 Example: NEURON_TP=2 NEURON_API_KEY=secret neuron serve ./my-model"""
 
 
-# The settings `neuron serve` takes as flags, in the order --help lists them.
-OPTIONS = ("tp", "hosts", "worker_launcher", "cluster_address", "cluster_interface", "cluster_port", "host", "port", "device", "dtype", "quantization", "tokenizer", "speculative_config", "max_model_len", "hf_overrides", "max_num_seqs",
-           "max_num_batched_tokens", "kv_cache_memory", "gpu_memory_utilization", "no_prefix_caching", "max_waiting",
-           "served_model_name", "api_key", "prefix_cache_isolation", "max_body_bytes", "keepalive_s",
-           "shutdown_grace_s", "max_connections",
-           "max_connections_per_client", "header_timeout_s", "body_timeout_s", "min_body_rate", "idle_timeout_s",
-           "allowed_origins", "load_timeout_s", "log_level")
+# The settings `neuron serve` takes as flags, in the groups and the order --help lists them.
+OPTION_GROUPS = (
+    ("model", "what is served, and how its weights are held",
+     ("served_model_name", "tokenizer", "hf_overrides", "dtype", "quantization", "max_model_len",
+      "speculative_config")),
+    ("parallel", "ranks, devices, batching and the KV cache",
+     ("tp", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "gpu_memory_utilization",
+      "no_prefix_caching")),
+    ("server", "the HTTP server", ("host", "port", "api_key", "allowed_origins", "keepalive_s", "shutdown_grace_s",
+                                   "log_level")),
+    ("limits", "what clients may queue, send and hold open",
+     ("max_waiting", "max_body_bytes", "max_connections", "max_connections_per_client", "header_timeout_s",
+      "body_timeout_s", "min_body_rate", "idle_timeout_s")),
+    ("multi-host", "ranks on other hosts (README: Ranks on several hosts)",
+     ("hosts", "worker_launcher", "cluster_address", "cluster_interface", "cluster_port")),
+)
+OPTIONS = tuple(name for _, _, names in OPTION_GROUPS for name in names)
 
 
 def add_parser(sub) -> None:
     ap = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                         description=_DESCRIPTION, epilog=_EPILOG)
-    add_model(ap)
-    add_options(ap, OPTIONS)
+    for title, description, names in OPTION_GROUPS:
+        group = ap.add_argument_group(title, description)
+        if title == "model":
+            add_model(group)
+        add_options(group, names)
     ap.set_defaults(run=run)
 
 
@@ -71,6 +86,7 @@ def run(args) -> int:
     try:
         engine_cfg, server_cfg = configs(args)
         log_level = args.log_level or settings().log_level
+        sock = listen_socket(server_cfg.host, server_cfg.port)  # before anything loads: a busy port fails at once
     except ConfigError as exc:
         print(f"neuron serve: {exc}", file=sys.stderr)
         return 2
@@ -78,14 +94,30 @@ def run(args) -> int:
     if engine_cfg.model is None:
         log.info("no MODEL given: serving the embedded tiny default model (random weights: its output is noise)")
     try:
-        return asyncio.run(serve(engine_cfg, server_cfg, log_level))
+        return asyncio.run(serve(engine_cfg, server_cfg, log_level, sock))
     except KeyboardInterrupt:  # a Ctrl-C before Uvicorn took over the signals: nothing was running yet
         return 0
 
 
-async def serve(engine_cfg, server_cfg, log_level: str = "info") -> int:
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound to host:port; ConfigError in one line when it cannot be (a port
+    in use, an address this machine does not have)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Uvicorn's own: a restart reuses the port
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"{host}:{port} is already in use: stop what listens there, or serve on another port "
+                              "(--port, NEURON_PORT; --port 0 picks a free one)") from None
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host, --port)") from None
+    return sock
+
+
+async def serve(engine_cfg, server_cfg, log_level: str = "info", sock: socket.socket | None = None) -> int:
     """Run the server until a signal stops it (0, after a graceful shutdown) or the model fails to
-    load (1)."""
+    load (1). `sock`: bound already (listen_socket); else bound here, before the model loads."""
     import uvicorn
 
     from neuron.engine.async_engine import EngineState
@@ -93,6 +125,7 @@ async def serve(engine_cfg, server_cfg, log_level: str = "info") -> int:
     from neuron.entrypoints.openai.connections import rate_limit_server_logs
     from neuron.entrypoints.openai.shutdown import GracefulServer
 
+    sock = sock or listen_socket(server_cfg.host, server_cfg.port)
     rate_limit_server_logs()
     warn_if_exposed(server_cfg.host, server_cfg.api_key)
     limits = connection_limits(server_cfg, engine_cfg.tp)
@@ -104,12 +137,13 @@ async def serve(engine_cfg, server_cfg, log_level: str = "info") -> int:
     config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_level=quiet,
                             timeout_graceful_shutdown=5)
     server = GracefulServer(config, engine, server_cfg.shutdown_grace_s, limits)
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     while not task.done() and not (server.started and engine.state is not EngineState.LOADING):
         await asyncio.sleep(0.05)
     if engine.state is EngineState.READY and server.started:
         port = server.servers[0].sockets[0].getsockname()[1]
-        log.info("ready: serving `%s` at http://%s:%d/v1", engine.model_name, server_cfg.host, port)
+        log.info("ready: serving `%s` at http://%s:%d/v1%s", engine.model_name, server_cfg.host, port,
+                 _speculation(engine.speculative))
     failed = engine.state is EngineState.FAILED
     if failed:
         log.error("the model failed to load; stopping")
@@ -165,6 +199,13 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a name: it may resolve to anything
         return False
+
+
+def _speculation(summary: dict | None) -> str:
+    """The ready line's ending when speculative decoding is on: its method and settings."""
+    if summary is None:
+        return ""
+    return " with speculative decoding (" + ", ".join(f"{k}={v}" for k, v in summary.items()) + ")"
 
 
 def served_name(cfg) -> str:

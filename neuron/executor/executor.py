@@ -90,7 +90,8 @@ class ExecutorConfig:
     dtype: str = from_settings("dtype")
     quantization: str | None = from_settings("quantization")
     max_slots: int = from_settings("max_num_seqs")
-    model_id: str = "model"
+    model_id: str = "model"  # the key the ranks hold the model under
+    name: str = ""  # what the logs call the model (the engine's served name); the model id where empty
     block_size: int = from_settings("kv_block_size")
     # per rank; 0: from free GPU memory, or max_slots x max_model_len on CPU
     kv_cache_bytes: int = field(default_factory=lambda: settings().kv_cache_memory or 0)
@@ -248,8 +249,8 @@ class Executor:
             self.pool.kill()  # nothing of a failed attempt keeps running or listening
             self.rank0.close()
             raise
-        log.info("model %s ready on tp=%d (%s) in %.0f ms", self.cfg.model_id, self.cfg.tp, self.backend,
-                 (time.perf_counter() - t0) * 1000)
+        log.info("model `%s` ready on tp=%d (%s) in %.0f ms", self.cfg.name or self.cfg.model_id, self.cfg.tp,
+                 self.backend, (time.perf_counter() - t0) * 1000)
         return self
 
     @staticmethod

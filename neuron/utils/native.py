@@ -10,6 +10,9 @@ Several rank processes may start at once: the build runs under a file lock, into
 file renamed into place, so every process loads one complete library. No compiler, or a failed
 build, is never fatal: `load` logs one warning naming the reason and returns None, and the
 caller keeps its PyTorch reference. No toolchain is ever downloaded.
+
+`python -m neuron.utils.native SOURCE...` builds several at once without importing torch (what
+`./run` does after installing, so the first server start finds them built).
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from neuron.config import settings
@@ -120,3 +125,33 @@ def load(source: Path, what: str) -> ctypes.CDLL | None:
     except (BuildFailed, OSError) as exc:
         log.warning("%s: %s", what, exc)
         return None
+
+
+def build_all(sources: list[Path]) -> list[Path | BuildFailed]:
+    """Each source's library, or why it failed. The compilers run side by side: each is a process
+    of its own, so the threads that wait for them overlap."""
+
+    def attempt(source: Path) -> Path | BuildFailed:
+        try:
+            return build(source)
+        except BuildFailed as exc:
+            return exc
+
+    with ThreadPoolExecutor(max(1, len(sources))) as pool:
+        return list(pool.map(attempt, sources))
+
+
+def main(argv: list[str]) -> int:
+    """Build each source given; print each library's path, or on stderr why it failed (exit 1)."""
+    failed = 0
+    for source, built in zip(argv, build_all([Path(a) for a in argv])):
+        if isinstance(built, BuildFailed):
+            print(f"{source}: {built}", file=sys.stderr)
+            failed += 1
+        else:
+            print(built)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

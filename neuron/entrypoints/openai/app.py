@@ -160,7 +160,8 @@ class _Api:
 
     async def health(self, request: Request) -> Response:
         """200 when ready; else 503 with the state, the failure (`error`) and, while recovering, what
-        the recovery is doing (`reason`: rebuilding, or waiting to retry and why)."""
+        the recovery is doing (`reason`: rebuilding, or waiting to retry and why). Once loaded, what
+        runs each fused kernel, the quantization and speculative decoding's settings, where they apply."""
         state = self.engine.state
         body = {"status": state.value}
         if self.engine.error:
@@ -171,6 +172,8 @@ class _Api:
             body["kernels"] = kernels
         if self.engine.loaded and self.engine.quantization:
             body["quantization"] = self.engine.quantization
+        if self.engine.loaded and self.engine.speculative:
+            body["speculative"] = self.engine.speculative
         return JSONResponse(body, 200 if state is EngineState.READY else 503)
 
     async def metrics(self, request: Request) -> Response:
