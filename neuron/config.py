@@ -165,7 +165,8 @@ class Settings:
         str, None, 'speculative decoding, a JSON object: \'{"method": "ngram", "num_speculative_tokens": 4}\'. '
         "Every method: method (ngram, suffix or draft), num_speculative_tokens, disable_by_batch_size; ngram: "
         "prompt_lookup_min, prompt_lookup_max; suffix: suffix_decoding_max_tree_depth, "
-        "suffix_decoding_max_cached_requests, suffix_decoding_max_spec_factor, suffix_decoding_min_token_prob; "
+        "suffix_decoding_max_cached_requests, suffix_decoding_max_cache_bytes, suffix_decoding_max_spec_factor, "
+        "suffix_decoding_min_token_prob; "
         "draft: model (the draft checkpoint), draft_tensor_parallel_size. Output is unchanged, only the number "
         "of steps", unset="off")
     device: str | None = _setting(str, None, "cpu, cuda or cuda:N", unset="cuda when present, else cpu")

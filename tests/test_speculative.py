@@ -407,6 +407,7 @@ def test_health_says_when_speculation_is_on_and_how():
         assert health(server.wait_ready())["speculative"] == {
             "method": "suffix", "num_speculative_tokens": 4, "disable_by_batch_size": 8,
             "suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 1000,
+            "suffix_decoding_max_cache_bytes": 64 * 2**20,
             "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
     # Off: no such field (tests/test_server.py pins the whole /health of a server without it).
 

@@ -47,7 +47,7 @@ COMMON_KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size")
 METHOD_KEYS = {
     "ngram": ("prompt_lookup_min", "prompt_lookup_max"),
     "suffix": ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
-               "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"),
+               "suffix_decoding_max_cache_bytes", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"),
     "draft": ("model", "draft_tensor_parallel_size"),
 }
 
