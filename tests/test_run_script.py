@@ -5,15 +5,15 @@ comes from a local wheel when pip's find-links hold one, and an index it cannot 
 from __future__ import annotations
 
 import os
-import subprocess
 import re
+import subprocess
 import sys
 import time
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

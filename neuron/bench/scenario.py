@@ -27,8 +27,20 @@ from typing import Any
 
 import yaml
 
-from neuron.bench.load import (ENDPOINTS, MAX_CONCURRENCY, MAX_PROMPT_TOKENS, MAX_REQUESTS, MAX_TIMEOUT_S, MAX_TOKENS,
-                               BenchConfig, RequestRecord, _client, _Runner, first_model, send_all)
+from neuron.bench.load import (
+    ENDPOINTS,
+    MAX_CONCURRENCY,
+    MAX_PROMPT_TOKENS,
+    MAX_REQUESTS,
+    MAX_TIMEOUT_S,
+    MAX_TOKENS,
+    BenchConfig,
+    RequestRecord,
+    _client,
+    _Runner,
+    first_model,
+    send_all,
+)
 from neuron.bench.prompts import build_requests
 from neuron.bench.report import describe
 from neuron.errors import ConfigError
