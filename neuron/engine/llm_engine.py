@@ -24,7 +24,7 @@ from neuron.engine.output_processor import OutputProcessor, Update
 from neuron.engine.sampling import SampleFailure, SequenceSampler, TokenBitmask, sample
 from neuron.engine.sampling_params import SamplingParams
 from neuron.engine.scheduler import Scheduled, Scheduler
-from neuron.engine.sequence import Sequence, Status
+from neuron.engine.sequence import Sequence
 from neuron.engine.spec_decode import SpecDecoder
 from neuron.engine.structured_output import CompiledGrammar, StructuredOutput
 from neuron.errors import WorkerError
