@@ -27,3 +27,13 @@ class SeqStep(msgspec.Struct, array_like=True):
     fresh: bool = False
     prompt_logprobs: int | None = None
     logits: int = 1
+
+
+class VerifyShape(msgspec.Struct, frozen=True):
+    """Speculative decoding's verifying steps: `tokens` per sequence (its last token and the
+    proposals after it) and at most `batch` sequences speculating in one step; zeros without
+    speculation. One shape, derived from the speculative config, for the scheduler, the ranks'
+    load message and their CUDA graphs."""
+
+    tokens: int = 0
+    batch: int = 0

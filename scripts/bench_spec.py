@@ -77,6 +77,12 @@ def grounded_prompts(model: str, count: int, seed_len: int, grounding: int) -> l
     return [s + o.outputs[0].token_ids for s, o in zip(seeds, outs)]
 
 
+def _counts(llm) -> tuple[int, int, int]:
+    """The engine's cumulative speculative counts: proposed, accepted, sequence-steps."""
+    c = llm.engine.spec.counts
+    return c.proposed, c.accepted, c.steps
+
+
 def time_neuron(model: str, draft: str, prompts: list[list[int]], tokens: int, repeats: int) -> dict:
     """Without and with each proposer, all loaded at once and run in turn, round after round (the
     VM's speed drifts): per variant and batch size, (median tok/s, acceptance, outputs)."""
@@ -92,7 +98,7 @@ def time_neuron(model: str, draft: str, prompts: list[list[int]], tokens: int, r
             llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(temperature=0.0, max_tokens=4))
         for batch in (1, len(prompts)):
             inputs = [{"prompt_token_ids": p} for p in prompts[:batch]]
-            before = {name: list(llm.engine.spec_counts) for name, llm in llms.items()}
+            before = {name: _counts(llm) for name, llm in llms.items()}
             for _ in range(repeats):
                 for name, llm in llms.items():
                     start = time.perf_counter()
@@ -101,7 +107,7 @@ def time_neuron(model: str, draft: str, prompts: list[list[int]], tokens: int, r
                                               / (time.perf_counter() - start))
                     outputs[name, batch] = [o.outputs[0].token_ids for o in outs]
             for name, llm in llms.items():
-                proposed, accepted = (llm.engine.spec_counts[i] - before[name][i] for i in (0, 1))
+                proposed, accepted = (now - then for now, then in zip(_counts(llm)[:2], before[name][:2]))
                 counts[name, batch] = accepted / proposed if proposed else None
         return {(name, b): (statistics.median(r), counts[name, b], outputs[name, b]) for (name, b), r in rates.items()}
     finally:

@@ -127,6 +127,26 @@ def generate_greedy(path, tp: int, prompts: list[list[int]], max_tokens: int, lo
         return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
 
 
+def model_config(path=None, **engine):
+    """The resolved ModelConfig of the checkpoint at `path` (None: the embedded default) on CPU in
+    float32, with `engine` (EngineConfig's fields) over that."""
+    from neuron.engine.engine_config import EngineConfig
+    from neuron.engine.model_config import resolve_model_config
+
+    return resolve_model_config(EngineConfig(model=None if path is None else str(path),
+                                             **{"device": "cpu", "dtype": "float32", **engine}))
+
+
+def executor_config(path=None, **engine):
+    """What an executor of that checkpoint brings up (model_config's arguments)."""
+    return model_config(path, **engine).executor_config()
+
+
+def shard_spec(path=None, **engine):
+    """What each rank of that checkpoint loads (model_config's arguments)."""
+    return model_config(path, **engine).shard_spec()
+
+
 def cached_model(cls, path):
     """`cls.from_pretrained(path)` in float32, loaded once per path and class."""
     key = (cls, str(path))

@@ -72,7 +72,8 @@ class Mock:
             case p.CheckKernels():
                 return p.KernelsChecked(seq=seq)
             case p.LoadShard():
-                blocks = req.max_slots * -(-req.max_model_len // req.block_size)  # a CPU rank's default pool
+                shard = req.shard
+                blocks = shard.max_slots * -(-shard.max_model_len // shard.block_size)  # a CPU rank's default pool
                 return p.LoadShardOk(seq=seq, model_id=req.model_id, num_kv_blocks=blocks)
             case p.ForwardStep() | p.ForwardStepWithImages():
                 return p.ForwardStepOk(seq=seq, elapsed_ms=float(self.rank))

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -92,10 +93,12 @@ class ScriptedEngine:
         self.scripts = scripts
         self.model_name = "stub"
         self.max_model_len = max_model_len
-        self.quantization = None
-        self.speculative = None
         self.vocab_size = tokenizer.vocab_size
-        self.eos_token_ids: list[int] = []
+        # what LLMEngine keeps in its ModelConfig, executor and input processor, and the handlers ask
+        self.model = SimpleNamespace(quantization=None, speculative=None, vision=None, eos_token_ids=(),
+                                     default_sampling=dict)
+        self.executor = SimpleNamespace(kernels=dict)
+        self.inputs = self
         self.gate = threading.Event()
         self.gate.set()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -104,16 +107,10 @@ class ScriptedEngine:
         self.was_shut_down = False
 
     failure = None
-    vision = None
+    spec = None  # no speculative decoding
 
     def on_failure(self, callback) -> None:
         pass
-
-    def default_sampling(self) -> dict:
-        return {}
-
-    def kernels(self) -> dict:
-        return {}
 
     def validate(self, prompt_token_ids, params, images=None) -> int:
         if len(prompt_token_ids) >= self.max_model_len:

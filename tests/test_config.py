@@ -220,7 +220,7 @@ def test_serve_help_groups_its_options(capsys, clean_env):
 
 
 def test_speculative_config_help_lists_every_methods_keys(capsys, clean_env):
-    from neuron.engine.speculative import COMMON_KEYS, METHOD_KEYS, METHODS, SpeculativeConfig
+    from neuron.engine.spec_decode import COMMON_KEYS, METHOD_KEYS, METHODS, SpeculativeConfig
 
     keys = [*COMMON_KEYS, *(key for method in METHODS for key in METHOD_KEYS[method])]
     assert sorted(keys) == sorted(SpeculativeConfig.__dataclass_fields__)  # every key belongs to a method or all

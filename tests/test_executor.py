@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from checkpoints import executor_config
 
 from neuron.engine.llm_engine import EngineConfig, LLMEngine
 from neuron.errors import ConfigError
-from neuron.executor.executor import Executor, ExecutorConfig
+from neuron.executor.executor import Executor
 from neuron.rpc import protocol as p
 from neuron.step import SeqStep
-from neuron.utils.default_checkpoint import default_model_dir
 
 MOCK = Path(__file__).resolve().with_name("mock_worker.py")
 
@@ -33,7 +33,7 @@ def _mock(script: list[dict]):
 
 def test_a_worker_of_another_protocol_version_is_refused_naming_both():
     stale = p.PROTOCOL_VERSION + 1
-    executor = Executor(ExecutorConfig(default_model_dir(), tp=2, dtype="float32", max_slots=1, max_model_len=64),
+    executor = Executor(executor_config(tp=2, max_num_seqs=1, max_model_len=64),
                         worker_cmd=_mock([{"op": "ping", "action": "version", "protocol": stale}]))
     with pytest.raises(ConfigError) as info:
         executor.start()
@@ -44,8 +44,7 @@ def test_a_worker_of_another_protocol_version_is_refused_naming_both():
 
 
 def test_rank0_handles_the_same_messages_as_the_workers():
-    executor = Executor(ExecutorConfig(default_model_dir(), tp=2, dtype="float32", max_slots=2, max_model_len=64,
-                                       block_size=16))
+    executor = Executor(executor_config(tp=2, max_num_seqs=2, max_model_len=64, block_size=16))
     seen: list[p.Message] = []
     execute = executor.rank0.execute
     executor.rank0.execute = lambda msg: (seen.append(msg), execute(msg))[1]

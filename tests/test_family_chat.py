@@ -302,7 +302,7 @@ def test_each_of_llamas_three_stop_ids_ends_generation(tmp_path):
         save_file({**weights, "lm_head.weight": head}, path / "model.safetensors", metadata={"format": "pt"})
         (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
         with LLM(str(path), device="cpu", dtype="float32") as llm:
-            assert tok.token_to_id(stop) in llm.engine.eos_token_ids
+            assert tok.token_to_id(stop) in llm.engine.model.eos_token_ids
             [out] = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, temperature=0.0))
         assert out.outputs[0].finish_reason == "stop", stop
         assert out.outputs[0].token_ids == [tok.token_to_id(stop)] and out.outputs[0].text == "", stop

@@ -67,7 +67,7 @@ def test_fault_then_recovery(engine, sig, phase):
     tokens, error = _run(engine, f"{phase}-{sig.name}", inject)
     noticed = time.monotonic() - killed_at[0]
     assert error is not None, "the request must end with an error, not tokens"
-    assert f"rank {engine.cfg.tp - 1}" in error
+    assert f"rank {engine.model.spec.tp - 1}" in error
     assert ("timeout" if sig == signal.SIGSTOP else "exited") in error
     assert noticed < (STEP_TIMEOUT_S + 5 if sig == signal.SIGSTOP else 5)
     assert engine.failure is not None

@@ -105,7 +105,7 @@ def _check_against_transformers(hf, path, tp: int) -> None:
         assert isinstance(layer.mlp.down.weight, QuantizedWeight) and layer.mlp.down.weight.format == "Q6_K"
         assert isinstance(layer.attn.o_proj.weight, QuantizedWeight)
         assert isinstance(model.lm_head.weight, QuantizedWeight)  # kept as the file stores it
-        assert llm.engine.quantization.startswith("gguf: ")
+        assert llm.engine.model.quantization.startswith("gguf: ")
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     reference = _transformers_reference(hf, path)
     for prompt, out in zip(PROMPTS, outs):
@@ -155,7 +155,7 @@ def test_the_tokenizer_and_chat_template_come_from_the_file(tmp_path):
             assert tok.encode(text) == ref.encode(text)
         assert tok.chat_template == ref.chat_template
         eos = json.loads((src / "config.json").read_text())["eos_token_id"]
-        assert eos in llm.engine.eos_token_ids
+        assert eos in llm.engine.model.eos_token_ids
         out = llm.chat([[{"role": "user", "content": "hi"}]], SamplingParams(max_tokens=4, ignore_eos=True))
         assert out[0].outputs[0].token_ids and isinstance(out[0].outputs[0].text, str)
 

@@ -120,7 +120,8 @@ def test_every_rank_runs_the_union_of_the_failures():
     from neuron.rpc import protocol as p
 
     executor = Executor.__new__(Executor)
-    executor.cfg = type("Cfg", (), {"dtype": "bfloat16", "load_timeout_s": 5.0})()
+    executor.shard = type("Shard", (), {"dtype": "bfloat16"})()
+    executor.cfg = type("Cfg", (), {"load_timeout_s": 5.0})()
     answers = [{}, {"silu_mul": "NaN or inf in the output"}, {"silu_mul": "other", "rms_norm": "raises"}]
     executor._run = lambda make, deadline_s: ([p.KernelsChecked(seq=1, failed=f) for f in answers], None)
     assert executor._check_kernels("{}") == {"silu_mul": "rank 1: NaN or inf in the output", "rms_norm": "rank 2: raises"}
@@ -128,10 +129,11 @@ def test_every_rank_runs_the_union_of_the_failures():
 
 def test_health_shows_the_kernels_verdict(default_tokenizer):
     stub = ScriptedEngine(default_tokenizer, {})
-    stub.kernels = lambda: {"rms_norm": "triton", "silu_mul": "reference: rank 0: NaN or inf in the output"}
+    verdict = {"rms_norm": "triton", "silu_mul": "reference: rank 0: NaN or inf in the output"}
+    stub.executor.kernels = lambda: verdict
     with LiveServer(scripted_engine(stub)) as s:
         s.wait_ready(10)
-        assert httpx.get(f"{s.url}/health").json() == {"status": "ready", "kernels": stub.kernels()}
+        assert httpx.get(f"{s.url}/health").json() == {"status": "ready", "kernels": verdict}
 
 
 def test_a_bucket_that_cannot_be_captured_is_dropped_alone(monkeypatch):

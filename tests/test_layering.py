@@ -149,3 +149,49 @@ def test_no_cycle_between_modules():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# ---- the joins of issue 33: a configuration resolved once, an engine that is a loop ----
+
+
+def _defs(path: Path, cls: str) -> list[str]:
+    tree = ast.parse(path.read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return [n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_the_engine_is_a_loop_over_a_resolved_model():
+    """LLMEngine schedules, executes, samples and reports; what the model is, and how its files are
+    read, it takes resolved (engine/model_config.py)."""
+    path = PACKAGE / "engine" / "llm_engine.py"
+    assert len(_defs(path, "LLMEngine")) < 30
+    below = sorted(n for n in imports(path) if n.split(".")[:2] in (["neuron", "models"], ["neuron", "layers"]))
+    assert below == []
+
+
+def test_the_scheduler_runs_no_model():
+    """Speculative decoding's proposers (and any executor) are out of the scheduler's reach."""
+    found = imports(PACKAGE / "engine" / "scheduler.py")
+    assert not {n for n in found if n.startswith(("neuron.engine.spec_decode", "neuron.executor"))}
+
+
+def test_sequence_fields_are_typed():
+    tree = ast.parse((PACKAGE / "engine" / "sequence.py").read_text())
+    seq = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Sequence")
+    untyped = [n.target.id for n in seq.body if isinstance(n, ast.AnnAssign) and "object" in ast.unparse(n.annotation)]
+    assert untyped == []
+
+
+def test_a_model_s_description_is_read_in_one_place():
+    """config.json, GGUF metadata, quantization_config and generation/preprocessor configs are read
+    by engine/model_config.py alone (the loaders read tensors)."""
+    readers = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "default_checkpoint.py":  # writes the embedded model's files, reads none
+            continue
+        text = path.read_text()
+        for needle in ('/ "config.json"', "generation_config.json\"", "preprocessor_config.json\"",
+                       '.get("quantization_config")', '["quantization_config"]', '.field("', ".field(f\""):
+            if needle in text:
+                readers.append(f"{path.relative_to(PACKAGE)}: {needle}")
+    assert {r.split(":")[0] for r in readers} == {"engine/model_config.py"}, readers

@@ -14,6 +14,7 @@ import time
 import httpx
 import openai
 import pytest
+from checkpoints import executor_config
 from server_harness import (
     LiveServer,
     ScriptedEngine,
@@ -31,10 +32,9 @@ from test_pool import mock_cmd
 
 from neuron.engine.async_engine import AsyncEngine
 from neuron.errors import PoolBroken, WorkerError
-from neuron.executor.executor import Executor, ExecutorConfig, resource_shortage
+from neuron.executor.executor import Executor, resource_shortage
 from neuron.executor.pool import WorkerPool
 from neuron.rpc import protocol as p
-from neuron.utils.default_checkpoint import default_model_dir
 from neuron.worker.worker import Worker
 
 LOOPBACK_HEX = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it
@@ -206,7 +206,7 @@ def tp2_executor(monkeypatch, tmp_path):
     executors: list[Executor] = []
 
     def make() -> Executor:
-        ex = Executor(ExecutorConfig(default_model_dir(), max_model_len=128, tp=2, device="cpu", dtype="float32"))
+        ex = Executor(executor_config(max_model_len=128, tp=2))
         executors.append(ex)
         return ex
 

@@ -26,13 +26,13 @@ def base(tmp_path_factory):
 
 
 def test_a_load_past_its_deadline_fails_naming_its_phase(base, monkeypatch):
-    from neuron.engine import llm_engine
+    from neuron.engine import model_config
 
-    def stuck(self):
+    def stuck(*args):
         time.sleep(5)
         return None, None
 
-    monkeypatch.setattr(llm_engine.LLMEngine, "_tokenizer", stuck)
+    monkeypatch.setattr(model_config, "_tokenizer", stuck)
     monkeypatch.setenv("NEURON_LOAD_TIMEOUT_S", "0.5")
     t0 = time.monotonic()
     with pytest.raises(LoadTimeout, match=r"within 0.5 s .*building the tokenizer"):

@@ -121,11 +121,13 @@ def test_unsupported_model_type_fails_before_workers(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_per_rank_weights_are_about_one_over_tp(odd_checkpoint):
-    from neuron.executor.executor import Executor, ExecutorConfig
+    from checkpoints import executor_config
+
+    from neuron.executor.executor import Executor
 
     sizes = {}
     for tp in (1, 2):
-        executor = Executor(ExecutorConfig(odd_checkpoint, tp=tp, dtype="float32", max_slots=1, max_model_len=64))
+        executor = Executor(executor_config(odd_checkpoint, tp=tp, max_num_seqs=1, max_model_len=64))
         executor.start()
         try:
             sizes[tp] = executor.weight_bytes

@@ -351,10 +351,15 @@ def engine_pool(engine):
 
 def test_the_launcher_prefixes_only_ranks_on_other_hosts(odd_checkpoint):
     """No namespace needed: the commands the pool would run."""
-    from neuron.executor.executor import Executor, ExecutorConfig
+    from dataclasses import replace
 
-    cfg = ExecutorConfig(odd_checkpoint, max_model_len=64, tp=3, hosts="localhost:2,gpu7:1",
-                         worker_launcher="srun -w {host} --ntasks 1", cluster_address="10.0.0.5")
+    from checkpoints import executor_config
+
+    from neuron.executor.executor import Executor
+
+    # tp 3 is more than this model splits into: the commands are all this test looks at
+    cfg = replace(executor_config(odd_checkpoint, max_model_len=64), tp=3, hosts="localhost:2,gpu7:1",
+                  worker_launcher="srun -w {host} --ntasks 1", cluster_address="10.0.0.5")
     ex = Executor(cfg)
     try:
         assert ex.cluster_address == "10.0.0.5"

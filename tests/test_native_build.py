@@ -133,8 +133,9 @@ def test_a_cpu_rank_builds_its_kernels_while_loading_not_in_its_first_step(cache
     """With an empty kernel cache (a machine's first run, or a fresh NEURON_CACHE_DIR) the build
     takes seconds: it happens in load_shard, before any step, whose deadline would otherwise count
     it (a rank once missed a 3 s step deadline compiling there)."""
+    from checkpoints import shard_spec
+
     from neuron.layers import cpu_ops
-    from neuron.models.loader import safetensors_files
     from neuron.rpc import protocol as p
     from neuron.worker.worker import Worker
 
@@ -142,10 +143,8 @@ def test_a_cpu_rank_builds_its_kernels_while_loading_not_in_its_first_step(cache
     cpu_ops.library.cache_clear()
     rank = Worker(0, 1)
     try:
-        rank.execute(p.LoadShard(seq=1, model_id="m", config_json=(tiny_checkpoint / "config.json").read_text(),
-                                 safetensors_paths=[str(f) for f in safetensors_files(tiny_checkpoint)],
-                                 dtype="float32", max_slots=1, max_model_len=32, block_size=16, kv_cache_bytes=0,
-                                 gpu_memory_utilization=0.9, max_num_batched_tokens=32))
+        rank.execute(p.LoadShard(seq=1, model_id="m", shard=shard_spec(tiny_checkpoint, max_num_seqs=1,
+                                                                       max_model_len=32, max_num_batched_tokens=32)))
         assert cpu_attention.library.cache_info().currsize == cpu_ops.library.cache_info().currsize == 1
         built = sorted(f.name.split("-")[0] for f in (cache / "kernels").glob("*.so"))
         assert built == ["cpu_ops", "paged_attention_cpu"]

@@ -13,17 +13,20 @@ from hypothesis import strategies as st
 
 from neuron.rpc import codec
 from neuron.rpc import protocol as p
+from neuron.step import VerifyShape
 
 REQUESTS = [
     p.Ping(seq=11),
     p.Init(seq=12, backend="nccl", comm_id="ab" * 64, timeout_s=7.5),
     p.CommSanityCheck(seq=13),
     p.CheckKernels(seq=20, config_json='{"hidden_size": 64}', dtype="bfloat16"),
-    p.LoadShard(seq=14, model_id="qwen3-tiny", config_json='{"hidden_size": 64}',
-                     safetensors_paths=["/m/a.safetensors", "/m/b.safetensors"], dtype="bfloat16",
-                     max_slots=3, max_model_len=512, block_size=32, kv_cache_bytes=3 << 30,
-                     gpu_memory_utilization=0.45, max_num_batched_tokens=2048,
-                     failed_kernels={"silu_mul": "rank 1: differs from the reference"}),
+    p.LoadShard(seq=14, model_id="qwen3-tiny",
+                shard=p.ShardSpec(config_json='{"hidden_size": 64}', weight_paths=["/m/a.safetensors", "/m/b.safetensors"],
+                                  dtype="bfloat16", max_slots=3, max_model_len=512, block_size=32,
+                                  kv_cache_bytes=3 << 30, gpu_memory_utilization=0.45, max_num_batched_tokens=2048,
+                                  quantization="int8", stored_format={"method": "fp8", "block": [128, 128]},
+                                  verify=VerifyShape(tokens=4, batch=8)),
+                failed_kernels={"silu_mul": "rank 1: differs from the reference"}),
     p.ForwardStep(seq=15, model_id="qwen3-tiny",
                    seqs=[p.SeqStep(slot=0, token_ids=[1, 2, 3], offset=32, new_blocks=[7, 4, 9], fresh=True),
                          p.SeqStep(slot=2, token_ids=[9], offset=48, new_blocks=[12]),

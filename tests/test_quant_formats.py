@@ -4,6 +4,8 @@ greedy tokens and logprobs at tp 1, 2 and 4 equal transformers' on the dequantiz
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from checkpoints import assert_matches_reference, build_checkpoint, greedy_with_logprobs
@@ -16,12 +18,12 @@ from quant_checkpoints import (
 )
 
 from neuron import LLM, SamplingParams
+from neuron.engine.model_config import load_config
 from neuron.errors import ConfigError
 from neuron.layers.quantized import QuantizedWeight
 from neuron.layers.tensor_parallel import Shard
-from neuron.models import load_config
 from neuron.models.loader import CheckpointReader, safetensors_files
-from neuron.models.quant_formats import PrequantizedReader, checkpoint_quantization
+from neuron.models.quant_formats import PrequantizedReader, stored_format
 
 # Every width a multiple of 128 (FP8 blocks, 128-input groups), split by tp 4 on group boundaries
 # except where a test means otherwise.
@@ -40,6 +42,11 @@ FORMATS = {
     "w4a16-asym": lambda src, dst: compressed_tensors_checkpoint(src, dst, symmetric=False),
     "w8a16": lambda src, dst: compressed_tensors_checkpoint(src, dst, bits=8),
 }
+
+
+def _stored(path) -> dict:
+    """The checkpoint's quantized format, as the model's configuration reads it."""
+    return stored_format(load_config(Path(path))["quantization_config"])
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +70,7 @@ def written(source, tmp_path_factory):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_held_weights_equal_the_formats_dequantization(written, fmt):
     path, dense, _ = written(fmt)
-    spec = checkpoint_quantization(load_config(path))
+    spec = _stored(path)
     with PrequantizedReader(CheckpointReader(safetensors_files(path)), spec) as r:
         for name, want in dense.items():
             w = r.read_weight(name)
@@ -88,7 +95,7 @@ def test_generation_matches_transformers_on_the_dequantized_model(written, fmt, 
     with LLM(str(path), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
         layer = llm.engine.executor.rank0.models["model"].model.layers[0]
         assert isinstance(layer.mlp.down.weight, QuantizedWeight)
-        assert llm.engine.quantization.split()[0] == checkpoint_quantization(load_config(path))["method"]
+        assert llm.engine.model.quantization.split()[0] == _stored(path)["method"]
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     reference = Qwen3ForCausalLM.from_pretrained(dense_path, dtype=torch.float32).eval()
     for prompt, out in zip(PROMPTS, outs):
@@ -102,7 +109,7 @@ def test_fp8_matches_transformers_own_dequantization(written):
     path, _, _ = written("fp8")
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     held = reference.state_dict()
-    spec = checkpoint_quantization(load_config(path))
+    spec = _stored(path)
     with PrequantizedReader(CheckpointReader(safetensors_files(path)), spec) as r:
         for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
             assert torch.equal(r.read_weight(name).dequantize(), held[name].float())
@@ -127,7 +134,7 @@ def test_compressed_tensors_matches_its_own_decompression(written):
     zp = unpack_from_int32(tensors[f"{prefix}.weight_zero_point"], 4, torch.Size([n, k // 128]), packed_dim=0)
     scale = tensors[f"{prefix}.weight_scale"].float()
     want = (q.float() - zp.float().repeat_interleave(128, 1)) * scale.repeat_interleave(128, 1)
-    spec = checkpoint_quantization(load_config(path))
+    spec = _stored(path)
     with PrequantizedReader(CheckpointReader(safetensors_files(path)), spec) as r:
         assert torch.equal(r.read_weight(f"{prefix}.weight").dequantize(), want)
 
@@ -136,7 +143,7 @@ def test_fp8_split_off_its_blocks_is_read(written):
     """A row-parallel share starting inside a block (inputs [64, 256) against 128-wide blocks) is
     held in groups of 64, each taking its block's scale; it used to be refused."""
     path, dense, _ = written("fp8")
-    spec = checkpoint_quantization(load_config(path))
+    spec = _stored(path)
     name = "model.layers.0.self_attn.o_proj.weight"
     with PrequantizedReader(CheckpointReader(safetensors_files(path)), spec) as r:
         w = r.read_weight(name, 1, 64, 256)
@@ -148,7 +155,7 @@ def test_fp8_scales_that_do_not_cover_the_weight_are_refused(written):
     """A scale grid other than the weight's blocks (here: the config saying 64 x 64 where the file
     has 128 x 128) is refused naming the tensor, not read into wrong scales."""
     path, _, _ = written("fp8")
-    spec = dict(checkpoint_quantization(load_config(path)), block=[64, 64])
+    spec = dict(_stored(path), block=[64, 64])
     with PrequantizedReader(CheckpointReader(safetensors_files(path)), spec) as r:
         with pytest.raises(ConfigError, match=r"o_proj.weight_scale_inv has shape \[2, 4\]; an fp8 weight of "
                                               r"256 x 512 in blocks of 64 x 64 needs \[4, 8\]"):
@@ -254,7 +261,7 @@ def test_fp8_blocks_cut_by_a_split_are_held_as_transformers_dequantizes_them(cut
     included, stay quantized and equal the slice of transformers' dequantized weight."""
     for kind, path in cut_fp8.items():
         held = _transformers_fp8(path).state_dict()
-        spec = checkpoint_quantization(load_config(path))
+        spec = _stored(path)
         with PrequantizedReader(CheckpointReader(safetensors_files(path)), spec) as r:
             for name, want in _linear_weights(held):
                 for rank in range(tp):

@@ -261,7 +261,7 @@ def test_parity_with_images(vl_checkpoint, tp):
               [image_data_uri(36, 24, 2), image_data_uri(12, 12, 3)])]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
     with LLM(str(vl_checkpoint), tensor_parallel_size=tp, max_model_len=256, max_num_seqs=4) as llm:
-        assert llm.engine.vision is not None
+        assert llm.engine.model.vision is not None
         outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": u}} for ids, u in cases], params)
     for out, (ids, uris) in zip(outs, cases):
         assert_image_parity(out, *reference_with_images(vl_checkpoint, ids, uris, NEW_TOKENS))

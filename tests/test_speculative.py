@@ -13,8 +13,10 @@ from server_harness import LiveServer, ServeProcess, health, real_engine
 
 from neuron import LLM, SamplingParams
 from neuron.engine.sampling_params import GuidedDecodingParams
-from neuron.engine.speculative import Acceptance, SpeculativeConfig, ngram_proposal
-from neuron.engine.suffix import ROOT, OutputCache, SuffixIndex, propose_from_text
+from neuron.engine.spec_decode import SpeculativeConfig
+from neuron.engine.spec_decode.acceptance import Acceptance
+from neuron.engine.spec_decode.ngram import ngram_proposal
+from neuron.engine.spec_decode.suffix import ROOT, OutputCache, SuffixIndex, propose_from_text
 from neuron.errors import ConfigError
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -38,6 +40,14 @@ def draft(repetitive, tmp_path_factory):
     return truncated_copy(repetitive, tmp_path_factory.mktemp("draft"), 1)
 
 
+def _counts(llm) -> list[int]:
+    """The engine's cumulative speculative counts: proposed, accepted, sequence-steps."""
+    if llm.engine.spec is None:
+        return [0, 0, 0]
+    c = llm.engine.spec.counts
+    return [c.proposed, c.accepted, c.steps]
+
+
 def _spec(method: str, draft_path=None) -> dict:
     return {"ngram": SPEC, "suffix": SUFFIX,
             "draft": {"method": "draft", "model": str(draft_path), "num_speculative_tokens": 3}}[method]
@@ -47,7 +57,7 @@ def _run(path, params, spec=None, tp=1, prompts=PROMPTS, **kwargs):
     with LLM(None if path is None else str(path), tensor_parallel_size=tp, device="cpu", dtype="float32",
              speculative_config=spec, **kwargs) as llm:
         outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-        return outs, list(llm.engine.spec_counts)
+        return outs, _counts(llm)
 
 
 def _assert_same(a, b) -> None:
@@ -321,9 +331,9 @@ def test_suffix_proposals_learn_from_earlier_outputs(repetitive):
     prompt = [[250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
     with LLM(str(repetitive), device="cpu", dtype="float32", speculative_config=SUFFIX) as llm:
         first = llm.generate([{"prompt_token_ids": p} for p in prompt], params)[0].outputs[0]
-        before = list(llm.engine.spec_counts)
+        before = _counts(llm)
         again = llm.generate([{"prompt_token_ids": p} for p in prompt], params)[0].outputs[0]
-        second = [b - a for a, b in zip(before, llm.engine.spec_counts)]
+        second = [b - a for a, b in zip(before, _counts(llm))]
     plain, _ = _run(repetitive, params, prompts=prompt)
     assert first.token_ids == again.token_ids == plain[0].token_ids
     assert second[1] / second[0] > before[1] / before[0]  # the second run is proposed its own output
@@ -341,7 +351,7 @@ def test_preempted_sequences_speculate_again_unchanged(repetitive, draft, method
         assert llm.engine.executor.num_kv_blocks == 16
         outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
         assert llm.engine.scheduler.num_preemptions > 0
-        assert llm.engine.spec_counts[1] > 0
+        assert llm.engine.spec.counts.accepted > 0
         assert llm.engine.kv_cache_usage() == 0.0
     _assert_same(outs, plain)
 
@@ -364,9 +374,9 @@ def test_speculation_survives_recovery(repetitive, draft):
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(timeout=30)
         wait_until(lambda: llm.engine.failure is not None, 10, "the dead rank was not noticed")
-        before = llm.engine.spec_counts[0]
+        before = llm.engine.spec.counts.proposed
         again = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        assert llm.engine.spec_counts[0] > before
+        assert llm.engine.spec.counts.proposed > before
     assert again == first
 
 
@@ -376,7 +386,7 @@ def test_a_failing_proposer_costs_only_the_speculation(repetitive, draft, monkey
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     plain, _ = _run(repetitive, params)
     with LLM(str(repetitive), device="cpu", dtype="float32", speculative_config=_spec("draft", draft)) as llm:
-        proposer, calls = llm.engine.proposer, []
+        proposer, calls = llm.engine.spec.proposer, []
         propose = proposer.propose
 
         def flaky(seqs, ks):
@@ -387,7 +397,7 @@ def test_a_failing_proposer_costs_only_the_speculation(repetitive, draft, monkey
 
         monkeypatch.setattr(proposer, "propose", flaky)
         outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
-        assert len(calls) > 2 and llm.engine.spec_counts[1] > 0
+        assert len(calls) > 2 and llm.engine.spec.counts.accepted > 0
     _assert_same(outs, plain)
 
 

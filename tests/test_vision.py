@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from checkpoints import cached_model
+from checkpoints import cached_model, shard_spec
 from test_qwen3_5 import MULTIMODAL_TEXT
 from vision_checkpoint import (
     assert_image_parity,
@@ -282,7 +282,7 @@ def test_images_over_the_pixel_limit_get_413(vl_llm, vl_checkpoint, monkeypatch)
 def test_images_too_large_for_one_protocol_line_get_413(vl_llm, vl_checkpoint, monkeypatch):
     monkeypatch.setenv("NEURON_MAX_LINE_BYTES", str((1 << 20) + 100))
     with pytest.raises(ImageError) as info:
-        vl_llm.engine.check_images([image_data_uri(20, 20, 1)] * 2)
+        vl_llm.engine.inputs.check_images([image_data_uri(20, 20, 1)] * 2)
     assert (info.value.status, info.value.code) == (413, "image_too_large")
     assert "NEURON_MAX_LINE_BYTES" in str(info.value)
 
@@ -301,10 +301,10 @@ def test_gpu_memory_guard_answers_503(vl_llm, vl_checkpoint, monkeypatch):
     monkeypatch.setattr(engine.inputs, "device", "cuda:0")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1024, 2**30))
     with pytest.raises(ImageError) as info:
-        engine.check_images([image_data_uri(20, 20)])
+        engine.inputs.check_images([image_data_uri(20, 20)])
     assert (info.value.status, info.value.code) == (503, "insufficient_vram")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**34, 2**35))
-    assert len(engine.check_images([image_data_uri(20, 20)])) == 1
+    assert len(engine.inputs.check_images([image_data_uri(20, 20)])) == 1
 
 
 def test_the_samples_of_a_request_run_the_vision_tower_once(vl_llm, vl_checkpoint, monkeypatch):
@@ -333,13 +333,13 @@ def test_cpu_memory_guard_answers_503_for_every_rank_on_the_host(vl_llm, monkeyp
     engine = vl_llm.engine
     ranks = len(engine.executor.devices)
     assert engine.inputs.device == "cpu" and engine.inputs.ranks_on_device == ranks
-    need = ranks * vision_activation_bytes(engine.vision, engine.check_images([image_data_uri(20, 20)]), 4)
+    need = ranks * vision_activation_bytes(engine.model.vision, engine.inputs.check_images([image_data_uri(20, 20)]), 4)
     monkeypatch.setattr(input_processor, "available_memory", lambda: need - 1)
     with pytest.raises(ImageError) as info:
-        engine.check_images([image_data_uri(20, 20)])
+        engine.inputs.check_images([image_data_uri(20, 20)])
     assert (info.value.status, info.value.code) == (503, "insufficient_memory")
     monkeypatch.setattr(input_processor, "available_memory", lambda: need)
-    assert len(engine.check_images([image_data_uri(20, 20)])) == 1
+    assert len(engine.inputs.check_images([image_data_uri(20, 20)])) == 1
 
 
 def test_text_models_refuse_images(tmp_path):
@@ -358,10 +358,8 @@ def test_text_models_refuse_images(tmp_path):
 @pytest.fixture(scope="module")
 def rank(vl_checkpoint):
     r = Worker(0, 1)
-    r.execute(p.LoadShard(seq=1, model_id="m", config_json=(vl_checkpoint / "config.json").read_text(),
-                            safetensors_paths=[str(f) for f in safetensors_files(vl_checkpoint)], dtype="float32",
-                            max_slots=2, max_model_len=128, block_size=16, kv_cache_bytes=0,
-                            gpu_memory_utilization=0.9, max_num_batched_tokens=128))
+    r.execute(p.LoadShard(seq=1, model_id="m", shard=shard_spec(vl_checkpoint, max_num_seqs=2, max_model_len=128,
+                                                                 max_num_batched_tokens=128)))
     yield r
     r.close()
 

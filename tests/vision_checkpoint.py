@@ -131,7 +131,10 @@ def checkpoint_config(path: Path) -> dict:
 
 
 def vision_spec(path: Path) -> VisionSpec:
-    return VisionSpec.from_checkpoint(checkpoint_config(path), path)
+    """How the checkpoint takes images, as its resolved configuration says."""
+    from checkpoints import model_config
+
+    return model_config(path).vision
 
 
 def prompt_with_images(path: Path, *pieces) -> list[int]:

@@ -321,8 +321,9 @@ class AsyncEngine(EngineClient):
                 self._call_in_loop(self._deliver, updates)
             self.metrics.engine_load(engine.num_running(), engine.num_waiting(), engine.kv_slot_usage())
             self.metrics.kv_cache(engine.kv_cache_usage(), *engine.prefix_cache_counts())
-            if engine.speculative is not None:
-                self.metrics.speculative(*engine.spec_counts)
+            if engine.spec is not None:
+                counts = engine.spec.counts
+                self.metrics.speculative(counts.proposed, counts.accepted, counts.steps)
 
     def _contain(self, engine: LLMEngine, exc: Exception) -> None:
         """A bug on the leader's side of a step (scheduling, sampling, detokenising) fails the requests

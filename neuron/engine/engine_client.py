@@ -48,12 +48,12 @@ class EngineClient:
     @property
     def quantization(self) -> str | None:
         """How the weights are held when not in the model dtype ("int8", a GGUF file's types)."""
-        return self._loaded().quantization
+        return self._loaded().model.quantization
 
     @property
     def speculative(self) -> dict | None:
         """Speculative decoding's method and settings (SpeculativeConfig.summary); None when off."""
-        spec = self._loaded().speculative
+        spec = self._loaded().model.speculative
         return spec.summary() if spec is not None else None
 
     @property
@@ -63,15 +63,15 @@ class EngineClient:
     @property
     def vision(self) -> VisionSpec | None:
         """How the model takes images; None for a text-only model."""
-        return self._loaded().vision
+        return self._loaded().model.vision
 
     def kernels(self) -> dict[str, str]:
         """What runs each fused kernel piece, and why a reference where one does."""
-        return self._loaded().kernels()
+        return self._loaded().executor.kernels()
 
     def default_sampling(self) -> dict:
         """generation_config.json's sampling defaults."""
-        return self._loaded().default_sampling()
+        return self._loaded().model.default_sampling()
 
     def encode_prompt(self, text: str) -> list[int]:
         """A completion prompt's token ids (RequestError without a tokenizer). CPU-heavy."""
@@ -82,14 +82,14 @@ class EngineClient:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  images: list[ImageInput] | None = None) -> int:
         """Refuse a request that cannot run (RequestError); its max_tokens clamped to the context."""
-        return self._loaded().validate(prompt_token_ids, params, images)
+        return self._loaded().inputs.validate(prompt_token_ids, params, images)
 
     def check_images(self, uris: list, placeholders: int | None = None) -> list[ImageInput]:
         """Size, bound and decode a request's images (ImageError). CPU-heavy."""
-        return self._loaded().check_images(uris, placeholders)
+        return self._loaded().inputs.check_images(uris, placeholders)
 
     def expand_images(self, prompt_token_ids: list[int], images: list[ImageInput]) -> list[int]:
-        return self._loaded().expand_images(prompt_token_ids, images)
+        return self._loaded().inputs.expand_images(prompt_token_ids, images)
 
     @property
     def has_structured_output(self) -> bool:

@@ -76,7 +76,7 @@ class Metrics:
         self._spec_seen = (0, 0, 0)
 
     def speculative(self, proposed: int, accepted: int, drafts: int) -> None:
-        """The engine's cumulative speculative counts (engine.spec_counts)."""
+        """The engine's cumulative speculative counts (spec_decode's Counts)."""
         self._spec_seen = _mirror((self.spec_proposed, self.spec_accepted, self.spec_drafts),
                                   (proposed, accepted, drafts), self._spec_seen)
         if proposed:

@@ -6,7 +6,9 @@ into free slots while the KV blocks for their prompt (less any cached prefix) ar
 next prompt block another sequence is computing waits until that block is cached. A long
 prompt is prefilled in chunks across steps, mixed with decodes. A decode that finds no free
 block preempts the most recently admitted sequence: its blocks are freed and it waits again, to
-be recomputed (prompt and generated tokens) when admitted anew.
+be recomputed (prompt and generated tokens) when admitted anew. A decoding sequence given draft
+tokens (speculative decoding, engine/spec_decode) brings them behind its last token, within the
+budget, in a step that prefills nothing; their blocks were reserved when they were proposed.
 A sequence with images is prefilled whole in the step that admits it (the ranks chunk it
 themselves, beside the step's other sequences), and no other is admitted in that step.
 The scheduler is the only one who assigns slots and blocks: a slot belongs to one sequence at a time.
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from neuron.engine.block_manager import BlockManager
@@ -52,8 +53,7 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk: int,
-                 blocks: BlockManager | None = None, proposer=None,
-                 spec_length: Callable[[Sequence], int] | None = None, speculate_up_to: int = 0):
+                 blocks: BlockManager | None = None):
         self.max_num_seqs = max_num_seqs
         self.budget = max(max_num_batched_tokens, max_num_seqs)
         self.prefill_chunk = prefill_chunk
@@ -64,11 +64,6 @@ class Scheduler:
         self.prefix_cache_queries = 0  # tokens of admitted sequences looked up in the prefix cache
         self.prefix_cache_hits = 0  # of those, tokens found there (their prefill skipped)
         self.num_preemptions = 0
-        # speculative decoding (speculative.py): proposed tokens for decoding sequences, as many as
-        # `spec_length` allows each, asked of `proposer` in steps of at most `speculate_up_to` of them
-        self.proposer = proposer
-        self.spec_length = spec_length
-        self.speculate_up_to = speculate_up_to
 
     def use_blocks(self, blocks: BlockManager) -> None:
         """Schedule over a new block pool (at start, and after the ranks were rebuilt)."""
@@ -94,13 +89,13 @@ class Scheduler:
                 continue
             ready.append(seq)
         budget -= len(ready)
-        # a step that prefills is bound by compute already: proposals would only add to it
-        speculate = (self.proposer is not None and len(ready) <= self.speculate_up_to and not prefilling
-                     and not (self.waiting and self.free_slots))
-        proposals = self._proposals(ready, budget) if speculate else [[] for _ in ready]
-        for seq, proposal in zip(ready, proposals):
-            batch.append(self._scheduled(seq, seq.pending() + proposal, proposal))
-            budget -= len(proposal)
+        # draft tokens ride only in a step that prefills nothing (one that does is bound by compute
+        # already); a request that arrived since they were proposed makes this such a step
+        speculate = not prefilling and not (self.waiting and self.free_slots)
+        for seq in ready:
+            draft = seq.draft_token_ids[:max(budget, 0)] if speculate else []
+            batch.append(self._scheduled(seq, seq.pending() + draft, draft))
+            budget -= len(draft)
         for seq in prefilling:
             if budget <= 0:
                 break
@@ -151,35 +146,30 @@ class Scheduler:
         self.blocks.append(seq)
         return True
 
-    def _proposals(self, seqs: list[Sequence], budget: int) -> list[list[int]]:
-        """Each decoding sequence's proposed tokens: as many as it earns (spec_length), the budget
-        and free blocks hold (reserved first, never preempting for them: a draft model writes its
-        keys and values there while it proposes)."""
-        ks = []
+    # ---- what speculative decoding asks (engine/spec_decode) ----
+
+    def decoding(self) -> list[Sequence]:
+        """The running sequences whose next step decodes one token."""
+        return [s for s in self.running if s.num_computed == s.num_tokens - 1]
+
+    def prefills_next(self) -> bool:
+        """Whether the next step prefills: a running prompt is unfinished, or a waiting one can start."""
+        return any(s.num_computed < s.num_tokens - 1 for s in self.running) or bool(self.waiting and self.free_slots)
+
+    def reserve_drafts(self, seqs: list[Sequence], ks: list[int]) -> list[int]:
+        """Blocks for up to ks[i] draft tokens of seqs[i] after its next one, from free blocks only
+        and only once every decoding sequence's next token has its block: drafts never cost a
+        preemption. Returns how many draft tokens each sequence's blocks now cover (a draft model
+        writes its keys and values there while it proposes)."""
         for seq in seqs:
-            k = max(min(self.spec_length(seq), budget), 0)
+            if seq.num_computed >= len(seq.block_table) * self.blocks.block_size and self.blocks.can_append(seq):
+                self.blocks.append(seq)
+        covered = []
+        for seq, k in zip(seqs, ks):
             if k:
-                covered = self.blocks.reserve(seq, seq.num_computed + 1 + k)
-                k = max(min(k, covered - seq.num_computed - 1), 0)
-            ks.append(k)
-            budget -= k
-        wanted = [i for i, k in enumerate(ks) if k]
-        proposals = [[] for _ in seqs]
-        if wanted:
-            try:
-                made = self.proposer.propose([seqs[i] for i in wanted], [ks[i] for i in wanted])
-            except Exception as exc:  # noqa: BLE001 - a failed proposal costs the speculation, not the step
-                log.warning("speculative proposals failed (%s: %s); decoding without them this step",
-                            type(exc).__name__, exc, exc_info=exc)
-                for i in wanted:
-                    seqs[i].proposer_state = None  # a draft starts over where it may have written half
-                return proposals
-            for i, proposal in zip(wanted, made):
-                proposal = list(proposal[: ks[i]])
-                if seqs[i].grammar is not None:  # what the grammar refuses would be refused by its mask
-                    proposal = proposal[: seqs[i].grammar.valid_prefix(proposal)]
-                proposals[i] = proposal
-        return proposals
+                k = max(min(k, self.blocks.reserve(seq, seq.num_computed + 1 + k) - seq.num_computed - 1), 0)
+            covered.append(k)
+        return covered
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's slot and blocks and queue it first, to be recomputed."""
@@ -250,8 +240,8 @@ class Scheduler:
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        if self.proposer is not None:
-            self.proposer.release(seq, seq.status is Status.FINISHED)
+        seq.draft_token_ids = []
+        seq.draft_state = None  # a draft model's progress in a slot it no longer holds
         if seq.slot is not None:
             self.free_slots.append(seq.slot)
             seq.slot = None

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from neuron.engine.sampling import SequenceSampler
 from neuron.engine.sampling_params import SamplingParams
 from neuron.engine.structured_output import GrammarMatcher
+
+if TYPE_CHECKING:
+    from neuron.engine.spec_decode.acceptance import Acceptance
+    from neuron.engine.spec_decode.draft import DraftState
 
 
 class Status(enum.Enum):
@@ -38,8 +43,11 @@ class Sequence:
     images: list = field(default_factory=list)  # ImageInputs filling the prompt's placeholders, in order
     grammar: GrammarMatcher | None = None  # structured output: where its text is in the grammar it must match
     prompt_logprobs: list[dict[int, float] | None] | None = None  # one per prompt token computed so far, if asked
-    acceptance: object = None  # speculative decoding: its proposals' recent acceptance (speculative.Acceptance)
-    proposer_state: object = None  # and what its proposer keeps for it (a suffix index, the draft's progress)
+    # speculative decoding (engine/spec_decode): the tokens proposed for its next step, its
+    # proposals' recent acceptance, and a draft model's progress through it in its slot
+    draft_token_ids: list[int] = field(default_factory=list)
+    acceptance: Acceptance | None = None
+    draft_state: DraftState | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -113,16 +113,12 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> "Tokenizer | None":
+    def from_gguf(cls, path: str | Path) -> "Tokenizer":
         """The tokenizer a GGUF file carries in its metadata (tokenizer.ggml.*, tokenizer.chat_template),
-        rebuilt by transformers' GGUF converter; None when the file carries none."""
+        rebuilt by transformers' GGUF converter."""
         from transformers import AutoTokenizer
 
-        from neuron.models.gguf import open_file
-
         path = Path(path)
-        if open_file(path).field("tokenizer.ggml.model") is None:
-            return None
         try:
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         except Exception as exc:  # the converter's errors are of many kinds

@@ -120,7 +120,7 @@ class LLM:
         tokenized = [self._tokenize(prompt) for prompt in prompts]  # refuses the whole call before queueing any
         samples = [sample_params(p) for p in params_list]
         for prompt, children in zip(tokenized, samples):
-            self.engine.validate(prompt.ids, children[0], prompt.images)
+            self.engine.inputs.validate(prompt.ids, children[0], prompt.images)
         if self.engine.failure is not None:  # a rank died since the last call: bring the ranks back first
             self.engine.recover()
         routes: dict[str, tuple[RequestOutput, int]] = {}
@@ -177,7 +177,7 @@ class LLM:
         check_cache_salt(salt)
         images = self._images(prompt.get("multi_modal_data"))
         if images:
-            ids = self.engine.expand_images(ids, images)
+            ids = self.engine.inputs.expand_images(ids, images)
         return _Prompt(text, ids, images, salt)
 
     def _images(self, data: dict | None) -> list[ImageInput]:
@@ -189,7 +189,7 @@ class LLM:
         if unknown:
             raise ValueError(f"multi_modal_data supports only 'image', got {', '.join(sorted(unknown))}")
         items = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
-        return self.engine.check_images([image_data_uri(x) for x in items])
+        return self.engine.inputs.check_images([image_data_uri(x) for x in items])
 
     def _need_tokenizer(self):
         if self.engine.tokenizer is None:

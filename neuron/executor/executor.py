@@ -17,10 +17,11 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import msgspec
 import torch
 
 from neuron.config import from_settings, settings
@@ -29,9 +30,9 @@ from neuron.errors import ConfigError, NeuronError, PoolBroken, WorkerError
 from neuron.executor.placement import DIAL_IN, Placement, cluster_address, launcher_argv, parse_hosts
 from neuron.executor.pool import WorkerPool, default_worker_cmd
 from neuron.executor.progress import LoadProgress
-from neuron.models import load_config, text_config
+from neuron.layers import cpu_attention, kernel_choice
+from neuron.models import text_config
 from neuron.models.inputs import StepResult
-from neuron.models.loader import weight_files
 from neuron.models.memory_plan import HEADROOM, MemoryPlan, available_bytes, check_fits, kv_bytes_per_token, plan
 from neuron.models.step_input import blocks_for
 from neuron.rpc import codec
@@ -75,11 +76,12 @@ def resource_shortage(exc: BaseException) -> str | None:
 
 @dataclass(slots=True)
 class ExecutorConfig:
-    """What the executor brings up. The engine passes what it decided (model length, slots, step
-    budget, KV cache); a field left out takes its setting (neuron.config) when the config is built."""
+    """What the executor brings up: `shard`, what every rank loads, on `tp` ranks placed as the
+    rest says. Derived from the engine's ModelConfig (engine/model_config.py); a field left out
+    takes its setting (neuron.config) when the config is built."""
 
     model_dir: Path
-    max_model_len: int
+    shard: p.ShardSpec
     tp: int = from_settings("tp")
     hosts: str | None = from_settings("hosts")  # placement.parse_hosts
     worker_launcher: str = from_settings("worker_launcher")
@@ -87,22 +89,12 @@ class ExecutorConfig:
     cluster_interface: str | None = from_settings("cluster_interface")
     cluster_port: int = from_settings("cluster_port")
     device: str = "cpu"  # one device string: the engine resolves the `device` setting's "cuda when present"
-    dtype: str = from_settings("dtype")
-    quantization: str | None = from_settings("quantization")
-    max_slots: int = from_settings("max_num_seqs")
     model_id: str = "model"  # the key the ranks hold the model under
     name: str = ""  # what the logs call the model (the engine's served name); the model id where empty
-    block_size: int = from_settings("kv_block_size")
-    # per rank; 0: from free GPU memory, or max_slots x max_model_len on CPU
-    kv_cache_bytes: int = field(default_factory=lambda: settings().kv_cache_memory or 0)
-    gpu_memory_utilization: float = from_settings("gpu_memory_utilization")
-    max_num_batched_tokens: int = from_settings("prefill_chunk_tokens")
     start_timeout_s: float = from_settings("worker_start_timeout_s")
     collective_timeout_s: float = from_settings("collective_timeout_s")
     load_timeout_s: float = from_settings("load_timeout_s")
     step_timeout_s: float = from_settings("tp_step_timeout_s")
-    verify_tokens: int = 0  # speculative decoding: tokens per sequence of a verifying step (1 + proposals)
-    verify_batch: int = 0  # and the most sequences that speculate in one step
 
 
 def rank_devices(device: str, tp: int, placement: Placement | None = None) -> list[str]:
@@ -116,17 +108,14 @@ def rank_devices(device: str, tp: int, placement: Placement | None = None) -> li
 
 
 class Executor:
-    def __init__(self, cfg: ExecutorConfig, worker_cmd=default_worker_cmd, env: dict | None = None,
-                 model_config: dict | None = None):
-        """`model_config`: the checkpoint's config.json when the caller has read it already."""
+    def __init__(self, cfg: ExecutorConfig, worker_cmd=default_worker_cmd, env: dict | None = None):
         self.cfg = cfg
-        self.config = model_config if model_config is not None else load_config(cfg.model_dir)
-        self.paths = [str(f) for f in weight_files(cfg.model_dir)]
+        self.config = json.loads(cfg.shard.config_json)
         self.placement = parse_hosts(cfg.hosts, cfg.tp)
         self.cluster_address = cluster_address(cfg.cluster_address, cfg.cluster_interface, self.placement)
         self.devices = rank_devices(cfg.device, cfg.tp, self.placement)
         self.backend = choose_backend(self.devices, self.placement.hosts)
-        self.kv_cache_bytes = self._plan_host_memory()  # before any worker starts
+        self.shard = msgspec.structs.replace(cfg.shard, kv_cache_bytes=self._plan_host_memory())  # before any worker
         self.weight_bytes: list[int] = []
         self.failed_kernels: dict[str, str] = {}  # fused kernels on their references, on every rank
         self.num_kv_blocks = 0
@@ -148,14 +137,14 @@ class Executor:
         rotary tables: memory_plan), with the sizes. Returns each rank's KV budget: the one set,
         else room for max_slots full-length sequences, lowered to what the host's memory holds
         when that is less (as a GPU's pool is sized from its free memory), never below one."""
-        c = self.cfg
+        c, tp = self.cfg.shard, self.cfg.tp
         ranks = sum(1 for r, d in enumerate(self.devices) if d == "cpu" and self.placement.is_local(r))
         if not ranks:
             return c.kv_cache_bytes
         dtype_bytes = torch.finfo(resolve_dtype(c.dtype, "cpu")).bits // 8
         one = blocks_for(c.max_model_len, c.block_size) * c.block_size  # one full-length sequence
-        per_token = kv_bytes_per_token(self.config, c.tp, dtype_bytes)
-        wanted = plan(self.config, [Path(f) for f in self.paths], tp=c.tp, dtype_bytes=dtype_bytes,
+        per_token = kv_bytes_per_token(self.config, tp, dtype_bytes)
+        wanted = plan(self.config, [Path(f) for f in c.weight_paths], tp=tp, dtype_bytes=dtype_bytes,
                       quantize_at_load=bool(c.quantization), max_model_len=c.max_model_len,
                       kv_tokens=c.max_slots * one, kv_cache_bytes=c.kv_cache_bytes)
         available = available_bytes()
@@ -279,7 +268,7 @@ class Executor:
     def _check_kernels(self, config_json: str) -> dict[str, str]:
         """Every rank checks its card's fused kernels; one that fails anywhere runs its reference
         everywhere, so the ranks run the same code."""
-        replies, _ = self._run(lambda seq: p.CheckKernels(seq=seq, config_json=config_json, dtype=self.cfg.dtype),
+        replies, _ = self._run(lambda seq: p.CheckKernels(seq=seq, config_json=config_json, dtype=self.shard.dtype),
                                self.cfg.load_timeout_s)
         failed: dict[str, str] = {}
         for rank, reply in enumerate(replies):
@@ -288,23 +277,17 @@ class Executor:
         return failed
 
     def _load(self) -> None:
-        c = self.cfg
-        config_json = json.dumps(self.config)
-        share = c.gpu_memory_utilization / self._ranks_sharing_device()
-        self.failed_kernels = self._check_kernels(config_json)
+        c = self.shard
+        # ranks on one GPU split its memory (several ranks share a device only in tests)
+        shard = msgspec.structs.replace(c, gpu_memory_utilization=c.gpu_memory_utilization
+                                        / max(self.devices.count(d) for d in self.devices))
+        self.failed_kernels = self._check_kernels(c.config_json)
 
         def make(seq: int) -> p.LoadShard:
-            return p.LoadShard(seq=seq, model_id=c.model_id, config_json=config_json,
-                                    safetensors_paths=self.paths, dtype=c.dtype, quantization=c.quantization or "",
-                                    max_slots=c.max_slots,
-                                    max_model_len=c.max_model_len, block_size=c.block_size,
-                                    kv_cache_bytes=self.kv_cache_bytes, gpu_memory_utilization=share,
-                                    max_num_batched_tokens=c.max_num_batched_tokens,
-                                    failed_kernels=self.failed_kernels, verify_tokens=c.verify_tokens,
-                                    verify_batch=c.verify_batch)
+            return p.LoadShard(seq=seq, model_id=self.cfg.model_id, shard=shard, failed_kernels=self.failed_kernels)
 
         layers = int(text_config(self.config)["num_hidden_layers"])
-        with LoadProgress(f"loading {c.model_dir.name}", layers) as bar:
+        with LoadProgress(f"loading {self.cfg.model_dir.name}", layers) as bar:
             self.rank0.on_layer_loaded = bar.update
             try:
                 replies, _ = self._run(make, self.cfg.load_timeout_s)
@@ -324,9 +307,13 @@ class Executor:
                 f"{c.max_model_len}: give it more memory (--kv-cache-memory, --gpu-memory-utilization) or "
                 "lower --max-model-len")
 
-    def _ranks_sharing_device(self) -> int:
-        """Ranks on one GPU split its memory (several ranks share a device only in tests)."""
-        return max(self.devices.count(d) for d in self.devices)
+    def kernels(self) -> dict[str, str]:
+        """What runs each fused piece: on CUDA `triton` or `reference: <why>` (the self-check's
+        verdict, the same on every rank); on CPU whether the C++ attention kernel could be built."""
+        if self.devices[0].startswith("cuda"):
+            return kernel_choice.verdict()
+        built = cpu_attention.library() is not None
+        return {"paged_attention": "cpu" if built else "reference: the CPU kernel could not be built here"}
 
     def step(self, seqs: list[SeqStep]) -> torch.Tensor:
         """One batched forward on every rank; rank 0's logits of each sequence's last token."""

@@ -14,44 +14,12 @@ RECURRENT_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_
 
 def check_supported(config: dict) -> str:
     """Fail early, before any worker starts, for a checkpoint neuron cannot run."""
-    from neuron.models.quant_formats import checkpoint_quantization
-
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModel(
             f"model_type {model_type!r} is not supported; supported types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    checkpoint_quantization(config)  # a quantized checkpoint neuron cannot read is refused here, by name
     return model_type
-
-
-def load_config(model_dir, overrides: dict | None = None) -> dict:
-    """A checkpoint's config.json with `overrides` merged in (nested objects key by key), refused at
-    once when neuron cannot run its architecture or a field is out of its range."""
-    from pathlib import Path
-
-    from neuron.errors import ConfigError
-    from neuron.models.config_check import Fields, check_config
-    from neuron.models.gguf import find_gguf, open_file
-    from neuron.models.loader import read_json
-
-    gguf = find_gguf(Path(model_dir))
-    where = str(gguf) if gguf is not None else str(Path(model_dir) / "config.json")
-    base = open_file(gguf).config() if gguf is not None else read_json(Path(model_dir) / "config.json")
-    Fields(base, where)  # an object, not a list or a number
-    if overrides:
-        where += " with --hf-overrides"
-    config = merged(base, overrides or {})
-    check_supported(config)
-    try:
-        check_config(config, where)
-    except ConfigError as exc:
-        key = open_file(gguf).metadata_key(getattr(exc, "field", "")) if gguf is not None else None
-        if key is None or (overrides and getattr(exc, "field", "") in overrides):
-            raise
-        raise ConfigError(f"{exc} (GGUF metadata {key})") from None
-    _architecture(config)[1].from_dict(config)  # what the ranks' parser refuses, refused here first
-    return config
 
 
 def merged(base: dict, overrides: dict) -> dict:
@@ -103,6 +71,11 @@ def _architecture(config: dict) -> tuple[type, type]:
     return Qwen35MoeForCausalLM, Qwen35MoeConfig
 
 
+def parse_config(config: dict):
+    """The typed config of `config`'s architecture (what its parser refuses, refused)."""
+    return _architecture(config)[1].from_dict(config)
+
+
 def valid_tp_sizes(config: dict, up_to: int = 64) -> list[int]:
     """The tensor-parallel sizes up to `up_to` that the model's heads and widths split into."""
     from neuron.errors import ConfigError
@@ -134,12 +107,11 @@ def check_tp(config: dict, tp: int) -> None:
         raise ConfigError(f"tensor-parallel size {tp} does not fit this model: {exc}; sizes that do: {sizes}") from None
 
 
-def build_model(config: dict, comm, dtype, device, model_dir=None):
-    """This rank's (unloaded) share of the model named by `config` (read from `model_dir`)."""
+def build_model(config: dict, comm, dtype, device, vision=None):
+    """This rank's (unloaded) share of the model named by `config`; `vision`: how it takes images
+    (multimodal.image.VisionSpec), None for text only."""
     model, parser = _architecture(config)
     typed = parser.from_dict(config)
     if config.get("model_type") not in MULTIMODAL_MODEL_TYPES:
         return model(typed, comm, dtype, device)
-    from neuron.multimodal.image import VisionSpec
-
-    return model(typed, comm, dtype, device, VisionSpec.from_checkpoint(config, model_dir), config.get("vision_config"))
+    return model(typed, comm, dtype, device, vision, config.get("vision_config"))

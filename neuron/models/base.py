@@ -7,6 +7,7 @@ import torch
 from neuron.errors import ConfigError
 from neuron.layers import quantized
 from neuron.models import prompt_logprobs
+from neuron.step import VerifyShape
 
 
 class CausalLM:
@@ -44,15 +45,15 @@ class CausalLM:
                 return graphs.run(batch)
         return self.run(self.embed(batch.token_ids), batch.positions, batch)
 
-    def capture_decode_graphs(self, max_batch: int, verify_tokens: int = 0, verify_batch: int = 0) -> None:
+    def capture_decode_graphs(self, max_batch: int, verify: VerifyShape = VerifyShape()) -> None:
         """Record decode steps of up to `max_batch` sequences in CUDA graphs (see cuda_graphs.py), and
-        with speculative decoding its verifying steps of `verify_tokens` per sequence, up to
-        `verify_batch` sequences (the most that speculate in one step)."""
+        with speculative decoding its verifying steps (`verify`: tokens per sequence, and the most
+        sequences that speculate in one step)."""
         from neuron.models.cuda_graphs import capture_decode_graphs
 
         self.graphs = capture_decode_graphs(self, max_batch)
-        if verify_tokens > 1 and verify_batch > 0:
-            self.verify_graphs = capture_decode_graphs(self, min(max_batch, verify_batch), verify_tokens)
+        if verify.tokens > 1 and verify.batch > 0:
+            self.verify_graphs = capture_decode_graphs(self, min(max_batch, verify.batch), verify.tokens)
 
     def release_graphs(self) -> None:
         """Free the captured graphs (and their memory pool) now, not when garbage collection gets to them."""

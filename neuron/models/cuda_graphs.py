@@ -16,7 +16,7 @@ run on the GPU stream (one rank, or NCCL: gloo is driven from the host), and mod
 reads no per-step host state (`CausalLM.supports_cuda_graphs`). Steps that bring a prefill chunk,
 ask for prompt logprobs or exceed the largest bucket run eagerly, as before.
 
-Verifying steps of speculative decoding (speculative.py) have graphs of their own, one per
+Verifying steps of speculative decoding (engine/spec_decode) have graphs of their own, one per
 batch-size bucket at a fixed `query_len` (1 + num_speculative_tokens): each sequence's row range
 is query_len long, its real tokens first and padding after. Its padding rows sit at the positions
 after its real tokens, so its real rows' causal attention never sees them, and write their keys and

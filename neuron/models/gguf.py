@@ -45,13 +45,6 @@ _EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_p
 _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
               "model.norm.weight": "output_norm.weight"}
 QK_K = 256
-# config.json's fields as GGUF metadata names them (under the architecture's prefix)
-_META_KEYS = {"num_hidden_layers": "block_count", "hidden_size": "embedding_length",
-              "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
-              "head_dim": "attention.key_length", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
-              "max_position_embeddings": "context_length", "rope_theta": "rope.freq_base",
-              "intermediate_size": "feed_forward_length", "vocab_size": "vocab_size", "num_experts": "expert_count",
-              "num_experts_per_tok": "expert_used_count", "moe_intermediate_size": "expert_feed_forward_length"}
 
 
 def _gguf():
@@ -122,11 +115,6 @@ class GGUFFile:
         except (ValueError, OSError, KeyError, IndexError, TypeError) as exc:
             raise ConfigError(f"{path} is not a readable GGUF file: {exc}") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
-        arch = self.field("general.architecture")
-        if arch not in ARCHITECTURES:
-            raise ConfigError(f"{self.path.name}: GGUF architecture {arch!r} is not supported "
-                              f"(supported: {', '.join(ARCHITECTURES)})")
-        self.arch = arch
 
     def field(self, key: str, default=None):
         """A metadata value: one number or string (an array is refused by name, never hashed or
@@ -138,81 +126,10 @@ class GGUFFile:
             raise ConfigError(f"{self.path.name}: GGUF metadata {key} must be a single value, not an array")
         return f.contents()
 
-    def _arch_field(self, key: str, default=None):
-        return self.field(f"{self.arch}.{key}", default)
-
-    def _number(self, key: str, default=None, kind: type = int):
-        """An architecture field as `kind`; refused naming the key when it is not a number."""
-        value = self._arch_field(key, default)
-        if value is None or value is default:
-            return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-            raise ConfigError(f"{self.path.name}: GGUF metadata {self.arch}.{key} must be "
-                              f"{'an integer' if kind is int else 'a number'}, got {str(value)[:80]!r}")
-        return kind(value)
-
-    def _count(self, key: str) -> int | None:
+    def count(self, key: str) -> int | None:
         """How many items an array field holds, without decoding them."""
         f = self.reader.fields.get(key)
         return None if f is None else len(f.data)
-
-    def metadata_key(self, field: str) -> str | None:
-        """The metadata key a config field was read from, for messages."""
-        key = _META_KEYS.get(field)
-        return f"{self.arch}.{key}" if key else None
-
-    def config(self) -> dict:
-        """The model's hyper-parameters as a transformers config.json would hold them. Their ranges
-        are checked with any other config's (config_check), under transformers' names."""
-        need = {"num_hidden_layers": "block_count", "hidden_size": "embedding_length",
-                "num_attention_heads": "attention.head_count"}
-        missing = [key for key in need.values() if self._arch_field(key) is None]
-        if missing:
-            raise ConfigError(f"{self.path.name}: GGUF metadata lacks {', '.join(self.arch + '.' + k for k in missing)}")
-        hidden, heads = self._number("embedding_length"), self._number("attention.head_count")
-        embed = self.tensors.get("token_embd.weight")
-        vocab = self._number("vocab_size") or self._count("tokenizer.ggml.tokens") \
-            or (int(embed.shape[1]) if embed is not None else None)
-        default_head_dim = hidden // heads if heads else None  # heads 0 is refused by the range check
-        config = {
-            "model_type": ARCHITECTURES[self.arch],
-            "architectures": [{"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
-                               "qwen3moe": "Qwen3MoeForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.arch]],
-            "vocab_size": vocab,
-            "hidden_size": hidden,
-            "num_hidden_layers": self._number("block_count"),
-            "num_attention_heads": heads,
-            "num_key_value_heads": self._number("attention.head_count_kv", heads),
-            "head_dim": self._number("attention.key_length", default_head_dim),
-            "rms_norm_eps": self._number("attention.layer_norm_rms_epsilon", 1e-6, float),
-            "max_position_embeddings": self._number("context_length", 4096),
-            "rope_theta": self._number("rope.freq_base", 10000.0, float),
-            "tie_word_embeddings": "output.weight" not in self.tensors,
-            "hidden_act": "silu",
-            "torch_dtype": "float32",
-        }
-        ff = self._number("feed_forward_length")
-        if ff is not None:
-            config["intermediate_size"] = ff
-        if self.arch == "qwen3moe":
-            config.update(num_experts=self._number("expert_count"),
-                          num_experts_per_tok=self._number("expert_used_count"),
-                          moe_intermediate_size=self._number("expert_feed_forward_length"),
-                          # llama.cpp normalises Qwen3-MoE's top-k weights unless the file says otherwise
-                          norm_topk_prob=bool(self._arch_field("expert_weights_norm", True)))
-        if self.arch == "llama":
-            config["attention_bias"] = "blk.0.attn_q.bias" in self.tensors
-        scaling = self._arch_field("rope.scaling.type")
-        if scaling not in (None, "none"):
-            config["rope_scaling"] = {
-                "rope_type": scaling, "factor": self._number("rope.scaling.factor", 1.0, float),
-                "original_max_position_embeddings": self._number("rope.scaling.original_context_length",
-                                                                 config["max_position_embeddings"])}
-        for key, meta in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
-                          ("eos_token_id", "tokenizer.ggml.eos_token_id")):
-            if (value := self.field(meta)) is not None:
-                config[key] = value  # an integer in range, or refused by the config check
-        return config
 
     def types(self) -> str:
         """The file's weight types, most common first ("Q4_K, Q6_K, F32"), for logs and /health."""
@@ -226,11 +143,12 @@ class GGUFFile:
 class GGUFReader(Reader):
     """This rank's reader over a GGUF file, under transformers' tensor names."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, config: dict):
+        """`config`: the model's (the leader read it from this file's metadata), for Llama's heads."""
         self.file = open_file(path)
-        cfg = self.file.config()
-        self._heads = {"q": cfg["num_attention_heads"], "k": cfg["num_key_value_heads"]}
-        self._permuted = self.file.arch == "llama"
+        heads = config["num_attention_heads"]
+        self._heads = {"q": heads, "k": config.get("num_key_value_heads") or heads}
+        self._permuted = config["model_type"] == "llama"
 
     def has(self, name: str) -> bool:
         return gguf_name(name) in self.file.tensors

@@ -98,11 +98,6 @@ def read_json(path: Path) -> dict:
         raise ConfigError(f"{path} cannot be read: {exc.strerror or exc}") from None
 
 
-def read_generation_config(model_dir: Path) -> dict:
-    path = model_dir / "generation_config.json"
-    return read_json(path) if path.is_file() else {}
-
-
 def weight_files(model_path: Path) -> list[Path]:
     """The files a checkpoint's weights live in: its GGUF file, or its safetensors files."""
     from neuron.models.gguf import find_gguf
@@ -232,25 +227,21 @@ class QuantizingReader(Reader):
         self.inner.close()
 
 
-def open_checkpoint(paths: list[str], quantization: str = "", config: dict | None = None) -> Reader:
+def open_checkpoint(paths: list[str], config: dict, quantization: str = "", stored: dict | None = None) -> Reader:
     """This rank's reader over the checkpoint's weight files: a GGUF file's, or safetensors ones
-    (quantized where `config`'s quantization_config says so), quantizing at load where asked, each
-    read checked against the shapes `config` implies (weight_shapes)."""
+    (kept quantized in the `stored` format, quant_formats.stored_format), quantizing at load where
+    asked, each read checked against the shapes the model's `config` implies (weight_shapes)."""
+    from neuron.models.quant_formats import PrequantizedReader
     from neuron.models.weight_shapes import CheckedReader, expected_shapes
-
-    reader = _open_reader(paths, quantization, config)
-    return CheckedReader(reader, expected_shapes(config)) if config is not None else reader
-
-
-def _open_reader(paths: list[str], quantization: str, config: dict | None) -> Reader:
-    from neuron.models.quant_formats import PrequantizedReader, checkpoint_quantization
 
     if len(paths) == 1 and str(paths[0]).endswith(".gguf"):
         from neuron.models.gguf import GGUFReader
 
-        reader = GGUFReader(paths[0])
+        reader = GGUFReader(paths[0], config)
     else:
         reader = CheckpointReader(paths)
-        if (spec := checkpoint_quantization(config or {})) is not None:
-            reader = PrequantizedReader(reader, spec)
-    return QuantizingReader(reader, quantization) if quantization else reader
+        if stored is not None:
+            reader = PrequantizedReader(reader, stored)
+    if quantization:
+        reader = QuantizingReader(reader, quantization)
+    return CheckedReader(reader, expected_shapes(config))

@@ -1,7 +1,7 @@
 """Safetensors checkpoints stored quantized: FP8 block-wise, AWQ, GPTQ and compressed-tensors.
 
-`config.json`'s `quantization_config` names the method; `checkpoint_quantization` checks it before
-any worker starts, refusing what neuron does not read by name. `PrequantizedReader` then hands each
+The checkpoint's quantization config names the method; `stored_format` checks it before any worker
+starts, refusing what neuron does not read by name. `PrequantizedReader` then hands each
 linear layer its slice of the stored codes and scales as a QuantizedWeight (neuron/layers/quantized.py)
 holding the same values the format's own dequantization gives:
 
@@ -39,19 +39,14 @@ METHODS = ("fp8", "awq", "gptq", "compressed-tensors")
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds output column 8c + _AWQ_ORDER[i]
 
 
-def quantization_config(config: dict) -> dict | None:
-    q = config.get("quantization_config")
-    if q is None and isinstance(config.get("text_config"), dict):
-        q = config["text_config"].get("quantization_config")
-    return q
-
-
-def checkpoint_quantization(config: dict) -> dict | None:
-    """The checkpoint's quantization_config, normalised, or None; ConfigError for what neuron does
-    not read, saying what it is."""
-    q = quantization_config(config)
+def stored_format(q: dict | None) -> dict | None:
+    """A checkpoint's quantization config (config.json's `quantization_config`, which the model's
+    configuration reads) as the format readers here take it, or None for none; ConfigError for
+    what neuron does not read, saying what it is."""
     if q is None:
         return None
+    if not isinstance(q, dict):
+        raise ConfigError(f"quantization_config must be an object, got {str(q)[:80]!r}")
     method = q.get("quant_method")
     if method not in METHODS:
         raise ConfigError(f"checkpoint quantization {method!r} is not supported (supported: {', '.join(METHODS)}, "

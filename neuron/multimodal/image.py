@@ -12,11 +12,9 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import json
 import math
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -57,14 +55,12 @@ class VisionSpec:
     depth: int
 
     @classmethod
-    def from_checkpoint(cls, config: dict, model_dir: str | Path | None) -> "VisionSpec | None":
-        """The spec of a checkpoint with a vision tower, None for a text-only one."""
+    def from_configs(cls, config: dict, pre: dict) -> "VisionSpec | None":
+        """The spec of a checkpoint with a vision tower (its config.json and preprocessor_config.json,
+        as the model's configuration read them), None for a text-only one."""
         vision = config.get("vision_config")
         if not isinstance(vision, dict) or "image_token_id" not in config:
             return None
-        pre = {}
-        if model_dir is not None and (path := Path(model_dir) / "preprocessor_config.json").is_file():
-            pre = json.loads(path.read_text())
         size = pre.get("size") or {}
         return cls(
             patch_size=int(pre.get("patch_size", vision.get("patch_size", 16))),
@@ -80,6 +76,11 @@ class VisionSpec:
             num_heads=int(vision.get("num_heads", 16)),
             depth=int(vision.get("depth", 27)),
         )
+
+    @classmethod
+    def from_wire(cls, fields: dict) -> "VisionSpec":
+        """The spec a rank's load message carries (its fields, as JSON keeps them)."""
+        return cls(**{**fields, "mean": tuple(fields["mean"]), "std": tuple(fields["std"])})
 
     @property
     def factor(self) -> int:

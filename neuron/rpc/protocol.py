@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import msgspec
 
-from neuron.step import SeqStep
+from neuron.step import SeqStep, VerifyShape
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 def _snake(name: str) -> str:
@@ -49,15 +49,16 @@ class CheckKernels(Message):
     dtype: str
 
 
-class LoadShard(Message):
-    """Load this rank's slices of a dense checkpoint and allocate its KV block pool. The pool holds
-    `kv_cache_bytes` when set; otherwise on CUDA this rank's `gpu_memory_utilization` share of its
-    device minus weights and an activation reserve for steps of `max_num_batched_tokens`, and on
-    CPU `max_slots` sequences of `max_model_len` tokens. The reply says how many blocks fit."""
+class ShardSpec(msgspec.Struct, frozen=True):
+    """What every rank loads: the model (its config, as the leader's ModelConfig resolved it), its
+    weight files and how to hold them, and the KV block pool. The pool holds `kv_cache_bytes` when
+    set; otherwise on CUDA this rank's `gpu_memory_utilization` share of its device minus weights
+    and an activation reserve for steps of `max_num_batched_tokens`, and on CPU `max_slots`
+    sequences of `max_model_len` tokens. Derived whole from the ModelConfig, so a field added here
+    and there reaches every rank."""
 
-    model_id: str
     config_json: str
-    safetensors_paths: list[str]
+    weight_paths: list[str]
     dtype: str
     max_slots: int
     max_model_len: int
@@ -65,10 +66,19 @@ class LoadShard(Message):
     kv_cache_bytes: int  # 0: size the pool as the docstring says
     gpu_memory_utilization: float
     max_num_batched_tokens: int
+    quantization: str = ""  # "int8", "fp8": each rank quantizes its linear-layer slices as it reads them
+    stored_format: dict | None = None  # a checkpoint stored quantized: its format (models.quant_formats)
+    vision: dict | None = None  # how the model takes images (multimodal.image.VisionSpec's fields)
+    verify: VerifyShape = VerifyShape()  # speculative decoding's verifying steps (CUDA graphs)
+
+
+class LoadShard(Message):
+    """Load this rank's share of the model and allocate its KV block pool; the reply says how many
+    blocks fit."""
+
+    model_id: str
+    shard: ShardSpec
     failed_kernels: dict[str, str] = {}  # the union of every rank's CheckKernels: these run their references
-    quantization: str = ""  # "int8": each rank quantizes its linear-layer slices as it reads them
-    verify_tokens: int = 0  # speculative decoding: tokens per sequence of a verifying step (CUDA graphs)
-    verify_batch: int = 0  # and the most sequences that speculate in one step
 
 
 class ForwardStep(Message):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -26,6 +25,7 @@ from neuron.models.inputs import StepResult
 from neuron.models.kv_cache import plan_num_blocks
 from neuron.models.loader import open_checkpoint
 from neuron.models.step_input import BlockTables, StepRejected
+from neuron.multimodal.image import VisionSpec
 from neuron.rpc import protocol as p
 from neuron.step import SeqStep
 from neuron.worker.failure import WorkerFailure, resolve_dtype
@@ -40,24 +40,24 @@ class ModelRunner:
         self.tables = tables
 
     @classmethod
-    def load(cls, req: p.LoadShard, comm: Communicator, device: torch.device,
+    def load(cls, shard: p.ShardSpec, comm: Communicator, device: torch.device,
              on_layer_loaded: Callable[[int, int], None] | None = None) -> ModelRunner:
         """Build the model, read this rank's slices, size and allocate the KV pool, capture graphs."""
         try:
-            dtype = resolve_dtype(req.dtype, str(device))
-            model_dir = Path(req.safetensors_paths[0]).parent if req.safetensors_paths else None
-            config = json.loads(req.config_json)
-            model = build_model(config, comm, dtype, device, model_dir)
-            with open_checkpoint(req.safetensors_paths, req.quantization, config) as reader:
+            dtype = resolve_dtype(shard.dtype, str(device))
+            config = json.loads(shard.config_json)
+            vision = VisionSpec.from_wire(shard.vision) if shard.vision is not None else None
+            model = build_model(config, comm, dtype, device, vision)
+            with open_checkpoint(shard.weight_paths, config, shard.quantization, shard.stored_format) as reader:
                 model.load(reader, on_layer_loaded)
             if device.type == "cpu":
                 _load_cpu_kernels()
-            num_blocks = _plan_kv(model, req, device)
+            num_blocks = _plan_kv(model, shard, device)
             paged = settings().attention == "paged"
-            model.allocate(num_blocks, req.block_size, req.max_slots, req.max_model_len, paged=paged)
-            tables = BlockTables(req.max_slots, num_blocks, req.block_size, req.max_model_len, device, paged)
+            model.allocate(num_blocks, shard.block_size, shard.max_slots, shard.max_model_len, paged=paged)
+            tables = BlockTables(shard.max_slots, num_blocks, shard.block_size, shard.max_model_len, device, paged)
             if _graphs_wanted(model, device, comm):
-                model.capture_decode_graphs(req.max_slots, req.verify_tokens, req.verify_batch)
+                model.capture_decode_graphs(shard.max_slots, shard.verify)
         except UnsupportedModel as exc:
             raise WorkerFailure(p.ErrorKind.UNSUPPORTED_ARCH, str(exc)) from exc
         except (ConfigError, ValueError, OSError) as exc:
@@ -123,7 +123,7 @@ def _graphs_wanted(model, device: torch.device, comm: Communicator) -> bool:
             and model.cache.paged and comm.backend in ("single", "nccl"))
 
 
-def _plan_kv(model, req: p.LoadShard, device: torch.device) -> int:
+def _plan_kv(model, req: p.ShardSpec, device: torch.device) -> int:
     if req.block_size < 1:
         raise ConfigError(f"KV block size must be >= 1, got {req.block_size}")
     block_bytes = model.kv_block_bytes(req.block_size)

@@ -173,7 +173,7 @@ class Worker:
         """Load the shard into a model runner, with the kernels every rank can trust."""
         t0 = time.perf_counter()
         kernel_choice.apply(req.failed_kernels)
-        runner = ModelRunner.load(req, self._need_comm(), self.device, self.on_layer_loaded)
+        runner = ModelRunner.load(req.shard, self._need_comm(), self.device, self.on_layer_loaded)
         self.models[req.model_id] = runner
         nbytes = runner.model.weight_bytes()
         log.info("loaded %s shard: %.1f MiB in %.0f ms", req.model_id, nbytes / 2**20, _ms(t0))

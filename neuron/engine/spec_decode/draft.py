@@ -18,28 +18,33 @@ the sequence's; a proposal's own positions count once the target kept them. A se
 slot (admitted, or preempted and readmitted) starts over.
 
 Greedy proposals are a fixed guess given the tokens so far, so the target's position-by-position
-sampling stays exact at any temperature (speculative.py); a sampled draft with rejection
+sampling stays exact at any temperature (acceptance.py); a sampled draft with rejection
 sampling would keep more tokens at high temperature, at the price of drawing from the draft.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from neuron.errors import ConfigError
-from neuron.executor.executor import Executor, ExecutorConfig
-from neuron.models import load_config, supports_prefix_caching, text_config
-from neuron.models.loader import resolve_model_path
+from neuron.executor.executor import Executor
+from neuron.models import supports_prefix_caching, text_config
 from neuron.step import SeqStep
 from neuron.worker.failure import resolve_dtype
 
-log = logging.getLogger("neuron.engine.draft")
+if TYPE_CHECKING:
+    from neuron.engine.model_config import ModelConfig
+
+log = logging.getLogger("neuron.engine.spec_decode.draft")
 
 
-class _State:
-    """What the draft holds for one sequence in its slot."""
+class DraftState:
+    """What the draft holds for one sequence in its slot (Sequence.draft_state)."""
 
     __slots__ = ("slot", "blocks_sent", "computed", "drafted")
 
@@ -51,23 +56,23 @@ class _State:
 
 
 class DraftProposer:
-    def __init__(self, model: str, *, target_config: dict, device: str, dtype: str, max_model_len: int,
-                 max_slots: int, block_size: int, step_tokens: int, prefill_chunk: int,
-                 hf_cache_dir: str | None = None):
-        self.model_dir = resolve_model_path(model, hf_cache_dir)
-        self.config = load_config(self.model_dir)
-        theirs, ours = text_config(target_config).get("vocab_size"), text_config(self.config).get("vocab_size")
+    def __init__(self, target: ModelConfig):
+        """The draft `target`'s speculative config names, as the target's rank 0 runs it: its own
+        configuration resolved from the target's (model_config.draft_spec), at the target's length
+        (past the draft's own, its proposals get worse, never wrong: the target verifies them)."""
+        from neuron.engine.model_config import resolve_model_config
+
+        draft = resolve_model_config(target.draft_spec())
+        self.model = replace(draft, max_model_len=target.max_model_len)
+        theirs, ours = target.vocab_size, draft.vocab_size
         if theirs != ours:
-            raise ConfigError(f"speculative_config: the draft {model} has vocab_size {ours}, the target "
-                              f"{theirs}: a draft must share the target's tokenizer")
-        if not supports_prefix_caching(self.config):
-            raise ConfigError(f"speculative_config: the draft's model_type {self.config.get('model_type')!r} keeps "
+            raise ConfigError(f"speculative_config: the draft {target.speculative.model} has vocab_size {ours}, the "
+                              f"target {theirs}: a draft must share the target's tokenizer")
+        if not supports_prefix_caching(draft.hf_config):
+            raise ConfigError(f"speculative_config: the draft's model_type {draft.model_type!r} keeps "
                               "recurrent state, which cannot be rolled back past rejected tokens")
-        self.executor_cfg = ExecutorConfig(self.model_dir, max_model_len=max_model_len, tp=1, hosts=None,
-                                           device=device, dtype=dtype, quantization=None, max_slots=max_slots,
-                                           model_id="draft", block_size=block_size,
-                                           max_num_batched_tokens=step_tokens)
-        self.chunk = prefill_chunk
+        self.chunk = target.spec.prefill_chunk_tokens
+        self.step_tokens = self.model.shard_spec().max_num_batched_tokens
         self.executor: Executor | None = None
         self.cost = 0.0  # target steps a draft step costs: weights read, the draft's over one target rank's
 
@@ -78,16 +83,17 @@ class DraftProposer:
         if self.executor is not None and self.executor.num_kv_blocks >= num_blocks:
             return
         self.close()
-        c = self.executor_cfg
-        c.kv_cache_bytes = num_blocks * _block_bytes(self.config, c.dtype, c.device, c.block_size)
-        self.executor = Executor(c, model_config=self.config).start()
+        cfg = self.model.executor_config(model_id="draft")
+        cfg.shard = msgspec.structs.replace(cfg.shard, kv_cache_bytes=num_blocks * _block_bytes(
+            self.model.hf_config, cfg.shard.dtype, cfg.device, cfg.shard.block_size))
+        self.executor = Executor(cfg).start()
         if self.executor.num_kv_blocks < num_blocks:
             have = self.executor.num_kv_blocks
             self.close()
             raise ConfigError(f"the draft's KV cache holds {have} blocks, fewer than the target's {num_blocks}")
         self.cost = self.executor.weight_bytes[0] / max(target_weight_bytes, 1)
-        log.info("draft %s ready on %s (a drafted token costs %.2f target steps)", self.model_dir.name, c.device,
-                 self.cost)
+        log.info("draft %s ready on %s (a drafted token costs %.2f target steps)", self.model.model_dir.name,
+                 cfg.device, self.cost)
 
     def propose(self, seqs: list, ks: list[int]) -> list[list[int]]:
         """Each sequence's greedy continuation by the draft, k tokens (none for one whose catch-up
@@ -95,7 +101,7 @@ class DraftProposer:
         states = [self._state(seq) for seq in seqs]
         proposals: list[list[int]] = [[] for _ in seqs]
         # the first step: each sequence's tokens the draft has not seen, its last one at least
-        steps, owners, budget = [], [], self.executor_cfg.max_num_batched_tokens
+        steps, owners, budget = [], [], self.step_tokens
         for i, (seq, st) in enumerate(zip(seqs, states)):
             take = min(seq.num_tokens - st.computed, self.chunk, budget)
             if take <= 0:
@@ -124,12 +130,12 @@ class DraftProposer:
                 proposals[i].append(token)
         return proposals
 
-    def _state(self, seq) -> _State:
+    def _state(self, seq) -> DraftState:
         """The sequence's draft state, the drafted tokens it kept since counted as computed, and
         its last token left to run again (its logits start the next proposal)."""
-        st = seq.proposer_state
+        st = seq.draft_state
         if st is None or st.slot != seq.slot:
-            st = seq.proposer_state = _State(seq.slot)
+            st = seq.draft_state = DraftState(seq.slot)
         for token in st.drafted:
             pos = st.computed
             if pos >= seq.num_tokens or seq.token_slice(pos, pos + 1)[0] != token:
@@ -139,15 +145,14 @@ class DraftProposer:
         st.computed = min(st.computed, seq.num_tokens - 1)
         return st
 
-    def _step(self, seq, st: _State, tokens: list[int], offset: int) -> SeqStep:
+    def _step(self, seq, st: DraftState, tokens: list[int], offset: int) -> SeqStep:
         fresh = st.blocks_sent == 0
         new_blocks = seq.block_table[st.blocks_sent:]
         st.blocks_sent = len(seq.block_table)
         return SeqStep(seq.slot, tokens, offset, new_blocks, fresh)
 
-    def release(self, seq, finished: bool) -> None:
-        """The sequence left its slot (finished or preempted): its blocks may go to another."""
-        seq.proposer_state = None
+    def finished(self, seq) -> None:
+        pass
 
     def close(self) -> None:
         if self.executor is not None:

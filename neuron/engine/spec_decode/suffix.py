@@ -27,6 +27,9 @@ from collections import deque
 
 import numpy as np
 
+from neuron.engine.spec_decode.config import SpeculativeConfig
+from neuron.engine.spec_decode.proposer import Lookup
+
 ROOT = 0
 NODE_BYTES = 16  # a node's token, count, first child and next sibling, int32 each
 _WIDE_AT = 8  # children a list scan passes before the node keeps them sorted instead
@@ -311,3 +314,30 @@ def propose_from_text(tokens: list[int], k: int, depth: int, min_prob: float,
         occ = occ[nxt == token] + 1
         occ = occ[occ < n]
     return proposal, expected
+
+
+class SuffixProposer(Lookup):
+    """Suffix decoding: each sequence's own tokens, and an index of earlier outputs."""
+
+    def __init__(self, cfg: SpeculativeConfig):
+        self.depth = cfg.suffix_decoding_max_tree_depth
+        self.min_prob = cfg.suffix_decoding_min_token_prob
+        self.spec_factor = cfg.suffix_decoding_max_spec_factor
+        self.outputs = OutputCache(self.depth, cfg.suffix_decoding_max_cached_requests,
+                                   cfg.suffix_decoding_max_cache_bytes)
+
+    def propose(self, seqs: list, ks: list[int]) -> list[list[int]]:
+        return [self._propose(seq, k) for seq, k in zip(seqs, ks)]
+
+    def _propose(self, seq, k: int) -> list[int]:
+        tokens = seq.prompt_token_ids + seq.output_token_ids
+        own, own_expected = propose_from_text(tokens, k, self.depth, self.min_prob, self.spec_factor)
+        if not self.outputs.texts:
+            return own
+        context = tokens[-self.depth:]
+        shared, shared_expected = self.outputs.index.propose(context, k, self.min_prob, self.spec_factor)
+        return shared if shared_expected > own_expected else own
+
+    def finished(self, seq) -> None:
+        """A finished request's output joins the shared index."""
+        self.outputs.add(list(seq.output_token_ids))

@@ -1,0 +1,320 @@
+"""A model as one engine runs it, resolved once from the user's arguments and the model's files.
+
+`resolve_model_config(spec)` is the one place that reads a checkpoint's description: config.json
+or a GGUF file's metadata (with `--hf-overrides` merged in), its `quantization_config`,
+generation_config.json and preprocessor_config.json. It checks every field before anything is
+sized from it (models/config_check.py), refuses a tensor-parallel size the model does not split
+into, and works out what the rest of neuron runs by: the model length, the tokenizer and its stop
+ids, the vision spec, speculative decoding, the step's token budget, the KV cache budget.
+
+The result is frozen and whole. The engine reads it; the executor's config, every rank's load
+message (`ShardSpec`) and a draft model's configuration are derived from it by the methods below,
+so a field added here reaches every rank without being copied by hand. Nothing in it is kept at
+module level: an engine per model in one process resolves a configuration each.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from neuron.config import MAX_MODEL_LEN_CAP, parse_bytes
+from neuron.engine.engine_config import EngineConfig, default_device
+from neuron.engine.spec_decode.config import SpeculativeConfig
+from neuron.engine.tokenizer import Tokenizer
+from neuron.errors import ConfigError
+from neuron.executor.executor import ExecutorConfig
+from neuron.models import (
+    MULTIMODAL_MODEL_TYPES,
+    check_supported,
+    check_tp,
+    context_length,
+    merged,
+    parse_config,
+    supports_prefix_caching,
+    text_config,
+)
+from neuron.models.config_check import Fields, check_config
+from neuron.models.gguf import ARCHITECTURES, GGUFFile, find_gguf, open_file
+from neuron.models.loader import CheckpointReader, read_json, resolve_model_path, safetensors_files, weight_files
+from neuron.models.quant_formats import stored_format
+from neuron.multimodal.image import VisionSpec
+from neuron.rpc.protocol import ShardSpec
+from neuron.step import VerifyShape
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """One model, resolved: what every part of neuron that runs it reads."""
+
+    spec: EngineConfig  # the user's arguments it was resolved from
+    name: str  # what clients call it (served_model_name, else the model as given)
+    model_dir: Path
+    weight_files: tuple[str, ...]
+    hf_config: dict  # config.json (or GGUF metadata) with the overrides merged in, checked
+    gguf: Path | None
+    device: str
+    stored_format: dict | None  # the checkpoint's own quantized format (quant_formats), None: dense
+    quantization: str | None  # how the weights are held when quantized, for logs and /health
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Tokenizer | None
+    generation_config: dict
+    eos_token_ids: tuple[int, ...]
+    vision: VisionSpec | None
+    speculative: SpeculativeConfig | None
+    prefix_caching: bool
+    step_tokens: int  # the token budget of one step
+    kv_cache_bytes: int  # per rank; 0: sized by the rank (free GPU memory, or room for max_num_seqs on CPU)
+
+    @property
+    def model_type(self) -> str:
+        return self.hf_config["model_type"]
+
+    def default_sampling(self) -> dict:
+        """Sampling defaults from generation_config.json, applied where a request is silent."""
+        g = self.generation_config
+        return {k: g[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty") if k in g}
+
+    @property
+    def verify(self) -> VerifyShape:
+        """The shape of speculative decoding's verifying steps (none without it)."""
+        return self.speculative.verify_shape if self.speculative is not None else VerifyShape()
+
+    def shard_spec(self) -> ShardSpec:
+        """What every rank loads: its share of these weights, and a KV pool for these sequences."""
+        s = self.spec
+        return ShardSpec(config_json=json.dumps(self.hf_config), weight_paths=list(self.weight_files), dtype=s.dtype,
+                         quantization=s.quantization or "", stored_format=self.stored_format,
+                         vision=asdict(self.vision) if self.vision is not None else None, max_slots=s.max_num_seqs,
+                         max_model_len=self.max_model_len, block_size=s.block_size,
+                         kv_cache_bytes=self.kv_cache_bytes, gpu_memory_utilization=s.gpu_memory_utilization,
+                         max_num_batched_tokens=max(self.step_tokens, s.max_num_seqs), verify=self.verify)
+
+    def executor_config(self, model_id: str = "model") -> ExecutorConfig:
+        """How the executor brings these ranks up: where (the spec's placement), and what they load."""
+        s = self.spec
+        return ExecutorConfig(self.model_dir, shard=self.shard_spec(), tp=s.tp, hosts=s.hosts,
+                              worker_launcher=s.worker_launcher, cluster_address=s.cluster_address,
+                              cluster_interface=s.cluster_interface, cluster_port=s.cluster_port, device=self.device,
+                              model_id=model_id, name=self.name, load_timeout_s=s.load_timeout_s)
+
+    def draft_spec(self) -> EngineConfig:
+        """The arguments of speculative decoding's draft model: one rank on rank 0's device, this
+        model's dtype, slots, blocks and step budget, no speculation of its own (its length is the
+        target's: spec_decode/draft.py)."""
+        assert self.speculative is not None and self.speculative.model is not None
+        return replace(self.spec, model=self.speculative.model, tp=1, hosts=None, device=self.device,
+                       quantization=None, speculative_config=None, hf_overrides=None, tokenizer=None,
+                       served_model_name=None, kv_cache_memory=None, max_model_len=None,
+                       max_num_batched_tokens=self.step_tokens)
+
+
+def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lambda what: None) -> ModelConfig:
+    """The model `spec` names, read and checked (ConfigError saying what to change, before any
+    worker starts). `phases(what)` hears which part it is reading, for the load's deadline."""
+    phases("finding the model")
+    if spec.model is None:
+        from neuron.utils.default_checkpoint import default_model_dir
+
+        model_dir = default_model_dir()
+    else:
+        model_dir = resolve_model_path(spec.model, spec.hf_cache_dir)
+    phases(f"reading the config of {model_dir}")
+    gguf = find_gguf(model_dir)
+    config = load_config(model_dir, spec.hf_overrides)
+    check_tp(config, spec.tp)
+    stored = stored_format(config.get("quantization_config") or text_config(config).get("quantization_config"))
+    vocab = text_config(config)["vocab_size"]
+    phases("building the tokenizer")
+    tokenizer, tokenizer_dir = _tokenizer(spec, model_dir, gguf)
+    generation = _generation_config(tokenizer_dir)
+    speculative = _speculative(spec, config)
+    return ModelConfig(
+        spec=spec, name=spec.served_model_name or spec.model or "neuron-default", model_dir=model_dir,
+        weight_files=tuple(str(f) for f in weight_files(model_dir)), hf_config=config, gguf=gguf,
+        device=spec.device or default_device(), stored_format=stored,
+        quantization=spec.quantization or _stored_label(gguf, stored),
+        max_model_len=_max_model_len(spec, config), vocab_size=vocab, tokenizer=tokenizer,
+        generation_config=generation, eos_token_ids=_eos_ids(config, generation, tokenizer),
+        vision=_vision(config, model_dir), speculative=speculative, prefix_caching=_prefix_caching(spec, config),
+        step_tokens=spec.max_num_batched_tokens or max(spec.prefill_chunk_tokens, spec.max_num_seqs),
+        kv_cache_bytes=0 if spec.kv_cache_memory is None else parse_bytes(spec.kv_cache_memory, "kv_cache_memory"))
+
+
+def load_config(model_dir: Path, overrides: dict | None = None) -> dict:
+    """A checkpoint's config.json (or GGUF metadata) with `overrides` merged in (nested objects key
+    by key), refused at once when neuron cannot run its architecture or a field is out of range."""
+    gguf = find_gguf(model_dir)
+    where = str(gguf) if gguf is not None else str(model_dir / "config.json")
+    base = _gguf_config(open_file(gguf)) if gguf is not None else read_json(model_dir / "config.json")
+    Fields(base, where)  # an object, not a list or a number
+    if overrides:
+        where += " with --hf-overrides"
+    config = merged(base, overrides or {})
+    check_supported(config)
+    try:
+        check_config(config, where)
+    except ConfigError as exc:
+        field = getattr(exc, "field", "")
+        key = _METADATA_KEYS.get(field) if gguf is not None else None
+        if key is None or (overrides and field in overrides):
+            raise
+        raise ConfigError(f"{exc} (GGUF metadata {open_file(gguf).field('general.architecture')}.{key})") from None
+    stored_format(config.get("quantization_config") or text_config(config).get("quantization_config"))
+    parse_config(config)  # what the ranks' parser refuses, refused here first
+    return config
+
+
+# ---- a GGUF file's metadata as config.json --------------------------------------------------------
+
+# config.json's fields as GGUF metadata names them (under the architecture's prefix), for messages
+_METADATA_KEYS = {"num_hidden_layers": "block_count", "hidden_size": "embedding_length",
+                  "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
+                  "head_dim": "attention.key_length", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+                  "max_position_embeddings": "context_length", "rope_theta": "rope.freq_base",
+                  "intermediate_size": "feed_forward_length", "vocab_size": "vocab_size",
+                  "num_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
+                  "moe_intermediate_size": "expert_feed_forward_length"}
+_HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                     "qwen2": "Qwen2ForCausalLM"}
+
+
+def _gguf_config(f: GGUFFile) -> dict:
+    """A GGUF file's hyper-parameters as a transformers config.json would hold them. Their ranges
+    are checked with any other config's (config_check), under transformers' names."""
+    arch = f.field("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"{f.path.name}: GGUF architecture {arch!r} is not supported "
+                          f"(supported: {', '.join(ARCHITECTURES)})")
+
+    def number(key: str, default=None, kind: type = int):
+        value = f.field(f"{arch}.{key}", default)
+        if value is None or value is default:
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            raise ConfigError(f"{f.path.name}: GGUF metadata {arch}.{key} must be "
+                              f"{'an integer' if kind is int else 'a number'}, got {str(value)[:80]!r}")
+        return kind(value)
+
+    missing = [key for key in ("block_count", "embedding_length", "attention.head_count")
+               if f.field(f"{arch}.{key}") is None]
+    if missing:
+        raise ConfigError(f"{f.path.name}: GGUF metadata lacks {', '.join(arch + '.' + k for k in missing)}")
+    hidden, heads = number("embedding_length"), number("attention.head_count")
+    embed = f.tensors.get("token_embd.weight")
+    vocab = number("vocab_size") or f.count("tokenizer.ggml.tokens") or (int(embed.shape[1]) if embed is not None
+                                                                         else None)
+    config = {
+        "model_type": ARCHITECTURES[arch], "architectures": [_HF_ARCHITECTURES[arch]],
+        "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": number("block_count"),
+        "num_attention_heads": heads, "num_key_value_heads": number("attention.head_count_kv", heads),
+        "head_dim": number("attention.key_length", hidden // heads if heads else None),  # 0 heads: refused later
+        "rms_norm_eps": number("attention.layer_norm_rms_epsilon", 1e-6, float),
+        "max_position_embeddings": number("context_length", 4096),
+        "rope_theta": number("rope.freq_base", 10000.0, float),
+        "tie_word_embeddings": "output.weight" not in f.tensors, "hidden_act": "silu", "torch_dtype": "float32",
+    }
+    if (ff := number("feed_forward_length")) is not None:
+        config["intermediate_size"] = ff
+    if arch == "qwen3moe":
+        config.update(num_experts=number("expert_count"), num_experts_per_tok=number("expert_used_count"),
+                      moe_intermediate_size=number("expert_feed_forward_length"),
+                      # llama.cpp normalises Qwen3-MoE's top-k weights unless the file says otherwise
+                      norm_topk_prob=bool(f.field(f"{arch}.expert_weights_norm", True)))
+    if arch == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in f.tensors
+    scaling = f.field(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        config["rope_scaling"] = {
+            "rope_type": scaling, "factor": number("rope.scaling.factor", 1.0, float),
+            "original_max_position_embeddings": number("rope.scaling.original_context_length",
+                                                       config["max_position_embeddings"])}
+    for key, meta in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+        if (value := f.field(meta)) is not None:
+            config[key] = value  # an integer in range, or refused by the config check
+    return config
+
+
+# ---- the rest of the model's description ---------------------------------------------------------
+
+
+def _tokenizer(spec: EngineConfig, model_dir: Path, gguf: Path | None) -> tuple[Tokenizer | None, Path | None]:
+    """The tokenizer (--tokenizer's, else the checkpoint's own or the GGUF file's; None without
+    one) and the folder whose generation_config.json applies."""
+    folder = resolve_model_path(spec.tokenizer, spec.hf_cache_dir) if spec.tokenizer else None
+    if folder is not None and not folder.is_dir():
+        raise ConfigError(f"--tokenizer {spec.tokenizer}: pass a folder (or cached repo) holding tokenizer.json")
+    if folder is None and gguf is not None:
+        # a GGUF file may carry no tokenizer (then prompts are token ids)
+        return (Tokenizer.from_gguf(gguf) if open_file(gguf).field("tokenizer.ggml.model") else None), None
+    folder = folder or model_dir
+    return (Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None), folder
+
+
+def _generation_config(folder: Path | None) -> dict:
+    path = folder / "generation_config.json" if folder is not None else None
+    return read_json(path) if path is not None and path.is_file() else {}
+
+
+def _eos_ids(config: dict, generation: dict, tokenizer: Tokenizer | None) -> tuple[int, ...]:
+    """Every stop id: generation_config.json's (Llama 3's three), else config.json's, and the
+    tokenizer's EOS token."""
+    ids = generation.get("eos_token_id", config.get("eos_token_id", text_config(config).get("eos_token_id")))
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(sorted(set(ids)))
+
+
+def _max_model_len(spec: EngineConfig, config: dict) -> int:
+    native = context_length(config)
+    if spec.max_model_len is None:
+        return min(native, MAX_MODEL_LEN_CAP)
+    if not 1 < spec.max_model_len <= native:
+        raise ConfigError(f"max_model_len must be in 2..{native} (the model's max_position_embeddings, stretched "
+                          f"by its rope scaling if it has one), got {spec.max_model_len}")
+    return spec.max_model_len
+
+
+def _vision(config: dict, model_dir: Path) -> VisionSpec | None:
+    """How the checkpoint takes images (preprocessor_config.json's sizes beside config.json's
+    vision_config); None when it has no vision tower, in its config or its weights."""
+    if config.get("model_type") not in MULTIMODAL_MODEL_TYPES:
+        return None
+    path = model_dir / "preprocessor_config.json"
+    spec = VisionSpec.from_configs(config, read_json(path) if path.is_file() else {})
+    if spec is None:
+        return None
+    with CheckpointReader(safetensors_files(model_dir)) as reader:
+        return spec if reader.has("model.visual.patch_embed.proj.weight") else None
+
+
+def _speculative(spec: EngineConfig, config: dict) -> SpeculativeConfig | None:
+    speculative = SpeculativeConfig.parse(spec.speculative_config)
+    if speculative is not None and not supports_prefix_caching(config):
+        raise ConfigError(f"speculative decoding is not available for model_type {config.get('model_type')!r}: "
+                          "its recurrent layers' state cannot be rolled back past rejected tokens")
+    return speculative
+
+
+def _prefix_caching(spec: EngineConfig, config: dict) -> bool:
+    """On for every model whose layers can share prefixes, unless turned off; asked for (True) on
+    one that cannot, refused."""
+    if spec.enable_prefix_caching and not supports_prefix_caching(config):
+        raise ConfigError(f"prefix caching is not available for model_type {config.get('model_type')!r}: "
+                          "its recurrent layers keep state that cannot be shared between sequences")
+    return spec.enable_prefix_caching is not False and supports_prefix_caching(config)
+
+
+def _stored_label(gguf: Path | None, stored: dict | None) -> str | None:
+    """How a checkpoint stores its weights when quantized: a GGUF file's types, or the method."""
+    if gguf is not None:
+        return f"gguf: {open_file(gguf).types()}"
+    if stored is None:
+        return None
+    bits = f" {stored['bits']}-bit" if "bits" in stored else ""
+    return f"{stored['method']}{bits}"
+
