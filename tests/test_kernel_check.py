@@ -17,7 +17,7 @@ from server_harness import LiveServer, ScriptedEngine, scripted_engine
 from neuron.layers import kernel_check, kernel_choice, norm
 from neuron.layers.kernel_check import Widths
 from neuron.layers.paged_attention import paged_attention_reference
-from neuron.models import cuda_graphs
+from neuron.worker import cuda_graphs
 
 WIDTHS = Widths(hidden=48, heads=4, kv_heads=2, head_dim=16, intermediate=40)
 

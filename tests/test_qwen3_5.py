@@ -18,7 +18,8 @@ from neuron.models import build_model
 from neuron.models.gated_deltanet import DeltaNetHeads, delta_chunked, delta_step
 from neuron.models.loader import CheckpointReader, safetensors_files
 from neuron.models.qwen3_5 import MRotary, Qwen35Config
-from neuron.models.step_input import BlockTables, StepRejected
+from neuron.models.inputs import StepRejected
+from neuron.worker.step_input import BlockTables
 from neuron.step import SeqStep
 
 NEW_TOKENS = 8

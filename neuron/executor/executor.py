@@ -33,7 +33,7 @@ from neuron.models import load_config, text_config
 from neuron.models.inputs import StepResult
 from neuron.models.loader import weight_files
 from neuron.models.memory_plan import HEADROOM, MemoryPlan, available_bytes, check_fits, kv_bytes_per_token, plan
-from neuron.models.step_input import blocks_for
+from neuron.worker.step_input import blocks_for
 from neuron.rpc import codec
 from neuron.rpc import protocol as p
 from neuron.rpc.dial_in import Listener, cluster_token

@@ -29,7 +29,7 @@ from neuron.layers.tensor_parallel import (
 )
 from neuron.models.base import CausalLM
 from neuron.models.kv_cache import PagedKVCache
-from neuron.models.step_input import StepBatch
+from neuron.models.inputs import StepBatch
 
 
 @dataclass(slots=True)
@@ -139,7 +139,7 @@ class DecoderLayer:
 class Qwen3ForCausalLM(CausalLM):
     """This rank's share of a Qwen3 model plus its KV block pool."""
 
-    supports_cuda_graphs = True
+    decode_on_device_only = True
 
     def __init__(self, config: Qwen3Config, comm: Communicator, dtype: torch.dtype, device: torch.device):
         self.config = config

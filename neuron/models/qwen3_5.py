@@ -38,7 +38,7 @@ from neuron.models.kv_cache import PagedKVCache
 from neuron.models.qwen3 import MLP
 from neuron.models.qwen3_5_images import prefill_with_images
 from neuron.models.qwen3_5_vision import VisionTower
-from neuron.models.step_input import BlockTables, StepBatch, StepRejected
+from neuron.models.inputs import StepBatch, StepRejected
 from neuron.multimodal.image import VisionSpec
 from neuron.step import SeqStep
 
@@ -402,7 +402,7 @@ class Qwen35ForCausalLM(CausalLM):
         assert self.cache is not None
         return self.run(self.embed(batch.token_ids), self.cache.positions(batch), batch)
 
-    def prefill_with_images(self, tables: BlockTables, seqs: list[SeqStep], image_token_id: int,
+    def prefill_with_images(self, tables, seqs: list[SeqStep], image_token_id: int,
                             image_data_uris: list[str], chunk_size: int) -> torch.Tensor | None:
         """Prefill whole sequences whose tokens hold image placeholders (see qwen3_5_images)."""
         return prefill_with_images(self, tables, seqs, image_token_id, image_data_uris, chunk_size)

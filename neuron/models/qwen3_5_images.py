@@ -9,13 +9,13 @@ import math
 
 import torch
 
-from neuron.models.step_input import BlockTables, StepRejected
+from neuron.models.inputs import StepRejected
 from neuron.multimodal.image import ImageError, image_spans, mrope_positions, preprocess
 from neuron.step import SeqStep
 
 
 @torch.inference_mode()
-def prefill_with_images(model, tables: BlockTables, seqs: list[SeqStep], image_token_id: int,
+def prefill_with_images(model, tables, seqs: list[SeqStep], image_token_id: int,
                         image_data_uris: list[str], chunk_size: int) -> torch.Tensor | None:
     """Prefill whole sequences whose tokens hold image placeholders, in chunks of `chunk_size`
     tokens (every rank walks the same chunks, so the collectives pair up). The images go to
@@ -100,7 +100,7 @@ def _layouts(model, seqs: list[SeqStep], grids: list, first_rows: list[int], ima
     return layouts
 
 
-def _walk_chunks(model, tables: BlockTables, seqs: list[SeqStep], layouts: list, embeds: torch.Tensor | None,
+def _walk_chunks(model, tables, seqs: list[SeqStep], layouts: list, embeds: torch.Tensor | None,
                  chunk_size: int) -> torch.Tensor | None:
     lengths = [len(s.token_ids) for s in seqs]
     last: list[torch.Tensor | None] = [None] * len(seqs)
