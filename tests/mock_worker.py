@@ -74,7 +74,7 @@ class Mock:
             case p.LoadShard():
                 blocks = req.max_slots * -(-req.max_model_len // req.block_size)  # a CPU rank's default pool
                 return p.LoadShardOk(seq=seq, model_id=req.model_id, num_kv_blocks=blocks)
-            case p.ForwardStep() | p.ForwardStepWithImages():
+            case p.ForwardStep():
                 return p.ForwardStepOk(seq=seq, elapsed_ms=float(self.rank))
             case p.ClearKvCache():
                 return p.KvCacheCleared(seq=seq)

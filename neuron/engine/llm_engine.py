@@ -43,8 +43,8 @@ from neuron.models import (
 from neuron.models.gguf import find_gguf, open_file
 from neuron.models.loader import read_generation_config, resolve_model_path
 from neuron.models.quant_formats import checkpoint_quantization
-from neuron.multimodal.image import ImageError, ImageInput, VisionSpec
-from neuron.step import SeqStep
+from neuron.multimodal.image import ImageError, ImageInput, VisionSpec, image_spans
+from neuron.step import SeqStep, StepImage
 from neuron.utils.device import to_device
 
 log = logging.getLogger("neuron.engine.llm_engine")
@@ -85,7 +85,8 @@ class LLMEngine:
         self.proposer = self._proposer(step_tokens) if spec else None
         self.scheduler = Scheduler(cfg.max_num_seqs, step_tokens, chunk, proposer=self.proposer,
                                    spec_length=self._spec_length,
-                                   speculate_up_to=spec.disable_by_batch_size if spec else 0)
+                                   speculate_up_to=spec.disable_by_batch_size if spec else 0,
+                                   max_image_bytes=lambda: self.executor.max_image_bytes)
         executor_cfg = ExecutorConfig(self.model_dir, max_model_len=self.max_model_len, tp=cfg.tp, hosts=cfg.hosts,
                                       worker_launcher=cfg.worker_launcher, cluster_address=cfg.cluster_address,
                                       cluster_interface=cfg.cluster_interface, cluster_port=cfg.cluster_port,
@@ -313,25 +314,16 @@ class LLMEngine:
         return updates + self._sample(ready, _rows(logits, rows))
 
     def _execute(self, batch: list[Scheduled], updates: list[Update]) -> tuple[torch.Tensor | None, list[Scheduled]]:
-        """Run the step's forwards (sequences with images apart); the logits and the scheduled
-        sequences they belong to, in row order. A failed forward's requests end (into `updates`)."""
-        parts, ran = [], []
-        for group, forward in (([s for s in batch if not s.with_images], self._forward),
-                               ([s for s in batch if s.with_images], self._prefill_with_images)):
-            if not group:
-                continue
-            try:
-                parts.append(forward(group))
-            except Exception as exc:  # noqa: BLE001 - contained: a rank failure or only this group
-                if self.failure is not None:  # the ranks are out of step: nothing in flight can go on
-                    updates += self.fail_in_flight(str(exc))
-                    return None, []
-                updates += self._forward_failed(group, exc)
-                continue
-            ran += group
-        if not ran:
+        """Run the step's forward; the logits and the scheduled sequences they belong to, in row
+        order. A failed forward's requests end (into `updates`)."""
+        try:
+            return self._forward(batch), batch
+        except Exception as exc:  # noqa: BLE001 - contained: a rank failure or only this step's requests
+            if self.failure is not None:  # the ranks are out of step: nothing in flight can go on
+                updates += self.fail_in_flight(str(exc))
+            else:
+                updates += self._forward_failed(batch, exc)
             return None, []
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)), ran
 
     def _forward(self, part: list[Scheduled]) -> torch.Tensor:
         steps = self._steps(part)
@@ -341,10 +333,18 @@ class LLMEngine:
         prompt_logprobs.accumulate(part, result)
         return result.logits
 
-    @staticmethod
-    def _steps(part: list[Scheduled]) -> list[SeqStep]:
-        return [SeqStep(s.seq.slot, s.token_ids, s.offset, s.new_blocks, s.fresh, prompt_logprobs.wanted(s), s.logits)
-                for s in part]
+    def _steps(self, part: list[Scheduled]) -> list[SeqStep]:
+        return [SeqStep(s.seq.slot, s.token_ids, s.offset, s.new_blocks, s.fresh, prompt_logprobs.wanted(s), s.logits,
+                        self._step_images(s)) for s in part]
+
+    def _step_images(self, s: Scheduled) -> list[StepImage]:
+        """A sequence's images, on its first step in its slot: each one's URI and where its
+        placeholders start in the prompt (checked against its images when the request came in)."""
+        if not (s.fresh and s.seq.images):
+            return []
+        images = s.seq.images
+        spans = image_spans(s.seq.prompt_token_ids, self.vision.image_token_id, [i.num_tokens for i in images])
+        return [StepImage(image.uri, start) for image, (start, _) in zip(images, spans)]
 
     def _forward_failed(self, part: list[Scheduled], exc: Exception) -> list[Update]:
         """A forward that every rank refused or failed alike (a request the ranks reject, a bug on the
@@ -422,11 +422,6 @@ class LLMEngine:
             return self._advance(s, token, logprobs)
         except Exception as exc:  # noqa: BLE001 - contained: this sequence alone ends
             return self._fail([s.seq], _internal("processing the output", exc), "internal_error", exc)[0]
-
-    def _prefill_with_images(self, imaged: list[Scheduled]):
-        uris = [image.uri for s in imaged for image in s.seq.images]
-        return self.executor.step_with_images(self._steps(imaged), self.vision.image_token_id, uris,
-                                            self.scheduler.prefill_chunk)
 
     def _fail(self, seqs: list[Sequence], message: str, kind: str | None = None,
               exc: BaseException | None = None) -> list[Update]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -338,20 +337,6 @@ class Executor:
         _, kept = self._run(lambda seq: p.ForwardStep(seq=seq, model_id=model_id, seqs=seqs),
                             self.cfg.step_timeout_s)
         return kept
-
-    def step_with_images(self, seqs: list[SeqStep], image_token_id: int, image_data_uris: list[str],
-                         chunk_size: int) -> torch.Tensor:
-        """Prefill sequences with images on every rank; rank 0's logits of each one's last token.
-        The deadline allows each prefill chunk a step's time."""
-        model_id = self.cfg.model_id
-        chunks = max(1, max(math.ceil(len(s.token_ids) / chunk_size) for s in seqs))
-
-        def make(seq: int) -> p.ForwardStepWithImages:
-            return p.ForwardStepWithImages(seq=seq, model_id=model_id, seqs=seqs, image_token_id=image_token_id,
-                                            image_data_uris=image_data_uris, chunk_size=chunk_size)
-
-        _, logits = self._run(make, self.cfg.step_timeout_s * chunks)
-        return logits
 
     def clear(self, slots: list[int] | None = None) -> None:
         model_id = self.cfg.model_id

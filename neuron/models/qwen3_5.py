@@ -4,9 +4,9 @@
 Checkpoints come in two layouts: the multimodal one (`model_type` "qwen3_5", text weights under
 `model.language_model.`, the vision tower under `model.visual.`) and the text-only one
 ("qwen3_5_text", under `model.`); the MoE variants (qwen3_5_moe.py) share both. Both run text
-prompts; the multimodal one also prefills prompts with images (`prefill_with_images`): its
-replicated vision tower embeds the images, whose embeddings replace the prompt's placeholder
-tokens at multimodal (time, height, width) positions.
+prompts; the multimodal one also takes prompts with images (qwen3_5_images.py): its replicated
+vision tower embeds the images, whose embeddings replace the prompt's placeholder tokens at
+multimodal (time, height, width) positions, chunk by chunk like any prompt.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from neuron.layers.tensor_parallel import (
 from neuron.models import MULTIMODAL_MODEL_TYPES
 from neuron.models.base import CausalLM
 from neuron.models.gated_deltanet import CHUNK, DeltaNetHeads, DeltaNetState, GatedDeltaNet
+from neuron.models.inputs import StepBatch, StepRejected
 from neuron.models.kv_cache import PagedKVCache
 from neuron.models.qwen3 import MLP
-from neuron.models.qwen3_5_images import prefill_with_images
+from neuron.models.qwen3_5_images import SlotImages
 from neuron.models.qwen3_5_vision import VisionTower
-from neuron.models.inputs import StepBatch, StepRejected
 from neuron.multimodal.image import VisionSpec
 from neuron.step import SeqStep
 
@@ -215,13 +215,15 @@ class GatedAttention:
 
 
 class HybridCache:
-    """KV blocks for the full-attention layers, recurrent state per slot for the linear ones.
+    """KV blocks for the full-attention layers, recurrent state per slot for the linear ones, and
+    the images of the slots whose prefill has not passed them (with a vision tower).
     The recurrent state cannot rewind or be shared: a step continues exactly where its slot's
     state stands, or starts a sequence from nothing at offset 0 (a cached prefix cannot seed it)."""
 
-    def __init__(self, kv: PagedKVCache, linear: DeltaNetState, slots: int):
+    def __init__(self, kv: PagedKVCache, linear: DeltaNetState, slots: int, images: SlotImages | None = None):
         self.kv = kv
         self.linear = linear
+        self.images = images
         self.state_at: list[int | None] = [0] * slots  # None: a step failed mid-way
         # Text after images sits at `offset + shift` on every rotary axis: an image's tokens
         # advance positions by its grid's longer side, not by their count.
@@ -244,13 +246,17 @@ class HybridCache:
                     f"slot {s.slot}: offset {s.offset} but its recurrent state is {where}; "
                     "a linear-attention step must continue where the slot stands or restart at 0"
                 )
+        if self.images is not None:
+            self.images.check(seqs)
 
     def begin(self, seqs: list[SeqStep]) -> None:
         self.linear.begin(seqs)
+        if self.images is not None:
+            self.images.begin(seqs)
         for s in seqs:
             self.state_at[s.slot] = None  # until the step commits
             if s.fresh:
-                self.shift[s.slot] = 0
+                self.shift[s.slot] = 0 if self.images is None else self.images.shift(s.slot)
 
     def positions(self, batch: StepBatch) -> torch.Tensor:
         """The step's rotary positions: each token's offset plus its slot's shift."""
@@ -266,11 +272,16 @@ class HybridCache:
         step = self.linear
         for slot, offset, n in zip(step.slots, step.offsets, step.lengths):
             self.state_at[slot] = offset + n
+        if self.images is not None:
+            self.images.commit(batch)
 
     def clear(self, slots: list[int] | None) -> None:
-        for slot in range(len(self.state_at)) if slots is None else slots:
+        targets = range(len(self.state_at)) if slots is None else slots
+        for slot in targets:
             self.state_at[slot] = 0
             self.shift[slot] = 0
+        if self.images is not None:
+            self.images.clear(targets)
 
 
 class DecoderLayer:
@@ -388,7 +399,10 @@ class Qwen35ForCausalLM(CausalLM):
                           self.layout.local_kv_heads, c.head_dim, self.dtype, self.device, paged)
         linear = DeltaNetState(c.layer_types.count(LINEAR), max_slots, self._conv_dim(), c.conv_kernel, self.heads,
                                self.dtype, self.device)
-        self.cache = HybridCache(kv, linear, max_slots)
+        images = None
+        if self.vision is not None:
+            images = SlotImages(self.vision, self.vision_spec, max_slots, max_model_len, self.device)
+        self.cache = HybridCache(kv, linear, max_slots, images)
 
     def layer_tensors(self, layer) -> list[torch.Tensor]:
         return layer.mixer.tensors() + [layer.mlp.gate_up.weight, layer.mlp.down.weight]
@@ -399,10 +413,13 @@ class Qwen35ForCausalLM(CausalLM):
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor | None:
+        """The step; where its chunks reach a sequence's images, their embeddings replace the
+        placeholders'. The tower runs first: it has no collective, so a failure there comes before any."""
         assert self.cache is not None
-        return self.run(self.embed(batch.token_ids), self.cache.positions(batch), batch)
-
-    def prefill_with_images(self, tables, seqs: list[SeqStep], image_token_id: int,
-                            image_data_uris: list[str], chunk_size: int) -> torch.Tensor | None:
-        """Prefill whole sequences whose tokens hold image placeholders (see qwen3_5_images)."""
-        return prefill_with_images(self, tables, seqs, image_token_id, image_data_uris, chunk_size)
+        images = self.cache.images
+        if images is not None:
+            images.encode(batch)
+        x, positions = self.embed(batch.token_ids), self.cache.positions(batch)
+        if images is not None:
+            x, positions = images.place(x, positions, batch)
+        return self.run(x, positions, batch)

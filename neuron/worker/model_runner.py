@@ -80,6 +80,9 @@ class ModelRunner:
     def step(self, seqs: list[SeqStep]) -> StepResult:
         """One batched forward; what this rank keeps of it (rank 0: logits and prompt logprobs)."""
         model, tables = self.model, self.tables
+        if any(s.images for s in seqs) and getattr(model, "vision", None) is None:
+            raise WorkerFailure(p.ErrorKind.UNSUPPORTED_ARCH, "this model has no vision tower: a step with images "
+                                                              "cannot run")
         try:
             tables.check(seqs, model.config.vocab_size)
             model.cache.check(seqs, model.config.vocab_size)
@@ -103,18 +106,6 @@ class ModelRunner:
             if graphs is not None and graphs.fits(batch):
                 return graphs.run(batch)
         return self.model.forward(batch)
-
-    def step_with_images(self, req: p.ForwardStepWithImages) -> torch.Tensor | None:
-        """Prefill sequences whose prompts hold images, walking the same chunks as every rank."""
-        if getattr(self.model, "vision", None) is None:
-            raise WorkerFailure(p.ErrorKind.UNSUPPORTED_ARCH, f"model {req.model_id!r} has no vision tower")
-        try:
-            return self.model.prefill_with_images(self.tables, req.seqs, req.image_token_id, req.image_data_uris,
-                                                  req.chunk_size)
-        except StepRejected as exc:
-            raise WorkerFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
-        except Exception as exc:
-            raise WorkerFailure(p.ErrorKind.FORWARD_FAILED, f"{type(exc).__name__}: {exc}") from exc
 
     def clear(self, slots: list[int] | None) -> None:
         try:

@@ -109,10 +109,6 @@ class Worker:
                 t0 = time.perf_counter()
                 logits = self._model(req.model_id).step(req.seqs)
                 return p.ForwardStepOk(seq=seq, elapsed_ms=_ms(t0)), logits
-            case p.ForwardStepWithImages():
-                t0 = time.perf_counter()
-                logits = self._model(req.model_id).step_with_images(req)
-                return p.ForwardStepOk(seq=seq, elapsed_ms=_ms(t0)), logits
             case p.ClearKvCache():
                 self._model(req.model_id).clear(req.slots)
                 return p.KvCacheCleared(seq=seq), None
