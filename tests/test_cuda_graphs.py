@@ -12,6 +12,7 @@ import torch
 from checkpoints import build_checkpoint
 
 from neuron.distributed.comm import SingleRank
+from neuron.layers.kernels import Kernels
 from neuron.models import build_model
 from neuron.models.loader import CheckpointReader, safetensors_files
 from neuron.step import SeqStep
@@ -32,11 +33,11 @@ def checkpoint(tmp_path_factory):
 def _runner(path, paged: bool = True) -> ModelRunner:
     """A model runner over the checkpoint, as a rank loads it, without graphs yet."""
     config = json.loads((path / "config.json").read_text())
-    model = build_model(config, SingleRank(), torch.float32, torch.device("cpu"))
+    model = build_model(config, SingleRank(), torch.float32, torch.device("cpu"), Kernels(paged=paged))
     with CheckpointReader(safetensors_files(path)) as r:
         model.load(r)
     blocks = SLOTS * MAX_LEN // BLOCK
-    model.allocate(num_blocks=blocks, block_size=BLOCK, max_slots=SLOTS, max_model_len=MAX_LEN, paged=paged)
+    model.allocate(num_blocks=blocks, block_size=BLOCK, max_slots=SLOTS, max_model_len=MAX_LEN)
     return ModelRunner(model, blocks, BlockTables(SLOTS, blocks, BLOCK, MAX_LEN, torch.device("cpu"), paged))
 
 

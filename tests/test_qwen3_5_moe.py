@@ -31,6 +31,7 @@ from vision_checkpoint import (
 from neuron import LLM, SamplingParams
 from neuron.distributed.comm import Communicator, SingleRank
 from neuron.errors import ConfigError
+from neuron.layers.kernels import Kernels
 from neuron.models import build_model, supports_prefix_caching
 from neuron.models.loader import CheckpointReader, safetensors_files
 from neuron.models.qwen3_5_moe import Qwen35MoeConfig, SharedExpertMoE
@@ -193,7 +194,7 @@ class _Recording(Communicator):
 
 def _block(path, comm: Communicator, layer: int) -> SharedExpertMoE:
     config = json.loads((path / "config.json").read_text())
-    model = build_model(config, comm, torch.float32, torch.device("cpu"))
+    model = build_model(config, comm, torch.float32, torch.device("cpu"), Kernels())
     with CheckpointReader(safetensors_files(path)) as r:
         return model.load_mlp(r, f"model.language_model.layers.{layer}.mlp")
 
@@ -221,8 +222,8 @@ def test_indivisible_expert_widths_are_refused(field, size):
     """Refused when the model is built, before any weight is read, under config.json's own name."""
     config = _config(**{field: size})
     with pytest.raises(ConfigError, match=rf"{field} \({size}\) is not divisible by the tensor-parallel size 2"):
-        build_model(config, Communicator(1, 2), torch.float32, torch.device("cpu"))
-    build_model(config, SingleRank(), torch.float32, torch.device("cpu"))  # tp 1 divides everything
+        build_model(config, Communicator(1, 2), torch.float32, torch.device("cpu"), Kernels())
+    build_model(config, SingleRank(), torch.float32, torch.device("cpu"), Kernels())  # tp 1 divides everything
 
 
 def test_bad_expert_fields_are_refused():

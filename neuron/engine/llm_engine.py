@@ -31,7 +31,8 @@ from neuron.engine.structured_output import CompiledGrammar, StructuredOutput
 from neuron.engine.tokenizer import Tokenizer
 from neuron.errors import ConfigError, WorkerError
 from neuron.executor.executor import Executor, ExecutorConfig
-from neuron.layers import cpu_attention, kernel_choice
+from neuron.layers import cpu_attention
+from neuron.layers.kernels import Kernels
 from neuron.models import (
     MULTIMODAL_MODEL_TYPES,
     check_tp,
@@ -222,7 +223,7 @@ class LLMEngine:
         """What runs each fused piece: on CUDA `triton` or `reference: <why>` (the self-check's
         verdict, the same on every rank); on CPU whether the C++ attention kernel could be built."""
         if self.executor.devices[0].startswith("cuda"):
-            return kernel_choice.verdict()
+            return Kernels.from_settings(self.executor.failed_kernels).verdict()
         built = cpu_attention.library() is not None
         return {"paged_attention": "cpu" if built else "reference: the CPU kernel could not be built here"}
 

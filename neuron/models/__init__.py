@@ -134,12 +134,14 @@ def check_tp(config: dict, tp: int) -> None:
         raise ConfigError(f"tensor-parallel size {tp} does not fit this model: {exc}; sizes that do: {sizes}") from None
 
 
-def build_model(config: dict, comm, dtype, device, model_dir=None):
-    """This rank's (unloaded) share of the model named by `config` (read from `model_dir`)."""
+def build_model(config: dict, comm, dtype, device, kernels, model_dir=None):
+    """This rank's (unloaded) share of the model named by `config` (read from `model_dir`), whose
+    layers run the kernels `kernels` (a `neuron.layers.kernels.Kernels`) chooses."""
     model, parser = _architecture(config)
     typed = parser.from_dict(config)
     if config.get("model_type") not in MULTIMODAL_MODEL_TYPES:
-        return model(typed, comm, dtype, device)
+        return model(typed, comm, dtype, device, kernels)
     from neuron.multimodal.image import VisionSpec
 
-    return model(typed, comm, dtype, device, VisionSpec.from_checkpoint(config, model_dir), config.get("vision_config"))
+    return model(typed, comm, dtype, device, kernels, VisionSpec.from_checkpoint(config, model_dir),
+                 config.get("vision_config"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from neuron.layers.kernels import Kernels
 from neuron.layers.paged_attention import attend
 from neuron.models.inputs import StepBatch
 
@@ -22,15 +23,17 @@ class PagedKVCache:
     """K and V block pools per layer."""
 
     def __init__(self, layers: int, num_blocks: int, block_size: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype, device, paged: bool = True):
-        # `paged` adds one block past those the leader hands out: padding rows of a captured decode
-        # step (neuron/worker/cuda_graphs.py) write and read there, never in a sequence's blocks.
+                 dtype, device, kernels: Kernels):
+        # The paged path adds one block past those the leader hands out: padding rows of a captured
+        # decode step (neuron/worker/cuda_graphs.py) write and read there, never in a sequence's blocks.
+        paged = kernels.paged
         shape = (kv_heads, (num_blocks + paged) * block_size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.num_blocks, self.block_size, self.max_len = num_blocks, block_size, max_len
         self.device = device
         self.paged = paged  # attention reads blocks in place (the kernels); else the gather reference
+        self.kernels = kernels
         self.scratch_block = num_blocks
 
     # ---- what a model adds to the step's checks and bookkeeping (a hybrid model's recurrent state) ----
@@ -62,7 +65,7 @@ class PagedKVCache:
         """Causal attention of this step's queries ([T, heads, head_dim]) over each sequence's blocks."""
         k_pool, v_pool = self.k[layer], self.v[layer]
         if batch.paged is not None:
-            return attend(q, k_pool, v_pool, batch.paged)
+            return attend(self.kernels, q, k_pool, v_pool, batch.paged)
         if batch.all_decode:
             rows = batch.read_rows[0]
             k, v = _gather(k_pool, rows), _gather(v_pool, rows)

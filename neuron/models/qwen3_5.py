@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
+from neuron.layers.kernels import Kernels
 from neuron.layers.norm import apply_rotary
 from neuron.layers.rope import rope_parameters
 from neuron.layers.tensor_parallel import (
@@ -188,13 +189,14 @@ class GatedAttention:
         self.sizes = (self.heads * 2 * d, self.kv_heads * d, self.kv_heads * d)
 
     @classmethod
-    def load(cls, r: Reader, layer: int, prefix: str, c: Qwen35Config, layout: HeadLayout, comm, dtype, device):
+    def load(cls, r: Reader, layer: int, prefix: str, c: Qwen35Config, layout: HeadLayout, comm, dtype, device,
+             kernels: Kernels):
         d, s = c.head_dim, layout.shard
         q0, q1 = s.rank * layout.local_heads * 2 * d, (s.rank + 1) * layout.local_heads * 2 * d
         k0, k1 = (h * d for h in layout.kv_head_range())
         parts = [(f"{prefix}.q_proj", q0, q1), (f"{prefix}.k_proj", k0, k1), (f"{prefix}.v_proj", k0, k1)]
-        qkv = ColumnParallelLinear.load_ranges(r, parts, dtype, device, bias=c.attention_bias)
-        o_proj = RowParallelLinear.load(r, f"{prefix}.o_proj", c.num_heads * d, s, comm, dtype, device,
+        qkv = ColumnParallelLinear.load_ranges(r, parts, dtype, device, kernels, bias=c.attention_bias)
+        o_proj = RowParallelLinear.load(r, f"{prefix}.o_proj", c.num_heads * d, s, comm, dtype, device, kernels,
                                         bias=c.attention_bias)
         q_norm = OffsetRMSNorm.load(r, f"{prefix}.q_norm.weight", c.rms_norm_eps, device)
         k_norm = OffsetRMSNorm.load(r, f"{prefix}.k_norm.weight", c.rms_norm_eps, device)
@@ -301,9 +303,10 @@ class Qwen35ForCausalLM(CausalLM):
     """This rank's share of a Qwen3.5 text model plus its per-slot state."""
 
     def __init__(self, config: Qwen35Config, comm: Communicator, dtype: torch.dtype, device: torch.device,
-                 vision: VisionSpec | None = None, vision_config: dict | None = None):
+                 kernels: Kernels, vision: VisionSpec | None = None, vision_config: dict | None = None):
         c = config
         self.config = c
+        self.kernels = kernels
         self.vision_spec = vision
         self.vision: VisionTower | None = None
         if vision is not None:
@@ -330,7 +333,7 @@ class Qwen35ForCausalLM(CausalLM):
         p = "model.language_model" if r.has("model.language_model.embed_tokens.weight") else "model"
         self.embed = VocabParallelEmbedding.load(r, f"{p}.embed_tokens.weight", c.vocab_size, s, self.comm, dt, dev)
         head = f"{p}.embed_tokens.weight" if c.tie_word_embeddings or not r.has("lm_head.weight") else "lm_head.weight"
-        self.lm_head = ParallelLMHead.load(r, head, c.vocab_size, s, self.comm, dt, dev)
+        self.lm_head = ParallelLMHead.load(r, head, c.vocab_size, s, self.comm, dt, dev, self.kernels)
         self.norm = OffsetRMSNorm.load(r, f"{p}.norm.weight", c.rms_norm_eps, dev)
         self.layers = []
         for i in range(c.num_layers):
@@ -343,21 +346,22 @@ class Qwen35ForCausalLM(CausalLM):
             self.vision.load(r, "model.visual")
 
     def _load_layer(self, r: Reader, p: str, i: int) -> DecoderLayer:
-        c, dt, dev = self.config, self.dtype, self.device
+        c, dt, dev, k = self.config, self.dtype, self.device, self.kernels
         index = c.layer_types[:i].count(c.layer_types[i])  # among layers of its own kind
         if c.layer_types[i] == LINEAR:
-            mixer = GatedDeltaNet.load(r, index, f"{p}.linear_attn", self.heads, c.rms_norm_eps, self.comm, dt, dev)
+            mixer = GatedDeltaNet.load(r, index, f"{p}.linear_attn", self.heads, c.rms_norm_eps, self.comm, dt, dev, k)
         else:
-            mixer = GatedAttention.load(r, index, f"{p}.self_attn", c, self.layout, self.comm, dt, dev)
+            mixer = GatedAttention.load(r, index, f"{p}.self_attn", c, self.layout, self.comm, dt, dev, k)
         input_norm = OffsetRMSNorm.load(r, f"{p}.input_layernorm.weight", c.rms_norm_eps, dev)
         post_norm = OffsetRMSNorm.load(r, f"{p}.post_attention_layernorm.weight", c.rms_norm_eps, dev)
         return DecoderLayer(mixer, self.load_mlp(r, f"{p}.mlp"), input_norm, post_norm)
 
     def load_mlp(self, r: Reader, p: str):
         """The feed-forward block under `p`; a hook for models whose layers differ only there (MoE)."""
-        c, s, dt, dev = self.config, self.shard, self.dtype, self.device
-        gate_up = MergedColumnParallelLinear.load(r, [f"{p}.gate_proj", f"{p}.up_proj"], c.intermediate_size, s, dt, dev)
-        return MLP(gate_up, RowParallelLinear.load(r, f"{p}.down_proj", c.intermediate_size, s, self.comm, dt, dev))
+        c, s, dt, dev, k = self.config, self.shard, self.dtype, self.device, self.kernels
+        gate_up = MergedColumnParallelLinear.load(r, [f"{p}.gate_proj", f"{p}.up_proj"], c.intermediate_size, s, dt, dev,
+                                                  k)
+        return MLP(gate_up, RowParallelLinear.load(r, f"{p}.down_proj", c.intermediate_size, s, self.comm, dt, dev, k))
 
     def _conv_dim(self) -> int:
         h = self.heads
@@ -375,10 +379,10 @@ class Qwen35ForCausalLM(CausalLM):
         per_token = 2 * c.layer_types.count(FULL) * self.layout.local_kv_heads * c.head_dim
         return per_token * block_size * torch.finfo(self.dtype).bits // 8
 
-    def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int, paged: bool = True) -> int:
+    def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int) -> int:
         """A generous bound on one step's transient memory, plus the per-slot recurrent state that
         is allocated beside the KV pool: both kept free of KV blocks on GPUs."""
-        c, lay, h = self.config, self.layout, self.heads
+        c, lay, h, paged = self.config, self.layout, self.heads, self.kernels.paged
         size = torch.finfo(self.dtype).bits // 8
         attn_width = (2 * lay.local_heads + 2 * lay.local_kv_heads) * c.head_dim
         linear_width = self._conv_dim() + h.local_v * (h.v_dim + 2)
@@ -390,13 +394,12 @@ class Qwen35ForCausalLM(CausalLM):
         logits = 3 * max_slots * c.vocab_size * 4
         return 2 * (hidden + max(scores, gathered, delta) + logits) + 256 * 2**20 + self._state_bytes(max_slots)
 
-    def allocate(self, num_blocks: int, block_size: int, max_slots: int, max_model_len: int,
-                 paged: bool = True) -> None:
+    def allocate(self, num_blocks: int, block_size: int, max_slots: int, max_model_len: int) -> None:
         c = self.config
         self.check_model_len(max_model_len, c.max_position_embeddings)
         self.rotary = MRotary(c.rotary_dim, c.rope_theta, c.mrope_section, max_model_len, self.dtype, self.device)
         kv = PagedKVCache(c.layer_types.count(FULL), num_blocks, block_size, max_model_len,
-                          self.layout.local_kv_heads, c.head_dim, self.dtype, self.device, paged)
+                          self.layout.local_kv_heads, c.head_dim, self.dtype, self.device, self.kernels)
         linear = DeltaNetState(c.layer_types.count(LINEAR), max_slots, self._conv_dim(), c.conv_kernel, self.heads,
                                self.dtype, self.device)
         images = None

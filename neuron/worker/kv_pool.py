@@ -16,13 +16,12 @@ log = logging.getLogger("neuron.worker")
 _MIB = 2**20
 
 
-def plan_kv_pool(model, req: p.LoadShard, device: torch.device, paged: bool) -> int:
-    """The blocks of `req.block_size` tokens this rank's pool holds for `model` (loaded, not
-    allocated); `paged`: attention reads blocks in place (its reserve is smaller)."""
+def plan_kv_pool(model, req: p.LoadShard, device: torch.device) -> int:
+    """The blocks of `req.block_size` tokens this rank's pool holds for `model` (loaded, not allocated)."""
     if req.block_size < 1:
         raise ConfigError(f"KV block size must be >= 1, got {req.block_size}")
     block_bytes = model.kv_block_bytes(req.block_size)
-    reserve = model.activation_bytes(req.max_num_batched_tokens, req.max_slots, req.max_model_len, paged=paged)
+    reserve = model.activation_bytes(req.max_num_batched_tokens, req.max_slots, req.max_model_len)
     num_blocks = plan_num_blocks(block_bytes, req.block_size, max_slots=req.max_slots,
                                  max_model_len=req.max_model_len, kv_cache_bytes=req.kv_cache_bytes,
                                  gpu_memory_utilization=req.gpu_memory_utilization,

@@ -22,6 +22,7 @@ from neuron.config import settings
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError, UnsupportedModel
 from neuron.layers import cpu_attention, cpu_ops
+from neuron.layers.kernels import Kernels
 from neuron.models import build_model
 from neuron.models.inputs import StepBatch, StepRejected, StepResult
 from neuron.models.loader import open_checkpoint
@@ -38,6 +39,7 @@ log = logging.getLogger("neuron.worker")
 class ModelRunner:
     def __init__(self, model, num_blocks: int, tables: BlockTables):
         self.model = model
+        self.kernels: Kernels = model.kernels  # what its layers run, chosen at load
         self.num_blocks = num_blocks
         self.tables = tables
         self.graphs: DecodeGraphs | None = None  # decode steps, once captured
@@ -46,21 +48,23 @@ class ModelRunner:
     @classmethod
     def load(cls, req: p.LoadShard, comm: Communicator, device: torch.device,
              on_layer_loaded: Callable[[int, int], None] | None = None) -> ModelRunner:
-        """Build the model, read this rank's slices, size and allocate the KV pool, capture graphs."""
+        """Build the model with the kernels the settings and the ranks' self-check leave it, read this
+        rank's slices, size and allocate the KV pool, capture graphs."""
         try:
             dtype = resolve_dtype(req.dtype, str(device))
             model_dir = Path(req.safetensors_paths[0]).parent if req.safetensors_paths else None
             config = json.loads(req.config_json)
-            model = build_model(config, comm, dtype, device, model_dir)
+            kernels = Kernels.from_settings(req.failed_kernels)
+            kernels.log_failures()
+            model = build_model(config, comm, dtype, device, kernels, model_dir)
             with open_checkpoint(req.safetensors_paths, req.quantization, config) as reader:
                 model.load(reader, on_layer_loaded)
             if device.type == "cpu":
                 _load_cpu_kernels()
-            paged = settings().attention == "paged"
-            num_blocks = plan_kv_pool(model, req, device, paged)
-            model.allocate(num_blocks, req.block_size, req.max_slots, req.max_model_len, paged=paged)
+            num_blocks = plan_kv_pool(model, req, device)
+            model.allocate(num_blocks, req.block_size, req.max_slots, req.max_model_len)
             runner = cls(model, num_blocks, BlockTables(req.max_slots, num_blocks, req.block_size,
-                                                         req.max_model_len, device, paged))
+                                                         req.max_model_len, device, kernels.paged))
             if _graphs_wanted(model, device, comm):
                 runner.capture_graphs(req.max_slots, req.verify_tokens, req.verify_batch)
         except UnsupportedModel as exc:

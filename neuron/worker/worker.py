@@ -26,7 +26,6 @@ from neuron.distributed.comm import (
 )
 from neuron.distributed.nccl_join import NcclJoin
 from neuron.distributed.net import address_towards, interface_of
-from neuron.layers import kernel_choice
 from neuron.layers.kernel_check import Widths, self_check
 from neuron.layers.paged_attention import HAS_TRITON
 from neuron.rpc import protocol as p
@@ -168,7 +167,6 @@ class Worker:
     def _load(self, req: p.LoadShard) -> p.LoadShardOk:
         """Load the shard into a model runner, with the kernels every rank can trust."""
         t0 = time.perf_counter()
-        kernel_choice.apply(req.failed_kernels)
         runner = ModelRunner.load(req, self._need_comm(), self.device, self.on_layer_loaded)
         self.models[req.model_id] = runner
         nbytes = runner.model.weight_bytes()
