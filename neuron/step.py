@@ -11,6 +11,14 @@ from __future__ import annotations
 import msgspec
 
 
+class StepImage(msgspec.Struct, array_like=True):
+    """An image of a sequence's prompt: its `data:` URI and the position of the first of the
+    placeholder tokens it fills (how many it fills, every rank learns from its pixels)."""
+
+    uri: str
+    start: int
+
+
 class SeqStep(msgspec.Struct, array_like=True):
     """One sequence of a batched step: its slot, its new token ids, where they start, and the KV
     block ids its slot's block table gains this step (none most steps, one when decode crosses a
@@ -18,7 +26,9 @@ class SeqStep(msgspec.Struct, array_like=True):
     `new_blocks`, whose first `offset` positions already hold its cached prefix.
     `prompt_logprobs`: the top-k wanted with the logprobs of its tokens in this chunk (None: not
     wanted); every rank sees it, as the LM head's gathers must pair up. `logits`: how many of its
-    last positions rank 0 returns logits for (a speculative step scores its proposed tokens too)."""
+    last positions rank 0 returns logits for (a speculative step scores its proposed tokens too).
+    `images`: on a sequence's first step only, the images its prompt holds, in order; each rank
+    keeps them for the slot until its prefill has passed them, so later chunks carry none."""
 
     slot: int
     token_ids: list[int]
@@ -27,6 +37,7 @@ class SeqStep(msgspec.Struct, array_like=True):
     fresh: bool = False
     prompt_logprobs: int | None = None
     logits: int = 1
+    images: list[StepImage] = []
 
 
 class VerifyShape(msgspec.Struct, frozen=True):

@@ -75,7 +75,7 @@ class Mock:
                 shard = req.shard
                 blocks = shard.max_slots * -(-shard.max_model_len // shard.block_size)  # a CPU rank's default pool
                 return p.LoadShardOk(seq=seq, model_id=req.model_id, num_kv_blocks=blocks)
-            case p.ForwardStep() | p.ForwardStepWithImages():
+            case p.ForwardStep():
                 return p.ForwardStepOk(seq=seq, elapsed_ms=float(self.rank))
             case p.ClearKvCache():
                 return p.KvCacheCleared(seq=seq)

@@ -153,7 +153,7 @@ def test_messages_developer_role_and_text_parts():
     assert msgs[1]["content"] == "a\nb" and images == []
 
 
-def test_messages_with_images_keep_their_parts():
+def test_messages_keep_their_image_parts():
     msgs, images = normalise_messages([
         {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         {"role": "user", "content": [

@@ -7,10 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from neuron.layers import cpu_linear
+from neuron.layers.kernels import Kernels
 
 
 class Owner:
-    pass
+    """A layer to cpu_linear: its model's kernels, and where its packed weight is kept."""
+
+    def __init__(self, kernels: Kernels = Kernels()):
+        self.kernels = kernels
 
 
 @pytest.fixture
@@ -45,7 +49,7 @@ def test_few_rows_and_half_precision_are_not_packed(data):
 def test_switched_off(data, monkeypatch):
     monkeypatch.setenv("NEURON_NO_ONEDNN", "1")
     x, w, b = data
-    owner = Owner()
+    owner = Owner(Kernels.from_settings())
     assert torch.equal(cpu_linear.linear(owner, x, w, b), F.linear(x, w, b))
     assert owner._onednn == (w, None)
 

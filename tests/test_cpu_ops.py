@@ -7,22 +7,18 @@ import torch
 import torch.nn.functional as F
 
 from neuron.layers import cpu_linear, cpu_ops, norm
+from neuron.layers.kernels import Kernels
 
 pytestmark = pytest.mark.skipif(cpu_ops.library() is None, reason="the CPU kernels could not be built here")
 
-
-@pytest.fixture
-def no_cpu_ops(monkeypatch):
-    """NEURON_NO_CPU_OPS set for the test (the flag is read once per process, so read it again)."""
-    monkeypatch.setenv("NEURON_NO_CPU_OPS", "1")
-    cpu_ops._wanted.cache_clear()
-    yield
-    monkeypatch.delenv("NEURON_NO_CPU_OPS")
-    cpu_ops._wanted.cache_clear()
+ON, OFF = Kernels(), Kernels(cpu_ops=False)  # OFF: what NEURON_NO_CPU_OPS builds
 
 
 class Owner:
-    """What a linear layer is to cpu_linear: somewhere to keep a packed weight."""
+    """What a linear layer is to cpu_linear: its model's kernels, and somewhere to keep a packed weight."""
+
+    def __init__(self, kernels: Kernels = ON):
+        self.kernels = kernels
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -89,25 +85,28 @@ def test_the_layers_route_cpu_fp32_through_the_kernels(monkeypatch):
         monkeypatch.setattr(cpu_ops, name, lambda *a, _real=real, _name=name: called.append(_name) or _real(*a))
     x, weight = torch.randn(3, 2, 16), torch.rand(16) + 0.5
     cos = sin = torch.ones(3, 1, 16)
-    norm.rms_norm(x, weight, 1e-6)
-    norm.norm_rope(x, weight, 1e-6, cos, sin)
-    norm.add_rms_norm(x[:, 0], x[:, 1], weight, 1e-6)
-    norm.silu_mul(x[:, 0], x[:, 1])
+    norm.rms_norm(ON, x, weight, 1e-6)
+    norm.norm_rope(ON, x, weight, 1e-6, cos, sin)
+    norm.add_rms_norm(ON, x[:, 0], x[:, 1], weight, 1e-6)
+    norm.silu_mul(ON, x[:, 0], x[:, 1])
     cpu_linear.linear(Owner(), x[:, 0], torch.randn(8, 16))
     assert called == ["rms_norm", "norm_rope", "add_rms_norm", "silu_mul", "linear"]
     called.clear()
     half = x.bfloat16(), weight.bfloat16()
-    norm.rms_norm(*half, 1e-6)  # other dtypes keep PyTorch
+    norm.rms_norm(ON, *half, 1e-6)  # other dtypes keep PyTorch
     cpu_linear.linear(Owner(), torch.randn(cpu_ops.MAX_LINEAR_ROWS + 1, 16), torch.randn(8, 16))  # oneDNN's
     assert called == []
 
 
-def test_switched_off_the_layers_run_pytorch_exactly(no_cpu_ops):
+def test_switched_off_the_layers_run_pytorch_exactly(monkeypatch):
+    monkeypatch.setenv("NEURON_NO_CPU_OPS", "1")
+    off = Kernels.from_settings()
+    assert off == OFF
     gen = _gen(3)
     x, weight = torch.randn(3, 2, 16, generator=gen), torch.rand(16, generator=gen) + 0.5
     cos, sin = torch.rand(3, 1, 16, generator=gen), torch.rand(3, 1, 16, generator=gen)
-    assert torch.equal(norm.rms_norm(x, weight, 1e-6), norm.rms_norm_reference(x, weight, 1e-6))
+    assert torch.equal(norm.rms_norm(off, x, weight, 1e-6), norm.rms_norm_reference(x, weight, 1e-6))
     expected = norm.apply_rotary(norm.rms_norm_reference(x, weight, 1e-6), cos, sin)
-    assert torch.equal(norm.norm_rope(x, weight, 1e-6, cos, sin), expected)
+    assert torch.equal(norm.norm_rope(off, x, weight, 1e-6, cos, sin), expected)
     w = torch.randn(8, 16, generator=gen)
-    assert torch.equal(cpu_linear.linear(Owner(), x[:, 0], w), F.linear(x[:, 0], w))
+    assert torch.equal(cpu_linear.linear(Owner(off), x[:, 0], w), F.linear(x[:, 0], w))

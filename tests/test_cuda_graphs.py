@@ -1,4 +1,4 @@
-"""Decode steps from static, padded inputs (neuron/models/cuda_graphs.py). On CPU the buffers and
+"""Decode steps from static, padded inputs (neuron/worker/cuda_graphs.py). On CPU the buffers and
 the padding run eagerly, exactly as they would be captured, and must give the plain forward's
 logits and leave every sequence's KV blocks as the plain forward does. Capture itself needs CUDA:
 tests/test_gpu.py compares captured decode with eager decode there."""
@@ -12,11 +12,13 @@ import torch
 from checkpoints import build_checkpoint
 
 from neuron.distributed.comm import SingleRank
+from neuron.layers.kernels import Kernels
 from neuron.models import build_model
-from neuron.models.cuda_graphs import DecodeGraphs, batch_buckets
 from neuron.models.loader import CheckpointReader, safetensors_files
-from neuron.models.step_input import BlockTables
 from neuron.step import SeqStep
+from neuron.worker.cuda_graphs import DecodeGraphs, batch_buckets
+from neuron.worker.model_runner import ModelRunner
+from neuron.worker.step_input import BlockTables
 
 BLOCK = 4
 MAX_LEN = 64
@@ -28,29 +30,19 @@ def checkpoint(tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp("graphs"), seed=5)
 
 
-def _model(path, paged: bool = True):
+def _runner(path, paged: bool = True) -> ModelRunner:
+    """A model runner over the checkpoint, as a rank loads it, without graphs yet."""
     config = json.loads((path / "config.json").read_text())
-    model = build_model(config, SingleRank(), torch.float32, torch.device("cpu"))
+    model = build_model(config, SingleRank(), torch.float32, torch.device("cpu"), Kernels(paged=paged))
     with CheckpointReader(safetensors_files(path)) as r:
         model.load(r)
-    model.allocate(num_blocks=SLOTS * MAX_LEN // BLOCK, block_size=BLOCK, max_slots=SLOTS, max_model_len=MAX_LEN,
-                   paged=paged)
-    _TABLES[id(model)] = BlockTables(SLOTS, SLOTS * MAX_LEN // BLOCK, BLOCK, MAX_LEN, torch.device("cpu"), paged)
-    return model
+    blocks = SLOTS * MAX_LEN // BLOCK
+    model.allocate(num_blocks=blocks, block_size=BLOCK, max_slots=SLOTS, max_model_len=MAX_LEN)
+    return ModelRunner(model, blocks, BlockTables(SLOTS, blocks, BLOCK, MAX_LEN, torch.device("cpu"), paged))
 
 
-_TABLES: dict[int, BlockTables] = {}  # each test model's block tables, as its runner would keep them
-
-
-def _tables(model) -> BlockTables:
-    return _TABLES[id(model)]
-
-
-def _step(model, seqs: list[SeqStep]) -> torch.Tensor:
-    batch = _tables(model).prepare(seqs)
-    logits = model.forward(batch)
-    _tables(model).commit(batch)
-    return logits
+def _step(runner: ModelRunner, seqs: list[SeqStep]) -> torch.Tensor:
+    return runner.step(seqs).logits
 
 
 def test_buckets_cover_every_batch_size_with_little_padding():
@@ -67,14 +59,14 @@ def test_buckets_cover_every_batch_size_with_little_padding():
 def test_padded_decode_equals_the_plain_forward(checkpoint):
     """Prefill five sequences, then decode batches of 5, 3 and 1 (padded to 8, 4 and 1), crossing
     block boundaries: same logits, and the same KV in every block but the scratch one."""
-    plain, padded = _model(checkpoint), _model(checkpoint)
-    padded.graphs = DecodeGraphs(padded, max_batch=SLOTS)
+    plain, padded = _runner(checkpoint), _runner(checkpoint)
+    padded.graphs = DecodeGraphs(padded.model, max_batch=SLOTS)
     assert padded.graphs.buckets == [1, 2, 4, 8]
     prompts = {slot: list(range(3 + slot, 3 + slot + 5 + 2 * slot)) for slot in range(5)}
     blocks = {slot: list(range(slot * 16, slot * 16 + 16)) for slot in prompts}  # 16 blocks of 4 per slot
     prefill = [SeqStep(s, ids, 0, blocks[s], fresh=True) for s, ids in prompts.items()]
-    for model in (plain, padded):
-        _step(model, prefill)
+    for runner in (plain, padded):
+        _step(runner, prefill)
     lengths = {s: len(ids) for s, ids in prompts.items()}
     for active in ([0, 1, 2, 3, 4], [0, 2, 4], [3], [0, 1, 2, 3, 4]):
         for _ in range(3):
@@ -84,10 +76,7 @@ def test_padded_decode_equals_the_plain_forward(checkpoint):
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
             for s in active:
                 lengths[s] += 1
-    rows = padded.cache.scratch_block * BLOCK  # everything before the scratch block
-    for layer in range(len(plain.layers)):
-        torch.testing.assert_close(padded.cache.k[layer][:, :rows], plain.cache.k[layer][:, :rows])
-        torch.testing.assert_close(padded.cache.v[layer][:, :rows], plain.cache.v[layer][:, :rows])
+    _assert_same_kv(padded.model.cache, plain.model.cache)
 
 
 def test_padded_verifying_steps_equal_the_plain_forward(checkpoint):
@@ -95,13 +84,13 @@ def test_padded_verifying_steps_equal_the_plain_forward(checkpoint):
     to 4 tokens and ask for the logits of their last 1 to 4, in batches of 5, 3 and 1 padded to 8, 4
     and 1, crossing block boundaries: the same logits, and the same KV in every block but the
     scratch one (where padding rows write)."""
-    plain, padded = _model(checkpoint), _model(checkpoint)
-    padded.verify_graphs = DecodeGraphs(padded, max_batch=SLOTS, query_len=4)
+    plain, padded = _runner(checkpoint), _runner(checkpoint)
+    padded.verify_graphs = DecodeGraphs(padded.model, max_batch=SLOTS, query_len=4)
     prompts = {slot: list(range(3 + slot, 3 + slot + 5 + 2 * slot)) for slot in range(5)}
     blocks = {slot: list(range(slot * 16, slot * 16 + 16)) for slot in prompts}
     prefill = [SeqStep(s, ids, 0, blocks[s], fresh=True) for s, ids in prompts.items()]
-    for model in (plain, padded):
-        _step(model, prefill)
+    for runner in (plain, padded):
+        _step(runner, prefill)
     lengths = {s: len(ids) for s, ids in prompts.items()}
     for round_, active in enumerate(([0, 1, 2, 3, 4], [0, 2, 4], [3], [0, 1, 2, 3, 4])):
         for k in range(3):
@@ -110,46 +99,51 @@ def test_padded_verifying_steps_equal_the_plain_forward(checkpoint):
                 n = 1 + (s + k + round_) % 4
                 seqs.append(SeqStep(s, [(7 * s + lengths[s] + j) % 256 for j in range(n)], lengths[s],
                                     logits=1 + (s + k) % n))
-            batch = _tables(padded).prepare(seqs)
+            batch = padded.tables.prepare(seqs)
             assert padded.verify_graphs.fits(batch) == (not batch.all_decode)
             expected, got = _step(plain, seqs), _step(padded, seqs)
             assert got.shape == expected.shape == (sum(s.logits for s in seqs), 256)
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
             for s in seqs:
                 lengths[s.slot] += len(s.token_ids)
-    rows = padded.cache.scratch_block * BLOCK
-    for layer in range(len(plain.layers)):
-        torch.testing.assert_close(padded.cache.k[layer][:, :rows], plain.cache.k[layer][:, :rows])
-        torch.testing.assert_close(padded.cache.v[layer][:, :rows], plain.cache.v[layer][:, :rows])
+    _assert_same_kv(padded.model.cache, plain.model.cache)
 
 
 def test_verifying_graphs_take_only_steps_that_fit(checkpoint):
     """More tokens than the graphs' query length, or padding rows past the model length, run the
     plain forward."""
-    model = _model(checkpoint)
-    graphs = DecodeGraphs(model, max_batch=2, query_len=4)
-    long = _tables(model).prepare([SeqStep(0, [1, 2, 3, 4, 5], 0, [0, 1], fresh=True)])
+    runner = _runner(checkpoint)
+    graphs, tables = DecodeGraphs(runner.model, max_batch=2, query_len=4), runner.tables
+    long = tables.prepare([SeqStep(0, [1, 2, 3, 4, 5], 0, [0, 1], fresh=True)])
     assert not graphs.fits(long)
-    _tables(model).commit(long)
-    near_end = _tables(model).prepare([SeqStep(1, list(range(MAX_LEN - 2)), 0, list(range(2, 2 + 16)), fresh=True)])
-    _tables(model).commit(near_end)
-    assert graphs.fits(_tables(model).prepare([SeqStep(0, [6, 7], 5, logits=2)]))
-    assert not graphs.fits(_tables(model).prepare([SeqStep(1, [6, 7], MAX_LEN - 2, logits=2)]))
+    tables.commit(long)
+    near_end = tables.prepare([SeqStep(1, list(range(MAX_LEN - 2)), 0, list(range(2, 2 + 16)), fresh=True)])
+    tables.commit(near_end)
+    assert graphs.fits(tables.prepare([SeqStep(0, [6, 7], 5, logits=2)]))
+    assert not graphs.fits(tables.prepare([SeqStep(1, [6, 7], MAX_LEN - 2, logits=2)]))
 
 
 def test_steps_that_do_not_fit_run_the_plain_forward(checkpoint):
     """A prefill chunk, or more sequences than the largest bucket, is not a graph's step."""
-    model = _model(checkpoint)
-    graphs = DecodeGraphs(model, max_batch=2)
-    prefill = _tables(model).prepare([SeqStep(0, [1, 2, 3], 0, [0], fresh=True)])
+    runner = _runner(checkpoint)
+    graphs, tables = DecodeGraphs(runner.model, max_batch=2), runner.tables
+    prefill = tables.prepare([SeqStep(0, [1, 2, 3], 0, [0], fresh=True)])
     assert not graphs.fits(prefill)
-    _tables(model).commit(prefill)
-    decode = _tables(model).prepare([SeqStep(0, [4], 3)])
+    tables.commit(prefill)
+    decode = tables.prepare([SeqStep(0, [4], 3)])
     assert graphs.fits(decode)
-    three = _tables(model).prepare([SeqStep(s, [1], 0, [s + 1], fresh=True) for s in (1, 2, 3)])
+    three = tables.prepare([SeqStep(s, [1], 0, [s + 1], fresh=True) for s in (1, 2, 3)])
     assert three.all_decode and not graphs.fits(three)
 
 
 def test_graphs_need_the_paged_cache(checkpoint):
     with pytest.raises(ValueError, match="paged"):
-        DecodeGraphs(_model(checkpoint, paged=False), max_batch=4)
+        DecodeGraphs(_runner(checkpoint, paged=False).model, max_batch=4)
+
+
+def _assert_same_kv(padded, plain) -> None:
+    """The same keys and values in every block before the scratch one (where padding rows write)."""
+    rows = padded.scratch_block * BLOCK
+    for layer in range(len(plain.k)):
+        torch.testing.assert_close(padded.k[layer][:, :rows], plain.k[layer][:, :rows])
+        torch.testing.assert_close(padded.v[layer][:, :rows], plain.v[layer][:, :rows])

@@ -83,10 +83,10 @@ def test_decode_from_cuda_graphs_matches_eager_decode(monkeypatch):
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         with LLM(device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8) as llm:
-            model = llm.engine.executor.rank0.models["model"].model
-            captured = len(model.graphs.graphs) if model.graphs is not None else 0
+            runner = llm.engine.executor.rank0.models["model"]
+            captured = len(runner.graphs.graphs) if runner.graphs is not None else 0
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-        assert model.graphs is None  # released at shutdown
+        assert runner.graphs is None  # released at shutdown
         return [o.outputs[0].token_ids for o in outs], captured
 
     gathered, none = tokens(NEURON_ATTENTION="gather")
@@ -100,7 +100,7 @@ def test_decode_from_cuda_graphs_matches_eager_decode(monkeypatch):
 def test_cuda_graphs_are_captured_for_every_bucket(monkeypatch):
     monkeypatch.setenv("NEURON_ATTENTION", "paged")
     with LLM(device="cuda", max_model_len=256, max_num_seqs=20) as llm:
-        graphs = llm.engine.executor.rank0.models["model"].model.graphs
+        graphs = llm.engine.executor.rank0.models["model"].graphs
         assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8, 16, 32]
         assert len(_tokens(llm)) == len(PROMPTS)
 
@@ -120,10 +120,10 @@ def test_speculative_decoding_on_cuda_replays_verifying_graphs(monkeypatch, meth
     for config in (None, spec):
         # float32: a 4-row step and four 1-row steps round alike (bf16 could flip a near tie)
         with LLM(device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8, speculative_config=config) as llm:
-            model = llm.engine.executor.rank0.models["model"].model
+            runner = llm.engine.executor.rank0.models["model"]
             if config is not None:
-                assert model.verify_graphs is not None and sorted(model.verify_graphs.graphs) == [1, 2, 4, 8]
-                assert model.verify_graphs.query_len == 4
+                assert runner.verify_graphs is not None and sorted(runner.verify_graphs.graphs) == [1, 2, 4, 8]
+                assert runner.verify_graphs.query_len == 4
             runs.append([o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
                                                                       params)])
             if config is not None:

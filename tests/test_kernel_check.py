@@ -10,14 +10,14 @@ import subprocess
 import sys
 
 import httpx
-import pytest
 import torch
 from server_harness import LiveServer, ScriptedEngine, scripted_engine
 
-from neuron.layers import kernel_check, kernel_choice, norm
+from neuron.layers import kernel_check, norm
+from neuron.layers.kernels import PIECES, Kernels
 from neuron.layers.kernel_check import Widths
 from neuron.layers.paged_attention import paged_attention_reference
-from neuron.models import cuda_graphs
+from neuron.worker import cuda_graphs
 
 WIDTHS = Widths(hidden=48, heads=4, kv_heads=2, head_dim=16, intermediate=40)
 
@@ -66,24 +66,47 @@ def test_attention_is_checked_on_the_shapes_that_broke_kernels_before():
     assert seen == [(1, 16, [41, 2, 131]), (37, 16, [37]), (20, 16, [52, 5]), (30, 12, [37, 51]), (1, 16, [1])]
 
 
-@pytest.fixture
-def choice():
-    yield kernel_choice
-    kernel_choice.apply({})
-
-
-def test_a_failed_piece_runs_its_reference_and_the_verdict_says_why(choice, monkeypatch):
-    choice.apply({"silu_mul": "rank 1: differs from the reference by 1.0e-02 of its largest value"})
-    assert [choice.use_triton(p) for p in choice.PIECES] == [True, True, True, False, True, True]
-    assert choice.verdict()["silu_mul"] == "reference: rank 1: differs from the reference by 1.0e-02 of its largest value"
-    assert choice.verdict()["rms_norm"] == "triton"
+def test_a_failed_piece_runs_its_reference_and_the_verdict_says_why(monkeypatch):
+    kernels = Kernels.from_settings({"silu_mul": "rank 1: differs from the reference by 1.0e-02 of its largest value"})
+    assert [kernels.triton(p) for p in PIECES] == [True, True, True, False, True, True]
+    assert kernels.verdict()["silu_mul"] == "reference: rank 1: differs from the reference by 1.0e-02 of its largest value"
+    assert kernels.verdict()["rms_norm"] == "triton"
     monkeypatch.setenv("NEURON_KERNELS", "reference")
-    choice.apply({})
-    assert not any(choice.use_triton(p) for p in choice.PIECES)
-    assert set(choice.verdict().values()) == {"reference: NEURON_KERNELS=reference"}
+    forced = Kernels.from_settings()
+    assert not any(forced.triton(p) for p in PIECES)
+    assert set(forced.verdict().values()) == {"reference: NEURON_KERNELS=reference"}
     monkeypatch.setenv("NEURON_KERNELS", "triton")
-    choice.apply({"silu_mul": "ignored when forced"})
-    assert all(choice.use_triton(p) for p in choice.PIECES)
+    assert all(Kernels.from_settings({"silu_mul": "ignored when forced"}).triton(p) for p in PIECES)
+    assert [kernels.triton(p) for p in PIECES] == [True, True, True, False, True, True]  # built before: unchanged
+
+
+def test_two_models_in_one_process_run_their_own_kernels(tmp_path):
+    """Rank 0 and a speculative draft share the leader's process: each model's layers hold the
+    choice it was loaded with, and loading one does not change the other's."""
+    from checkpoints import BASE, build_checkpoint, shard_spec
+
+    from neuron.rpc import protocol as p
+    from neuron.worker.worker import Worker
+
+    path = build_checkpoint(tmp_path / "qwen3", **BASE)
+    rank = Worker(0, 1)
+
+    def load(model_id: str, failed: dict[str, str]):
+        shard = shard_spec(path, max_num_seqs=1, max_model_len=64, max_num_batched_tokens=64)
+        reply, _ = rank.execute(p.LoadShard(seq=1, model_id=model_id, shard=shard, failed_kernels=failed))
+        assert isinstance(reply, p.LoadShardOk), reply
+        return rank.models[model_id]
+
+    try:
+        target = load("target", {"silu_mul": "rank 1: NaN or inf in the output"})
+        draft = load("draft", {})
+        assert not target.kernels.triton("silu_mul") and draft.kernels.triton("silu_mul")
+        layer = target.model.layers[0]
+        assert layer.mlp.gate_up.kernels is target.kernels and layer.post_norm.kernels is target.kernels
+        assert target.model.cache.kernels is target.kernels
+        assert draft.model.layers[0].mlp.gate_up.kernels is draft.kernels
+    finally:
+        rank.close()
 
 
 def test_the_verdict_is_cached_per_card_and_a_dying_check_fails_every_piece(tmp_path, monkeypatch):
@@ -103,7 +126,7 @@ def test_the_verdict_is_cached_per_card_and_a_dying_check_fails_every_piece(tmp_
         raise subprocess.SubprocessError("exit -11: Segmentation fault")
 
     failed = kernel_check.self_check("cuda:0", "bfloat16", other, dies)
-    assert failed == dict.fromkeys(kernel_choice.PIECES, "the self-check process failed: exit -11: Segmentation fault")
+    assert failed == dict.fromkeys(PIECES, "the self-check process failed: exit -11: Segmentation fault")
     assert kernel_check.self_check("cuda:0", "bfloat16", other, runner) == {"norm_rope": "OutOfResources"}  # not kept
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from neuron.errors import ConfigError
-from neuron.models.kv_cache import plan_num_blocks
+from neuron.worker.kv_pool import plan_num_blocks
 
 GIB = 2**30
 BLOCK_BYTES = 2 * 2**20

@@ -21,6 +21,7 @@ from server_harness import wait_until
 from neuron import LLM, SamplingParams
 from neuron.distributed.comm import Communicator, SingleRank
 from neuron.errors import ConfigError
+from neuron.layers.kernels import Kernels
 from neuron.layers.moe import GATHER_MAX_PAIRS, Router, SparseMoE, expert_path
 from neuron.models import build_model
 from neuron.models.qwen3_moe import Qwen3MoeConfig
@@ -167,7 +168,8 @@ def test_grouped_experts_equal_a_per_token_loop(moe_checkpoint):
     """The block, by whichever path it chooses, equals each token's own experts summed."""
     from neuron.models.loader import CheckpointReader, safetensors_files
 
-    model = build_model({**MOE, "model_type": "qwen3_moe"}, SingleRank(), torch.float32, torch.device("cpu"))
+    model = build_model({**MOE, "model_type": "qwen3_moe"}, SingleRank(), torch.float32, torch.device("cpu"),
+                        Kernels())
     with CheckpointReader(safetensors_files(moe_checkpoint)) as r:
         block = model.load_mlp(r, 0)
     assert isinstance(block, SparseMoE)
@@ -192,8 +194,8 @@ def test_indivisible_moe_intermediate_size_is_refused():
     config = {**MOE, "model_type": "qwen3_moe", "moe_intermediate_size": 33}
     refusal = r"moe_intermediate_size \(33\) is not divisible by the tensor-parallel size 2"
     with pytest.raises(ConfigError, match=refusal):
-        build_model(config, _SecondOfTwo(), torch.float32, torch.device("cpu"))
-    build_model(config, SingleRank(), torch.float32, torch.device("cpu"))  # tp 1 divides everything
+        build_model(config, _SecondOfTwo(), torch.float32, torch.device("cpu"), Kernels())
+    build_model(config, SingleRank(), torch.float32, torch.device("cpu"), Kernels())  # tp 1 divides everything
 
 
 def test_missing_expert_fields_are_refused():
@@ -212,7 +214,7 @@ def _block(num_experts: int, hidden: int, inter: int, top_k: int = 2, dtype=torc
         return (torch.randn(*shape, generator=g) * 0.2).to(dtype=dtype, device=device)
 
     router = Router(w(num_experts, hidden), top_k, norm_topk_prob=True)
-    return SparseMoE(router, w(num_experts, 2 * inter, hidden), w(num_experts, hidden, inter), SingleRank())
+    return SparseMoE(router, w(num_experts, 2 * inter, hidden), w(num_experts, hidden, inter), SingleRank(), Kernels())
 
 
 def _pair_by_pair(block: SparseMoE, x: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:

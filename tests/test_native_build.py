@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from neuron.layers import cpu_attention
+from neuron.layers.kernels import Kernels
 from neuron.layers.paged_attention import attend, build_metadata, paged_attention_reference
 from neuron.utils import native
 
@@ -88,7 +89,7 @@ def test_a_missing_compiler_falls_back_to_the_reference(cache, monkeypatch, fres
         assert cpu_attention.library() is None
         q, k_pool, v_pool = torch.randn(3, 4, 16), torch.randn(2, 32, 16), torch.randn(2, 32, 16)
         meta = build_metadata([[1], [0]], [0, 4], [2, 1], 16, "cpu")
-        out = attend(q, k_pool, v_pool, meta)
+        out = attend(Kernels(), q, k_pool, v_pool, meta)
     assert torch.equal(out, paged_attention_reference(q, k_pool, v_pool, meta, 0.25))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from triton_interpret import DEVICE, require_triton  # before anything loads Triton
 
 from neuron.layers import cpu_attention
+from neuron.layers.kernels import Kernels
 from neuron.layers.paged_attention import (
     HAS_TRITON,
     attend,
@@ -134,7 +135,7 @@ def test_reference_equals_causal_sdpa_over_contiguous_kv():
 
 def test_dispatch_uses_the_cpu_kernel_off_cuda(cpu_kernel):
     q, k_pool, v_pool, meta = make_step(**MIXED, device="cpu")
-    assert torch.equal(attend(q, k_pool, v_pool, meta), cpu_kernel(q, k_pool, v_pool, meta, 0.125))
+    assert torch.equal(attend(Kernels(), q, k_pool, v_pool, meta), cpu_kernel(q, k_pool, v_pool, meta, 0.125))
 
 
 # ---- the kernel ----

@@ -12,8 +12,9 @@ from neuron import LLM, SamplingParams
 from neuron.engine.block_manager import BlockManager, chain_hash
 from neuron.engine.sequence import Sequence
 from neuron.errors import ConfigError
-from neuron.models.step_input import BlockTables, StepRejected
+from neuron.models.inputs import StepRejected
 from neuron.step import SeqStep
+from neuron.worker.step_input import BlockTables
 
 
 def seq(tokens: list[int], rid: str = "r") -> Sequence:
@@ -181,7 +182,7 @@ def test_a_paged_step_crosses_to_the_device_in_one_copy(monkeypatch):
     one send per step, and nothing else sends host data (on CUDA that is one pinned copy)."""
     import torch
 
-    from neuron.models import step_input
+    from neuron.worker import step_input
     from neuron.utils.device import Staging
 
     cache = _cache()

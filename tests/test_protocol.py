@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from neuron.rpc import codec
 from neuron.rpc import protocol as p
-from neuron.step import VerifyShape
+from neuron.step import StepImage, VerifyShape
 
 REQUESTS = [
     p.Ping(seq=11),
@@ -30,9 +30,9 @@ REQUESTS = [
     p.ForwardStep(seq=15, model_id="qwen3-tiny",
                    seqs=[p.SeqStep(slot=0, token_ids=[1, 2, 3], offset=32, new_blocks=[7, 4, 9], fresh=True),
                          p.SeqStep(slot=2, token_ids=[9], offset=48, new_blocks=[12]),
-                         p.SeqStep(slot=1, token_ids=[5], offset=41)]),
-    p.ForwardStepWithImages(seq=16, model_id="qwen3.5-tiny", seqs=[p.SeqStep(slot=1, token_ids=[5, 6], offset=4)],
-                             image_token_id=151655, image_data_uris=["data:image/png;base64,AAAA"], chunk_size=256),
+                         p.SeqStep(slot=1, token_ids=[5], offset=41),
+                         p.SeqStep(slot=3, token_ids=[8, 151655, 151655], offset=0, new_blocks=[2], fresh=True,
+                                   images=[StepImage("data:image/png;base64,AAAA", 1)])]),
     p.ClearKvCache(seq=17, model_id="qwen3-tiny", slots=[0, 3]),
     p.UnloadModel(seq=18, model_id="qwen3-tiny"),
     p.Shutdown(seq=19),
@@ -54,7 +54,7 @@ REPLIES = [
 OPS = {
     p.Ping: "ping", p.Init: "init", p.CommSanityCheck: "comm_sanity_check", p.CheckKernels: "check_kernels",
     p.LoadShard: "load_shard", p.KernelsChecked: "kernels_checked",
-    p.ForwardStep: "forward_step", p.ForwardStepWithImages: "forward_step_with_images",
+    p.ForwardStep: "forward_step",
     p.ClearKvCache: "clear_kv_cache", p.UnloadModel: "unload_model", p.Shutdown: "shutdown",
     p.Pong: "pong", p.InitOk: "init_ok", p.SanityResult: "sanity_result", p.LoadShardOk: "load_shard_ok",
     p.ForwardStepOk: "forward_step_ok", p.KvCacheCleared: "kv_cache_cleared", p.Unloaded: "unloaded",
@@ -90,12 +90,16 @@ def test_defaults_are_omitted_and_restored():
 
 def test_step_seq_stays_small_and_compatible():
     """A decode step's sequence is a short array; a sender that knows no blocks is still understood,
-    and the prompt-logprobs flag and the count of positions whose logits come back ride at the end."""
-    assert codec.encode(p.SeqStep(slot=2, token_ids=[9], offset=41)) == b"[2,[9],41,[],false,null,1]\n"
+    and the prompt-logprobs flag, the count of positions whose logits come back and the images of a
+    sequence's first step ride at the end (msgspec writes every field of an array: no images is `[]`)."""
+    assert codec.encode(p.SeqStep(slot=2, token_ids=[9], offset=41)) == b"[2,[9],41,[],false,null,1,[]]\n"
     flagged = p.SeqStep(slot=2, token_ids=[9, 8], offset=0, prompt_logprobs=1)
-    assert codec.encode(flagged) == b"[2,[9,8],0,[],false,1,1]\n"
+    assert codec.encode(flagged) == b"[2,[9,8],0,[],false,1,1,[]]\n"
     speculative = p.SeqStep(slot=2, token_ids=[9, 4, 4, 4], offset=7, logits=4)
-    assert codec.encode(speculative) == b"[2,[9,4,4,4],7,[],false,null,4]\n"
+    assert codec.encode(speculative) == b"[2,[9,4,4,4],7,[],false,null,4,[]]\n"
+    imaged = p.SeqStep(slot=0, token_ids=[3, 7, 7], offset=0, new_blocks=[1], fresh=True,
+                       images=[StepImage("data:image/png;base64,AA==", 1)])
+    assert codec.encode(imaged) == b'[0,[3,7,7],0,[1],true,null,1,[["data:image/png;base64,AA==",1]]]\n'
     line = b'{"op":"forward_step","seq":5,"model_id":"m","seqs":[[2,[9],41]]}\n'
     step = codec.decode_request(line)
     assert step.seqs == [p.SeqStep(slot=2, token_ids=[9], offset=41, new_blocks=[], fresh=False)]

@@ -10,9 +10,11 @@ from checkpoints import ODD, assert_matches_reference, build_checkpoint, greedy_
 from neuron import LLM, SamplingParams
 from neuron.errors import ConfigError
 from neuron.layers import cpu_ops, quantized
+from neuron.layers.kernels import Kernels
 from neuron.layers.quantized import QuantizedWeight, quantize_int8
 
-needs_kernel = pytest.mark.skipif(not cpu_ops.enabled(), reason="the CPU kernels could not be built here")
+needs_kernel = pytest.mark.skipif(cpu_ops.library() is None, reason="the CPU kernels could not be built here")
+KERNELS = Kernels()
 
 
 def _random(bits: int, n: int, k: int, group: int, per_super: int = 1, sub: bool = False, offset: bool = False,
@@ -51,7 +53,7 @@ def test_kernel_equals_dequantize_then_matmul(layout, rows):
     x = torch.randn(rows, k)
     bias = torch.randn(37)
     ref = torch.nn.functional.linear(x.double(), w.dequantize().double(), bias.double())
-    got = quantized.linear(x, w, bias)
+    got = quantized.linear(KERNELS, x, w, bias)
     assert got.dtype == torch.float32
     scale = ref.abs().max().item()
     assert (got.double() - ref).abs().max().item() <= 1e-5 * scale
@@ -82,7 +84,7 @@ def test_weights_of_different_layouts_stack_by_parts():
     assert isinstance(stacked, quantized.StackedWeight) and stacked.shape == (9, 64)
     x = torch.randn(2, 64)
     ref = x @ torch.cat([a.dequantize(), b.dequantize()]).T
-    assert torch.allclose(quantized.linear(x, stacked), ref, atol=1e-5)
+    assert torch.allclose(quantized.linear(KERNELS, x, stacked), ref, atol=1e-5)
     same = quantized.stack([a, a], torch.float32, "cpu")
     assert isinstance(same, QuantizedWeight) and same.shape == (12, 64)
 
@@ -136,11 +138,10 @@ def test_int8_kernel_and_reference_paths_agree(checkpoint, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
     runs = []
     for reference in ("0", "1"):
-        monkeypatch.setenv("NEURON_NO_QUANT_KERNELS", reference)
-        quantized._kernels_wanted.cache_clear()
+        monkeypatch.setenv("NEURON_NO_QUANT_KERNELS", reference)  # read when the model loads
         with LLM(str(checkpoint), device="cpu", dtype="float32", quantization="int8") as llm:
+            assert llm.engine.executor.rank0.models["model"].kernels.quant_kernels == (reference == "0")
             runs.append(llm.generate({"prompt_token_ids": PROMPTS[1]}, params)[0].outputs[0])
-    quantized._kernels_wanted.cache_clear()
     assert runs[0].token_ids == runs[1].token_ids
     for a, b in zip(runs[0].logprobs, runs[1].logprobs):
         assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4
@@ -179,13 +180,13 @@ def test_fp8_codes_widen_exactly(rows):
                         format="fp8", fp8=True)
     x = torch.randn(rows, k)
     ref = torch.nn.functional.linear(x.double(), w.dequantize().double())
-    got = quantized.linear(x, w)
+    got = quantized.linear(KERNELS, x, w)
     assert (got.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
     one = torch.zeros(1, k)
     for c in (0, 7, k - 1):  # a single input picks out single weights: exact
         one.zero_()
         one[0, c] = 1.0
-        assert torch.equal(quantized.linear(one, w)[0], w.dequantize()[:, c])
+        assert torch.equal(quantized.linear(KERNELS, one, w)[0], w.dequantize()[:, c])
 
 
 @needs_kernel
@@ -199,7 +200,7 @@ def test_kernel_takes_fp8_blocks_cut_by_a_split(k, group):
                         format="fp8", fp8=True)
     x = torch.randn(2, k, generator=g)
     ref = torch.nn.functional.linear(x.double(), w.dequantize().double())
-    assert (quantized.linear(x, w).double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert (quantized.linear(KERNELS, x, w).double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
     assert w.layout  # set on the kernel's path only
 
 
@@ -207,7 +208,7 @@ def test_kernel_takes_fp8_blocks_cut_by_a_split(k, group):
 def test_half_precision_steps_use_the_kernel_in_fp32():
     w = _random(bits=4, n=40, k=256, group=32, offset=True)
     x = torch.randn(3, 256).bfloat16()
-    got = quantized.linear(x, w)
+    got = quantized.linear(KERNELS, x, w)
     assert got.dtype == torch.bfloat16
     ref = torch.nn.functional.linear(x.double(), w.dequantize().double())
     assert torch.equal(got, ref.float().to(torch.bfloat16)) or \

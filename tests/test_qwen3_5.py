@@ -13,13 +13,15 @@ from checkpoints import assert_chunking_changes_nothing, assert_matches_referenc
 from neuron import LLM, SamplingParams
 from neuron.distributed.comm import SingleRank
 from neuron.errors import ConfigError
+from neuron.layers.kernels import Kernels
 from neuron.layers.tensor_parallel import Shard
 from neuron.models import build_model
 from neuron.models.gated_deltanet import DeltaNetHeads, delta_chunked, delta_step
+from neuron.models.inputs import StepRejected
 from neuron.models.loader import CheckpointReader, safetensors_files
 from neuron.models.qwen3_5 import MRotary, Qwen35Config
-from neuron.models.step_input import BlockTables, StepRejected
 from neuron.step import SeqStep
+from neuron.worker.step_input import BlockTables
 
 NEW_TOKENS = 8
 LONG = [(i * 37 + 11) % 301 for i in range(150)]  # many 16-token prefill chunks; 3 delta-rule chunks in one shot
@@ -191,7 +193,7 @@ def test_mrope_tables_follow_the_reference_sections():
 
 def test_recurrent_state_cannot_rewind(multimodal_checkpoint):
     config = json.loads((multimodal_checkpoint / "config.json").read_text())
-    model = build_model(config, SingleRank(), torch.float32, torch.device("cpu"))
+    model = build_model(config, SingleRank(), torch.float32, torch.device("cpu"), Kernels())
     with CheckpointReader(safetensors_files(multimodal_checkpoint)) as r:
         model.load(r)
     model.allocate(8, 4, 2, 64)

@@ -24,13 +24,14 @@ from vision_checkpoint import (
     assert_image_parity,
     build_vision_checkpoint,
     image_data_uri,
-    prompt_with_images,
-    reference_with_images,
+    image_prompt,
+    image_reference,
 )
 
 from neuron import LLM, SamplingParams
 from neuron.distributed.comm import Communicator, SingleRank
 from neuron.errors import ConfigError
+from neuron.layers.kernels import Kernels
 from neuron.models import build_model, supports_prefix_caching
 from neuron.models.loader import CheckpointReader, safetensors_files
 from neuron.models.qwen3_5_moe import Qwen35MoeConfig, SharedExpertMoE
@@ -193,7 +194,7 @@ class _Recording(Communicator):
 
 def _block(path, comm: Communicator, layer: int) -> SharedExpertMoE:
     config = json.loads((path / "config.json").read_text())
-    model = build_model(config, comm, torch.float32, torch.device("cpu"))
+    model = build_model(config, comm, torch.float32, torch.device("cpu"), Kernels())
     with CheckpointReader(safetensors_files(path)) as r:
         return model.load_mlp(r, f"model.language_model.layers.{layer}.mlp")
 
@@ -221,8 +222,8 @@ def test_indivisible_expert_widths_are_refused(field, size):
     """Refused when the model is built, before any weight is read, under config.json's own name."""
     config = _config(**{field: size})
     with pytest.raises(ConfigError, match=rf"{field} \({size}\) is not divisible by the tensor-parallel size 2"):
-        build_model(config, Communicator(1, 2), torch.float32, torch.device("cpu"))
-    build_model(config, SingleRank(), torch.float32, torch.device("cpu"))  # tp 1 divides everything
+        build_model(config, Communicator(1, 2), torch.float32, torch.device("cpu"), Kernels())
+    build_model(config, SingleRank(), torch.float32, torch.device("cpu"), Kernels())  # tp 1 divides everything
 
 
 def test_bad_expert_fields_are_refused():
@@ -250,19 +251,19 @@ def vl_checkpoint(tmp_path_factory):
                                    model_type="qwen3_5_moe")
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_parity_with_images(vl_checkpoint, tp):
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
+def test_image_parity(vl_checkpoint, tp):
     """Text, one image and two images in one batch, prefilled in 16-token chunks (the first image,
     8 tokens from position 13, straddles a chunk boundary), against transformers'
     Qwen3_5MoeForConditionalGeneration."""
-    cases = [(prompt_with_images(vl_checkpoint, [10, 20, 30, 40]), []),
-             (prompt_with_images(vl_checkpoint, list(range(40, 52)), None, [13, 14, 15]), [image_data_uri(20, 28, 1)]),
-             (prompt_with_images(vl_checkpoint, [16], None, [17, 18], None, [19]),
+    cases = [(image_prompt(vl_checkpoint, [10, 20, 30, 40]), []),
+             (image_prompt(vl_checkpoint, list(range(40, 52)), None, [13, 14, 15]), [image_data_uri(20, 28, 1)]),
+             (image_prompt(vl_checkpoint, [16], None, [17, 18], None, [19]),
               [image_data_uri(36, 24, 2), image_data_uri(12, 12, 3)])]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
     with LLM(str(vl_checkpoint), tensor_parallel_size=tp, max_model_len=256, max_num_seqs=4) as llm:
         assert llm.engine.model.vision is not None
         outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": u}} for ids, u in cases], params)
     for out, (ids, uris) in zip(outs, cases):
-        assert_image_parity(out, *reference_with_images(vl_checkpoint, ids, uris, NEW_TOKENS))
+        assert_image_parity(out, *image_reference(vl_checkpoint, ids, uris, NEW_TOKENS))
         assert len(out.prompt_token_ids) > len(ids) or not uris  # placeholders were expanded

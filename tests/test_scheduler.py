@@ -4,6 +4,8 @@ a step's output does to its sequences (update_from_output, advance)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from neuron.engine.block_manager import BlockManager
 from neuron.engine.sampling import SequenceSampler
 from neuron.engine.sampling_params import SamplingParams
@@ -75,14 +77,37 @@ def test_update_from_output_samples_completed_prompts_and_retires_scored_ones():
     assert sched.advance(whole, 9) and whole.output_token_ids == [9] and whole.pending() == [9]
 
 
-def test_a_sequence_with_images_is_prefilled_whole_and_alone_among_admissions():
-    sched = scheduler(budget=4, chunk=2)
-    imaged, after = seq(range(1, 11), "imaged", images=["img"]), seq([20, 21], "after")
+def test_an_image_prompt_is_chunked_like_any_beside_other_admissions():
+    sched = scheduler(budget=4, chunk=2, caching=False)
+    imaged, after = seq(range(1, 11), "imaged", images=[image(6)]), seq([20, 21], "after")
     sched.add(imaged)
     sched.add(after)
-    batch = sched.schedule()
-    assert [(s.seq, len(s.token_ids)) for s in batch] == [(imaged, 10)] and batch[0].with_images
-    assert list(sched.waiting) == [after]
+    batch = run(sched)
+    assert [(s.seq, s.offset, len(s.token_ids), s.fresh) for s in batch] == [(imaged, 0, 2, True), (after, 0, 2, True)]
+    batch = run(sched)
+    assert [(s.seq, s.offset, len(s.token_ids), s.fresh) for s in batch] == [(after, 2, 1, False),
+                                                                              (imaged, 2, 2, False)]
+
+
+def test_a_step_carries_no_more_image_bytes_than_fit_its_line():
+    """Images travel in the first step of their sequence: one that would pass the bound waits a
+    step (a later, smaller one may go first); a sequence alone always goes."""
+    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=64,
+                      blocks=BlockManager(64, 4, False), max_image_bytes=lambda: 10)
+    first, second, third = (seq([1, 2, 3], name, images=[image(size)]) for name, size in
+                            (("first", 6), ("second", 6), ("third", 3)))
+    for s in (first, second, third):
+        sched.add(s)
+    assert [s.seq for s in run(sched)] == [first, third]
+    assert [s.seq for s in run(sched) if s.fresh] == [second]
+    big = seq([4, 5], "big", images=[image(6), image(6)])
+    sched.add(big)
+    assert [s.seq for s in run(sched) if s.fresh] == [big]
+
+
+def image(size: int) -> SimpleNamespace:
+    """What the scheduler reads of an image: its encoded URI's length."""
+    return SimpleNamespace(uri="d" * size)
 
 
 def test_prefix_hits_skip_the_cached_blocks():

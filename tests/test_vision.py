@@ -20,9 +20,9 @@ from vision_checkpoint import (
     build_vision_checkpoint,
     checkpoint_config,
     image_data_uri,
-    prompt_with_images,
+    image_prompt,
     reference_pixels,
-    reference_with_images,
+    image_reference,
     vision_spec,
 )
 
@@ -41,6 +41,7 @@ from neuron.multimodal.image import (
     vision_activation_bytes,
 )
 from neuron.rpc import protocol as p
+from neuron.step import StepImage
 from neuron.worker.worker import Worker
 
 NEW_TOKENS = 6
@@ -121,7 +122,7 @@ def test_positions_match_transformers_rope_index(vl_checkpoint):
     spec = vision_spec(vl_checkpoint)
     uris = [image_data_uri(20, 28, 1), image_data_uri(40, 16, 2)]
     images = [check_image(u, spec) for u in uris]
-    ids = expand_placeholders(prompt_with_images(vl_checkpoint, [5, 6, 7], None, [8], None, [9, 10, 11, 12]),
+    ids = expand_placeholders(image_prompt(vl_checkpoint, [5, 6, 7], None, [8], None, [9, 10, 11, 12]),
                               spec.image_token_id, images)
     spans = image_spans(ids, spec.image_token_id, [i.num_tokens for i in images])
     positions, shift = mrope_positions(len(ids), spans, [i.grid for i in images], spec.merge_size)
@@ -168,23 +169,36 @@ def _cases(path):
     uris = [image_data_uri(20, 28, 1), image_data_uri(36, 24, 2), image_data_uri(48, 40, 3)]
     long_text = [(i * 29 + 7) % 1300 for i in range(70)]
     return [
-        (prompt_with_images(path, [10, 20, 30, 40]), []),
-        (prompt_with_images(path, [11, 12], None, [13, 14, 15]), uris[:1]),
-        (prompt_with_images(path, [16], None, [17, 18], None, [19]), uris[:2]),
+        (image_prompt(path, [10, 20, 30, 40]), []),
+        (image_prompt(path, [11, 12], None, [13, 14, 15]), uris[:1]),
+        (image_prompt(path, [16], None, [17, 18], None, [19]), uris[:2]),
         # an image in the middle of a long prompt: at 16-token chunks it spans two chunk boundaries
-        (prompt_with_images(path, long_text[:40], None, long_text[40:]), uris[2:]),
+        (image_prompt(path, long_text[:40], None, long_text[40:]), uris[2:]),
     ]
 
 
-def test_parity_with_images(vl_llm, vl_checkpoint):
+def test_image_parity(vl_llm, vl_checkpoint):
     """All cases in one batch: image prefills run beside text prefill and decodes."""
     cases = _cases(vl_checkpoint)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
     prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"image": uris}} for ids, uris in cases]
     outs = vl_llm.generate(prompts, params)
     for out, (ids, uris) in zip(outs, cases):
-        assert_image_parity(out, *reference_with_images(vl_checkpoint, ids, uris, NEW_TOKENS))
+        assert_image_parity(out, *image_reference(vl_checkpoint, ids, uris, NEW_TOKENS))
         assert len(out.prompt_token_ids) > len(ids) or not uris  # placeholders were expanded
+
+
+@pytest.mark.slow
+def test_image_parity_at_tp4(vl_checkpoint, monkeypatch):
+    """The same cases over four ranks, in 16-token chunks."""
+    monkeypatch.setenv("NEURON_PREFILL_CHUNK_TOKENS", "16")
+    cases = _cases(vl_checkpoint)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    with LLM(str(vl_checkpoint), tensor_parallel_size=4, max_model_len=384, max_num_seqs=4) as llm:
+        outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": uris}} for ids, uris in cases],
+                            params)
+    for out, (ids, uris) in zip(outs, cases):
+        assert_image_parity(out, *image_reference(vl_checkpoint, ids, uris, NEW_TOKENS))
 
 
 def test_same_image_alone_equals_in_batch(vl_llm, vl_checkpoint):
@@ -208,19 +222,19 @@ def test_chat_with_pil_image(vl_llm, vl_checkpoint):
     tok = Tokenizer.from_dir(vl_checkpoint)
     text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}],
                                    add_generation_prompt=True)
-    assert_image_parity(out, *reference_with_images(vl_checkpoint, tok.encode(text), [_png(image)], NEW_TOKENS))
+    assert_image_parity(out, *image_reference(vl_checkpoint, tok.encode(text), [_png(image)], NEW_TOKENS))
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_parity_on_a_checkpoint_shaped_differently(odd_vl_checkpoint, tp):
-    cases = [(prompt_with_images(odd_vl_checkpoint, [3, 4, 5], None, [6, 7]), [image_data_uri(14, 22, 4)]),
-             (prompt_with_images(odd_vl_checkpoint, [8], None, [9], None, [10, 11]),
+    cases = [(image_prompt(odd_vl_checkpoint, [3, 4, 5], None, [6, 7]), [image_data_uri(14, 22, 4)]),
+             (image_prompt(odd_vl_checkpoint, [8], None, [9], None, [10, 11]),
               [image_data_uri(12, 12, 5), image_data_uri(30, 10, 6)])]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
     with LLM(str(odd_vl_checkpoint), tensor_parallel_size=tp, max_model_len=256, max_num_seqs=2) as llm:
         outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": u}} for ids, u in cases], params)
     for out, (ids, uris) in zip(outs, cases):
-        assert_image_parity(out, *reference_with_images(odd_vl_checkpoint, ids, uris, NEW_TOKENS))
+        assert_image_parity(out, *image_reference(odd_vl_checkpoint, ids, uris, NEW_TOKENS))
 
 
 @pytest.mark.slow
@@ -228,7 +242,7 @@ def test_preempted_image_request_is_recomputed_equal(vl_checkpoint):
     """A KV pool too small for three image requests at once: some are preempted and recomputed
     (images included) and still match transformers."""
     text = [(i * 31 + 3) % 1300 for i in range(30)]
-    cases = [(prompt_with_images(vl_checkpoint, text[:20 + k], None, text[20 + k:]), [image_data_uri(20, 28, 20 + k)])
+    cases = [(image_prompt(vl_checkpoint, text[:20 + k], None, text[20 + k:]), [image_data_uri(20, 28, 20 + k)])
              for k in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
     block_bytes = 2 * 2 * 1 * 32 * 16 * 4  # K and V, 2 full-attention layers, 1 KV head, head_dim 32, 16 tokens
@@ -236,7 +250,7 @@ def test_preempted_image_request_is_recomputed_equal(vl_checkpoint):
         outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": u}} for ids, u in cases], params)
         assert llm.engine.scheduler.num_preemptions > 0
     for out, (ids, uris) in zip(outs, cases):
-        assert out.outputs[0].token_ids == reference_with_images(vl_checkpoint, ids, uris, new_tokens=80)[0]
+        assert out.outputs[0].token_ids == image_reference(vl_checkpoint, ids, uris, new_tokens=80)[0]
 
 
 # ---- guards: refused before any device work ----
@@ -259,8 +273,8 @@ def _bad_images():
 @pytest.mark.parametrize("uri,status,code", _bad_images())
 def test_bad_images_are_refused_with_their_status(vl_llm, vl_checkpoint, uri, status, code):
     before = vl_llm.engine.scheduler.num_preemptions, vl_llm.engine.has_unfinished()
-    ids = prompt_with_images(vl_checkpoint, [1, 2], None, [3])
-    good = {"prompt_token_ids": prompt_with_images(vl_checkpoint, [4], None),
+    ids = image_prompt(vl_checkpoint, [1, 2], None, [3])
+    good = {"prompt_token_ids": image_prompt(vl_checkpoint, [4], None),
             "multi_modal_data": {"image": image_data_uri(8, 8)}}
     with pytest.raises(ImageError) as info:
         vl_llm.generate([good, {"prompt_token_ids": ids, "multi_modal_data": {"image": [uri]}}],
@@ -271,7 +285,7 @@ def test_bad_images_are_refused_with_their_status(vl_llm, vl_checkpoint, uri, st
 
 def test_images_over_the_pixel_limit_get_413(vl_llm, vl_checkpoint, monkeypatch):
     monkeypatch.setenv("NEURON_VISION_MAX_PIXELS", "1000")
-    ids = prompt_with_images(vl_checkpoint, [1], None)
+    ids = image_prompt(vl_checkpoint, [1], None)
     with pytest.raises(ImageError) as info:
         vl_llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image_data_uri(40, 40)}})
     assert (info.value.status, info.value.code) == (413, "image_too_large")
@@ -288,7 +302,7 @@ def test_images_too_large_for_one_protocol_line_get_413(vl_llm, vl_checkpoint, m
 
 
 def test_placeholder_count_must_match_the_images(vl_llm, vl_checkpoint):
-    two = prompt_with_images(vl_checkpoint, [1], None, [2], None)
+    two = image_prompt(vl_checkpoint, [1], None, [2], None)
     with pytest.raises(ImageError, match="2 image placeholder"):
         vl_llm.generate({"prompt_token_ids": two, "multi_modal_data": {"image": [image_data_uri(8, 8)]}})
     with pytest.raises(RequestError, match="placeholder"):  # placeholders with no images at all
@@ -308,14 +322,14 @@ def test_gpu_memory_guard_answers_503(vl_llm, vl_checkpoint, monkeypatch):
 
 
 def test_the_samples_of_a_request_run_the_vision_tower_once(vl_llm, vl_checkpoint, monkeypatch):
-    """n samples are admitted one step apart (a step prefills one sequence with images); the tower's
-    output for their image is kept, so it runs once, and each sample equals the request sent alone."""
+    """n samples are admitted together, each a sequence of its own with the same image; the tower's
+    output for it is kept, so it runs once, and each sample equals the request sent alone."""
     tower = vl_llm.engine.executor.rank0.models["model"].model.vision
     calls = []
     run = type(tower).__call__
     monkeypatch.setattr(type(tower), "__call__", lambda self, *a: (calls.append(a[1]), run(self, *a))[1])
     uri = image_data_uri(24, 20, 77)
-    prompt = {"prompt_token_ids": prompt_with_images(vl_checkpoint, [3, 4], None, [5]),
+    prompt = {"prompt_token_ids": image_prompt(vl_checkpoint, [3, 4], None, [5]),
               "multi_modal_data": {"image": uri}}
     greedy = SamplingParams(temperature=0.0, max_tokens=4, n=3)
     out = vl_llm.generate(prompt, greedy)[0]
@@ -352,7 +366,7 @@ def test_text_models_refuse_images(tmp_path):
         assert (info.value.status, info.value.code) == (400, "vision_unsupported")
 
 
-# ---- the rank refuses a bad forward_step_with_images alike on every rank, changing nothing ----
+# ---- the rank refuses a step whose images do not fit alike on every rank, changing nothing ----
 
 
 @pytest.fixture(scope="module")
@@ -364,37 +378,105 @@ def rank(vl_checkpoint):
     r.close()
 
 
-def _step(ids, uris, image_token_id, chunk=16, fresh=True):
-    blocks = list(range(math.ceil(len(ids) / 16)))
-    return p.ForwardStepWithImages(seq=2, model_id="m", seqs=[p.SeqStep(0, ids, 0, blocks, fresh)],
-                                    image_token_id=image_token_id, image_data_uris=uris, chunk_size=chunk)
+def _step(*seqs: p.SeqStep, model_id: str = "m") -> p.ForwardStep:
+    return p.ForwardStep(seq=2, model_id=model_id, seqs=list(seqs))
+
+
+def _first(ids: list[int], images: list[StepImage], slot: int = 0) -> p.SeqStep:
+    """A sequence's first step in `slot`, with blocks for its tokens and one more."""
+    return p.SeqStep(slot, ids, 0, list(range(slot * 8, slot * 8 + len(ids) // 16 + 1)), True, images=images)
 
 
 def test_rank_refuses_mismatched_images_before_any_work(rank, vl_checkpoint):
     spec = vision_spec(vl_checkpoint)
     uri = image_data_uri(20, 28, 1)
-    ids = expand_placeholders(prompt_with_images(vl_checkpoint, [1, 2], None, [3]), spec.image_token_id,
+    ids = expand_placeholders(image_prompt(vl_checkpoint, [1, 2], None, [3]), spec.image_token_id,
                               [check_image(uri, spec)])
-    tid = spec.image_token_id
+    start, count = ids.index(spec.image_token_id), ids.count(spec.image_token_id)
+    good = StepImage(uri, start)
     cases = [
-        (_step(ids, [], tid), "placeholder"),  # placeholders but no image
-        (_step(ids, [uri, uri], tid), "image"),  # one image too many
-        (_step(ids[:-3], [uri], tid), "placeholder"),  # too few placeholders for the grid
-        (_step(ids, ["data:image/png;base64,AAAA"], tid), "image 0"),
-        (_step(ids, [uri], tid, chunk=0), "chunk_size"),
-        (_step(ids, [uri], tid, fresh=False), "position 0"),
-        (p.ForwardStepWithImages(seq=2, model_id="m", seqs=[], image_token_id=tid, image_data_uris=[uri],
-                                  chunk_size=4), "at least one sequence"),
+        (_first(ids, [StepImage(uri, start + 1)]), "do not hold the image placeholders"),  # text where one should be
+        (_first(ids, [StepImage(uri, start - 1)]), "do not hold the image placeholders"),
+        (_first(ids, [good, StepImage(uri, start + 1)]), "image 1 starts at"),  # inside image 0's tokens
+        (_first(ids, [StepImage(uri, 129 - count)]), "pass the model's length 128"),
+        (_first(ids, [StepImage("data:image/png;base64,AAAA", start)]), "image 0"),
     ]
-    for req, match in cases:
-        reply, _ = rank.execute(req)
+    for seq, match in cases:
+        reply, _ = rank.execute(_step(seq))
         assert isinstance(reply, p.Error) and reply.kind == p.ErrorKind.BAD_REQUEST, reply
         assert match in reply.message
-    ok, _ = rank.execute(_step(ids, [uri], tid))
+    ok, _ = rank.execute(_step(_first(ids, [good])))
     assert isinstance(ok, p.ForwardStepOk)
-    missing, _ = rank.execute(p.ForwardStepWithImages(seq=3, model_id="nope", seqs=[], image_token_id=tid,
-                                                       image_data_uris=[], chunk_size=4))
+    later, _ = rank.execute(_step(p.SeqStep(0, [5], len(ids), images=[good])))  # images ride the first step only
+    assert later.kind == p.ErrorKind.BAD_REQUEST and "first step only" in later.message
+    missing, _ = rank.execute(_step(model_id="nope"))
     assert missing.kind == p.ErrorKind.MODEL_NOT_LOADED
+
+
+def test_rank_checks_each_chunk_against_its_images(rank, vl_checkpoint):
+    """A later chunk of a prompt with images must hold placeholders where the first step's spans
+    said; a refused chunk leaves the sequence where it was, and the right one then runs."""
+    spec = vision_spec(vl_checkpoint)
+    uri = image_data_uri(20, 28, 1)
+    ids = expand_placeholders(image_prompt(vl_checkpoint, [1, 2], None, [3]), spec.image_token_id,
+                              [check_image(uri, spec)])
+    start = ids.index(spec.image_token_id)
+    assert isinstance(rank.execute(_step(_first(ids[: start + 2], [StepImage(uri, start)], slot=1)))[0],
+                      p.ForwardStepOk)
+    rest = ids[start + 2 :]
+    wrong, _ = rank.execute(_step(p.SeqStep(1, [7] + rest[1:], start + 2, list(range(9, 12)))))
+    assert wrong.kind == p.ErrorKind.BAD_REQUEST and "do not hold the image placeholders" in wrong.message
+    right, _ = rank.execute(_step(p.SeqStep(1, rest, start + 2, list(range(9, 12)))))
+    assert isinstance(right, p.ForwardStepOk)
+
+
+def test_a_rank_without_a_vision_tower_refuses_images(rank, tmp_path):
+    from checkpoints import BASE, build_checkpoint
+
+    path = build_checkpoint(tmp_path / "qwen3", **BASE)
+    rank.execute(p.LoadShard(seq=1, model_id="text", shard=shard_spec(path, max_num_seqs=2, max_model_len=64,
+                                                                       max_num_batched_tokens=64)))
+    try:
+        reply, _ = rank.execute(_step(_first([1, 2, 3], [StepImage(image_data_uri(8, 8), 1)]), model_id="text"))
+        assert reply.kind == p.ErrorKind.UNSUPPORTED_ARCH and "vision tower" in reply.message
+    finally:
+        rank.execute(p.UnloadModel(seq=3, model_id="text"))
+
+
+# ---- one step op: an image prompt's prefill in chunks, beside other requests' decodes ----
+
+
+def test_a_text_stream_gets_tokens_between_the_chunks_of_a_long_image_prefill(vl_checkpoint, monkeypatch):
+    """A long prompt with an image is chunked like any prompt: in every step of its prefill the
+    decoding text request beside it gets a token, and its output still matches transformers."""
+    monkeypatch.setenv("NEURON_PREFILL_CHUNK_TOKENS", "16")
+    text = [(i * 13 + 5) % 1300 for i in range(90)]
+    ids, uris = image_prompt(vl_checkpoint, text[:40], None, text[40:]), [image_data_uri(48, 40, 3)]
+    with LLM(str(vl_checkpoint), max_model_len=384, max_num_seqs=2) as llm:
+        engine = llm.engine
+        images = engine.inputs.check_images(uris)
+        expanded = engine.inputs.expand_images(ids, images)
+        got: dict[str, list[int]] = {"text": [], "image": []}
+
+        def step() -> None:
+            for update in engine.step():
+                got[update.request_id] += update.token_ids
+
+        engine.add_request("text", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+        step()  # the text prompt: its first token
+        engine.add_request("image", expanded, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                           images)
+        during = []
+        while not got["image"]:
+            before = len(got["text"])
+            step()
+            during.append(len(got["text"]) - before)
+        while engine.has_unfinished():
+            step()
+    # a 16-token step: the text request's token and 15 of the prompt's
+    assert len(during) == math.ceil(len(expanded) / 15) >= 6
+    assert during == [1] * len(during)
+    assert got["image"] == image_reference(vl_checkpoint, ids, uris, NEW_TOKENS)[0]
 
 
 @pytest.mark.slow
@@ -431,6 +513,6 @@ def test_worker_killed_before_an_image_prefill_fails_cleanly_and_recovers(vl_che
         engine.recover()
         tokens, error = run("again")
         assert error is None
-        assert tokens == reference_with_images(vl_checkpoint, ids, uris, NEW_TOKENS)[0]
+        assert tokens == image_reference(vl_checkpoint, ids, uris, NEW_TOKENS)[0]
     finally:
         engine.shutdown()

@@ -137,7 +137,7 @@ def vision_spec(path: Path) -> VisionSpec:
     return model_config(path).vision
 
 
-def prompt_with_images(path: Path, *pieces) -> list[int]:
+def image_prompt(path: Path, *pieces) -> list[int]:
     """Token ids from text ids and `None` for an image (vision start, one placeholder, vision end)."""
     c = checkpoint_config(path)
     image = [c["vision_start_token_id"], c["image_token_id"], c["vision_end_token_id"]]
@@ -147,7 +147,7 @@ def prompt_with_images(path: Path, *pieces) -> list[int]:
     return out
 
 
-def reference_with_images(path: Path, ids: list[int], uris: list[str], new_tokens: int):
+def image_reference(path: Path, ids: list[int], uris: list[str], new_tokens: int):
     """transformers' greedy tokens and per-step logprobs for a prompt with one placeholder per image."""
     spec = vision_spec(path)
     images = [check_image(u, spec) for u in uris]

@@ -91,7 +91,7 @@ class InputProcessor:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
                                param="prompt")
         self._check_placeholders(prompt_token_ids, images or [])
-        if images and params.prompt_logprobs is not None:  # the image prefill returns last-token logits only
+        if images and params.prompt_logprobs is not None:  # an image placeholder has no logprob to speak of
             raise RequestError("prompt_logprobs are not supported for prompts with images", param="prompt_logprobs")
         self._check_samplable(params)
         grammar = self.grammar(params, compiled)

@@ -29,8 +29,8 @@ from neuron.engine.spec_decode import SpecDecoder
 from neuron.engine.structured_output import CompiledGrammar, StructuredOutput
 from neuron.errors import WorkerError
 from neuron.executor.executor import Executor
-from neuron.multimodal.image import ImageError, ImageInput
-from neuron.step import SeqStep
+from neuron.multimodal.image import ImageError, ImageInput, VisionSpec, image_spans
+from neuron.step import SeqStep, StepImage
 from neuron.utils.device import to_device
 
 log = logging.getLogger("neuron.engine.llm_engine")
@@ -43,7 +43,8 @@ class LLMEngine:
         self.model = model = model if isinstance(model, ModelConfig) else resolve_model_config(model)
         self.model_name, self.tokenizer = model.name, model.tokenizer
         self.max_model_len, self.vocab_size = model.max_model_len, model.vocab_size
-        self.scheduler = Scheduler(model.spec.max_num_seqs, model.step_tokens, model.spec.prefill_chunk_tokens)
+        self.scheduler = Scheduler(model.spec.max_num_seqs, model.step_tokens, model.spec.prefill_chunk_tokens,
+                                   max_image_bytes=lambda: self.executor.max_image_bytes)
         self.spec = SpecDecoder(model.speculative, model) if model.speculative is not None else None
         self.executor = Executor(model.executor_config(), **({"worker_cmd": worker_cmd} if worker_cmd else {}))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -170,33 +171,24 @@ class LLMEngine:
         return self.spec.verify(ready, ours, self.scheduler, lambda part, idx: self._sample(part, _rows(ours, idx)))
 
     def _execute(self, batch: list[Scheduled], updates: list[Update]) -> tuple[torch.Tensor | None, list[Scheduled]]:
-        """Run the step's forwards (sequences with images apart); the logits and the scheduled
-        sequences they belong to, in row order. A failed forward's requests end (into `updates`)."""
-        parts, ran = [], []
-        for group, forward in (([s for s in batch if not s.with_images], self._forward),
-                               ([s for s in batch if s.with_images], self._prefill_with_images)):
-            if not group:
-                continue
-            try:
-                parts.append(forward(group))
-            except Exception as exc:  # noqa: BLE001 - contained: a rank failure or only this group
-                if self.failure is not None:  # the ranks are out of step: nothing in flight can go on
-                    updates += self.fail_in_flight(str(exc))
-                    return None, []
-                # Every rank refused or failed it alike (a request the ranks reject, a bug on the
-                # leader's side): the ranks are in step, and only its own sequences end. Nothing of
-                # it was marked computed, so no block it wrote enters the prefix cache.
-                seqs = [s.seq for s in group]
-                updates += (self._fail(seqs, str(exc)) if isinstance(exc, WorkerError)  # the ranks' own message
-                            else self._fail(seqs, _internal("running the model", exc), "internal_error", exc))
-                continue
-            ran += group
-        if not ran:
+        """Run the step's forward; the logits and the scheduled sequences they belong to, in row
+        order. A failed forward's requests end (into `updates`)."""
+        try:
+            return self._forward(batch), batch
+        except Exception as exc:  # noqa: BLE001 - contained: a rank failure or only this step's requests
+            if self.failure is not None:  # the ranks are out of step: nothing in flight can go on
+                updates += self.fail_in_flight(str(exc))
+                return None, []
+            # Every rank refused or failed it alike (a request the ranks reject, a bug on the
+            # leader's side): the ranks are in step, and only its own sequences end. Nothing of it
+            # was marked computed, so no block it wrote enters the prefix cache.
+            seqs = [s.seq for s in batch]
+            updates += (self._fail(seqs, str(exc)) if isinstance(exc, WorkerError)  # the ranks' own message
+                        else self._fail(seqs, _internal("running the model", exc), "internal_error", exc))
             return None, []
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)), ran
 
     def _forward(self, part: list[Scheduled]) -> torch.Tensor:
-        steps = _steps(part)
+        steps = _steps(part, self.model.vision)
         if all(st.prompt_logprobs is None for st in steps):
             return self.executor.step(steps)
         result = self.executor.run_step(steps)
@@ -246,11 +238,6 @@ class LLMEngine:
             if self.spec is not None:
                 self.spec.finished(seq)
         return update
-
-    def _prefill_with_images(self, imaged: list[Scheduled]):
-        uris = [image.uri for s in imaged for image in s.seq.images]
-        return self.executor.step_with_images(_steps(imaged), self.model.vision.image_token_id, uris,
-                                            self.scheduler.prefill_chunk)
 
     def _fail(self, seqs: list[Sequence], message: str, kind: str | None = None,
               exc: BaseException | None = None) -> list[Update]:
@@ -310,10 +297,20 @@ class LLMEngine:
         self._shut_down.set()
 
 
-def _steps(part: list[Scheduled]) -> list[SeqStep]:
+def _steps(part: list[Scheduled], vision: VisionSpec | None) -> list[SeqStep]:
     """The step records of the scheduled sequences, for every rank."""
-    return [SeqStep(s.seq.slot, s.token_ids, s.offset, s.new_blocks, s.fresh, prompt_logprobs.wanted(s), s.logits)
-            for s in part]
+    return [SeqStep(s.seq.slot, s.token_ids, s.offset, s.new_blocks, s.fresh, prompt_logprobs.wanted(s), s.logits,
+                    _step_images(s, vision)) for s in part]
+
+
+def _step_images(s: Scheduled, vision: VisionSpec | None) -> list[StepImage]:
+    """A sequence's images, on its first step in its slot: each one's URI and where its
+    placeholders start in the prompt (checked against its images when the request came in)."""
+    if not (s.fresh and s.seq.images):
+        return []
+    images = s.seq.images
+    spans = image_spans(s.seq.prompt_token_ids, vision.image_token_id, [i.num_tokens for i in images])
+    return [StepImage(image.uri, start) for image, (start, _) in zip(images, spans)]
 
 
 def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -9,8 +9,9 @@ block preempts the most recently admitted sequence: its blocks are freed and it 
 be recomputed (prompt and generated tokens) when admitted anew. A decoding sequence given draft
 tokens (speculative decoding, engine/spec_decode) brings them behind its last token, within the
 budget, in a step that prefills nothing; their blocks were reserved when they were proposed.
-A sequence with images is prefilled whole in the step that admits it (the ranks chunk it
-themselves, beside the step's other sequences), and no other is admitted in that step.
+A prompt with images is chunked like any other; its first step carries the images to every
+rank, in the step's protocol line, so a step admits no more sequences with images than
+`max_image_bytes` of them fit (the others wait a step).
 The scheduler is the only one who assigns slots and blocks: a slot belongs to one sequence at a time.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from neuron.engine.block_manager import BlockManager
@@ -41,11 +43,6 @@ class Scheduled:
         return 1 + len(self.proposal)
 
     @property
-    def with_images(self) -> bool:
-        """The sequence's whole prefill with its images (a step of its own on the ranks)."""
-        return bool(self.seq.images) and self.fresh
-
-    @property
     def completes_prompt(self) -> bool:
         """After this chunk the sequence has no pending tokens, so its logits are sampled."""
         return self.offset + len(self.token_ids) - len(self.proposal) == self.seq.num_tokens
@@ -53,7 +50,7 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk: int,
-                 blocks: BlockManager | None = None):
+                 blocks: BlockManager | None = None, max_image_bytes: Callable[[], int] | None = None):
         self.max_num_seqs = max_num_seqs
         self.budget = max(max_num_batched_tokens, max_num_seqs)
         self.prefill_chunk = prefill_chunk
@@ -64,6 +61,7 @@ class Scheduler:
         self.prefix_cache_queries = 0  # tokens of admitted sequences looked up in the prefix cache
         self.prefix_cache_hits = 0  # of those, tokens found there (their prefill skipped)
         self.num_preemptions = 0
+        self.max_image_bytes = max_image_bytes  # encoded image bytes one step carries (None: no bound)
 
     def use_blocks(self, blocks: BlockManager) -> None:
         """Schedule over a new block pool (at start, and after the ranks were rebuilt)."""
@@ -108,19 +106,22 @@ class Scheduler:
     def _admit(self, budget: int, batch: list[Scheduled]) -> None:
         """Admit waiting sequences, oldest first, while slots, blocks and the budget last. One whose
         next prompt block another running sequence is computing is passed over until that block is
-        cached, so it is computed once (several samples of one prompt, identical prompts)."""
+        cached, so it is computed once (several samples of one prompt, identical prompts). One with
+        images waits a step when the step's images would pass `max_image_bytes` (alone it goes)."""
+        image_bytes = 0
         for seq in list(self.waiting):
             if not self.free_slots or budget <= 0:
                 return
             if self.blocks.computing_elsewhere(seq, self.running):
                 continue
+            size = sum(len(image.uri) for image in seq.images)
+            if size and image_bytes and self.max_image_bytes and image_bytes + size > self.max_image_bytes():
+                continue
             if not self.blocks.allocate(seq):
                 return  # first come, first served: later requests wait too
             self.waiting.remove(seq)
             self._start(seq)
-            if seq.images:
-                batch.append(self._scheduled(seq, seq.pending()))
-                return
+            image_bytes += size
             budget -= self._chunk(seq, budget, batch)
 
     def _start(self, seq: Sequence) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -30,16 +29,17 @@ from neuron.errors import ConfigError, NeuronError, PoolBroken, WorkerError
 from neuron.executor.placement import DIAL_IN, Placement, cluster_address, launcher_argv, parse_hosts
 from neuron.executor.pool import WorkerPool, default_worker_cmd
 from neuron.executor.progress import LoadProgress
-from neuron.layers import cpu_attention, kernel_choice
+from neuron.layers import cpu_attention
+from neuron.layers.kernels import Kernels
 from neuron.models import text_config
 from neuron.models.inputs import StepResult
 from neuron.models.memory_plan import HEADROOM, MemoryPlan, available_bytes, check_fits, kv_bytes_per_token, plan
-from neuron.models.step_input import blocks_for
 from neuron.rpc import codec
 from neuron.rpc import protocol as p
 from neuron.rpc.dial_in import Listener, cluster_token
 from neuron.step import SeqStep
 from neuron.worker.failure import resolve_dtype
+from neuron.worker.step_input import blocks_for
 from neuron.worker.worker import Worker
 
 log = logging.getLogger("neuron.executor")
@@ -311,7 +311,7 @@ class Executor:
         """What runs each fused piece: on CUDA `triton` or `reference: <why>` (the self-check's
         verdict, the same on every rank); on CPU whether the C++ attention kernel could be built."""
         if self.devices[0].startswith("cuda"):
-            return kernel_choice.verdict()
+            return Kernels.from_settings(self.failed_kernels).verdict()
         built = cpu_attention.library() is not None
         return {"paged_attention": "cpu" if built else "reference: the CPU kernel could not be built here"}
 
@@ -325,20 +325,6 @@ class Executor:
         _, kept = self._run(lambda seq: p.ForwardStep(seq=seq, model_id=model_id, seqs=seqs),
                             self.cfg.step_timeout_s)
         return kept
-
-    def step_with_images(self, seqs: list[SeqStep], image_token_id: int, image_data_uris: list[str],
-                         chunk_size: int) -> torch.Tensor:
-        """Prefill sequences with images on every rank; rank 0's logits of each one's last token.
-        The deadline allows each prefill chunk a step's time."""
-        model_id = self.cfg.model_id
-        chunks = max(1, max(math.ceil(len(s.token_ids) / chunk_size) for s in seqs))
-
-        def make(seq: int) -> p.ForwardStepWithImages:
-            return p.ForwardStepWithImages(seq=seq, model_id=model_id, seqs=seqs, image_token_id=image_token_id,
-                                            image_data_uris=image_data_uris, chunk_size=chunk_size)
-
-        _, logits = self._run(make, self.cfg.step_timeout_s * chunks)
-        return logits
 
     def clear(self, slots: list[int] | None = None) -> None:
         model_id = self.cfg.model_id

@@ -7,7 +7,7 @@ the 2-core benchmark machine, and the 191M model's offline throughput went from 
 output tok/s (docs/benchmarks.md). For a few rows (small-batch decode) both lose to a kernel that
 streams the row-major weight once (cpu_ops.linear, up to cpu_ops.MAX_LINEAR_ROWS rows); from
 MIN_ROWS rows up, oneDNN leads. The packed copy is a second copy of each weight, made on a
-layer's first large step; NEURON_NO_ONEDNN turns it off.
+layer's first large step; NEURON_NO_ONEDNN turns it off (the layer's `Kernels`, as for the rest).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from neuron.config import settings
 from neuron.layers import cpu_ops, quantized
 
 MIN_ROWS = cpu_ops.MAX_LINEAR_ROWS + 1
@@ -28,17 +27,19 @@ PADDED_ROWS = 16
 
 def linear(owner, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), through neuron's kernel for a few rows, or `owner`'s packed copy of
-    `weight` where that pays; a quantized weight through its own kernel (quantized.py)."""
+    `weight` where that pays; a quantized weight through its own kernel (quantized.py). `owner`, the
+    layer, holds the model's `kernels`, which say which of these may run."""
+    kernels = owner.kernels
     if not isinstance(weight, torch.Tensor):
-        return quantized.linear(x, weight, bias)
-    if x.dim() == 2 and x.shape[0] <= cpu_ops.MAX_LINEAR_ROWS and cpu_ops.takes(x, weight) \
+        return quantized.linear(kernels, x, weight, bias)
+    if kernels.cpu_ops and x.dim() == 2 and x.shape[0] <= cpu_ops.MAX_LINEAR_ROWS and cpu_ops.takes(x, weight) \
             and (bias is None or bias.dtype == x.dtype):
         return cpu_ops.linear(x, weight, bias)
     if not _large_cpu_fp32(x, weight):
         return F.linear(x, weight, bias)
     cached = getattr(owner, "_onednn", None)
     if cached is None or cached[0] is not weight:  # first use, or the layer's weight was replaced
-        cached = (weight, _pack(weight))
+        cached = (weight, _pack(weight) if kernels.onednn else None)
         owner._onednn = cached
     if cached[1] is None:
         return F.linear(x, weight, bias)
@@ -54,6 +55,6 @@ def _large_cpu_fp32(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
-    if settings().no_onednn or not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)

@@ -9,8 +9,8 @@ residual add + RMSNorm, the per-head RMSNorm + rotary of queries and keys, silu(
 loop instead of several PyTorch operations and their temporaries.
 
 Built on first use (and by `./run install`) like the attention kernel (neuron.utils.native); where
-it cannot be built, or NEURON_NO_CPU_OPS is set, `enabled()` is False and the callers keep their
-PyTorch versions. `python -m neuron.layers.cpu_ops` builds it and prints where it lies.
+it cannot be built `takes()` is False, and where a model's `Kernels` turns them off
+(NEURON_NO_CPU_OPS) its layers do not ask: either way the callers keep their PyTorch versions. `python -m neuron.layers.cpu_ops` builds it and prints where it lies.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from neuron.config import settings
 from neuron.utils import native
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
@@ -49,24 +48,14 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-@functools.cache
-def _wanted() -> bool:
-    return not settings().no_cpu_ops
-
-
-def enabled() -> bool:
-    """Whether the kernels run here: not turned off, and built."""
-    return _wanted() and library() is not None
-
-
 def takes(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels take these tensors: fp32 on CPU, rows contiguous, the library enabled.
+    """Whether the kernels take these tensors: fp32 on CPU, rows contiguous, the library built.
     Asked before every kernel call, so written for a small model's step, whose host side is most of
     its time: a plain loop over cheap properties (no generator, no device object)."""
     for t in tensors:
         if not t.is_cpu or t.dtype is not torch.float32 or t.stride(-1) != 1:
             return False
-    return enabled()
+    return library() is not None
 
 
 def _threads() -> int:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from neuron.layers.kernel_choice import PIECES
+from neuron.layers.kernels import PIECES
 
 CHECK_TIMEOUT_S = 300.0
 _TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 3e-2, torch.float16: 5e-3}  # relative to the reference's scale

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from neuron.distributed.comm import Communicator
 from neuron.layers import quantized
+from neuron.layers.kernels import Kernels
 from neuron.layers.norm import silu_mul
 from neuron.layers.quantized import Weight
 from neuron.layers.tensor_parallel import Reader, Shard, _place
@@ -146,10 +147,11 @@ class SparseMoE:
     through the quantized kernel (neuron/layers/quantized.py)."""
 
     def __init__(self, router: Router, w_gate_up: torch.Tensor | list, w_down: torch.Tensor | list,
-                 comm: Communicator):
+                 comm: Communicator, kernels: Kernels):
         self.router = router
         self.w_gate_up, self.w_down = w_gate_up, w_down
         self.comm = comm
+        self.kernels = kernels
         self.quantized = isinstance(w_down, list)
         self.local_inter = w_down[0].shape[1] if self.quantized else w_down.shape[2]
         device = router.weight.device
@@ -158,17 +160,17 @@ class SparseMoE:
 
     @classmethod
     def load(cls, r: Reader, prefix: str, num_experts: int, intermediate: int, top_k: int,
-             norm_topk_prob: bool, shard: Shard, comm, dtype, device) -> SparseMoE:
+             norm_topk_prob: bool, shard: Shard, comm, dtype, device, kernels: Kernels) -> SparseMoE:
         start, end = shard.even(intermediate, "moe_intermediate_size")
         router = Router(_place(r.read(f"{prefix}.gate.weight"), dtype, device), top_k, norm_topk_prob)
         parts = [_read_expert(r, f"{prefix}.experts", e, start, end) for e in range(num_experts)]
         if all(isinstance(g, torch.Tensor) and isinstance(d, torch.Tensor) for g, d in parts):
             w_gate_up = _place(torch.stack([g for g, _ in parts]), dtype, device)
             w_down = _place(torch.stack([d for _, d in parts]), dtype, device)
-            return cls(router, w_gate_up, w_down, comm)
+            return cls(router, w_gate_up, w_down, comm, kernels)
         w_gate_up = [quantized.stack(g if isinstance(g, list) else [g], dtype, device) for g, _ in parts]
         w_down = [quantized.stack([d], dtype, device) for _, d in parts]
-        return cls(router, w_gate_up, w_down, comm)
+        return cls(router, w_gate_up, w_down, comm, kernels)
 
     def tensors(self) -> list[torch.Tensor]:
         experts = [self.w_gate_up, self.w_down] if not self.quantized else \
@@ -212,7 +214,7 @@ class SparseMoE:
     def _grouped(self, tokens: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         gate_up = torch._grouped_mm(tokens, self.w_gate_up.transpose(1, 2), offs=ends)
         gate, up = gate_up.split(self.local_inter, dim=-1)
-        return torch._grouped_mm(silu_mul(gate, up), self.w_down.transpose(1, 2), offs=ends)
+        return torch._grouped_mm(silu_mul(self.kernels, gate, up), self.w_down.transpose(1, 2), offs=ends)
 
     def _looped(self, tokens: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(tokens)
@@ -220,15 +222,15 @@ class SparseMoE:
         for e, end in enumerate(ends.tolist()):  # the host reads the counts: a sync on a GPU
             if end > begin:
                 gate, up = self._linear(tokens[begin:end], self.w_gate_up[e]).split(self.local_inter, dim=-1)
-                out[begin:end] = self._linear(silu_mul(gate, up), self.w_down[e])
+                out[begin:end] = self._linear(silu_mul(self.kernels, gate, up), self.w_down[e])
             begin = end
         return out
 
     def _linear(self, x: torch.Tensor, w) -> torch.Tensor:
-        return quantized.linear(x, w) if self.quantized else F.linear(x, w)
+        return quantized.linear(self.kernels, x, w) if self.quantized else F.linear(x, w)
 
     def _gathered(self, x: torch.Tensor, flat_ids: torch.Tensor, k: int) -> torch.Tensor:
         tokens = x.unsqueeze(1).expand(-1, k, -1).reshape(-1, 1, x.shape[-1])  # [t * k, 1, hidden]
         # each pair's expert weights copied out: [t * k, hidden, 2 * inter] and [t * k, inter, hidden]
         gate, up = torch.bmm(tokens, self.w_gate_up[flat_ids].transpose(1, 2)).split(self.local_inter, dim=-1)
-        return torch.bmm(silu_mul(gate, up), self.w_down[flat_ids].transpose(1, 2)).squeeze(1)
+        return torch.bmm(silu_mul(self.kernels, gate, up), self.w_down[flat_ids].transpose(1, 2)).squeeze(1)

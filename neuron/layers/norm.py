@@ -6,7 +6,7 @@ then a negation, a concatenation, two products and a sum for the rotation), and 
 costs a kernel launch and a trip through memory. On CUDA with Triton installed, one kernel does
 each (neuron/layers/triton_norm.py), rounding where the PyTorch version rounds; on CPU in fp32,
 one C++ loop (neuron/layers/cpu_ops.py); elsewhere the PyTorch version runs, and is the reference
-the kernels are tested against.
+the kernels are tested against. Which of them may run is the model's `Kernels`, the first argument.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from neuron.layers import cpu_ops, kernel_choice
+from neuron.layers import cpu_ops
+from neuron.layers.kernels import Kernels
 from neuron.layers.paged_attention import HAS_TRITON
 
 
@@ -40,49 +41,49 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(kernels: Kernels, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension of x."""
-    if _kernel_applies(x, "rms_norm"):
+    if _kernel_applies(kernels, x, "rms_norm"):
         return rms_norm_triton(x, weight, eps)
-    if weight.shape == x.shape[-1:] and cpu_ops.takes(x, weight):
+    if kernels.cpu_ops and weight.shape == x.shape[-1:] and cpu_ops.takes(x, weight):
         return cpu_ops.rms_norm(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 
 
-def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+def norm_rope(kernels: Kernels, x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
               sin: torch.Tensor) -> torch.Tensor:
     """RMSNorm over each head of x ([tokens, heads, head_dim]), then the rotary embedding with each
     token's cos and sin ([tokens, 1, head_dim] or [tokens, head_dim])."""
-    if _kernel_applies(x, "norm_rope"):
+    if _kernel_applies(kernels, x, "norm_rope"):
         return norm_rope_triton(x, weight, eps, cos, sin)
-    if (x.dim() == 3 and x.shape[-1] % 2 == 0 and cos.shape[-1] == x.shape[-1] and weight.shape == x.shape[-1:]
+    if (kernels.cpu_ops and x.dim() == 3 and x.shape[-1] % 2 == 0 and cos.shape[-1] == x.shape[-1] and weight.shape == x.shape[-1:]
             and cos.numel() == x.shape[0] * x.shape[-1] and cpu_ops.takes(x, weight, cos, sin)):
         return cpu_ops.norm_rope(x, weight, eps, cos, sin)
     return apply_rotary(rms_norm_reference(x, weight, eps), cos, sin)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+def add_rms_norm(kernels: Kernels, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual sum x + delta ([tokens, hidden]) and its RMSNorm."""
-    if _kernel_applies(x, "add_rms_norm") and delta.stride(-1) == 1 and x.dim() == 2:
+    if _kernel_applies(kernels, x, "add_rms_norm") and delta.stride(-1) == 1 and x.dim() == 2:
         return add_rms_norm_triton(x, delta, weight, eps)
-    if x.dim() == 2 and delta.shape == x.shape and weight.shape == x.shape[-1:] and cpu_ops.takes(x, delta, weight):
+    if kernels.cpu_ops and x.dim() == 2 and delta.shape == x.shape and weight.shape == x.shape[-1:] and cpu_ops.takes(x, delta, weight):
         return cpu_ops.add_rms_norm(x, delta, weight, eps)
     return add_rms_norm_reference(x, delta, weight, eps)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul(kernels: Kernels, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, both [tokens, width] (the halves of a merged projection's output)."""
-    if _kernel_applies(gate, "silu_mul") and up.stride(-1) == 1 and gate.dim() == 2:
+    if _kernel_applies(kernels, gate, "silu_mul") and up.stride(-1) == 1 and gate.dim() == 2:
         return silu_mul_triton(gate, up)
-    if gate.dim() == 2 and up.shape == gate.shape and cpu_ops.takes(gate, up):
+    if kernels.cpu_ops and gate.dim() == 2 and up.shape == gate.shape and cpu_ops.takes(gate, up):
         return cpu_ops.silu_mul(gate, up)
     return silu_mul_reference(gate, up)
 
 
-def _kernel_applies(x: torch.Tensor, piece: str) -> bool:
+def _kernel_applies(kernels: Kernels, x: torch.Tensor, piece: str) -> bool:
     """The piece's Triton kernel takes x: a CUDA tensor, Triton installed, the kernel trusted here."""
-    return x.is_cuda and HAS_TRITON and x.stride(-1) == 1 and kernel_choice.use_triton(piece)
+    return x.is_cuda and HAS_TRITON and x.stride(-1) == 1 and kernels.triton(piece)
 
 
 def _launch_shape(width: int) -> tuple[int, int]:

@@ -36,7 +36,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from neuron.layers import cpu_attention, kernel_choice
+from neuron.layers import cpu_attention
+from neuron.layers.kernels import Kernels
 from neuron.utils.device import Staging
 
 # Looked up, not imported: see `_kernel`. CPU installs need not have Triton; the reference serves them.
@@ -276,13 +277,13 @@ def _check_shapes(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -
 # ---- dispatch ----
 
 
-def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: PagedAttentionMetadata,
-           scale: float | None = None) -> torch.Tensor:
+def attend(kernels: Kernels, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+           meta: PagedAttentionMetadata, scale: float | None = None) -> torch.Tensor:
     """Causal attention of a step's queries over the paged cache: the Triton kernel for CUDA tensors
-    when Triton is installed, the C++ kernel for CPU tensors once it is built here, the PyTorch
-    reference otherwise. `scale` defaults to 1/sqrt(head_dim)."""
+    when Triton is installed and `kernels` trusts it, the C++ kernel for CPU tensors once it is
+    built here, the PyTorch reference otherwise. `scale` defaults to 1/sqrt(head_dim)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if q.is_cuda and HAS_TRITON and kernel_choice.use_triton("paged_attention"):
+    if q.is_cuda and HAS_TRITON and kernels.triton("paged_attention"):
         return paged_attention_triton(q, k_pool, v_pool, meta, scale)
     if k_pool.dtype == q.dtype and cpu_attention.supports(q):
         _check_shapes(q, k_pool, v_pool)

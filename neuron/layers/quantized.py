@@ -24,15 +24,14 @@ both kernels are checked against.
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
-from neuron.config import settings
-from neuron.layers import cpu_ops, kernel_choice
+from neuron.layers import cpu_ops
+from neuron.layers.kernels import Kernels
 from neuron.layers.paged_attention import HAS_TRITON
 
 # Rows of x up to which the kernel runs; above, dequantizing the weight once and handing the product
@@ -227,13 +226,8 @@ class _Layout(ctypes.Structure):
     ]
 
 
-@functools.cache
-def _kernels_wanted() -> bool:
-    return not settings().no_quant_kernels
-
-
-def _kernel_takes(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> bool:
-    if x.dim() != 2 or x.shape[0] > MAX_KERNEL_ROWS or not _kernels_wanted():
+def _kernel_takes(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> bool:
+    if not (kernels.quant_kernels and kernels.cpu_ops) or x.dim() != 2 or x.shape[0] > MAX_KERNEL_ROWS:
         return False
     if w.group % 16 or (w.bits == 4 and w.group % 32) or w.k % w.group:
         return False
@@ -254,17 +248,20 @@ def _layout(w: QuantizedWeight) -> _Layout:
                    ptr(w.offset), stride(w.offset), ptr(w.offset_sub), stride(w.offset_sub))
 
 
-def linear(x: torch.Tensor, w: QuantizedWeight | StackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + bias for a quantized W: the CPU kernel where it takes the case, else the reference."""
+def linear(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight | StackedWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + bias for a quantized W: the CPU kernel where it takes the case (and `kernels` allows
+    it), the Triton kernel on CUDA where trusted, else the reference."""
     if isinstance(w, StackedWeight):
-        y = torch.cat([linear(x, p) if isinstance(p, QuantizedWeight) else F.linear(x, p) for p in w.parts], dim=-1)
+        y = torch.cat([linear(kernels, x, p) if isinstance(p, QuantizedWeight) else F.linear(x, p) for p in w.parts],
+                      dim=-1)
         return y if bias is None else y + bias
     if w.input_index is not None:
         x = w.gather_inputs(x)
     # a half-precision CPU step runs the kernel in fp32 (its activations are a few rows) and casts back
     half = x.dtype in (torch.bfloat16, torch.float16) and x.is_cpu
     xk, bk = (x.float(), None if bias is None else bias.float()) if half else (x, bias)
-    if _kernel_takes(xk, w, bk):
+    if _kernel_takes(kernels, xk, w, bk):
         if w.layout is None:
             # FP8 codes are scaled by scale x 2^120 in the kernel (csrc/cpu_ops.cpp), finite below 2^8
             w.layout = _layout(w) if not w.fp8 or bool(w.scale.abs().max() < 256) else False
@@ -275,7 +272,7 @@ def linear(x: torch.Tensor, w: QuantizedWeight | StackedWeight, bias: torch.Tens
                                              None if bk is None else bk.data_ptr(), y.data_ptr(), y.stride(0),
                                              torch.get_num_threads())
             return y.to(x.dtype) if half else y
-    if x.is_cuda and x.dim() == 2 and HAS_TRITON and kernel_choice.use_triton("quant_linear"):
+    if x.is_cuda and x.dim() == 2 and HAS_TRITON and kernels.triton("quant_linear"):
         return linear_triton(x, w, bias)
     return F.linear(x, w.stored(x.dtype), bias)
 

@@ -2,7 +2,8 @@
 
 Column-parallel layers split the output dimension and need no communication; row-parallel
 layers split the input dimension and sum their partial outputs with one all-reduce. A layer is a
-plain object holding tensors: the decode path stays short enough to read and cheap to call.
+plain object holding tensors: the decode path stays short enough to read and cheap to call. The
+layers that choose between kernels hold the model's `Kernels`, given at load.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
 from neuron.layers import quantized
 from neuron.layers.cpu_linear import linear
+from neuron.layers.kernels import Kernels
 from neuron.layers.norm import rms_norm
 from neuron.layers.quantized import QuantizedWeight, Weight
 
@@ -93,24 +95,26 @@ def _weight(r: Reader, parts: list[tuple[str, int, int, int | None]], dtype, dev
 class ColumnParallelLinear:
     """y = x W^T with W's rows (outputs) split across ranks; each rank keeps its output slice."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, kernels: Kernels, bias: torch.Tensor | None = None):
         self.weight = weight
+        self.kernels = kernels
         self.bias = bias
 
     @classmethod
-    def load(cls, r: Reader, prefix: str, out_features: int, shard: Shard, dtype, device, bias=False):
+    def load(cls, r: Reader, prefix: str, out_features: int, shard: Shard, dtype, device, kernels: Kernels,
+             bias=False):
         start, end = shard.even(out_features, f"{prefix} outputs")
         w = _weight(r, [(f"{prefix}.weight", 0, start, end)], dtype, device)
         b = _place(r.read(f"{prefix}.bias", 0, start, end), dtype, device) if bias else None
-        return cls(w, b)
+        return cls(w, kernels, b)
 
     @classmethod
-    def load_ranges(cls, r: Reader, parts: list[tuple[str, int, int]], dtype, device, bias=False):
+    def load_ranges(cls, r: Reader, parts: list[tuple[str, int, int]], dtype, device, kernels: Kernels, bias=False):
         """Rows [start, end) of each named projection, stacked into one matmul: for fused
         checkpoints whose per-head groups make a rank's share several runs of rows."""
         w = _weight(r, [(f"{name}.weight", 0, a, b) for name, a, b in parts], dtype, device)
         b = torch.cat([r.read(f"{name}.bias", 0, a, b) for name, a, b in parts]) if bias else None
-        return cls(w, None if b is None else _place(b, dtype, device))
+        return cls(w, kernels, None if b is None else _place(b, dtype, device))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self, x, self.weight, self.bias)
@@ -119,17 +123,19 @@ class ColumnParallelLinear:
 class RowParallelLinear:
     """y = sum_over_ranks(x_r W_r^T) + b with W's columns (inputs) split across ranks."""
 
-    def __init__(self, weight: torch.Tensor, comm: Communicator, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, comm: Communicator, kernels: Kernels, bias: torch.Tensor | None = None):
         self.weight = weight
         self.bias = bias
         self.comm = comm
+        self.kernels = kernels
 
     @classmethod
-    def load(cls, r: Reader, prefix: str, in_features: int, shard: Shard, comm, dtype, device, bias=False):
+    def load(cls, r: Reader, prefix: str, in_features: int, shard: Shard, comm, dtype, device, kernels: Kernels,
+             bias=False):
         start, end = shard.even(in_features, f"{prefix} inputs")
         w = _weight(r, [(f"{prefix}.weight", 1, start, end)], dtype, device)
         b = _place(r.read(f"{prefix}.bias"), dtype, device) if bias else None
-        return cls(w, comm, b)
+        return cls(w, comm, kernels, b)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.partial(x)
@@ -183,15 +189,16 @@ class HeadLayout:
 class QKVParallelLinear:
     """q, k and v projections fused into one column-parallel matmul over this rank's heads."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, layout: HeadLayout):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, layout: HeadLayout, kernels: Kernels):
         self.weight = weight
         self.bias = bias
         self.layout = layout
+        self.kernels = kernels
         d = layout.head_dim
         self.sizes = (layout.local_heads * d, layout.local_kv_heads * d, layout.local_kv_heads * d)
 
     @classmethod
-    def load(cls, r: Reader, prefix: str, layout: HeadLayout, dtype, device, bias=False):
+    def load(cls, r: Reader, prefix: str, layout: HeadLayout, dtype, device, kernels: Kernels, bias=False):
         layout.validate()
         d, s = layout.head_dim, layout.shard
         q0, q1 = s.rank * layout.local_heads * d, (s.rank + 1) * layout.local_heads * d
@@ -199,7 +206,7 @@ class QKVParallelLinear:
         parts = [(f"{prefix}.q_proj", q0, q1), (f"{prefix}.k_proj", k0, k1), (f"{prefix}.v_proj", k0, k1)]
         w = _weight(r, [(f"{name}.weight", 0, a, b) for name, a, b in parts], dtype, device)
         b = torch.cat([r.read(f"{name}.bias", 0, a, b) for name, a, b in parts]) if bias else None
-        return cls(w, None if b is None else _place(b, dtype, device), layout)
+        return cls(w, None if b is None else _place(b, dtype, device), layout, kernels)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return linear(self, x, self.weight, self.bias).split(self.sizes, dim=-1)
@@ -208,17 +215,20 @@ class QKVParallelLinear:
 class MergedColumnParallelLinear:
     """Several column-parallel projections of the same input (gate and up) in one matmul."""
 
-    def __init__(self, weight: torch.Tensor, sizes: tuple[int, ...], bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, sizes: tuple[int, ...], kernels: Kernels,
+                 bias: torch.Tensor | None = None):
         self.weight = weight
         self.sizes = sizes
+        self.kernels = kernels
         self.bias = bias
 
     @classmethod
-    def load(cls, r: Reader, prefixes: list[str], out_features: int, shard: Shard, dtype, device, bias=False):
+    def load(cls, r: Reader, prefixes: list[str], out_features: int, shard: Shard, dtype, device, kernels: Kernels,
+             bias=False):
         start, end = shard.even(out_features, f"{prefixes[0]} outputs")
         w = _weight(r, [(f"{p}.weight", 0, start, end) for p in prefixes], dtype, device)
         b = _place(torch.cat([r.read(f"{p}.bias", 0, start, end) for p in prefixes]), dtype, device) if bias else None
-        return cls(w, (end - start,) * len(prefixes), b)
+        return cls(w, (end - start,) * len(prefixes), kernels, b)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return linear(self, x, self.weight, self.bias).split(self.sizes, dim=-1)
@@ -271,15 +281,16 @@ class VocabParallelEmbedding:
 class ParallelLMHead:
     """Vocabulary-parallel output projection; the full logits exist on rank 0 only."""
 
-    def __init__(self, weight: Weight, vocab: int, comm: Communicator):
+    def __init__(self, weight: Weight, vocab: int, comm: Communicator, kernels: Kernels):
         self.weight = weight
         self.vocab = vocab
         self.comm = comm
+        self.kernels = kernels
 
     @classmethod
-    def load(cls, r: Reader, name: str, vocab: int, shard: Shard, comm, dtype, device):
+    def load(cls, r: Reader, name: str, vocab: int, shard: Shard, comm, dtype, device, kernels: Kernels):
         w, _ = _vocab_rows(r, name, vocab, shard, dtype, device)
-        return cls(w, vocab, comm)
+        return cls(w, vocab, comm, kernels)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor | None:
         local = linear(self, h, self.weight)
@@ -292,13 +303,14 @@ class ParallelLMHead:
 class RMSNorm:
     """Replicated on every rank; computed in float32 like the reference."""
 
-    def __init__(self, weight: torch.Tensor, eps: float):
+    def __init__(self, weight: torch.Tensor, eps: float, kernels: Kernels):
         self.weight = weight
         self.eps = eps
+        self.kernels = kernels
 
     @classmethod
-    def load(cls, r: Reader, name: str, eps: float, dtype, device):
-        return cls(_place(r.read(name), dtype, device), eps)
+    def load(cls, r: Reader, name: str, eps: float, dtype, device, kernels: Kernels):
+        return cls(_place(r.read(name), dtype, device), eps, kernels)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(self.kernels, x, self.weight, self.eps)

@@ -107,11 +107,12 @@ def check_tp(config: dict, tp: int) -> None:
         raise ConfigError(f"tensor-parallel size {tp} does not fit this model: {exc}; sizes that do: {sizes}") from None
 
 
-def build_model(config: dict, comm, dtype, device, vision=None):
-    """This rank's (unloaded) share of the model named by `config`; `vision`: how it takes images
+def build_model(config: dict, comm, dtype, device, kernels, vision=None):
+    """This rank's (unloaded) share of the model named by `config`, whose layers run the kernels
+    `kernels` (a `neuron.layers.kernels.Kernels`) chooses; `vision`: how it takes images
     (multimodal.image.VisionSpec), None for text only."""
     model, parser = _architecture(config)
     typed = parser.from_dict(config)
     if config.get("model_type") not in MULTIMODAL_MODEL_TYPES:
-        return model(typed, comm, dtype, device)
-    return model(typed, comm, dtype, device, vision, config.get("vision_config"))
+        return model(typed, comm, dtype, device, kernels)
+    return model(typed, comm, dtype, device, kernels, vision, config.get("vision_config"))

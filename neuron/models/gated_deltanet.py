@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
+from neuron.layers.kernels import Kernels
 from neuron.layers.tensor_parallel import ColumnParallelLinear, Reader, RowParallelLinear, Shard
 from neuron.step import SeqStep
 from neuron.utils.device import to_device
@@ -138,7 +139,7 @@ class GatedDeltaNet:
 
     @classmethod
     def load(cls, r: Reader, layer: int, prefix: str, heads: DeltaNetHeads, eps: float, comm: Communicator,
-             dtype, device) -> "GatedDeltaNet":
+             dtype, device, kernels: Kernels) -> "GatedDeltaNet":
         heads.validate()
         (k0, k1), (v0, v1) = heads.k_range(), heads.v_range()
         dk, dv = heads.k_dim, heads.v_dim
@@ -149,14 +150,14 @@ class GatedDeltaNet:
         parts = [(f"{prefix}.in_proj_qkv", a, b) for a, b in qkv]
         parts += [(f"{prefix}.in_proj_z", v0 * dv, v1 * dv), (f"{prefix}.in_proj_b", v0, v1),
                   (f"{prefix}.in_proj_a", v0, v1)]
-        in_proj = ColumnParallelLinear.load_ranges(r, parts, dtype, device)
+        in_proj = ColumnParallelLinear.load_ranges(r, parts, dtype, device, kernels)
         conv = torch.cat([r.read(f"{prefix}.conv1d.weight", 0, a, b) for a, b in qkv])
         conv_weight = conv.reshape(conv.shape[0], -1).to(device=device, dtype=dtype).contiguous()
         neg_a = -r.read(f"{prefix}.A_log", 0, v0, v1).float().exp().to(device)
         dt_bias = r.read(f"{prefix}.dt_bias", 0, v0, v1).float().to(device)
         norm_weight = r.read(f"{prefix}.norm.weight").float().to(device)
         out_proj = RowParallelLinear.load(r, f"{prefix}.out_proj", heads.num_v_heads * dv, heads.shard, comm, dtype,
-                                          device)
+                                          device, kernels)
         return cls(layer, in_proj, conv_weight, neg_a, dt_bias, norm_weight, out_proj, heads, eps)
 
     def tensors(self) -> list[torch.Tensor]:

@@ -3,7 +3,8 @@ it, writing a step's keys and values and attending over each sequence's blocks.
 
 Pool layout `[kv_heads, num_blocks * block_size, head_dim]`: block b is rows b*block_size onwards
 in every head. Which blocks belong to which sequence, and the step's rows and metadata, are the
-model runner's (`step_input.BlockTables`); the pools only store. Gathering a sequence's rows along
+model runner's (neuron/worker/step_input.py), as is how many blocks a rank allocates
+(neuron/worker/kv_pool.py); the pools only store. Gathering a sequence's rows along
 dim 1 (the reference path) yields `[kv_heads, tokens, head_dim]`, the layout attention takes, in a
 single `index_select` with no transpose or second copy after it.
 """
@@ -13,26 +14,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from neuron.errors import ConfigError
+from neuron.layers.kernels import Kernels
 from neuron.layers.paged_attention import attend
-from neuron.models.step_input import StepBatch, blocks_for
-
-_MIB = 2**20
+from neuron.models.inputs import StepBatch
 
 
 class PagedKVCache:
     """K and V block pools per layer."""
 
     def __init__(self, layers: int, num_blocks: int, block_size: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype, device, paged: bool = True):
-        # `paged` adds one block past those the leader hands out: padding rows of a captured decode
-        # step (neuron/models/cuda_graphs.py) write and read there, never in a sequence's blocks.
+                 dtype, device, kernels: Kernels):
+        # The paged path adds one block past those the leader hands out: padding rows of a captured
+        # decode step (neuron/worker/cuda_graphs.py) write and read there, never in a sequence's blocks.
+        paged = kernels.paged
         shape = (kv_heads, (num_blocks + paged) * block_size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.num_blocks, self.block_size, self.max_len = num_blocks, block_size, max_len
         self.device = device
         self.paged = paged  # attention reads blocks in place (the kernels); else the gather reference
+        self.kernels = kernels
         self.scratch_block = num_blocks
 
     # ---- what a model adds to the step's checks and bookkeeping (a hybrid model's recurrent state) ----
@@ -64,7 +65,7 @@ class PagedKVCache:
         """Causal attention of this step's queries ([T, heads, head_dim]) over each sequence's blocks."""
         k_pool, v_pool = self.k[layer], self.v[layer]
         if batch.paged is not None:
-            return attend(q, k_pool, v_pool, batch.paged)
+            return attend(self.kernels, q, k_pool, v_pool, batch.paged)
         if batch.all_decode:
             rows = batch.read_rows[0]
             k, v = _gather(k_pool, rows), _gather(v_pool, rows)
@@ -88,34 +89,3 @@ def _gather(pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return pool.index_select(1, rows).unsqueeze(0)
     b, length = rows.shape
     return pool.index_select(1, rows.view(-1)).view(pool.shape[0], b, length, pool.shape[2]).transpose(0, 1)
-
-
-# ---- sizing ----
-
-
-def plan_num_blocks(block_bytes: int, block_size: int, *, max_slots: int, max_model_len: int, kv_cache_bytes: int,
-                    gpu_memory_utilization: float, activation_reserve: int, device: torch.device) -> int:
-    """How many KV blocks this rank allocates: an explicit byte budget if given; on CUDA what its
-    share of the device leaves after what this process has allocated (the weights) and the
-    activation reserve, never more than is free now (counting what its allocator caches); on CPU
-    room for `max_slots` full-length sequences, as a preallocated cache would hold."""
-    if kv_cache_bytes > 0:
-        return kv_cache_bytes // block_bytes
-    if device.type != "cuda":
-        return max_slots * blocks_for(max_model_len, block_size)
-    if not 0.0 < gpu_memory_utilization <= 1.0:
-        raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    free, total = torch.cuda.mem_get_info(device)
-    allocated = torch.cuda.memory_allocated(device)
-    # The caching allocator keeps a freed model's blocks reserved; it hands them out again, and
-    # frees them back to the driver when a request fits none of them, so they count as available.
-    cached = max(torch.cuda.memory_reserved(device) - allocated, 0)
-    budget = min(total * gpu_memory_utilization - allocated, free + cached) - activation_reserve
-    num_blocks = int(budget // block_bytes)
-    if num_blocks <= 0:
-        raise ConfigError(
-            f"no GPU memory left for the KV cache on {device}: {free / _MIB:.0f} MiB free of {total / _MIB:.0f} MiB, "
-            f"this rank has {allocated / _MIB:.0f} MiB allocated and {cached / _MIB:.0f} MiB cached for reuse, "
-            f"and reserves {activation_reserve / _MIB:.0f} MiB for activations; "
-            "raise --gpu-memory-utilization, use more ranks, or lower --max-num-batched-tokens")
-    return num_blocks

@@ -14,6 +14,7 @@ import torch
 
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
+from neuron.layers.kernels import Kernels
 from neuron.layers.norm import add_rms_norm, apply_rotary, norm_rope, silu_mul
 from neuron.layers.rope import RopeScaling, Rotary
 from neuron.layers.tensor_parallel import (
@@ -29,7 +30,7 @@ from neuron.layers.tensor_parallel import (
 )
 from neuron.models.base import CausalLM
 from neuron.models.kv_cache import PagedKVCache
-from neuron.models.step_input import StepBatch
+from neuron.models.inputs import StepBatch
 
 
 @dataclass(slots=True)
@@ -107,8 +108,8 @@ class Attention:
         if self.q_norm is None:  # Llama, Mistral, Qwen2: the rotary embedding alone
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         else:
-            q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, *rope)
-            k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, *rope)
+            q = norm_rope(self.q_norm.kernels, q, self.q_norm.weight, self.q_norm.eps, *rope)
+            k = norm_rope(self.k_norm.kernels, k, self.k_norm.weight, self.k_norm.eps, *rope)
         cache.write(self.layer, batch, k, v.view(t, self.kv_heads, self.head_dim))
         return self.o_proj(cache.attend(self.layer, batch, q).reshape(t, -1))
 
@@ -118,11 +119,11 @@ class MLP:
         self.gate_up, self.down = gate_up, down
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(silu_mul(*self.gate_up(x)))
+        return self.down(silu_mul(self.gate_up.kernels, *self.gate_up(x)))
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output, before the down projection's all-reduce."""
-        return self.down.partial(silu_mul(*self.gate_up(x)))
+        return self.down.partial(silu_mul(self.gate_up.kernels, *self.gate_up(x)))
 
 
 class DecoderLayer:
@@ -131,19 +132,21 @@ class DecoderLayer:
         self.input_norm, self.post_norm = input_norm, post_norm
 
     def __call__(self, x, batch: StepBatch, rope: tuple, cache: PagedKVCache) -> torch.Tensor:
-        x, h = add_rms_norm(x, self.attn(self.input_norm(x), batch, rope, cache), self.post_norm.weight,
-                            self.post_norm.eps)
+        post = self.post_norm
+        x, h = add_rms_norm(post.kernels, x, self.attn(self.input_norm(x), batch, rope, cache), post.weight, post.eps)
         return x + self.mlp(h)
 
 
 class Qwen3ForCausalLM(CausalLM):
     """This rank's share of a Qwen3 model plus its KV block pool."""
 
-    supports_cuda_graphs = True
+    decode_on_device_only = True
 
-    def __init__(self, config: Qwen3Config, comm: Communicator, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: Qwen3Config, comm: Communicator, dtype: torch.dtype, device: torch.device,
+                 kernels: Kernels):
         self.config = config
         self.comm = comm
+        self.kernels = kernels
         self.dtype = dtype
         self.device = device
         self.shard = Shard(comm.rank, comm.world_size)
@@ -159,11 +162,11 @@ class Qwen3ForCausalLM(CausalLM):
         shard.even(config.intermediate_size, "intermediate_size")
 
     def load(self, r: Reader, progress: Callable[[int, int], None] | None = None) -> None:
-        c, s, dt, dev = self.config, self.shard, self.dtype, self.device
+        c, s, dt, dev, k = self.config, self.shard, self.dtype, self.device, self.kernels
         self.embed = VocabParallelEmbedding.load(r, "model.embed_tokens.weight", c.vocab_size, s, self.comm, dt, dev)
         head = "model.embed_tokens.weight" if c.tie_word_embeddings or not r.has("lm_head.weight") else "lm_head.weight"
-        self.lm_head = ParallelLMHead.load(r, head, c.vocab_size, s, self.comm, dt, dev)
-        self.norm = RMSNorm.load(r, "model.norm.weight", c.rms_norm_eps, dt, dev)
+        self.lm_head = ParallelLMHead.load(r, head, c.vocab_size, s, self.comm, dt, dev, k)
+        self.norm = RMSNorm.load(r, "model.norm.weight", c.rms_norm_eps, dt, dev, k)
         self.layers = []
         for i in range(c.num_layers):
             self.layers.append(self._load_layer(r, i))
@@ -171,29 +174,30 @@ class Qwen3ForCausalLM(CausalLM):
                 progress(i + 1, c.num_layers)
 
     def _load_layer(self, r: Reader, i: int) -> DecoderLayer:
-        c, s, dt, dev = self.config, self.shard, self.dtype, self.device
+        c, s, dt, dev, k = self.config, self.shard, self.dtype, self.device, self.kernels
         p = f"model.layers.{i}"
-        qkv = QKVParallelLinear.load(r, f"{p}.self_attn", self.layout, dt, dev, bias=c.attention_bias)
+        qkv = QKVParallelLinear.load(r, f"{p}.self_attn", self.layout, dt, dev, k, bias=c.attention_bias)
         o_proj = RowParallelLinear.load(
-            r, f"{p}.self_attn.o_proj", c.num_heads * c.head_dim, s, self.comm, dt, dev, bias=c.o_bias
+            r, f"{p}.self_attn.o_proj", c.num_heads * c.head_dim, s, self.comm, dt, dev, k, bias=c.o_bias
         )
         q_norm = k_norm = None
         if c.qk_norm:
-            q_norm = RMSNorm.load(r, f"{p}.self_attn.q_norm.weight", c.rms_norm_eps, dt, dev)
-            k_norm = RMSNorm.load(r, f"{p}.self_attn.k_norm.weight", c.rms_norm_eps, dt, dev)
+            q_norm = RMSNorm.load(r, f"{p}.self_attn.q_norm.weight", c.rms_norm_eps, dt, dev, k)
+            k_norm = RMSNorm.load(r, f"{p}.self_attn.k_norm.weight", c.rms_norm_eps, dt, dev, k)
         attn = Attention(i, qkv, o_proj, q_norm, k_norm, self.layout)
-        input_norm = RMSNorm.load(r, f"{p}.input_layernorm.weight", c.rms_norm_eps, dt, dev)
-        post_norm = RMSNorm.load(r, f"{p}.post_attention_layernorm.weight", c.rms_norm_eps, dt, dev)
+        input_norm = RMSNorm.load(r, f"{p}.input_layernorm.weight", c.rms_norm_eps, dt, dev, k)
+        post_norm = RMSNorm.load(r, f"{p}.post_attention_layernorm.weight", c.rms_norm_eps, dt, dev, k)
         return DecoderLayer(attn, self.load_mlp(r, i), input_norm, post_norm)
 
     def load_mlp(self, r: Reader, i: int):
         """Layer i's feed-forward block; a hook for models whose layers differ only there (MoE)."""
         c, s, p = self.config, self.shard, f"model.layers.{i}.mlp"
         gate_up = MergedColumnParallelLinear.load(
-            r, [f"{p}.gate_proj", f"{p}.up_proj"], c.intermediate_size, s, self.dtype, self.device, bias=c.mlp_bias
+            r, [f"{p}.gate_proj", f"{p}.up_proj"], c.intermediate_size, s, self.dtype, self.device, self.kernels,
+            bias=c.mlp_bias
         )
         down = RowParallelLinear.load(r, f"{p}.down_proj", c.intermediate_size, s, self.comm, self.dtype, self.device,
-                                      bias=c.mlp_bias)
+                                      self.kernels, bias=c.mlp_bias)
         return MLP(gate_up, down)
 
     def kv_block_bytes(self, block_size: int) -> int:
@@ -202,9 +206,9 @@ class Qwen3ForCausalLM(CausalLM):
         per_token = 2 * c.num_layers * self.layout.local_kv_heads * c.head_dim
         return per_token * block_size * torch.finfo(self.dtype).bits // 8
 
-    def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int, paged: bool = True) -> int:
+    def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int) -> int:
         """A generous bound on one step's transient memory, kept free of KV blocks on GPUs."""
-        c, lay = self.config, self.layout
+        c, lay, paged = self.config, self.layout, self.kernels.paged
         size = torch.finfo(self.dtype).bits // 8
         width = 4 * c.hidden_size + (lay.local_heads + 2 * lay.local_kv_heads) * c.head_dim * 2 \
             + 3 * c.intermediate_size // self.shard.world
@@ -216,13 +220,12 @@ class Qwen3ForCausalLM(CausalLM):
         logits = 3 * max_slots * c.vocab_size * 4  # rank 0 gathers the full vocabulary
         return 2 * (hidden + max(scores, gathered) + logits) + 256 * 2**20
 
-    def allocate(self, num_blocks: int, block_size: int, max_slots: int, max_model_len: int,
-                 paged: bool = True) -> None:
+    def allocate(self, num_blocks: int, block_size: int, max_slots: int, max_model_len: int) -> None:
         c = self.config
         self.check_model_len(max_model_len, c.rope.max_len(c.max_position_embeddings))
         self.rotary = Rotary(c.head_dim, c.rope, max_model_len, self.dtype, self.device)
         self.cache = PagedKVCache(c.num_layers, num_blocks, block_size, max_model_len, self.layout.local_kv_heads,
-                                  c.head_dim, self.dtype, self.device, paged)
+                                  c.head_dim, self.dtype, self.device, self.kernels)
 
     def layer_tensors(self, layer) -> list[torch.Tensor]:
         a, m = layer.attn, layer.mlp

@@ -4,9 +4,9 @@
 Checkpoints come in two layouts: the multimodal one (`model_type` "qwen3_5", text weights under
 `model.language_model.`, the vision tower under `model.visual.`) and the text-only one
 ("qwen3_5_text", under `model.`); the MoE variants (qwen3_5_moe.py) share both. Both run text
-prompts; the multimodal one also prefills prompts with images (`prefill_with_images`): its
-replicated vision tower embeds the images, whose embeddings replace the prompt's placeholder
-tokens at multimodal (time, height, width) positions.
+prompts; the multimodal one also takes prompts with images (qwen3_5_images.py): its replicated
+vision tower embeds the images, whose embeddings replace the prompt's placeholder tokens at
+multimodal (time, height, width) positions, chunk by chunk like any prompt.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
+from neuron.layers.kernels import Kernels
 from neuron.layers.norm import apply_rotary
 from neuron.layers.rope import rope_parameters
 from neuron.layers.tensor_parallel import (
@@ -34,11 +35,11 @@ from neuron.layers.tensor_parallel import (
 from neuron.models import MULTIMODAL_MODEL_TYPES
 from neuron.models.base import CausalLM
 from neuron.models.gated_deltanet import CHUNK, DeltaNetHeads, DeltaNetState, GatedDeltaNet
+from neuron.models.inputs import StepBatch, StepRejected
 from neuron.models.kv_cache import PagedKVCache
 from neuron.models.qwen3 import MLP
-from neuron.models.qwen3_5_images import prefill_with_images
+from neuron.models.qwen3_5_images import SlotImages
 from neuron.models.qwen3_5_vision import VisionTower
-from neuron.models.step_input import BlockTables, StepBatch, StepRejected
 from neuron.multimodal.image import VisionSpec
 from neuron.step import SeqStep
 
@@ -188,13 +189,14 @@ class GatedAttention:
         self.sizes = (self.heads * 2 * d, self.kv_heads * d, self.kv_heads * d)
 
     @classmethod
-    def load(cls, r: Reader, layer: int, prefix: str, c: Qwen35Config, layout: HeadLayout, comm, dtype, device):
+    def load(cls, r: Reader, layer: int, prefix: str, c: Qwen35Config, layout: HeadLayout, comm, dtype, device,
+             kernels: Kernels):
         d, s = c.head_dim, layout.shard
         q0, q1 = s.rank * layout.local_heads * 2 * d, (s.rank + 1) * layout.local_heads * 2 * d
         k0, k1 = (h * d for h in layout.kv_head_range())
         parts = [(f"{prefix}.q_proj", q0, q1), (f"{prefix}.k_proj", k0, k1), (f"{prefix}.v_proj", k0, k1)]
-        qkv = ColumnParallelLinear.load_ranges(r, parts, dtype, device, bias=c.attention_bias)
-        o_proj = RowParallelLinear.load(r, f"{prefix}.o_proj", c.num_heads * d, s, comm, dtype, device,
+        qkv = ColumnParallelLinear.load_ranges(r, parts, dtype, device, kernels, bias=c.attention_bias)
+        o_proj = RowParallelLinear.load(r, f"{prefix}.o_proj", c.num_heads * d, s, comm, dtype, device, kernels,
                                         bias=c.attention_bias)
         q_norm = OffsetRMSNorm.load(r, f"{prefix}.q_norm.weight", c.rms_norm_eps, device)
         k_norm = OffsetRMSNorm.load(r, f"{prefix}.k_norm.weight", c.rms_norm_eps, device)
@@ -215,13 +217,15 @@ class GatedAttention:
 
 
 class HybridCache:
-    """KV blocks for the full-attention layers, recurrent state per slot for the linear ones.
+    """KV blocks for the full-attention layers, recurrent state per slot for the linear ones, and
+    the images of the slots whose prefill has not passed them (with a vision tower).
     The recurrent state cannot rewind or be shared: a step continues exactly where its slot's
     state stands, or starts a sequence from nothing at offset 0 (a cached prefix cannot seed it)."""
 
-    def __init__(self, kv: PagedKVCache, linear: DeltaNetState, slots: int):
+    def __init__(self, kv: PagedKVCache, linear: DeltaNetState, slots: int, images: SlotImages | None = None):
         self.kv = kv
         self.linear = linear
+        self.images = images
         self.state_at: list[int | None] = [0] * slots  # None: a step failed mid-way
         # Text after images sits at `offset + shift` on every rotary axis: an image's tokens
         # advance positions by its grid's longer side, not by their count.
@@ -244,13 +248,17 @@ class HybridCache:
                     f"slot {s.slot}: offset {s.offset} but its recurrent state is {where}; "
                     "a linear-attention step must continue where the slot stands or restart at 0"
                 )
+        if self.images is not None:
+            self.images.check(seqs)
 
     def begin(self, seqs: list[SeqStep]) -> None:
         self.linear.begin(seqs)
+        if self.images is not None:
+            self.images.begin(seqs)
         for s in seqs:
             self.state_at[s.slot] = None  # until the step commits
             if s.fresh:
-                self.shift[s.slot] = 0
+                self.shift[s.slot] = 0 if self.images is None else self.images.shift(s.slot)
 
     def positions(self, batch: StepBatch) -> torch.Tensor:
         """The step's rotary positions: each token's offset plus its slot's shift."""
@@ -266,11 +274,16 @@ class HybridCache:
         step = self.linear
         for slot, offset, n in zip(step.slots, step.offsets, step.lengths):
             self.state_at[slot] = offset + n
+        if self.images is not None:
+            self.images.commit(batch)
 
     def clear(self, slots: list[int] | None) -> None:
-        for slot in range(len(self.state_at)) if slots is None else slots:
+        targets = range(len(self.state_at)) if slots is None else slots
+        for slot in targets:
             self.state_at[slot] = 0
             self.shift[slot] = 0
+        if self.images is not None:
+            self.images.clear(targets)
 
 
 class DecoderLayer:
@@ -290,9 +303,10 @@ class Qwen35ForCausalLM(CausalLM):
     """This rank's share of a Qwen3.5 text model plus its per-slot state."""
 
     def __init__(self, config: Qwen35Config, comm: Communicator, dtype: torch.dtype, device: torch.device,
-                 vision: VisionSpec | None = None, vision_config: dict | None = None):
+                 kernels: Kernels, vision: VisionSpec | None = None, vision_config: dict | None = None):
         c = config
         self.config = c
+        self.kernels = kernels
         self.vision_spec = vision
         self.vision: VisionTower | None = None
         if vision is not None:
@@ -319,7 +333,7 @@ class Qwen35ForCausalLM(CausalLM):
         p = "model.language_model" if r.has("model.language_model.embed_tokens.weight") else "model"
         self.embed = VocabParallelEmbedding.load(r, f"{p}.embed_tokens.weight", c.vocab_size, s, self.comm, dt, dev)
         head = f"{p}.embed_tokens.weight" if c.tie_word_embeddings or not r.has("lm_head.weight") else "lm_head.weight"
-        self.lm_head = ParallelLMHead.load(r, head, c.vocab_size, s, self.comm, dt, dev)
+        self.lm_head = ParallelLMHead.load(r, head, c.vocab_size, s, self.comm, dt, dev, self.kernels)
         self.norm = OffsetRMSNorm.load(r, f"{p}.norm.weight", c.rms_norm_eps, dev)
         self.layers = []
         for i in range(c.num_layers):
@@ -332,21 +346,22 @@ class Qwen35ForCausalLM(CausalLM):
             self.vision.load(r, "model.visual")
 
     def _load_layer(self, r: Reader, p: str, i: int) -> DecoderLayer:
-        c, dt, dev = self.config, self.dtype, self.device
+        c, dt, dev, k = self.config, self.dtype, self.device, self.kernels
         index = c.layer_types[:i].count(c.layer_types[i])  # among layers of its own kind
         if c.layer_types[i] == LINEAR:
-            mixer = GatedDeltaNet.load(r, index, f"{p}.linear_attn", self.heads, c.rms_norm_eps, self.comm, dt, dev)
+            mixer = GatedDeltaNet.load(r, index, f"{p}.linear_attn", self.heads, c.rms_norm_eps, self.comm, dt, dev, k)
         else:
-            mixer = GatedAttention.load(r, index, f"{p}.self_attn", c, self.layout, self.comm, dt, dev)
+            mixer = GatedAttention.load(r, index, f"{p}.self_attn", c, self.layout, self.comm, dt, dev, k)
         input_norm = OffsetRMSNorm.load(r, f"{p}.input_layernorm.weight", c.rms_norm_eps, dev)
         post_norm = OffsetRMSNorm.load(r, f"{p}.post_attention_layernorm.weight", c.rms_norm_eps, dev)
         return DecoderLayer(mixer, self.load_mlp(r, f"{p}.mlp"), input_norm, post_norm)
 
     def load_mlp(self, r: Reader, p: str):
         """The feed-forward block under `p`; a hook for models whose layers differ only there (MoE)."""
-        c, s, dt, dev = self.config, self.shard, self.dtype, self.device
-        gate_up = MergedColumnParallelLinear.load(r, [f"{p}.gate_proj", f"{p}.up_proj"], c.intermediate_size, s, dt, dev)
-        return MLP(gate_up, RowParallelLinear.load(r, f"{p}.down_proj", c.intermediate_size, s, self.comm, dt, dev))
+        c, s, dt, dev, k = self.config, self.shard, self.dtype, self.device, self.kernels
+        gate_up = MergedColumnParallelLinear.load(r, [f"{p}.gate_proj", f"{p}.up_proj"], c.intermediate_size, s, dt, dev,
+                                                  k)
+        return MLP(gate_up, RowParallelLinear.load(r, f"{p}.down_proj", c.intermediate_size, s, self.comm, dt, dev, k))
 
     def _conv_dim(self) -> int:
         h = self.heads
@@ -364,10 +379,10 @@ class Qwen35ForCausalLM(CausalLM):
         per_token = 2 * c.layer_types.count(FULL) * self.layout.local_kv_heads * c.head_dim
         return per_token * block_size * torch.finfo(self.dtype).bits // 8
 
-    def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int, paged: bool = True) -> int:
+    def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int) -> int:
         """A generous bound on one step's transient memory, plus the per-slot recurrent state that
         is allocated beside the KV pool: both kept free of KV blocks on GPUs."""
-        c, lay, h = self.config, self.layout, self.heads
+        c, lay, h, paged = self.config, self.layout, self.heads, self.kernels.paged
         size = torch.finfo(self.dtype).bits // 8
         attn_width = (2 * lay.local_heads + 2 * lay.local_kv_heads) * c.head_dim
         linear_width = self._conv_dim() + h.local_v * (h.v_dim + 2)
@@ -379,16 +394,18 @@ class Qwen35ForCausalLM(CausalLM):
         logits = 3 * max_slots * c.vocab_size * 4
         return 2 * (hidden + max(scores, gathered, delta) + logits) + 256 * 2**20 + self._state_bytes(max_slots)
 
-    def allocate(self, num_blocks: int, block_size: int, max_slots: int, max_model_len: int,
-                 paged: bool = True) -> None:
+    def allocate(self, num_blocks: int, block_size: int, max_slots: int, max_model_len: int) -> None:
         c = self.config
         self.check_model_len(max_model_len, c.max_position_embeddings)
         self.rotary = MRotary(c.rotary_dim, c.rope_theta, c.mrope_section, max_model_len, self.dtype, self.device)
         kv = PagedKVCache(c.layer_types.count(FULL), num_blocks, block_size, max_model_len,
-                          self.layout.local_kv_heads, c.head_dim, self.dtype, self.device, paged)
+                          self.layout.local_kv_heads, c.head_dim, self.dtype, self.device, self.kernels)
         linear = DeltaNetState(c.layer_types.count(LINEAR), max_slots, self._conv_dim(), c.conv_kernel, self.heads,
                                self.dtype, self.device)
-        self.cache = HybridCache(kv, linear, max_slots)
+        images = None
+        if self.vision is not None:
+            images = SlotImages(self.vision, self.vision_spec, max_slots, max_model_len, self.device)
+        self.cache = HybridCache(kv, linear, max_slots, images)
 
     def layer_tensors(self, layer) -> list[torch.Tensor]:
         return layer.mixer.tensors() + [layer.mlp.gate_up.weight, layer.mlp.down.weight]
@@ -399,10 +416,13 @@ class Qwen35ForCausalLM(CausalLM):
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor | None:
+        """The step; where its chunks reach a sequence's images, their embeddings replace the
+        placeholders'. The tower runs first: it has no collective, so a failure there comes before any."""
         assert self.cache is not None
-        return self.run(self.embed(batch.token_ids), self.cache.positions(batch), batch)
-
-    def prefill_with_images(self, tables: BlockTables, seqs: list[SeqStep], image_token_id: int,
-                            image_data_uris: list[str], chunk_size: int) -> torch.Tensor | None:
-        """Prefill whole sequences whose tokens hold image placeholders (see qwen3_5_images)."""
-        return prefill_with_images(self, tables, seqs, image_token_id, image_data_uris, chunk_size)
+        images = self.cache.images
+        if images is not None:
+            images.encode(batch)
+        x, positions = self.embed(batch.token_ids), self.cache.positions(batch)
+        if images is not None:
+            x, positions = images.place(x, positions, batch)
+        return self.run(x, positions, batch)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
+from neuron.layers.kernels import Kernels
 from neuron.layers.moe import SparseMoE
 from neuron.layers.tensor_parallel import Reader, Shard
 from neuron.models import text_config
@@ -73,9 +74,9 @@ class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
     """This rank's share of a Qwen3.5 MoE model: Qwen3.5's, with a `SharedExpertMoE` in every layer."""
 
     def __init__(self, config: Qwen35MoeConfig, comm: Communicator, dtype: torch.dtype, device: torch.device,
-                 vision: VisionSpec | None = None, vision_config: dict | None = None):
+                 kernels: Kernels, vision: VisionSpec | None = None, vision_config: dict | None = None):
         self.check_split(config, Shard(comm.rank, comm.world_size))
-        super().__init__(config.base, comm, dtype, device, vision, vision_config)
+        super().__init__(config.base, comm, dtype, device, kernels, vision, vision_config)
         self.moe = config
 
     @staticmethod
@@ -89,16 +90,16 @@ class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
         shared = super().load_mlp(r, f"{p}.shared_expert")  # the dense MLP, at the shared expert's width
         # transformers' Qwen3.5 MoE router always renormalises its top-k weights (no norm_topk_prob)
         routed = SparseMoE.load(r, p, m.num_experts, m.moe_intermediate_size, m.top_k, True, self.shard,
-                                self.comm, self.dtype, self.device)
+                                self.comm, self.dtype, self.device, self.kernels)
         gate = r.read(f"{p}.shared_expert_gate.weight").to(device=self.device, dtype=self.dtype)
         return SharedExpertMoE(routed, shared, gate, self.comm)
 
     def layer_tensors(self, layer) -> list[torch.Tensor]:
         return layer.mixer.tensors() + layer.mlp.tensors()
 
-    def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int, paged: bool = True) -> int:
+    def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int) -> int:
         """Qwen3.5's bound (which counts the shared expert as its dense MLP) plus the routed experts'."""
         m = self.moe
         extra = routed_activation_bytes(step_tokens, m.top_k, m.base.hidden_size,
                                         m.moe_intermediate_size // self.shard.world, self.dtype)
-        return super().activation_bytes(step_tokens, max_slots, max_model_len, paged) + extra
+        return super().activation_bytes(step_tokens, max_slots, max_model_len) + extra

@@ -85,9 +85,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class EmbeddingCache:
     """The vision tower's output for the images seen last, up to `max_bytes`, keyed by a digest of
-    each image's URI. A request's `n` samples carry the same image and are admitted one step apart
-    (a step prefills one sequence with images), so without it the tower would run once per sample.
-    Every rank sees the same steps, so every rank's cache holds the same images."""
+    each image's URI. A request's `n` samples carry the same image, each in a sequence of its own
+    (in one step or in several), so without it the tower would run once per sample. Every rank
+    sees the same steps, so every rank's cache holds the same images."""
 
     def __init__(self, max_bytes: int = 64 * 2**20):
         self.max_bytes = max_bytes

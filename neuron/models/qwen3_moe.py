@@ -11,6 +11,7 @@ import torch
 
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
+from neuron.layers.kernels import Kernels
 from neuron.layers.moe import SparseMoE
 from neuron.layers.tensor_parallel import Reader, Shard
 from neuron.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
@@ -56,9 +57,10 @@ class Qwen3MoeConfig:
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """This rank's share of a Qwen3-MoE model: Qwen3's, with MoE blocks where the config says."""
 
-    def __init__(self, config: Qwen3MoeConfig, comm: Communicator, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: Qwen3MoeConfig, comm: Communicator, dtype: torch.dtype, device: torch.device,
+                 kernels: Kernels):
         self.check_split(config, Shard(comm.rank, comm.world_size))  # before any weight is read
-        super().__init__(config.base, comm, dtype, device)
+        super().__init__(config.base, comm, dtype, device, kernels)
         self.moe = config
 
     @staticmethod
@@ -71,19 +73,19 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         if not m.is_sparse(i):
             return super().load_mlp(r, i)
         return SparseMoE.load(r, f"model.layers.{i}.mlp", m.num_experts, m.moe_intermediate_size, m.top_k,
-                              m.norm_topk_prob, self.shard, self.comm, self.dtype, self.device)
+                              m.norm_topk_prob, self.shard, self.comm, self.dtype, self.device, self.kernels)
 
     def layer_tensors(self, layer) -> list[torch.Tensor]:
         if not isinstance(layer.mlp, SparseMoE):
             return super().layer_tensors(layer)
         return [layer.attn.qkv.weight, layer.attn.o_proj.weight, *layer.mlp.tensors()]
 
-    def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int, paged: bool = True) -> int:
+    def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int) -> int:
         """Qwen3's bound plus the MoE block's (see `routed_activation_bytes`)."""
         m = self.moe
         extra = routed_activation_bytes(step_tokens, m.top_k, m.base.hidden_size,
                                         m.moe_intermediate_size // self.shard.world, self.dtype)
-        return super().activation_bytes(step_tokens, max_slots, max_model_len, paged) + extra
+        return super().activation_bytes(step_tokens, max_slots, max_model_len) + extra
 
 
 def routed_activation_bytes(step_tokens: int, top_k: int, hidden: int, local_inter: int, dtype: torch.dtype) -> int:

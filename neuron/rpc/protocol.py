@@ -82,23 +82,12 @@ class LoadShard(Message):
 
 
 class ForwardStep(Message):
-    """Run one batched forward. Workers reply `forward_step_ok`; only rank 0 keeps logits."""
+    """Run one batched forward: decodes, prompt chunks, and prompt chunks with images alike (a
+    sequence's first step carries its images, see `SeqStep`). Workers reply `forward_step_ok`;
+    only rank 0 keeps logits."""
 
     model_id: str
     seqs: list[SeqStep]
-
-
-class ForwardStepWithImages(Message):
-    """Prefill whole sequences (fresh, offset 0) whose tokens hold runs of `image_token_id`: the
-    images, in order, fill those runs, each the next run its patch grid covers. Every rank
-    decodes the same `data:` URIs the same way, runs its replicated vision tower, and walks the
-    prompts in the same chunks of `chunk_size` tokens, so the collectives pair up."""
-
-    model_id: str
-    seqs: list[SeqStep]
-    image_token_id: int
-    image_data_uris: list[str]
-    chunk_size: int
 
 
 class ClearKvCache(Message):
@@ -189,7 +178,6 @@ Request = (
     | CheckKernels
     | LoadShard
     | ForwardStep
-    | ForwardStepWithImages
     | ClearKvCache
     | UnloadModel
     | Shutdown

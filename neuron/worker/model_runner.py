@@ -1,11 +1,12 @@
 """A rank's model runner: the model, its KV cache, and turning a step into a forward on this rank.
 
 The worker owns one per loaded model. Loading builds the model and reads this rank's slices, sizes
-the KV pool from what the device has left, allocates it and captures the decode graphs. The runner
-keeps each slot's block table (`BlockTables`): a step is checked against them and against the
-model's own per-slot state (every rank refuses a bad one alike, before any collective), turned
-into the batch's tensors, run and committed. Rank 0's runner keeps the logits the leader samples
-from.
+the KV pool from what the device has left (kv_pool.py), allocates it and captures the decode
+graphs (cuda_graphs.py). The runner keeps each slot's block table (`BlockTables`, step_input.py):
+a step is checked against them and against the model's own per-slot state (every rank refuses a
+bad one alike, before any collective), turned into the batch's tensors, run (replayed from a
+graph where one fits, else the model's forward) and committed. Rank 0's runner keeps the logits
+the leader samples from.
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ from neuron.config import settings
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError, UnsupportedModel
 from neuron.layers import cpu_attention, cpu_ops
+from neuron.layers.kernels import Kernels
 from neuron.models import build_model
-from neuron.models.inputs import StepResult
-from neuron.models.kv_cache import plan_num_blocks
+from neuron.models.inputs import StepBatch, StepRejected, StepResult
 from neuron.models.loader import open_checkpoint
-from neuron.models.step_input import BlockTables, StepRejected
 from neuron.multimodal.image import VisionSpec
 from neuron.rpc import protocol as p
-from neuron.step import SeqStep
+from neuron.step import SeqStep, VerifyShape
+from neuron.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from neuron.worker.failure import WorkerFailure, resolve_dtype
+from neuron.worker.kv_pool import plan_kv_pool
+from neuron.worker.step_input import BlockTables
 
 log = logging.getLogger("neuron.worker")
 
@@ -36,37 +39,55 @@ log = logging.getLogger("neuron.worker")
 class ModelRunner:
     def __init__(self, model, num_blocks: int, tables: BlockTables):
         self.model = model
+        self.kernels: Kernels = model.kernels  # what its layers run, chosen at load
         self.num_blocks = num_blocks
         self.tables = tables
+        self.graphs: DecodeGraphs | None = None  # decode steps, once captured
+        self.verify_graphs: DecodeGraphs | None = None  # speculative decoding's verifying steps, captured apart
 
     @classmethod
-    def load(cls, shard: p.ShardSpec, comm: Communicator, device: torch.device,
+    def load(cls, shard: p.ShardSpec, failed_kernels: dict[str, str], comm: Communicator, device: torch.device,
              on_layer_loaded: Callable[[int, int], None] | None = None) -> ModelRunner:
-        """Build the model, read this rank's slices, size and allocate the KV pool, capture graphs."""
+        """Build the model with the kernels the settings and the ranks' self-check leave it (every
+        piece in `failed_kernels` on its reference), read this rank's slices, size and allocate the
+        KV pool, capture graphs."""
         try:
             dtype = resolve_dtype(shard.dtype, str(device))
             config = json.loads(shard.config_json)
+            kernels = Kernels.from_settings(failed_kernels)
+            kernels.log_failures()
             vision = VisionSpec.from_wire(shard.vision) if shard.vision is not None else None
-            model = build_model(config, comm, dtype, device, vision)
+            model = build_model(config, comm, dtype, device, kernels, vision)
             with open_checkpoint(shard.weight_paths, config, shard.quantization, shard.stored_format) as reader:
                 model.load(reader, on_layer_loaded)
             if device.type == "cpu":
                 _load_cpu_kernels()
-            num_blocks = _plan_kv(model, shard, device)
-            paged = settings().attention == "paged"
-            model.allocate(num_blocks, shard.block_size, shard.max_slots, shard.max_model_len, paged=paged)
-            tables = BlockTables(shard.max_slots, num_blocks, shard.block_size, shard.max_model_len, device, paged)
+            num_blocks = plan_kv_pool(model, shard, device)
+            model.allocate(num_blocks, shard.block_size, shard.max_slots, shard.max_model_len)
+            runner = cls(model, num_blocks, BlockTables(shard.max_slots, num_blocks, shard.block_size,
+                                                         shard.max_model_len, device, kernels.paged))
             if _graphs_wanted(model, device, comm):
-                model.capture_decode_graphs(shard.max_slots, shard.verify)
+                runner.capture_graphs(shard.max_slots, shard.verify)
         except UnsupportedModel as exc:
             raise WorkerFailure(p.ErrorKind.UNSUPPORTED_ARCH, str(exc)) from exc
         except (ConfigError, ValueError, OSError) as exc:
             raise WorkerFailure(p.ErrorKind.LOAD_FAILED, str(exc)) from exc
-        return cls(model, num_blocks, tables)
+        return runner
+
+    def capture_graphs(self, max_batch: int, verify: VerifyShape = VerifyShape()) -> None:
+        """Record decode steps of up to `max_batch` sequences in CUDA graphs (see cuda_graphs.py),
+        and with speculative decoding its verifying steps (`verify`: tokens per sequence, and the
+        most sequences that speculate in one step)."""
+        self.graphs = capture_decode_graphs(self.model, max_batch)
+        if verify.tokens > 1 and verify.batch > 0:
+            self.verify_graphs = capture_decode_graphs(self.model, min(max_batch, verify.batch), verify.tokens)
 
     def step(self, seqs: list[SeqStep]) -> StepResult:
         """One batched forward; what this rank keeps of it (rank 0: logits and prompt logprobs)."""
         model, tables = self.model, self.tables
+        if any(s.images for s in seqs) and getattr(model, "vision", None) is None:
+            raise WorkerFailure(p.ErrorKind.UNSUPPORTED_ARCH, "this model has no vision tower: a step with images "
+                                                              "cannot run")
         try:
             tables.check(seqs, model.config.vocab_size)
             model.cache.check(seqs, model.config.vocab_size)
@@ -77,24 +98,19 @@ class ModelRunner:
         if any(s.prompt_logprobs is not None for s in seqs):
             batch.prompt_topk = [s.prompt_logprobs for s in seqs]
         try:
-            logits = model.forward(batch)
+            logits = self._forward(batch)
         except Exception as exc:
             raise WorkerFailure(p.ErrorKind.FORWARD_FAILED, f"{type(exc).__name__}: {exc}") from exc
         tables.commit(batch)
         model.cache.commit(batch)
         return StepResult(logits, batch.prompt_out or {})
 
-    def step_with_images(self, req: p.ForwardStepWithImages) -> torch.Tensor | None:
-        """Prefill sequences whose prompts hold images, walking the same chunks as every rank."""
-        if getattr(self.model, "vision", None) is None:
-            raise WorkerFailure(p.ErrorKind.UNSUPPORTED_ARCH, f"model {req.model_id!r} has no vision tower")
-        try:
-            return self.model.prefill_with_images(self.tables, req.seqs, req.image_token_id, req.image_data_uris,
-                                                  req.chunk_size)
-        except StepRejected as exc:
-            raise WorkerFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
-        except Exception as exc:
-            raise WorkerFailure(p.ErrorKind.FORWARD_FAILED, f"{type(exc).__name__}: {exc}") from exc
+    def _forward(self, batch: StepBatch) -> torch.Tensor | None:
+        """A step that fits a captured graph replays it; any other runs the model's forward."""
+        for graphs in (self.graphs, self.verify_graphs):
+            if graphs is not None and graphs.fits(batch):
+                return graphs.run(batch)
+        return self.model.forward(batch)
 
     def clear(self, slots: list[int] | None) -> None:
         try:
@@ -104,8 +120,11 @@ class ModelRunner:
             raise WorkerFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
 
     def release(self) -> None:
-        """Free the captured graphs (and their memory pool) now."""
-        self.model.release_graphs()
+        """Free the captured graphs (and their memory pool) now, not when garbage collection gets to them."""
+        for graphs in (self.graphs, self.verify_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.verify_graphs = None
 
 
 def _load_cpu_kernels() -> None:
@@ -119,20 +138,5 @@ def _load_cpu_kernels() -> None:
 def _graphs_wanted(model, device: torch.device, comm: Communicator) -> bool:
     """Decode from CUDA graphs: on CUDA, over the paged cache, with collectives the GPU stream
     runs (one rank, or NCCL), for a model that allows it, unless NEURON_NO_CUDA_GRAPHS."""
-    return (device.type == "cuda" and not settings().no_cuda_graphs and model.supports_cuda_graphs
+    return (device.type == "cuda" and not settings().no_cuda_graphs and model.decode_on_device_only
             and model.cache.paged and comm.backend in ("single", "nccl"))
-
-
-def _plan_kv(model, req: p.ShardSpec, device: torch.device) -> int:
-    if req.block_size < 1:
-        raise ConfigError(f"KV block size must be >= 1, got {req.block_size}")
-    block_bytes = model.kv_block_bytes(req.block_size)
-    reserve = model.activation_bytes(req.max_num_batched_tokens, req.max_slots, req.max_model_len,
-                                     paged=settings().attention == "paged")
-    num_blocks = plan_num_blocks(block_bytes, req.block_size, max_slots=req.max_slots,
-                                 max_model_len=req.max_model_len, kv_cache_bytes=req.kv_cache_bytes,
-                                 gpu_memory_utilization=req.gpu_memory_utilization,
-                                 activation_reserve=reserve, device=device)
-    log.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, req.block_size,
-             num_blocks * block_bytes / 2**20)
-    return num_blocks

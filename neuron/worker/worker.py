@@ -26,7 +26,6 @@ from neuron.distributed.comm import (
 )
 from neuron.distributed.nccl_join import NcclJoin
 from neuron.distributed.net import address_towards, interface_of
-from neuron.layers import kernel_choice
 from neuron.layers.kernel_check import Widths, self_check
 from neuron.layers.paged_attention import HAS_TRITON
 from neuron.rpc import protocol as p
@@ -109,10 +108,6 @@ class Worker:
                 t0 = time.perf_counter()
                 logits = self._model(req.model_id).step(req.seqs)
                 return p.ForwardStepOk(seq=seq, elapsed_ms=_ms(t0)), logits
-            case p.ForwardStepWithImages():
-                t0 = time.perf_counter()
-                logits = self._model(req.model_id).step_with_images(req)
-                return p.ForwardStepOk(seq=seq, elapsed_ms=_ms(t0)), logits
             case p.ClearKvCache():
                 self._model(req.model_id).clear(req.slots)
                 return p.KvCacheCleared(seq=seq), None
@@ -172,8 +167,8 @@ class Worker:
     def _load(self, req: p.LoadShard) -> p.LoadShardOk:
         """Load the shard into a model runner, with the kernels every rank can trust."""
         t0 = time.perf_counter()
-        kernel_choice.apply(req.failed_kernels)
-        runner = ModelRunner.load(req.shard, self._need_comm(), self.device, self.on_layer_loaded)
+        runner = ModelRunner.load(req.shard, req.failed_kernels, self._need_comm(), self.device,
+                                  self.on_layer_loaded)
         self.models[req.model_id] = runner
         nbytes = runner.model.weight_bytes()
         log.info("loaded %s shard: %.1f MiB in %.0f ms", req.model_id, nbytes / 2**20, _ms(t0))

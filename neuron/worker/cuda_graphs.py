@@ -13,7 +13,7 @@ and who attend to that one row: they never touch a sequence's blocks, and their 
 What may be captured: the paged attention path (its metadata is device tensors and the Triton
 kernel reads lengths from them; the gather path's shapes change every step), collectives that
 run on the GPU stream (one rank, or NCCL: gloo is driven from the host), and models whose decode
-reads no per-step host state (`CausalLM.supports_cuda_graphs`). Steps that bring a prefill chunk,
+reads no per-step host state (`CausalLM.decode_on_device_only`). Steps that bring a prefill chunk,
 ask for prompt logprobs or exceed the largest bucket run eagerly, as before.
 
 Verifying steps of speculative decoding (engine/spec_decode) have graphs of their own, one per
@@ -35,10 +35,11 @@ import logging
 import torch
 
 from neuron.layers.paged_attention import PagedAttentionMetadata
-from neuron.models.step_input import StepBatch, blocks_for, logit_rows
+from neuron.models.inputs import StepBatch
+from neuron.worker.step_input import blocks_for, logit_rows
 from neuron.utils.device import to_device
 
-log = logging.getLogger("neuron.models")
+log = logging.getLogger("neuron.worker")
 
 _SMALL_BUCKETS = (1, 2, 4, 8)
 _BUCKET_STEP = 16
@@ -174,8 +175,7 @@ class DecodeGraphs:
                          all_decode=q == 1, read_rows=[], masks=[], paged=meta)
 
     def _forward(self, bucket: int) -> torch.Tensor | None:
-        batch = self._batch(bucket)
-        return self.model.run(self.model.embed(batch.token_ids), batch.positions, batch)
+        return self.model.forward(self._batch(bucket))
 
     @torch.inference_mode()
     def capture(self) -> dict[int, str]:

@@ -1,6 +1,6 @@
 """A step's input on one rank: each slot's block table and filled length, host-side, and the
-step's sequences turned into the tensors the forward reads (token ids, positions, the pool rows
-each new token writes, and attention's metadata).
+step's sequences turned into the tensors the forward reads (a `StepBatch`: token ids, positions,
+the pool rows each new token writes, and attention's metadata).
 
 The leader's BlockManager decides which blocks a sequence owns; a rank only keeps each slot's
 table, which a step extends by the block ids it carries (or restarts, on a sequence's first step).
@@ -9,48 +9,21 @@ never writes to them. Each rank tracks how many positions of every slot are fill
 that would read positions nobody wrote, or write outside its blocks, is refused before any
 collective runs: every rank sees the same request and refuses it the same way.
 
-The model runner owns one `BlockTables` (neuron/worker/model_runner.py); the pools themselves are
-the model's KV cache (kv_cache.py), which keeps storage only. On the gather path (a reference for
+The model runner owns one `BlockTables` (model_runner.py); the pools themselves are the model's
+KV cache (neuron/models/kv_cache.py), which keeps storage only. On the gather path (a reference for
 tests) each slot keeps the pool row of every one of its positions (`slot_rows`), extended when
 its table grows, so a step finds its rows by slicing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from neuron.errors import NeuronError
-from neuron.layers.paged_attention import PagedAttentionMetadata, build_step
+from neuron.layers.paged_attention import build_step
+from neuron.models.inputs import StepBatch, StepRejected
 from neuron.step import SeqStep
 from neuron.utils.device import Staging, to_device
-
-
-class StepRejected(NeuronError):
-    """A step that does not fit the KV cache (bad slot or block, gap in positions, past the model length)."""
-
-
-@dataclass(slots=True)
-class StepBatch:
-    """The tokens of all sequences of a step, flattened, with what attention needs to split them."""
-
-    token_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    write_rows: torch.Tensor | int  # [T] pool row of each new token (an int for a lone decode token)
-    slots: list[int]
-    lengths: list[int]  # new tokens per sequence
-    kv_lens: list[int]  # filled positions of each sequence after this step
-    last_index: torch.Tensor | None  # each sequence's last token(s) in the flat batch (all but decode steps)
-    all_decode: bool  # every sequence brings exactly one token
-    read_rows: list[torch.Tensor]  # pool rows to attend over: decode, one [B, L] (padded; [L] for a lone
-    # sequence); prefill, [kv_len] per sequence
-    masks: list[torch.Tensor | None]  # decode: one padding mask or None; prefill: a causal mask per sequence
-    paged: PagedAttentionMetadata | None = None  # the flat step for attention that reads blocks in place
-    prompt_topk: list[int | None] | None = None  # per sequence: top-k of its chunk's prompt logprobs, if asked
-    prompt_out: dict | None = None  # rank 0: PromptChunkLogprobs by sequence index, filled by the forward
-    logit_counts: list[int] | None = None  # a speculative step: each sequence's rows of logits (else one each)
 
 
 class BlockTables:
