@@ -79,6 +79,8 @@ def grounded_prompts(model: str, count: int, seed_len: int, grounding: int) -> l
 
 def _counts(llm) -> tuple[int, int, int]:
     """The engine's cumulative speculative counts: proposed, accepted, sequence-steps."""
+    if llm.engine.spec is None:  # the plain variant
+        return 0, 0, 0
     c = llm.engine.spec.counts
     return c.proposed, c.accepted, c.steps
 
