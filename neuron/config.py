@@ -133,6 +133,11 @@ class Settings:
         unset="the embedded tiny default model, whose random weights make noise")
     served_model_name: str | None = _setting(str, None, "the name clients pass as `model`",
                                              unset="MODEL as given")
+    models: str | None = _setting(
+        str, None, "a JSON or YAML file listing the models to serve, each {name, model, and optionally tp, devices, "
+        "dtype, quantization, max_model_len, speculative_config, hf_overrides, keep_alive, load (startup or "
+        "on_demand), ...}; the other options are every model's defaults (README: Several models)",
+        unset="MODEL(s) given on the command line")
     tokenizer: str | None = _setting(
         str, None, "a folder or cached repo id whose tokenizer.json (and chat template, generation_config.json) "
         "to use instead of the checkpoint's", unset="the checkpoint's own, or the one a GGUF file carries")
@@ -198,6 +203,10 @@ class Settings:
     gpu_memory_utilization: float = _setting(
         float, 0.9, "share of each GPU's memory neuron may use for weights, activations and the KV cache",
         lo=0, hi=1, above=True)
+    memory_budget: int | None = _setting(
+        "bytes", None, "bytes each device may give the models a server hosts (the host's memory for its CPU "
+        "ranks together): a load that does not fit unloads idle on-demand models, least recently used first, or "
+        "is refused with 507", unset="what each device has")
     no_prefix_caching: bool = _setting(bool, False, "do not reuse the KV blocks of prompt prefixes seen before")
     attention: str = _setting(str, "paged", "how attention reads the KV cache: paged reads blocks where they "
                               "lie from one flat step (the Triton kernel on CUDA, the C++ kernel on CPU, a "
@@ -223,6 +232,9 @@ class Settings:
     port: int = _setting(int, 8000, "TCP port to listen on; 0 picks a free one", lo=0, hi=65535)
     api_key: str | None = _setting(str, None, "require `Authorization: Bearer <key>` on /v1 routes; "
                                    "/health and /metrics stay open", unset="none, /v1 is open")
+    admin_key: str | None = _setting(str, None, "turn the admin API on (/admin/models: load, unload and list "
+                                     "models while serving), guarded by this bearer key, apart from --api-key",
+                                     unset="none, the admin API is off")
     prefix_cache_isolation: str = _setting(
         str, "none", "which requests may reuse each other's cached prompt prefixes, whose speed tells one client "
         "what another sent (docs/reliability.md): none, all unless their cache_salt differs; api-key, only those "

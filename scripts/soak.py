@@ -227,7 +227,7 @@ def quiet(url: str, timeout_s: float = 30) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         text = httpx.get(f"{url}/metrics").text
-        busy = [float(v) for v in re.findall(r"^neuron_num_requests_(?:running|waiting) (\S+)$", text, re.M)]
+        busy = [float(v) for v in re.findall(r"^neuron_num_requests_(?:running|waiting)(?:\{[^}]*\})? (\S+)$", text, re.M)]
         if busy and not any(busy):
             return True
         time.sleep(0.2)

@@ -109,6 +109,10 @@ class ScriptedEngine:
     failure = None
     spec = None  # no speculative decoding
 
+    def footprint(self) -> dict:
+        return {"tp": 1, "devices": ["cpu"], "quantization": None, "max_model_len": self.max_model_len,
+                "weight_bytes": 0}
+
     def on_failure(self, callback) -> None:
         pass
 
@@ -239,9 +243,15 @@ def token_ids(logprobs) -> list[int]:
 
 
 def metric(server, name: str) -> float:
-    """One sample from /metrics, `name` with its labels; 0 before the series first appears."""
-    found = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(f"{server.url}/metrics").text, re.M)
-    return float(found.group(1)) if found else 0.0
+    """One sample from /metrics, `name` with its labels, summed over the models that carry it (a
+    server of one model has one); 0 before the series first appears."""
+    text = httpx.get(f"{server.url}/metrics").text
+    if "{" in name:  # labels given: the model's label may come first or after them
+        head, labels = name.rstrip("}").split("{", 1)
+        pattern = rf"^{re.escape(head)}\{{(?:model=\"[^\"]*\",)?{re.escape(labels)}(?:,model=\"[^\"]*\")?\}} (\S+)$"
+    else:
+        pattern = rf"^{re.escape(name)}(?:\{{model=\"[^\"]*\"\}})? (\S+)$"
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
 
 
 def wait_until(predicate, timeout_s: float = 5.0, message: str = "condition not reached") -> None:

@@ -48,3 +48,20 @@ def test_cached_memory_never_lifts_the_budget_past_the_device(monkeypatch):
     # A driver report and allocator counters that disagree must not promise more than the device has.
     fake_gpu_memory(monkeypatch, free=80 * GIB, total=80 * GIB, allocated=0, reserved=40 * GIB)
     assert plan(utilization=1.0) == (80 - 2) * GIB // BLOCK_BYTES
+
+
+def test_a_second_model_in_the_process_gets_its_own_share(monkeypatch):
+    # A host's first model (rank 0 in this process) holds 30 GiB of an 80 GiB device; the second,
+    # sharing the device at 0.4, has loaded 6 GiB of weights: its share is 0.4 of the device, less
+    # its own weights, not less the first model's memory.
+    fake_gpu_memory(monkeypatch, free=int(43.5 * GIB), total=80 * GIB, allocated=36 * GIB, reserved=36 * GIB)
+    blocks = plan_num_blocks(BLOCK_BYTES, 16, max_slots=8, max_model_len=4096, kv_cache_bytes=0,
+                             gpu_memory_utilization=0.4, activation_reserve=2 * GIB, device=CUDA0,
+                             held_by_others=30 * GIB)
+    assert blocks == (32 - 6 - 2) * GIB // BLOCK_BYTES
+    # and never more than is free
+    fake_gpu_memory(monkeypatch, free=10 * GIB, total=80 * GIB, allocated=36 * GIB, reserved=36 * GIB)
+    blocks = plan_num_blocks(BLOCK_BYTES, 16, max_slots=8, max_model_len=4096, kv_cache_bytes=0,
+                             gpu_memory_utilization=0.4, activation_reserve=2 * GIB, device=CUDA0,
+                             held_by_others=30 * GIB)
+    assert blocks == (10 - 2) * GIB // BLOCK_BYTES

@@ -335,11 +335,12 @@ def test_a_pool_smaller_than_one_sequence_is_refused(odd_checkpoint):
 def test_prefix_cache_metrics():
     from neuron.engine.metrics import Metrics
 
-    m = Metrics()
+    server = Metrics()
+    m = server.for_model("m")
     m.kv_cache(0.25, 100, 40)
     m.kv_cache(0.5, 150, 40)
-    text = m.render().decode()
-    assert "neuron_prefix_cache_queries_total 150.0" in text
-    assert "neuron_prefix_cache_hits_total 40.0" in text
-    assert "neuron_prefix_cache_hit_rate 0.266" in text
-    assert "neuron_kv_cache_usage_ratio 0.5" in text
+    text = server.render().decode()
+    assert 'neuron_prefix_cache_queries_total{model="m"} 150.0' in text
+    assert 'neuron_prefix_cache_hits_total{model="m"} 40.0' in text
+    assert 'neuron_prefix_cache_hit_rate{model="m"} 0.266' in text
+    assert 'neuron_kv_cache_usage_ratio{model="m"} 0.5' in text

@@ -25,8 +25,6 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any
 
-import yaml
-
 from neuron.bench.load import (
     ENDPOINTS,
     MAX_CONCURRENCY,
@@ -44,6 +42,7 @@ from neuron.bench.load import (
 from neuron.bench.prompts import build_requests
 from neuron.bench.report import describe
 from neuron.errors import ConfigError
+from neuron.utils import safe_yaml
 
 STAGES = ("queue", "headers", "ttft", "decode", "e2e")
 # A scenario file is small; past these it is refused before it is parsed further.
@@ -104,47 +103,7 @@ def _read(path: Path) -> Any:
     if len(data) > MAX_FILE_BYTES:
         raise ConfigError(f"{path}: larger than {MAX_FILE_BYTES // 1024} KiB; a scenario file is YAML or JSON "
                           "naming providers and scenarios")
-    try:
-        return yaml.load(data, Loader=_Loader)  # noqa: S506 (a SafeLoader, and stricter)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not a scenario file: {_one_line(exc)}") from None
-    except ValueError as exc:  # a value YAML reads but Python refuses (an integer of 5,000 digits, a 13th month)
-        raise ConfigError(f"{path}: not a scenario file: {exc}") from None
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that refuses aliases (`*name`: a few lines of them can stand for billions of
-    nodes, the "billion laughs"), nesting deeper than MAX_NESTING (its composer recurses once per
-    level) and more than MAX_NODES nodes, at the node that breaks the rule, before building
-    anything."""
-
-    def __init__(self, stream):
-        super().__init__(stream)
-        self.nesting = self.nodes = 0
-
-    def compose_node(self, parent, index):
-        mark = self.peek_event().start_mark
-        if self.check_event(yaml.AliasEvent):
-            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not accepted", mark)
-        if self.nesting >= MAX_NESTING:
-            raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_NESTING} levels", mark)
-        self.nodes += 1
-        if self.nodes > MAX_NODES:
-            raise yaml.composer.ComposerError(None, None, f"more than {MAX_NODES:,} values", mark)
-        self.nesting += 1
-        try:
-            return super().compose_node(parent, index)
-        finally:
-            self.nesting -= 1
-
-
-def _one_line(exc) -> str:
-    """A YAML error's problem and where, without the quoted snippet."""
-    problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
-    if problem is None:
-        return " ".join(str(exc).split())
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return f"{problem}{where}"
+    return safe_yaml.load(data, f"{path}: not a scenario file", MAX_NESTING, MAX_NODES)
 
 
 def _scenarios(doc: Any, base_urls: list[str]) -> list[Scenario]:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from neuron.config import settings
 from neuron.engine.engine_client import EngineClient
 from neuron.engine.llm_engine import LLMEngine, Update
-from neuron.engine.metrics import Metrics
+from neuron.engine.metrics import Metrics, ModelMetrics
 from neuron.engine.request_stream import RequestStream
 from neuron.engine.sampling_params import SamplingParams
 from neuron.engine.structured_output import CompiledGrammar
@@ -82,11 +82,12 @@ class AsyncEngine(EngineClient):
         model_name: str,
         max_running: int,
         max_waiting: int,
-        metrics: Metrics | None = None,
+        metrics: ModelMetrics | None = None,
         interrupt: Callable[[str], None] | None = None,
     ):
         """`interrupt(reason)`, callable from any thread, ends what the ranks are doing at once (a
-        start included); without it, `stop` interrupts through the loaded engine's executor."""
+        start included); without it, `stop` interrupts through the loaded engine's executor.
+        `metrics`: this model's series in the server's registry (a registry of its own without)."""
         self._factory = factory
         self._interrupt_hook = interrupt
         self.model_name = model_name
@@ -95,7 +96,7 @@ class AsyncEngine(EngineClient):
         # Sequences one request may hold, so that one request never takes every place: all the
         # running slots at most, or half of all places when the waiting queue is larger.
         self.max_per_request = max(max_running, self.capacity // 2)
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or Metrics().for_model(model_name)
         self.engine: LLMEngine | None = None
         self._state = EngineState.LOADING
         self._error: str | None = None
@@ -143,18 +144,21 @@ class AsyncEngine(EngineClient):
         self._thread = threading.Thread(target=self._run, name="neuron-engine", daemon=True)
         self._thread.start()
 
-    async def drain(self, grace_s: float, hurry: asyncio.Event | None = None) -> int:
+    async def drain(self, grace_s: float, hurry: asyncio.Event | None = None, why: str = "the server is shutting down",
+                    failure_kind: str = "shutting_down") -> int:
         """Refuse new requests, give the running ones up to `grace_s` (or until `hurry` is set) to
-        finish, then cancel the rest with a clean error. Returns how many were cancelled."""
+        finish, then cancel the rest with a clean error saying `why` (`failure_kind` tells the
+        handlers: `shutting_down`, or `unloaded` for a model a host unloads). Returns how many were
+        cancelled."""
         self._set_state(EngineState.SHUTTING_DOWN)
         deadline = time.monotonic() + grace_s
         while self._streams and time.monotonic() < deadline and not (hurry is not None and hurry.is_set()):
             await asyncio.sleep(0.05)
         left = len(self._streams)
         if left:
-            log.warning("cancelling %d request(s) still running after the %.1f s shutdown grace period", left,
-                        grace_s)
-            self._fail_streams("the server is shutting down; the request was cancelled", "shutting_down")
+            log.warning("cancelling %d request(s) still running after the %.1f s grace period: %s", left, grace_s,
+                        why)
+            self._fail_streams(f"{why}; the request was cancelled", failure_kind)
         return left
 
     def stop(self, timeout_s: float = _STOP_JOIN_S) -> None:
@@ -238,7 +242,7 @@ class AsyncEngine(EngineClient):
             del self._streams[stream.request_id]
         if not stream.finished:
             log.info("request %s aborted by the client after %d tokens", stream.request_id, stream.num_output_tokens)
-            self.metrics.finished.labels("abort").inc()
+            self.metrics.finished_with("abort")
             if self.engine is not None:
                 self.engine.abort(stream.request_id)
                 self._wake.set()
@@ -259,7 +263,7 @@ class AsyncEngine(EngineClient):
 
     def _finished(self, stream: RequestStream, update: Update) -> None:
         now = time.monotonic()
-        self.metrics.finished.labels(stream.finish_reason).inc()
+        self.metrics.finished_with(stream.finish_reason)
         self.metrics.e2e.observe(now - stream.arrival)
         ttft = (stream.first_token_at or now) - stream.arrival
         log.info("request %s %s: %d prompt + %d output tokens, ttft %.1f ms, total %.1f ms%s",

@@ -41,6 +41,7 @@ class EngineConfig:
     cluster_interface: str | None = from_settings("cluster_interface")
     cluster_port: int = from_settings("cluster_port")
     device: str | None = from_settings("device")  # None: cuda when present, else cpu
+    devices: list[str] | None = None  # each rank's device, when placed (a model host's placement)
     dtype: str = from_settings("dtype")
     quantization: str | None = from_settings("quantization")  # "int8": quantize at load
     speculative_config: dict | str | None = from_settings("speculative_config")  # speculative.SpeculativeConfig
@@ -63,6 +64,11 @@ class EngineConfig:
             check(setting, getattr(self, name), name)
         if self.device is not None:
             check_device(self.device)
+        if self.devices is not None:
+            if len(self.devices) != self.tp:
+                raise ConfigError(f"devices names {len(self.devices)} device(s) for {self.tp} rank(s): name one per rank")
+            for device in self.devices:
+                check_device(device)
         self.hf_overrides = parse_overrides(self.hf_overrides)
 
 

@@ -63,15 +63,16 @@ class LLMEngine:
         return self
 
     @classmethod
-    def load(cls, cfg: EngineConfig, worker_cmd=None,
+    def load(cls, cfg: EngineConfig | ModelConfig, worker_cmd=None,
              building: Callable[["LLMEngine"], None] | None = None) -> "LLMEngine":
-        """A started engine, its model resolved and its ranks up within load_timeout_s
-        (loading.LoadTimeout naming the phase otherwise). `building(engine)` hears of the engine
-        before it starts (to interrupt it)."""
+        """A started engine, its model resolved (unless `cfg` is resolved already) and its ranks up
+        within load_timeout_s (loading.LoadTimeout naming the phase otherwise). `building(engine)`
+        hears of the engine before it starts (to interrupt it)."""
         made: list[LLMEngine] = []
+        spec = cfg.spec if isinstance(cfg, ModelConfig) else cfg
 
         def build(phases) -> LLMEngine:
-            model = resolve_model_config(cfg, phases)
+            model = cfg if isinstance(cfg, ModelConfig) else resolve_model_config(cfg, phases)
             phases("reading the weight index and planning memory")
             engine = cls(model, worker_cmd)
             made.append(engine)
@@ -83,7 +84,7 @@ class LLMEngine:
             if made:
                 made[0].executor.abort(reason)
 
-        return load_within(build, cfg.load_timeout_s, interrupt, close=lambda engine: engine.shutdown(),
+        return load_within(build, spec.load_timeout_s, interrupt, close=lambda engine: engine.shutdown(),
                            hold=lambda engine: engine._shut_down.wait())
 
     def _new_blocks(self) -> None:
@@ -278,6 +279,12 @@ class LLMEngine:
     def fail_in_flight(self, message: str) -> list[Update]:
         """End every admitted request with an error; their slots return to the free list."""
         return self._fail(self.scheduler.all_sequences(), message)
+
+    def footprint(self) -> dict:
+        """Where the model runs and what it holds, as /v1/models and /admin/models show it."""
+        return {"tp": self.model.spec.tp, "devices": list(self.executor.devices),
+                "quantization": self.model.quantization, "max_model_len": self.max_model_len,
+                "weight_bytes": sum(self.executor.weight_bytes)}
 
     def kv_slot_usage(self) -> float:
         return len(self.scheduler.running) / self.scheduler.max_num_seqs

@@ -99,7 +99,8 @@ class ModelConfig:
         return ExecutorConfig(self.model_dir, shard=self.shard_spec(), tp=s.tp, hosts=s.hosts,
                               worker_launcher=s.worker_launcher, cluster_address=s.cluster_address,
                               cluster_interface=s.cluster_interface, cluster_port=s.cluster_port, device=self.device,
-                              model_id=model_id, name=self.name, load_timeout_s=s.load_timeout_s)
+                              devices=tuple(s.devices) if s.devices else None, model_id=model_id, name=self.name,
+                              load_timeout_s=s.load_timeout_s)
 
     def draft_spec(self) -> EngineConfig:
         """The arguments of speculative decoding's draft model: one rank on rank 0's device, this
@@ -107,6 +108,7 @@ class ModelConfig:
         target's: spec_decode/draft.py)."""
         assert self.speculative is not None and self.speculative.model is not None
         return replace(self.spec, model=self.speculative.model, tp=1, hosts=None, device=self.device,
+                       devices=self.spec.devices[:1] if self.spec.devices else None,
                        quantization=None, speculative_config=None, hf_overrides=None, tokenizer=None,
                        served_model_name=None, kv_cache_memory=None, max_model_len=None,
                        max_num_batched_tokens=self.step_tokens)
@@ -135,7 +137,8 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
     return ModelConfig(
         spec=spec, name=spec.served_model_name or spec.model or "neuron-default", model_dir=model_dir,
         weight_files=tuple(str(f) for f in weight_files(model_dir)), hf_config=config, gguf=gguf,
-        device=spec.device or default_device(), stored_format=stored,
+        device=(spec.devices[0].split(":")[0] if spec.devices else None) or spec.device or default_device(),
+        stored_format=stored,
         quantization=spec.quantization or _stored_label(gguf, stored),
         max_model_len=_max_model_len(spec, config), vocab_size=vocab, tokenizer=tokenizer,
         generation_config=generation, eos_token_ids=_eos_ids(config, generation, tokenizer),

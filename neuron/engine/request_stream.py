@@ -13,14 +13,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from neuron.engine.metrics import Metrics
+from neuron.engine.metrics import ModelMetrics
 from neuron.engine.output_processor import Update
 
 
 class RequestStream:
     """One request's updates, in order, ending with the update that has `finished` set."""
 
-    def __init__(self, metrics: Metrics, request_id: str, num_prompt_tokens: int,
+    def __init__(self, metrics: ModelMetrics, request_id: str, num_prompt_tokens: int,
                  on_close: Callable[[RequestStream], None]):
         """`on_close(stream)`, called once, releases the request (aborts it if the engine still runs it)."""
         self.request_id = request_id

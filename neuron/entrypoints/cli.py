@@ -1,4 +1,4 @@
-"""The `neuron` command: `serve`, `generate`, `bench`, `doctor`, and the hidden `--worker` mode. Each
+"""The `neuron` command: `serve`, `generate`, `bench`, `doctor`, `models`, and the hidden `--worker` mode. Each
 subcommand lives in its own module and registers its own flags."""
 
 from __future__ import annotations
@@ -46,12 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"neuron {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from neuron.bench import cli as bench
-    from neuron.entrypoints import doctor, generate, serve
+    from neuron.entrypoints import doctor, generate, models, serve
 
     serve.add_parser(sub)
     generate.add_parser(sub)
     bench.add_parser(sub)
     doctor.add_parser(sub)
+    models.add_parser(sub)
     return ap
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import errno
 import ipaddress
 import logging
@@ -16,8 +17,8 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from neuron.config import settings
-from neuron.entrypoints.options import add_model, add_options, given
+from neuron.config import SETTINGS, settings
+from neuron.entrypoints.options import add_options, describe, given
 from neuron.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -42,13 +43,13 @@ Example: NEURON_TP=2 NEURON_API_KEY=secret neuron serve ./my-model"""
 # The settings `neuron serve` takes as flags, in the groups and the order --help lists them.
 OPTION_GROUPS = (
     ("model", "what is served, and how its weights are held",
-     ("served_model_name", "tokenizer", "hf_overrides", "dtype", "quantization", "max_model_len",
+     ("served_model_name", "models", "tokenizer", "hf_overrides", "dtype", "quantization", "max_model_len",
       "speculative_config", "load_timeout_s")),
     ("parallel", "ranks, devices, batching and the KV cache",
      ("tp", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "gpu_memory_utilization",
-      "no_prefix_caching")),
-    ("server", "the HTTP server", ("host", "port", "api_key", "prefix_cache_isolation", "allowed_origins",
-                                   "keepalive_s", "shutdown_grace_s", "log_level")),
+      "memory_budget", "no_prefix_caching")),
+    ("server", "the HTTP server", ("host", "port", "api_key", "admin_key", "prefix_cache_isolation",
+                                   "allowed_origins", "keepalive_s", "shutdown_grace_s", "log_level")),
     ("limits", "what clients may queue, send and hold open",
      ("max_waiting", "max_body_bytes", "max_connections", "max_connections_per_client", "header_timeout_s",
       "body_timeout_s", "min_body_rate", "idle_timeout_s")),
@@ -64,7 +65,8 @@ def add_parser(sub) -> None:
     for title, description, names in OPTION_GROUPS:
         group = ap.add_argument_group(title, description)
         if title == "model":
-            add_model(group)
+            group.add_argument("model", nargs="*", metavar="MODEL",
+                               help=describe(SETTINGS["model"])[:-1] + "; several: each served under its name as given)")
         add_options(group, names)
     ap.set_defaults(run=run)
 
@@ -75,9 +77,34 @@ def configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
     from neuron.entrypoints.openai.app import ServerConfig
 
     engine = given(args, EngineConfig)
+    models = engine.pop("model", None) or []
+    if len(models) == 1:
+        engine["model"] = models[0]
     if args.no_prefix_caching:
         engine["enable_prefix_caching"] = False
     return EngineConfig(**engine), ServerConfig(**given(args, ServerConfig))
+
+
+def model_specs(args: argparse.Namespace, engine_cfg: EngineConfig) -> list | None:
+    """The models of a host (several MODELs, or --models FILE), each over the command line's options;
+    None for the single model a server has always served."""
+    import dataclasses
+
+    from neuron.engine.host import ModelSpec, check_unique, read_models_file
+
+    models = args.model or []
+    file = args.models or settings().models
+    if len(models) <= 1 and not file:
+        return None
+    if engine_cfg.served_model_name is not None:
+        raise ConfigError("--served-model-name names one model; with several, each is served under its name as "
+                          "given (or a models file's `name`)")
+    defaults = dataclasses.replace(engine_cfg, model=None)
+    specs = [ModelSpec(name, dataclasses.replace(defaults, model=name, served_model_name=name)) for name in models]
+    if file:
+        specs += read_models_file(file, defaults)
+    check_unique(specs)
+    return specs
 
 
 def run(args) -> int:
@@ -85,16 +112,17 @@ def run(args) -> int:
 
     try:
         engine_cfg, server_cfg = configs(args)
+        specs = model_specs(args, engine_cfg)
         log_level = args.log_level or settings().log_level
         sock = listen_socket(server_cfg.host, server_cfg.port)  # before anything loads: a busy port fails at once
     except ConfigError as exc:
         print(f"neuron serve: {exc}", file=sys.stderr)
         return 2
     setup_logging(level=log_level)
-    if engine_cfg.model is None:
+    if engine_cfg.model is None and specs is None:
         log.info("no MODEL given: serving the embedded tiny default model (random weights: its output is noise)")
     try:
-        return asyncio.run(serve(engine_cfg, server_cfg, log_level, sock))
+        return asyncio.run(serve(engine_cfg, server_cfg, log_level, sock, specs))
     except KeyboardInterrupt:  # a Ctrl-C before Uvicorn took over the signals: nothing was running yet
         return 0
 
@@ -115,12 +143,14 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(engine_cfg, server_cfg, log_level: str = "info", sock: socket.socket | None = None) -> int:
-    """Run the server until a signal stops it (0, after a graceful shutdown) or the model fails to
-    load (1). `sock`: bound already (listen_socket); else bound here, before the model loads."""
+async def serve(engine_cfg, server_cfg, log_level: str = "info", sock: socket.socket | None = None,
+                specs: list | None = None) -> int:
+    """Run the server until a signal stops it (0, after a graceful shutdown) or its one model fails
+    to load (1). `sock`: bound already (listen_socket); else bound here, before the model loads.
+    `specs`: the models of a host (model_specs), None for the one model of `engine_cfg`."""
     import uvicorn
 
-    from neuron.engine.async_engine import EngineState
+    from neuron.engine.host import ModelHost
     from neuron.entrypoints.openai.app import build_app
     from neuron.entrypoints.openai.connections import rate_limit_server_logs
     from neuron.entrypoints.openai.shutdown import GracefulServer
@@ -128,30 +158,41 @@ async def serve(engine_cfg, server_cfg, log_level: str = "info", sock: socket.so
     sock = sock or listen_socket(server_cfg.host, server_cfg.port)
     rate_limit_server_logs()
     warn_if_exposed(server_cfg.host, server_cfg.api_key)
-    limits = connection_limits(server_cfg, engine_cfg.tp)
-    engine = async_engine(engine_cfg, server_cfg)
-    app = build_app(engine, server_cfg)
+    limits = connection_limits(server_cfg, max([engine_cfg.tp, *(s.engine.tp for s in specs or [])]))
+    defaults = dataclasses.replace(engine_cfg, model=None, served_model_name=None)
+    options = dict(defaults=defaults, max_waiting=server_cfg.max_waiting,
+                   memory_budget=settings().memory_budget if server_cfg.memory_budget is None
+                   else server_cfg.memory_budget)
+    host = ModelHost.of_engine(async_engine(engine_cfg, server_cfg), **options) if specs is None \
+        else ModelHost(specs, **options)
+    app = build_app(host, server_cfg)
     # Uvicorn's own logs stay at warning: neuron logs one line per request itself.
     quiet = "warning" if log_level.lower() in ("info", "debug") else log_level.lower()
     # Uvicorn's own graceful timeout only backs up ours: by then every request has had its answer.
     config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_level=quiet,
                             timeout_graceful_shutdown=5)
-    server = GracefulServer(config, engine, server_cfg.shutdown_grace_s, limits)
+    server = GracefulServer(config, host, server_cfg.shutdown_grace_s, limits)
     task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not task.done() and not (server.started and engine.state is not EngineState.LOADING):
+    while not task.done() and not (server.started and not host.starting):
         await asyncio.sleep(0.05)
-    if engine.state is EngineState.READY and server.started:
+    single = host.single
+    if server.started and host.startup_ready:
         port = server.servers[0].sockets[0].getsockname()[1]
-        log.info("ready: serving `%s` at http://%s:%d/v1%s", engine.model_name, server_cfg.host, port,
-                 _speculation(engine.speculative))
-    failed = engine.state is EngineState.FAILED
-    if failed:
+        names = ", ".join(f"`{name}`" for name in host.models)
+        log.info("ready: serving %s at http://%s:%d/v1%s", names, server_cfg.host, port,
+                 _speculation(single.engine.speculative) if single is not None else "")
+    failed = single is not None and single.status == "failed"
+    if failed:  # a server of one model has nothing left to serve
         log.error("the model failed to load; stopping")
         server.should_exit = True
+    for m in host.models.values():
+        if single is None and m.status == "failed":
+            log.error("model `%s` failed to load: %s; the others are served, and the admin API can load it "
+                      "again", m.name, m.error or (m.engine.error if m.engine else ""))
     await task
-    # The lifespan has stopped the engine already (this returns at once), unless a signal came while
-    # Uvicorn was starting.
-    await asyncio.to_thread(engine.stop)
+    # The lifespan has stopped the engines already (this returns at once), unless a signal came
+    # while Uvicorn was starting.
+    await asyncio.to_thread(host.stop)
     log.info("stopped")
     return 1 if failed else 0
 

@@ -89,6 +89,7 @@ class ExecutorConfig:
     cluster_interface: str | None = from_settings("cluster_interface")
     cluster_port: int = from_settings("cluster_port")
     device: str = "cpu"  # one device string: the engine resolves the `device` setting's "cuda when present"
+    devices: tuple[str, ...] | None = None  # each rank's device, placed by a model host (else from `device`)
     model_id: str = "model"  # the key the ranks hold the model under
     name: str = ""  # what the logs call the model (the engine's served name); the model id where empty
     start_timeout_s: float = from_settings("worker_start_timeout_s")
@@ -113,7 +114,7 @@ class Executor:
         self.config = json.loads(cfg.shard.config_json)
         self.placement = parse_hosts(cfg.hosts, cfg.tp)
         self.cluster_address = cluster_address(cfg.cluster_address, cfg.cluster_interface, self.placement)
-        self.devices = rank_devices(cfg.device, cfg.tp, self.placement)
+        self.devices = list(cfg.devices) if cfg.devices else rank_devices(cfg.device, cfg.tp, self.placement)
         self.backend = choose_backend(self.devices, self.placement.hosts)
         self.shard = msgspec.structs.replace(cfg.shard, kv_cache_bytes=self._plan_host_memory())  # before any worker
         self.weight_bytes: list[int] = []

@@ -29,8 +29,8 @@ from neuron.layers.tensor_parallel import (
     VocabParallelEmbedding,
 )
 from neuron.models.base import CausalLM
-from neuron.models.kv_cache import PagedKVCache
 from neuron.models.inputs import StepBatch
+from neuron.models.kv_cache import PagedKVCache
 
 
 @dataclass(slots=True)

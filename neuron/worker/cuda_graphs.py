@@ -36,8 +36,8 @@ import torch
 
 from neuron.layers.paged_attention import PagedAttentionMetadata
 from neuron.models.inputs import StepBatch
-from neuron.worker.step_input import blocks_for, logit_rows
 from neuron.utils.device import to_device
+from neuron.worker.step_input import blocks_for, logit_rows
 
 log = logging.getLogger("neuron.worker")
 

@@ -16,8 +16,10 @@ log = logging.getLogger("neuron.worker")
 _MIB = 2**20
 
 
-def plan_kv_pool(model, req: p.LoadShard, device: torch.device) -> int:
-    """The blocks of `req.block_size` tokens this rank's pool holds for `model` (loaded, not allocated)."""
+def plan_kv_pool(model, req: p.LoadShard, device: torch.device, held_by_others: int = 0) -> int:
+    """The blocks of `req.block_size` tokens this rank's pool holds for `model` (loaded, not
+    allocated); `held_by_others`: what this process had allocated on the device before the model
+    (another model of a host), not counted against its share."""
     if req.block_size < 1:
         raise ConfigError(f"KV block size must be >= 1, got {req.block_size}")
     block_bytes = model.kv_block_bytes(req.block_size)
@@ -25,18 +27,20 @@ def plan_kv_pool(model, req: p.LoadShard, device: torch.device) -> int:
     num_blocks = plan_num_blocks(block_bytes, req.block_size, max_slots=req.max_slots,
                                  max_model_len=req.max_model_len, kv_cache_bytes=req.kv_cache_bytes,
                                  gpu_memory_utilization=req.gpu_memory_utilization,
-                                 activation_reserve=reserve, device=device)
+                                 activation_reserve=reserve, device=device, held_by_others=held_by_others)
     log.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, req.block_size,
              num_blocks * block_bytes / 2**20)
     return num_blocks
 
 
 def plan_num_blocks(block_bytes: int, block_size: int, *, max_slots: int, max_model_len: int, kv_cache_bytes: int,
-                    gpu_memory_utilization: float, activation_reserve: int, device: torch.device) -> int:
+                    gpu_memory_utilization: float, activation_reserve: int, device: torch.device,
+                    held_by_others: int = 0) -> int:
     """How many KV blocks this rank allocates: an explicit byte budget if given; on CUDA what its
-    share of the device leaves after what this process has allocated (the weights) and the
-    activation reserve, never more than is free now (counting what its allocator caches); on CPU
-    room for `max_slots` full-length sequences, as a preallocated cache would hold."""
+    share of the device leaves after what this model has allocated (the weights; what this process
+    held before it, `held_by_others`, is another model's) and the activation reserve, never more
+    than is free now (counting what its allocator caches); on CPU room for `max_slots` full-length
+    sequences, as a preallocated cache would hold."""
     if kv_cache_bytes > 0:
         return kv_cache_bytes // block_bytes
     if device.type != "cuda":
@@ -44,10 +48,11 @@ def plan_num_blocks(block_bytes: int, block_size: int, *, max_slots: int, max_mo
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     free, total = torch.cuda.mem_get_info(device)
-    allocated = torch.cuda.memory_allocated(device)
+    in_use = torch.cuda.memory_allocated(device)
+    allocated = max(in_use - held_by_others, 0)
     # The caching allocator keeps a freed model's blocks reserved; it hands them out again, and
     # frees them back to the driver when a request fits none of them, so they count as available.
-    cached = max(torch.cuda.memory_reserved(device) - allocated, 0)
+    cached = max(torch.cuda.memory_reserved(device) - in_use, 0)
     budget = min(total * gpu_memory_utilization - allocated, free + cached) - activation_reserve
     num_blocks = int(budget // block_bytes)
     if num_blocks <= 0:

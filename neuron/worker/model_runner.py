@@ -51,6 +51,8 @@ class ModelRunner:
         """Build the model with the kernels the settings and the ranks' self-check leave it (every
         piece in `failed_kernels` on its reference), read this rank's slices, size and allocate the
         KV pool, capture graphs."""
+        # what this process held on the device before (another model a host serves): not this model's
+        held_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         try:
             dtype = resolve_dtype(shard.dtype, str(device))
             config = json.loads(shard.config_json)
@@ -62,7 +64,7 @@ class ModelRunner:
                 model.load(reader, on_layer_loaded)
             if device.type == "cpu":
                 _load_cpu_kernels()
-            num_blocks = plan_kv_pool(model, shard, device)
+            num_blocks = plan_kv_pool(model, shard, device, held_before)
             model.allocate(num_blocks, shard.block_size, shard.max_slots, shard.max_model_len)
             runner = cls(model, num_blocks, BlockTables(shard.max_slots, num_blocks, shard.block_size,
                                                          shard.max_model_len, device, kernels.paged))

@@ -207,6 +207,12 @@ class ModelCard(Struct):
     quantization: str | None = None  # how the weights are held, when not in the model dtype
     owned_by: str = "neuron"
     object: str = "model"
+    # the host's view: available, loading, ready, recovering, failed (with `error`) or unloading
+    status: str = "ready"
+    tp: int = 1
+    devices: list[str] = []
+    weight_bytes: int | None = None  # every rank's together, once loaded
+    error: str | None = None
 
 
 class ModelList(Struct):

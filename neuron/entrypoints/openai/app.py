@@ -22,6 +22,8 @@ from starlette.routing import Route
 
 from neuron.config import check, from_settings
 from neuron.engine.async_engine import AsyncEngine, EngineState
+from neuron.engine.host import HostedModel, HostError, ModelHost
+from neuron.entrypoints.openai.admin import admin_routes, host_error
 from neuron.entrypoints.openai.api_errors import APIError, bad_request, internal
 from neuron.entrypoints.openai.api_types import (
     ChatCompletionRequest,
@@ -35,6 +37,7 @@ from neuron.entrypoints.openai.api_types import (
 from neuron.entrypoints.openai.common import check_ready, request_salt
 from neuron.entrypoints.openai.connections import BodyTimeout, RequestGuard, parse_origins
 from neuron.entrypoints.openai.prompt_input import Limiters
+from neuron.entrypoints.openai.request_body import read_body, require_json
 from neuron.entrypoints.openai.serving_chat import create_chat_completion
 from neuron.entrypoints.openai.serving_completions import create_completion
 from neuron.entrypoints.openai.serving_tokenization import detokenize, tokenize
@@ -54,6 +57,8 @@ class ServerConfig:
     host: str = from_settings("host")
     port: int = from_settings("port")
     api_key: str | None = from_settings("api_key")
+    admin_key: str | None = from_settings("admin_key")  # the admin API (/admin/models) is on with it, off without
+    memory_budget: int | None = from_settings("memory_budget")  # per device, for the models a host loads
     prefix_cache_isolation: str = from_settings("prefix_cache_isolation")  # which requests share cached prefixes
     max_body_bytes: int = from_settings("max_body_bytes")
     keepalive_s: float = from_settings("keepalive_s")  # SSE comment interval while a stream has nothing to say
@@ -78,8 +83,10 @@ class ServerConfig:
                               "them")
 
 
-def build_app(engine: AsyncEngine, cfg: ServerConfig) -> Starlette:
-    api = _Api(engine, cfg)
+def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
+    """The server of one engine, or of a host of models (engine/host.py)."""
+    host = served if isinstance(served, ModelHost) else ModelHost.of_engine(served)
+    api = _Api(host, cfg)
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
@@ -89,12 +96,14 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> Starlette:
         Route("/tokenize", api.endpoint("tokenize", api.tokenize), methods=["POST"]),
         Route("/detokenize", api.endpoint("detokenize", api.detokenize), methods=["POST"]),
     ]
+    if cfg.admin_key is not None:  # off without a key: its paths are unknown (404)
+        routes += admin_routes(host, cfg.admin_key, api.endpoint)
 
     @asynccontextmanager
     async def lifespan(app):
-        engine.start()
+        host.start()
         yield
-        await anyio.to_thread.run_sync(engine.stop)
+        await anyio.to_thread.run_sync(host.stop)
 
     origins = parse_origins(cfg.allowed_origins)
     middleware = [Middleware(RequestGuard, allowed_origins=origins),
@@ -113,19 +122,20 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 
 class _Api:
-    def __init__(self, engine: AsyncEngine, cfg: ServerConfig):
-        self.engine = engine
+    def __init__(self, host: ModelHost, cfg: ServerConfig):
+        self.host = host
         self.cfg = cfg
-        self.stats = engine.metrics
+        self.stats = host.metrics
         self.started = int(time.time())
         self.limiters = Limiters()
 
-    def endpoint(self, name: str, handler):
-        """Wrap a /v1 handler: authentication, the error envelope, and the request counter."""
+    def endpoint(self, name: str, handler, authenticate=None):
+        """Wrap a handler: authentication (the API key's, unless `authenticate` says otherwise), the
+        error envelope, and the request counter."""
 
         async def run(request: Request) -> Response:
             try:
-                self._authenticate(request)
+                (authenticate or self._authenticate)(request)
                 response = await handler(request)
             except APIError as exc:  # the path and the message may hold client text: quoted, one line
                 log.info("%s %r refused: %d %s: %r", request.method, request.url.path, exc.status,
@@ -159,40 +169,56 @@ class _Api:
                            headers={"WWW-Authenticate": "Bearer"})
 
     async def health(self, request: Request) -> Response:
-        """200 when ready; else 503 with the state, the failure (`error`) and, while recovering, what
-        the recovery is doing (`reason`: rebuilding, or waiting to retry and why). Once loaded, what
-        runs each fused kernel, the quantization and speculative decoding's settings, where they apply."""
-        state = self.engine.state
-        body = {"status": state.value}
-        if self.engine.error:
-            body["error"] = self.engine.error
-        if self.engine.reason:
-            body["reason"] = self.engine.reason
-        if self.engine.loaded and (kernels := self.engine.kernels()):  # what runs each fused piece, and why
-            body["kernels"] = kernels
-        if self.engine.loaded and self.engine.quantization:
-            body["quantization"] = self.engine.quantization
-        if self.engine.loaded and self.engine.speculative:
-            body["speculative"] = self.engine.speculative
-        return JSONResponse(body, 200 if state is EngineState.READY else 503)
+        """200 when every model loaded at start-up is ready; else 503. A server of one model answers
+        with that model's state (`status`), the failure (`error`) and, while recovering, what the
+        recovery is doing (`reason`); once loaded, what runs each fused kernel, the quantization and
+        speculative decoding's settings, where they apply. A host of several models (or one whose
+        admin API is on) adds each model's state under `models`."""
+        host = self.host
+        single = host.single
+        body = _engine_health(single.engine) if single is not None else \
+            {"status": "ready" if host.startup_ready else "loading"}
+        if single is None or self.cfg.admin_key is not None:
+            body["models"] = {name: _model_health(m) for name, m in host.models.items()}
+        ready = host.startup_ready and (single is None or single.engine.state is EngineState.READY)
+        return JSONResponse(body, 200 if ready else 503)
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.stats.render(), media_type=self.stats.content_type)
 
     async def models(self, request: Request) -> Response:
-        check_ready(self.engine)
-        card = ModelCard(self.engine.model_name, self.started, self.engine.max_model_len, self.engine.quantization)
-        return Response(msgspec.json.encode(ModelList([card])), media_type="application/json")
+        """Every model the server knows, with its state; a server of one model answers 503 while it
+        is not ready, as before there were several."""
+        single = self.host.single
+        if single is not None and self.cfg.admin_key is None:
+            check_ready(single.engine)
+        cards = [ModelCard(name, self.started, info.get("max_model_len"), info.get("quantization"),
+                           status=info["status"], tp=info["tp"], devices=info["devices"],
+                           weight_bytes=info.get("weight_bytes"), error=info.get("error"))
+                 for name, info in self.host.describe().items()]
+        return Response(msgspec.json.encode(ModelList(cards)), media_type="application/json")
 
     async def chat(self, request: Request) -> Response:
         req = await self._decode(request, ChatCompletionRequest)
-        return await create_chat_completion(request, self.engine, req, self.cfg.keepalive_s, self.limiters,
+        engine = await self._engine(req.model)
+        return await create_chat_completion(request, engine, req, self.cfg.keepalive_s, self.limiters,
                                             self._salt(request, req))
 
     async def completions(self, request: Request) -> Response:
         req = await self._decode(request, CompletionRequest)
-        return await create_completion(request, self.engine, req, self.cfg.keepalive_s, self.limiters,
+        engine = await self._engine(req.model)
+        return await create_completion(request, engine, req, self.cfg.keepalive_s, self.limiters,
                                        self._salt(request, req))
+
+    async def _engine(self, name: str | None) -> AsyncEngine:
+        """The engine of the model a request names (loading an on-demand one); 400 without a name,
+        404 listing the names served, 503 for a model not ready."""
+        if not name:
+            raise bad_request("you must provide a model parameter", param="model")
+        try:
+            return await self.host.engine_for(name)
+        except HostError as exc:
+            raise host_error(exc, param="model") from None
 
     def _salt(self, request: Request, req: SamplingRequest) -> str | None:
         """The request's cache salt under this server's isolation. The key it presented: the bearer
@@ -202,10 +228,18 @@ class _Api:
         return request_salt(req, self.cfg.prefix_cache_isolation, presented)
 
     async def tokenize(self, request: Request) -> Response:
-        return await tokenize(self.engine, await self._decode(request, TokenizeRequest), self.limiters.tokenize)
+        req = await self._decode(request, TokenizeRequest)
+        return await tokenize(await self._named(req.model), req, self.limiters.tokenize)
 
     async def detokenize(self, request: Request) -> Response:
-        return await detokenize(self.engine, await self._decode(request, DetokenizeRequest), self.limiters.tokenize)
+        req = await self._decode(request, DetokenizeRequest)
+        return await detokenize(await self._named(req.model), req, self.limiters.tokenize)
+
+    async def _named(self, name: str | None) -> AsyncEngine:
+        """The engine of a tokenizer route: the model named, or the server's one model."""
+        if name is None and self.host.single is not None:
+            return self.host.single.engine
+        return await self._engine(name)
 
     async def _decode(self, request: Request, kind: type):
         decoded = decode_body(await read_body(request, self.cfg.max_body_bytes), kind)
@@ -213,43 +247,35 @@ class _Api:
         return decoded
 
 
+def _engine_health(engine: AsyncEngine) -> dict:
+    body = {"status": engine.state.value}
+    if engine.error:
+        body["error"] = engine.error
+    if engine.reason:
+        body["reason"] = engine.reason
+    if engine.loaded and (kernels := engine.kernels()):  # what runs each fused piece, and why
+        body["kernels"] = kernels
+    if engine.loaded and engine.quantization:
+        body["quantization"] = engine.quantization
+    if engine.loaded and engine.speculative:
+        body["speculative"] = engine.speculative
+    return body
+
+
+def _model_health(m: HostedModel) -> dict:
+    out = {"status": m.status}
+    error = m.error or (m.engine.error if m.engine is not None else None)
+    if error and m.status == "failed":
+        out["error"] = error
+    if m.engine is not None and m.engine.reason:
+        out["reason"] = m.engine.reason
+    return out
+
+
 def _bearer(request: Request) -> str | None:
     """The token of an `Authorization: Bearer <token>` header; None without one."""
     given = request.headers.get("authorization", "")
     return given[len(_BEARER):] if given[:len(_BEARER)].lower() == _BEARER else None
-
-
-def require_json(request: Request) -> None:
-    """415 unless the body is declared JSON. A browser page may send text/plain or form bodies to any
-    origin without asking first (a CORS "simple" request), but never `application/json`. A body that
-    is not JSON at all is a 400 before this, whatever its type says."""
-    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media_type != "application/json":
-        shown = repr(media_type) if media_type else "none"
-        raise APIError(415, f"the request body must be sent as Content-Type: application/json, not {shown}",
-                       code="unsupported_media_type")
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with a 413 as soon as it is known to exceed `limit` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise bad_request(f"invalid Content-Length header {declared!r}")
-        if int(declared) > limit:
-            raise _too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is larger than this server's limit of {limit} bytes",
-                    code="request_too_large")
 
 
 _AT = re.compile(r"at `\$\.?([^`]*)`")

@@ -3,6 +3,7 @@ admission of a request's samples (n, best_of, several prompts), usage."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import secrets
 import time
@@ -108,6 +109,8 @@ def stream_error(stream: RequestStream, error: str | None) -> APIError:
     retry helps), cancelled by the server shutting down, or a bug (see the server log)."""
     if stream.failure_kind == "shutting_down":
         return unavailable(error or "the server is shutting down", code="shutting_down")
+    if stream.failure_kind == "unloaded":  # its model was unloaded while it ran (the admin API)
+        return unavailable(error or "the model was unloaded", code="model_unloaded")
     if stream.failure_kind == "internal_error":
         return internal(f"generation failed: {error}; see the server log")
     if stream.failure_kind == "invalid_request":  # the request's own limits left nothing to sample
@@ -240,6 +243,8 @@ async def stream_events(samples: Samples, keepalive_s: float,
             out: list[bytes] = []
             for k, update in batch:
                 if update.finish_reason == "error":
+                    if samples.streams[k].failure_kind == "unloaded":  # cut by an unload: its choice aborts
+                        out += await chunks(k, dataclasses.replace(update, finish_reason="abort", error=None))
                     yield b"".join(out) + sse(stream_error(samples.streams[k], update.error).body())
                     return
                 out += await chunks(k, update)

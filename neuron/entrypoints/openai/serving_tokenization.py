@@ -10,7 +10,7 @@ from starlette.responses import Response
 
 from neuron.engine.async_engine import AsyncEngine
 from neuron.engine.tokenizer import TokenizerError
-from neuron.entrypoints.openai.api_errors import APIError, bad_request
+from neuron.entrypoints.openai.api_errors import bad_request
 from neuron.entrypoints.openai.api_types import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from neuron.entrypoints.openai.chat_utils import normalise_messages
 from neuron.entrypoints.openai.common import check_ready
@@ -57,11 +57,8 @@ async def detokenize(engine: AsyncEngine, req: DetokenizeRequest, limiter: anyio
 
 
 def _check(engine: AsyncEngine, model: str | None, param: str) -> None:
-    """Refuse unless the request names the served model or none (as vLLM allows), the model is
-    ready and its checkpoint has a tokenizer."""
-    if model is not None and model != engine.model_name:
-        raise APIError(404, f"the model `{model}` does not exist; this server serves `{engine.model_name}`",
-                       param="model", code="model_not_found")
+    """Refuse unless the model is ready and its checkpoint has a tokenizer (which model: the one the
+    request names, routed by the app, or the server's one model when it names none, as vLLM allows)."""
     check_ready(engine)
     if engine.tokenizer is None:
         raise bad_request("this checkpoint has no tokenizer.json, so the server cannot tokenize", param=param)

@@ -24,15 +24,17 @@ from types import FrameType
 import uvicorn
 
 from neuron.engine.async_engine import AsyncEngine
+from neuron.engine.host import ModelHost
 from neuron.entrypoints.openai.connections import ConnectionLimits, guarded_protocol
 
 log = logging.getLogger("neuron.server")
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_s: float,
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine | ModelHost, grace_s: float,
                  limits: ConnectionLimits | None = None):
-        """`limits`: the connection cap and read deadlines; their settings when left out."""
+        """`engine`: what the signal drains, one engine or a host of them; `limits`: the connection cap
+        and read deadlines, their settings when left out."""
         limits = limits or ConnectionLimits.from_settings()
         config.http = guarded_protocol(limits)
         config.timeout_keep_alive = limits.idle_timeout_s
