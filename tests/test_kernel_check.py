@@ -14,8 +14,8 @@ import torch
 from server_harness import LiveServer, ScriptedEngine, scripted_engine
 
 from neuron.layers import kernel_check, norm
-from neuron.layers.kernels import PIECES, Kernels
 from neuron.layers.kernel_check import Widths
+from neuron.layers.kernels import PIECES, Kernels
 from neuron.layers.paged_attention import paged_attention_reference
 from neuron.worker import cuda_graphs
 

@@ -182,8 +182,8 @@ def test_a_paged_step_crosses_to_the_device_in_one_copy(monkeypatch):
     one send per step, and nothing else sends host data (on CUDA that is one pinned copy)."""
     import torch
 
-    from neuron.worker import step_input
     from neuron.utils.device import Staging
+    from neuron.worker import step_input
 
     cache = _cache()
     sends, send = [], Staging.send

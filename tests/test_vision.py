@@ -21,8 +21,8 @@ from vision_checkpoint import (
     checkpoint_config,
     image_data_uri,
     image_prompt,
-    reference_pixels,
     image_reference,
+    reference_pixels,
     vision_spec,
 )
 
