@@ -11,7 +11,7 @@ import msgspec
 
 from neuron.step import SeqStep, VerifyShape
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 def _snake(name: str) -> str:
@@ -35,6 +35,7 @@ class Init(Message):
     backend: str
     comm_id: str
     timeout_s: float
+    cpu_bind: list[list[int]] = []  # each rank's cores (executor/cpu_bind.py); empty: not bound
 
 
 class CommSanityCheck(Message):
