@@ -19,7 +19,7 @@ from neuron.distributed.comm import choose_backend
 pytestmark = pytest.mark.skipif(shm.library() is None, reason="the all-reduce kernel cannot be built here")
 
 
-def _rank(rank: int, world: int, job: str, timeout_s: float, queue, results) -> None:
+def _rank(rank: int, world: int, job: str, timeout_s: float, largest: int, queue, results) -> None:
     from neuron.distributed.comm import GlooCommunicator, Rendezvous, host_store, make_store
 
     torch.set_num_threads(1)
@@ -30,17 +30,17 @@ def _rank(rank: int, world: int, job: str, timeout_s: float, queue, results) -> 
     else:
         store = make_store(queue.get(timeout=30), world, 30.0)
     rendezvous = Rendezvous(store, 30.0)
-    comm = shm.ShmCommunicator.join(GlooCommunicator(rank, world, rendezvous, 30.0), rendezvous, timeout_s)
+    comm = shm.ShmCommunicator.join(GlooCommunicator(rank, world, rendezvous, 30.0), rendezvous, timeout_s, largest)
     try:
         results.put((rank, JOBS[job](comm)))
     except Exception as exc:  # the parent asserts on what each rank saw
         results.put((rank, exc))
 
 
-def run(world: int, job: str, timeout_s: float = 30.0) -> dict:
+def run(world: int, job: str, timeout_s: float = 30.0, largest: int = 0) -> dict:
     ctx = mp.get_context("spawn")
     queue, results = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, job, timeout_s, queue, results)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, job, timeout_s, largest, queue, results)) for r in range(world)]
     for proc in procs:
         proc.start()
     try:
@@ -117,9 +117,9 @@ JOBS = {"sums": _sums, "late": _late, "aborted_by_another_rank": _aborted_by_ano
         "aborted_by_another_thread": _aborted_by_another_thread}
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_every_rank_gets_the_sum_in_rank_order_bit_for_bit(world):
-    got = run(world, "sums")
+@pytest.mark.parametrize("world, largest", [(2, 0), (3, 0), (2, 100)], ids=["2", "3", "2-small-slots"])
+def test_every_rank_gets_the_sum_in_rank_order_bit_for_bit(world, largest):
+    got = run(world, "sums", largest=largest)  # small slots: the larger sizes go through in many pieces
     assert all(got[r]["backend"] == "shm" for r in range(world))
     for r in range(world):
         assert got[r]["segments"] == [], "rank 0 unlinks the segment once every rank has mapped it"
@@ -152,6 +152,14 @@ def test_an_abort_ends_the_wait_at_once(job):
     message, waited = got[0]
     assert "aborted" in message
     assert waited < 1.5
+
+
+def test_a_slot_holds_a_step_s_largest_all_reduce_within_bounds():
+    assert shm.slot_bytes(2048 * 1024 * 4) == shm.SLOT_BYTES
+    assert shm.slot_bytes(10**9) == shm.SLOT_BYTES  # larger tensors go in pieces
+    assert shm.slot_bytes(512 * 64 * 4 + 1) == 512 * 64 * 4 + 4096
+    assert shm.slot_bytes(100) == shm.MIN_SLOT_BYTES
+    assert shm.slot_bytes(0) == shm.SLOT_BYTES
 
 
 def test_segments_of_leaders_that_are_gone_are_removed(tmp_path, monkeypatch):

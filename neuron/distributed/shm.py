@@ -39,7 +39,8 @@ log = logging.getLogger("neuron.comm")
 SOURCE = Path(__file__).resolve().parent.parent / "layers" / "csrc" / "shm_allreduce.cpp"
 SHM_DIR = Path("/dev/shm")
 PREFIX = "neuron-allreduce-"
-SLOT_BYTES = 8 * 2**20  # per rank and buffer; larger tensors go through in pieces
+SLOT_BYTES = 8 * 2**20  # per rank and buffer at most; larger tensors go through in pieces
+MIN_SLOT_BYTES = 64 * 2**10
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _TIMED_OUT, _ABORTED, _BAD_SEGMENT = 1, 2, 3
 _STORE_KEY = "neuron/shm-segment"
@@ -77,7 +78,9 @@ class Segment:
                 os.ftruncate(fd, size)
             elif os.fstat(fd).st_size != size:
                 raise OSError(f"{path} holds {os.fstat(fd).st_size} bytes, not {size}")
-            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # populated now: the pages count in the rank's RSS from the start, not as steps grow
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                  mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self._anchor = ctypes.c_char.from_buffer(self._map)  # pins the mapping while this object lives
@@ -85,10 +88,16 @@ class Segment:
         self.size = size
 
 
-def segment_bytes(world_size: int, slot_bytes: int = SLOT_BYTES) -> int:
+def segment_bytes(world_size: int, slot: int = SLOT_BYTES) -> int:
     lib = library()
     assert lib is not None
-    return lib.neuron_shm_segment_bytes(world_size, slot_bytes)
+    return lib.neuron_shm_segment_bytes(world_size, slot)
+
+
+def slot_bytes(largest: int) -> int:
+    """A slot for tensors of `largest` bytes (0: the most), in whole pages, within the bounds."""
+    wanted = -(-largest // 4096) * 4096 if largest > 0 else SLOT_BYTES
+    return min(max(wanted, MIN_SLOT_BYTES), SLOT_BYTES)
 
 
 def remove_stale_segments() -> list[str]:
@@ -119,27 +128,30 @@ class ShmCommunicator(Communicator):
         self._abort_word = ctypes.c_uint32(0)  # this process's abort, read by its waits
 
     @classmethod
-    def join(cls, gloo: GlooCommunicator, rendezvous: Rendezvous, timeout_s: float) -> Communicator:
+    def join(cls, gloo: GlooCommunicator, rendezvous: Rendezvous, timeout_s: float,
+             largest: int = 0) -> Communicator:
         """Every rank of `gloo`'s group calls this once the group stands: the segment's communicator,
-        or `gloo` itself when any rank could not map the segment (every rank agrees which)."""
+        or `gloo` itself when any rank could not map the segment (every rank agrees which). A slot
+        holds `largest` bytes (a step's largest all-reduce), within MIN_SLOT_BYTES..SLOT_BYTES."""
         rank, world = gloo.rank, gloo.world_size
+        slot = slot_bytes(largest)
         segment, path, problem = None, None, None
         try:
             if library() is None:
                 raise OSError("the all-reduce kernel could not be built")
-            size = segment_bytes(world)
+            size = segment_bytes(world, slot)
             if rank == 0:
                 remove_stale_segments()
                 path = SHM_DIR / f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
                 segment = Segment(path, size, create=True)
-                library().neuron_shm_init(segment.address, world, SLOT_BYTES)
+                library().neuron_shm_init(segment.address, world, slot)
                 rendezvous.set(_STORE_KEY, path.name)
             else:
                 name = rendezvous.get(_STORE_KEY).decode()
                 if not re.fullmatch(re.escape(PREFIX) + r"\d+-[0-9a-f]+", name):
                     raise OSError(f"rank 0 posted an unexpected segment name {name!r:.80}")
                 segment = Segment(SHM_DIR / name, size, create=False)
-                if not library().neuron_shm_check(segment.address, world, SLOT_BYTES):
+                if not library().neuron_shm_check(segment.address, world, slot):
                     raise OSError(f"{name} is not a segment for {world} ranks of this neuron")
         except OSError as exc:
             problem = str(exc)

@@ -248,6 +248,12 @@ class Executor:
                  self.backend, (time.perf_counter() - t0) * 1000)
         return self
 
+    def _largest_all_reduce(self) -> int:
+        """Bytes of the largest tensor a step all-reduces: a step's tokens by the hidden size, in fp32."""
+        hidden = int(text_config(self.config).get("hidden_size") or 0)
+        tokens = max(self.cfg.shard.max_num_batched_tokens, self.cfg.shard.max_slots)
+        return tokens * hidden * 4
+
     @staticmethod
     def _check_versions(pongs: list[p.Pong]) -> None:
         for pong in pongs:
@@ -268,7 +274,7 @@ class Executor:
             log.info("model `%s`: CPU ranks bound to cores: %s", self.cfg.name or self.cfg.model_id,
                      cpu_bind.describe(self.cpu_bind))
         self._run(lambda seq: p.Init(seq=seq, backend=self.backend, comm_id=comm_id, timeout_s=timeout,
-                                     cpu_bind=self.cpu_bind),
+                                     cpu_bind=self.cpu_bind, shm_slot_bytes=self._largest_all_reduce()),
                   timeout + _JOIN_MARGIN_S)
         replies, _ = self._run(lambda seq: p.CommSanityCheck(seq=seq), timeout)
         sums = [r.observed_sum for r in replies]

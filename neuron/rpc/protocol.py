@@ -36,6 +36,7 @@ class Init(Message):
     comm_id: str
     timeout_s: float
     cpu_bind: list[list[int]] = []  # each rank's cores (executor/cpu_bind.py); empty: not bound
+    shm_slot_bytes: int = 0  # backend shm: bytes of a rank's slot, the largest all-reduce of a step (0: the default)
 
 
 class CommSanityCheck(Message):

@@ -146,7 +146,7 @@ class Worker:
                              interface_of(address) or "unknown")
                 self.comm = GlooCommunicator(self.rank, self.world_size, joining, req.timeout_s, address)
                 if backend == "shm":  # ranks on one host: all-reduce through a shared segment
-                    self.comm = ShmCommunicator.join(self.comm, joining, req.timeout_s)
+                    self.comm = ShmCommunicator.join(self.comm, joining, req.timeout_s, req.shm_slot_bytes)
             elif backend == "nccl":
                 self._joining = NcclJoin(
                     lambda: NcclCommunicator(self.rank, self.world_size, req.comm_id, self.device), req.timeout_s)
