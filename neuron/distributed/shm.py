@@ -67,10 +67,12 @@ def library() -> ctypes.CDLL | None:
 
 
 class Segment:
-    """One mapping of the shared file. It is unmapped when the last reference to it goes, so a
-    collective in flight on another thread keeps it mapped until it returns."""
+    """One mapping of the shared file, made through libc so that no descriptor stays open (Python's
+    mmap keeps a duplicate until it is collected). It is unmapped when the last reference to it goes,
+    so a collective in flight on another thread keeps it mapped until it returns."""
 
     def __init__(self, path: Path, size: int, create: bool):
+        self.address: int | None = None
         flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
@@ -79,13 +81,27 @@ class Segment:
             elif os.fstat(fd).st_size != size:
                 raise OSError(f"{path} holds {os.fstat(fd).st_size} bytes, not {size}")
             # populated now: the pages count in the rank's RSS from the start, not as steps grow
-            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                  mmap.PROT_READ | mmap.PROT_WRITE)
+            address = _libc().mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE,
+                                   mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), fd, 0)
+            if address in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap of {path} failed: {os.strerror(ctypes.get_errno())}")
         finally:
             os.close(fd)
-        self._anchor = ctypes.c_char.from_buffer(self._map)  # pins the mapping while this object lives
-        self.address = ctypes.addressof(self._anchor)
-        self.size = size
+        self.address, self.size = address, size
+
+    def __del__(self) -> None:
+        if self.address is not None:
+            _libc().munmap(self.address, self.size)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mmap.restype = ctypes.c_void_p
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.munmap.restype = ctypes.c_int
+    return libc
 
 
 def segment_bytes(world_size: int, slot: int = SLOT_BYTES) -> int:
