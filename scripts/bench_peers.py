@@ -39,6 +39,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=2, help="runs of each engine, alternated")
     ap.add_argument("--also-attention", default="gather", help="comma-separated NEURON_ATTENTION values run "
                     "beside the default (empty: none)")
+    ap.add_argument("--also-env", default="", help="comma-separated NAME=VALUE settings, each a neuron run of its "
+                    "own beside the default (NEURON_CPU_ALL_REDUCE=gloo)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of both engines (offline runs)")
     ap.add_argument("--served", action="store_true", help="also run serve_compare.sh (96 requests, concurrency 32)")
     ap.add_argument("--write", action="store_true", help=f"replace the table in {DOC.relative_to(ROOT)}")
     ap.add_argument("--json-out", type=Path, default=ROOT / ".bench" / "bench_peers.jsonl")
@@ -69,20 +72,26 @@ def ensure_checkpoint(path: Path) -> None:
         subprocess.run([sys.executable, str(PEERS / "make_checkpoint.py"), str(path)], check=True)
 
 
-def run_offline(engine: str, python: Path, checkpoint: Path, attention: str | None) -> dict:
-    """One bench_offline.py run: its JSON line, with the attention it used and the load before it."""
+def run_offline(engine: str, python: Path, checkpoint: Path, setting: str | None, tp: int = 1) -> dict:
+    """One bench_offline.py run: its JSON line, with the setting it ran under (NAME=VALUE) and the load
+    before it."""
     env = dict(os.environ)
-    if attention:
-        env["NEURON_ATTENTION"] = attention
+    if setting:
+        name, _, value = setting.partition("=")
+        env[name] = value
     load = os.getloadavg()[0]
     done = subprocess.run([str(python), str(PEERS / "bench_offline.py"), "--engine", engine, "--model",
-                           str(checkpoint)], env=env, capture_output=True, text=True, check=True)
+                           str(checkpoint), "--tp", str(tp)], env=env, capture_output=True, text=True, check=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    return result | {"label": label(engine, attention), "load_before": load}
+    return result | {"label": label(engine, setting), "load_before": load}
 
 
-def label(engine: str, attention: str | None) -> str:
-    return "vLLM CPU" if engine == "vllm" else f"neuron ({attention or 'default'})"
+def label(engine: str, setting: str | None) -> str:
+    if engine == "vllm":
+        return "vLLM CPU"
+    if setting and setting.startswith("NEURON_ATTENTION="):
+        return f"neuron ({setting.partition('=')[2]})"
+    return f"neuron ({setting or 'default'})"
 
 
 def run_served(venv: Path, checkpoint: Path, workdir: Path, repeats: int) -> dict[str, dict]:
@@ -142,7 +151,8 @@ def render(runs: list[dict], served: dict[str, dict], served_runs: int = 1) -> s
                   for x in labels if x != peer]
         lines.append(f"| {name} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     loads = ", ".join(f"{r['label']} {r['load_before']:.2f}" for r in runs)
-    lines += ["", f"Machine: {machine()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; best of "
+    tp = runs[0].get("tp", 1) if runs else 1
+    lines += ["", f"Machine: {machine()}; tp {tp} on both engines; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; best of "
               f"{len(runs) // max(len(labels), 1)} alternated runs each; load average (1 min) before each run: {loads}."]
     return "\n".join(lines)
 
@@ -163,11 +173,12 @@ def main() -> None:
     ensure_checkpoint(a.checkpoint)
     a.json_out.parent.mkdir(parents=True, exist_ok=True)
     variants = [("vllm", a.peer_venv / "bin" / "python", None), ("neuron", Path(sys.executable), None)]
-    variants += [("neuron", Path(sys.executable), x) for x in a.also_attention.split(",") if x]
+    variants += [("neuron", Path(sys.executable), f"NEURON_ATTENTION={x}") for x in a.also_attention.split(",") if x]
+    variants += [("neuron", Path(sys.executable), x) for x in a.also_env.split(",") if x]
     runs = []
     for _ in range(a.repeats):
-        for engine, python, attention in variants:
-            runs.append(run_offline(engine, python, a.checkpoint, attention))
+        for engine, python, setting in variants:
+            runs.append(run_offline(engine, python, a.checkpoint, setting, a.tp))
             with a.json_out.open("a") as f:
                 f.write(json.dumps(runs[-1]) + "\n")
             print(f"{runs[-1]['label']}: b1 {runs[-1]['b1']['tok_s']} tok/s, offline "

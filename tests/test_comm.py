@@ -177,7 +177,7 @@ def test_an_nccl_error_at_init_names_rank_and_devices(monkeypatch):
 @pytest.mark.parametrize("devices, backend", [
     (["cpu"], "single"),
     (["cuda:0"], "single"),
-    (["cpu", "cpu"], "gloo"),
+    (["cpu", "cpu"], "shm"),  # one host: the shared-memory all-reduce (distributed/shm.py)
     (["cuda:0", "cuda:0"], "gloo"),  # NCCL refuses two ranks on one GPU
     (["cuda:0", "cpu"], "gloo"),
     (["cuda:0", "cuda:1"], "nccl"),

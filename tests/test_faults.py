@@ -86,7 +86,9 @@ def test_failure_mid_step_from_another_thread(engine):
     import threading
 
     victim = engine.executor.pool.workers[0].proc
-    engine.add_request("mid", PROMPT, PARAMS)
+    # long enough to be running 50 ms in: with the ranks all-reducing through shared memory, the
+    # 22 steps of PARAMS take less than that
+    engine.add_request("mid", PROMPT, SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))
     threading.Timer(0.05, lambda: os.kill(victim.pid, signal.SIGKILL)).start()
     deadline = time.monotonic() + 30
     error = None
@@ -98,3 +100,15 @@ def test_failure_mid_step_from_another_thread(engine):
     engine.recover()
     after, err = _run(engine, "after-mid")
     assert err is None and after == engine.baseline
+
+
+def test_the_ranks_sum_through_shared_memory_and_no_fault_leaves_a_segment(engine):
+    """Run after the faults above (each killed or froze a rank mid-step and the ranks were rebuilt):
+    the ranks all-reduce through the shared segment, and none of the segments is left under /dev/shm."""
+    from pathlib import Path
+
+    from neuron.distributed.shm import PREFIX
+
+    assert engine.executor.backend == "shm"
+    assert engine.executor.rank0.comm.backend == "shm"
+    assert sorted(p.name for p in Path("/dev/shm").glob(PREFIX + "*")) == []

@@ -369,11 +369,14 @@ def open_nccl(nccl, world_size: int, unique_id_hex: str, rank: int, index: int):
                     "use CuPy 13 or 14")
 
 
-def choose_backend(devices: list[str], hosts: tuple[str, ...] | None = None) -> str:
-    """nccl when every rank has its own CUDA device (on its host) and CuPy's NCCL fits torch; gloo
-    otherwise."""
+def choose_backend(devices: list[str], hosts: tuple[str, ...] | None = None, cpu_all_reduce: str = "shm") -> str:
+    """nccl when every rank has its own CUDA device (on its host) and CuPy's NCCL fits torch; shm
+    (gloo's group, all-reduce through shared memory: distributed/shm.py) when every rank is on the CPU
+    of one host, unless `cpu_all_reduce` says gloo; gloo otherwise."""
     if len(devices) == 1:
         return "single"
+    if all(d == "cpu" for d in devices) and len(set(hosts or [""])) == 1:
+        return "shm" if cpu_all_reduce == "shm" else "gloo"
     cuda = all(d.startswith("cuda") for d in devices)
     distinct = len(set(zip(hosts or [""] * len(devices), devices))) == len(devices)
     if not (cuda and distinct):

@@ -26,6 +26,7 @@ import torch
 from neuron.config import from_settings, settings
 from neuron.distributed.comm import choose_backend, nccl_unique_id_hex
 from neuron.errors import ConfigError, NeuronError, PoolBroken, WorkerError
+from neuron.executor import cpu_bind
 from neuron.executor.placement import DIAL_IN, Placement, cluster_address, launcher_argv, parse_hosts
 from neuron.executor.pool import WorkerPool, default_worker_cmd
 from neuron.executor.progress import LoadProgress
@@ -88,6 +89,8 @@ class ExecutorConfig:
     cluster_address: str | None = from_settings("cluster_address")
     cluster_interface: str | None = from_settings("cluster_interface")
     cluster_port: int = from_settings("cluster_port")
+    cpu_all_reduce: str = from_settings("cpu_all_reduce")
+    cpu_bind: str = from_settings("cpu_bind")
     device: str = "cpu"  # one device string: the engine resolves the `device` setting's "cuda when present"
     devices: tuple[str, ...] | None = None  # each rank's device, placed by a model host (else from `device`)
     model_id: str = "model"  # the key the ranks hold the model under
@@ -115,7 +118,9 @@ class Executor:
         self.placement = parse_hosts(cfg.hosts, cfg.tp)
         self.cluster_address = cluster_address(cfg.cluster_address, cfg.cluster_interface, self.placement)
         self.devices = list(cfg.devices) if cfg.devices else rank_devices(cfg.device, cfg.tp, self.placement)
-        self.backend = choose_backend(self.devices, self.placement.hosts)
+        self.backend = choose_backend(self.devices, self.placement.hosts, cfg.cpu_all_reduce)
+        one_host_cpus = all(d == "cpu" for d in self.devices) and not self.placement.remote
+        self.cpu_bind = cpu_bind.plan(cfg.cpu_bind, cfg.tp) if one_host_cpus and cfg.tp > 1 else []
         self.shard = msgspec.structs.replace(cfg.shard, kv_cache_bytes=self._plan_host_memory())  # before any worker
         self.weight_bytes: list[int] = []
         self.failed_kernels: dict[str, str] = {}  # fused kernels on their references, on every rank
@@ -243,6 +248,12 @@ class Executor:
                  self.backend, (time.perf_counter() - t0) * 1000)
         return self
 
+    def _largest_all_reduce(self) -> int:
+        """Bytes of the largest tensor a step all-reduces: a step's tokens by the hidden size, in fp32."""
+        hidden = int(text_config(self.config).get("hidden_size") or 0)
+        tokens = max(self.cfg.shard.max_num_batched_tokens, self.cfg.shard.max_slots)
+        return tokens * hidden * 4
+
     @staticmethod
     def _check_versions(pongs: list[p.Pong]) -> None:
         for pong in pongs:
@@ -253,13 +264,17 @@ class Executor:
 
     def _init_comm(self) -> None:
         timeout = self.cfg.collective_timeout_s
-        if self.backend == "gloo":
+        if self.backend in ("gloo", "shm"):
             comm_id = self.rank0.host_store(timeout, self.cluster_address)
         elif self.backend == "nccl":
             comm_id = nccl_unique_id_hex()
         else:
             comm_id = ""
-        self._run(lambda seq: p.Init(seq=seq, backend=self.backend, comm_id=comm_id, timeout_s=timeout),
+        if self.cpu_bind:
+            log.info("model `%s`: CPU ranks bound to cores: %s", self.cfg.name or self.cfg.model_id,
+                     cpu_bind.describe(self.cpu_bind))
+        self._run(lambda seq: p.Init(seq=seq, backend=self.backend, comm_id=comm_id, timeout_s=timeout,
+                                     cpu_bind=self.cpu_bind, shm_slot_bytes=self._largest_all_reduce()),
                   timeout + _JOIN_MARGIN_S)
         replies, _ = self._run(lambda seq: p.CommSanityCheck(seq=seq), timeout)
         sums = [r.observed_sum for r in replies]

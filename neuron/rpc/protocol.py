@@ -11,7 +11,7 @@ import msgspec
 
 from neuron.step import SeqStep, VerifyShape
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 def _snake(name: str) -> str:
@@ -35,6 +35,8 @@ class Init(Message):
     backend: str
     comm_id: str
     timeout_s: float
+    cpu_bind: list[list[int]] = []  # each rank's cores (executor/cpu_bind.py); empty: not bound
+    shm_slot_bytes: int = 0  # backend shm: bytes of a rank's slot, the largest all-reduce of a step (0: the default)
 
 
 class CommSanityCheck(Message):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable
 
@@ -26,6 +27,7 @@ from neuron.distributed.comm import (
 )
 from neuron.distributed.nccl_join import NcclJoin
 from neuron.distributed.net import address_towards, interface_of
+from neuron.distributed.shm import ShmCommunicator
 from neuron.layers.kernel_check import Widths, self_check
 from neuron.layers.paged_attention import HAS_TRITON
 from neuron.rpc import protocol as p
@@ -60,6 +62,9 @@ class Worker:
         self.on_layer_loaded: Callable[[int, int], None] | None = None  # the leader's progress bar
         # rank 0: the rendezvous it hosts, until the group is built; any rank: the NCCL join under way
         self._joining: Rendezvous | NcclJoin | None = None
+        self._cores: list[int] = []  # this CPU rank's cores (executor/cpu_bind.py); empty: not bound
+        self._bound_thread: int | None = None
+        self._unbound: set[int] = set()  # the bound thread's cores before (given back on close)
 
     def host_store(self, timeout_s: float, address: str = LOOPBACK) -> str:
         """Rank 0 only: listen for the gloo rendezvous on a free port of `address` (loopback on one
@@ -105,6 +110,8 @@ class Worker:
             case p.LoadShard():
                 return self._load(req), None
             case p.ForwardStep():
+                if self._cores and self._bound_thread != threading.get_ident():
+                    self._bind()
                 t0 = time.perf_counter()
                 logits = self._model(req.model_id).step(req.seqs)
                 return p.ForwardStepOk(seq=seq, elapsed_ms=_ms(t0)), logits
@@ -124,11 +131,13 @@ class Worker:
     def _init(self, req: p.Init) -> None:
         if self.comm is not None and self.world_size > 1:
             self.comm.close()
+        if self.device.type == "cpu" and len(req.cpu_bind) == self.world_size:
+            self._cores, self._bound_thread = req.cpu_bind[self.rank], None
         backend = req.backend
         try:
             if backend == "single" or self.world_size == 1:
                 self.comm = SingleRank()
-            elif backend == "gloo":
+            elif backend in ("gloo", "shm"):
                 joining = self._joining or Rendezvous(make_store(req.comm_id, self.world_size, req.timeout_s),
                                                       req.timeout_s)
                 address = address_towards(req.comm_id.rpartition(":")[0])
@@ -136,6 +145,8 @@ class Worker:
                     log.info("rank %d: collectives over %s (interface %s)", self.rank, address,
                              interface_of(address) or "unknown")
                 self.comm = GlooCommunicator(self.rank, self.world_size, joining, req.timeout_s, address)
+                if backend == "shm":  # ranks on one host: all-reduce through a shared segment
+                    self.comm = ShmCommunicator.join(self.comm, joining, req.timeout_s, req.shm_slot_bytes)
             elif backend == "nccl":
                 self._joining = NcclJoin(
                     lambda: NcclCommunicator(self.rank, self.world_size, req.comm_id, self.device), req.timeout_s)
@@ -148,6 +159,21 @@ class Worker:
             raise WorkerFailure(p.ErrorKind.COMM_INIT_FAILED, f"{backend} init failed: {exc}") from exc
         finally:
             self._joining = None  # the communicator keeps the store alive from here; a failed join drops it
+
+    def _bind(self) -> None:
+        """Bind the thread that runs this rank's steps, and the OpenMP threads it starts from now on, to
+        the rank's cores; one thread per core unless NEURON_NUM_THREADS says otherwise. Rank 0 runs its
+        steps on the leader's engine thread: only that thread is bound, not the HTTP server's."""
+        try:
+            self._unbound = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, self._cores)  # 0: the calling thread
+        except OSError as exc:
+            log.warning("rank %d: cannot bind to cores %s (%s); running unbound", self.rank, self._cores, exc)
+            self._cores = []
+            return
+        if settings().num_threads is None:
+            torch.set_num_threads(len(self._cores))
+        self._bound_thread = threading.get_ident()
 
     def _sanity(self) -> float:
         """All-reduce a 1 on the rank's device. It is the communicator's first collective, so NCCL
@@ -182,6 +208,9 @@ class Worker:
         self._joining = None  # a store hosted for a join that never happened stops listening
         if self.comm is not None:
             self.comm.close()
+        if self._bound_thread is not None and self._bound_thread == threading.get_ident():
+            os.sched_setaffinity(0, self._unbound)  # the offline API's caller gets its thread back as it was
+        self._bound_thread = None
         release_device_memory(self.device)
 
     def _need_comm(self) -> Communicator:
