@@ -78,6 +78,9 @@ def test_each_rank_steps_on_its_own_cores(odd_checkpoint, caplog):
             seen["worker"] = _allowed(executor.pool.workers[0].proc.pid)  # its main thread steps
             seen["stepping"] = _allowed(os.getpid(), threading.get_native_id())
             seen["main"] = _allowed(os.getpid())
+            executor.restart()  # the ranks rebuilt (a recovery): rank 0 binds again on its next step
+            llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, temperature=0.0))
+            seen["rebuilt"] = _allowed(os.getpid(), threading.get_native_id())
         seen["after"] = _allowed(os.getpid(), threading.get_native_id())
 
     with caplog.at_level(logging.INFO, logger="neuron.executor"):
@@ -88,5 +91,6 @@ def test_each_rank_steps_on_its_own_cores(odd_checkpoint, caplog):
     assert seen["worker"] == expected[1]
     assert seen["stepping"] == expected[0]  # rank 0's steps run on its cores
     assert seen["main"] == usable  # and nothing else of the leader's is bound
-    assert seen["after"] == usable  # closing gives the thread its cores back
+    assert seen["rebuilt"] == expected[0]
+    assert seen["after"] == usable  # closing gives the thread the cores it had before it was first bound
     assert f"CPU ranks bound to cores: {cpu_bind.describe(expected)}" in caplog.text

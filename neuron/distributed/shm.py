@@ -73,7 +73,7 @@ class Segment:
 
     def __init__(self, path: Path, size: int, create: bool):
         self.address: int | None = None
-        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
             if create:
@@ -153,29 +153,29 @@ class ShmCommunicator(Communicator):
         slot = slot_bytes(largest)
         segment, path, problem = None, None, None
         try:
-            if library() is None:
-                raise OSError("the all-reduce kernel could not be built")
-            size = segment_bytes(world, slot)
-            if rank == 0:
-                remove_stale_segments()
-                path = SHM_DIR / f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-                segment = Segment(path, size, create=True)
-                library().neuron_shm_init(segment.address, world, slot)
-                rendezvous.set(_STORE_KEY, path.name)
-            else:
-                name = rendezvous.get(_STORE_KEY).decode()
-                if not re.fullmatch(re.escape(PREFIX) + r"\d+-[0-9a-f]+", name):
-                    raise OSError(f"rank 0 posted an unexpected segment name {name!r:.80}")
-                segment = Segment(SHM_DIR / name, size, create=False)
-                if not library().neuron_shm_check(segment.address, world, slot):
-                    raise OSError(f"{name} is not a segment for {world} ranks of this neuron")
-        except OSError as exc:
-            problem = str(exc)
-            segment = None
-        try:
+            try:
+                if library() is None:
+                    raise OSError("the all-reduce kernel could not be built")
+                size = segment_bytes(world, slot)
+                if rank == 0:
+                    remove_stale_segments()
+                    path = SHM_DIR / f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+                    segment = Segment(path, size, create=True)
+                    library().neuron_shm_init(segment.address, world, slot)
+                    rendezvous.set(_STORE_KEY, path.name)
+                else:
+                    name = rendezvous.get(_STORE_KEY).decode()
+                    if not re.fullmatch(re.escape(PREFIX) + r"\d+-[0-9a-f]+", name):
+                        raise OSError(f"rank 0 posted an unexpected segment name {name!r:.80}")
+                    segment = Segment(SHM_DIR / name, size, create=False)
+                    if not library().neuron_shm_check(segment.address, world, slot):
+                        raise OSError(f"{name} is not a segment for {world} ranks of this neuron")
+            except OSError as exc:
+                problem = str(exc)
+                segment = None
             agreed = torch.tensor([0.0 if problem else 1.0])
             gloo.all_reduce(agreed)  # every rank has mapped the segment, or given up, past this point
-        finally:
+        finally:  # whatever happened (a join aborted included), the name goes: only mappings keep it
             if path is not None:
                 path.unlink(missing_ok=True)
         if agreed.item() != world:

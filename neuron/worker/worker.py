@@ -64,7 +64,7 @@ class Worker:
         self._joining: Rendezvous | NcclJoin | None = None
         self._cores: list[int] = []  # this CPU rank's cores (executor/cpu_bind.py); empty: not bound
         self._bound_thread: int | None = None
-        self._unbound: set[int] = set()  # the bound thread's cores before (given back on close)
+        self._unbound: dict[int, set[int]] = {}  # each thread bound here: its cores before (given back on close)
 
     def host_store(self, timeout_s: float, address: str = LOOPBACK) -> str:
         """Rank 0 only: listen for the gloo rendezvous on a free port of `address` (loopback on one
@@ -165,7 +165,7 @@ class Worker:
         the rank's cores; one thread per core unless NEURON_NUM_THREADS says otherwise. Rank 0 runs its
         steps on the leader's engine thread: only that thread is bound, not the HTTP server's."""
         try:
-            self._unbound = os.sched_getaffinity(0)
+            self._unbound.setdefault(threading.get_ident(), os.sched_getaffinity(0))  # once: not after a rebuild
             os.sched_setaffinity(0, self._cores)  # 0: the calling thread
         except OSError as exc:
             log.warning("rank %d: cannot bind to cores %s (%s); running unbound", self.rank, self._cores, exc)
@@ -208,8 +208,9 @@ class Worker:
         self._joining = None  # a store hosted for a join that never happened stops listening
         if self.comm is not None:
             self.comm.close()
-        if self._bound_thread is not None and self._bound_thread == threading.get_ident():
-            os.sched_setaffinity(0, self._unbound)  # the offline API's caller gets its thread back as it was
+        before = self._unbound.pop(threading.get_ident(), None)
+        if before is not None:
+            os.sched_setaffinity(0, before)  # the offline API's caller gets its thread back as it was
         self._bound_thread = None
         release_device_memory(self.device)
 
