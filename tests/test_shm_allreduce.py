@@ -75,16 +75,21 @@ def _sums(comm) -> dict:
     return out
 
 
-def _late(comm) -> object:
-    if comm.rank == 1:
-        time.sleep(3.0)  # never joins rank 0's call in time
-        return "slept"
+def _how_rank0s_wait_ends(comm) -> object:
+    """Rank 0 waits in an all-reduce that rank 1 does not join; what ended the wait, and after how long."""
     t0 = time.monotonic()
     try:
         comm.all_reduce(torch.ones(16))
     except shm.CommFailure as exc:
         return str(exc), time.monotonic() - t0
     return "summed"
+
+
+def _late(comm) -> object:
+    if comm.rank == 1:
+        time.sleep(3.0)  # never joins rank 0's call in time
+        return "slept"
+    return _how_rank0s_wait_ends(comm)
 
 
 def _aborted_by_another_rank(comm) -> object:
@@ -92,12 +97,7 @@ def _aborted_by_another_rank(comm) -> object:
         time.sleep(0.5)
         comm.abort()  # as a rank does when it is torn down: frees every rank's wait
         return "aborted"
-    t0 = time.monotonic()
-    try:
-        comm.all_reduce(torch.ones(16))
-    except shm.CommFailure as exc:
-        return str(exc), time.monotonic() - t0
-    return "summed"
+    return _how_rank0s_wait_ends(comm)
 
 
 def _aborted_by_another_thread(comm) -> object:
@@ -105,12 +105,7 @@ def _aborted_by_another_thread(comm) -> object:
         time.sleep(2.0)
         return "idle"
     threading.Timer(0.3, comm.abort).start()  # the leader's reader thread, when a worker exits
-    t0 = time.monotonic()
-    try:
-        comm.all_reduce(torch.ones(16))
-    except shm.CommFailure as exc:
-        return str(exc), time.monotonic() - t0
-    return "summed"
+    return _how_rank0s_wait_ends(comm)
 
 
 JOBS = {"sums": _sums, "late": _late, "aborted_by_another_rank": _aborted_by_another_rank,

@@ -29,7 +29,7 @@ from neuron.config import parse_bytes, settings
 from neuron.engine.async_engine import AsyncEngine, EngineState
 from neuron.engine.engine_config import EngineConfig
 from neuron.engine.host_memory import MemoryLedger, place
-from neuron.engine.llm_engine import LLMEngine
+from neuron.engine.llm_engine import interruptible_load
 from neuron.engine.metrics import Metrics
 from neuron.engine.model_config import ModelConfig, resolve_model_config
 from neuron.errors import ConfigError, NeuronError
@@ -433,15 +433,7 @@ class ModelHost:
 
     def _engine(self, model: ModelConfig, spec: ModelSpec) -> AsyncEngine:
         """A model's engine, loading in its own thread within its deadline."""
-        loading: list[LLMEngine] = []
-
-        def load() -> LLMEngine:
-            return LLMEngine.load(model, building=loading.append)
-
-        def interrupt(reason: str) -> None:
-            if loading:
-                loading[0].executor.abort(reason)
-
+        load, interrupt = interruptible_load(model)
         return AsyncEngine(load, model_name=spec.name, max_running=spec.engine.max_num_seqs,
                            max_waiting=self.max_waiting, metrics=self.metrics.for_model(spec.name),
                            interrupt=interrupt)

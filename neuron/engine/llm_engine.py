@@ -342,3 +342,15 @@ def encode_prompt(engine: LLMEngine, prompt: str) -> list[int]:
 
 
 __all__ = ["EngineConfig", "ImageError", "LLMEngine", "RequestError", "Update", "encode_prompt"]
+
+
+def interruptible_load(cfg: EngineConfig | ModelConfig) -> tuple[Callable[[], LLMEngine], Callable[[str], None]]:
+    """A loader of `cfg`'s engine (LLMEngine.load) and, for another thread, a way to abort the ranks it
+    is starting (a server stopping, a model unloaded while it loads) rather than wait for them."""
+    building: list[LLMEngine] = []
+
+    def interrupt(reason: str) -> None:
+        if building:
+            building[0].executor.abort(reason)
+
+    return lambda: LLMEngine.load(cfg, building=building.append), interrupt

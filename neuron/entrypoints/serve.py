@@ -201,17 +201,9 @@ def async_engine(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> AsyncEng
     """The engine behind the server, loading in the background; stopping it interrupts a load or a
     rebuild of the ranks rather than waiting for it."""
     from neuron.engine.async_engine import AsyncEngine
-    from neuron.engine.llm_engine import LLMEngine
+    from neuron.engine.llm_engine import interruptible_load
 
-    loading: list[LLMEngine] = []
-
-    def load() -> LLMEngine:
-        return LLMEngine.load(engine_cfg, building=loading.append)
-
-    def interrupt(reason: str) -> None:
-        if loading:
-            loading[0].executor.abort(reason)
-
+    load, interrupt = interruptible_load(engine_cfg)
     return AsyncEngine(load, model_name=served_name(engine_cfg), max_running=engine_cfg.max_num_seqs,
                        max_waiting=server_cfg.max_waiting, interrupt=interrupt)
 
