@@ -19,9 +19,12 @@ from neuron.layers import cpu_ops, quantized
 
 MIN_ROWS = cpu_ops.MAX_LINEAR_ROWS + 1
 # oneDNN builds and caches a primitive (and its scratch memory) for every row count it sees, so
-# each new size of step grows the process; steps of fewer rows than this are padded up to it,
-# which keeps the small decode batches on one primitive per weight at little cost (a 16-row step
-# of the 191M model's weights takes 25.7 ms against 20.4 ms for 8 rows)
+# each new size of step grows the process: random step sizes of 17-2,048 rows over four small
+# weights grew it by 800 MiB, and a served mix of prompt lengths by 30-80 MiB over a few thousand
+# requests, without end in sight. Steps are padded up to one of a few sizes instead: PADDED_ROWS
+# for the small decode batches (a 16-row step of the 191M model's weights takes 25.7 ms against
+# 20.4 ms for 8 rows), above it a multiple of 16, or of an eighth of the power of two below the
+# rows, so at most 1/8 of a large step is padding and a model sees about 60 sizes up to 8,192 rows.
 PADDED_ROWS = 16
 
 
@@ -44,9 +47,16 @@ def linear(owner, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if cached[1] is None:
         return F.linear(x, weight, bias)
     rows = x.shape[0]
-    if rows < PADDED_ROWS:
-        x = torch.cat((x, x.new_zeros((PADDED_ROWS - rows, x.shape[1]))))
+    padded = padded_rows(rows)
+    if padded > rows:
+        x = torch.cat((x, x.new_zeros((padded - rows, x.shape[1]))))
     return torch.ops.mkldnn._linear_pointwise(x, cached[1], bias, "none", [], "")[:rows]
+
+
+def padded_rows(rows: int) -> int:
+    """The step size oneDNN sees for a step of `rows` rows (see PADDED_ROWS)."""
+    step = max(PADDED_ROWS, 1 << max(rows.bit_length() - 4, 0))
+    return -(-rows // step) * step
 
 
 def _large_cpu_fp32(x: torch.Tensor, weight: torch.Tensor) -> bool:
