@@ -278,11 +278,11 @@ class Settings:
     collective_timeout_s: float = _setting(float, 60.0, "collective timeout (a rank stuck in an all-reduce "
                                            "gets out), and deadline for every rank to join the group", lo=0,
                                            above=True)
-    cpu_all_reduce: str = _setting(str, "gloo", "how ranks on the CPUs of one host sum their tensors: shm, "
+    cpu_all_reduce: str = _setting(str, "shm", "how ranks on the CPUs of one host sum their tensors: shm, "
                                    "through a shared memory segment (microseconds), or gloo, over TCP "
                                    "loopback (a millisecond); ranks on several hosts use gloo",
                                    choices=("shm", "gloo"))
-    cpu_bind: str = _setting(str, "nobind", "the cores of each CPU rank on one host: auto (a NUMA node per rank "
+    cpu_bind: str = _setting(str, "auto", "the cores of each CPU rank on one host: auto (a NUMA node per rank "
                              "when tp equals the nodes, else the cores split evenly), nobind, or one core list "
                              "per rank, the lists separated by a vertical bar, as in vLLM's "
                              "VLLM_CPU_OMP_THREADS_BIND (README: Tensor parallelism on CPUs)")

@@ -60,8 +60,7 @@ def _allowed(pid: int, tid: int | None = None) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding two ranks needs two cores")
-def test_each_rank_steps_on_its_own_cores(odd_checkpoint, caplog, monkeypatch):
-    monkeypatch.setenv("NEURON_CPU_BIND", "auto")  # opt-in for now (README: Tensor parallelism on CPUs)
+def test_each_rank_steps_on_its_own_cores(odd_checkpoint, caplog):
     import logging
     import threading
 

@@ -41,7 +41,6 @@ def engine(request, tmp_path_factory):
     mp.setenv("NEURON_PREFILL_CHUNK_TOKENS", "4")
     mp.setenv("NEURON_TP_STEP_TIMEOUT_S", str(STEP_TIMEOUT_S))
     mp.setenv("NEURON_COLLECTIVE_TIMEOUT_S", "30")
-    mp.setenv("NEURON_CPU_ALL_REDUCE", "shm")  # faults on the shared-memory all-reduce (opt-in for now)
     path = build_checkpoint(tmp_path_factory.mktemp(f"faults{request.param}"), seed=3, **TP3)
     eng = LLMEngine(EngineConfig(model=str(path), tp=request.param, device="cpu", dtype="float32",
                                  max_num_seqs=2, max_model_len=128)).start()
