@@ -15,6 +15,7 @@ from gguf_files import quantize, random_blocks, write_gguf, write_tensors
 from neuron import LLM, SamplingParams
 from neuron.engine.tokenizer import Tokenizer
 from neuron.errors import ConfigError, ModelNotFound
+from neuron.executor.executor import Executor
 from neuron.layers.quantized import QuantizedWeight
 from neuron.models import gguf as neuron_gguf
 from neuron.models.loader import resolve_model_path
@@ -173,11 +174,18 @@ def test_a_split_off_the_block_boundaries_is_refused_with_the_sizes(tmp_path):
         LLM(str(path), tensor_parallel_size=2, device="cpu", dtype="float32")
 
 
-def test_an_unsupported_type_is_refused_naming_it_and_the_tensor(tmp_path):
+def test_an_unsupported_type_is_refused_on_the_leader_naming_it_and_its_tensors(tmp_path, monkeypatch):
+    """The file's tensor types are checked from its header before any worker starts."""
     hf = _hf_checkpoint(tmp_path, "qwen3")
-    path = write_gguf(hf, tmp_path / "iq2.gguf", {"ffn_up.weight": "IQ2_XXS", "default": "Q8_0"})
-    with pytest.raises(Exception, match=r"blk\.0\.ffn_up\.weight: GGUF tensor type IQ2_XXS is not supported"):
-        LLM(str(path), device="cpu", dtype="float32")
+    path = write_gguf(hf, tmp_path / "iq2.gguf", {"ffn_up.weight": "IQ2_XXS", "output.weight": "TQ2_0",
+                                                  "default": "Q8_0"})
+    monkeypatch.setattr(Executor, "__init__", lambda *a, **k: pytest.fail("a worker pool was started"))
+    with pytest.raises(ConfigError) as refused:
+        LLM(str(path), tensor_parallel_size=2, device="cpu", dtype="float32")
+    supported = ", ".join(TYPES)
+    assert str(refused.value) == (
+        "iq2.gguf: GGUF tensor types TQ2_0 (1 tensor: output.weight), IQ2_XXS (2 tensors: blk.0.ffn_up.weight, "
+        f"blk.1.ffn_up.weight) are not supported; neuron reads {supported}")
 
 
 def test_the_tokenizer_and_chat_template_come_from_the_file(tmp_path):

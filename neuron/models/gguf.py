@@ -18,7 +18,7 @@ the `gguf` package does:
 
 The two-level factors multiply in fp32 as gguf's do (d x sc before the code), so each product
 rounds the same. F32, F16 and BF16 tensors load as dense ones; any other type (the IQ1-IQ3
-families, TQ1_0, ...) is refused naming it and the tensor.
+families, TQ1_0, ...) is refused on the leader, naming it and its tensors, before workers start.
 llama.cpp stores Llama's q and k rows permuted for its rotary layout; the reader undoes that.
 """
 
@@ -142,6 +142,20 @@ class GGUFFile:
         """How many items an array field holds, without decoding them."""
         f = self.reader.fields.get(key)
         return None if f is None else len(f.data)
+
+    def check_types(self) -> None:
+        """Refuse a file holding a tensor type neuron cannot read, in one line naming each such type
+        and its tensors; the leader calls it before any worker starts."""
+        unread: dict[str, list[str]] = {}
+        for name, t in self.tensors.items():
+            if t.tensor_type.name not in _DENSE and t.tensor_type.name not in _DECODERS:
+                unread.setdefault(t.tensor_type.name, []).append(name)
+        if unread:
+            found = ", ".join(f"{kind} ({len(names)} tensor{'s' if len(names) > 1 else ''}: {', '.join(names[:3])}"
+                              f"{', ...' if len(names) > 3 else ''})" for kind, names in unread.items())
+            verb = "type {} is" if len(unread) == 1 else "types {} are"
+            raise ConfigError(f"{self.path.name}: GGUF tensor {verb.format(found)} not supported; neuron reads "
+                              f"{', '.join([*_DENSE, *_DECODERS])}")
 
     def types(self) -> str:
         """The file's weight types, most common first ("Q4_K, Q6_K, F32"), for logs and /health."""
