@@ -60,7 +60,8 @@ def test_each_type_reads_back_as_gguf_dequantizes_it(kind):
 def test_random_blocks_read_back_exactly_whole_and_split_across_two_ranks(tmp_path, kind):
     """Random bytes are valid blocks of every type: each code, sub-scale and sign pattern, under
     modest fp16 scales. Read from a file whole and as tp 2's ranks read it (inputs split on the
-    256-value boundary, outputs anywhere), each part equals gguf's dequantization of those bytes."""
+    256-value boundary, outputs anywhere), each part equals gguf's dequantization of those bytes;
+    the memory plan counts the bytes the layout holds."""
     qtype = gguf.GGMLQuantizationType[kind]
     data = random_blocks(kind, 6, 512, seed=len(kind))
     path = write_tensors(tmp_path / "random.gguf", {"blk.0.ffn_down.weight": (data, qtype)})
@@ -73,6 +74,8 @@ def test_random_blocks_read_back_exactly_whole_and_split_across_two_ranks(tmp_pa
     for start, end in ((0, 256), (256, 512)):
         assert torch.equal(reader.read_weight(name, dim=1, start=start, end=end).dequantize(), reference[:, start:end])
     assert torch.equal(reader.read_weight(name, dim=0, start=1, end=4).dequantize(), reference[1:4])
+    held = sum(t.numel() * t.element_size() for t in whole.tensors())
+    assert neuron_gguf.held_bytes(reader.file.tensors["blk.0.ffn_down.weight"], 4) == held  # the memory plan's count
 
 
 def _hf_checkpoint(tmp_path, family: str):

@@ -166,6 +166,27 @@ class GGUFFile:
         return ", ".join(sorted(counts, key=counts.get, reverse=True))
 
 
+def held_bytes(t, dtype_bytes: int) -> int:
+    """Bytes neuron holds for a file's tensor: dense ones in the model dtype, quantized ones in
+    neuron's layout, which widens some codes (Q5_0 to Q3_K, IQ4 types: a byte a value)."""
+    kind = t.tensor_type.name
+    if kind in _DENSE:
+        return int(t.n_elements) * dtype_bytes
+    if kind not in _DECODERS:
+        return int(t.n_bytes)
+    block, per_block = _held_per_block(kind)
+    return int(t.n_elements) // block * per_block
+
+
+@functools.cache
+def _held_per_block(kind: str) -> tuple[int, int]:
+    """(values, bytes held) of one block of a quantized type, from decoding one."""
+    gguf = _gguf()
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    w = _DECODERS[kind](np.zeros((1, 1, size), dtype=np.uint8), block)
+    return block, sum(x.numel() * x.element_size() for x in w.tensors())
+
+
 class GGUFReader(Reader):
     """This rank's reader over a GGUF file, under transformers' tensor names."""
 
