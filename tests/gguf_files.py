@@ -1,10 +1,11 @@
 """GGUF files written from a transformers checkpoint, as llama.cpp's converter lays them out, for the
 tests and scripts/bench_quant.py.
 
-The `gguf` package writes the file and quantizes F16, BF16, Q8_0 and Q4_0; it only dequantizes the
-K-quants, so Q4_K, Q5_K and Q6_K blocks are made here by plain min/max rounding (valid blocks of the
-documented layout, not llama.cpp's error-minimising search: what matters is that the file is read
-back exactly as `gguf.dequantize` reads it).
+The `gguf` package writes the file and quantizes F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1; it
+only dequantizes the K-quants and the IQ4 types, so Q2_K to Q6_K, IQ4_NL and IQ4_XS blocks are made
+here by plain min/max rounding (valid blocks of the documented layout, not llama.cpp's
+error-minimising search: what matters is that the file is read back exactly as `gguf.dequantize`
+reads it). Types neither can make (IQ2_XXS, ...) are written as random bytes, for refusals.
 """
 
 from __future__ import annotations
@@ -53,20 +54,103 @@ def _pack_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
     return out
 
 
-def _affine_k(x: np.ndarray, levels: int):
-    """Per 32 values: q in 0..levels with x ~ d*sc*q - dmin*m, d and dmin per 256 values."""
+def _affine_k(x: np.ndarray, levels: int, group: int = 32, top: int = 63):
+    """Per `group` values: q in 0..levels with x ~ d*sc*q - dmin*m, sc and m in 0..top, d and dmin
+    per 256 values."""
     rows, k = x.shape
-    g = x.reshape(rows, k // 256, 8, 32).astype(np.float32)
+    g = x.reshape(rows, k // 256, 256 // group, group).astype(np.float32)
     lo = np.minimum(g.min(-1), 0)
     scale = (g.max(-1) - lo) / levels
-    d = _fp16(scale.max(-1) / 63).astype(np.float32)
-    dmin = _fp16(-lo.min(-1) / 63).astype(np.float32)
-    sc = np.clip(np.round(scale / np.where(d > 0, d, 1)[..., None]), 0, 63).astype(np.uint8)
-    m = np.clip(np.round(-lo / np.where(dmin > 0, dmin, 1)[..., None]), 0, 63).astype(np.uint8)
+    d = _fp16(scale.max(-1) / top).astype(np.float32)
+    dmin = _fp16(-lo.min(-1) / top).astype(np.float32)
+    sc = np.clip(np.round(scale / np.where(d > 0, d, 1)[..., None]), 0, top).astype(np.uint8)
+    m = np.clip(np.round(-lo / np.where(dmin > 0, dmin, 1)[..., None]), 0, top).astype(np.uint8)
     s = (d[..., None] * sc)[..., None]
     z = (dmin[..., None] * m)[..., None]
     q = np.clip(np.round((g + z) / np.where(s > 0, s, 1)), 0, levels).astype(np.uint8)
     return d, dmin, sc, m, q
+
+
+def _symmetric(x: np.ndarray, group: int, most: int):
+    """Per `group` values a signed scale s (its extreme value maps to -most) and x / s."""
+    g = x.reshape(x.shape[0], -1, group).astype(np.float32)
+    extreme = np.take_along_axis(g, np.abs(g).argmax(-1)[..., None], -1)[..., 0]
+    s = extreme / -most
+    return s, g / np.where(s != 0, s, 1)[..., None]
+
+
+def _two_bit_bytes(low: np.ndarray) -> np.ndarray:
+    """Q2_K's and Q3_K's low two bits of each 256 values (rows, blocks, 256) in 64 bytes: value
+    h*128 + j*32 + l at bits 2j of byte h*32 + l."""
+    parts = low.reshape(*low.shape[:2], 2, 4, 32).astype(np.uint8)
+    return (parts[:, :, :, 0] | (parts[:, :, :, 1] << 2) | (parts[:, :, :, 2] << 4) | (parts[:, :, :, 3] << 6)
+            ).reshape(*low.shape[:2], 64)
+
+
+def _nibble_bytes(q: np.ndarray) -> np.ndarray:
+    """Runs of 32 codes 0..15 as 16 bytes each, Q4_0's order (value i low, value i + 16 high)."""
+    runs = q.reshape(*q.shape[:-1], -1, 2, 16).astype(np.uint8)
+    return (runs[..., 0, :] | (runs[..., 1, :] << 4)).reshape(*q.shape[:-1], -1)
+
+
+def quantize_q2_k(x: np.ndarray) -> np.ndarray:
+    d, dmin, sc, m, q = _affine_k(x, 3, group=16, top=15)
+    rows, nb = d.shape
+    return np.concatenate([sc | (m << 4), _two_bit_bytes(q.reshape(rows, nb, 256)), _bytes16(d), _bytes16(dmin)],
+                          axis=-1).reshape(rows, -1)
+
+
+def quantize_q3_k(x: np.ndarray) -> np.ndarray:
+    rows, k = x.shape
+    s, _ = _symmetric(x, 16, 4)  # q in -4..3, the sub-scale signed
+    s = s.reshape(rows, k // 256, 16)
+    d = _fp16(np.abs(s).max(-1) / 32).astype(np.float32)
+    sc = np.clip(np.round(s / np.where(d > 0, d, 1)[..., None]), -32, 31).astype(np.int16)
+    step = (d[..., None] * sc)[..., None]
+    g = x.reshape(rows, k // 256, 16, 16)
+    u = (np.clip(np.round(g / np.where(step != 0, step, 1)), -4, 3) + 4).astype(np.uint8).reshape(rows, -1, 256)
+    nb = u.shape[1]
+    hmask = np.zeros((rows, nb, 32), dtype=np.uint8)  # bit j of byte l: value j*32 + l is not 4 lower
+    for j in range(8):
+        hmask |= (u[..., j * 32:(j + 1) * 32] >> 2) << j
+    six = (sc + 32).astype(np.uint8)  # sixteen 6-bit scales in 12 bytes
+    scales = np.zeros((rows, nb, 12), dtype=np.uint8)
+    scales[..., 0:8] = (six[..., 0:8] & 15) | ((six[..., 8:16] & 15) << 4)
+    for j in range(4):
+        scales[..., 8:12] |= (six[..., 4 * j:4 * j + 4] >> 4) << (2 * j)
+    return np.concatenate([hmask, _two_bit_bytes(u & 3), scales, _bytes16(d)], axis=-1).reshape(rows, -1)
+
+
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def _nearest_iq4(v: np.ndarray) -> np.ndarray:
+    return np.abs(v[..., None] - IQ4_VALUES).argmin(-1).astype(np.uint8)
+
+
+def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
+    rows = x.shape[0]
+    s, v = _symmetric(x, 32, 127)
+    d = _fp16(s).astype(np.float32)
+    v = x.reshape(rows, -1, 32) / np.where(d != 0, d, 1)[..., None]
+    return np.concatenate([_bytes16(d), _nibble_bytes(_nearest_iq4(v))], axis=-1).reshape(rows, -1)
+
+
+def quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
+    rows, k = x.shape
+    s, _ = _symmetric(x, 32, 127)
+    s = s.reshape(rows, k // 256, 8)
+    d = _fp16(np.abs(s).max(-1) / 32).astype(np.float32)
+    ls = np.clip(np.round(s / np.where(d > 0, d, 1)[..., None]), -32, 31).astype(np.int16)
+    step = (d[..., None] * ls)[..., None]
+    v = x.reshape(rows, k // 256, 8, 32) / np.where(step != 0, step, 1)
+    six = (ls + 32).astype(np.uint16)
+    high = np.zeros(six.shape[:2], dtype=np.uint16)  # the top two bits of scale i at bits 2i
+    for i in range(8):
+        high |= (six[..., i] >> 4) << (2 * i)
+    low = (six & 15).astype(np.uint8).reshape(rows, -1, 4, 2)
+    return np.concatenate([_bytes16(d), high[..., None].view(np.uint8), low[..., 0] | (low[..., 1] << 4),
+                           _nibble_bytes(_nearest_iq4(v)).reshape(rows, -1, 128)], axis=-1).reshape(rows, -1)
 
 
 def quantize_q4_k(x: np.ndarray) -> np.ndarray:
@@ -109,20 +193,42 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
                            _bytes16(d)], axis=-1).reshape(rows, -1)
 
 
-K_QUANTIZERS = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
+QUANTIZERS = {"Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k, "Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k,
+              "Q6_K": quantize_q6_k, "IQ4_NL": quantize_iq4_nl, "IQ4_XS": quantize_iq4_xs}
+# where each type keeps its fp16 scales in a block, for random_blocks
+F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q2_K": [80, 82],
+              "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}
+
+
+def random_blocks(kind: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """[rows, bytes] of random blocks of `kind`: every code and sub-scale bit pattern is a valid
+    block, and the fp16 scales are set to modest finite values."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    data = rng.integers(0, 256, (rows, k // block, size), dtype=np.uint8)
+    for at in F16_FIELDS.get(kind, []):
+        data[..., at:at + 2] = _bytes16(rng.standard_normal(data.shape[:2]) * 0.01)
+    return data.reshape(rows, -1)
 
 
 def quantize(x: np.ndarray, kind: str):
-    """(data, type) for gguf's writer: the K-quants here, the rest by gguf itself."""
+    """(data, type) for gguf's writer: the K-quants and IQ4 types here, the rest by gguf itself,
+    types neither quantizes as random blocks."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType[kind]
     if kind == "F32":
         return x.astype(np.float32), qtype
-    if kind in K_QUANTIZERS:  # any leading dimensions (stacked experts): rows of the last one
-        rows = K_QUANTIZERS[kind](x.reshape(-1, x.shape[-1]).astype(np.float32))
-        return rows.reshape(*x.shape[:-1], rows.shape[-1]), qtype
-    return gguf.quants.quantize(x.astype(np.float32), qtype), qtype
+    rows = x.reshape(-1, x.shape[-1]).astype(np.float32)  # any leading dimensions (stacked experts)
+    if kind in QUANTIZERS:
+        data = QUANTIZERS[kind](rows)
+    elif kind in ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        return gguf.quants.quantize(x.astype(np.float32), qtype), qtype
+    else:
+        data = random_blocks(kind, *rows.shape)
+    return data.reshape(*x.shape[:-1], data.shape[-1]), qtype
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -218,6 +324,20 @@ def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", to
             kind = types.get(gname) or types.get(gname.split(".", 2)[-1]) or types.get("default", "Q8_0")
         data, qtype = quantize(x, kind)
         w.add_tensor(gname, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def write_tensors(out: Path, tensors: dict[str, tuple[np.ndarray, object]], arch: str = "qwen3") -> Path:
+    """A GGUF file holding only `tensors` (name: (data, type) as `quantize` returns them)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(out), arch)
+    for name, (data, qtype) in tensors.items():
+        w.add_tensor(name, data, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

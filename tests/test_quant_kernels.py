@@ -31,6 +31,12 @@ def _layout(kind: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
         return QuantizedWeight(codes=torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g), k=k, bits=8,
                                group=16, per_super=16, scale=torch.rand(n, k // 256, generator=g) * 0.01,
                                scale_sub=torch.randint(-64, 64, (n, k // 16), dtype=torch.int8, generator=g))
+    if kind == "Q2_K":  # also Q3_K's layout, and IQ4_XS's in groups of 32
+        return QuantizedWeight(codes=torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g), k=k, bits=8,
+                               group=16, per_super=16, scale=torch.rand(n, k // 256, generator=g) * 0.01,
+                               scale_sub=torch.randint(-32, 32, (n, k // 16), dtype=torch.int8, generator=g),
+                               offset=torch.rand(n, k // 256, generator=g) * 0.01,
+                               offset_sub=torch.randint(0, 16, (n, k // 16), dtype=torch.int8, generator=g))
     if kind == "Q4_K":
         return QuantizedWeight(codes=torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g), k=k, bits=4,
                                group=32, per_super=8, scale=torch.rand(n, k // 256, generator=g) * 0.01,
@@ -43,7 +49,7 @@ def _layout(kind: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
                            offset=torch.rand(n, k // 128, generator=g) * 0.05)
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8", "Q6_K", "Q4_K", "w4a16"])
+@pytest.mark.parametrize("kind", ["int8", "fp8", "Q6_K", "Q2_K", "Q4_K", "w4a16"])
 @pytest.mark.parametrize("rows", [1, 19])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_kernel_equals_dequantize_then_matmul(kind, rows, dtype):

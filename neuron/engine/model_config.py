@@ -192,6 +192,7 @@ def _gguf_config(f: GGUFFile) -> dict:
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{f.path.name}: GGUF architecture {arch!r} is not supported "
                           f"(supported: {', '.join(ARCHITECTURES)})")
+    f.check_types()
 
     def number(key: str, default=None, kind: type = int):
         value = f.field(f"{arch}.{key}", default)

@@ -9,7 +9,8 @@ byte (`bits` 4: in each group of 32 inputs byte i holds input i in its low nibbl
 in its high one, values 0..15, as GGUF's Q4_0 stores them). s is a float per `per_super` groups,
 times an int8 sub-scale per group where the format has two levels (GGUF's K-quants); z likewise,
 or absent. Load-time int8 is the case group = k (one scale per output row); GGUF's Q8_0 is group
-32; Q4_K is 4-bit codes in groups of 32 under super-blocks of 256. Groups that are not runs of
+32; Q4_K is 4-bit codes in groups of 32 under super-blocks of 256; Q2_K, Q3_K and the IQ4 types
+are int8 codes (2- and 3-bit values, codebook values) under the same two-level factors. Groups that are not runs of
 consecutive inputs (GPTQ's act-order) are stored gathered, with `input_index` saying which input
 each stored column multiplies.
 

@@ -2,11 +2,23 @@
 the weights kept in their quantized blocks and split across ranks.
 
 Each rank maps the file and copies out only its slices: output rows whole, input columns on the
-type's block boundaries (32 values for Q8_0 and Q4_0, 256 for the K-quants), refused otherwise with
-the sizes. The blocks are rewritten once into neuron's quantized layout (neuron/layers/quantized.py)
-without changing a value: Q8_0 as int8 codes under a scale per 32; Q4_0 as 4-bit codes with offset
-8 d; Q4_K and Q5_K as 4- and 8-bit codes under two-level scales and offsets (d x sc, dmin x m per 32);
-Q6_K as int8 codes (q - 32) under d x scale per 16. F32, F16 and BF16 tensors load as dense ones.
+type's block boundaries (32 values for the legacy types and IQ4_NL, 256 for the K-quants and
+IQ4_XS), refused otherwise with the sizes. The blocks are rewritten once into neuron's quantized
+layout (neuron/layers/quantized.py) without changing a value, each dequantizing bit for bit as
+the `gguf` package does:
+
+- Q8_0: int8 codes under d per 32. Q4_0: 4-bit codes with offset 8 d. Q4_1: 4-bit codes under d
+  with offset -m. Q5_0: int8 codes q - 16 under d. Q5_1: int8 codes 0..31 under d, offset -m.
+- Q2_K: int8 codes 0..3 under d x sc with offset dmin x m per 16 (4-bit sc and m). Q3_K: int8
+  codes -4..3 (q - 4 where the hmask bit is clear) under d x (sc - 32) per 16.
+- Q4_K and Q5_K: 4- and 8-bit codes under d x sc with offset dmin x m per 32 (6-bit sc and m).
+  Q6_K: int8 codes q - 32 under d x scale per 16.
+- IQ4_NL and IQ4_XS: the codebook's values as int8 codes, under d per 32 (IQ4_NL) or under
+  d x (ls - 32) per 32 (IQ4_XS).
+
+The two-level factors multiply in fp32 as gguf's do (d x sc before the code), so each product
+rounds the same. F32, F16 and BF16 tensors load as dense ones; any other type (the IQ1-IQ3
+families, TQ1_0, ...) is refused on the leader, naming it and its tensors, before workers start.
 llama.cpp stores Llama's q and k rows permuted for its rotary layout; the reader undoes that.
 """
 
@@ -131,6 +143,20 @@ class GGUFFile:
         f = self.reader.fields.get(key)
         return None if f is None else len(f.data)
 
+    def check_types(self) -> None:
+        """Refuse a file holding a tensor type neuron cannot read, in one line naming each such type
+        and its tensors; the leader calls it before any worker starts."""
+        unread: dict[str, list[str]] = {}
+        for name, t in self.tensors.items():
+            if t.tensor_type.name not in _DENSE and t.tensor_type.name not in _DECODERS:
+                unread.setdefault(t.tensor_type.name, []).append(name)
+        if unread:
+            found = ", ".join(f"{kind} ({len(names)} tensor{'s' if len(names) > 1 else ''}: {', '.join(names[:3])}"
+                              f"{', ...' if len(names) > 3 else ''})" for kind, names in unread.items())
+            verb = "type {} is" if len(unread) == 1 else "types {} are"
+            raise ConfigError(f"{self.path.name}: GGUF tensor {verb.format(found)} not supported; neuron reads "
+                              f"{', '.join([*_DENSE, *_DECODERS])}")
+
     def types(self) -> str:
         """The file's weight types, most common first ("Q4_K, Q6_K, F32"), for logs and /health."""
         counts: dict[str, int] = {}
@@ -138,6 +164,27 @@ class GGUFFile:
             if len(t.shape) > 1:
                 counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(t.n_elements)
         return ", ".join(sorted(counts, key=counts.get, reverse=True))
+
+
+def held_bytes(t, dtype_bytes: int) -> int:
+    """Bytes neuron holds for a file's tensor: dense ones in the model dtype, quantized ones in
+    neuron's layout, which widens some codes (Q5_0 to Q3_K, IQ4 types: a byte a value)."""
+    kind = t.tensor_type.name
+    if kind in _DENSE:
+        return int(t.n_elements) * dtype_bytes
+    if kind not in _DECODERS:
+        return int(t.n_bytes)
+    block, per_block = _held_per_block(kind)
+    return int(t.n_elements) // block * per_block
+
+
+@functools.cache
+def _held_per_block(kind: str) -> tuple[int, int]:
+    """(values, bytes held) of one block of a quantized type, from decoding one."""
+    gguf = _gguf()
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    w = _DECODERS[kind](np.zeros((1, 1, size), dtype=np.uint8), block)
+    return block, sum(x.numel() * x.element_size() for x in w.tensors())
 
 
 class GGUFReader(Reader):
@@ -251,11 +298,99 @@ def _q8_0(blocks: np.ndarray, k: int) -> QuantizedWeight:
                            scale=_f16(blocks, 0), format="Q8_0")
 
 
+def _packed(blocks: np.ndarray, at: int) -> torch.Tensor:
+    """16 bytes of 4-bit codes per block at `at`, already in neuron's layout (byte i: value i in its
+    low nibble, value i + 16 in its high one), as [rows, k // 2]."""
+    return torch.from_numpy(np.ascontiguousarray(blocks[..., at:at + 16]).reshape(blocks.shape[0], -1))
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """The 32 values of each run of 16 bytes, in Q4_0's order: the low nibbles, then the high ones."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
 def _q4_0(blocks: np.ndarray, k: int) -> QuantizedWeight:
     d = _f16(blocks, 0)
-    qs = blocks[..., 2:18]  # byte i: value i (low nibble), value i + 16 (high): neuron's layout already
-    return QuantizedWeight(codes=torch.from_numpy(np.ascontiguousarray(qs.reshape(blocks.shape[0], -1))), k=k,
-                           bits=4, group=32, scale=d, offset=d * 8, format="Q4_0")
+    return QuantizedWeight(codes=_packed(blocks, 2), k=k, bits=4, group=32, scale=d, offset=d * 8, format="Q4_0")
+
+
+def _q4_1(blocks: np.ndarray, k: int) -> QuantizedWeight:
+    # gguf adds m to d*q; subtracting -m rounds the same (negation is exact)
+    return QuantizedWeight(codes=_packed(blocks, 4), k=k, bits=4, group=32, scale=_f16(blocks, 0),
+                           offset=-_f16(blocks, 2), format="Q4_1")
+
+
+def _five_bits(blocks: np.ndarray, at: int) -> np.ndarray:
+    """Q5_0's and Q5_1's 32 codes per block, 0..31: bit i of the little-endian u32 at `at` is value
+    i's fifth bit, the 16 bytes after it hold the low four bits in Q4_0's order."""
+    high = np.unpackbits(blocks[..., at:at + 4], axis=-1, bitorder="little")
+    return _nibbles(blocks[..., at + 4:at + 20]) | (high << 4)
+
+
+def _q5_0(blocks: np.ndarray, k: int) -> QuantizedWeight:
+    q = _five_bits(blocks, 2).astype(np.int16) - 16
+    return QuantizedWeight(codes=_int8_codes(q), k=k, bits=8, group=32, scale=_f16(blocks, 0), format="Q5_0")
+
+
+def _q5_1(blocks: np.ndarray, k: int) -> QuantizedWeight:
+    return QuantizedWeight(codes=_int8_codes(_five_bits(blocks, 4)), k=k, bits=8, group=32, scale=_f16(blocks, 0),
+                           offset=-_f16(blocks, 2), format="Q5_1")
+
+
+def _two_bits(qs: np.ndarray) -> np.ndarray:
+    """Q2_K's and Q3_K's low two bits of 256 values from 64 bytes: value h*128 + j*32 + l is bits
+    2j..2j+1 of byte h*32 + l."""
+    rows, nb = qs.shape[:2]
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+    return ((qs.reshape(rows, nb, 2, 1, 32) >> shifts) & 0x03).reshape(rows, nb, QK_K)
+
+
+def _int8_subs(x: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(x.astype(np.int8).reshape(x.shape[0], -1)))
+
+
+def _q2_k(blocks: np.ndarray, k: int) -> QuantizedWeight:
+    scales = blocks[..., 0:16]  # per 16 values: the scale in the low nibble, the min in the high one
+    return QuantizedWeight(codes=_int8_codes(_two_bits(blocks[..., 16:80])), k=k, bits=8, group=16, per_super=16,
+                           scale=_f16(blocks, 80), scale_sub=_int8_subs(scales & 0x0F), offset=_f16(blocks, 82),
+                           offset_sub=_int8_subs(scales >> 4), format="Q2_K")
+
+
+def _q3_k(blocks: np.ndarray, k: int) -> QuantizedWeight:
+    rows, nb = blocks.shape[:2]
+    # sixteen 6-bit scales in 12 bytes: low nibbles of bytes 0..7 then their high nibbles; the top
+    # two bits of scale 4j + b are bits 2j..2j+1 of byte 8 + b
+    s = blocks[..., 96:108]
+    low = _nibbles(s[..., 0:8])
+    high = (s[..., None, 8:12] >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 0x03
+    scales = (low | (high.reshape(rows, nb, 16) << 4)).astype(np.int16) - 32
+    # bit j of hmask byte l is value j*32 + l's third bit; where it is clear the value is 4 lower
+    hmask = (blocks[..., None, 0:32] >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 0x01
+    q = _two_bits(blocks[..., 32:96]).astype(np.int16) - 4 * (1 - hmask.reshape(rows, nb, QK_K).astype(np.int16))
+    return QuantizedWeight(codes=_int8_codes(q), k=k, bits=8, group=16, per_super=16, scale=_f16(blocks, 108),
+                           scale_sub=_int8_subs(scales), format="Q3_K")
+
+
+# IQ4_NL's and IQ4_XS's codebook: a 4-bit code i stands for the value _IQ4_VALUES[i] (times the scale)
+_IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def _iq4_nl(blocks: np.ndarray, k: int) -> QuantizedWeight:
+    return QuantizedWeight(codes=_int8_codes(_IQ4_VALUES[_nibbles(blocks[..., 2:18])]), k=k, bits=8, group=32,
+                           scale=_f16(blocks, 0), format="IQ4_NL")
+
+
+def _iq4_xs(blocks: np.ndarray, k: int) -> QuantizedWeight:
+    rows, nb = blocks.shape[:2]
+    # eight 6-bit scales: the low four bits in the nibbles of bytes 4..7 (low first), the top two
+    # bits of scale i at bits 2i..2i+1 of the little-endian u16 at byte 2
+    low = np.stack([blocks[..., 4:8] & 0x0F, blocks[..., 4:8] >> 4], axis=-1).reshape(rows, nb, 8)
+    high16 = blocks[..., 2].astype(np.uint16) | (blocks[..., 3].astype(np.uint16) << 8)
+    high = (high16[..., None] >> np.arange(0, 16, 2, dtype=np.uint16)) & 0x03
+    scales = (low | (high.astype(np.uint8) << 4)).astype(np.int16) - 32
+    codes = _IQ4_VALUES[_nibbles(blocks[..., 8:136].reshape(rows, nb, 8, 16))]
+    return QuantizedWeight(codes=_int8_codes(codes), k=k, bits=8, group=32, per_super=8, scale=_f16(blocks, 0),
+                           scale_sub=_int8_subs(scales), format="IQ4_XS")
 
 
 def _q4_k(blocks: np.ndarray, k: int) -> QuantizedWeight:
@@ -287,7 +422,8 @@ def _q6_k(blocks: np.ndarray, k: int) -> QuantizedWeight:
                            scale=_f16(blocks, 208), scale_sub=scales, format="Q6_K")
 
 
-_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q2_K": _q2_k,
+             "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
 _DENSE = {
     "F32": lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)),
     "F16": lambda a: torch.from_numpy(np.ascontiguousarray(a).astype(np.float32)),

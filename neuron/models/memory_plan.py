@@ -79,13 +79,9 @@ def weight_bytes(files: list[Path], dtype_bytes: int, quantize_at_load: bool) ->
 
 
 def _gguf_bytes(path: Path, dtype_bytes: int) -> int:
-    from neuron.models.gguf import open_file
+    from neuron.models.gguf import held_bytes, open_file
 
-    total = 0
-    for t in open_file(path).tensors.values():
-        dense = t.tensor_type.name in ("F32", "F16", "BF16")
-        total += int(t.n_elements) * dtype_bytes if dense else int(t.n_bytes)
-    return total
+    return sum(held_bytes(t, dtype_bytes) for t in open_file(path).tensors.values())
 
 
 def plan(config: dict, files: list[Path], *, tp: int, dtype_bytes: int, quantize_at_load: bool, max_model_len: int,
