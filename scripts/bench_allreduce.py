@@ -1,4 +1,4 @@
-"""All-reduce latency of CPU ranks on one host: the shared-memory segment against gloo's TCP loopback.
+"""All-reduce and gather latency of CPU ranks on one host: the shared-memory segment against gloo's TCP loopback.
 
     python scripts/bench_allreduce.py                       # tp 2, the issue's three shapes
     python scripts/bench_allreduce.py --tp 4 --iters 2000
@@ -7,7 +7,9 @@ Starts `--tp` processes that join one gloo group as neuron's ranks do (a rendezv
 loopback), then time `--iters` all-reduces of each shape through each backend, one backend after the
 other in the same processes, after `--warmup` untimed ones. Each rank sets torch to one thread
 per rank's share of the cores, as the workers do. Prints the median and the 90th percentile per call
-in microseconds, as rank 0 measured them, and the ratio gloo / shm.
+in microseconds, as rank 0 measured them, and the ratio gloo / shm. Then the same for the gather to
+rank 0 of GATHERS (a step's logits split over the vocabulary: one sequence's and 16 sequences' halves
+of a 32,000-token vocabulary at tp 2).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 import torch
 
 SHAPES = ((1, 1024), (16, 1024), (512, 4096))
+GATHERS = ((1, 16000), (16, 16000))
 
 
 def rank_main(rank: int, world: int, address: str, args: dict, out) -> None:
@@ -54,6 +57,20 @@ def rank_main(rank: int, world: int, address: str, args: dict, out) -> None:
             times.sort()
             results[f"{name} {shape[0]}x{shape[1]}"] = (statistics.median(times) / 1000,
                                                          times[int(0.9 * (len(times) - 1))] / 1000)
+    for shape in GATHERS:
+        x = torch.randn(*shape)
+        for name, comm in (("gloo", gloo), ("shm", shm)):
+            for _ in range(args["warmup"]):
+                comm.gather_to_rank0(x)
+            comm.all_reduce(torch.zeros(1))  # every rank starts the timed gathers together
+            times = []
+            for _ in range(args["iters"]):
+                t0 = time.perf_counter_ns()
+                comm.gather_to_rank0(x)
+                times.append(time.perf_counter_ns() - t0)
+            times.sort()
+            results[f"{name} gather {shape[0]}x{shape[1]}"] = (statistics.median(times) / 1000,
+                                                                times[int(0.9 * (len(times) - 1))] / 1000)
     if rank == 0:
         out.put(results)
     shm.close()
@@ -84,6 +101,11 @@ def main() -> int:
     for shape in SHAPES:
         key = f"{shape[0]}x{shape[1]}"
         g, s = results[f"gloo {key}"], results[f"shm {key}"]
+        print(f"{key:>14} {g[0]:9.1f} / {g[1]:6.1f} {s[0]:9.1f} / {s[1]:6.1f} {g[0] / s[0]:10.1f}x")
+    print(f"{'gather (fp32)':>14}")
+    for shape in GATHERS:
+        key = f"{shape[0]}x{shape[1]}"
+        g, s = results[f"gloo gather {key}"], results[f"shm gather {key}"]
         print(f"{key:>14} {g[0]:9.1f} / {g[1]:6.1f} {s[0]:9.1f} / {s[1]:6.1f} {g[0] / s[0]:10.1f}x")
     if args.json_out:
         with open(args.json_out, "a") as f:

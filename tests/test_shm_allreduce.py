@@ -108,7 +108,28 @@ def _aborted_by_another_thread(comm) -> object:
     return _how_rank0s_wait_ends(comm)
 
 
-JOBS = {"sums": _sums, "late": _late, "aborted_by_another_rank": _aborted_by_another_rank,
+GATHERS = [(torch.float32, (1, 4000)), (torch.float32, (3, 1000)), (torch.int64, (5,)),
+           (torch.bfloat16, (2, 3 * 2**15 + 7)), (torch.float32, (shm.SLOT_BYTES // 4 + 9,))]
+
+
+def _gathers(comm) -> dict:
+    """Gathers back to back (the other ranks do not wait in a gather, so they run ahead of a slow
+    rank 0, which must still read every part whole) and between all-reduces."""
+    out = {"backend": comm.backend}
+    for i, (dtype, shape) in enumerate(GATHERS * 2):
+        if comm.rank == 0 and i % 3 == 0:
+            time.sleep(0.05)
+        if i == len(GATHERS):
+            summed = torch.ones(100)
+            comm.all_reduce(summed)
+            out["sum"] = summed[0].item()
+        part = _parts(comm.rank, torch.float32, int(torch.Size(shape).numel())).mul(1000).to(dtype).view(shape)
+        parts = comm.gather_to_rank0(part)
+        out[i] = None if parts is None else [t.contiguous().view(torch.uint8).numpy().tobytes() for t in parts]
+    return out
+
+
+JOBS = {"sums": _sums, "gathers": _gathers, "late": _late, "aborted_by_another_rank": _aborted_by_another_rank,
         "aborted_by_another_thread": _aborted_by_another_thread}
 
 
@@ -132,6 +153,21 @@ def test_every_rank_gets_the_sum_in_rank_order_bit_for_bit(world, largest):
     for r in range(world):  # what the segment does not take goes through gloo
         summed = _tensor(got[r][str(torch.float16), 1024], torch.float16).float()
         torch.testing.assert_close(summed, half, atol=5e-3, rtol=5e-3)
+
+
+@pytest.mark.parametrize("world, largest", [(2, 0), (3, 100)], ids=["2", "3-small-slots"])
+def test_rank_0_gathers_every_rank_s_part_through_the_segment(world, largest):
+    got = run(world, "gathers", largest=largest)
+    assert all(got[r]["backend"] == "shm" for r in range(world))
+    assert all(got[r]["sum"] == world for r in range(world))
+    for i, (dtype, shape) in enumerate(GATHERS * 2):
+        expected = [_parts(r, torch.float32, int(torch.Size(shape).numel())).mul(1000).to(dtype).view(shape)
+                    for r in range(world)]
+        assert all(got[r][i] is None for r in range(1, world))
+        parts = [_tensor(b, dtype).view(shape) for b in got[0][i]]
+        assert len(parts) == world
+        for r in range(world):
+            assert torch.equal(parts[r], expected[r]), (i, r)
 
 
 def test_a_rank_that_does_not_arrive_ends_the_wait_at_the_deadline():

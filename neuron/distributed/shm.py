@@ -4,8 +4,8 @@ Gloo sums CPU tensors over TCP loopback: a [1, 1024] all-reduce costs about a mi
 step makes two per layer. Ranks on one host can instead write their parts into one shared segment
 and each sum them there: one barrier on a flag per rank, tens of microseconds (scripts/bench_allreduce.py).
 
-The group is still built with gloo, which keeps the rendezvous, the gather to rank 0 and any tensor
-the segment does not take (a dtype other than fp32/bf16). Once the gloo group stands, rank 0 creates
+The group is still built with gloo, which keeps the rendezvous and any tensor the segment does not sum
+(a dtype other than fp32/bf16); the gather of the logits to rank 0 goes through the segment too. Once the gloo group stands, rank 0 creates
 the segment under /dev/shm (mode 0600, a name with its pid and a random part), writes its header and
 posts the name in the rendezvous store; the other ranks map it and check its header, and every rank
 says through gloo whether it succeeded. Rank 0 then unlinks the name, so the segment lives exactly as
@@ -62,6 +62,8 @@ def library() -> ctypes.CDLL | None:
         lib.neuron_shm_check.argtypes, lib.neuron_shm_check.restype = [_P, ctypes.c_int, _I], ctypes.c_int
         lib.neuron_shm_all_reduce.argtypes = [_P, ctypes.c_int, _P, _I, ctypes.c_int, _I, _P, ctypes.c_int]
         lib.neuron_shm_all_reduce.restype = ctypes.c_int
+        lib.neuron_shm_gather.argtypes = [_P, ctypes.c_int, _P, _I, _P, _I, _P]
+        lib.neuron_shm_gather.restype = ctypes.c_int
         lib.neuron_shm_abort.argtypes, lib.neuron_shm_abort.restype = [_P], None
     return lib
 
@@ -198,16 +200,32 @@ class ShmCommunicator(Communicator):
         status = library().neuron_shm_all_reduce(segment.address, self.rank, tensor.data_ptr(), tensor.numel(),
                                                  _DTYPES[tensor.dtype], self._timeout_ms,
                                                  ctypes.addressof(self._abort_word), torch.get_num_threads())
-        if status == _TIMED_OUT:
-            raise CommFailure(f"rank {self.rank}: all-reduce timed out after {self._timeout_ms / 1000:g} s "
-                              "waiting for another rank")
-        if status == _ABORTED:
-            raise CommFailure(f"rank {self.rank}: all-reduce aborted (a rank was lost or the ranks are stopping)")
-        if status == _BAD_SEGMENT:
-            raise CommFailure(f"rank {self.rank}: the shared all-reduce segment is not one this rank can use")
+        self._check(status, "all-reduce")
 
     def gather_to_rank0(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
-        return self.gloo.gather_to_rank0(tensor)
+        """Every rank's `tensor` (each the same shape and dtype) on rank 0, in rank order; None on the others."""
+        segment = self._segment
+        if segment is None:
+            raise CommFailure("the shared-memory all-reduce was closed")
+        if not tensor.is_cpu:
+            return self.gloo.gather_to_rank0(tensor)
+        src = tensor.contiguous()
+        out = torch.empty((self.world_size, *src.shape), dtype=src.dtype) if self.rank == 0 else None
+        nbytes = src.numel() * src.element_size()
+        status = library().neuron_shm_gather(segment.address, self.rank, src.data_ptr(), nbytes,
+                                             None if out is None else out.data_ptr(), self._timeout_ms,
+                                             ctypes.addressof(self._abort_word))
+        self._check(status, "gather")
+        return None if out is None else list(out.unbind(0))
+
+    def _check(self, status: int, what: str) -> None:
+        if status == _TIMED_OUT:
+            raise CommFailure(f"rank {self.rank}: {what} timed out after {self._timeout_ms / 1000:g} s "
+                              "waiting for another rank")
+        if status == _ABORTED:
+            raise CommFailure(f"rank {self.rank}: {what} aborted (a rank was lost or the ranks are stopping)")
+        if status == _BAD_SEGMENT:
+            raise CommFailure(f"rank {self.rank}: the shared all-reduce segment is not one this rank can use")
 
     def abort(self) -> None:
         """From any thread: end this rank's wait, and every other rank's on the segment, at once."""

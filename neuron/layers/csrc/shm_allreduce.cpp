@@ -14,6 +14,12 @@
 // process's own abort word, and says which.
 //
 // A tensor larger than a slot goes through in pieces, a call each.
+//
+// The gather to rank 0 (the logits of a vocabulary split) uses the same slots and sequence: each other
+// rank copies its part into its slot and publishes; only rank 0 waits, and copies every part out. As
+// the other ranks do not wait in a gather, every call first waits until each rank published the call
+// before it, that is finished reading the call before that, whose buffer this call writes again (for
+// an all-reduce after an all-reduce it holds already, a load per rank).
 
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -103,6 +109,16 @@ int wait_for(void* seg, int rank, uint32_t seq, int64_t deadline, const std::ato
         h->sleepers.fetch_sub(1, std::memory_order_seq_cst);
         if (reached(word.load(std::memory_order_acquire), seq)) return OK;
     }
+}
+
+// Until every other rank published `seq`.
+int wait_all(void* seg, int rank, int world, uint32_t seq, int64_t deadline, const std::atomic<uint32_t>* local_abort) {
+    for (int r = 0; r < world; ++r) {
+        if (r == rank) continue;
+        const int status = wait_for(seg, r, seq, deadline, local_abort);
+        if (status != OK) return status;
+    }
+    return OK;
 }
 
 inline float bf16_to_f32(uint16_t b) {
@@ -202,18 +218,48 @@ int neuron_shm_all_reduce(void* seg, int rank, void* data, int64_t n, int dtype,
         const int64_t count = n - done < per_call ? n - done : per_call;
         const uint32_t seq = ++mine->calls;
         const int buf = int(seq & 1u);
+        const int ready = wait_all(seg, rank, world, seq - 1, deadline, abort_word);
+        if (ready != OK) return ready;
         std::memcpy(slot(seg, buf, rank), bytes + done * size, size_t(count * size));
         mine->seq.store(seq, std::memory_order_seq_cst);
         if (h->sleepers.load(std::memory_order_seq_cst)) futex_wake(&mine->seq);
-        for (int r = 0; r < world; ++r) {
-            if (r == rank) continue;
-            const int status = wait_for(seg, r, seq, deadline, abort_word);
-            if (status != OK) return status;
-        }
+        const int status = wait_all(seg, rank, world, seq, deadline, abort_word);
+        if (status != OK) return status;
         if (dtype == BF16)
             sum_bf16(seg, buf, world, reinterpret_cast<uint16_t*>(bytes + done * size), count, threads);
         else
             sum_f32(seg, buf, world, reinterpret_cast<float*>(bytes + done * size), count, threads);
+    }
+    return OK;
+}
+
+// Gather `n` bytes at `data` from every rank to rank 0, which gets rank r's at `out` + r * n (`out` is
+// unused on the others). Returns as neuron_shm_all_reduce does.
+int neuron_shm_gather(void* seg, int rank, const void* data, int64_t n, void* out, int64_t timeout_ms,
+                      const uint32_t* local_abort) {
+    Header* h = header(seg);
+    const int world = int(h->world);
+    if (h->magic != MAGIC || world < 2 || world > MAX_RANKS || rank < 0 || rank >= world) return BAD_SEGMENT;
+    const auto* abort_word = reinterpret_cast<const std::atomic<uint32_t>*>(local_abort);
+    const int64_t per_call = int64_t(h->slot_bytes);
+    const int64_t deadline = now_ns() + timeout_ms * 1'000'000;
+    Flag* mine = flag(seg, rank);
+    const char* bytes = static_cast<const char*>(data);
+    char* gathered = static_cast<char*>(out);
+    if (rank == 0) std::memcpy(gathered, bytes, size_t(n));
+    for (int64_t done = 0; done < n; done += per_call) {
+        const int64_t count = n - done < per_call ? n - done : per_call;
+        const uint32_t seq = ++mine->calls;
+        const int buf = int(seq & 1u);
+        const int ready = wait_all(seg, rank, world, seq - 1, deadline, abort_word);
+        if (ready != OK) return ready;
+        if (rank != 0) std::memcpy(slot(seg, buf, rank), bytes + done, size_t(count));
+        mine->seq.store(seq, std::memory_order_seq_cst);
+        if (h->sleepers.load(std::memory_order_seq_cst)) futex_wake(&mine->seq);
+        if (rank != 0) continue;
+        const int status = wait_all(seg, rank, world, seq, deadline, abort_word);
+        if (status != OK) return status;
+        for (int r = 1; r < world; ++r) std::memcpy(gathered + r * n + done, slot(seg, buf, r), size_t(count));
     }
     return OK;
 }
