@@ -216,8 +216,8 @@ class Settings:
     kernels: str = _setting(str, "auto", "which fused CUDA kernels run: auto, each one that passed the start-up "
                             "self-check on this card (cached per card and versions); triton, all of them "
                             "unchecked; reference, none (PyTorch's operations)", choices=("auto", "triton", "reference"))
-    no_onednn: bool = _setting(bool, False, "run CPU fp32 linear layers through F.linear instead of oneDNN with "
-                               "each weight prepacked once (a second, packed copy of the weights)")
+    no_onednn: bool = _setting(bool, False, "run CPU fp32 linear layers of more rows than neuron's small-batch "
+                               "kernel takes through F.linear instead of oneDNN")
     no_cpu_ops: bool = _setting(bool, False, "run the CPU fp32 step's small-batch linear layers and element-wise "
                                 "passes (norms, rotary, SiLU) in PyTorch instead of neuron's C++ kernels")
     no_quant_kernels: bool = _setting(bool, False, "multiply quantized weights by dequantizing them first (the "

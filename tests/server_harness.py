@@ -97,7 +97,7 @@ class ScriptedEngine:
         # what LLMEngine keeps in its ModelConfig, executor and input processor, and the handlers ask
         self.model = SimpleNamespace(quantization=None, speculative=None, vision=None, eos_token_ids=(),
                                      default_sampling=dict)
-        self.executor = SimpleNamespace(kernels=dict)
+        self.executor = SimpleNamespace(kernels=dict, memory=list)
         self.inputs = self
         self.gate = threading.Event()
         self.gate.set()

@@ -15,7 +15,7 @@ ON, OFF = Kernels(), Kernels(cpu_ops=False)  # OFF: what NEURON_NO_CPU_OPS build
 
 
 class Owner:
-    """What a linear layer is to cpu_linear: its model's kernels, and somewhere to keep a packed weight."""
+    """What a linear layer is to cpu_linear: its model's kernels."""
 
     def __init__(self, kernels: Kernels = ON):
         self.kernels = kernels
@@ -26,8 +26,10 @@ def _gen(seed: int) -> torch.Generator:
 
 
 # (rows, out, in): one row, two, three, four; widths with and without a vector tail; one big enough
-# that the threads split the weight rows; outputs that leave a partial tile of rows
-@pytest.mark.parametrize("m,n,k", [(1, 7, 5), (2, 33, 100), (3, 64, 256), (4, 4096, 1024), (1, 1030, 1027)])
+# that the threads split the weight rows; outputs that leave a partial tile of rows; from five rows
+# up the many-row tiles, with a partial tile of rows of x and of the weight
+@pytest.mark.parametrize("m,n,k", [(1, 7, 5), (2, 33, 100), (3, 64, 256), (4, 4096, 1024), (1, 1030, 1027),
+                                   (5, 7, 100), (7, 1030, 1027), (cpu_ops.MAX_LINEAR_ROWS, 3072, 1024)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_f_linear(m, n, k, bias):
     gen = _gen(m * n + k)
@@ -39,9 +41,10 @@ def test_linear_matches_f_linear(m, n, k, bias):
 def test_linear_reads_strided_rows():
     """x as a slice of a wider tensor and W as rows of a bigger matrix (a merged projection's part)."""
     gen = _gen(1)
-    wide, big = torch.randn(3, 300, generator=gen), torch.randn(50, 300, generator=gen)
-    x, w = wide[:, :200], big[10:40, :200]
-    torch.testing.assert_close(cpu_ops.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
+    wide, big = torch.randn(11, 300, generator=gen), torch.randn(50, 300, generator=gen)
+    for rows in (3, 11):  # the streaming tiles and the many-row ones
+        x, w = wide[:rows, :200], big[10:40, :200]
+        torch.testing.assert_close(cpu_ops.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows,width", [(1, 64), (3, 1000), (70, 1024)])  # the last one runs on several threads

@@ -36,7 +36,13 @@ def odd_server(request, odd_checkpoint):
 
 
 def test_health_and_models(default_server):
-    assert httpx.get(f"{default_server.url}/health").json() == {"status": "ready", "kernels": {"paged_attention": "cpu"}}
+    health = httpx.get(f"{default_server.url}/health").json()
+    ranks = health.pop("memory")  # each rank's weight, KV cache and resident bytes
+    assert health == {"status": "ready", "kernels": {"paged_attention": "cpu"}}
+    assert len(ranks) == len(client(default_server).models.list().data[0].model_extra["devices"])
+    for rank in ranks:
+        assert set(rank) == {"weight_bytes", "kv_bytes", "resident_bytes"}
+        assert 0 < rank["weight_bytes"] < rank["resident_bytes"] and rank["kv_bytes"] > 0
     models = client(default_server).models.list()
     assert [m.id for m in models.data] == ["neuron-default"]
     assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN

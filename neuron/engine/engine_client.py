@@ -69,6 +69,10 @@ class EngineClient:
         """What runs each fused kernel piece, and why a reference where one does."""
         return self._loaded().executor.kernels()
 
+    def memory(self) -> list[dict[str, int]]:
+        """Each rank's weight, KV cache and resident bytes (Executor.memory)."""
+        return self._loaded().executor.memory()
+
     def default_sampling(self) -> dict:
         """generation_config.json's sampling defaults."""
         return self._loaded().model.default_sampling()

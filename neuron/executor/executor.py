@@ -39,6 +39,7 @@ from neuron.rpc import codec
 from neuron.rpc import protocol as p
 from neuron.rpc.dial_in import Listener, cluster_token
 from neuron.step import SeqStep
+from neuron.utils import procfs
 from neuron.worker.failure import resolve_dtype
 from neuron.worker.step_input import blocks_for
 from neuron.worker.worker import Worker
@@ -122,7 +123,9 @@ class Executor:
         one_host_cpus = all(d == "cpu" for d in self.devices) and not self.placement.remote
         self.cpu_bind = cpu_bind.plan(cfg.cpu_bind, cfg.tp) if one_host_cpus and cfg.tp > 1 else []
         self.shard = msgspec.structs.replace(cfg.shard, kv_cache_bytes=self._plan_host_memory())  # before any worker
-        self.weight_bytes: list[int] = []
+        self.weight_bytes: list[int] = []  # per rank, as each reported at load; kv_bytes, resident_bytes alike
+        self.kv_bytes: list[int] = []
+        self.resident_bytes: list[int] = []
         self.failed_kernels: dict[str, str] = {}  # fused kernels on their references, on every rank
         self.num_kv_blocks = 0
         self._worker_cmd, self._env = self._launched(worker_cmd), dict(env or {})
@@ -310,18 +313,31 @@ class Executor:
             finally:
                 self.rank0.on_layer_loaded = None
         self.weight_bytes = [r.weight_bytes for r in replies]
+        self.kv_bytes = [r.kv_bytes for r in replies]
+        self.resident_bytes = [r.resident_bytes for r in replies]
         # Ranks size their pools alone (free memory differs per device); every block id the
         # leader hands out must exist on all of them.
         self.num_kv_blocks = min(r.num_kv_blocks for r in replies)
-        log.info("weights per rank%s: %s MiB; KV cache: %d blocks of %d tokens (%d tokens)",
-                 f" ({c.quantization})" if c.quantization else "",
-                 ", ".join(f"{b / 2**20:.1f}" for b in self.weight_bytes), self.num_kv_blocks, c.block_size,
-                 self.num_kv_blocks * c.block_size)
+        log.info("weights per rank%s: %s MiB; KV cache: %d blocks of %d tokens (%d tokens), %s MiB per rank; "
+                 "resident per rank: %s MiB", f" ({c.quantization})" if c.quantization else "",
+                 _mib(self.weight_bytes), self.num_kv_blocks, c.block_size, self.num_kv_blocks * c.block_size,
+                 _mib(self.kv_bytes), _mib(self.resident_bytes))
         if self.num_kv_blocks * c.block_size < c.max_model_len:
             raise ConfigError(
                 f"the KV cache holds {self.num_kv_blocks * c.block_size} tokens, fewer than max_model_len "
                 f"{c.max_model_len}: give it more memory (--kv-cache-memory, --gpu-memory-utilization) or "
                 "lower --max-model-len")
+
+    def memory(self) -> list[dict[str, int]]:
+        """Each rank's weight, KV cache and resident bytes. Resident is its process's now (rank 0's is
+        this process, with all it holds besides); a rank on another host reports it once loaded."""
+        now = {0: procfs.resident_bytes()}
+        for w in self.pool.workers:
+            if w.rank not in self.pool.remote and w.proc.pid is not None:  # not dialled in
+                now[w.rank] = procfs.resident_bytes(w.proc.pid)
+        return [{"weight_bytes": weights, "kv_bytes": kv, "resident_bytes": now.get(rank) or at_load}
+                for rank, (weights, kv, at_load) in enumerate(zip(self.weight_bytes, self.kv_bytes,
+                                                                  self.resident_bytes))]
 
     def kernels(self) -> dict[str, str]:
         """What runs each fused piece: on CUDA `triton` or `reference: <why>` (the self-check's
@@ -372,3 +388,7 @@ class Executor:
         if isinstance(reply, p.Error):
             raise WorkerError(0, reply.kind, reply.message)
         return reply, kept
+
+
+def _mib(sizes: list[int]) -> str:
+    return ", ".join(f"{b / 2**20:.1f}" for b in sizes)

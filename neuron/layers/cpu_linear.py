@@ -1,13 +1,14 @@
-"""x W^T on CPU: neuron's own kernel for a few rows, oneDNN with W prepacked once for many.
+"""x W^T on CPU: neuron's own kernel for a few rows, oneDNN for many, both on the one row-major weight.
 
-torch's F.linear hands a [rows, in] x [out, in]^T product to MKL's sgemm, which re-reads the
-weight in its row-major layout every call; oneDNN's inner-product with the weight reordered once
-into its blocked layout ran a 64 x 1024 x 6144 decode GEMM at 98 GFLOP/s against F.linear's 40 on
-the 2-core benchmark machine, and the 191M model's offline throughput went from 162-166 to 234-241
-output tok/s (docs/benchmarks.md). For a few rows (small-batch decode) both lose to a kernel that
-streams the row-major weight once (cpu_ops.linear, up to cpu_ops.MAX_LINEAR_ROWS rows); from
-MIN_ROWS rows up, oneDNN leads. The packed copy is a second copy of each weight, made on a
-layer's first large step; NEURON_NO_ONEDNN turns it off (the layer's `Kernels`, as for the rest).
+torch's F.linear hands a [rows, in] x [out, in]^T product to MKL's sgemm, which takes a generic code
+path on the benchmark machine's AMD CPU; oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`)
+JIT-compiles for the CPU it finds (docs/benchmarks.md). Given the weight in its row-major
+`[out, in]` layout it copies blocks of it into its scratch memory as it goes, so a model holds one
+copy of its weights. A copy reordered once into oneDNN's blocked layout (`_reorder_linear_weight`,
+an opaque tensor), which ran here before, was 5 % faster at 512 rows and 10-25 % at 32-64, but
+doubled every rank's resident memory after its first prefill ("One copy of the weights"). Up to
+cpu_ops.MAX_LINEAR_ROWS rows (decode batches) neuron's kernel beats oneDNN on the row-major
+weight. NEURON_NO_ONEDNN keeps F.linear (the layer's `Kernels`, as for the rest).
 """
 
 from __future__ import annotations
@@ -17,40 +18,37 @@ import torch.nn.functional as F
 
 from neuron.layers import cpu_ops, quantized
 
-MIN_ROWS = cpu_ops.MAX_LINEAR_ROWS + 1
+# the fewest rows oneDNN takes where the small-batch kernel does not (switched off, not built):
+# F.linear is faster below
+MIN_ROWS = 5
 # oneDNN builds and caches a primitive (and its scratch memory) for every row count it sees, so
 # each new size of step grows the process: random step sizes of 17-2,048 rows over four small
 # weights grew it by 800 MiB, and a served mix of prompt lengths by 30-80 MiB over a few thousand
 # requests, without end in sight. Steps are padded up to one of a few sizes instead: PADDED_ROWS
-# for the small decode batches (a 16-row step of the 191M model's weights takes 25.7 ms against
-# 20.4 ms for 8 rows), above it a multiple of 16, or of an eighth of the power of two below the
-# rows, so at most 1/8 of a large step is padding and a model sees about 60 sizes up to 8,192 rows.
+# for the small decode batches (where the small-batch kernel does not take them), above it a
+# multiple of 16, or of an eighth of the power of two below the rows, so at most 1/8 of a large
+# step is padding and a model sees about 60 sizes up to 8,192 rows.
 PADDED_ROWS = 16
+_ONEDNN = torch.backends.mkldnn.is_available()
 
 
 def linear(owner, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through neuron's kernel for a few rows, or `owner`'s packed copy of
-    `weight` where that pays; a quantized weight through its own kernel (quantized.py). `owner`, the
-    layer, holds the model's `kernels`, which say which of these may run."""
+    """F.linear(x, weight, bias), through neuron's kernel for a few rows or oneDNN for many; a
+    quantized weight through its own kernel (quantized.py). `owner`, the layer, holds the model's
+    `kernels`, which say which of these may run."""
     kernels = owner.kernels
     if not isinstance(weight, torch.Tensor):
         return quantized.linear(kernels, x, weight, bias)
     if kernels.cpu_ops and x.dim() == 2 and x.shape[0] <= cpu_ops.MAX_LINEAR_ROWS and cpu_ops.takes(x, weight) \
             and (bias is None or bias.dtype == x.dtype):
         return cpu_ops.linear(x, weight, bias)
-    if not _large_cpu_fp32(x, weight):
-        return F.linear(x, weight, bias)
-    cached = getattr(owner, "_onednn", None)
-    if cached is None or cached[0] is not weight:  # first use, or the layer's weight was replaced
-        cached = (weight, _pack(weight) if kernels.onednn else None)
-        owner._onednn = cached
-    if cached[1] is None:
+    if not (kernels.onednn and _onednn_takes(x, weight, bias)):
         return F.linear(x, weight, bias)
     rows = x.shape[0]
     padded = padded_rows(rows)
     if padded > rows:
         x = torch.cat((x, x.new_zeros((padded - rows, x.shape[1]))))
-    return torch.ops.mkldnn._linear_pointwise(x, cached[1], bias, "none", [], "")[:rows]
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:rows]
 
 
 def padded_rows(rows: int) -> int:
@@ -59,12 +57,8 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def _large_cpu_fp32(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] >= MIN_ROWS
-            and x.dtype == weight.dtype == torch.float32)
-
-
-def _pack(weight: torch.Tensor) -> torch.Tensor | None:
-    if not torch.backends.mkldnn.is_available():
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+def _onednn_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """A step of many rows in fp32 on CPU, the weight's rows contiguous (oneDNN reads it in place)."""
+    return (_ONEDNN and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] >= MIN_ROWS
+            and x.dtype == weight.dtype == torch.float32 and weight.is_contiguous()
+            and (bias is None or bias.dtype == torch.float32))

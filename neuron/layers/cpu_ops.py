@@ -4,7 +4,8 @@ called through ctypes.
 Batch-1 decode is bound by reading the weights: torch's F.linear sends a one-row product to MKL's
 sgemv, which on the benchmark machine read the 191M model's weights at about 17 GB/s and took
 twice as long again for two rows; the kernel here streams each weight once at 30 GB/s for up to
-four rows (docs/benchmarks.md). Between the matrix products, each element-wise pass (RMSNorm, the
+four rows, and from five rows on reads it from the cache once per four rows of x, which beats
+oneDNN on the same weight up to MAX_LINEAR_ROWS rows (docs/benchmarks.md). Between the matrix products, each element-wise pass (RMSNorm, the
 residual add + RMSNorm, the per-head RMSNorm + rotary of queries and keys, silu(gate) * up) is one
 loop instead of several PyTorch operations and their temporaries.
 
@@ -24,7 +25,7 @@ import torch
 from neuron.utils import native
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-MAX_LINEAR_ROWS = 4  # above this oneDNN's packed GEMM is faster (cpu_linear.py)
+MAX_LINEAR_ROWS = 16  # above this oneDNN is faster (cpu_linear.py)
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {

@@ -167,9 +167,12 @@ class CheckpointReader(Reader):
         return _safetensors(self.source(name), lambda _: list(f.get_slice(name).get_shape()), name)
 
     def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """The tensor `name`, or its [start, end) along `dim`, in memory of its own: safetensors hands
+        whole tensors out as views of its mapping of the file, and one such view kept (a norm's
+        weight) kept the whole file mapped, with every page the rank's slices had read resident."""
         f = self._file(name)
         if dim is None:
-            return _safetensors(self.source(name), lambda _: f.get_tensor(name), name)
+            return _safetensors(self.source(name), lambda _: f.get_tensor(name).clone(), name)
 
         def sliced(_) -> torch.Tensor:
             sl = f.get_slice(name)

@@ -134,6 +134,8 @@ class KernelsChecked(Message):
 class LoadShardOk(Message):
     model_id: str
     weight_bytes: int = 0
+    kv_bytes: int = 0  # the KV pool
+    resident_bytes: int = 0  # the rank's process once loaded (VmRSS; 0 where unknown)
     num_kv_blocks: int = 0  # the leader schedules with the smallest pool of all ranks
 
 

@@ -45,6 +45,18 @@ def available_memory() -> int | None:
     return None
 
 
+def resident_bytes(pid: int | None = None) -> int | None:
+    """Bytes of memory the process (this one by default) has resident (VmRSS), None where unknown."""
+    try:
+        with open(f"/proc/{pid or 'self'}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def child_pids(pid: int) -> list[int]:
     """Live processes whose parent is `pid`."""
     entries = os.listdir("/proc") if os.path.isdir("/proc") else []

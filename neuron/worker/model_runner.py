@@ -41,6 +41,7 @@ class ModelRunner:
         self.model = model
         self.kernels: Kernels = model.kernels  # what its layers run, chosen at load
         self.num_blocks = num_blocks
+        self.kv_bytes = num_blocks * model.kv_block_bytes(tables.block_size)
         self.tables = tables
         self.graphs: DecodeGraphs | None = None  # decode steps, once captured
         self.verify_graphs: DecodeGraphs | None = None  # speculative decoding's verifying steps, captured apart

@@ -31,6 +31,7 @@ from neuron.distributed.shm import ShmCommunicator
 from neuron.layers.kernel_check import Widths, self_check
 from neuron.layers.paged_attention import HAS_TRITON
 from neuron.rpc import protocol as p
+from neuron.utils import procfs
 from neuron.worker.failure import WorkerFailure, resolve_dtype
 from neuron.worker.model_runner import ModelRunner
 
@@ -196,9 +197,11 @@ class Worker:
         runner = ModelRunner.load(req.shard, req.failed_kernels, self._need_comm(), self.device,
                                   self.on_layer_loaded)
         self.models[req.model_id] = runner
-        nbytes = runner.model.weight_bytes()
-        log.info("loaded %s shard: %.1f MiB in %.0f ms", req.model_id, nbytes / 2**20, _ms(t0))
-        return p.LoadShardOk(seq=req.seq, model_id=req.model_id, weight_bytes=nbytes, num_kv_blocks=runner.num_blocks)
+        nbytes, resident = runner.model.weight_bytes(), procfs.resident_bytes() or 0
+        log.info("loaded %s shard: %.1f MiB of weights, %.1f MiB of KV cache, this process %.1f MiB resident, "
+                 "in %.0f ms", req.model_id, nbytes / 2**20, runner.kv_bytes / 2**20, resident / 2**20, _ms(t0))
+        return p.LoadShardOk(seq=req.seq, model_id=req.model_id, weight_bytes=nbytes, kv_bytes=runner.kv_bytes,
+                             resident_bytes=resident, num_kv_blocks=runner.num_blocks)
 
     def close(self) -> None:
         """Drop the models and the communicator, and give their device memory back."""

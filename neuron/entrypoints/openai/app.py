@@ -172,7 +172,8 @@ class _Api:
         """200 when every model loaded at start-up is ready; else 503. A server of one model answers
         with that model's state (`status`), the failure (`error`) and, while recovering, what the
         recovery is doing (`reason`); once loaded, what runs each fused kernel, the quantization and
-        speculative decoding's settings, where they apply. A host of several models (or one whose
+        speculative decoding's settings, where they apply, and each rank's memory (`memory`: weight,
+        KV cache and resident bytes). A host of several models (or one whose
         admin API is on) adds each model's state under `models`."""
         host = self.host
         single = host.single
@@ -259,6 +260,8 @@ def _engine_health(engine: AsyncEngine) -> dict:
         body["quantization"] = engine.quantization
     if engine.loaded and engine.speculative:
         body["speculative"] = engine.speculative
+    if engine.loaded and (memory := engine.memory()):  # per rank: weight, KV cache and resident bytes
+        body["memory"] = memory
     return body
 
 

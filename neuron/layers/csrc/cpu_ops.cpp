@@ -8,7 +8,8 @@
 // linear: y[m, n] = x[m, k] W[n, k]^T (+ bias) for a few rows of x (decode at small batch). It is
 // bound by reading W once from memory: tiles of NB weight rows are dotted with up to RB rows of x
 // at a time in vector accumulators, and the threads take contiguous ranges of weight rows, so each
-// streams its share of W exactly once. Larger batches go to oneDNN (cpu_linear.py).
+// streams its share of W exactly once. From five rows on the tiles are sized for the registers
+// (many_rows); above cpu_ops.MAX_LINEAR_ROWS rows oneDNN is faster (cpu_linear.py).
 //
 // The element-wise passes (RMSNorm, the residual add + RMSNorm, the per-head RMSNorm + rotary
 // embedding of queries and keys, silu(gate) * up) each replace several PyTorch operations and
@@ -62,6 +63,27 @@ inline void weight_rows(const float* x, int64_t m, int64_t xs, const float* w, i
     for (; r < m; ++r) tile<NBT, 1>(x + r * xs, xs, w, ws, k, y + r * ys, ys, bias);
 }
 
+// More rows than the streaming tiles take: the weight is read from the cache once per MB rows of
+// x, not from memory, so the tile is sized for the registers instead (RB x MNB accumulators, MNB
+// weight vectors and one of x: 31 of AVX-512's 32, 16 of AVX2's 16), and each weight tile meets
+// every row of x before the next tile is read.
+constexpr int MNB = VL == 16 ? 6 : 3;
+
+void many_rows(const float* x, int64_t m, int64_t xs, const float* w, int64_t n, int64_t k, int64_t ws,
+               const float* bias, float* y, int64_t ys, int threads) {
+    const int64_t tiles = (n + MNB - 1) / MNB;
+#pragma omp parallel for schedule(static) num_threads(threads) if (m * n * k >= MIN_PARALLEL_LINEAR)
+    for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t o = t * MNB;
+        if (o + MNB <= n) {
+            weight_rows<MNB>(x, m, xs, w + o * ws, ws, k, y + o, ys, bias ? bias + o : nullptr);
+        } else {
+            for (int64_t j = o; j < n; ++j)
+                weight_rows<1>(x, m, xs, w + j * ws, ws, k, y + j, ys, bias ? bias + j : nullptr);
+        }
+    }
+}
+
 // 1 / sqrt(mean(x^2) + eps) over one row.
 inline float inverse_rms(const float* __restrict x, int64_t width, float eps) {
     float squares = 0.0f;
@@ -78,6 +100,10 @@ extern "C" {
 
 void neuron_linear(const float* x, int64_t m, int64_t xs, const float* w, int64_t n, int64_t k, int64_t ws,
                    const float* bias, float* y, int64_t ys, int threads) {
+    if (m > 4) {
+        many_rows(x, m, xs, w, n, k, ws, bias, y, ys, threads);
+        return;
+    }
     const int64_t tiles = (n + NB - 1) / NB;
 #pragma omp parallel for schedule(static) num_threads(threads) if (m * n * k >= MIN_PARALLEL_LINEAR)
     for (int64_t t = 0; t < tiles; ++t) {

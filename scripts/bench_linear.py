@@ -1,0 +1,69 @@
+"""CPU fp32 linear layers by rows: neuron's small-batch kernel, oneDNN on the row-major weight (what
+runs), oneDNN on a packed copy (what ran before one copy of the weights) and F.linear.
+
+    python scripts/bench_linear.py                       # the 191M model's weights, 1-512 rows
+    python scripts/bench_linear.py --rows 8 16 --rounds 9
+
+The weights are one layer of the 191M benchmark model (hidden 1024, intermediate 3072, 16 / 8
+heads of 128) and its LM head (32,000), random. Each round times every path once per shape, one
+after the other, so that load from other processes falls on all of them alike; the figure is
+the best round, in milliseconds for the whole set and GFLOP/s. oneDNN sees steps of fewer than
+cpu_linear.PADDED_ROWS rows padded up to it, as the layers send them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from neuron.layers import cpu_linear, cpu_ops
+
+SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
+          "lm_head": (32000, 1024)}
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    rows = x.shape[0]
+    if rows < cpu_linear.PADDED_ROWS:
+        x = torch.cat((x, x.new_zeros((cpu_linear.PADDED_ROWS - rows, x.shape[1]))))
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")[:rows]
+
+
+def paths(rows: int) -> dict:
+    out = {"onednn": _onednn, "onednn packed": _onednn, "F.linear": F.linear}
+    if rows <= 16 and cpu_ops.library() is not None:
+        out = {"kernel": cpu_ops.linear, **out}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 5, 8, 16, 32, 64, 512])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    weights = {name: torch.randn(shape, generator=gen) / 32 for name, shape in SHAPES.items()}
+    packed = {name: torch.ops.mkldnn._reorder_linear_weight(w, None) for name, w in weights.items()}
+    print(f"{args.threads} threads; ms for the whole set (best of {args.rounds} rounds), GFLOP/s")
+    for rows in args.rows:
+        x = {name: torch.randn(rows, w.shape[1], generator=gen) for name, w in weights.items()}
+        flops = sum(2 * rows * w.numel() for w in weights.values())
+        best = {}
+        for _ in range(args.rounds):
+            for path, fn in paths(rows).items():
+                ws = packed if path == "onednn packed" else weights
+                t0 = time.perf_counter()
+                for name in SHAPES:
+                    fn(x[name], ws[name])
+                best[path] = min(best.get(path, float("inf")), time.perf_counter() - t0)
+        print(f"rows {rows:4d}: " + "  ".join(f"{p} {t * 1e3:7.2f} ms {flops / t / 1e9:5.0f}" for p, t in best.items()),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
