@@ -70,6 +70,9 @@ def test_norm_rope_on_a_strided_view_of_a_merged_projection(tokens, heads, head_
     cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
     expected = norm.apply_rotary(norm.rms_norm_reference(q, weight, 1e-6), cos, sin)
     torch.testing.assert_close(cpu_ops.norm_rope(q, weight, 1e-6, cos, sin), expected)
+    k = qkv[:, heads * head_dim: (heads + 1) * head_dim].view(tokens, 1, head_dim)
+    for heads_of in (q, k):  # without a norm (Llama's heads): the rotary embedding alone
+        torch.testing.assert_close(norm.rope_heads(ON, heads_of, cos, sin), norm.apply_rotary(heads_of, cos, sin))
 
 
 @pytest.mark.parametrize("rows,width", [(1, 48), (5, 3000), (64, 3072)])
@@ -90,10 +93,11 @@ def test_the_layers_route_cpu_fp32_through_the_kernels(monkeypatch):
     cos = sin = torch.ones(3, 1, 16)
     norm.rms_norm(ON, x, weight, 1e-6)
     norm.norm_rope(ON, x, weight, 1e-6, cos, sin)
+    norm.rope_heads(ON, x, cos, sin)
     norm.add_rms_norm(ON, x[:, 0], x[:, 1], weight, 1e-6)
     norm.silu_mul(ON, x[:, 0], x[:, 1])
     cpu_linear.linear(Owner(), x[:, 0], torch.randn(8, 16))
-    assert called == ["rms_norm", "norm_rope", "add_rms_norm", "silu_mul", "linear"]
+    assert called == ["rms_norm", "norm_rope", "norm_rope", "add_rms_norm", "silu_mul", "linear"]
     called.clear()
     half = x.bfloat16(), weight.bfloat16()
     norm.rms_norm(ON, *half, 1e-6)  # other dtypes keep PyTorch
@@ -111,5 +115,6 @@ def test_switched_off_the_layers_run_pytorch_exactly(monkeypatch):
     assert torch.equal(norm.rms_norm(off, x, weight, 1e-6), norm.rms_norm_reference(x, weight, 1e-6))
     expected = norm.apply_rotary(norm.rms_norm_reference(x, weight, 1e-6), cos, sin)
     assert torch.equal(norm.norm_rope(off, x, weight, 1e-6, cos, sin), expected)
+    assert torch.equal(norm.rope_heads(off, x, cos, sin), norm.apply_rotary(x, cos, sin))
     w = torch.randn(8, 16, generator=gen)
     assert torch.equal(cpu_linear.linear(Owner(off), x[:, 0], w), F.linear(x[:, 0], w))

@@ -93,14 +93,16 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     return total, out
 
 
-def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
               sin: torch.Tensor) -> torch.Tensor:
+    """Each head's RMSNorm (none where `weight` is None), then the rotary embedding."""
     tokens, heads, head_dim = x.shape
     cos, sin = cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim)
     if cos.stride() != sin.stride() or cos.stride(-1) != 1:
         cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty((tokens, heads, head_dim), dtype=x.dtype)
-    library().neuron_norm_rope(x.data_ptr(), tokens, heads, x.stride(0), x.stride(1), head_dim, weight.data_ptr(),
+    library().neuron_norm_rope(x.data_ptr(), tokens, heads, x.stride(0), x.stride(1), head_dim,
+                               None if weight is None else weight.data_ptr(),
                                eps, cos.data_ptr(), sin.data_ptr(), cos.stride(0), out.data_ptr(), heads * head_dim,
                                head_dim, _threads())
     return out

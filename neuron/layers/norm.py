@@ -62,6 +62,15 @@ def norm_rope(kernels: Kernels, x: torch.Tensor, weight: torch.Tensor, eps: floa
     return apply_rotary(rms_norm_reference(x, weight, eps), cos, sin)
 
 
+def rope_heads(kernels: Kernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of each head of x ([tokens, heads, head_dim]) with each token's cos and
+    sin, in one pass on CPU (a model without per-head norms: Llama, Mistral, Qwen2)."""
+    if (kernels.cpu_ops and x.dim() == 3 and x.shape[-1] % 2 == 0 and cos.shape[-1] == x.shape[-1]
+            and cos.numel() == x.shape[0] * x.shape[-1] and cpu_ops.takes(x, cos, sin)):
+        return cpu_ops.norm_rope(x, None, 0.0, cos, sin)
+    return apply_rotary(x, cos, sin)
+
+
 def add_rms_norm(kernels: Kernels, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual sum x + delta ([tokens, hidden]) and its RMSNorm."""

@@ -15,7 +15,7 @@ import torch
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
 from neuron.layers.kernels import Kernels
-from neuron.layers.norm import add_rms_norm, apply_rotary, norm_rope, silu_mul
+from neuron.layers.norm import add_rms_norm, norm_rope, rope_heads, silu_mul
 from neuron.layers.rope import RopeScaling, Rotary
 from neuron.layers.tensor_parallel import (
     HeadLayout,
@@ -106,7 +106,7 @@ class Attention:
         q, k, v = self.qkv(h)
         q, k = q.view(t, self.heads, self.head_dim), k.view(t, self.kv_heads, self.head_dim)
         if self.q_norm is None:  # Llama, Mistral, Qwen2: the rotary embedding alone
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q, k = rope_heads(self.qkv.kernels, q, *rope), rope_heads(self.qkv.kernels, k, *rope)
         else:
             q = norm_rope(self.q_norm.kernels, q, self.q_norm.weight, self.q_norm.eps, *rope)
             k = norm_rope(self.k_norm.kernels, k, self.k_norm.weight, self.k_norm.eps, *rope)

@@ -94,6 +94,30 @@ inline float inverse_rms(const float* __restrict x, int64_t width, float eps) {
 
 inline int team(int64_t elements, int threads) { return elements >= MIN_PARALLEL_ELEMENTS ? threads : 1; }
 
+template <bool NORM>
+void norm_rope(const float* x, int64_t tokens, int64_t heads, int64_t xs_t, int64_t xs_h, int64_t head_dim,
+               const float* weight, float eps, const float* cos, const float* sin, int64_t cs, float* out,
+               int64_t os_t, int64_t os_h, int threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) num_threads(team(tokens * heads * head_dim, threads))
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float* __restrict ct = cos + t * cs;
+        const float* __restrict st = sin + t * cs;
+        for (int64_t h = 0; h < heads; ++h) {
+            const float* __restrict xr = x + t * xs_t + h * xs_h;
+            float* __restrict orow = out + t * os_t + h * os_h;
+            const float inv = NORM ? inverse_rms(xr, head_dim, eps) : 1.0f;
+#pragma omp simd
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = NORM ? xr[i] * inv * weight[i] : xr[i];
+                const float b = NORM ? xr[i + half] * inv * weight[i + half] : xr[i + half];
+                orow[i] = a * ct[i] - b * st[i];
+                orow[i + half] = b * ct[i + half] + a * st[i + half];
+            }
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -148,30 +172,16 @@ void neuron_add_rms_norm(const float* x, int64_t xs, const float* delta, int64_t
     }
 }
 
-// Each head of each token: RMSNorm over head_dim, then the rotary embedding in the half-split
-// layout (the first half pairs with the second): with n = normed head,
-// out[i] = n[i] cos[i] - n[i + h] sin[i] and out[i + h] = n[i + h] cos[i + h] + n[i] sin[i + h].
+// Each head of each token: RMSNorm over head_dim (none where `weight` is null: Llama's heads), then
+// the rotary embedding in the half-split layout (the first half pairs with the second): with
+// n = normed head, out[i] = n[i] cos[i] - n[i + h] sin[i] and out[i + h] = n[i + h] cos[i + h] + n[i] sin[i + h].
 void neuron_norm_rope(const float* x, int64_t tokens, int64_t heads, int64_t xs_t, int64_t xs_h, int64_t head_dim,
                       const float* weight, float eps, const float* cos, const float* sin, int64_t cs, float* out,
                       int64_t os_t, int64_t os_h, int threads) {
-    const int64_t half = head_dim / 2;
-#pragma omp parallel for schedule(static) num_threads(team(tokens * heads * head_dim, threads))
-    for (int64_t t = 0; t < tokens; ++t) {
-        const float* __restrict ct = cos + t * cs;
-        const float* __restrict st = sin + t * cs;
-        for (int64_t h = 0; h < heads; ++h) {
-            const float* __restrict xr = x + t * xs_t + h * xs_h;
-            float* __restrict orow = out + t * os_t + h * os_h;
-            const float inv = inverse_rms(xr, head_dim, eps);
-#pragma omp simd
-            for (int64_t i = 0; i < half; ++i) {
-                const float a = xr[i] * inv * weight[i];
-                const float b = xr[i + half] * inv * weight[i + half];
-                orow[i] = a * ct[i] - b * st[i];
-                orow[i + half] = b * ct[i + half] + a * st[i + half];
-            }
-        }
-    }
+    if (weight)
+        norm_rope<true>(x, tokens, heads, xs_t, xs_h, head_dim, weight, eps, cos, sin, cs, out, os_t, os_h, threads);
+    else
+        norm_rope<false>(x, tokens, heads, xs_t, xs_h, head_dim, weight, eps, cos, sin, cs, out, os_t, os_h, threads);
 }
 
 // out = silu(gate) * up = gate * sigmoid(gate) * up, sigmoid from e = exp(-|gate|) so that it
