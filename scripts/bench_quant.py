@@ -1,6 +1,7 @@
 """CPU decode of one checkpoint held in different ways: fp32, bf16, int8 and fp8 quantized at load, and GGUF
 files of the same weights (Q8_0, Q4_K), with llama.cpp (llama-cpp-python, in this Python or the
-one --llama-cpp-python names) on the same GGUF files, "not installed" where it is missing.
+one --llama-cpp-python names: a side venv, set up as docs/benchmarks.md's "Quantized weights on CPU"
+says) on the same GGUF files, "not installed" where it is missing.
 
     python scripts/bench_quant.py                          # a random ~190M-parameter Qwen3, built here
     python scripts/bench_quant.py --checkpoint DIR --tokens 64 --repeats 3 --json-out out.json
@@ -86,21 +87,27 @@ def time_neuron(variants: dict, tokens: int, repeats: int, batch: int) -> dict:
 
 
 # Run by the Python that has llama-cpp-python (this one, or --llama-cpp-python's): greedy decode of
-# one sequence after the same 16-token prompt, the median of `repeats` runs.
+# one sequence after the same 16-token prompt, the median of `repeats` runs after one untimed (the
+# first decode pays llama.cpp's one-time setup). The next token is read from the context's last
+# logits: llama-cpp-python 0.3 fills `Llama.scores` only with logits_all=True, so reading scores
+# decoded token 0 at every step.
 LLAMA_CPP = """
 import statistics, sys, time
-from llama_cpp import Llama
+import llama_cpp, numpy as np
 path, tokens, repeats, threads, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), eval(sys.argv[5])
-llm = Llama(model_path=path, n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+def greedy():
+    logits = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return int(np.ctypeslib.as_array(logits, shape=(llm.n_vocab(),)).argmax())
 rates = []
-for _ in range(repeats):
+for _ in range(repeats + 1):
     llm.reset()
     llm.eval(prompt)
     start = time.perf_counter()
     for _ in range(tokens):
-        llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
+        llm.eval([greedy()])
     rates.append(tokens / (time.perf_counter() - start))
-print(statistics.median(rates))
+print(statistics.median(rates[1:]))
 """
 
 

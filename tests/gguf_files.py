@@ -300,6 +300,8 @@ def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", to
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if tokenizer and (hf_dir / "tokenizer.json").is_file():
         _add_tokenizer(w, hf_dir, config["vocab_size"])
+    else:  # as llama.cpp's converter marks a checkpoint without one; llama.cpp refuses a file without the key
+        w.add_tokenizer_model("none")
     tensors = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
         tensors.update(load_file(f))

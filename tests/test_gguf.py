@@ -209,6 +209,7 @@ def test_the_tokenizer_and_chat_template_come_from_the_file(tmp_path):
 
     (tmp_path / "bare").mkdir()
     bare = write_gguf(src, tmp_path / "bare" / "model.gguf", "Q8_0", tokenizer=False)
+    assert neuron_gguf.open_file(bare).field("tokenizer.ggml.model") == "none"  # llama.cpp's converter's mark
     with LLM(str(bare), device="cpu", dtype="float32") as llm:
         assert llm.get_tokenizer() is None
     with LLM(str(bare.parent), device="cpu", dtype="float32", tokenizer=str(src)) as llm:  # a folder holding one

@@ -252,8 +252,10 @@ def _tokenizer(spec: EngineConfig, model_dir: Path, gguf: Path | None) -> tuple[
     if folder is not None and not folder.is_dir():
         raise ConfigError(f"--tokenizer {spec.tokenizer}: pass a folder (or cached repo) holding tokenizer.json")
     if folder is None and gguf is not None:
-        # a GGUF file may carry no tokenizer (then prompts are token ids)
-        return (Tokenizer.from_gguf(gguf) if open_file(gguf).field("tokenizer.ggml.model") else None), None
+        # a GGUF file may carry no tokenizer (then prompts are token ids): no tokenizer.ggml.model, or
+        # the "none" llama.cpp's converter writes for a checkpoint without one
+        model = open_file(gguf).field("tokenizer.ggml.model")
+        return (Tokenizer.from_gguf(gguf) if model not in (None, "", "none", "no_vocab") else None), None
     folder = folder or model_dir
     return (Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None), folder
 
