@@ -5,6 +5,7 @@ says) on the same GGUF files, "not installed" where it is missing.
 
     python scripts/bench_quant.py                          # a random ~190M-parameter Qwen3, built here
     python scripts/bench_quant.py --checkpoint DIR --tokens 64 --repeats 3 --json-out out.json
+    python scripts/bench_quant.py --only int8,Q8_0,Q4_K --exact   # the integer kernel against the exact one
 
 For each: weight bytes per rank (what the ranks report after loading), batch-1 decode tok/s (one
 sequence) and batch-16 decode tok/s (16 sequences at once), each the median of --repeats runs, and
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -66,8 +68,12 @@ def time_neuron(variants: dict, tokens: int, repeats: int, batch: int) -> dict:
     median batch-1 and batch-`batch` decode tok/s."""
     from neuron import LLM, SamplingParams
 
-    llms = {name: LLM(model, device="cpu", max_num_seqs=batch, max_model_len=512, **kwargs)
-            for name, (model, kwargs) in variants.items()}
+    llms = {}
+    for name, (model, kwargs) in variants.items():
+        exact = kwargs.pop("exact", False)
+        os.environ["NEURON_QUANT_EXACT"] = "1" if exact else "0"  # read when the model loads
+        llms[name] = LLM(model, device="cpu", max_num_seqs=batch, max_model_len=512, **kwargs)
+    os.environ.pop("NEURON_QUANT_EXACT")
     try:
         for llm in llms.values():  # warm-up
             llm.generate([{"prompt_token_ids": p} for p in prompts(batch)],
@@ -134,6 +140,9 @@ def main() -> int:
     ap.add_argument("--only", help="comma-separated variants to run (fp32, bf16, int8, fp8, Q8_0, Q4_K)")
     ap.add_argument("--llama-cpp-python", default=sys.executable,
                     help="a Python with llama-cpp-python installed (a side venv; default: this one)")
+    ap.add_argument("--exact", action="store_true",
+                    help="also run each int8 and 4-bit variant on the exact fp32 kernel (NEURON_QUANT_EXACT=1), "
+                    "as '<variant> exact', in the same rounds")
     ap.add_argument("--json-out")
     args = ap.parse_args()
 
@@ -151,6 +160,11 @@ def main() -> int:
             gguf_files[kind] = write_gguf(ckpt, Path(tmp) / f"model-{kind}.gguf", kind)
             variants[kind] = (str(gguf_files[kind]), dict(dtype="float32"))
         wanted = set(args.only.split(",")) if args.only else set(variants)
+        if args.exact:
+            for name in [n for n in ("int8", "Q8_0", "Q4_K") if n in wanted and n in variants]:
+                model, kwargs = variants[name]
+                variants[f"{name} exact"] = (model, dict(kwargs, exact=True))
+                wanted.add(f"{name} exact")
         results = time_neuron({k: v for k, v in variants.items() if k in wanted}, args.tokens, args.repeats,
                               args.batch)
         for name, r in results.items():

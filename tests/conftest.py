@@ -27,6 +27,14 @@ def small_prefill_chunks(monkeypatch):
     monkeypatch.setenv("NEURON_PREFILL_CHUNK_TOKENS", "16")
 
 
+@pytest.fixture
+def exact_quantized_products(monkeypatch):
+    """Quantized weights multiplied by the exact fp32 kernel (NEURON_QUANT_EXACT, read when a model
+    loads): what comparisons with transformers at tight tolerances need. The default integer path
+    rounds the activations; tests/test_quant_int.py holds it to its own bound."""
+    monkeypatch.setenv("NEURON_QUANT_EXACT", "1")
+
+
 @pytest.fixture(scope="session")
 def default_tokenizer():
     from neuron.engine.tokenizer import Tokenizer

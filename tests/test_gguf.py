@@ -20,6 +20,7 @@ from neuron.layers.quantized import QuantizedWeight
 from neuron.models import gguf as neuron_gguf
 from neuron.models.loader import resolve_model_path
 
+pytestmark = pytest.mark.usefixtures("exact_quantized_products")  # logprobs to 1e-3 of transformers
 gguf = pytest.importorskip("gguf", reason="the gguf package is a dependency of neuron; this install lacks it")
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",

@@ -25,6 +25,8 @@ from neuron.layers.tensor_parallel import Shard
 from neuron.models.loader import CheckpointReader, safetensors_files
 from neuron.models.quant_formats import PrequantizedReader, stored_format
 
+pytestmark = pytest.mark.usefixtures("exact_quantized_products")  # logprobs to 1e-3 of transformers
+
 # Every width a multiple of 128 (FP8 blocks, 128-input groups), split by tp 4 on group boundaries
 # except where a test means otherwise.
 SHAPE = dict(vocab_size=301, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,

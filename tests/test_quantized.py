@@ -13,8 +13,9 @@ from neuron.layers import cpu_ops, quantized
 from neuron.layers.kernels import Kernels
 from neuron.layers.quantized import QuantizedWeight, quantize_int8
 
+pytestmark = pytest.mark.usefixtures("exact_quantized_products")  # logprobs to 1e-3 of transformers
 needs_kernel = pytest.mark.skipif(cpu_ops.library() is None, reason="the CPU kernels could not be built here")
-KERNELS = Kernels()
+KERNELS = Kernels(quant_exact=True)  # the exact kernel; the integer one: test_quant_int.py
 
 
 def _random(bits: int, n: int, k: int, group: int, per_super: int = 1, sub: bool = False, offset: bool = False,

@@ -35,6 +35,7 @@ _SIGNATURES = {
     "neuron_norm_rope": [_P, _I, _I, _I, _I, _I, _P, _F, _P, _P, _I, _P, _I, _I, ctypes.c_int],
     "neuron_silu_mul": [_P, _I, _P, _I, _I, _I, _P, _I, ctypes.c_int],
     "neuron_qlinear": [_P, _I, _I, _P, _P, _P, _I, ctypes.c_int],  # quantized.py
+    "neuron_qlinear_int": [_P, _I, _I, _P, _P, _P, _I, ctypes.c_int],  # quantized.py
 }
 
 

@@ -479,3 +479,6 @@ void neuron_qlinear(const float* x, int64_t m, int64_t xs, const QuantizedWeight
 }
 
 }  // extern "C"
+
+// The same product with the activations rounded to int8 and integer dot products.
+#include "qlinear_int.h"

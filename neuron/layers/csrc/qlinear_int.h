@@ -1,0 +1,454 @@
+// The quantized product with the activations rounded to int8 (`neuron_qlinear_int`), included by
+// cpu_ops.cpp after its QuantizedWeight (the library is one translation unit; native.py keys its
+// cache on this folder's headers too).
+//
+// Each row of x is rounded once per call to int8 in blocks of XBLOCK (32) inputs, symmetrically:
+// d = max|x| / 127, q = round(x / d). A step of the loop takes CHUNK inputs (64 with AVX-512, 32
+// otherwise) of one weight row: its codes times the rounded activations in integers, four products
+// summed into each 32-bit lane (VNNI's dpbusd, or maddubs + madd), the lanes turned into floats and
+// multiplied by their block's d and their weight group's scale. Lanes never straddle a group or a
+// block (groups are multiples of 16 inputs), so groups of 16 (Q6_K), 32 (Q8_0, the K-quants), more
+// (AWQ's 128) and one per row (int8 at load) all work the same way; each lane's group comes from a
+// small index vector made once per call. Offsets are subtracted once per row, z(n, g) times the
+// sum of the rounded x over the group: then the error is sum((s q - z)(x' - x)), the weights' own
+// times the rounding's, where the exact sum of x would leave s sum(q (x' - x)), whose codes are
+// all positive (0..15 against an offset of 8 in Q4_0) and so several times larger.
+//
+// The unsigned operand of the integer products is the weight: 4-bit codes (0..15) as they are;
+// int8 codes with 128 added (a xor) and 128 * sum(q) of each lane subtracted, precomputed with
+// the activations, under VNNI; without VNNI, |w| against x with w's sign (maddubs saturates at
+// 16 bits, and 255 * 127 * 2 would). With 4-bit codes and AVX-512 the activations are stored in
+// the order the nibbles unpack to (per two blocks: block 0's inputs 0..15, block 1's 0..15, block
+// 0's 16..31, block 1's 16..31), so the codes need no shuffle.
+//
+// The result differs from dequantize-then-matmul by the activations' rounding (a relative error of
+// 2e-5 to 4e-5 in the mean square, tests/test_quant_int.py), as llama.cpp's products do.
+#pragma once
+
+#include <type_traits>
+
+namespace {
+
+constexpr int XBLOCK = 32;  // activations under one int8 scale
+constexpr int INB = 4;      // weight rows per integer tile
+constexpr int64_t MIN_PARALLEL_ROUNDING = 8192;  // activations rounded by the team rather than the caller
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define NEURON_INT_AVX512 1
+constexpr int CHUNK = 64, LANES = 16;
+typedef __m512i ChunkBytes;  // a chunk of codes or activations
+typedef __m512i LaneInts;    // LANES 32-bit sums
+typedef __m512 LaneFloats;
+#elif defined(__AVX2__)
+#define NEURON_INT_AVX2 1
+constexpr int CHUNK = 32, LANES = 8;
+typedef __m256i ChunkBytes;
+typedef __m256i LaneInts;
+typedef __m256 LaneFloats;
+#else
+constexpr int CHUNK = 32, LANES = 8;
+struct ChunkBytes {
+    int32_t v[CHUNK];
+};
+typedef int32_t LaneInts __attribute__((vector_size(LANES * 4)));
+typedef float LaneFloats __attribute__((vector_size(LANES * 4)));
+#endif
+#if defined(NEURON_INT_AVX512) && defined(__AVX512VNNI__)
+constexpr bool VNNI = true;
+#else
+constexpr bool VNNI = false;
+#endif
+
+// Where input i (0..CHUNK) of a chunk sits among the chunk's activation bytes, and back.
+inline int chunk_pos(int i, int bits) {
+#if defined(NEURON_INT_AVX512)
+    if (bits == 4) return (i % 32 / 16) * 32 + (i / 32) * 16 + i % 16;
+#endif
+    (void)bits;
+    return i;
+}
+inline int pos_input(int pos, int bits) {
+#if defined(NEURON_INT_AVX512)
+    if (bits == 4) return (pos / 16 % 2) * 32 + (pos / 32) * 16 + pos % 16;
+#endif
+    (void)bits;
+    return pos;
+}
+
+#if defined(NEURON_INT_AVX512)
+inline ChunkBytes load_x(const int8_t* p) { return _mm512_loadu_si512(p); }
+inline LaneInts load_ints(const int32_t* p) { return _mm512_loadu_si512(p); }
+inline LaneFloats load_floats(const float* p) { return _mm512_loadu_ps(p); }
+// The chunk's codes as unsigned bytes (4-bit) or as int8 (8-bit); TAIL: only its first 32 inputs exist.
+template <int BITS, bool TAIL>
+inline ChunkBytes load_codes(const uint8_t* p) {
+    if constexpr (BITS == 4) {
+        const __m256i b = TAIL ? _mm256_maskz_loadu_epi8(0xFFFF, p) : _mm256_loadu_si256((const __m256i*)p);
+        const __m256i low = _mm256_set1_epi8(15);
+        return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, low)),
+                                  _mm256_and_si256(_mm256_srli_epi16(b, 4), low), 1);
+    } else {
+        return TAIL ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, p) : _mm512_loadu_si512(p);
+    }
+}
+// Each lane's four code x activation products summed; `corr` is the lane's -128 * sum(q) (VNNI, 8-bit).
+template <int BITS>
+inline LaneInts idot(ChunkBytes w, ChunkBytes x, LaneInts corr) {
+    if constexpr (VNNI) {
+        if constexpr (BITS == 4) return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+        return _mm512_dpbusd_epi32(corr, _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80))), x);
+    } else {
+        const __m512i ones = _mm512_set1_epi16(1);
+        if constexpr (BITS == 4) return _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), ones);
+        const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+        return _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), signed_x), ones);
+    }
+}
+inline LaneFloats to_floats(LaneInts v) { return _mm512_cvtepi32_ps(v); }
+inline LaneFloats fmadd(LaneFloats a, LaneFloats b, LaneFloats c) { return _mm512_fmadd_ps(a, b, c); }
+inline LaneFloats fmul(LaneFloats a, LaneFloats b) { return _mm512_mul_ps(a, b); }
+inline float lane_sum(LaneFloats v) { return _mm512_reduce_add_ps(v); }
+// p[idx[l]] for each lane (idx < LANES).
+inline LaneFloats spread(LaneInts idx, const float* p) { return _mm512_permutexvar_ps(idx, _mm512_loadu_ps(p)); }
+#elif defined(NEURON_INT_AVX2)
+inline ChunkBytes load_x(const int8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline LaneInts load_ints(const int32_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline LaneFloats load_floats(const float* p) { return _mm256_loadu_ps(p); }
+template <int BITS, bool TAIL>
+inline ChunkBytes load_codes(const uint8_t* p) {
+    if constexpr (BITS == 4) {
+        const __m128i b = _mm_loadu_si128((const __m128i*)p);
+        const __m128i low = _mm_set1_epi8(15);
+        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+    } else {
+        return _mm256_loadu_si256((const __m256i*)p);
+    }
+}
+template <int BITS>
+inline LaneInts idot(ChunkBytes w, ChunkBytes x, LaneInts) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if constexpr (BITS == 4) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
+}
+inline LaneFloats to_floats(LaneInts v) { return _mm256_cvtepi32_ps(v); }
+inline LaneFloats fmadd(LaneFloats a, LaneFloats b, LaneFloats c) { return _mm256_fmadd_ps(a, b, c); }
+inline LaneFloats fmul(LaneFloats a, LaneFloats b) { return _mm256_mul_ps(a, b); }
+inline float lane_sum(LaneFloats v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+inline LaneFloats spread(LaneInts idx, const float* p) { return _mm256_permutevar8x32_ps(_mm256_loadu_ps(p), idx); }
+#else
+inline ChunkBytes load_x(const int8_t* p) {
+    ChunkBytes b;
+    for (int i = 0; i < CHUNK; ++i) b.v[i] = p[i];
+    return b;
+}
+inline LaneInts load_ints(const int32_t* p) {
+    LaneInts v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+inline LaneFloats load_floats(const float* p) {
+    LaneFloats v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+template <int BITS, bool TAIL>
+inline ChunkBytes load_codes(const uint8_t* p) {
+    ChunkBytes b;
+    for (int i = 0; i < CHUNK; ++i)
+        b.v[i] = BITS == 4 ? (i < 16 ? p[i] & 15 : p[i - 16] >> 4) : int8_t(p[i]);
+    return b;
+}
+template <int BITS>
+inline LaneInts idot(const ChunkBytes& w, const ChunkBytes& x, LaneInts) {
+    LaneInts s = {};
+    for (int l = 0; l < LANES; ++l)
+        for (int t = 0; t < 4; ++t) s[l] += w.v[4 * l + t] * x.v[4 * l + t];
+    return s;
+}
+inline LaneFloats to_floats(LaneInts v) { return __builtin_convertvector(v, LaneFloats); }
+inline LaneFloats fmadd(LaneFloats a, LaneFloats b, LaneFloats c) { return a * b + c; }
+inline LaneFloats fmul(LaneFloats a, LaneFloats b) { return a * b; }
+inline float lane_sum(LaneFloats v) {
+    float s = 0.0f;
+    for (int l = 0; l < LANES; ++l) s += v[l];
+    return s;
+}
+inline LaneFloats spread(LaneInts idx, const float* p) {
+    LaneFloats v;
+    for (int l = 0; l < LANES; ++l) v[l] = p[idx[l]];
+    return v;
+}
+#endif
+
+// x's rows rounded for one call, in the kernel's chunk order, and what the weights' groups need.
+struct RoundedRows {
+    int64_t chunks, groups;
+    const int8_t* q;      // [m][chunks * CHUNK], zero past k
+    const float* d;       // [m][chunks * LANES]: each lane's block scale
+    const int32_t* corr;  // [m][chunks * LANES]: -128 * the sum of each lane's four q (VNNI, int8 codes)
+    const float* sum;     // [m][groups]: the rounded x summed over each weight group (offsets), or null
+    const int32_t* lane_group;  // [chunks * LANES]: each lane's group, less the chunk's first
+    const int64_t* first_group;  // [chunks]
+};
+
+// Row r of x into `rows`' buffers (the caller sized them).
+inline void round_row(const float* x, int64_t k, int bits, int64_t group, int8_t* q, float* d, int32_t* corr,
+                      float* sum, int64_t chunks) {
+    constexpr float ROUND = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to nearest even
+    if (sum) std::fill(sum, sum + k / group, 0.0f);
+    for (int64_t c = 0; c < chunks; ++c) {
+        float block_d[CHUNK / XBLOCK];
+        int8_t* qc = q + c * CHUNK;
+        for (int b = 0; b < CHUNK / XBLOCK; ++b) {
+            const int64_t at = c * CHUNK + b * XBLOCK;
+            if (at >= k) {  // the tail chunk's missing block
+                block_d[b] = 0.0f;
+                for (int t = 0; t < XBLOCK; t += 16) std::memset(qc + chunk_pos(b * XBLOCK + t, bits), 0, 16);
+                continue;
+            }
+            const float* xb = x + at;
+            float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+            for (int t = 0; t < XBLOCK; ++t) amax = std::max(amax, std::fabs(xb[t]));
+            block_d[b] = amax / 127.0f;
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int8_t rounded[XBLOCK];
+#pragma omp simd
+            for (int t = 0; t < XBLOCK; ++t) {
+                const float v = std::min(127.0f, std::max(-127.0f, (xb[t] * inv + ROUND) - ROUND));
+                rounded[t] = int8_t(v);
+            }
+            // a block's two halves of 16 sit apart only in the 4-bit AVX-512 order (chunk_pos)
+            std::memcpy(qc + chunk_pos(b * XBLOCK, bits), rounded, 16);
+            std::memcpy(qc + chunk_pos(b * XBLOCK + 16, bits), rounded + 16, 16);
+            if (sum)
+                for (int h = 0; h < XBLOCK; h += 16) {  // groups are multiples of 16 inputs
+                    int32_t t = 0;
+                    for (int i = h; i < h + 16; ++i) t += rounded[i];
+                    sum[(at + h) / group] += block_d[b] * float(t);
+                }
+        }
+        for (int l = 0; l < LANES; ++l) {
+            d[c * LANES + l] = block_d[pos_input(4 * l, bits) / XBLOCK];
+            if (corr) corr[c * LANES + l] = -128 * (qc[4 * l] + qc[4 * l + 1] + qc[4 * l + 2] + qc[4 * l + 3]);
+        }
+    }
+}
+
+// y[r][o + j] for RB rows of x from r0 and NBT weight rows from o, before scales per row, offsets
+// and bias: the lanes' sums. `gs` holds each weight row's group scales (PLAIN: unused).
+template <int NBT, int RB, int BITS, bool PLAIN>
+inline void itile(const RoundedRows& a, int64_t r0, const QuantizedWeight& w, int64_t o, const float* gs,
+                  int64_t gstride, float out[RB][NBT]) {
+    LaneFloats acc[RB][NBT];
+    for (int r = 0; r < RB; ++r)
+        for (int j = 0; j < NBT; ++j) acc[r][j] = LaneFloats{};
+    const uint8_t* rows[NBT];
+    for (int j = 0; j < NBT; ++j) rows[j] = w.codes + (o + j) * w.code_stride;
+    const int64_t ahead = o + PREFETCH_TILES * INB;
+    const char* next = reinterpret_cast<const char*>(w.codes + ahead * w.code_stride);
+    const int64_t lines = ahead + INB <= w.n ? INB * w.code_stride / 64 : 0;
+    constexpr int LINES_PER_CHUNK = std::max(1, INB * CHUNK * BITS / 8 / 64);
+    int64_t line = 0;
+    const int64_t xq_stride = a.chunks * CHUNK, lane_stride = a.chunks * LANES;
+    auto step = [&](int64_t c, auto tail) {
+        constexpr bool TAIL = decltype(tail)::value;
+        for (int p = 0; p < LINES_PER_CHUNK; ++p)
+            if (line < lines) __builtin_prefetch(next + 64 * line++, 0, 3);
+        ChunkBytes xq[RB];
+        LaneFloats xd[RB];
+        LaneInts xc[RB];
+        for (int r = 0; r < RB; ++r) {
+            xq[r] = load_x(a.q + (r0 + r) * xq_stride + c * CHUNK);
+            xd[r] = load_floats(a.d + (r0 + r) * lane_stride + c * LANES);
+            if constexpr (VNNI && BITS == 8) xc[r] = load_ints(a.corr + (r0 + r) * lane_stride + c * LANES);
+            else xc[r] = LaneInts{};
+        }
+        LaneInts idx{};
+        if constexpr (!PLAIN) idx = load_ints(a.lane_group + c * LANES);
+        const int64_t g0 = a.first_group[c];
+        for (int j = 0; j < NBT; ++j) {
+            const ChunkBytes wv = load_codes<BITS, TAIL>(rows[j] + c * CHUNK * BITS / 8);
+            LaneFloats sw{};
+            if constexpr (!PLAIN) sw = spread(idx, gs + j * gstride + g0);
+            for (int r = 0; r < RB; ++r) {
+                const LaneFloats f = to_floats(idot<BITS>(wv, xq[r], xc[r]));
+                acc[r][j] = fmadd(f, PLAIN ? xd[r] : fmul(xd[r], sw), acc[r][j]);
+            }
+        }
+    };
+    const int64_t full = w.k / CHUNK;
+    for (int64_t c = 0; c < full; ++c) step(c, std::false_type{});
+    if (full < a.chunks) step(full, std::true_type{});
+    for (int r = 0; r < RB; ++r)
+        for (int j = 0; j < NBT; ++j) out[r][j] = lane_sum(acc[r][j]);
+}
+
+inline void prefetch_row(const void* p, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at, 0, 3);
+}
+
+template <int PER_SUPER>
+inline void two_level(const float* top, const int8_t* sub, int64_t groups, float* out) {
+    for (int64_t s = 0; s < groups / PER_SUPER; ++s) {
+        const float t = top[s];
+#if defined(__AVX2__)  // GCC leaves the plain loop scalar
+        for (int i = 0; i < PER_SUPER; i += 8) {
+            const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sub + s * PER_SUPER + i)));
+            _mm256_storeu_ps(out + s * PER_SUPER + i, _mm256_mul_ps(_mm256_set1_ps(t), _mm256_cvtepi32_ps(q)));
+        }
+#else
+        for (int i = 0; i < PER_SUPER; ++i) out[s * PER_SUPER + i] = t * float(sub[s * PER_SUPER + i]);
+#endif
+    }
+}
+
+// One row's factor per group: the top-level float per `per_super` groups, times the int8 sub-factor.
+inline void group_factors(const float* top, const int8_t* sub, int64_t groups, int per_super, float* out) {
+    if (!sub && per_super == 1) {
+        std::memcpy(out, top, groups * sizeof(float));
+        return;
+    }
+    if (sub && per_super == 8) return two_level<8>(top, sub, groups, out);  // Q4_K, Q5_K
+    if (sub && per_super == 16) return two_level<16>(top, sub, groups, out);  // Q6_K
+    for (int64_t i = 0; i < groups; ++i) out[i] = top[i / per_super] * (sub ? float(sub[i]) : 1.0f);
+}
+
+// NBT weight rows from o against every row of x: the group scales (and offsets) of those rows made
+// once into `gs` and `zs`, then the x rows RB at a time.
+template <int NBT, int BITS, bool PLAIN>
+inline void irows(const RoundedRows& a, int64_t m, const QuantizedWeight& w, int64_t o, float* y, int64_t ys,
+                  const float* bias, float* gs, float* zs, int64_t gstride) {
+    const int64_t groups = a.groups;
+    if constexpr (!PLAIN) {
+        // The scales and offsets are streams of their own, a few lines per row: fetched a few tiles
+        // ahead like the codes (the loads of the factors below missed the cache without it).
+        const int64_t ahead = o + 2 * PREFETCH_TILES * INB;
+        if (ahead + NBT <= w.n)
+            for (int j = 0; j < NBT; ++j) {
+                prefetch_row(w.scale + (ahead + j) * w.scale_stride, (groups / w.per_super) * 4);
+                if (w.scale_sub) prefetch_row(w.scale_sub + (ahead + j) * w.scale_sub_stride, groups);
+                if (w.offset) prefetch_row(w.offset + (ahead + j) * w.offset_stride, (groups / w.per_super) * 4);
+                if (w.offset_sub) prefetch_row(w.offset_sub + (ahead + j) * w.offset_sub_stride, groups);
+            }
+        for (int j = 0; j < NBT; ++j) {
+            const int64_t row = o + j;
+            group_factors(w.scale + row * w.scale_stride,
+                          w.scale_sub ? w.scale_sub + row * w.scale_sub_stride : nullptr, groups, w.per_super,
+                          gs + j * gstride);
+            if (w.offset)
+                group_factors(w.offset + row * w.offset_stride,
+                              w.offset_sub ? w.offset_sub + row * w.offset_sub_stride : nullptr, groups, w.per_super,
+                              zs + j * gstride);
+        }
+    }
+    auto finish = [&](auto rb, int64_t r0) {
+        constexpr int RB = decltype(rb)::value;
+        float out[RB][NBT];
+        itile<NBT, RB, BITS, PLAIN>(a, r0, w, o, gs, gstride, out);
+        for (int r = 0; r < RB; ++r)
+            for (int j = 0; j < NBT; ++j) {
+                float v = out[r][j];
+                if constexpr (PLAIN) v *= w.scale[(o + j) * w.scale_stride];
+                if (!PLAIN && w.offset) {
+                    const float* z = zs + j * gstride;
+                    const float* s = a.sum + (r0 + r) * groups;
+                    float t = 0.0f;
+#pragma omp simd reduction(+ : t)
+                    for (int64_t i = 0; i < groups; ++i) t += z[i] * s[i];
+                    v -= t;
+                }
+                y[(r0 + r) * ys + o + j] = bias ? v + bias[o + j] : v;
+            }
+    };
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) finish(std::integral_constant<int, 4>{}, r);
+    for (; r + 2 <= m; r += 2) finish(std::integral_constant<int, 2>{}, r);
+    for (; r < m; ++r) finish(std::integral_constant<int, 1>{}, r);
+}
+
+// Buffers reused from call to call by the calling thread (the team writes into them).
+struct RoundingBuffers {
+    std::vector<int8_t> q;
+    std::vector<float> d, sum;
+    std::vector<int32_t> corr, lane_group;
+    std::vector<int64_t> first_group;
+};
+
+template <int BITS, bool PLAIN>
+void qlinear_int(const float* x, int64_t m, int64_t xs, const QuantizedWeight& w, const float* bias, float* y,
+                 int64_t ys, int threads) {
+    static thread_local RoundingBuffers buf;
+    const int64_t chunks = (w.k + CHUNK - 1) / CHUNK, groups = w.k / w.group;
+    const bool corr = VNNI && BITS == 8, sums = w.offset && !PLAIN;
+    buf.q.resize(m * chunks * CHUNK);
+    buf.d.resize(m * chunks * LANES);
+    buf.corr.resize(corr ? m * chunks * LANES : 0);
+    buf.sum.resize(sums ? m * groups : 0);
+    buf.lane_group.resize(chunks * LANES);
+    buf.first_group.resize(chunks);
+    for (int64_t c = 0; c < chunks; ++c) {
+        buf.first_group[c] = c * CHUNK / w.group;
+        for (int l = 0; l < LANES; ++l)
+            buf.lane_group[c * LANES + l] =
+                int32_t((c * CHUNK + pos_input(4 * l, BITS)) / w.group - buf.first_group[c]);
+    }
+    const RoundedRows a{chunks, groups, buf.q.data(), buf.d.data(), corr ? buf.corr.data() : nullptr,
+                        sums ? buf.sum.data() : nullptr, buf.lane_group.data(), buf.first_group.data()};
+    const int64_t n = w.n, tiles = (n + INB - 1) / INB;
+    const int64_t gstride = groups + LANES;  // a chunk's spread reads up to LANES scales from its first group
+    // (the team's threads see their own `buf`: they reach the caller's through `a` alone)
+    // A few rows are rounded before the team starts: a barrier between rounding and multiplying
+    // costs more than the rounding on cores shared with other work.
+    const bool round_first = m * w.k <= MIN_PARALLEL_ROUNDING;
+    for (int64_t r = 0; r < (round_first ? m : 0); ++r)
+        round_row(x + r * xs, w.k, BITS, w.group, buf.q.data() + r * chunks * CHUNK, buf.d.data() + r * chunks * LANES,
+                  corr ? buf.corr.data() + r * chunks * LANES : nullptr, sums ? buf.sum.data() + r * groups : nullptr,
+                  chunks);
+#pragma omp parallel num_threads(threads) if (m * n * w.k >= MIN_PARALLEL_LINEAR)
+    {
+        if (!round_first) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; ++r)
+                round_row(x + r * xs, w.k, BITS, w.group, const_cast<int8_t*>(a.q) + r * chunks * CHUNK,
+                          const_cast<float*>(a.d) + r * chunks * LANES,
+                          corr ? const_cast<int32_t*>(a.corr) + r * chunks * LANES : nullptr,
+                          sums ? const_cast<float*>(a.sum) + r * groups : nullptr, chunks);
+        }
+        std::vector<float> gs(PLAIN ? 0 : INB * gstride, 0.0f), zs(w.offset && !PLAIN ? INB * gstride : 0, 0.0f);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; ++t) {
+            const int64_t o = t * INB;
+            if (o + INB <= n) {
+                irows<INB, BITS, PLAIN>(a, m, w, o, y, ys, bias, gs.data(), zs.data(), gstride);
+            } else {
+                for (int64_t j = o; j < n; ++j)
+                    irows<1, BITS, PLAIN>(a, m, w, j, y, ys, bias, gs.data(), zs.data(), gstride);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// As neuron_qlinear, for int8 and 4-bit codes (not FP8), k a multiple of 32; the caller
+// (quantized.py) checks.
+void neuron_qlinear_int(const float* x, int64_t m, int64_t xs, const QuantizedWeight* w, const float* bias, float* y,
+                        int64_t ys, int threads) {
+    const bool plain = w->group == w->k && !w->offset && !w->scale_sub;
+    if (w->bits == 4)
+        qlinear_int<4, false>(x, m, xs, *w, bias, y, ys, threads);
+    else if (plain)
+        qlinear_int<8, true>(x, m, xs, *w, bias, y, ys, threads);
+    else
+        qlinear_int<8, false>(x, m, xs, *w, bias, y, ys, threads);
+}
+
+}  // extern "C"
