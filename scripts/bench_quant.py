@@ -5,6 +5,7 @@ says) on the same GGUF files, "not installed" where it is missing.
 
     python scripts/bench_quant.py                          # a random ~190M-parameter Qwen3, built here
     python scripts/bench_quant.py --checkpoint DIR --tokens 64 --repeats 3 --json-out out.json
+    python scripts/bench_quant.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --exact --llama-cpp-python PY
     python scripts/bench_quant.py --only int8,Q8_0,Q4_K --exact   # the integer kernel against the exact one
 
 For each: weight bytes per rank (what the ranks report after loading), batch-1 decode tok/s (one
@@ -138,6 +139,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16, help="the larger batch (the smaller is 1)")
     ap.add_argument("--only", help="comma-separated variants to run (fp32, bf16, int8, fp8, Q8_0, Q4_K)")
+    ap.add_argument("--gguf", help="instead: one GGUF file as it is (a published model's, say), in neuron and "
+                    "llama.cpp")
     ap.add_argument("--llama-cpp-python", default=sys.executable,
                     help="a Python with llama-cpp-python installed (a side venv; default: this one)")
     ap.add_argument("--exact", action="store_true",
@@ -148,20 +151,23 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(args.checkpoint) if args.checkpoint else Path(tmp) / "ckpt"
-        if not args.checkpoint:
+        if not args.checkpoint and not args.gguf:
             build(ckpt)
-        variants = {"fp32": (str(ckpt), dict(dtype="float32")), "bf16": (str(ckpt), dict(dtype="bfloat16")),
+        variants = {} if args.gguf else {"fp32": (str(ckpt), dict(dtype="float32")), "bf16": (str(ckpt), dict(dtype="bfloat16")),
                     "int8": (str(ckpt), dict(dtype="float32", quantization="int8")),
                     "fp8": (str(ckpt), dict(dtype="float32", quantization="fp8"))}
         gguf_files = {}
+        if args.gguf:
+            gguf_files["file"] = Path(args.gguf)
+            variants["file"] = (args.gguf, dict(dtype="float32"))
         for kind in ("Q8_0", "Q4_K"):
-            if args.only and kind not in args.only.split(","):
+            if args.gguf or args.only and kind not in args.only.split(","):
                 continue
             gguf_files[kind] = write_gguf(ckpt, Path(tmp) / f"model-{kind}.gguf", kind)
             variants[kind] = (str(gguf_files[kind]), dict(dtype="float32"))
         wanted = set(args.only.split(",")) if args.only else set(variants)
         if args.exact:
-            for name in [n for n in ("int8", "Q8_0", "Q4_K") if n in wanted and n in variants]:
+            for name in [n for n in ("int8", "Q8_0", "Q4_K", "file") if n in wanted and n in variants]:
                 model, kwargs = variants[name]
                 variants[f"{name} exact"] = (model, dict(kwargs, exact=True))
                 wanted.add(f"{name} exact")

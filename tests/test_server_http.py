@@ -252,7 +252,11 @@ def test_options_come_from_the_environment(monkeypatch):
 def test_cli_serves_then_stops_on_ctrl_c():
     with ServeProcess("--max-model-len", "128", env={"NEURON_API_KEY": KEY}) as served:
         assert any("output is noise" in line for line in served.lines)
-        assert httpx.get(f"{served.url}/health").json() == {"status": "ready", "kernels": {"paged_attention": "cpu"}}
+        health = httpx.get(f"{served.url}/health").json()
+        assert {k: health[k] for k in ("status", "kernels")} == {"status": "ready", "kernels": {"paged_attention": "cpu"}}
+        [rank0] = health["memory"]  # one rank: its weights, KV cache and the process's resident bytes
+        assert rank0["weight_bytes"] > 0 and rank0["kv_bytes"] > 0
+        assert rank0["resident_bytes"] > rank0["weight_bytes"] + rank0["kv_bytes"]
         out = client(served, KEY).completions.create(model="neuron-default", prompt="Hello", max_tokens=3,
                                                      extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 3
