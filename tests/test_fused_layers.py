@@ -6,15 +6,19 @@ it does not run keep the Python layers."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 
 import pytest
 import torch
 from checkpoints import BASE, ODD, build_checkpoint, generate_greedy
 
-from neuron.distributed.comm import SingleRank
+from neuron.distributed import shm
+from neuron.distributed.comm import Communicator, NativeAllReduce, SingleRank
+from neuron.distributed.shm import CommFailure
 from neuron.layers import cpu_decoder, cpu_ops
 from neuron.layers.kernels import Kernels
+from neuron.layers.paged_attention import build_metadata
 from neuron.layers.quantized import quantize_int8
 from neuron.models import build_model
 from neuron.models.loader import CheckpointReader, safetensors_files
@@ -53,9 +57,9 @@ def fused_checkpoint(request, tmp_path_factory):
     return CASES[request.param](tmp_path_factory.mktemp(request.param))
 
 
-def _runner(path, kernels: Kernels) -> ModelRunner:
+def _runner(path, kernels: Kernels, comm: Communicator | None = None) -> ModelRunner:
     config = json.loads((path / "config.json").read_text())
-    model = build_model(config, SingleRank(), torch.float32, torch.device("cpu"), kernels)
+    model = build_model(config, comm or SingleRank(), torch.float32, torch.device("cpu"), kernels)
     with CheckpointReader(safetensors_files(path)) as r:
         model.load(r)
     blocks = SLOTS * MAX_LEN // BLOCK
@@ -116,6 +120,36 @@ def test_tp2_one_call_equals_the_python_layers(fused_checkpoint, monkeypatch):
     for a, b in zip(fused, layered):
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs
+
+
+class _UnmappedSegment(Communicator):
+    """Rank 0 of 2 whose all-reduce entry point is handed a segment no rank initialised: the
+    shared-memory all-reduce answers BAD_SEGMENT at the first sum."""
+
+    def __init__(self):
+        super().__init__(0, 2)
+        self.segment, self.abort_word, self.statuses = torch.zeros(4096, dtype=torch.uint8), ctypes.c_uint32(0), []
+
+    def native_all_reduce(self) -> NativeAllReduce:
+        return NativeAllReduce(ctypes.cast(shm.library().neuron_shm_all_reduce, ctypes.c_void_p).value,
+                               self.segment.data_ptr(), self.segment, self.rank, 1000,
+                               ctypes.addressof(self.abort_word), self._fail)
+
+    def _fail(self, status: int) -> None:
+        self.statuses.append(status)
+        raise CommFailure(f"rank {self.rank}: all-reduce status {status}")
+
+
+@pytest.mark.skipif(shm.library() is None, reason="the shared-memory all-reduce could not be built here")
+def test_a_failed_sum_stops_the_layers_and_raises(tmp_path):
+    comm = _UnmappedSegment()
+    model = _runner(build_checkpoint(tmp_path, seed=4), FUSED, comm).model
+    stack = model._decoder_stack()
+    assert stack is not None
+    meta = build_metadata([[0]], [0], [1], BLOCK, torch.device("cpu"))
+    with pytest.raises(CommFailure):
+        stack.run(torch.randn(1, BASE["hidden_size"]), *model.rotary.tables(torch.tensor([0])), meta)
+    assert comm.statuses == [3]  # BAD_SEGMENT, from the first layer's first sum
 
 
 def test_a_quantized_layer_keeps_the_python_layers(tmp_path, fused_steps):
