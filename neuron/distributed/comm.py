@@ -19,6 +19,7 @@ import socket
 import string
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 from torch.distributed import ProcessGroupGloo, Store, TCPStore
@@ -31,6 +32,23 @@ log = logging.getLogger("neuron.comm")
 
 class CommError(NeuronError):
     """A collective backend cannot start on this machine; the message says why and what to change."""
+
+
+@dataclass(slots=True, frozen=True)
+class NativeAllReduce:
+    """A communicator's fp32 all-reduce as a C entry point, for a loop in C that sums between its
+    own kernels (neuron/layers/cpu_decoder.py): `int function(segment, rank, data, n, dtype,
+    timeout_ms, abort_word, threads)`, 0 when it completed (csrc/shm_allreduce.cpp). `holder` keeps
+    the segment mapped while the caller holds this; `check` raises what the communicator raises for
+    a nonzero status."""
+
+    function: int
+    segment: int
+    holder: object
+    rank: int
+    timeout_ms: int
+    abort_word: int
+    check: object
 
 
 class Communicator:
@@ -50,6 +68,10 @@ class Communicator:
         """Every rank passes a tensor of the same shape; rank 0 gets all of them in rank order,
         the others get None."""
         raise NotImplementedError
+
+    def native_all_reduce(self) -> NativeAllReduce | None:
+        """The all-reduce as a C entry point, where this backend has one (shared memory), else None."""
+        return None
 
     def abort(self) -> None:
         """Break any collective in progress so no rank stays blocked (used on failures)."""

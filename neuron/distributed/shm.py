@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from neuron.distributed.comm import Communicator, GlooCommunicator, Rendezvous
+from neuron.distributed.comm import Communicator, GlooCommunicator, NativeAllReduce, Rendezvous
 from neuron.errors import NeuronError
 from neuron.utils import native
 
@@ -201,6 +201,15 @@ class ShmCommunicator(Communicator):
                                                  _DTYPES[tensor.dtype], self._timeout_ms,
                                                  ctypes.addressof(self._abort_word), torch.get_num_threads())
         self._check(status, "all-reduce")
+
+    def native_all_reduce(self) -> NativeAllReduce | None:
+        """neuron_shm_all_reduce with this rank's arguments; None once closed (all_reduce raises then)."""
+        segment = self._segment
+        if segment is None:
+            return None
+        return NativeAllReduce(ctypes.cast(library().neuron_shm_all_reduce, ctypes.c_void_p).value, segment.address,
+                               segment, self.rank, self._timeout_ms, ctypes.addressof(self._abort_word),
+                               lambda status: self._check(status, "all-reduce"))
 
     def gather_to_rank0(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `tensor` (each the same shape and dtype) on rank 0, in rank order; None on the others."""

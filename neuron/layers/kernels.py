@@ -26,10 +26,11 @@ class Kernels:
     """`failed`: the fused CUDA pieces that run their PyTorch reference, with why (the union of
     every rank's self-check); `forced`: NEURON_KERNELS (`auto` follows the verdict, `triton` or
     `reference` overrides it); `cpu_ops`, `quant_kernels`, `onednn`: the CPU kernels that are not
-    switched off (NEURON_NO_CPU_OPS, NEURON_NO_QUANT_KERNELS, NEURON_NO_ONEDNN); `quant_exact`: the
-    CPU quantized kernel multiplies in fp32 rather than rounding the activations to int8
-    (NEURON_QUANT_EXACT); `paged`: attention reads KV blocks in place (NEURON_ATTENTION=paged) rather
-    than gathering them (the reference)."""
+    switched off (NEURON_NO_CPU_OPS, NEURON_NO_QUANT_KERNELS, NEURON_NO_ONEDNN); `paged`: attention
+    reads KV blocks in place (NEURON_ATTENTION=paged) rather than gathering them (the reference);
+    `quant_exact`: the CPU quantized kernel multiplies in fp32 rather than rounding the activations
+    to int8 (NEURON_QUANT_EXACT); `fused_layers`: a CPU fp32 step's dense decoder layers run in one
+    C++ call (cpu_decoder.py), where `cpu_ops` and `paged` hold too (NEURON_NO_FUSED_LAYERS)."""
 
     failed: Mapping[str, str] = field(default_factory=dict)
     forced: str = "auto"
@@ -38,6 +39,7 @@ class Kernels:
     onednn: bool = True
     paged: bool = True
     quant_exact: bool = False
+    fused_layers: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "failed", MappingProxyType(dict(self.failed)))
@@ -47,7 +49,7 @@ class Kernels:
         """The choice the NEURON_* settings make, over the self-check's `failed` pieces."""
         s = settings()
         return cls(failed or {}, s.kernels, not s.no_cpu_ops, not s.no_quant_kernels, not s.no_onednn,
-                   s.attention == "paged", s.quant_exact)
+                   s.attention == "paged", s.quant_exact, not s.no_fused_layers)
 
     def triton(self, piece: str) -> bool:
         """Whether `piece` runs its Triton kernel (on CUDA tensors, Triton installed: the callers check those)."""

@@ -42,11 +42,15 @@ class CausalLM:
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
         """The layers, norm and head over input embeddings `x` at `positions`."""
-        rope = self.rotary.tables(positions)
-        for layer in self.layers:
-            x = layer(x, batch, rope, self.cache)
+        x = self.run_layers(x, batch, self.rotary.tables(positions))
         if batch.prompt_topk is not None:
             batch.prompt_out = prompt_logprobs.compute(self, x, batch)
         last = x if batch.all_decode else x[batch.last_index]
         logits = self.lm_head(self.norm(last))
         return None if logits is None else logits.float()
+
+    def run_layers(self, x: torch.Tensor, batch: StepBatch, rope: tuple) -> torch.Tensor:
+        """The decoder layers, one after the other."""
+        for layer in self.layers:
+            x = layer(x, batch, rope, self.cache)
+        return x

@@ -14,6 +14,7 @@ import torch
 
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
+from neuron.layers import cpu_decoder
 from neuron.layers.kernels import Kernels
 from neuron.layers.norm import add_rms_norm, norm_rope, rope_heads, silu_mul
 from neuron.layers.rope import RopeScaling, Rotary
@@ -154,6 +155,8 @@ class Qwen3ForCausalLM(CausalLM):
         self.layout = HeadLayout(config.num_heads, config.num_kv_heads, config.head_dim, self.shard)
         self.layers: list[DecoderLayer] = []
         self.cache: PagedKVCache | None = None
+        self._stack: cpu_decoder.DecoderStack | None = None
+        self._stack_for: tuple = (None, None)  # the layers and cache the plan points into
 
     @staticmethod
     def check_split(config: Qwen3Config, shard: Shard) -> None:
@@ -226,6 +229,43 @@ class Qwen3ForCausalLM(CausalLM):
         self.rotary = Rotary(c.head_dim, c.rope, max_model_len, self.dtype, self.device)
         self.cache = PagedKVCache(c.num_layers, num_blocks, block_size, max_model_len, self.layout.local_kv_heads,
                                   c.head_dim, self.dtype, self.device, self.kernels)
+
+    def run_layers(self, x: torch.Tensor, batch: StepBatch, rope: tuple) -> torch.Tensor:
+        """Every layer in one C++ call where the plan takes the model and the step takes the plan
+        (CPU fp32, dense layers, a small step: cpu_decoder.py), else one layer after the other."""
+        stack = self._decoder_stack()
+        out = None if stack is None else stack.run(x, *rope, batch.paged)
+        return super().run_layers(x, batch, rope) if out is None else out
+
+    def _decoder_stack(self) -> cpu_decoder.DecoderStack | None:
+        """The plan of the layers and cache the model holds now, built the first time they are seen."""
+        layers, cache = self._stack_for
+        if layers is not self.layers or cache is not self.cache:
+            self._stack, self._stack_for = self._build_stack(), (self.layers, self.cache)
+        return self._stack
+
+    def _build_stack(self) -> cpu_decoder.DecoderStack | None:
+        k, c, lay = self.kernels, self.config, self.layout
+        if not (k.fused_layers and k.cpu_ops and k.paged and type(self.cache) is PagedKVCache and self.layers):
+            return None
+        if any(type(layer) is not DecoderLayer or type(layer.attn) is not Attention or type(layer.mlp) is not MLP
+               for layer in self.layers):
+            return None  # a MoE block, or a layer of another model built on this one
+        norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_norm, layer.attn.q_norm,
+                                                      layer.attn.k_norm) if n is not None]
+        if len({n.eps for n in norms}) != 1:
+            return None
+        weights = [self._layer_weights(i, layer) for i, layer in enumerate(self.layers)]
+        return cpu_decoder.DecoderStack.build(weights, c.hidden_size, lay.local_heads, lay.local_kv_heads,
+                                              c.head_dim, self.layers[0].mlp.gate_up.sizes[0], norms[0].eps,
+                                              self.comm)
+
+    def _layer_weights(self, i: int, layer: DecoderLayer) -> cpu_decoder.LayerWeights:
+        a, m = layer.attn, layer.mlp
+        return cpu_decoder.LayerWeights(
+            layer.input_norm.weight, a.qkv.weight, a.qkv.bias, None if a.q_norm is None else a.q_norm.weight,
+            None if a.k_norm is None else a.k_norm.weight, a.o_proj.weight, a.o_proj.bias, layer.post_norm.weight, m.gate_up.weight,
+            m.gate_up.bias, m.down.weight, m.down.bias, self.cache.k[i], self.cache.v[i])
 
     def layer_tensors(self, layer) -> list[torch.Tensor]:
         a, m = layer.attn, layer.mlp

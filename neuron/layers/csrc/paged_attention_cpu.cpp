@@ -13,6 +13,7 @@
 // in fp32: one max and one rescale of the accumulators per tile, not per key. Decode steps
 // (one query per sequence) are bound by reading K and V, so a score is a plain dot product of a
 // query row with a key row; prefill chunks are a small share of a step's attention time.
+#include "paged_attention.h"
 #include "simd.h"
 
 #include <omp.h>
@@ -86,18 +87,7 @@ inline void axpy(float* __restrict y, float a, const float* __restrict x, int d_
 
 constexpr int CHUNK = VL == 16 ? 8 : 4;  // accumulator vectors per row held in registers at once
 
-struct Args {
-    void* out;
-    const void* q;
-    const void* k_pool;
-    const void* v_pool;
-    const int32_t* block_tables;
-    const int32_t* query_start;
-    const int32_t* kv_lens;
-    int64_t num_seqs, heads, kv_heads, head_dim, block_size, table_stride;
-    int64_t q_stride_t, q_stride_h, out_stride_t, out_stride_h, pool_stride_h, pool_stride_row;
-    float scale_log2;  // softmax scale times log2(e): scores go straight into exp2
-};
+using Args = PagedAttentionArgs;
 
 // One work item: the rows of queries [q0, q0 + nq) of sequence b against KV head h.
 struct Item {

@@ -1,0 +1,194 @@
+"""A CPU fp32 step's dense decoder layers, all of them in one C++ call (`csrc/cpu_decoder.cpp`).
+
+A small model's decode step is host time: per layer a dozen ctypes calls into the kernels
+(cpu_ops, the paged attention) and as many small torch operations, 200-300 microseconds of Python
+against a few of arithmetic. Here a plan of every layer's weights, shapes and scratch buffers is
+built once per model (`DecoderStack.build`), and a step of up to cpu_ops.MAX_LINEAR_ROWS rows
+runs the whole layer loop in C, calling the same kernels with the same arguments as the Python
+layers, so the numbers are the same bit for bit. At tp > 1 the sums of the row-parallel
+projections run there too, where the communicator's all-reduce has a C entry point (shared
+memory); a gloo group keeps the Python layers.
+
+The plan keeps the tensors it points into, so the pointers stay valid for its life; the model
+builds a new plan when its layers or its KV cache are replaced.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from neuron.distributed.comm import Communicator
+from neuron.layers import cpu_attention, cpu_ops
+from neuron.layers.paged_attention import PagedAttentionMetadata
+from neuron.utils import native
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_decoder.cpp"
+
+_WEIGHTS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "post_norm", "gate_up",
+            "gate_up_bias", "down", "down_bias", "k_pool", "v_pool")
+_KERNELS = ("linear", "rms_norm", "add_rms_norm", "norm_rope", "silu_mul", "attention", "all_reduce", "abort_word")
+_SCRATCH = ("h", "qkv", "q", "k", "attn", "o", "mid", "gate_up", "act", "down")
+
+
+class _LayerWeights(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in _WEIGHTS]
+
+
+class _Plan(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_void_p) for name in _KERNELS]
+                + [(name, ctypes.c_int64) for name in ("rank", "timeout_ms")]
+                + [("layers", ctypes.POINTER(_LayerWeights))]
+                + [(name, ctypes.c_int64) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim",
+                                                       "inter", "pool_stride_h", "pool_stride_row")]
+                + [("eps", ctypes.c_float), ("scale_log2", ctypes.c_float)]
+                + [(f"{name}_buf", ctypes.c_void_p) for name in _SCRATCH])
+
+
+class _Step(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_void_p) for name in ("x", "out")] + [("rows", ctypes.c_int64)]
+                + [(name, ctypes.c_void_p) for name in ("cos", "sin", "write_rows", "block_tables", "query_start",
+                                                         "kv_lens")]
+                + [(name, ctypes.c_int64) for name in ("num_seqs", "table_stride", "block_size")]
+                + [("segment", ctypes.c_void_p), ("threads", ctypes.c_int64)])
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded library, built if this machine has none yet; None where it cannot be built."""
+    lib = native.load(SOURCE, "CPU decoder layers run from Python, one kernel call at a time")
+    if lib is not None:
+        lib.neuron_decoder_layers.argtypes = [ctypes.POINTER(_Plan), ctypes.POINTER(_Step)]
+        lib.neuron_decoder_layers.restype = ctypes.c_int
+    return lib
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """One decoder layer's tensors as the plan takes them: the norms' weights, the merged
+    projections' [out, in] weights and biases (None where the layer has none; q_norm and k_norm
+    None without per-head norms) and the layer's K and V pools."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+
+
+def _fp32(t, *shape: int) -> bool:
+    """A dense fp32 CPU tensor of this shape, contiguous: what the kernels are handed as a pointer."""
+    return (isinstance(t, torch.Tensor) and t.is_cpu and t.dtype is torch.float32 and t.is_contiguous()
+            and tuple(t.shape) == shape)
+
+
+def _takes_layer(w: LayerWeights, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int) -> bool:
+    qkv = (heads + 2 * kv_heads) * head_dim
+    pool = w.k_pool
+    return (_fp32(w.input_norm, hidden) and _fp32(w.post_norm, hidden) and _fp32(w.qkv, qkv, hidden)
+            and _fp32(w.o, hidden, heads * head_dim) and _fp32(w.gate_up, 2 * inter, hidden)
+            and _fp32(w.down, hidden, inter)
+            and all(b is None or _fp32(b, n) for b, n in ((w.qkv_bias, qkv), (w.o_bias, hidden),
+                                                           (w.gate_up_bias, 2 * inter), (w.down_bias, hidden)))
+            and (w.q_norm is None) == (w.k_norm is None)
+            and (w.q_norm is None or _fp32(w.q_norm, head_dim) and _fp32(w.k_norm, head_dim))
+            and pool.dim() == 3 and pool.shape[0] == kv_heads and pool.shape[2] == head_dim
+            and pool.is_cpu and pool.dtype is torch.float32 and pool.stride(-1) == 1
+            and w.v_pool.shape == pool.shape and w.v_pool.stride() == pool.stride() and w.v_pool.dtype is pool.dtype)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _address(function) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
+class DecoderStack:
+    """A model's plan: its layers' pointers and shapes, and the scratch buffers a step writes."""
+
+    def __init__(self, layers: list[LayerWeights], hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 inter: int, eps: float, comm: Communicator):
+        self.layers, self.comm, self.hidden = layers, comm, hidden  # the tensors stay referenced
+        self.weights = (_LayerWeights * len(layers))(
+            *[_LayerWeights(*[_ptr(getattr(w, name)) for name in _WEIGHTS]) for w in layers])
+        rows = cpu_ops.MAX_LINEAR_ROWS
+        widths = dict(h=hidden, qkv=(heads + 2 * kv_heads) * head_dim, q=heads * head_dim, k=kv_heads * head_dim,
+                      attn=heads * head_dim, o=hidden, mid=hidden, gate_up=2 * inter, act=inter, down=hidden)
+        self.scratch = {name: torch.empty((rows, widths[name])) for name in _SCRATCH}
+        ops, attention = cpu_ops.library(), cpu_attention.library()
+        pool = layers[0].k_pool
+        self.plan = _Plan(
+            _address(ops.neuron_linear), _address(ops.neuron_rms_norm), _address(ops.neuron_add_rms_norm),
+            _address(ops.neuron_norm_rope), _address(ops.neuron_silu_mul), _address(attention.neuron_paged_attention),
+            None, None, comm.rank, 0, self.weights, len(layers), hidden, heads, kv_heads, head_dim, inter,
+            pool.stride(0), pool.stride(1), eps, 1.0 / math.sqrt(head_dim) * math.log2(math.e),
+            *[t.data_ptr() for t in self.scratch.values()])
+
+    @classmethod
+    def build(cls, layers: list[LayerWeights], hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,
+              eps: float, comm: Communicator) -> DecoderStack | None:
+        """The plan for these layers (this rank's heads and MLP width), or None where one of them is
+        not what the C loop runs (a quantized or non-fp32 weight, an odd head size), the kernels
+        are not built here, or the ranks sum through a communicator without a C entry point."""
+        if (not layers or head_dim % 2 or library() is None or cpu_ops.library() is None
+                or cpu_attention.library() is None):
+            return None
+        if comm.world_size > 1 and comm.native_all_reduce() is None:
+            return None
+        if not all(_takes_layer(w, hidden, heads, kv_heads, head_dim, inter) for w in layers):
+            return None
+        pools = {(w.k_pool.stride(0), w.k_pool.stride(1)) for w in layers}
+        return cls(layers, hidden, heads, kv_heads, head_dim, inter, eps, comm) if len(pools) == 1 else None
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            meta: PagedAttentionMetadata | None) -> torch.Tensor | None:
+        """Every layer over the step's hidden states x ([rows, hidden]) with the step's rotary
+        tables and attention metadata; None where the step is not one the C loop takes (more rows
+        than the scratch holds, no paged metadata, x not fp32 rows): the caller runs the layers."""
+        rows = x.shape[0]
+        if (meta is None or rows > cpu_ops.MAX_LINEAR_ROWS or x.dim() != 2 or not x.is_cpu
+                or x.dtype is not torch.float32 or not x.is_contiguous() or cos.numel() != sin.numel()
+                or cos.numel() != rows * self.plan.head_dim):
+            return None
+        reduce = None
+        if self.comm.world_size > 1:
+            reduce = self.comm.native_all_reduce()
+            if reduce is None:  # closed: the Python layers raise what the communicator raises
+                return None
+            self.plan.all_reduce, self.plan.abort_word = reduce.function, reduce.abort_word
+            self.plan.timeout_ms = reduce.timeout_ms
+        cos, sin = cos.contiguous(), sin.contiguous()
+        tables, starts, lens = meta.block_tables.contiguous(), meta.query_start.contiguous(), meta.kv_lens.contiguous()
+        write_rows = meta.slot_mapping.contiguous()
+        out = torch.empty((rows, self.hidden))
+        step = _Step(x.data_ptr(), out.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), write_rows.data_ptr(),
+                     tables.data_ptr(), starts.data_ptr(), lens.data_ptr(), lens.shape[0], tables.stride(0),
+                     meta.block_size, None if reduce is None else reduce.segment, torch.get_num_threads())
+        status = library().neuron_decoder_layers(ctypes.byref(self.plan), ctypes.byref(step))
+        if status != 0:
+            if reduce is not None:
+                reduce.check(status)
+            raise RuntimeError(f"the CPU decoder layers stopped with status {status}")
+        return out
+
+
+if __name__ == "__main__":
+    if library() is None:
+        raise SystemExit("the CPU decoder layers could not be built here; see the warning above")
+    print(native.build(SOURCE))

@@ -1,0 +1,173 @@
+"""A CPU fp32 step's decoder layers in one C++ call (neuron/layers/cpu_decoder.py) against the
+same layers run one kernel call at a time from Python: the same logits and the same KV blocks, bit
+for bit, at tp 1 and 2, for each dense family (Qwen3's q/k norms, Llama's biases on every
+projection, Qwen2's on q/k/v), across prefill and decode; steps the C loop does not take and models
+it does not run keep the Python layers."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+
+import pytest
+import torch
+from checkpoints import BASE, ODD, build_checkpoint, generate_greedy
+
+from neuron.distributed import shm
+from neuron.distributed.comm import Communicator, NativeAllReduce, SingleRank
+from neuron.distributed.shm import CommFailure
+from neuron.layers import cpu_decoder, cpu_ops
+from neuron.layers.kernels import Kernels
+from neuron.layers.paged_attention import build_metadata
+from neuron.layers.quantized import quantize_int8
+from neuron.models import build_model
+from neuron.models.loader import CheckpointReader, safetensors_files
+from neuron.step import SeqStep
+from neuron.worker.model_runner import ModelRunner
+from neuron.worker.step_input import BlockTables
+
+pytestmark = pytest.mark.skipif(cpu_decoder.library() is None or cpu_ops.library() is None,
+                                reason="the CPU kernels could not be built here")
+
+BLOCK = 4
+MAX_LEN = 64
+SLOTS = 4
+FUSED, LAYERED = Kernels(), Kernels(fused_layers=False)  # LAYERED: what NEURON_NO_FUSED_LAYERS builds
+
+
+def _build_family(path, family: str, **overrides):
+    import transformers
+
+    names = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+    config_cls, model_cls = (getattr(transformers, n) for n in names[family])
+    torch.manual_seed(3)
+    model_cls(config_cls(**{**BASE, **overrides})).eval().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+CASES = {
+    "qwen3-odd": lambda path: build_checkpoint(path, seed=1, **ODD),
+    "llama-bias": lambda path: _build_family(path, "llama", attention_bias=True, mlp_bias=True),
+    "qwen2-odd": lambda path: _build_family(path, "qwen2", **{k: v for k, v in ODD.items() if k != "rope_theta"}),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def fused_checkpoint(request, tmp_path_factory):
+    return CASES[request.param](tmp_path_factory.mktemp(request.param))
+
+
+def _runner(path, kernels: Kernels, comm: Communicator | None = None) -> ModelRunner:
+    config = json.loads((path / "config.json").read_text())
+    model = build_model(config, comm or SingleRank(), torch.float32, torch.device("cpu"), kernels)
+    with CheckpointReader(safetensors_files(path)) as r:
+        model.load(r)
+    blocks = SLOTS * MAX_LEN // BLOCK
+    model.allocate(num_blocks=blocks, block_size=BLOCK, max_slots=SLOTS, max_model_len=MAX_LEN)
+    return ModelRunner(model, blocks, BlockTables(SLOTS, blocks, BLOCK, MAX_LEN, torch.device("cpu"), True))
+
+
+@pytest.fixture
+def fused_steps(monkeypatch) -> list[int]:
+    """The rows of each step the C loop ran."""
+    rows, run = [], cpu_decoder.DecoderStack.run
+
+    def counted(self, x, *args):
+        out = run(self, x, *args)
+        if out is not None:
+            rows.append(x.shape[0])
+        return out
+
+    monkeypatch.setattr(cpu_decoder.DecoderStack, "run", counted)
+    return rows
+
+
+def _blocks(slot: int) -> list[int]:
+    return list(range(slot * 16, slot * 16 + 16))
+
+
+def test_one_call_equals_the_python_layers(fused_checkpoint, fused_steps):
+    """Prefill a lone prompt, then two more in one step (10 rows: the C loop), then one of 20 rows
+    (the Python layers); decode batches of 3, 1 and 2 across block boundaries: equal logits at
+    every step and equal KV pools at the end."""
+    fused, layered = _runner(fused_checkpoint, FUSED), _runner(fused_checkpoint, LAYERED)
+    prompts = {0: [5, 17, 200, 3], 1: list(range(10, 16)), 2: [7] * 4, 3: list(range(30, 50))}
+    steps = [[SeqStep(0, prompts[0], 0, _blocks(0), fresh=True)],
+             [SeqStep(s, prompts[s], 0, _blocks(s), fresh=True) for s in (1, 2)],
+             [SeqStep(3, prompts[3], 0, _blocks(3), fresh=True)]]
+    lengths = {s: len(p) for s, p in prompts.items()}
+    for active in ([0, 1, 2], [3], [0, 3], [0, 1, 2], [2]):
+        for i in range(3):
+            steps.append([SeqStep(s, [(11 * s + 3 * i) % 256], lengths[s]) for s in active])
+            for s in active:
+                lengths[s] += 1
+    for seqs in steps:
+        got, expected = fused.step(seqs).logits, layered.step(seqs).logits
+        assert torch.equal(got, expected), [s.slot for s in seqs]
+    assert fused_steps == [4, 10] + [3, 3, 3, 1, 1, 1, 2, 2, 2, 3, 3, 3, 1, 1, 1]
+    for a, b in zip(fused.model.cache.k + fused.model.cache.v, layered.model.cache.k + layered.model.cache.v):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_tp2_one_call_equals_the_python_layers(fused_checkpoint, monkeypatch):
+    """Two ranks summing through shared memory inside the C loop: the same greedy tokens and
+    logprobs as the Python layers, exactly."""
+    prompts = [[5, 17, 200, 3], list(range(10, 50)), [7]]
+    fused = generate_greedy(fused_checkpoint, 2, prompts, 6)
+    monkeypatch.setenv("NEURON_NO_FUSED_LAYERS", "1")
+    layered = generate_greedy(fused_checkpoint, 2, prompts, 6)
+    for a, b in zip(fused, layered):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs
+
+
+class _UnmappedSegment(Communicator):
+    """Rank 0 of 2 whose all-reduce entry point is handed a segment no rank initialised: the
+    shared-memory all-reduce answers BAD_SEGMENT at the first sum."""
+
+    def __init__(self):
+        super().__init__(0, 2)
+        self.segment, self.abort_word, self.statuses = torch.zeros(4096, dtype=torch.uint8), ctypes.c_uint32(0), []
+
+    def native_all_reduce(self) -> NativeAllReduce:
+        return NativeAllReduce(ctypes.cast(shm.library().neuron_shm_all_reduce, ctypes.c_void_p).value,
+                               self.segment.data_ptr(), self.segment, self.rank, 1000,
+                               ctypes.addressof(self.abort_word), self._fail)
+
+    def _fail(self, status: int) -> None:
+        self.statuses.append(status)
+        raise CommFailure(f"rank {self.rank}: all-reduce status {status}")
+
+
+@pytest.mark.skipif(shm.library() is None, reason="the shared-memory all-reduce could not be built here")
+def test_a_failed_sum_stops_the_layers_and_raises(tmp_path):
+    comm = _UnmappedSegment()
+    model = _runner(build_checkpoint(tmp_path, seed=4), FUSED, comm).model
+    stack = model._decoder_stack()
+    assert stack is not None
+    meta = build_metadata([[0]], [0], [1], BLOCK, torch.device("cpu"))
+    with pytest.raises(CommFailure):
+        stack.run(torch.randn(1, BASE["hidden_size"]), *model.rotary.tables(torch.tensor([0])), meta)
+    assert comm.statuses == [3]  # BAD_SEGMENT, from the first layer's first sum
+
+
+def test_a_quantized_layer_keeps_the_python_layers(tmp_path, fused_steps):
+    """One int8 weight and the whole model runs layer by layer; switched off, no plan is built."""
+    path = build_checkpoint(tmp_path, seed=4)
+    runner = _runner(path, FUSED)
+    down = runner.model.layers[1].mlp.down
+    down.weight = quantize_int8(down.weight)
+    logits = runner.step([SeqStep(0, [5, 6, 7], 0, _blocks(0), fresh=True)]).logits
+    assert logits.shape == (1, BASE["vocab_size"]) and torch.isfinite(logits).all()
+    assert fused_steps == [] and runner.model._decoder_stack() is None
+    off = _runner(path, LAYERED)
+    off.step([SeqStep(0, [5, 6, 7], 0, _blocks(0), fresh=True)])
+    assert fused_steps == [] and off.model._decoder_stack() is None
+
+
+def test_the_setting_switches_it_off(monkeypatch):
+    monkeypatch.setenv("NEURON_NO_FUSED_LAYERS", "1")
+    assert not Kernels.from_settings().fused_layers
+    monkeypatch.delenv("NEURON_NO_FUSED_LAYERS")
+    assert Kernels.from_settings().fused_layers
