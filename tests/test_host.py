@@ -134,7 +134,12 @@ def test_two_models_each_answer_as_they_would_alone(qwen, llama):
             {"qwen": ("ready", 2, 2), "llama": ("ready", 1, 1)}
         assert all(m["weight_bytes"] > 0 for m in listed.values())
         body = httpx.get(f"{server.url}/health").json()
-        assert body == {"status": "ready", "models": {"qwen": {"status": "ready"}, "llama": {"status": "ready"}}}
+        assert body["status"] == "ready"
+        assert {n: m["status"] for n, m in body["models"].items()} == {"qwen": "ready", "llama": "ready"}
+        for name, ranks in (("qwen", 2), ("llama", 1)):  # each model's ranks: weights, KV cache, resident bytes
+            memory = body["models"][name]["memory"]
+            assert len(memory) == ranks and all(r["weight_bytes"] > 0 and r["kv_bytes"] > 0 for r in memory)
+            assert sum(r["weight_bytes"] for r in memory) == listed[name]["weight_bytes"]
         text = httpx.get(f"{server.url}/metrics").text
         assert 'neuron_generation_tokens_total{model="qwen"}' in text and \
             'neuron_generation_tokens_total{model="llama"}' in text

@@ -174,7 +174,7 @@ class _Api:
         recovery is doing (`reason`); once loaded, what runs each fused kernel, the quantization and
         speculative decoding's settings, where they apply, and each rank's memory (`memory`: weight,
         KV cache and resident bytes). A host of several models (or one whose
-        admin API is on) adds each model's state under `models`."""
+        admin API is on) adds each model's state and memory under `models`."""
         host = self.host
         single = host.single
         body = _engine_health(single.engine) if single is not None else \
@@ -272,6 +272,8 @@ def _model_health(m: HostedModel) -> dict:
         out["error"] = error
     if m.engine is not None and m.engine.reason:
         out["reason"] = m.engine.reason
+    if m.engine is not None and m.engine.loaded and (memory := m.engine.memory()):
+        out["memory"] = memory  # per rank: weight, KV cache and resident bytes
     return out
 
 
