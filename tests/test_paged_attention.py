@@ -389,10 +389,13 @@ def test_cpu_kernel_long_prefill_chunks(cpu_kernel, layout, head_dim, dtype):
     assert_kernel_matches(cpu_kernel, *step_tensors, tolerance=CPU_EXACT if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("query_len", [2, 3, 4, 11])
+@pytest.mark.parametrize("query_len", [2, 3, 4, 23])
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [5, 16])
-def test_cpu_kernel_short_chunks_near_the_blocked_path(cpu_kernel, query_len, block_size):
-    """Chunks of 2-11 queries with a group of 3 (6-33 rows): on both sides of the rows at which an
-    item takes the blocked path, and a last tile left with fewer rows than that."""
-    step_tensors = make_step([90, 7], [query_len, 40], heads=9, kv_heads=3, block_size=block_size, device="cpu")
+def test_cpu_kernel_short_chunks_near_the_blocked_path(cpu_kernel, query_len, head_dim, block_size):
+    """Chunks of 2-4 queries with a group of 3 (6-12 rows): on both sides of the rows at which an
+    item takes the blocked path (8 at head size 64, 12 at 128); and 23 queries, whose last tile
+    is left with 2 queries."""
+    step_tensors = make_step([90, 7], [query_len, 40], heads=9, kv_heads=3, head_dim=head_dim, block_size=block_size,
+                             device="cpu")
     assert_kernel_matches(cpu_kernel, *step_tensors, tolerance=CPU_EXACT)

@@ -34,8 +34,7 @@ namespace {
 
 constexpr int TILE_N = 32;    // key positions per softmax tile
 constexpr int MAX_ROWS = 32;  // queries x group heads per work item: the accumulators stay in L1
-constexpr int BLOCK_ROWS = 32;     // the same for an item of the blocked path (padded to VL rows)
-constexpr int MIN_BLOCK_ROWS = 8;  // an item of fewer rows takes the per-row path
+constexpr int BLOCK_ROWS = 64;  // the same for the blocked path: more rows per K and V tile than 32 (12 % faster)
 constexpr int LANES = 16;     // independent partial sums of a dot product (one AVX-512 or two AVX2 registers)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 // Below this many multiply-adds (query rows x keys x head_dim over the step) one thread does the
@@ -307,6 +306,10 @@ constexpr int VALUE_VECS = VL == 16 ? 4 : 2;  // its vectors of head_dim: VALUE_
 static_assert(TILE_N % SCORE_KEYS == 0 && VL % VALUE_ROWS == 0, "blocks tile the key tile and the padded rows");
 template <int DT>  // head sizes the blocked path takes: known at compile time, whole P V blocks
 constexpr bool BLOCKABLE = DT != 0 && DT % (VALUE_VECS * VL) == 0;
+// An item of fewer rows takes the per-row path: where the two cross on AVX-512 (rows padded to 16),
+// measured on single items over 2,000 positions (8 rows of 64 blocked are 10 % faster, of 128 20 % slower).
+template <int DT>
+constexpr int MIN_BLOCK_ROWS = DT <= 64 ? 8 : 12;
 
 // The item's query rows, widened, pre-scaled and transposed: qt[d * rp + r], padding rows zero.
 template <typename T, int DT>
@@ -461,11 +464,11 @@ std::vector<Item> plan(const Args& a) {
     std::vector<Item> items;
     for (int64_t b = 0; b < a.num_seqs; ++b) {
         const int64_t query_len = a.query_start[b + 1] - a.query_start[b];
-        const bool blocked = BLOCKABLE<DT> && query_len * group >= MIN_BLOCK_ROWS;
+        const bool blocked = BLOCKABLE<DT> && query_len * group >= MIN_BLOCK_ROWS<DT>;
         const int64_t per_tile = std::max<int64_t>(1, (blocked ? BLOCK_ROWS : MAX_ROWS) / group);
         for (int64_t q0 = 0; q0 < query_len; q0 += per_tile) {
             const int64_t nq = std::min(per_tile, query_len - q0);
-            const bool tile_blocked = blocked && nq * group >= MIN_BLOCK_ROWS;
+            const bool tile_blocked = blocked && nq * group >= MIN_BLOCK_ROWS<DT>;
             for (int64_t h = 0; h < a.kv_heads; ++h) items.push_back({b, h, q0, nq, tile_blocked});
         }
     }
