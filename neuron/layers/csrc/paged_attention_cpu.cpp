@@ -32,10 +32,10 @@
 
 namespace {
 
-constexpr int TILE_N = 32;    // key positions per softmax tile
-constexpr int MAX_ROWS = 32;  // queries x group heads per work item: the accumulators stay in L1
-constexpr int BLOCK_ROWS = 64;  // the same for the blocked path: more rows per K and V tile than 32 (12 % faster)
-constexpr int LANES = 16;     // independent partial sums of a dot product (one AVX-512 or two AVX2 registers)
+constexpr int TILE_N = 32;      // key positions per softmax tile
+constexpr int MAX_ROWS = 32;    // queries x group heads per item of the per-row path: the accumulators stay in L1
+constexpr int BLOCK_ROWS = 64;  // the same for the blocked path: each K and V tile serves twice the rows of 32
+constexpr int LANES = 16;       // independent partial sums of a dot product (one AVX-512 or two AVX2 registers)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 // Below this many multiply-adds (query rows x keys x head_dim over the step) one thread does the
 // whole step: a parallel region ends in a barrier that waits for every thread of the team, and on
