@@ -370,3 +370,32 @@ def test_cpu_kernel_wide_and_unrolled_head_sizes(cpu_kernel, head_dim, step):
     its plain loops; both with keys past several tiles, whose rows the kernel prefetches."""
     assert_kernel_matches(cpu_kernel, *make_step(**(DECODE if step == "decode" else MIXED), heads=8, kv_heads=4,
                                                  head_dim=head_dim, device="cpu"))
+
+
+# Long prefill chunks, which take the kernel's blocked path: a 300-token chunk after 703 cached
+# positions (1,003 in all), a whole 211-token prompt and a decode beside them. Neither chunk is a
+# whole number of query tiles, key tiles or blocks.
+LONG_PREFILL = dict(offsets=[703, 0, 480], query_lens=[300, 211, 1])
+LONG_GROUPS = {"group1": dict(heads=3, kv_heads=3), "group3": dict(heads=9, kv_heads=3),
+               "group4": dict(heads=8, kv_heads=2)}
+
+
+@pytest.mark.parametrize("layout", LONG_GROUPS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_kernel_long_prefill_chunks(cpu_kernel, layout, head_dim, dtype):
+    step_tensors = make_step(**LONG_PREFILL, **LONG_GROUPS[layout], head_dim=head_dim, dtype=dtype,
+                             device="cpu")
+    assert_kernel_matches(cpu_kernel, *step_tensors, tolerance=CPU_EXACT if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("query_len", [2, 3, 4, 23])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [5, 16])
+def test_cpu_kernel_short_chunks_near_the_blocked_path(cpu_kernel, query_len, head_dim, block_size):
+    """Chunks of 2-4 queries with a group of 3 (6-12 rows): on both sides of the rows at which an
+    item takes the blocked path (8 at head size 64, 12 at 128); and 23 queries, whose last tile
+    is left with 2 queries."""
+    step_tensors = make_step([90, 7], [query_len, 40], heads=9, kv_heads=3, head_dim=head_dim, block_size=block_size,
+                             device="cpu")
+    assert_kernel_matches(cpu_kernel, *step_tensors, tolerance=CPU_EXACT)
