@@ -236,7 +236,7 @@ def render(runs: list[dict], served: dict[str, dict], served_runs: int = 1, pref
     loads = ", ".join(f"{r['label']} {r['load_before']:.2f}" for r in everything)
     tp = everything[0].get("tp", 1) if everything else 1
     lines += ["", f"Machine: {machine()}; tp {tp} on both engines; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; best of "
-              f"{len(runs) // max(len(labels), 1) or len(prefills) // max(len(labels), 1)} alternated runs each; "
+              f"{served_runs} alternated runs each; "
               f"load average (1 min) before each run: {loads}."]
     return "\n".join(lines)
 
