@@ -236,9 +236,15 @@ def render(runs: list[dict], served: dict[str, dict], served_runs: int = 1, pref
     loads = ", ".join(f"{r['label']} {r['load_before']:.2f}" for r in everything)
     tp = everything[0].get("tp", 1) if everything else 1
     lines += ["", f"Machine: {machine()}; tp {tp} on both engines; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; best of "
-              f"{served_runs} alternated runs each; "
+              f"{_rounds(runs, prefills, labels)} alternated runs each; "
               f"load average (1 min) before each run: {loads}."]
     return "\n".join(lines)
+
+
+def _rounds(runs: list[dict], prefills: list[dict], labels: list[str]) -> int:
+    """How many alternated rounds the runs make: each label's runs of one workload."""
+    lengths = len({r["prefill"]["length"] for r in prefills}) or 1
+    return len(runs) // max(len(labels), 1) if runs else len(prefills) // max(len(labels) * lengths, 1)
 
 
 def write_doc(table: str) -> None:

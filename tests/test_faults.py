@@ -86,16 +86,28 @@ def test_failure_mid_step_from_another_thread(engine):
     import threading
 
     victim = engine.executor.pool.workers[0].proc
-    # long enough to be running 50 ms in: with the ranks all-reducing through shared memory, the
-    # 22 steps of PARAMS take less than that
-    engine.add_request("mid", PROMPT, SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))
-    threading.Timer(0.05, lambda: os.kill(victim.pid, signal.SIGKILL)).start()
+    # The kill comes from another thread once the request's first token is out, with 80 steps to
+    # go: a fixed delay raced the steps, which the shared-memory all-reduce and the layers in one
+    # call made shorter than any delay worth waiting.
+    started = threading.Event()
+
+    def kill() -> None:
+        if started.wait(30):
+            os.kill(victim.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    engine.add_request("mid", PROMPT, SamplingParams(temperature=0.0, max_tokens=81, ignore_eos=True))
     deadline = time.monotonic() + 30
     error = None
     while error is None and time.monotonic() < deadline:
         for u in engine.step():
+            if u.request_id == "mid" and u.token_ids:
+                started.set()
             if u.request_id == "mid" and u.finished:
                 error = u.error or "finished without error"
+    started.set()
+    killer.join(30)
     assert error and "rank 1" in error
     engine.recover()
     after, err = _run(engine, "after-mid")
