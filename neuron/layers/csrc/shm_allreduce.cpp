@@ -111,6 +111,19 @@ int wait_for(void* seg, int rank, uint32_t seq, int64_t deadline, const std::ato
     }
 }
 
+// Whether `seg` holds a header this build wrote, with `rank` among its ranks.
+inline bool usable(const Header* h, int rank) {
+    const int world = int(h->world);
+    return h->magic == MAGIC && world >= 2 && world <= MAX_RANKS && rank >= 0 && rank < world;
+}
+
+// This rank's slot for call `seq` is written (and its reads of the calls before done): say so, and
+// wake the ranks sleeping on the flag, if the header says any are.
+inline void publish(Header* h, Flag* mine, uint32_t seq) {
+    mine->seq.store(seq, std::memory_order_seq_cst);
+    if (h->sleepers.load(std::memory_order_seq_cst)) futex_wake(&mine->seq);
+}
+
 // Until every other rank published `seq`.
 int wait_all(void* seg, int rank, int world, uint32_t seq, int64_t deadline, const std::atomic<uint32_t>* local_abort) {
     for (int r = 0; r < world; ++r) {
@@ -207,7 +220,7 @@ int neuron_shm_all_reduce(void* seg, int rank, void* data, int64_t n, int dtype,
                           const uint32_t* local_abort, int threads) {
     Header* h = header(seg);
     const int world = int(h->world);
-    if (h->magic != MAGIC || world < 2 || world > MAX_RANKS || rank < 0 || rank >= world) return BAD_SEGMENT;
+    if (!usable(h, rank)) return BAD_SEGMENT;
     const auto* abort_word = reinterpret_cast<const std::atomic<uint32_t>*>(local_abort);
     const int64_t size = dtype == BF16 ? 2 : 4;
     const int64_t per_call = int64_t(h->slot_bytes) / size;
@@ -221,8 +234,7 @@ int neuron_shm_all_reduce(void* seg, int rank, void* data, int64_t n, int dtype,
         const int ready = wait_all(seg, rank, world, seq - 1, deadline, abort_word);
         if (ready != OK) return ready;
         std::memcpy(slot(seg, buf, rank), bytes + done * size, size_t(count * size));
-        mine->seq.store(seq, std::memory_order_seq_cst);
-        if (h->sleepers.load(std::memory_order_seq_cst)) futex_wake(&mine->seq);
+        publish(h, mine, seq);
         const int status = wait_all(seg, rank, world, seq, deadline, abort_word);
         if (status != OK) return status;
         if (dtype == BF16)
@@ -239,7 +251,7 @@ int neuron_shm_gather(void* seg, int rank, const void* data, int64_t n, void* ou
                       const uint32_t* local_abort) {
     Header* h = header(seg);
     const int world = int(h->world);
-    if (h->magic != MAGIC || world < 2 || world > MAX_RANKS || rank < 0 || rank >= world) return BAD_SEGMENT;
+    if (!usable(h, rank)) return BAD_SEGMENT;
     const auto* abort_word = reinterpret_cast<const std::atomic<uint32_t>*>(local_abort);
     const int64_t per_call = int64_t(h->slot_bytes);
     const int64_t deadline = now_ns() + timeout_ms * 1'000'000;
@@ -254,8 +266,7 @@ int neuron_shm_gather(void* seg, int rank, const void* data, int64_t n, void* ou
         const int ready = wait_all(seg, rank, world, seq - 1, deadline, abort_word);
         if (ready != OK) return ready;
         if (rank != 0) std::memcpy(slot(seg, buf, rank), bytes + done, size_t(count));
-        mine->seq.store(seq, std::memory_order_seq_cst);
-        if (h->sleepers.load(std::memory_order_seq_cst)) futex_wake(&mine->seq);
+        publish(h, mine, seq);
         if (rank != 0) continue;
         const int status = wait_all(seg, rank, world, seq, deadline, abort_word);
         if (status != OK) return status;
