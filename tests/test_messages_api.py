@@ -15,6 +15,8 @@ import httpx
 import jsonschema
 import msgspec
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from server_harness import (
     ERROR,
     LiveServer,
@@ -25,9 +27,10 @@ from server_harness import (
     scripted_engine,
     wait_until,
 )
+from test_fuzz_http import FUZZ, nasty, odd_text
 
 from neuron.entrypoints.openai.app import ServerConfig
-from neuron.entrypoints.openai.messages_types import MessagesRequest
+from neuron.entrypoints.openai.messages_types import Message, MessagesRequest
 from neuron.entrypoints.openai.serving_messages import chat_request
 
 KEY = "sekrit"
@@ -377,6 +380,64 @@ def test_the_sdk_raises_its_own_error_for_a_document_block(stub_server):
         anthropic_client(stub_server).messages.count_tokens(
             model="stub", messages=[{"role": "user", "content": [document]}])
     assert err.value.body["error"]["type"] == "invalid_request_error"
+
+
+BODY_FIELDS = ["max_tokens", "system", "messages", "stop_sequences", "temperature", "top_p", "top_k", "tools",
+               "tool_choice", "thinking", "metadata", "output_config", "stream", "mcp_servers", "seed", "model"]
+BLOCK_FIELDS = ["type", "text", "source", "id", "name", "input", "tool_use_id", "content", "thinking"]
+BLOCK_TYPES = ["text", "image", "tool_use", "tool_result", "thinking", "document", "x", None]
+
+
+@st.composite
+def message_bodies(draw) -> dict:
+    """A valid request with every kind of block, then up to three mutations of its fields, blocks
+    or tools."""
+    body = {"model": "stub", "max_tokens": 4, "stream": draw(st.booleans()), "system": "Be brief.", "tools": [
+        {"name": "get_weather", "input_schema": {"type": "object"}}], "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm"}, {"type": "text", "text": "Let me"},
+                                          {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"},
+                                     {"type": "text", "text": "and tomorrow?"}]}]}
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["field", "field", "block", "block", "message", "tool", "drop"]))
+        if kind == "field":
+            body[draw(st.sampled_from(BODY_FIELDS))] = draw(nasty | odd_text)
+        elif kind == "block" and isinstance(body.get("messages"), list) and body["messages"]:
+            message = body["messages"][draw(st.integers(0, len(body["messages"]) - 1))]
+            if isinstance(message, dict) and isinstance(message.get("content"), list) and message["content"]:
+                block = {"type": draw(st.sampled_from(BLOCK_TYPES))}
+                block[draw(st.sampled_from(BLOCK_FIELDS))] = draw(nasty | odd_text)
+                message["content"][draw(st.integers(0, len(message["content"]) - 1))] = block
+        elif kind == "message" and isinstance(body.get("messages"), list):
+            body["messages"].insert(0, {"role": draw(st.sampled_from(["user", "assistant", "system", "x"])),
+                                        "content": draw(nasty | odd_text)})
+        elif kind == "tool":
+            body["tools"] = [draw(st.dictionaries(st.sampled_from(["name", "input_schema", "type", "description"]),
+                                                  nasty, max_size=4))]
+        elif kind == "drop":
+            body.pop(draw(st.sampled_from(sorted(body))), None)
+    return body
+
+
+@settings(FUZZ, max_examples=40, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(body=message_bodies(), count=st.booleans())
+def test_generated_bodies_are_answered_or_refused_in_anthropics_shape(stub_server, body, count):
+    """Whatever a client sends: never a 500, every refusal Anthropic's error, every stream whole."""
+    path = "/v1/messages/count_tokens" if count else "/v1/messages"
+    r = httpx.post(f"{stub_server.url}{path}", content=json.dumps(body).encode(), timeout=30,
+                   headers={"content-type": "application/json"})
+    context = f"body {body!r:.600}\nanswer {r.status_code} {r.text[:600]}"
+    assert r.status_code in (200, 400, 404, 413), context
+    if r.status_code != 200:
+        error = r.json()
+        assert set(error) == {"type", "error"} and set(error["error"]) == {"type", "message"}, context
+        assert error["error"]["type"] in ("invalid_request_error", "not_found_error", "request_too_large"), context
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        names = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+        assert names[0] == "message_start" and names[-1] == "message_stop", context
+    else:
+        assert set(r.json()) == ({"input_tokens"} if count else set(Message.__struct_fields__) | {"type"}), context
 
 
 def test_blocks_become_the_chat_turns_they_mean():

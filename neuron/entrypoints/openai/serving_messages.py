@@ -100,11 +100,11 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
             raise unsupported(name, f"{name} is not supported: neuron runs no tools or code itself")
     tools = _tools(req.tools)
     choice, parallel = _tool_choice(req.tool_choice, tools)
-    max_tokens = req.max_tokens if isinstance(req, MessagesRequest) else None
+    generates = isinstance(req, MessagesRequest)  # not a count_tokens request
+    switch = _thinking(req.thinking, req.max_tokens if generates else None)
     fields = dict(model=req.model, messages=_system(req.system) + _turns(req.messages), tools=tools,
-                  tool_choice=choice, parallel_tool_calls=parallel, chat_template_kwargs=_thinking(req.thinking,
-                                                                                                   max_tokens))
-    if isinstance(req, MessagesRequest):
+                  tool_choice=choice, parallel_tool_calls=parallel, chat_template_kwargs=switch)
+    if generates:
         _check_metadata(req.metadata)
         fields.update(max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,
                       top_p=req.top_p, top_k=req.top_k, seed=req.seed, stream=req.stream, cache_salt=req.cache_salt,
