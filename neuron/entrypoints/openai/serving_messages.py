@@ -54,11 +54,11 @@ from neuron.entrypoints.openai.streaming import EventStreamResponse, json_unless
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
                 429: "rate_limit_error", 529: "overloaded_error"}
-OVERLOADED = 529
+_OVERLOADED = 529
 
 
 def _status(exc: APIError) -> int:
-    return OVERLOADED if exc.code == "overloaded" else exc.status
+    return _OVERLOADED if exc.code == "overloaded" else exc.status
 
 
 def error_body(exc: APIError) -> dict:
