@@ -15,6 +15,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import anthropic
 import httpx
 import openai
 import uvicorn
@@ -235,6 +236,12 @@ def client(server, api_key: str = "unused", **kw) -> openai.OpenAI:
 
 def async_client(server) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+def anthropic_client(server, api_key: str | None = "unused", **kw) -> anthropic.Anthropic:
+    """Anthropic's official client on a server of any kind (it sends the key as x-api-key; pass
+    `auth_token` instead for a bearer token); no retries, so a test sees every error."""
+    return anthropic.Anthropic(base_url=server.url, api_key=api_key, max_retries=0, timeout=60, **kw)
 
 
 def token_ids(logprobs) -> list[int]:

@@ -226,33 +226,41 @@ def check_prompt_logprobs(prompts: list[list[int]], params: SamplingParams) -> N
                           "ask for fewer samples, a smaller top-k or a shorter prompt", param="prompt_logprobs")
 
 
+def _openai_error_event(error: APIError) -> bytes:
+    return sse(error.body())
+
+
 async def stream_events(samples: Samples, keepalive_s: float,
                         chunks: Callable[[int, Update], Awaitable[list[bytes]]],
-                        usage: Callable[[UsageInfo], bytes] | None, opening: Sequence[bytes] = ()) -> AsyncIterator[bytes]:
-    """The SSE body of both endpoints: `opening`, then for each batch of updates the chunks they make
-    (`chunks(choice, update)`, one write per batch), a keep-alive comment whenever `keepalive_s`
-    passes with nothing, an error event (and the end) when a sample fails, the usage chunk when the
-    request asked for it, and `[DONE]`. The samples are closed however it ends."""
+                        usage: Callable[[UsageInfo], bytes] | None, opening: Sequence[bytes] = (), *,
+                        keepalive: bytes = KEEPALIVE, error_event: Callable[[APIError], bytes] = _openai_error_event,
+                        done: bytes = DONE) -> AsyncIterator[bytes]:
+    """The SSE body of every generating endpoint: `opening`, then for each batch of updates the
+    chunks they make (`chunks(choice, update)`, one write per batch), `keepalive` whenever
+    `keepalive_s` passes with nothing, an error event (and the end) when a sample fails, the usage
+    chunk when the request asked for it, and `done`. OpenAI's comment, error chunk and `[DONE]`
+    unless the API says otherwise. The samples are closed however it ends."""
     try:
         for chunk in opening:
             yield chunk
         async for batch in merged_updates(samples.streams, keepalive_s):
             if batch is None:
-                yield KEEPALIVE
+                yield keepalive
                 continue
             out: list[bytes] = []
             for k, update in batch:
                 if update.finish_reason == "error":
                     if samples.streams[k].failure_kind == "unloaded":  # cut by an unload: its choice aborts
                         out += await chunks(k, dataclasses.replace(update, finish_reason="abort", error=None))
-                    yield b"".join(out) + sse(stream_error(samples.streams[k], update.error).body())
+                    yield b"".join(out) + error_event(stream_error(samples.streams[k], update.error))
                     return
                 out += await chunks(k, update)
             if out:
                 yield b"".join(out)  # one write for what the batch brought
         if usage is not None:
             yield usage(samples.usage(range(len(samples.streams))))
-        yield DONE
+        if done:
+            yield done
     finally:
         samples.close()
 
