@@ -36,11 +36,12 @@ from neuron.entrypoints.openai.api_types import (
 )
 from neuron.entrypoints.openai.common import check_ready, request_salt
 from neuron.entrypoints.openai.connections import BodyTimeout, RequestGuard, parse_origins
+from neuron.entrypoints.openai.ollama import Served, ollama_error, ollama_routes
 from neuron.entrypoints.openai.prompt_input import Limiters
 from neuron.entrypoints.openai.request_body import read_body, require_json
 from neuron.entrypoints.openai.serving_chat import create_chat_completion
 from neuron.entrypoints.openai.serving_completions import create_completion
-from neuron.entrypoints.openai.serving_tokenization import detokenize, tokenize
+from neuron.entrypoints.openai.serving_tokenization import detokenize, tokenize, tokenizer_info
 from neuron.errors import ConfigError
 
 log = logging.getLogger("neuron.server")
@@ -95,7 +96,10 @@ def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
         Route("/v1/completions", api.endpoint("completions", api.completions), methods=["POST"]),
         Route("/tokenize", api.endpoint("tokenize", api.tokenize), methods=["POST"]),
         Route("/detokenize", api.endpoint("detokenize", api.detokenize), methods=["POST"]),
+        Route("/tokenizer_info", api.endpoint("tokenizer_info", api.tokenizer_info), methods=["GET"]),
     ]
+    routes += ollama_routes(Served(host, api.limiters, api._decode, api._engine, api._salt, cfg.keepalive_s,
+                                   api.started), api.endpoint)
     if cfg.admin_key is not None:  # off without a key: its paths are unknown (404)
         routes += admin_routes(host, cfg.admin_key, api.endpoint)
 
@@ -118,7 +122,8 @@ def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Unknown routes and methods, in the same envelope as everything else."""
     kind = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None
-    return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=kind).response()
+    error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=kind)
+    return ollama_error(error) if request.url.path.startswith("/api/") else error.response()
 
 
 class _Api:
@@ -129,9 +134,11 @@ class _Api:
         self.started = int(time.time())
         self.limiters = Limiters()
 
-    def endpoint(self, name: str, handler, authenticate=None):
+    def endpoint(self, name: str, handler, authenticate=None, shape=None):
         """Wrap a handler: authentication (the API key's, unless `authenticate` says otherwise), the
-        error envelope, and the request counter."""
+        error envelope (OpenAI's, unless `shape` renders an APIError in another API's), and the
+        request counter."""
+        shape = shape or APIError.response
 
         async def run(request: Request) -> Response:
             try:
@@ -140,7 +147,7 @@ class _Api:
             except APIError as exc:  # the path and the message may hold client text: quoted, one line
                 log.info("%s %r refused: %d %s: %r", request.method, request.url.path, exc.status,
                          exc.code or exc.type, exc.message)
-                response = exc.response()
+                response = shape(exc)
                 # The traceback's frames hold the request (its params, a compiled grammar, its
                 # streams) in reference cycles that only a full garbage collection would free.
                 traceback.clear_frames(exc.__traceback__)
@@ -150,7 +157,7 @@ class _Api:
                 response = Response(status_code=CLIENT_CLOSED_REQUEST)
             except Exception:
                 log.exception("%s %r failed", request.method, request.url.path)
-                response = internal("internal server error; see the server log").response()
+                response = shape(internal("internal server error; see the server log"))
             self.stats.requests.labels(name, str(response.status_code)).inc()
             return response
 
@@ -235,6 +242,9 @@ class _Api:
     async def detokenize(self, request: Request) -> Response:
         req = await self._decode(request, DetokenizeRequest)
         return await detokenize(await self._named(req.model), req, self.limiters.tokenize)
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        return tokenizer_info(await self._named(request.query_params.get("model")))
 
     async def _named(self, name: str | None) -> AsyncEngine:
         """The engine of a tokenizer route: the model named, or the server's one model."""
