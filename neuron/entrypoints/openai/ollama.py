@@ -154,7 +154,8 @@ def ollama_routes(served: Served, endpoint: Callable) -> list[Route]:
     api = _Ollama(served)
 
     def route(path: str, handler, method: str = "POST") -> Route:
-        return Route(path, endpoint("ollama", handler, shape=ollama_error), methods=[method])
+        name = "ollama_" + path.rsplit("/", 1)[1]  # the request counter's label: ollama_chat, ...
+        return Route(path, endpoint(name, handler, shape=ollama_error), methods=[method])
 
     routes = [route("/api/chat", api.chat), route("/api/generate", api.generate), route("/api/show", api.show),
               route("/api/tags", api.tags, "GET"), route("/api/ps", api.ps, "GET"),
@@ -179,7 +180,7 @@ class _Ollama:
         req = await self.s.decode(request, OllamaChatRequest)
         name, engine, load_s = await self._model(req)
         if not req.messages:  # Ollama's way to load (or, with keep_alive 0, unload) a model
-            return self._loaded(name, "message", req)
+            return self._loaded(name, engine, "message")
         chat = _chat_request(name, req, engine)
         ctx, samples = await _opened(open_chat(engine, chat, self.s.limiters, self.s.salt(request, chat)))
         state = ChoiceState(ctx)
@@ -192,7 +193,7 @@ class _Ollama:
         _check_generate(req)
         name, engine, load_s = await self._model(req)
         if not req.prompt and not req.images:
-            return self._loaded(name, "response", req)
+            return self._loaded(name, engine, "response")
         if req.raw:
             samples, reply = await self._raw(request, name, engine, req, started, load_s)
         else:
@@ -238,9 +239,10 @@ class _Ollama:
             m.keep_for(m.spec.keep_alive_s if keep is _DEFAULT else keep)
         return name, engine, load_s
 
-    def _loaded(self, name: str, field: str, req: _Common) -> Response:
+    def _loaded(self, name: str, engine: AsyncEngine, field: str) -> Response:
         """The answer to a request with nothing to generate: the model is loaded now, or it will be
         unloaded at once (keep_alive 0 on a model that loads on demand)."""
+        check_ready(engine)
         m = self.s.host.models.get(name)
         unloads = m is not None and m.spec.load == "on_demand" and m.keep_alive_s == 0
         body = {"model": name, "created_at": _now()}
