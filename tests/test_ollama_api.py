@@ -16,7 +16,7 @@ import httpx
 import jsonschema
 import ollama
 import pytest
-from server_harness import LiveServer, ScriptedEngine, client, metric, real_engine, scripted_engine, wait_until
+from server_harness import ERROR, LiveServer, ScriptedEngine, client, metric, real_engine, scripted_engine, wait_until
 
 from neuron.engine.async_engine import AsyncEngine
 from neuron.engine.engine_config import EngineConfig
@@ -42,6 +42,7 @@ SCRIPTS = {
                           "</tool_call>"],
     "<think>\n\n</think>": ["Paris."],  # the template's reasoning switch, off
     "Capital of France?": ["<think>", "The capital ", "is Paris.", "</think>", "\n\n", "Paris."],
+    "Break now": ["partial ", "answer", ERROR],  # a rank fails mid-answer
 }
 
 
@@ -222,6 +223,17 @@ def test_think_puts_the_reasoning_in_thinking(scripted_server, stream):
     assert (off.message.content, off.message.thinking) == ("Paris.", None)
 
 
+def test_a_failure_mid_answer_is_an_error_line_or_a_503(scripted_server):
+    c, ask = keyed(scripted_server), [{"role": "user", "content": "Break now"}]
+    got = []
+    with pytest.raises(ollama.ResponseError) as err:
+        for part in c.chat("stub", ask, stream=True):
+            got.append(part.message.content)
+    assert "".join(got) == "partial answer" and "generation failed: rank 1 exited" in err.value.error
+    whole = refused(lambda: c.generate("stub", "Break now"))
+    assert whole.status_code == 503 and "rank 1 exited" in whole.error
+
+
 def test_think_is_refused_to_a_model_that_cannot_think():
     backend = build_tokenizer(("<|eot|>",), ())
     tok = Tokenizer(backend, eos_token="<|eot|>", chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
@@ -254,7 +266,9 @@ def test_tags_ps_and_show_describe_the_served_model(ollama_server):
     [running] = c.ps().models
     assert running.model == MODEL and running.context_length == MAX_MODEL_LEN and running.size_vram == 0
     assert running.size > tag.size  # the weights and the KV cache
-    assert running.expires_at.year == 2318  # a model loaded at start-up stays
+    assert running.expires_at.year == 2318  # a model loaded at start-up stays,
+    c.chat(MODEL, HI, options={"num_predict": 1}, keep_alive=0)
+    assert c.ps().models[0].expires_at.year == 2318  # whatever keep_alive says
     shown = c.show(MODEL)
     assert shown.capabilities == ["completion", "tools", "thinking"]
     assert shown.template == ollama_server.engine.tokenizer.chat_template
@@ -414,3 +428,28 @@ def test_generation_durations_are_nanoseconds(ollama_server):
     out = api(ollama_server).chat(MODEL, HI, options=GREEDY)
     elapsed_ns = (time.monotonic() - t0) * 1e9
     assert 0 < out.total_duration <= elapsed_ns and out.eval_duration < out.total_duration
+
+
+# ---- images, on a tiny vision checkpoint ----
+
+
+@pytest.mark.slow
+def test_images_in_messages_reach_a_vision_model(tmp_path):
+    from vision_checkpoint import build_vision_checkpoint, image_data_uri
+
+    path = build_vision_checkpoint(tmp_path / "vision", seed=7)
+    uri = image_data_uri(20, 28, seed=1)
+    with LiveServer(real_engine(str(path), 1, name="vision", max_model_len=128)) as server:
+        server.wait_ready()
+        c = api(server)
+        assert "vision" in c.show("vision").capabilities
+        out = c.chat("vision", [{"role": "user", "content": "What is in this picture?", "images": [
+            uri.split(",", 1)[1]]}], options={"temperature": 0, "num_predict": 4}, logprobs=True)
+        want = client(server).chat.completions.create(model="vision", temperature=0, max_tokens=4, logprobs=True,
+                                                      messages=[{"role": "user", "content": [
+                                                          {"type": "image_url", "image_url": {"url": uri}},
+                                                          {"type": "text", "text": "What is in this picture?"}]}])
+        assert tokens(out.logprobs) == [t.token for t in want.choices[0].logprobs.content]
+        assert out.prompt_eval_count == want.usage.prompt_tokens > 20  # the image's placeholders expanded
+        err = refused(lambda: c.chat("vision", [{"role": "user", "content": "?", "images": ["bm90IGFuIGltYWdl"]}]))
+        assert err.status_code == 400 and "image" in err.error
