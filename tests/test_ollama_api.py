@@ -23,7 +23,8 @@ from neuron.engine.engine_config import EngineConfig
 from neuron.engine.host import ModelHost, ModelSpec
 from neuron.engine.tokenizer import Tokenizer
 from neuron.entrypoints.openai.app import ServerConfig
-from neuron.entrypoints.openai.ollama import OLLAMA_API_VERSION, parse_keep_alive
+from neuron.entrypoints.openai.ollama import OLLAMA_API_VERSION
+from neuron.entrypoints.openai.ollama.models import parse_keep_alive
 from neuron.utils.default_checkpoint import build_tokenizer, default_model_dir
 
 MODEL = "neuron-default"
@@ -152,7 +153,8 @@ def test_options_map_onto_the_sampling_params(ollama_server):
     stop = next(full[k: k + 3] for k in range(2, len(full) - 3) if full.index(full[k: k + 3]) == k)
     cut = c.generate(MODEL, "The river", raw=True, options={"temperature": 0, "num_predict": 12, "stop": [stop]})
     assert cut.response == full[: full.index(stop)] and cut.done_reason == "stop"
-    assert c.generate(MODEL, "The river", raw=True, options={"temperature": 0, "num_predict": 3}).done_reason == "length"
+    short = c.generate(MODEL, "The river", raw=True, options={"temperature": 0, "num_predict": 3})
+    assert (short.done_reason, short.eval_count) == ("length", 3)
 
 
 def test_format_holds_the_reply_to_json_or_a_schema(ollama_server):

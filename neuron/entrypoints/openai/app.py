@@ -98,8 +98,7 @@ def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
         Route("/detokenize", api.endpoint("detokenize", api.detokenize), methods=["POST"]),
         Route("/tokenizer_info", api.endpoint("tokenizer_info", api.tokenizer_info), methods=["GET"]),
     ]
-    routes += ollama_routes(Served(host, api.limiters, api._decode, api._engine, api._salt, cfg.keepalive_s,
-                                   api.started), api.endpoint)
+    routes += ollama_routes(Served(host, api.limiters, api._decode, api._engine, api._salt, api.started), api.endpoint)
     if cfg.admin_key is not None:  # off without a key: its paths are unknown (404)
         routes += admin_routes(host, cfg.admin_key, api.endpoint)
 
