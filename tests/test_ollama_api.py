@@ -91,10 +91,11 @@ def tokens(logprobs) -> list[str]:
 
 
 def test_chat_gives_the_openai_chats_tokens_and_counts(ollama_server):
-    out = api(ollama_server).chat(MODEL, HI, options=GREEDY, logprobs=True)
+    out = api(ollama_server).chat(MODEL, HI, options=GREEDY, logprobs=True, top_logprobs=2)
     want = client(ollama_server).chat.completions.create(model=MODEL, messages=HI, temperature=0, max_tokens=6,
-                                                         logprobs=True)
-    assert tokens(out.logprobs) == [t.token for t in want.choices[0].logprobs.content]
+                                                         logprobs=True, top_logprobs=2)
+    assert [(lp.token, lp.logprob, [(t.token, t.logprob) for t in lp.top_logprobs]) for lp in out.logprobs] == [
+        (t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in want.choices[0].logprobs.content]
     assert out.message.role == "assistant" and out.message.content == (want.choices[0].message.content or "")
     assert (out.prompt_eval_count, out.eval_count) == (want.usage.prompt_tokens, want.usage.completion_tokens)
     assert out.done and out.done_reason == {"length": "length", "stop": "stop"}[want.choices[0].finish_reason]
@@ -218,6 +219,7 @@ def test_think_puts_the_reasoning_in_thinking(scripted_server, stream):
         out = c.chat("stub", ask, think=True)
         thinking, content = out.message.thinking, out.message.content
     assert (thinking, content) == ("The capital is Paris.", "Paris.")
+    assert keyed(scripted_server).chat("stub", ask, think="high").message.thinking == "The capital is Paris."
     generated = c.generate("stub", "Capital of France?", think=True)
     assert (generated.thinking, generated.response) == ("The capital is Paris.", "Paris.")
     # think false is the template's switch: the prompt closes the reasoning before the reply
