@@ -67,7 +67,8 @@ def _message(m: Any, i: int) -> dict:
     if not isinstance(m, dict):
         raise bad_request(f"{where} must be an object with a role and content", param=where)
     out = {k: v for k, v in m.items() if k not in ("images", "tool_calls")}
-    out.setdefault("content", "")  # Ollama's messages may leave it out (a turn that only calls tools)
+    if out.get("content") is None:  # Ollama's messages may leave it out (a turn that only calls tools)
+        out["content"] = ""
     if m.get("tool_name") is not None:
         out.setdefault("name", m["tool_name"])
     images = m.get("images")
