@@ -376,6 +376,17 @@ def test_bad_input_gets_ollamas_error_shape(ollama_server, path, body, status, w
     assert word in r.json()["error"], r.text
 
 
+def test_the_client_raises_bad_input_as_a_response_error(ollama_server):
+    c = api(ollama_server)
+    err = refused(lambda: c.chat(MODEL, HI, options={"mirostat": 2}))
+    assert (err.status_code, err.error) == (400, "options.mirostat is not supported (neuron samples with temperature, "
+                                                 "top_k, top_p and min_p); leave it at 0")
+    err = refused(lambda: list(c.generate(MODEL, "hi", options={"top_p": 2.0}, stream=True)))
+    assert (err.status_code, err.error) == (400, "options.top_p must be in (0, 1], got 2.0")
+    err = refused(lambda: c.chat("nope", HI))
+    assert err.status_code == 404 and f"serves `{MODEL}`" in err.error
+
+
 def test_the_error_shape_holds_for_broken_bodies_and_unknown_paths(ollama_server):
     r = httpx.post(f"{ollama_server.url}/api/chat", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
