@@ -16,6 +16,7 @@ import time
 from types import SimpleNamespace
 
 import httpx
+import ollama
 import openai
 import uvicorn
 
@@ -232,6 +233,11 @@ def gone(pid: int) -> bool:
 def client(server, api_key: str = "unused", **kw) -> openai.OpenAI:
     """The official client on a server of any kind; no retries, so a test sees every error."""
     return openai.OpenAI(base_url=server.base_url, api_key=api_key, max_retries=0, timeout=60, **kw)
+
+
+def ollama_client(server, **kw) -> ollama.Client:
+    """The official Ollama client on a server of any kind (it speaks to the root, not /v1)."""
+    return ollama.Client(host=server.url, timeout=60, **kw)
 
 
 def async_client(server) -> openai.AsyncOpenAI:

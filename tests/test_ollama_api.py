@@ -16,16 +16,27 @@ import httpx
 import jsonschema
 import ollama
 import pytest
-from server_harness import ERROR, LiveServer, ScriptedEngine, client, metric, real_engine, scripted_engine, wait_until
+from family_chat import formatless_tokenizer
+from server_harness import (
+    ERROR,
+    LiveServer,
+    ScriptedEngine,
+    ServeProcess,
+    client,
+    metric,
+    ollama_client,
+    real_engine,
+    scripted_engine,
+    wait_until,
+)
 
 from neuron.engine.async_engine import AsyncEngine
 from neuron.engine.engine_config import EngineConfig
 from neuron.engine.host import ModelHost, ModelSpec
-from neuron.engine.tokenizer import Tokenizer
 from neuron.entrypoints.openai.app import ServerConfig
 from neuron.entrypoints.openai.ollama import OLLAMA_API_VERSION
 from neuron.entrypoints.openai.ollama.models import parse_keep_alive
-from neuron.utils.default_checkpoint import build_tokenizer, default_model_dir
+from neuron.utils.default_checkpoint import default_model_dir
 
 MODEL = "neuron-default"
 MAX_MODEL_LEN = 1024
@@ -62,12 +73,8 @@ def scripted_server(default_tokenizer):
         yield server.wait_ready(10)
 
 
-def api(server, **kw) -> ollama.Client:
-    return ollama.Client(host=server.url, timeout=60, **kw)
-
-
 def keyed(server) -> ollama.Client:
-    return api(server, headers={"Authorization": "Bearer k"})
+    return ollama_client(server, headers={"Authorization": "Bearer k"})
 
 
 def lines(server, path: str, body: dict) -> list[dict]:
@@ -91,7 +98,7 @@ def tokens(logprobs) -> list[str]:
 
 
 def test_chat_gives_the_openai_chats_tokens_and_counts(ollama_server):
-    out = api(ollama_server).chat(MODEL, HI, options=GREEDY, logprobs=True, top_logprobs=2)
+    out = ollama_client(ollama_server).chat(MODEL, HI, options=GREEDY, logprobs=True, top_logprobs=2)
     want = client(ollama_server).chat.completions.create(model=MODEL, messages=HI, temperature=0, max_tokens=6,
                                                          logprobs=True, top_logprobs=2)
     entries = want.choices[0].logprobs.content
@@ -106,7 +113,7 @@ def test_chat_gives_the_openai_chats_tokens_and_counts(ollama_server):
 
 
 def test_a_streamed_chat_is_ndjson_ending_with_the_counts(ollama_server):
-    whole = api(ollama_server).chat(MODEL, HI, options=GREEDY, logprobs=True)
+    whole = ollama_client(ollama_server).chat(MODEL, HI, options=GREEDY, logprobs=True)
     parts = lines(ollama_server, "/api/chat", {"model": MODEL, "messages": HI, "options": GREEDY, "logprobs": True})
     assert [p["done"] for p in parts] == [False] * (len(parts) - 1) + [True]
     assert "".join(p["message"]["content"] for p in parts) == whole.message.content
@@ -118,12 +125,12 @@ def test_a_streamed_chat_is_ndjson_ending_with_the_counts(ollama_server):
                                                   "eval_duration"))
     datetime.fromisoformat(last["created_at"])  # RFC 3339
     # and through the client, a model named as Ollama's clients name it
-    streamed = list(api(ollama_server).chat(f"{MODEL}:latest", HI, options=GREEDY, stream=True))
+    streamed = list(ollama_client(ollama_server).chat(f"{MODEL}:latest", HI, options=GREEDY, stream=True))
     assert "".join(p.message.content for p in streamed) == whole.message.content and streamed[-1].done
 
 
 def test_generate_is_a_one_turn_chat_and_raw_is_a_completion(ollama_server):
-    c, openai = api(ollama_server), client(ollama_server)
+    c, openai = ollama_client(ollama_server), client(ollama_server)
     out = c.generate(MODEL, "The river", system="Be brief.", options=GREEDY)
     want = openai.chat.completions.create(model=MODEL, temperature=0, max_tokens=6, messages=[
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "The river"}])
@@ -137,7 +144,7 @@ def test_generate_is_a_one_turn_chat_and_raw_is_a_completion(ollama_server):
 
 
 def test_options_map_onto_the_sampling_params(ollama_server):
-    c, openai = api(ollama_server), client(ollama_server)
+    c, openai = ollama_client(ollama_server), client(ollama_server)
     sampled = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": 7, "num_predict": 8, "repeat_penalty": 1.3,
                "presence_penalty": 0.5, "frequency_penalty": 0.2, "num_ctx": 99999, "num_gpu": 1}  # last two ignored
     out = c.generate(MODEL, "The river", raw=True, options=sampled, logprobs=True)
@@ -164,7 +171,7 @@ def test_options_map_onto_the_sampling_params(ollama_server):
 def test_format_holds_the_reply_to_json_or_a_schema(ollama_server):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
-    c = api(ollama_server)
+    c = ollama_client(ollama_server)
     out = c.chat(MODEL, HI, format=schema, options={"temperature": 0, "num_predict": 20})
     jsonschema.validate(json.loads(out.message.content), schema)
     assert out.done_reason == "stop"
@@ -242,10 +249,8 @@ def test_a_failure_mid_answer_is_an_error_line_or_a_503(scripted_server):
 
 
 def test_think_is_refused_to_a_model_that_cannot_think():
-    backend = build_tokenizer(("<|eot|>",), ())
-    tok = Tokenizer(backend, eos_token="<|eot|>", chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
-    with LiveServer(scripted_engine(ScriptedEngine(tok, {}))) as server:
-        c = api(server.wait_ready(10))
+    with LiveServer(scripted_engine(ScriptedEngine(formatless_tokenizer(), {}))) as server:
+        c = ollama_client(server.wait_ready(10))
         err = refused(lambda: c.chat("stub", HI, think=True))
         assert err.status_code == 400 and err.error == '"stub" does not support thinking'
         assert c.chat("stub", HI, think=False).message.content == "ok"
@@ -255,7 +260,7 @@ def test_think_is_refused_to_a_model_that_cannot_think():
 
 def test_the_api_key_guards_the_ollama_routes(scripted_server):
     for call in (lambda c: c.list(), lambda c: c.chat("stub", HI)):
-        err = refused(lambda: call(api(scripted_server)))
+        err = refused(lambda: call(ollama_client(scripted_server)))
         assert err.status_code == 401 and "API key" in err.error
     assert [m.model for m in keyed(scripted_server).list().models] == ["stub"]
 
@@ -264,7 +269,7 @@ def test_the_api_key_guards_the_ollama_routes(scripted_server):
 
 
 def test_tags_ps_and_show_describe_the_served_model(ollama_server):
-    c = api(ollama_server)
+    c = ollama_client(ollama_server)
     [tag] = c.list().models
     assert tag.model == MODEL and tag.size > 0 and len(tag.digest) == 64
     assert (tag.details.format, tag.details.family, tag.details.quantization_level) == ("safetensors", "qwen3", "F32")
@@ -309,7 +314,7 @@ def test_keep_alive_sets_how_long_an_on_demand_model_stays(default_tokenizer):
     spec = ModelSpec.parse({"name": "m", "model": str(default_model_dir()), "load": "on_demand"}, defaults, "test")
     host = ModelHost([spec], defaults=defaults, make_engine=scripted)
     with LiveServer(host) as server:
-        c = api(server)
+        c = ollama_client(server)
         assert c.ps().models == [] and c.list().models[0].model == "m"
         unloaded = c.show("m")  # what its spec says, without loading it
         assert (unloaded.capabilities, unloaded.template, host.models["m"].status) == (["completion"], "", "available")
@@ -334,7 +339,7 @@ def test_keep_alive_sets_how_long_an_on_demand_model_stays(default_tokenizer):
 
 
 def test_pull_and_the_other_model_management_routes_are_refused(ollama_server):
-    c = api(ollama_server)
+    c = ollama_client(ollama_server)
     for call in (lambda: c.pull(MODEL), lambda: c.push(MODEL), lambda: c.delete(MODEL), lambda: c.copy(MODEL, "x")):
         err = refused(call)
         assert err.status_code == 403 and "never downloads" in err.error
@@ -377,7 +382,7 @@ def test_bad_input_gets_ollamas_error_shape(ollama_server, path, body, status, w
 
 
 def test_the_client_raises_bad_input_as_a_response_error(ollama_server):
-    c = api(ollama_server)
+    c = ollama_client(ollama_server)
     err = refused(lambda: c.chat(MODEL, HI, options={"mirostat": 2}))
     assert (err.status_code, err.error) == (400, "options.mirostat is not supported (neuron samples with temperature, "
                                                  "top_k, top_p and min_p); leave it at 0")
@@ -445,7 +450,7 @@ def test_tokenizer_info_is_the_tokenizer_config_lm_eval_reads(ollama_server):
 
 def test_generation_durations_are_nanoseconds(ollama_server):
     t0 = time.monotonic()
-    out = api(ollama_server).chat(MODEL, HI, options=GREEDY)
+    out = ollama_client(ollama_server).chat(MODEL, HI, options=GREEDY)
     elapsed_ns = (time.monotonic() - t0) * 1e9
     assert 0 < out.total_duration <= elapsed_ns and out.eval_duration < out.total_duration
 
@@ -461,7 +466,7 @@ def test_images_in_messages_reach_a_vision_model(tmp_path):
     uri = image_data_uri(20, 28, seed=1)
     with LiveServer(real_engine(str(path), 1, name="vision", max_model_len=128)) as server:
         server.wait_ready()
-        c = api(server)
+        c = ollama_client(server)
         assert "vision" in c.show("vision").capabilities
         out = c.chat("vision", [{"role": "user", "content": "What is in this picture?", "images": [
             uri.split(",", 1)[1]]}], options={"temperature": 0, "num_predict": 4}, logprobs=True)
@@ -473,3 +478,19 @@ def test_images_in_messages_reach_a_vision_model(tmp_path):
         assert out.prompt_eval_count == want.usage.prompt_tokens > 20  # the image's placeholders expanded
         err = refused(lambda: c.chat("vision", [{"role": "user", "content": "?", "images": ["bm90IGFuIGltYWdl"]}]))
         assert err.status_code == 400 and "image" in err.error
+
+
+@pytest.mark.slow
+def test_the_ollama_client_against_neuron_serve_tp_2():
+    with ServeProcess("--tp", "2", "--device", "cpu", "--dtype", "float32", "--max-model-len", "512") as server:
+        c, openai = ollama_client(server), client(server)
+        parts = list(c.chat(MODEL, HI, options=GREEDY, stream=True))
+        want = openai.chat.completions.create(model=MODEL, messages=HI, temperature=0, max_tokens=6)
+        assert "".join(p.message.content for p in parts) == (want.choices[0].message.content or "")
+        assert parts[-1].done and parts[-1].eval_count == want.usage.completion_tokens
+        raw = c.generate(MODEL, "The river", raw=True, options=GREEDY)
+        assert raw.response == openai.completions.create(model=MODEL, prompt="The river", temperature=0,
+                                                         max_tokens=6).choices[0].text
+        assert [m.model for m in c.list().models] == [MODEL]
+        [running] = c.ps().models
+        assert running.model == MODEL and running.context_length == 512
