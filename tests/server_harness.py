@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import anthropic
 import httpx
+import ollama
 import openai
 import uvicorn
 
@@ -97,7 +98,8 @@ class ScriptedEngine:
         self.vocab_size = tokenizer.vocab_size
         # what LLMEngine keeps in its ModelConfig, executor and input processor, and the handlers ask
         self.model = SimpleNamespace(quantization=None, speculative=None, vision=None, eos_token_ids=(),
-                                     default_sampling=dict)
+                                     default_sampling=dict, model_type="stub", hf_config={}, gguf=None,
+                                     model_dir=None, spec=SimpleNamespace(quantization=None, dtype="float32"))
         self.executor = SimpleNamespace(kernels=dict, memory=list)
         self.inputs = self
         self.gate = threading.Event()
@@ -232,6 +234,11 @@ def gone(pid: int) -> bool:
 def client(server, api_key: str = "unused", **kw) -> openai.OpenAI:
     """The official client on a server of any kind; no retries, so a test sees every error."""
     return openai.OpenAI(base_url=server.base_url, api_key=api_key, max_retries=0, timeout=60, **kw)
+
+
+def ollama_client(server, **kw) -> ollama.Client:
+    """The official Ollama client on a server of any kind (it speaks to the root, not /v1)."""
+    return ollama.Client(host=server.url, timeout=60, **kw)
 
 
 def async_client(server) -> openai.AsyncOpenAI:

@@ -37,12 +37,13 @@ from neuron.entrypoints.openai.api_types import (
 from neuron.entrypoints.openai.common import check_ready, request_salt
 from neuron.entrypoints.openai.connections import BodyTimeout, RequestGuard, parse_origins
 from neuron.entrypoints.openai.messages_types import CountTokensRequest, MessagesRequest
+from neuron.entrypoints.openai.ollama import Served, ollama_error, ollama_routes
 from neuron.entrypoints.openai.prompt_input import Limiters
 from neuron.entrypoints.openai.request_body import read_body, require_json
 from neuron.entrypoints.openai.serving_chat import create_chat_completion
 from neuron.entrypoints.openai.serving_completions import create_completion
 from neuron.entrypoints.openai.serving_messages import count_tokens, create_message, error_response
-from neuron.entrypoints.openai.serving_tokenization import detokenize, tokenize
+from neuron.entrypoints.openai.serving_tokenization import detokenize, tokenize, tokenizer_info
 from neuron.errors import ConfigError
 
 log = logging.getLogger("neuron.server")
@@ -102,7 +103,9 @@ def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
                                                         error_response), methods=["POST"]),
         Route("/tokenize", api.endpoint("tokenize", api.tokenize), methods=["POST"]),
         Route("/detokenize", api.endpoint("detokenize", api.detokenize), methods=["POST"]),
+        Route("/tokenizer_info", api.endpoint("tokenizer_info", api.tokenizer_info), methods=["GET"]),
     ]
+    routes += ollama_routes(Served(host, api.limiters, api._decode, api._engine, api._salt, api.started), api.endpoint)
     if cfg.admin_key is not None:  # off without a key: its paths are unknown (404)
         routes += admin_routes(host, cfg.admin_key, api.endpoint)
 
@@ -125,7 +128,8 @@ def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Unknown routes and methods, in the same envelope as everything else."""
     kind = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None
-    return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=kind).response()
+    error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=kind)
+    return ollama_error(error) if request.url.path.startswith("/api/") else error.response()
 
 
 class _Api:
@@ -268,6 +272,9 @@ class _Api:
     async def detokenize(self, request: Request) -> Response:
         req = await self._decode(request, DetokenizeRequest)
         return await detokenize(await self._named(req.model), req, self.limiters.tokenize)
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        return tokenizer_info(await self._named(request.query_params.get("model")))
 
     async def _named(self, name: str | None) -> AsyncEngine:
         """The engine of a tokenizer route: the model named, or the server's one model."""
