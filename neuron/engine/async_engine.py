@@ -224,12 +224,26 @@ class AsyncEngine(EngineClient):
         one); raises NotReady, Overloaded or the engine's RequestError. `count_prompt`: False for
         the further samples of a prompt (n, best_of), whose tokens the prompt-token counter already has.
         `cache_salt`: see LLMEngine.add_request."""
+        self._check_admission()
+        self.engine.add_request(request_id, prompt_token_ids, params, images=images, grammar=grammar,
+                                cache_salt=cache_salt)
+        return self._opened(request_id, prompt_token_ids, count_prompt)
+
+    def open_embedding(self, request_id: str, prompt_token_ids: list[int],
+                       cache_salt: str | None = None) -> RequestStream:
+        """Submit an embedding request (LLMEngine.add_pooling_request); its stream's one update
+        carries the vector. Raises as `open` does."""
+        self._check_admission()
+        self.engine.add_pooling_request(request_id, prompt_token_ids, cache_salt=cache_salt)
+        return self._opened(request_id, prompt_token_ids, True)
+
+    def _check_admission(self) -> None:
         if self._state is not EngineState.READY:
             raise NotReady(self._state, self._error)
         if len(self._streams) >= self.capacity:
             raise Overloaded(f"all {self.capacity} running and waiting places are taken")
-        self.engine.add_request(request_id, prompt_token_ids, params, images=images, grammar=grammar,
-                                cache_salt=cache_salt)
+
+    def _opened(self, request_id: str, prompt_token_ids: list[int], count_prompt: bool) -> RequestStream:
         stream = RequestStream(self.metrics, request_id, len(prompt_token_ids), self._close)
         self._streams[request_id] = stream
         if count_prompt:

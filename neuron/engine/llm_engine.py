@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from neuron.engine import prompt_logprobs
+from neuron.engine import pooling, prompt_logprobs
 from neuron.engine.block_manager import BlockManager, salt_key
 from neuron.engine.engine_config import EngineConfig
 from neuron.engine.input_processor import InputProcessor, RequestError, check_cache_salt
@@ -106,10 +106,27 @@ class LLMEngine:
         params' structured output, compiled already (else it is compiled here). `cache_salt`: the
         request shares cached prefix blocks only with requests of the same salt (None: unsalted)."""
         check_cache_salt(cache_salt)
+        if pooling.GENERATE not in self.model.tasks:
+            raise RequestError(f"model `{self.model_name}` is an embedding model: it serves /v1/embeddings, not "
+                               "generation (serve it with --task generate,embed to allow both)", param="model")
         max_tokens, matcher = self.inputs.admit(prompt_token_ids, params, images, grammar)
         sampler = SequenceSampler(params, prompt_token_ids, self.vocab_size, self.executor.devices[0])
         seq = Sequence(request_id, list(prompt_token_ids), params, sampler, max_tokens, images=list(images or []),
                        grammar=matcher, cache_salt=salt_key(cache_salt))
+        self._inbox.put(("add", seq))
+
+    def add_pooling_request(self, request_id: str, prompt_token_ids: list[int], cache_salt: str | None = None) -> None:
+        """Queue an embedding request: its prompt is prefilled like any other, batched with the
+        rest, and its final update carries the pooled vector (`Update.embedding`) instead of tokens."""
+        check_cache_salt(cache_salt)
+        if self.model.pooling is None:
+            raise RequestError(f"model `{self.model_name}` is a generation model: it does not serve embeddings "
+                               "(serve an embedding model, or this one with --task generate,embed)", param="model")
+        self.inputs.admit_pooling(prompt_token_ids)
+        params = SamplingParams(temperature=0.0, max_tokens=0)
+        sampler = SequenceSampler(params, prompt_token_ids, self.vocab_size, self.executor.devices[0])
+        seq = Sequence(request_id, list(prompt_token_ids), params, sampler, 0, cache_salt=salt_key(cache_salt),
+                       pooling=self.model.pooling, pooled=pooling.Pooled())
         self._inbox.put(("add", seq))
 
     def abort(self, request_id: str) -> None:
@@ -151,11 +168,18 @@ class LLMEngine:
         logits, ran = self._execute(batch, updates)
         if ran:
             rows, scored = self.scheduler.update_from_output(ran)
-            updates += [self.outputs.end(seq) for seq in scored]  # prompt scored, nothing to generate
+            updates += [self._prefilled(seq) for seq in scored]  # prompt scored or pooled, nothing to generate
             updates += self._sample_step([ran[i] for i in rows], logits, [ran[i].logits for i in range(len(ran))], rows)
         if self.spec is not None and self.failure is None:
             self.spec.propose(self.scheduler)
         return updates
+
+    def _prefilled(self, seq: Sequence) -> Update:
+        """The final update of a request that ends with its prefill: an embedding's carries its vector."""
+        update = self.outputs.end(seq)
+        if seq.pooling is not None:
+            update.embedding = seq.pooled.vector(seq.pooling)
+        return update
 
     def _sample_step(self, ready: list[Scheduled], logits: torch.Tensor, counts: list[int],
                      rows: list[int]) -> list[Update]:
@@ -190,10 +214,11 @@ class LLMEngine:
 
     def _forward(self, part: list[Scheduled]) -> torch.Tensor:
         steps = _steps(part, self.model.vision)
-        if all(st.prompt_logprobs is None for st in steps):
+        if all(st.prompt_logprobs is None and st.pool is None for st in steps):
             return self.executor.step(steps)
         result = self.executor.run_step(steps)
         prompt_logprobs.accumulate(part, result)
+        pooling.accumulate(part, steps, result)
         return result.logits
 
     def _sample(self, ready: list[Scheduled], logits: torch.Tensor) -> list[Update]:
@@ -307,7 +332,7 @@ class LLMEngine:
 def _steps(part: list[Scheduled], vision: VisionSpec | None) -> list[SeqStep]:
     """The step records of the scheduled sequences, for every rank."""
     return [SeqStep(s.seq.slot, s.token_ids, s.offset, s.new_blocks, s.fresh, prompt_logprobs.wanted(s), s.logits,
-                    _step_images(s, vision)) for s in part]
+                    _step_images(s, vision), pooling.wanted(s)) for s in part]
 
 
 def _step_images(s: Scheduled, vision: VisionSpec | None) -> list[StepImage]:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from neuron.config import MAX_MODEL_LEN_CAP, parse_bytes
 from neuron.engine.engine_config import EngineConfig, default_device
+from neuron.engine.pooling import PoolingConfig, resolve_tasks
 from neuron.engine.spec_decode.config import SpeculativeConfig
 from neuron.engine.tokenizer import Tokenizer
 from neuron.errors import ConfigError
@@ -68,6 +69,8 @@ class ModelConfig:
     prefix_caching: bool
     step_tokens: int  # the token budget of one step
     kv_cache_bytes: int  # per rank; 0: sized by the rank (free GPU memory, or room for max_num_seqs on CPU)
+    tasks: frozenset[str] = frozenset({"generate"})  # what it serves: "generate", "embed" (engine/pooling.py)
+    pooling: PoolingConfig | None = None  # how it embeds, when "embed" is one of its tasks
 
     @property
     def model_type(self) -> str:
@@ -77,6 +80,11 @@ class ModelConfig:
         """Sampling defaults from generation_config.json, applied where a request is silent."""
         g = self.generation_config
         return {k: g[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty") if k in g}
+
+    @property
+    def hidden_size(self) -> int:
+        """The width of its hidden states: an embedding's length."""
+        return int(text_config(self.hf_config)["hidden_size"])
 
     @property
     def verify(self) -> VerifyShape:
@@ -134,6 +142,7 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
     tokenizer, tokenizer_dir = _tokenizer(spec, model_dir, gguf)
     generation = _generation_config(tokenizer_dir)
     speculative = _speculative(spec, config)
+    tasks, pooling = resolve_tasks(spec.task, model_dir, read_json)
     return ModelConfig(
         spec=spec, name=spec.served_model_name or spec.model or "neuron-default", model_dir=model_dir,
         weight_files=tuple(str(f) for f in weight_files(model_dir)), hf_config=config, gguf=gguf,
@@ -144,7 +153,8 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
         generation_config=generation, eos_token_ids=_eos_ids(config, generation, tokenizer),
         vision=_vision(config, model_dir), speculative=speculative, prefix_caching=_prefix_caching(spec, config),
         step_tokens=spec.max_num_batched_tokens or max(spec.prefill_chunk_tokens, spec.max_num_seqs),
-        kv_cache_bytes=0 if spec.kv_cache_memory is None else parse_bytes(spec.kv_cache_memory, "kv_cache_memory"))
+        kv_cache_bytes=0 if spec.kv_cache_memory is None else parse_bytes(spec.kv_cache_memory, "kv_cache_memory"),
+        tasks=tasks, pooling=pooling)
 
 
 def load_config(model_dir: Path, overrides: dict | None = None) -> dict:

@@ -34,6 +34,8 @@ class Update:
     failure_kind: str | None = None
     # The prompt's logprobs (first entry None), on the request's first update, when asked for.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # An embedding request's pooled vector (engine/pooling.py), on its final update.
+    embedding: list[float] | None = None
 
 
 @dataclass(slots=True, eq=False)
