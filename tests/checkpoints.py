@@ -171,7 +171,10 @@ def build_embedding_checkpoint(path: Path, seed: int = 0, pooling: str = "lastto
 
     torch.manual_seed(seed)
     config = Qwen3Config(**{**BASE, **overrides})
-    Qwen3Model(config).eval().save_pretrained(path, safe_serialization=True)
+    model = Qwen3Model(config).eval()
+    with torch.no_grad():  # a final norm of ones would vanish in the L2 normalization: no test could see it
+        model.norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(path, safe_serialization=True)
     saved = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**saved, "architectures": ["Qwen3ForCausalLM"]}))
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},

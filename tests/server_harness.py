@@ -96,7 +96,7 @@ class ScriptedEngine:
         self.vocab_size = tokenizer.vocab_size
         # what LLMEngine keeps in its ModelConfig, executor and input processor, and the handlers ask
         self.model = SimpleNamespace(quantization=None, speculative=None, vision=None, eos_token_ids=(),
-                                     default_sampling=dict)
+                                     default_sampling=dict, tasks=frozenset({"generate"}), pooling=None)
         self.executor = SimpleNamespace(kernels=dict, memory=list)
         self.inputs = self
         self.gate = threading.Event()

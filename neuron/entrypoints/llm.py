@@ -21,8 +21,8 @@ import torch
 
 from neuron.engine.input_processor import check_cache_salt
 from neuron.engine.llm_engine import EngineConfig, LLMEngine, Update, encode_prompt
-from neuron.engine.pooling import finish
 from neuron.engine.parallel_sampling import cumulative_logprob, ranked, sample_id, sample_params
+from neuron.engine.pooling import finish
 from neuron.engine.sampling_params import SamplingParams, token_ids
 from neuron.errors import NeuronError
 from neuron.multimodal.image import ImageInput
