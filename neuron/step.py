@@ -8,6 +8,8 @@ no torch, so the wire, the mock workers and the fuzzers use it too.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 
@@ -41,7 +43,7 @@ class SeqStep(msgspec.Struct, array_like=True):
     prompt_logprobs: int | None = None
     logits: int = 1
     images: list[StepImage] = []
-    pool: str | None = None
+    pool: Literal["last", "first", "sum"] | None = None
 
 
 class VerifyShape(msgspec.Struct, frozen=True):

@@ -30,9 +30,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("neuron.server")
 
 _DESCRIPTION = """\
-Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with
-/health for readiness probes and /metrics for Prometheus. The model loads in the background:
-/health answers 503 {"status": "loading"} until it is ready."""
+Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings,
+/v1/models), with /health for readiness probes and /metrics for Prometheus. The model loads in the
+background: /health answers 503 {"status": "loading"} until it is ready."""
 
 _EPILOG = """\
 Each option can also be set with the environment variable its help names (NEURON_ and the option
