@@ -17,12 +17,13 @@ import torch
 from checkpoints import build_checkpoint, build_embedding_checkpoint, model_config, reference_embeddings
 from server_harness import LiveServer, client, metric, real_engine, wait_until
 
-from neuron import LLM, SamplingParams
-from neuron.engine.pooling import PoolingConfig, sentence_transformers_pooling
+from neuron import LLM, PoolingParams, SamplingParams
+from neuron.engine.input_processor import RequestError
+from neuron.engine.model_config import sentence_transformers_pooling
+from neuron.engine.pooling import PoolingConfig
 from neuron.entrypoints import serve
 from neuron.entrypoints.cli import _parser
 from neuron.errors import ConfigError, NeuronError
-from neuron.models.loader import read_json
 
 # prompts of different lengths: one token, a few, several 16-token prefill chunks (small_prefill_chunks)
 PROMPTS = [[5], [1, 2, 3, 4, 5, 6, 7], [(7 * i + 3) % 250 for i in range(53)], [9, 8, 7, 6] * 10]
@@ -64,7 +65,7 @@ def _pooling_files(tmp_path, pooling: dict, modules: list[str]):
     (tmp_path / "modules.json").write_text(json.dumps(
         [{"idx": i, "path": "1_Pooling" if t == "Pooling" else "", "type": f"sentence_transformers.models.{t}"}
          for i, t in enumerate(modules)]))
-    return sentence_transformers_pooling(tmp_path, read_json)
+    return sentence_transformers_pooling(tmp_path)
 
 
 @pytest.mark.parametrize("flag, modules, expected", [
@@ -154,14 +155,14 @@ def test_mean_and_first_token_pooling_equal_transformers_across_chunks(tmp_path,
 
 def test_dimensions_truncate_then_normalize(last_token_llm, last_token_checkpoint):
     full = reference_embeddings(last_token_checkpoint, [PROMPTS[1]], normalize=False)[0]
-    out = last_token_llm.embed({"prompt_token_ids": PROMPTS[1]}, dimensions=16)[0].outputs.embedding
-    _close(out, torch.nn.functional.normalize(full[:16], dim=0))
-    with pytest.raises(ValueError, match="dimensions must be in 1..64"):
-        last_token_llm.embed({"prompt_token_ids": PROMPTS[1]}, dimensions=65)
+    out = last_token_llm.embed({"prompt_token_ids": PROMPTS[1]}, PoolingParams(dimensions=16))[0]
+    _close(out.outputs.embedding, torch.nn.functional.normalize(full[:16], dim=0))
+    with pytest.raises(RequestError, match="dimensions must be in 1..64"):
+        last_token_llm.embed({"prompt_token_ids": PROMPTS[1]}, PoolingParams(dimensions=65))
 
 
 def test_an_embedding_model_refuses_generation_offline(last_token_llm):
-    with pytest.raises(Exception, match="is an embedding model.*--task generate,embed"):
+    with pytest.raises(RequestError, match="is an embedding model.*--task generate,embed"):
         last_token_llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2))
 
 
@@ -176,7 +177,7 @@ def test_pooling_and_generation_share_a_step(generation_checkpoint):
     with LLM(str(generation_checkpoint), task="generate,embed", device="cpu", dtype="float32") as llm:
         engine = llm.engine
         engine.add_request("gen", prompt, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-        engine.add_pooling_request("emb", PROMPTS[3])
+        engine.add_request("emb", PROMPTS[3], PoolingParams())
         first = {u.request_id: u for u in engine.step()}
         assert first["gen"].token_ids == want_tokens[:1] and not first["gen"].finished
         assert first["emb"].finished and first["emb"].embedding is not None
@@ -191,8 +192,8 @@ def test_a_generation_model_does_not_embed(generation_checkpoint):
     with LLM(str(generation_checkpoint), device="cpu", dtype="float32") as llm:
         with pytest.raises(NeuronError, match="does not embed"):
             llm.embed("hello")
-        with pytest.raises(Exception, match="is a generation model"):
-            llm.engine.add_pooling_request("x", [1, 2, 3])
+        with pytest.raises(RequestError, match="is a generation model"):
+            llm.engine.add_request("x", [1, 2, 3], PoolingParams())
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ from neuron.config import settings
 from neuron.engine.engine_client import EngineClient
 from neuron.engine.llm_engine import LLMEngine, Update
 from neuron.engine.metrics import Metrics, ModelMetrics
+from neuron.engine.pooling import PoolingParams
 from neuron.engine.request_stream import RequestStream
 from neuron.engine.sampling_params import SamplingParams
 from neuron.engine.structured_output import CompiledGrammar
@@ -217,33 +218,20 @@ class AsyncEngine(EngineClient):
 
     # ---- requests (event-loop thread) ----
 
-    def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
              images: list[ImageInput] | None = None, count_prompt: bool = True,
              grammar: CompiledGrammar | None = None, cache_salt: str | None = None) -> RequestStream:
         """Submit a request (its image placeholders already expanded, its grammar compiled if it has
-        one); raises NotReady, Overloaded or the engine's RequestError. `count_prompt`: False for
+        one), or with PoolingParams an embedding request, whose one update carries the vector;
+        raises NotReady, Overloaded or the engine's RequestError. `count_prompt`: False for
         the further samples of a prompt (n, best_of), whose tokens the prompt-token counter already has.
         `cache_salt`: see LLMEngine.add_request."""
-        self._check_admission()
-        self.engine.add_request(request_id, prompt_token_ids, params, images=images, grammar=grammar,
-                                cache_salt=cache_salt)
-        return self._opened(request_id, prompt_token_ids, count_prompt)
-
-    def open_embedding(self, request_id: str, prompt_token_ids: list[int],
-                       cache_salt: str | None = None) -> RequestStream:
-        """Submit an embedding request (LLMEngine.add_pooling_request); its stream's one update
-        carries the vector. Raises as `open` does."""
-        self._check_admission()
-        self.engine.add_pooling_request(request_id, prompt_token_ids, cache_salt=cache_salt)
-        return self._opened(request_id, prompt_token_ids, True)
-
-    def _check_admission(self) -> None:
         if self._state is not EngineState.READY:
             raise NotReady(self._state, self._error)
         if len(self._streams) >= self.capacity:
             raise Overloaded(f"all {self.capacity} running and waiting places are taken")
-
-    def _opened(self, request_id: str, prompt_token_ids: list[int], count_prompt: bool) -> RequestStream:
+        self.engine.add_request(request_id, prompt_token_ids, params, images=images, grammar=grammar,
+                                cache_salt=cache_salt)
         stream = RequestStream(self.metrics, request_id, len(prompt_token_ids), self._close)
         self._streams[request_id] = stream
         if count_prompt:

@@ -66,11 +66,6 @@ class EngineClient:
         """An embedding's length before `dimensions` truncates it."""
         return self._loaded().model.hidden_size
 
-    @property
-    def pooling(self):
-        """How the model embeds (engine/pooling.PoolingConfig); None when it does not."""
-        return self._loaded().model.pooling
-
     def validate_embedding(self, prompt_token_ids: list[int]) -> None:
         """Refuse an embedding input that cannot run (RequestError)."""
         self._loaded().inputs.admit_pooling(prompt_token_ids)

@@ -4,8 +4,9 @@ A pooling model (Qwen3-Embedding, any sentence-transformers checkpoint of a deco
 a causal LM whose final-norm hidden states are pooled into one vector per input: the last token's
 (`lasttoken`), their mean (`mean`) or the first token's (`cls`), L2-normalized when the checkpoint
 has a Normalize module. sentence-transformers describes this in `modules.json` and
-`1_Pooling/config.json`; `--task embed` on a checkpoint without them pools the last token and
-normalizes, as Qwen3-Embedding does.
+`1_Pooling/config.json` (read with the rest of the checkpoint's description, in model_config.py);
+`--task embed` on a checkpoint without them pools the last token and normalizes, as
+Qwen3-Embedding does.
 
 A pooling request runs through the scheduler like any other, prefill only: each of its chunks
 asks rank 0 for what the mode needs of it (`SeqStep.pool`), and `Pooled` adds the chunks up until
@@ -15,20 +16,10 @@ the prompt is done. Nothing here runs a model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from neuron.errors import ConfigError
-
-GENERATE, EMBED = "generate", "embed"
-_ST_POOLING = "sentence_transformers.models.Pooling"
-_ST_NORMALIZE = "sentence_transformers.models.Normalize"
-_ST_TRANSFORMER = "sentence_transformers.models.Transformer"
-# sentence-transformers' pooling flags, as neuron's modes
-_MODES = {"pooling_mode_lasttoken": "lasttoken", "pooling_mode_mean_tokens": "mean",
-          "pooling_mode_cls_token": "cls"}
-_UNSUPPORTED = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+GENERATE, EMBED = "generate", "embed"  # the tasks a model is served for (`--task`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,59 +40,19 @@ class PoolingConfig:
         return "last" if offset + length == prompt_len else None
 
 
-def resolve_tasks(task: str, model_dir: Path, read_json) -> tuple[frozenset[str], PoolingConfig | None]:
-    """What the model serves (`task`: auto, generate, embed or generate,embed) and, when it embeds,
-    how it pools: from the checkpoint's sentence-transformers files, else the last token,
-    normalized. `auto` embeds only when those files say the checkpoint is a pooling model."""
-    found = sentence_transformers_pooling(model_dir, read_json)
-    if task == "auto":
-        task = EMBED if found is not None else GENERATE
-    tasks = frozenset(task.split(","))
-    if EMBED not in tasks:
-        return tasks, None
-    return tasks, found or PoolingConfig()
+@dataclass(frozen=True, slots=True)
+class PoolingParams:
+    """An embedding request's parameters (vLLM's name), where SamplingParams would make it a
+    generation: `dimensions` keeps the vector's first values (Matryoshka)."""
 
-
-def sentence_transformers_pooling(model_dir: Path, read_json) -> PoolingConfig | None:
-    """The pooling a sentence-transformers checkpoint declares (modules.json: a Transformer, a
-    Pooling module, optionally Normalize); None when it has no modules.json or no Pooling module.
-    What neuron cannot reproduce (another pooling mode, a Dense layer) is refused, naming it."""
-    path = model_dir / "modules.json"
-    if not path.is_file():
-        return None
-    modules = read_json(path)
-    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
-        raise ConfigError(f"{path}: expected a list of modules, each an object with `type` and `path`")
-    types = [str(m.get("type", "")) for m in modules]
-    if _ST_POOLING not in types:
-        return None
-    others = [t for t in types if t not in (_ST_TRANSFORMER, _ST_POOLING, _ST_NORMALIZE)]
-    if others:
-        raise ConfigError(f"{path}: module {others[0]!r} is not supported (neuron pools the hidden states and "
-                          "normalizes them: Transformer, Pooling and Normalize modules only)")
-    folder = str(modules[types.index(_ST_POOLING)].get("path") or "1_Pooling")
-    pooling = model_dir / folder / "config.json"
-    if not pooling.resolve().is_relative_to(model_dir.resolve()):
-        raise ConfigError(f"{path}: the Pooling module's path {folder!r} leads out of the checkpoint")
-    cfg = read_json(pooling)
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{pooling}: expected an object of pooling_mode_* flags")
-    unsupported = [k for k in _UNSUPPORTED if cfg.get(k)]
-    if unsupported:
-        raise ConfigError(f"{pooling}: {unsupported[0]} is not supported (lasttoken, mean and cls pooling are)")
-    if cfg.get("include_prompt") is False:
-        raise ConfigError(f"{pooling}: include_prompt false is not supported (every token is pooled)")
-    modes = [mode for key, mode in _MODES.items() if cfg.get(key)]
-    if len(modes) != 1:
-        raise ConfigError(f"{pooling}: exactly one of {', '.join(_MODES)} must be true, found "
-                          f"{len(modes)}")
-    return PoolingConfig(modes[0], _ST_NORMALIZE in types)
+    dimensions: int | None = None
 
 
 @dataclass(slots=True)
 class Pooled:
     """A pooling sequence's vector so far: the chunks' contributions, on the leader's CPU."""
 
+    dimensions: int | None = None  # PoolingParams.dimensions
     total: torch.Tensor | None = None
     rows: int = 0
 
@@ -119,7 +70,7 @@ class Pooled:
 
     def vector(self, cfg: PoolingConfig) -> list[float]:
         v = self.total / max(self.rows, 1) if cfg.mode == "mean" else self.total
-        return finish(v, cfg.normalize)
+        return finish(v, cfg.normalize, self.dimensions)
 
 
 def finish(v: torch.Tensor, normalize: bool, dimensions: int | None = None) -> list[float]:

@@ -17,12 +17,10 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import torch
-
 from neuron.engine.input_processor import check_cache_salt
 from neuron.engine.llm_engine import EngineConfig, LLMEngine, Update, encode_prompt
 from neuron.engine.parallel_sampling import cumulative_logprob, ranked, sample_id, sample_params
-from neuron.engine.pooling import finish
+from neuron.engine.pooling import PoolingParams
 from neuron.engine.sampling_params import SamplingParams, token_ids
 from neuron.errors import NeuronError
 from neuron.multimodal.image import ImageInput
@@ -152,16 +150,14 @@ class LLM:
             _keep_best(out, p)
         return outputs
 
-    def embed(self, prompts: PromptType | Sequence[PromptType], dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding (a model served with task embed, or generate,embed), batched
-        together, in prompt order. `dimensions`: keep the first this many values (Matryoshka),
-        normalized again where the model normalizes."""
-        pooling = self.engine.model.pooling
-        if pooling is None:
+        together, in prompt order. `pooling_params.dimensions`: keep the first this many values
+        (Matryoshka), normalized again where the model normalizes."""
+        if self.engine.model.pooling is None:
             raise NeuronError("this model does not embed: load it with task=\"embed\" (or \"generate,embed\")")
-        hidden = self.engine.model.hidden_size
-        if dimensions is not None and not 0 < dimensions <= hidden:
-            raise ValueError(f"dimensions must be in 1..{hidden} (the model's hidden size), got {dimensions}")
+        params = pooling_params or PoolingParams()
         if isinstance(prompts, (str, dict)) or (len(prompts) and _is_id(prompts[0])):  # one prompt of ids
             prompts = [prompts]
         tokenized = [self._tokenize(prompt) for prompt in prompts]
@@ -174,10 +170,10 @@ class LLM:
         outputs = {}
         for prompt in tokenized:
             rid = str(next(self._ids))
-            self.engine.add_pooling_request(rid, prompt.ids, cache_salt=prompt.cache_salt)
+            self.engine.add_request(rid, prompt.ids, params, cache_salt=prompt.cache_salt)
             outputs[rid] = EmbeddingRequestOutput(rid, prompt.ids, EmbeddingOutput([]))
         for u in self._drain(set(outputs)):
-            outputs[u.request_id].outputs.embedding = finish(torch.tensor(u.embedding), pooling.normalize, dimensions)
+            outputs[u.request_id].outputs.embedding = u.embedding
         return list(outputs.values())
 
     def _drain(self, pending: set[str]) -> list[Update]:

@@ -1,11 +1,11 @@
 """POST /v1/embeddings in OpenAI's shape, onto the one engine path.
 
-Each input becomes one pooling request (LLMEngine.add_pooling_request): prefilled in the ordinary
+Each input becomes one pooling request (LLMEngine.add_request with PoolingParams): prefilled in the ordinary
 batched step beside whatever else runs, its final update carrying the pooled vector. A request
 keeps at most `max_per_request` inputs in the engine at once and queues the next as each
 finishes, so a client that sends a thousand inputs neither takes every place nor gets refused.
-`dimensions` keeps each vector's first values, normalized again where the model normalizes;
-`encoding_format` base64 sends them as little-endian float32 bytes, as OpenAI does.
+`dimensions` keeps each vector's first values, normalized again where the model normalizes (the
+engine cuts them); `encoding_format` base64 sends them as little-endian float32 bytes, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ import base64
 import struct
 
 import anyio
-import torch
 from starlette.requests import Request
 from starlette.responses import Response
 
 from neuron.engine.async_engine import AsyncEngine, RequestStream
 from neuron.engine.llm_engine import RequestError
-from neuron.engine.pooling import EMBED, finish
+from neuron.engine.pooling import EMBED, PoolingParams
 from neuron.engine.request_stream import wait_any
 from neuron.entrypoints.openai.api_errors import bad_request
 from neuron.entrypoints.openai.api_types import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
@@ -45,7 +44,7 @@ async def create_embedding(request: Request, engine: AsyncEngine, req: Embedding
         raise bad_request(f"dimensions must be in 1..{engine.hidden_size} (this model's embedding size), got "
                           f"{req.dimensions}", param="dimensions")
     ids = await _token_ids(engine, inputs, limiter)
-    batch = _Batch(engine, new_id("embd"), ids, cache_salt)
+    batch = _Batch(engine, new_id("embd"), ids, PoolingParams(req.dimensions), cache_salt)
     return await json_unless_disconnected(request, batch, _respond(engine, req, batch))
 
 
@@ -94,8 +93,9 @@ async def _token_ids(engine: AsyncEngine, inputs: list, limiter: anyio.CapacityL
 class _Batch:
     """The engine requests behind one embeddings request, at most `max_per_request` in flight."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, ids: list[list[int]], cache_salt: str | None):
-        self.engine, self.request_id, self.ids, self.cache_salt = engine, request_id, ids, cache_salt
+    def __init__(self, engine: AsyncEngine, request_id: str, ids: list[list[int]], params: PoolingParams,
+                 cache_salt: str | None):
+        self.engine, self.request_id, self.ids, self.params, self.cache_salt = engine, request_id, ids, params, cache_salt
         self.window = engine.max_per_request
         self.open: dict[int, RequestStream] = {}
         self.vectors: list[list[float] | None] = [None] * len(ids)
@@ -125,7 +125,8 @@ class _Batch:
                 return
             k = self.queued
             rid = self.request_id if len(self.ids) == 1 else f"{self.request_id}-{k}"
-            self.open[k] = admitted(lambda: self.engine.open_embedding(rid, self.ids[k], self.cache_salt), "input")
+            self.open[k] = admitted(lambda: self.engine.open(rid, self.ids[k], self.params, cache_salt=self.cache_salt),
+                                    "input")
             self.queued += 1
 
     def close(self) -> None:
@@ -138,18 +139,14 @@ async def _respond(engine: AsyncEngine, req: EmbeddingRequest, batch: _Batch) ->
     """The response body once every input has its vector; shaping thousands of vectors runs in a
     worker thread, as their JSON is encoded."""
     vectors = await batch.run()
-    data = await anyio.to_thread.run_sync(_data, vectors, engine.pooling.normalize, req)
+    data = await anyio.to_thread.run_sync(_data, vectors, req.encoding_format)
     tokens = sum(map(len, batch.ids))
     return await encoded(EmbeddingResponse(batch.request_id, now(), engine.model_name, data,
                                            EmbeddingUsage(tokens, tokens)))
 
 
-def _data(vectors: list[list[float]], normalize: bool, req: EmbeddingRequest) -> list[EmbeddingData]:
-    """Each vector cut to `dimensions` (and normalized again, where the model normalizes: the
-    engine's vectors are normalized already) in the request's encoding."""
-    if req.dimensions is not None:
-        vectors = [finish(torch.tensor(v), normalize, req.dimensions) for v in vectors]
-    return [EmbeddingData(k, _encoded(v, req.encoding_format)) for k, v in enumerate(vectors)]
+def _data(vectors: list[list[float]], encoding_format: str) -> list[EmbeddingData]:
+    return [EmbeddingData(k, _encoded(v, encoding_format)) for k, v in enumerate(vectors)]
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
