@@ -18,6 +18,7 @@ from checkpoints import build_checkpoint, build_embedding_checkpoint, model_conf
 from server_harness import LiveServer, client, metric, real_engine, wait_until
 
 from neuron import LLM, PoolingParams, SamplingParams
+from neuron.engine.host import HostError, ModelSpec
 from neuron.engine.input_processor import RequestError
 from neuron.engine.model_config import sentence_transformers_pooling
 from neuron.engine.pooling import PoolingConfig
@@ -101,9 +102,13 @@ def test_the_task_follows_the_checkpoint_unless_set(last_token_checkpoint, gener
         model_config(generation_checkpoint, task="classify")
 
 
-def test_serve_takes_the_task_flag():
+def test_serve_and_a_models_file_take_the_task():
     engine, _ = serve.configs(_parser().parse_args(["serve", "some-model", "--task", "generate,embed"]))
     assert engine.task == "generate,embed"
+    spec = ModelSpec.parse({"name": "e", "model": "some-model", "task": "embed"}, engine, "entry 1")
+    assert spec.engine.task == "embed"
+    with pytest.raises(HostError, match="task must be one of auto, generate, embed, generate,embed"):
+        ModelSpec.parse({"name": "e", "model": "some-model", "task": "rerank"}, engine, "entry 1")
 
 
 # ---- parity with transformers ----
@@ -290,6 +295,7 @@ def test_bad_input_gets_a_400_in_openai_shape_and_loses_nothing(embed_server):
     _refused(lambda: c.completions.create(model="embedder", prompt="hi"), 400, "model", "is an embedding model",
              "model_not_generative")
     assert len(create(model="embedder", input="still here").data[0].embedding) == 64
+    assert len(create(model="embedder", input=[1] * 256).data) == 1  # an input may fill the context
 
 
 def test_an_oversized_body_gets_413(embed_server):
