@@ -50,14 +50,15 @@ class PoolingParams:
 
 @dataclass(slots=True)
 class Pooled:
-    """A pooling sequence's vector so far: the chunks' contributions, on the leader's CPU."""
+    """A pooling sequence's vector so far: the chunks' contributions, on rank 0's device until
+    the vector is read (one copy to the host per request, not one per chunk)."""
 
     dimensions: int | None = None  # PoolingParams.dimensions
     total: torch.Tensor | None = None
     rows: int = 0
 
     def add(self, op: str, value: torch.Tensor, length: int) -> None:
-        value = value.float().cpu()
+        value = value.float()
         if op == "sum":
             self.total = value if self.total is None else self.total + value
             self.rows += length
@@ -70,7 +71,7 @@ class Pooled:
 
     def vector(self, cfg: PoolingConfig) -> list[float]:
         v = self.total / max(self.rows, 1) if cfg.mode == "mean" else self.total
-        return finish(v, cfg.normalize, self.dimensions)
+        return finish(v.cpu(), cfg.normalize, self.dimensions)
 
 
 def finish(v: torch.Tensor, normalize: bool, dimensions: int | None = None) -> list[float]:
