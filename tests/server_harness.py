@@ -99,7 +99,8 @@ class ScriptedEngine:
         # what LLMEngine keeps in its ModelConfig, executor and input processor, and the handlers ask
         self.model = SimpleNamespace(quantization=None, speculative=None, vision=None, eos_token_ids=(),
                                      default_sampling=dict, model_type="stub", hf_config={}, gguf=None,
-                                     model_dir=None, spec=SimpleNamespace(quantization=None, dtype="float32"))
+                                     model_dir=None, spec=SimpleNamespace(quantization=None, dtype="float32"),
+                                     tasks=frozenset({"generate"}), pooling=None)
         self.executor = SimpleNamespace(kernels=dict, memory=list)
         self.inputs = self
         self.gate = threading.Event()

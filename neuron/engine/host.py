@@ -45,7 +45,7 @@ _MIN_IDLE_S = 1.0  # the least idleness that unloads a model, whatever its keep_
 # `share_devices` are the host's own.
 _ENGINE_KEYS = ("model", "tp", "devices", "dtype", "quantization", "max_model_len", "speculative_config",
                 "hf_overrides", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "gpu_memory_utilization",
-                "tokenizer")
+                "tokenizer", "task")
 SPEC_KEYS = ("name", *_ENGINE_KEYS, "keep_alive", "load", "share_devices")
 
 

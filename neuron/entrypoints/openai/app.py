@@ -23,18 +23,20 @@ from starlette.routing import Route
 from neuron.config import check, from_settings
 from neuron.engine.async_engine import AsyncEngine, EngineState
 from neuron.engine.host import HostedModel, HostError, ModelHost
+from neuron.engine.pooling import GENERATE
 from neuron.entrypoints.openai.admin import admin_routes, host_error
 from neuron.entrypoints.openai.api_errors import APIError, bad_request, internal
 from neuron.entrypoints.openai.api_types import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ModelCard,
     ModelList,
     SamplingRequest,
     TokenizeRequest,
 )
-from neuron.entrypoints.openai.common import check_ready, request_salt
+from neuron.entrypoints.openai.common import check_ready, check_serves, request_salt
 from neuron.entrypoints.openai.connections import BodyTimeout, RequestGuard, parse_origins
 from neuron.entrypoints.openai.messages_types import CountTokensRequest, MessagesRequest
 from neuron.entrypoints.openai.ollama import Served, ollama_error, ollama_routes
@@ -42,6 +44,7 @@ from neuron.entrypoints.openai.prompt_input import Limiters
 from neuron.entrypoints.openai.request_body import read_body, require_json
 from neuron.entrypoints.openai.serving_chat import create_chat_completion
 from neuron.entrypoints.openai.serving_completions import create_completion
+from neuron.entrypoints.openai.serving_embeddings import create_embedding
 from neuron.entrypoints.openai.serving_messages import count_tokens, create_message, error_response
 from neuron.entrypoints.openai.serving_tokenization import detokenize, tokenize, tokenizer_info
 from neuron.errors import ConfigError
@@ -96,6 +99,7 @@ def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
         Route("/v1/models", api.endpoint("models", api.models), methods=["GET"]),
         Route("/v1/chat/completions", api.endpoint("chat", api.chat), methods=["POST"]),
         Route("/v1/completions", api.endpoint("completions", api.completions), methods=["POST"]),
+        Route("/v1/embeddings", api.endpoint("embeddings", api.embeddings), methods=["POST"]),
         # Anthropic's Messages API: its clients send the key as x-api-key, and read its error shape
         Route("/v1/messages", api.endpoint("messages", api.messages, api.authenticate_either, error_response),
               methods=["POST"]),
@@ -226,14 +230,21 @@ class _Api:
     async def chat(self, request: Request) -> Response:
         req = await self._decode(request, ChatCompletionRequest)
         engine = await self._engine(req.model)
+        check_serves(engine, GENERATE)
         return await create_chat_completion(request, engine, req, self.cfg.keepalive_s, self.limiters,
                                             self._salt(request, req))
 
     async def completions(self, request: Request) -> Response:
         req = await self._decode(request, CompletionRequest)
         engine = await self._engine(req.model)
+        check_serves(engine, GENERATE)
         return await create_completion(request, engine, req, self.cfg.keepalive_s, self.limiters,
                                        self._salt(request, req))
+
+    async def embeddings(self, request: Request) -> Response:
+        req = await self._decode(request, EmbeddingRequest)
+        engine = await self._engine(req.model)
+        return await create_embedding(request, engine, req, self.limiters.tokenize, self._salt(request, req))
 
     async def messages(self, request: Request) -> Response:
         req = await self._decode(request, MessagesRequest)
@@ -255,7 +266,7 @@ class _Api:
         except HostError as exc:
             raise host_error(exc, param="model") from None
 
-    def _salt(self, request: Request, req: SamplingRequest | MessagesRequest) -> str | None:
+    def _salt(self, request: Request, req: SamplingRequest | MessagesRequest | EmbeddingRequest) -> str | None:
         """The request's cache salt under this server's isolation. The key it presented: the bearer
         token, else the x-api-key header, else the Authorization header as sent ("" without any:
         keyless requests share)."""
