@@ -25,7 +25,8 @@ _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 _CHECKED = {"task": "task", "tp": "tp", "dtype": "dtype", "quantization": "quantization", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
             "max_num_batched_tokens": "max_num_batched_tokens", "prefill_chunk_tokens": "prefill_chunk_tokens",
             "block_size": "kv_block_size", "gpu_memory_utilization": "gpu_memory_utilization",
-            "load_timeout_s": "load_timeout_s"}
+            "load_timeout_s": "load_timeout_s",
+            "max_loras": "max_loras", "max_lora_rank": "max_lora_rank"}
 
 
 @dataclass(slots=True)
@@ -59,6 +60,9 @@ class EngineConfig:
     gpu_memory_utilization: float = from_settings("gpu_memory_utilization")
     enable_prefix_caching: bool | None = field(default_factory=_prefix_caching)  # True: refuse models without it
     load_timeout_s: float = from_settings("load_timeout_s")
+    enable_lora: bool = from_settings("enable_lora")  # LoRA adapters (engine/lora.py)
+    max_loras: int = from_settings("max_loras")
+    max_lora_rank: int = from_settings("max_lora_rank")
 
     def __post_init__(self) -> None:
         for name, setting in _CHECKED.items():

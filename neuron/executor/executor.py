@@ -358,6 +358,17 @@ class Executor:
                             self.cfg.step_timeout_s)
         return kept
 
+    def load_lora(self, slot: int, lora_id: int, path: str) -> None:
+        """Every rank puts its share of LoRA adapter `lora_id` (from `path`) in pool slot `slot`."""
+        model_id = self.cfg.model_id
+        self._run(lambda seq: p.LoadLora(seq=seq, model_id=model_id, slot=slot, lora_id=lora_id, path=path),
+                  self.cfg.load_timeout_s)
+
+    def forget_lora(self, lora_id: int) -> None:
+        """Every rank drops adapter `lora_id` from its pool and its host memory."""
+        model_id = self.cfg.model_id
+        self._run(lambda seq: p.ForgetLora(seq=seq, model_id=model_id, lora_id=lora_id), self.cfg.step_timeout_s)
+
     def clear(self, slots: list[int] | None = None) -> None:
         model_id = self.cfg.model_id
         self._run(lambda seq: p.ClearKvCache(seq=seq, model_id=model_id, slots=slots), self.cfg.step_timeout_s)

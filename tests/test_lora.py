@@ -1,0 +1,199 @@
+"""LoRA adapters: PEFT folders served on the base model, mixed in one batch, split across ranks.
+
+transformers + PEFT is the oracle: every adapter's greedy tokens are equal and its logprobs within
+1e-3 of PEFT's, in a step that mixes three adapters and the bare base model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from checkpoints import (
+    assert_matches_reference,
+    build_checkpoint,
+    build_llama_checkpoint,
+    build_lora_adapter,
+    reference_lora_greedy,
+)
+
+from neuron import LLM, LoRARequest, SamplingParams
+from neuron.errors import ConfigError, NeuronError
+from neuron.layers.lora import LoraPool, LoraRows
+from neuron.models.lora import LoraError
+
+NEW_TOKENS = 6
+PROMPTS = [[5, 17, 200, 3], list(range(10, 50)), [7, 8], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5, ignore_eos=True)
+
+
+def _adapters(base, folder) -> dict:
+    """Three adapters unlike each other: every projection at rank 4; rsLoRA at rank 8 on the MLP;
+    q and v alone at rank 2."""
+    return {
+        "all": build_lora_adapter(base, folder / "all", seed=11, r=4, alpha=8),
+        "rs_mlp": build_lora_adapter(base, folder / "rs_mlp", seed=12, r=8, alpha=4, use_rslora=True,
+                                     targets=("gate_proj", "up_proj", "down_proj")),
+        "qv": build_lora_adapter(base, folder / "qv", seed=13, r=2, alpha=16, targets=("q_proj", "v_proj")),
+    }
+
+
+@pytest.fixture(scope="module")
+def qwen3_lora(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lora_qwen3")
+    base = build_checkpoint(folder / "base", seed=3, vocab_size=301, num_key_value_heads=1, head_dim=24)
+    return base, _adapters(base, folder)
+
+
+@pytest.fixture(scope="module")
+def llama_lora(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lora_llama")
+    base = build_llama_checkpoint(folder / "base", seed=4)
+    return base, _adapters(base, folder)
+
+
+def _requests(adapters: dict) -> list[LoRARequest | None]:
+    """One prompt per adapter and one for the base model."""
+    return [LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())] + [None]
+
+
+def _check_mixed(base, adapters, tp: int, **llm) -> None:
+    requests = _requests(adapters)
+    with LLM(str(base), tensor_parallel_size=tp, device="cpu", dtype="float32", enable_lora=True, max_loras=3,
+             max_lora_rank=8, **llm) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, lora_request=requests)
+    for prompt, request, out in zip(PROMPTS, requests, outs):
+        adapter = None if request is None else adapters[request.lora_name]
+        ref = reference_lora_greedy(base, adapter, prompt, NEW_TOKENS)
+        assert_matches_reference(out.outputs[0], *ref, f"adapter {request and request.lora_name}")
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
+def test_qwen3_mixed_batch_matches_peft(qwen3_lora, tp, small_prefill_chunks):
+    """Three adapters (attention and MLP, rsLoRA, q/v only) and the base model in one batch, one
+    KV head replicated across ranks at tp 2 and 4: each equals transformers + PEFT."""
+    _check_mixed(*qwen3_lora, tp)
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_llama_mixed_batch_matches_peft(llama_lora, tp):
+    _check_mixed(*llama_lora, tp)
+
+
+def test_swapped_adapters_stay_isolated_with_prefix_caching(qwen3_lora):
+    """The same long prompt for three adapters and the base, twice over, through two adapter slots
+    with prefix caching on: adapters wait for a slot and swap in LRU, the second round finds its
+    prefix cached, and every request gets its own adapter's output."""
+    base, adapters = qwen3_lora
+    prompt = list(range(20, 70))  # three full blocks of 16 tokens to cache
+    requests = _requests(adapters) * 2
+    with LLM(str(base), device="cpu", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+             enable_prefix_caching=True) as llm:
+        outs = llm.generate([{"prompt_token_ids": prompt}] * len(requests), GREEDY, lora_request=requests)
+        queries, hits = llm.engine.prefix_cache_counts()
+    assert hits > 0
+    tokens = {}
+    for request, out in zip(requests, outs):
+        adapter = None if request is None else adapters[request.lora_name]
+        assert_matches_reference(out.outputs[0], *reference_lora_greedy(base, adapter, prompt, NEW_TOKENS))
+        tokens.setdefault(request and request.lora_name, out.outputs[0].token_ids)
+        assert tokens[request and request.lora_name] == out.outputs[0].token_ids
+    assert len({tuple(t) for t in tokens.values()}) == len(tokens), "adapters whose outputs differ"
+
+
+def test_grouped_product_equals_each_row_alone():
+    """One step's rows for slots 2, 0 and the base (-1), with a slot unused: the grouped product
+    equals each row's own x A^T B^T, and exactly zero for the base rows."""
+    torch.manual_seed(0)
+    pool = LoraPool(4, 3, 8, [(0, 5), (5, 2)], torch.float32, "cpu")
+    weights = {}
+    for slot in (0, 2):
+        for part, (_, size) in enumerate(pool.parts):
+            a, b = torch.randn(2, 8), torch.randn(size, 2)
+            pool.set(slot, part, a, b)
+            weights[slot, part] = (a, b)
+    seq_slots, lengths = [2, -1, 0, 2], [3, 2, 1, 2]
+    x = torch.randn(sum(lengths), 8)
+    got = pool.delta(x, LoraRows.build(seq_slots, lengths, 4, "cpu", torch.float32))
+    row_slots = [s for s, n in zip(seq_slots, lengths) for _ in range(n)]
+    for i, slot in enumerate(row_slots):
+        if slot < 0:
+            assert torch.equal(got[i], torch.zeros(7))
+            continue
+        want = torch.cat([x[i] @ weights[slot, p][0].T @ weights[slot, p][1].T for p in range(2)])
+        torch.testing.assert_close(got[i], want)
+    assert LoraRows.build([-1, -1], [1, 1], 4, "cpu", torch.float32) is None
+
+
+# ---- bad adapters: refused by name, nothing loaded harmed ----
+
+
+@pytest.fixture(scope="module")
+def bad_adapters(qwen3_lora, tmp_path_factory):
+    base, _ = qwen3_lora
+    folder = tmp_path_factory.mktemp("lora_bad")
+    wide = build_checkpoint(folder / "wide", seed=5, hidden_size=32, head_dim=8)
+    deep = build_checkpoint(folder / "deep", seed=6, num_hidden_layers=3, vocab_size=301, num_key_value_heads=1,
+                            head_dim=24)
+    saved = build_lora_adapter(base, folder / "saved", seed=7)
+    config = json.loads((saved / "adapter_config.json").read_text())
+    (saved / "adapter_config.json").write_text(json.dumps({**config, "modules_to_save": ["lm_head"]}))
+    unknown = build_lora_adapter(base, folder / "unknown", seed=8)
+    config = json.loads((unknown / "adapter_config.json").read_text())
+    (unknown / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", "c_attn"]}))
+    no_weights = build_lora_adapter(base, folder / "no_weights", seed=9)
+    (no_weights / "adapter_model.safetensors").unlink()
+    return {
+        "hidden_size 32": (build_lora_adapter(wide, folder / "wide_lora", seed=1), "trained on another base"),
+        "layer count": (build_lora_adapter(deep, folder / "deep_lora", seed=1, targets=("o_proj",)),
+                        "is for layer 2, but the base model has 2 layers"),
+        "rank": (build_lora_adapter(base, folder / "r16", seed=1, r=16), "rank 16 exceeds --max-lora-rank 8"),
+        "missing folder": (folder / "nowhere", "no such folder"),
+        "missing file": (no_weights, "adapter_model.safetensors is missing"),
+        "unknown target": (unknown, "target module 'c_attn' is not supported"),
+        "modules_to_save": (saved, "modules_to_save"),
+    }
+
+
+def test_bad_adapters_are_refused_by_name(qwen3_lora, bad_adapters):
+    base, adapters = qwen3_lora
+    good = LoRARequest("all", 1, str(adapters["all"]))
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    with LLM(str(base), device="cpu", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8) as llm:
+        before = llm.generate(prompt, GREEDY, lora_request=good)[0].outputs[0].token_ids
+        for i, (what, (path, message)) in enumerate(bad_adapters.items()):
+            with pytest.raises(LoraError, match=message):
+                llm.generate(prompt, GREEDY, lora_request=LoRARequest(f"bad{i}", 10 + i, str(path)))
+            assert f"bad{i}" not in llm.engine.loras.adapters, what
+        assert llm.generate(prompt, GREEDY, lora_request=good)[0].outputs[0].token_ids == before
+        with pytest.raises(ConfigError, match="is loaded with id 1"):
+            llm.generate(prompt, GREEDY, lora_request=LoRARequest("all", 2, str(adapters["all"])))
+
+
+def test_lora_with_speculative_decoding_is_refused(qwen3_lora):
+    base, _ = qwen3_lora
+    with pytest.raises(ConfigError, match="speculative decoding with LoRA adapters is not supported"):
+        LLM(str(base), device="cpu", dtype="float32", enable_lora=True,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+
+def test_an_adapter_the_ranks_cannot_read_fails_its_step_alone(qwen3_lora, tmp_path):
+    """An adapter whose files vanish after it was checked: its request ends with the ranks' reason,
+    and the next request (another adapter) is served."""
+    import shutil
+
+    base, adapters = qwen3_lora
+    gone = shutil.copytree(adapters["qv"], tmp_path / "gone")
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    with LLM(str(base), device="cpu", dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8) as llm:
+        llm.engine.loras.register("gone", str(gone))
+        (gone / "adapter_model.safetensors").unlink()
+        with pytest.raises(NeuronError, match="load_failed: LoRA adapter .*adapter_model.safetensors is missing"):
+            llm.engine.add_request("x", PROMPTS[0], GREEDY, lora="gone")
+            while llm.engine.has_unfinished():
+                for u in llm.engine.step():
+                    if u.error:
+                        raise NeuronError(u.error)
+        out = llm.generate(prompt, GREEDY, lora_request=LoRARequest("all", 1, str(adapters["all"])))[0].outputs[0]
+        assert_matches_reference(out, *reference_lora_greedy(base, adapters["all"], PROMPTS[0], NEW_TOKENS))
