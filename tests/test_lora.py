@@ -197,3 +197,115 @@ def test_an_adapter_the_ranks_cannot_read_fails_its_step_alone(qwen3_lora, tmp_p
                         raise NeuronError(u.error)
         out = llm.generate(prompt, GREEDY, lora_request=LoRARequest("all", 1, str(adapters["all"])))[0].outputs[0]
         assert_matches_reference(out, *reference_lora_greedy(base, adapters["all"], PROMPTS[0], NEW_TOKENS))
+
+
+# ---- serving: adapters by name, loaded and unloaded while other requests stream ----
+
+
+@pytest.fixture(scope="module")
+def served_lora(tmp_path_factory):
+    """The embedded default checkpoint (it has a tokenizer) and three adapters of it: two of rank 4,
+    one of rank 16 (over the server's --max-lora-rank 8)."""
+    import shutil
+
+    from neuron.utils.default_checkpoint import default_model_dir
+
+    folder = tmp_path_factory.mktemp("lora_served")
+    base = shutil.copytree(default_model_dir(), folder / "base")
+    return base, {"sql": build_lora_adapter(base, folder / "sql", seed=21),
+                  "chat": build_lora_adapter(base, folder / "chat", seed=22, targets=("q_proj", "down_proj")),
+                  "wide": build_lora_adapter(base, folder / "wide", seed=23, r=16)}
+
+
+def _completion_ids(server, model: str, prompt: list[int], max_tokens: int = NEW_TOKENS) -> list[int]:
+    from server_harness import client, token_ids
+
+    out = client(server).completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                                            logprobs=1, extra_body={"ignore_eos": True,
+                                                                    "return_tokens_as_token_ids": True})
+    return token_ids(out.choices[0].logprobs)
+
+
+def _stream_gaps(server, model: str, max_tokens: int, body: dict | None = None) -> tuple[list[float], list[dict]]:
+    """Stream a completion; the seconds between its chunks, and the chunks."""
+    import time
+
+    import httpx
+
+    gaps, chunks, last = [], [], None
+    payload = {"model": model, "prompt": [5, 6, 7], "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+               "ignore_eos": True, **(body or {})}
+    with httpx.stream("POST", f"{server.base_url}/completions", json=payload, timeout=60) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.monotonic()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+            chunks.append(json.loads(line[6:]))
+    return gaps, chunks
+
+
+def test_adapters_are_served_by_name_and_loaded_while_serving(served_lora):
+    """--lora-modules serves an adapter as a model whose parent is the base; another is loaded
+    through vLLM's route and through the admin API, used and unloaded while a request for the
+    base streams with no gap of a second; a bad adapter is refused (400/409 naming it) and what is
+    loaded keeps its output; an adapter unloaded with a request in flight ends it cleanly."""
+    import threading
+
+    import httpx
+    from server_harness import LiveServer, real_engine, wait_until
+
+    from neuron.entrypoints.openai.app import ServerConfig
+
+    base, adapters = served_lora
+    prompt = [5, 17, 200, 3]
+    engine = real_engine(str(base), 1, name="base", enable_lora=True, max_loras=1, max_lora_rank=8,
+                         lora_modules=f"sql={adapters['sql']}")
+    with LiveServer(engine, ServerConfig(admin_key="admin")) as server:
+        server.wait_ready()
+        cards = {c["id"]: c for c in httpx.get(f"{server.base_url}/models").json()["data"]}
+        assert cards["sql"]["parent"] == "base" and cards["base"]["parent"] is None
+        sql = _completion_ids(server, "sql", prompt)
+        assert sql == reference_lora_greedy(base, adapters["sql"], prompt, NEW_TOKENS)[0]
+        assert _completion_ids(server, "base", prompt) == reference_lora_greedy(base, None, prompt, NEW_TOKENS)[0]
+
+        streamed = {}
+        thread = threading.Thread(target=lambda: streamed.update(gaps=_stream_gaps(server, "base", 1500)[0]))
+        thread.start()
+        wait_until(lambda: engine.open_streams, 10, "the base model's stream did not start")
+        post = lambda path, body, **kw: httpx.post(f"{server.base_url}/{path}", json=body, timeout=30, **kw)  # noqa: E731
+        assert post("load_lora_adapter", {"lora_name": "chat", "lora_path": str(adapters["chat"])}).status_code == 200
+        chat = _completion_ids(server, "chat", prompt)  # swaps sql out of the one slot
+        assert chat == reference_lora_greedy(base, adapters["chat"], prompt, NEW_TOKENS)[0] and chat != sql
+        refused = {"rank": post("load_lora_adapter", {"lora_name": "w", "lora_path": str(adapters["wide"])}),
+                   "missing": post("load_lora_adapter", {"lora_name": "m", "lora_path": str(base / "nowhere")}),
+                   "taken": post("load_lora_adapter", {"lora_name": "sql", "lora_path": str(adapters["chat"])})}
+        assert refused["rank"].status_code == 400 and "rank 16 exceeds --max-lora-rank 8" in refused["rank"].text
+        assert refused["missing"].status_code == 400 and "no such folder" in refused["missing"].text
+        assert refused["taken"].status_code == 409
+        admin = {"authorization": "Bearer admin"}
+        loaded = httpx.post(f"{server.url}/admin/models", json={"name": "sql2", "lora": str(adapters["sql"]),
+                                                                  "base": "base"}, headers=admin, timeout=30)
+        assert loaded.status_code == 201, loaded.text
+        assert _completion_ids(server, "sql2", prompt) == sql
+        assert httpx.delete(f"{server.url}/admin/models/sql2", headers=admin).status_code == 200
+        assert engine.open_streams, "the base model's stream ended before the adapters were loaded and unloaded"
+        thread.join(60)
+        assert streamed["gaps"] and max(streamed["gaps"]) < 1.0
+        assert _completion_ids(server, "sql", prompt) == sql  # what was loaded is unharmed
+
+        cut = {}
+        thread = threading.Thread(target=lambda: cut.update(chunks=_stream_gaps(server, "chat", 5000)[1]))
+        thread.start()
+        wait_until(lambda: engine.open_streams, 10, "the adapter's stream did not start")
+        assert post("unload_lora_adapter", {"lora_name": "chat"}).status_code == 200
+        thread.join(30)
+        assert not thread.is_alive() and cut["chunks"][-1]["error"]["code"] == "model_unloaded"
+        assert post("unload_lora_adapter", {"lora_name": "chat"}).status_code == 404
+        gone = post("completions", {"model": "chat", "prompt": prompt, "max_tokens": 2})
+        assert gone.status_code == 404 and "chat" in gone.text
+        assert "chat" not in {c["id"] for c in httpx.get(f"{server.base_url}/models").json()["data"]}
+        wait_until(lambda: not engine.engine.loras.forgets, 10, "the ranks still hold the unloaded adapter")
+        assert _completion_ids(server, "sql", prompt) == sql

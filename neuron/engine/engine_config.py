@@ -63,6 +63,7 @@ class EngineConfig:
     enable_lora: bool = from_settings("enable_lora")  # LoRA adapters (engine/lora.py)
     max_loras: int = from_settings("max_loras")
     max_lora_rank: int = from_settings("max_lora_rank")
+    lora_modules: str | None = from_settings("lora_modules")  # NAME=PATH adapters served from the start
 
     def __post_init__(self) -> None:
         for name, setting in _CHECKED.items():
@@ -75,6 +76,22 @@ class EngineConfig:
             for device in self.devices:
                 check_device(device)
         self.hf_overrides = parse_overrides(self.hf_overrides)
+        if self.lora_modules:
+            parse_lora_modules(self.lora_modules)  # refused here, before anything loads
+            self.enable_lora = True
+
+
+def parse_lora_modules(text: str | None) -> list[tuple[str, str]]:
+    """`--lora-modules`: NAME=PATH entries separated by spaces or commas."""
+    modules = []
+    for entry in (text or "").replace(",", " ").split():
+        name, eq, path = entry.partition("=")
+        if not (name and eq and path):
+            raise ConfigError(f"--lora-modules takes NAME=PATH entries, got {entry!r:.120}")
+        if name in dict(modules):
+            raise ConfigError(f"--lora-modules names the adapter {name!r} twice")
+        modules.append((name, path))
+    return modules
 
 
 def parse_overrides(value: dict | str | None) -> dict | None:

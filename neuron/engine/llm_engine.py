@@ -16,7 +16,7 @@ import torch
 
 from neuron.engine import pooling, prompt_logprobs
 from neuron.engine.block_manager import BlockManager, salt_key
-from neuron.engine.engine_config import EngineConfig
+from neuron.engine.engine_config import EngineConfig, parse_lora_modules
 from neuron.engine.input_processor import InputProcessor, RequestError, check_cache_salt
 from neuron.engine.loading import load_within
 from neuron.engine.lora import Adapter, LoraSlots
@@ -47,6 +47,8 @@ class LLMEngine:
         self.max_model_len, self.vocab_size = model.max_model_len, model.vocab_size
         self.loras = LoraSlots(model.spec.max_loras, model.spec.max_lora_rank, model.hf_config) \
             if model.spec.enable_lora else None
+        for name, path in parse_lora_modules(model.spec.lora_modules):
+            self.loras.register(name, path)  # a bad adapter stops the load, naming it
         self.scheduler = Scheduler(model.spec.max_num_seqs, model.step_tokens, model.spec.prefill_chunk_tokens,
                                    max_image_bytes=lambda: self.executor.max_image_bytes, loras=self.loras)
         self.spec = SpecDecoder(model.speculative, model) if model.speculative is not None else None
@@ -135,7 +137,8 @@ class LLMEngine:
     # ---- the loop (engine thread only) ----
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or not self._inbox.empty()
+        """Requests to run, or unloaded LoRA adapters for the ranks to forget."""
+        return self.scheduler.has_work() or not self._inbox.empty() or bool(self.loras and self.loras.forgets)
 
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -162,6 +165,8 @@ class LLMEngine:
         propose the next step's draft tokens. A rank failure ends every request in flight; any other
         fault ends only the requests it touched."""
         updates = self._drain_inbox()
+        if self.loras is not None:
+            self.loras.forget(self.executor)
         batch = self.scheduler.schedule()
         if not batch:
             return updates

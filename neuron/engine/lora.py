@@ -68,6 +68,7 @@ class LoraSlots:
         self.users = [0] * max_loras  # running sequences using each slot
         self.recent: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))  # LRU first
         self.loads: list[tuple[int, Adapter]] = []  # slots to fill before the next step runs
+        self.forgets: list[Adapter] = []  # removed adapters the ranks still hold
 
     # ---- registry (the engine's caller) ----
 
@@ -93,14 +94,12 @@ class LoraSlots:
         return known
 
     def remove(self, name: str) -> Adapter:
-        """Stop serving adapter `name`; its slot empties when no running sequence needs it."""
+        """Stop serving adapter `name` (any thread): new requests for it are refused at once, its
+        waiting ones get no slot, and the ranks forget it once no running sequence uses it (`fill`)."""
         adapter = self.adapters.pop(name, None)
         if adapter is None:
             raise LoraError(f"no LoRA adapter named {name!r} is loaded")
-        self.loads = [(slot, a) for slot, a in self.loads if a is not adapter]
-        for slot, held in enumerate(self.holder):
-            if held is adapter and not self.users[slot]:
-                self.holder[slot] = None
+        self.forgets.append(adapter)
         return adapter
 
     # ---- slots (the scheduler) ----
@@ -109,6 +108,8 @@ class LoraSlots:
         """A slot holding the adapter of `seq` (a Sequence: its `lora`, and `lora_slot` set here), loading it into a free or least recently used idle
         slot if needed; False when every slot is busy with other adapters."""
         adapter = seq.lora
+        if self.adapters.get(adapter.name) is not adapter:
+            return False  # unloaded: the request is being aborted
         slot = next((i for i, held in enumerate(self.holder) if held is adapter), None)
         if slot is None:
             slot = next((i for i in self.recent if self.holder[i] is None), None)
@@ -129,15 +130,24 @@ class LoraSlots:
             return
         seq.lora_slot = None
         self.users[slot] -= 1
-        held = self.holder[slot]
-        if not self.users[slot] and held is not None and self.adapters.get(held.name) is not held:
-            self.holder[slot] = None  # unloaded while this sequence ran
+
+    def forget(self, executor) -> None:
+        """Tell the ranks to drop the removed adapters no running sequence reads any more (the
+        engine, at the start of a step)."""
+        for adapter in list(self.forgets):
+            slots = [i for i, held in enumerate(self.holder) if held is adapter]
+            if any(self.users[i] for i in slots):
+                continue  # running sequences still read it: forgotten once they end
+            executor.forget_lora(adapter.lora_id)
+            self.forgets.remove(adapter)
+            for i in slots:
+                self.holder[i] = None
 
     def fill(self, executor) -> None:
         """Send the queued loads to the ranks (the engine, before the step that needs them). When the
         ranks cannot load one (its files changed since it was checked) the error goes up and the
         step's requests end with it; the slots not filled hold nothing, so a later request loads anew."""
-        loads, self.loads = self.loads, []
+        loads, self.loads = [(slot, a) for slot, a in self.loads if self.holder[slot] is a], []
         for i, (slot, adapter) in enumerate(loads):
             try:
                 executor.load_lora(slot, adapter.lora_id, adapter.path)
@@ -148,3 +158,4 @@ class LoraSlots:
 
     def resident(self) -> list[str]:
         return [a.name for a in self.holder if a is not None]
+

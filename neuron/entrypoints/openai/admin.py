@@ -4,7 +4,8 @@ On only with `--admin-key` (its paths are unknown, 404, without one), each call 
 token apart from `--api-key`:
 
     GET    /admin/models                      every model: state, devices, memory held, requests in flight, last use
-    POST   /admin/models                      a spec (as a --models entry; "wait": false answers 202 at once)
+    POST   /admin/models                      a spec (as a --models entry; "wait": false answers 202 at once),
+                                              or a LoRA adapter: {"name", "lora": its folder, "base": a model}
     DELETE /admin/models/{name}?drain=SECONDS unload, letting in-flight requests finish for up to that long
 
 A load answers 201 once the model is ready; 409 for a name already served or devices another
@@ -72,12 +73,16 @@ class _Admin:
             info.update(name=name, in_flight=m.in_flight, idle_s=round(now - m.last_used, 3),
                         memory=self.host.ledger.held.get(name, {}))
             data.append(info)
+        data += [{"name": name, "status": "ready", "lora": path, "base": base} for name, base, path in
+                 self.host.adapters()]
         return JSONResponse({"object": "list", "data": data})
 
     async def load(self, request: Request) -> Response:
         body = await _body(request)
         if not isinstance(body, dict):
             raise bad_request("the body must be a model spec: a JSON object")
+        if "lora" in body:
+            return await self._load_lora(body)
         wait = body.pop("wait", True)
         if not isinstance(wait, bool):
             raise bad_request("wait must be true or false", param="wait")
@@ -87,6 +92,20 @@ class _Admin:
         except NeuronError as exc:
             raise host_error(exc) from None
         return JSONResponse({"name": m.name, **m.describe()}, 201 if wait else 202)
+
+    async def _load_lora(self, body: dict) -> Response:
+        unknown = sorted(set(body) - {"name", "lora", "base"})
+        if unknown:
+            raise bad_request(f"unknown key(s) {', '.join(map(repr, unknown))}; a LoRA adapter takes name, lora "
+                              "and base")
+        base = body.get("base")
+        if base is not None and not isinstance(base, str):
+            raise bad_request("base must be the name of a served model", param="base")
+        try:
+            m = await self.host.load_lora(body.get("name"), body.get("lora"), base)
+        except NeuronError as exc:
+            raise host_error(exc) from None
+        return JSONResponse({"name": body["name"], "status": "ready", "lora": body["lora"], "base": m.name}, 201)
 
     async def unload(self, request: Request) -> Response:
         name = request.path_params["name"]

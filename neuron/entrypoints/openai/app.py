@@ -38,6 +38,7 @@ from neuron.entrypoints.openai.api_types import (
 )
 from neuron.entrypoints.openai.common import check_ready, check_serves, request_salt
 from neuron.entrypoints.openai.connections import BodyTimeout, RequestGuard, parse_origins
+from neuron.entrypoints.openai.lora_routes import lora_routes
 from neuron.entrypoints.openai.messages_types import CountTokensRequest, MessagesRequest
 from neuron.entrypoints.openai.ollama import Served, ollama_error, ollama_routes
 from neuron.entrypoints.openai.prompt_input import Limiters
@@ -109,6 +110,7 @@ def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
         Route("/detokenize", api.endpoint("detokenize", api.detokenize), methods=["POST"]),
         Route("/tokenizer_info", api.endpoint("tokenizer_info", api.tokenizer_info), methods=["GET"]),
     ]
+    routes += lora_routes(host, api.endpoint, api._decode)
     routes += ollama_routes(Served(host, api.limiters, api._decode, api._engine, api._salt, api.started), api.endpoint)
     if cfg.admin_key is not None:  # off without a key: its paths are unknown (404)
         routes += admin_routes(host, cfg.admin_key, api.endpoint)
@@ -225,6 +227,9 @@ class _Api:
                            status=info["status"], tp=info["tp"], devices=info["devices"],
                            weight_bytes=info.get("weight_bytes"), error=info.get("error"))
                  for name, info in self.host.describe().items()]
+        described = {card.id: card for card in cards}
+        cards += [ModelCard(name, self.started, described[base].max_model_len, described[base].quantization,
+                            parent=base, root=path) for name, base, path in self.host.adapters()]
         return Response(msgspec.json.encode(ModelList(cards)), media_type="application/json")
 
     async def chat(self, request: Request) -> Response:
