@@ -309,3 +309,32 @@ def test_adapters_are_served_by_name_and_loaded_while_serving(served_lora):
         assert "chat" not in {c["id"] for c in httpx.get(f"{server.base_url}/models").json()["data"]}
         wait_until(lambda: not engine.engine.loras.forgets, 10, "the ranks still hold the unloaded adapter")
         assert _completion_ids(server, "sql", prompt) == sql
+
+
+def test_the_memory_plan_counts_the_adapter_pool(qwen3_lora):
+    """The pre-flight's bytes per rank grow by exactly what the ranks' pools hold."""
+    from checkpoints import model_config
+
+    from neuron.models import text_config
+    from neuron.models.memory_plan import lora_pool_bytes
+
+    base, _ = qwen3_lora
+    config = text_config(model_config(base).hf_config)
+    with LLM(str(base), tensor_parallel_size=1, device="cpu", dtype="float32", enable_lora=True, max_loras=3,
+             max_lora_rank=8) as llm:
+        model = llm.engine.executor.rank0.models["model"].model
+        pools = [pool for layer in model.layers for pool in (layer.attn.qkv.lora, layer.attn.o_proj.lora,
+                                                             layer.mlp.gate_up.lora, layer.mlp.down.lora)]
+        assert sum(pool.nbytes() for pool in pools) == lora_pool_bytes(config, 1, 3, 8, 4)
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_on_a_tiny_model():
+    """scripts/bench_lora.py end to end on a tiny model (its figures mean nothing there)."""
+    import runpy
+    from pathlib import Path
+
+    bench = runpy.run_path(str(Path(__file__).resolve().parent.parent / "scripts" / "bench_lora.py"))
+    result = bench["main"](["--tiny", "--adapters", "3", "--requests", "4", "--rank", "4"])
+    assert result["mixed_lora_tok_s"] > 0 and result["batch1_base_tok_s"] > 0
+    assert result["mixed_ratio"] == result["mixed_lora_tok_s"] / result["mixed_base_tok_s"]

@@ -563,7 +563,7 @@ class ModelHost:
 
 
 def _serves_lora(m: HostedModel) -> bool:
-    return m.engine is not None and m.engine.loaded and m.engine.engine.loras is not None
+    return m.engine is not None and m.engine.loaded and getattr(m.engine.engine, "loras", None) is not None
 
 
 def _not_loaded(m: HostedModel) -> HostError:

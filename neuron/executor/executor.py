@@ -155,7 +155,8 @@ class Executor:
         per_token = kv_bytes_per_token(self.config, tp, dtype_bytes)
         wanted = plan(self.config, [Path(f) for f in c.weight_paths], tp=tp, dtype_bytes=dtype_bytes,
                       quantize_at_load=bool(c.quantization), max_model_len=c.max_model_len,
-                      kv_tokens=c.max_slots * one, kv_cache_bytes=c.kv_cache_bytes)
+                      kv_tokens=c.max_slots * one, kv_cache_bytes=c.kv_cache_bytes,
+                      lora=(c.max_loras, c.max_lora_rank))
         available = available_bytes()
         fix = ("lower --max-model-len or --kv-cache-memory, use fewer ranks on this host, or a smaller (or "
                "quantized) model")
