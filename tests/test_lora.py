@@ -275,7 +275,10 @@ def test_adapters_are_served_by_name_and_loaded_while_serving(served_lora):
         thread = threading.Thread(target=lambda: streamed.update(gaps=_stream_gaps(server, "base", 1500)[0]))
         thread.start()
         wait_until(lambda: engine.open_streams, 10, "the base model's stream did not start")
-        post = lambda path, body, **kw: httpx.post(f"{server.base_url}/{path}", json=body, timeout=30, **kw)  # noqa: E731
+
+        def post(path: str, body: dict) -> httpx.Response:
+            return httpx.post(f"{server.base_url}/{path}", json=body, timeout=30)
+
         assert post("load_lora_adapter", {"lora_name": "chat", "lora_path": str(adapters["chat"])}).status_code == 200
         chat = _completion_ids(server, "chat", prompt)  # swaps sql out of the one slot
         assert chat == reference_lora_greedy(base, adapters["chat"], prompt, NEW_TOKENS)[0] and chat != sql
@@ -338,3 +341,18 @@ def test_the_benchmark_runs_on_a_tiny_model():
     result = bench["main"](["--tiny", "--adapters", "3", "--requests", "4", "--rank", "4"])
     assert result["mixed_lora_tok_s"] > 0 and result["batch1_base_tok_s"] > 0
     assert result["mixed_ratio"] == result["mixed_lora_tok_s"] / result["mixed_base_tok_s"]
+
+
+def test_adapters_load_again_after_the_ranks_are_rebuilt(qwen3_lora):
+    """A rebuild of the ranks (as after a rank failure) empties their adapter pools; the next
+    request for an adapter loads it anew and gets its output."""
+    base, adapters = qwen3_lora
+    request = LoRARequest("qv", 3, str(adapters["qv"]))
+    ref = reference_lora_greedy(base, adapters["qv"], PROMPTS[2], NEW_TOKENS)
+    with LLM(str(base), device="cpu", dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8) as llm:
+        assert_matches_reference(llm.generate({"prompt_token_ids": PROMPTS[2]}, GREEDY, lora_request=request)[0]
+                                 .outputs[0], *ref)
+        llm.engine.restart()
+        assert llm.engine.loras.resident() == []
+        assert_matches_reference(llm.generate({"prompt_token_ids": PROMPTS[2]}, GREEDY, lora_request=request)[0]
+                                 .outputs[0], *ref)

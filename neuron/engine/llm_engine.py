@@ -94,7 +94,10 @@ class LLMEngine:
                            hold=lambda engine: engine._shut_down.wait())
 
     def _new_blocks(self) -> None:
-        """A block manager over the pool the ranks just allocated (empty: a new pool holds nothing)."""
+        """A block manager over the pool the ranks just allocated (empty: a new pool holds nothing),
+        and adapter slots that hold nothing either."""
+        if self.loras is not None:
+            self.loras.reset()
         self.scheduler.use_blocks(BlockManager(self.executor.num_kv_blocks, self.executor.shard.block_size,
                                                self.model.prefix_caching))
         if self.spec is not None:

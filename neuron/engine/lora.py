@@ -105,8 +105,9 @@ class LoraSlots:
     # ---- slots (the scheduler) ----
 
     def acquire(self, seq) -> bool:
-        """A slot holding the adapter of `seq` (a Sequence: its `lora`, and `lora_slot` set here), loading it into a free or least recently used idle
-        slot if needed; False when every slot is busy with other adapters."""
+        """A slot holding the adapter of `seq` (a Sequence: its `lora`; its `lora_slot` is set here),
+        loading it into a free or the least recently used idle slot if needed; False when every slot
+        is busy with other adapters, or the adapter was unloaded."""
         adapter = seq.lora
         if self.adapters.get(adapter.name) is not adapter:
             return False  # unloaded: the request is being aborted
@@ -155,6 +156,12 @@ class LoraSlots:
                 for unfilled, _ in loads[i:]:
                     self.holder[unfilled] = None
                 raise
+
+    def reset(self) -> None:
+        """The ranks were rebuilt (nothing runs): their pools and host copies are empty."""
+        assert not any(self.users), "adapter slots are emptied only while no sequence runs"
+        self.holder = [None] * len(self.holder)
+        self.loads, self.forgets = [], []
 
     def resident(self) -> list[str]:
         return [a.name for a in self.holder if a is not None]

@@ -213,7 +213,7 @@ class QKVParallelLinear:
         b = torch.cat([r.read(f"{name}.bias", 0, a, b) for name, a, b in parts]) if bias else None
         return cls(w, None if b is None else _place(b, dtype, device), layout, kernels)
 
-    def __call__(self, x: torch.Tensor, rows: LoraRows | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, rows: LoraRows | None = None) -> tuple[torch.Tensor, ...]:
         return _with_adapters(self, x, linear(self, x, self.weight, self.bias), rows).split(self.sizes, dim=-1)
 
 
