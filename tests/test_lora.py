@@ -356,3 +356,22 @@ def test_adapters_load_again_after_the_ranks_are_rebuilt(qwen3_lora):
         assert llm.engine.loras.resident() == []
         assert_matches_reference(llm.generate({"prompt_token_ids": PROMPTS[2]}, GREEDY, lora_request=request)[0]
                                  .outputs[0], *ref)
+
+
+def test_serve_takes_lora_modules_as_vllm_does(monkeypatch):
+    """`--lora-modules a=PATH b=PATH` (or NEURON_LORA_MODULES, comma-separated) turns adapters on;
+    an entry that is not NAME=PATH, or a name given twice, is refused before anything loads."""
+    from neuron.engine.engine_config import EngineConfig, parse_lora_modules
+    from neuron.entrypoints import serve
+    from neuron.entrypoints.cli import _parser
+
+    engine, _ = serve.configs(_parser().parse_args(["serve", "base", "--lora-modules", "a=/x", "b=/y/z",
+                                                    "--max-loras", "2"]))
+    assert engine.enable_lora and engine.max_loras == 2 and engine.max_lora_rank == 16
+    assert parse_lora_modules(engine.lora_modules) == [("a", "/x"), ("b", "/y/z")]
+    monkeypatch.setenv("NEURON_LORA_MODULES", "a=/x,b=/y")
+    assert EngineConfig().enable_lora
+    with pytest.raises(ConfigError, match="NAME=PATH entries, got 'a'"):
+        EngineConfig(lora_modules="a")
+    with pytest.raises(ConfigError, match="names the adapter 'a' twice"):
+        EngineConfig(lora_modules="a=/x a=/y")
