@@ -22,7 +22,7 @@ over adapters; the extra work is the rank's, not the layer's width.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,15 @@ class LoraRows:
     slots: torch.Tensor
     mask: torch.Tensor | None
     all_slots: bool  # the step uses every slot of the pool, in order: no gather needed
+    _widened: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, width: int) -> torch.Tensor:
+        """The mask with each adapter's column repeated `width` times ([T, U * width]), built once
+        per step for each width the layers have."""
+        wide = self._widened.get(width)
+        if wide is None:
+            wide = self._widened[width] = self.mask.repeat_interleave(width, dim=1)
+        return wide
 
     @classmethod
     def build(cls, seq_slots: list[int], lengths: list[int], pool_slots: int, device, dtype) -> LoraRows | None:
@@ -77,15 +86,20 @@ class LoraPool:
         self.a[slot].zero_()
         self.b[:, slot].zero_()
 
-    def delta(self, x: torch.Tensor, rows: LoraRows) -> torch.Tensor:
-        """The adapters' contribution to the layer's output for rows `x` ([T, in] -> [T, out])."""
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: LoraRows) -> torch.Tensor:
+        """`y` ([T, out], the layer's output for rows `x` [T, in]) plus the adapters' contribution,
+        added in place."""
         a, b = (self.a, self.b) if rows.all_slots else (self.a.index_select(0, rows.slots),
                                                         self.b.index_select(1, rows.slots))
         used, width, inputs = a.shape
         shrunk = x @ a.reshape(used * width, inputs).T  # [T, U*P*R]: every row through every adapter's A
         if rows.mask is not None:
-            shrunk = (shrunk.view(-1, used, width) * rows.mask[:, :, None]).view(-1, used * width)
-        return shrunk @ b.reshape(b.shape[0], used * width).T
+            shrunk.mul_(rows.mask_for(width))  # each row keeps its own adapter's columns
+        return y.addmm_(shrunk, b.reshape(b.shape[0], used * width).T)
+
+    def delta(self, x: torch.Tensor, rows: LoraRows) -> torch.Tensor:
+        """The adapters' contribution alone ([T, out])."""
+        return self.add_to(x.new_zeros(x.shape[0], self.b.shape[0]), x, rows)
 
     def nbytes(self) -> int:
         return self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()

@@ -149,7 +149,7 @@ class RowParallelLinear:
         sums several row-parallel outputs (a MoE's shared expert) and reduces once. The rows'
         adapters add their share here, so it joins the same all-reduce."""
         y = linear(self, x, self.weight)
-        return y if rows is None or self.lora is None else y + self.lora.delta(x, rows)
+        return y if rows is None or self.lora is None else self.lora.add_to(y, x, rows)
 
 
 @dataclass(slots=True, frozen=True)
@@ -242,7 +242,7 @@ class MergedColumnParallelLinear:
 
 def _with_adapters(layer, x: torch.Tensor, y: torch.Tensor, rows: LoraRows | None) -> torch.Tensor:
     """A column-parallel layer's output `y` plus the contribution of the adapters its rows run."""
-    return y if rows is None or layer.lora is None else y + layer.lora.delta(x, rows)
+    return y if rows is None or layer.lora is None else layer.lora.add_to(y, x, rows)
 
 
 def _vocab_rows(r: Reader, name: str, vocab: int, shard: Shard, dtype, device) -> tuple[Weight, int]:
