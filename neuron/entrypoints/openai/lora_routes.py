@@ -20,6 +20,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from neuron.entrypoints.openai.admin import host_error
+from neuron.entrypoints.openai.api_errors import bad_request
 from neuron.errors import NeuronError
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ class LoadLoraRequest(Struct, forbid_unknown_fields=True):
     lora_name: str
     lora_path: str
     base_model_name: str | None = None  # neuron's: which model, where several serve adapters
+    load_inplace: bool = False  # vLLM's: replace an adapter of the same name (neuron: unload it first)
 
 
 class UnloadLoraRequest(Struct, forbid_unknown_fields=True):
@@ -40,6 +42,9 @@ class UnloadLoraRequest(Struct, forbid_unknown_fields=True):
 def lora_routes(host: ModelHost, endpoint: Callable, decode: Callable) -> list[Route]:
     async def load(request: Request) -> Response:
         req = await decode(request, LoadLoraRequest)
+        if req.load_inplace:
+            raise bad_request("load_inplace is not supported: unload the adapter first, then load it",
+                              param="load_inplace")
         try:
             await host.load_lora(req.lora_name, req.lora_path, req.base_model_name)
         except NeuronError as exc:
