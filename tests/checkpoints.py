@@ -239,9 +239,8 @@ def build_lora_adapter(base: Path, path: Path, seed: int, r: int = 4, alpha: flo
     return path
 
 
-def reference_lora_greedy(base: Path, adapter: Path | None, prompt: list[int],
-                          max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-    """transformers + PEFT's greedy tokens and logprobs with `adapter` on `base` (None: the base)."""
+def lora_reference_model(base: Path, adapter: Path | None):
+    """transformers' model of `base` with PEFT's `adapter` on it (None: the base), loaded once."""
     from transformers import AutoModelForCausalLM
 
     key = ("lora", str(base), str(adapter))
@@ -252,4 +251,10 @@ def reference_lora_greedy(base: Path, adapter: Path | None, prompt: list[int],
 
             model = PeftModel.from_pretrained(model, adapter).eval()
         _MODELS[key] = model
-    return greedy_with_logprobs(_MODELS[key], prompt, max_new_tokens)
+    return _MODELS[key]
+
+
+def reference_lora_greedy(base: Path, adapter: Path | None, prompt: list[int],
+                          max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers + PEFT's greedy tokens and logprobs with `adapter` on `base` (None: the base)."""
+    return greedy_with_logprobs(lora_reference_model(base, adapter), prompt, max_new_tokens)

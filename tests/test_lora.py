@@ -375,3 +375,24 @@ def test_serve_takes_lora_modules_as_vllm_does(monkeypatch):
         EngineConfig(lora_modules="a")
     with pytest.raises(ConfigError, match="names the adapter 'a' twice"):
         EngineConfig(lora_modules="a=/x a=/y")
+
+
+def test_prompt_logprobs_and_samples_run_the_adapter(qwen3_lora):
+    """Echo's prompt logprobs and every sample of n come from the adapter's model, as PEFT's."""
+    from checkpoints import lora_reference_model
+
+    base, adapters = qwen3_lora
+    prompt = PROMPTS[3]
+    peft = lora_reference_model(base, adapters["all"])
+    with torch.no_grad():
+        want = torch.log_softmax(peft(torch.tensor([prompt])).logits[0].float(), -1)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, n=2, prompt_logprobs=1, logprobs=5,
+                            ignore_eos=True)
+    with LLM(str(base), device="cpu", dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8) as llm:
+        out = llm.generate({"prompt_token_ids": prompt}, params,
+                           lora_request=LoRARequest("all", 1, str(adapters["all"])))[0]
+    got = [lp[token] for lp, token in zip(out.prompt_logprobs[1:], prompt[1:])]
+    torch.testing.assert_close(torch.tensor(got), want[torch.arange(len(prompt) - 1), prompt[1:]], atol=1e-3, rtol=0)
+    ref = reference_lora_greedy(base, adapters["all"], prompt, NEW_TOKENS)
+    for sample in out.outputs:
+        assert_matches_reference(sample, *ref)
