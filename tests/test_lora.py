@@ -396,3 +396,22 @@ def test_prompt_logprobs_and_samples_run_the_adapter(qwen3_lora):
     ref = reference_lora_greedy(base, adapters["all"], prompt, NEW_TOKENS)
     for sample in out.outputs:
         assert_matches_reference(sample, *ref)
+
+
+def test_a_model_without_adapters_refuses_them(default_tokenizer, served_lora):
+    """A server whose model was started without --enable-lora answers 400 to a load, naming why,
+    and 404 to an unload or a request naming an unknown adapter."""
+    import httpx
+    from server_harness import LiveServer, ScriptedEngine, scripted_engine
+
+    _, adapters = served_lora
+    with LiveServer(scripted_engine(ScriptedEngine(default_tokenizer, {}))) as server:
+        server.wait_ready(10)
+        load = httpx.post(f"{server.base_url}/load_lora_adapter",
+                          json={"lora_name": "sql", "lora_path": str(adapters["sql"])})
+        assert load.status_code == 400 and "no model serves LoRA adapters" in load.json()["error"]["message"]
+        named = httpx.post(f"{server.base_url}/load_lora_adapter",
+                           json={"lora_name": "sql", "lora_path": str(adapters["sql"]), "base_model_name": "stub"})
+        assert named.status_code == 400 and "model `stub` does not serve LoRA adapters" in named.text
+        assert httpx.post(f"{server.base_url}/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 404
+        assert [m["id"] for m in httpx.get(f"{server.base_url}/models").json()["data"]] == ["stub"]
