@@ -375,6 +375,11 @@ def test_serve_takes_lora_modules_as_vllm_does(monkeypatch):
         EngineConfig(lora_modules="a")
     with pytest.raises(ConfigError, match="names the adapter 'a' twice"):
         EngineConfig(lora_modules="a=/x a=/y")
+    from neuron.engine.host import ModelSpec  # a models file's entry: a list, or a mapping
+
+    for given in (["a=/x", "b=/y"], {"a": "/x", "b": "/y"}):
+        spec = ModelSpec.parse({"name": "m", "model": "base", "lora_modules": given}, EngineConfig(), "entry")
+        assert spec.engine.enable_lora and parse_lora_modules(spec.engine.lora_modules) == [("a", "/x"), ("b", "/y")]
 
 
 def test_prompt_logprobs_and_samples_run_the_adapter(qwen3_lora):

@@ -63,7 +63,7 @@ class EngineConfig:
     enable_lora: bool = from_settings("enable_lora")  # LoRA adapters (engine/lora.py)
     max_loras: int = from_settings("max_loras")
     max_lora_rank: int = from_settings("max_lora_rank")
-    lora_modules: str | None = from_settings("lora_modules")  # NAME=PATH adapters served from the start
+    lora_modules: str | list | dict | None = from_settings("lora_modules")  # adapters served from the start
 
     def __post_init__(self) -> None:
         for name, setting in _CHECKED.items():
@@ -81,10 +81,17 @@ class EngineConfig:
             self.enable_lora = True
 
 
-def parse_lora_modules(text: str | None) -> list[tuple[str, str]]:
-    """`--lora-modules`: NAME=PATH entries separated by spaces or commas."""
+def parse_lora_modules(value: str | list | dict | None) -> list[tuple[str, str]]:
+    """`--lora-modules`: NAME=PATH entries separated by spaces or commas; a models file may give
+    them as a list of such entries or as a {name: path} mapping."""
+    if isinstance(value, dict):
+        value = [f"{name}={path}" for name, path in value.items()]
+    if isinstance(value, (list, tuple)):
+        value = " ".join(map(str, value))
+    if value is not None and not isinstance(value, str):
+        raise ConfigError(f"lora_modules takes NAME=PATH entries, got {value!r:.120}")
     modules = []
-    for entry in (text or "").replace(",", " ").split():
+    for entry in (value or "").replace(",", " ").split():
         name, eq, path = entry.partition("=")
         if not (name and eq and path):
             raise ConfigError(f"--lora-modules takes NAME=PATH entries, got {entry!r:.120}")
