@@ -101,20 +101,25 @@ def test_swapped_adapters_stay_isolated_with_prefix_caching(qwen3_lora):
     assert len({tuple(t) for t in tokens.values()}) == len(tokens), "adapters whose outputs differ"
 
 
-def test_grouped_product_equals_each_row_alone():
-    """One step's rows for slots 2, 0 and the base (-1), with a slot unused: the grouped product
-    equals each row's own x A^T B^T, and exactly zero for the base rows."""
+@pytest.mark.parametrize("seq_slots,lengths", [
+    ([2, -1, 0, 2], [3, 2, 1, 2]),  # two of four slots, groups of 5 and 1 rows (padded), base rows between
+    ([3, 1, 0, 2, 1], [1, 1, 2, 1, 1]),  # every slot: no gather
+    ([1, 1], [4, 1]),  # one adapter for every row: two plain products
+    ([-1, 3], [2, 3]),  # one adapter and the base
+])
+def test_grouped_product_equals_each_row_alone(seq_slots, lengths):
+    """The grouped product over a step's rows equals each row's own x A^T B^T, and exactly zero
+    for the base model's rows."""
     torch.manual_seed(0)
     pool = LoraPool(4, 3, 8, [(0, 5), (5, 2)], torch.float32, "cpu")
     weights = {}
-    for slot in (0, 2):
+    for slot in range(4):
         for part, (_, size) in enumerate(pool.parts):
-            a, b = torch.randn(2, 8), torch.randn(size, 2)
+            a, b = torch.randn(2 + slot % 2, 8), torch.randn(size, 2 + slot % 2)
             pool.set(slot, part, a, b)
             weights[slot, part] = (a, b)
-    seq_slots, lengths = [2, -1, 0, 2], [3, 2, 1, 2]
     x = torch.randn(sum(lengths), 8)
-    got = pool.delta(x, LoraRows.build(seq_slots, lengths, 4, "cpu", torch.float32))
+    got = pool.delta(x, LoraRows.build(seq_slots, lengths, 4, "cpu"))
     row_slots = [s for s, n in zip(seq_slots, lengths) for _ in range(n)]
     for i, slot in enumerate(row_slots):
         if slot < 0:
@@ -122,7 +127,7 @@ def test_grouped_product_equals_each_row_alone():
             continue
         want = torch.cat([x[i] @ weights[slot, p][0].T @ weights[slot, p][1].T for p in range(2)])
         torch.testing.assert_close(got[i], want)
-    assert LoraRows.build([-1, -1], [1, 1], 4, "cpu", torch.float32) is None
+    assert LoraRows.build([-1, -1], [1, 1], 4, "cpu") is None
 
 
 # ---- bad adapters: refused by name, nothing loaded harmed ----

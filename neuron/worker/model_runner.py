@@ -118,7 +118,7 @@ class ModelRunner:
             batch.pool = [s.pool for s in seqs]
         if any(s.lora >= 0 for s in seqs):
             batch.lora = LoraRows.build([s.lora for s in seqs], [len(s.token_ids) for s in seqs],
-                                        model.lora_slots, tables.device, model.dtype)
+                                        model.lora_slots, tables.device)
         try:
             logits = self._forward(batch)
         except Exception as exc:
