@@ -13,9 +13,9 @@ median of --repeats runs after a warm-up):
 - batch 1: one request decoding with one adapter, against the same request on the base model.
 
 It prints output tokens per second for each and the ratios adapter / base (the targets: 0.8 for
-mixed, 0.9 for batch 1 on CPU). On CPU a step without adapters runs the decoder in one C++ call
-(cpu_decoder.py) while a step with adapters runs the layers from Python, so the ratio prices both
-the adapters' products and that path.
+mixed, 0.9 for batch 1 on CPU). On CPU a step of up to 16 rows runs its decoder layers in one C++
+call (cpu_decoder.py) with or without adapters; a longer one (a prefill chunk) runs the Python
+layers when it has adapters.
 """
 
 from __future__ import annotations

@@ -69,10 +69,32 @@ def _check_mixed(base, adapters, tp: int, **llm) -> None:
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
-def test_qwen3_mixed_batch_matches_peft(qwen3_lora, tp, small_prefill_chunks):
+def test_qwen3_mixed_batch_matches_peft(qwen3_lora, tp, small_prefill_chunks, monkeypatch):
     """Three adapters (attention and MLP, rsLoRA, q/v only) and the base model in one batch, one
-    KV head replicated across ranks at tp 2 and 4: each equals transformers + PEFT."""
+    KV head replicated across ranks at tp 2 and 4: each equals transformers + PEFT. Its steps (of
+    up to 16 rows) run the decoder layers in one C++ call, adapters included."""
+    from neuron.layers import cpu_decoder
+
+    ran = {"c": 0, "python": 0}  # steps with adapters through the C++ loop, and those it left to Python
+    run = cpu_decoder.DecoderStack.run
+
+    def counted(self, x, cos, sin, meta, lora_slots=None):
+        out = run(self, x, cos, sin, meta, lora_slots)
+        if lora_slots is not None:
+            ran["c" if out is not None else "python"] += 1
+        return out
+
+    monkeypatch.setattr(cpu_decoder.DecoderStack, "run", counted)
     _check_mixed(*qwen3_lora, tp)
+    if tp == 1:  # rank 0 runs in this process
+        assert ran["c"] > 0 and ran["python"] == 0, ran
+
+
+def test_python_layers_apply_adapters_alone(qwen3_lora, monkeypatch):
+    """With the C++ decoder loop off (NEURON_NO_FUSED_LAYERS), every step's adapters run in the
+    Python layers' grouped product, equal to PEFT too."""
+    monkeypatch.setenv("NEURON_NO_FUSED_LAYERS", "1")
+    _check_mixed(*qwen3_lora, 1)
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])

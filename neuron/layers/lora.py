@@ -37,6 +37,7 @@ class LoraRows:
 
     slots: torch.Tensor
     all_slots: bool  # the step uses every slot of the pool, in order: no gather needed
+    per_row: torch.Tensor | None  # each row's slot (-1: the base model), int64 on the host: the CPU C loop's
     single: int | None = None
     take: torch.Tensor | None = None
     keep: torch.Tensor | None = None
@@ -52,8 +53,10 @@ class LoraRows:
             return None
         slots = torch.tensor(used, dtype=torch.long, device=device)
         all_slots = used == list(range(pool_slots))
+        per_row = torch.tensor([s for s, n in zip(seq_slots, lengths) for _ in range(n)], dtype=torch.long) \
+            if torch.device(device).type == "cpu" else None
         if len(used) == 1 and min(seq_slots) >= 0:
-            return cls(slots, all_slots, single=used[0])
+            return cls(slots, all_slots, per_row, single=used[0])
         starts = [0]
         for n in lengths:
             starts.append(starts[-1] + n)
@@ -66,8 +69,8 @@ class LoraRows:
         keep = [u * group + j for u, s in enumerate(used) for j in range(len(rows[s]))]
         dest = [i for s in used for i in rows[s]]
         as_index = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        return cls(slots, all_slots, None, as_index(take), None if len(keep) == len(take) else as_index(keep),
-                   as_index(dest), group)
+        return cls(slots, all_slots, per_row, None, as_index(take),
+                   None if len(keep) == len(take) else as_index(keep), as_index(dest), group)
 
 
 class LoraPool:

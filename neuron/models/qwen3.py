@@ -236,8 +236,9 @@ class Qwen3ForCausalLM(CausalLM):
     def run_layers(self, x: torch.Tensor, batch: StepBatch, rope: tuple) -> torch.Tensor:
         """Every layer in one C++ call where the plan takes the model and the step takes the plan
         (CPU fp32, dense layers, a small step: cpu_decoder.py), else one layer after the other."""
-        stack = None if batch.lora is not None else self._decoder_stack()  # adapters run in the Python layers
-        out = None if stack is None else stack.run(x, *rope, batch.paged)
+        stack = self._decoder_stack()
+        out = None if stack is None else stack.run(x, *rope, batch.paged,
+                                                   None if batch.lora is None else batch.lora.per_row)
         return super().run_layers(x, batch, rope) if out is None else out
 
     def _decoder_stack(self) -> cpu_decoder.DecoderStack | None:
@@ -268,7 +269,9 @@ class Qwen3ForCausalLM(CausalLM):
         return cpu_decoder.LayerWeights(
             layer.input_norm.weight, a.qkv.weight, a.qkv.bias, None if a.q_norm is None else a.q_norm.weight,
             None if a.k_norm is None else a.k_norm.weight, a.o_proj.weight, a.o_proj.bias, layer.post_norm.weight, m.gate_up.weight,
-            m.gate_up.bias, m.down.weight, m.down.bias, self.cache.k[i], self.cache.v[i])
+            m.gate_up.bias, m.down.weight, m.down.bias, self.cache.k[i], self.cache.v[i],
+            {name: pool for name, pool in (("qkv", a.qkv.lora), ("o", a.o_proj.lora), ("gate_up", m.gate_up.lora),
+                                           ("down", m.down.lora)) if pool is not None})
 
     # ---- LoRA adapters (layers/lora.py, models/lora.py) ----
 
@@ -288,6 +291,7 @@ class Qwen3ForCausalLM(CausalLM):
             m.gate_up.lora = LoraPool(slots, rank, hidden, [(0, inter), (inter, inter)], dt, dev)
             m.down.lora = LoraPool(slots, rank, inter, [(0, hidden)], dt, dev)
         self.lora_slots = slots
+        self._stack_for = (None, None)  # the C loop's plan is built anew, with the pools
 
     def lora_share(self, adapter: PeftAdapter, reader) -> list[tuple[LoraPool, int, torch.Tensor, torch.Tensor]]:
         """This rank's share of `adapter` (read through `reader`): for every projection it adapts,
