@@ -278,7 +278,8 @@ def test_adapters_are_served_by_name_and_loaded_while_serving(served_lora):
     """--lora-modules serves an adapter as a model whose parent is the base; another is loaded
     through vLLM's route and through the admin API, used and unloaded while a request for the
     base streams with no gap of a second; a bad adapter is refused (400/409 naming it) and what is
-    loaded keeps its output; an adapter unloaded with a request in flight ends it cleanly."""
+    loaded keeps its output; an adapter unloaded with a request in flight ends it cleanly; one
+    loaded with a keep_alive is unloaded once idle that long."""
     import threading
 
     import httpx
@@ -339,6 +340,14 @@ def test_adapters_are_served_by_name_and_loaded_while_serving(served_lora):
         assert "chat" not in {c["id"] for c in httpx.get(f"{server.base_url}/models").json()["data"]}
         wait_until(lambda: not engine.engine.loras.forgets, 10, "the ranks still hold the unloaded adapter")
         assert _completion_ids(server, "sql", prompt) == sql
+
+        brief = httpx.post(f"{server.url}/admin/models", json={"name": "brief", "lora": str(adapters["chat"]),
+                                                                 "keep_alive": 0}, headers=admin, timeout=30)
+        assert brief.status_code == 201, brief.text
+        assert _completion_ids(server, "brief", prompt) == chat
+        wait_until(lambda: "brief" not in {c["id"] for c in httpx.get(f"{server.base_url}/models").json()["data"]},
+                   10, "an adapter idle past its keep_alive is still served")
+        assert "sql" in {c["id"] for c in httpx.get(f"{server.base_url}/models").json()["data"]}  # kept for good
 
 
 def test_the_memory_plan_counts_the_adapter_pool(qwen3_lora):

@@ -268,6 +268,7 @@ class ModelHost:
         self._lock: asyncio.Lock | None = None  # one load's pre-flight and placement at a time
         self._reaper: asyncio.Task | None = None
         self._stopping = False
+        self.adapter_idle: dict[str, list[float]] = {}  # LoRA adapters with a keep_alive: [seconds, last use]
 
     @classmethod
     def of_engine(cls, engine: AsyncEngine, **kwargs) -> "ModelHost":
@@ -322,6 +323,8 @@ class ModelHost:
         request waits up to load_timeout_s, then gets the engine in whatever state it is in: the
         handlers answer 503 with Retry-After for one still loading)."""
         if name not in self.models and (base := self.adapter_base(name)) is not None:
+            if name in self.adapter_idle:
+                self.adapter_idle[name][1] = time.monotonic()
             return AdapterEngine(await self.engine_for(base.name), name)
         m = self.model(name)
         m.last_used = time.monotonic()
@@ -347,10 +350,12 @@ class ModelHost:
         return [(a.name, m.name, a.path) for m in self.models.values() if _serves_lora(m)
                 for a in list(m.engine.engine.loras.adapters.values())]
 
-    async def load_lora(self, name: str, path: str, base: str | None = None) -> HostedModel:
+    async def load_lora(self, name: str, path: str, base: str | None = None,
+                        keep_alive_s: float | None = None) -> HostedModel:
         """Serve the PEFT adapter at `path` as `name` on model `base` (None: the one model with LoRA
-        enabled). Checked against the base before any rank sees it: a bad adapter is refused (400,
-        naming why) and nothing loaded changes. It reaches the ranks with its first request."""
+        enabled), unloaded once idle for `keep_alive_s` (None: kept). Checked against the base
+        before any rank sees it: a bad adapter is refused (400, naming why) and nothing loaded
+        changes. It reaches the ranks with its first request."""
         if not isinstance(name, str) or not name or len(name) > 256 or any(c in name for c in "\n\r\t/"):
             raise HostError(f"lora_name must be a non-empty string of at most 256 characters without slashes or "
                             f"newlines, got {name!r:.80}")
@@ -363,6 +368,8 @@ class ModelHost:
             await asyncio.to_thread(m.engine.engine.loras.register, name, path)
         except ConfigError as exc:
             raise HostError(str(exc)) from None
+        if keep_alive_s is not None:
+            self.adapter_idle[name] = [keep_alive_s, time.monotonic()]
         log.info("LoRA adapter `%s` loaded on `%s` from %r", name, m.name, path)
         return m
 
@@ -385,6 +392,7 @@ class ModelHost:
         m = self.adapter_base(name)
         if m is None:
             raise UnknownModel(f"no LoRA adapter named `{name}` is loaded")
+        self.adapter_idle.pop(name, None)
         cancelled = await m.engine.unload_lora(name, drain_s)
         log.info("LoRA adapter `%s` unloaded from `%s` (%d request(s) cancelled)", name, m.name, cancelled)
         return cancelled
@@ -543,6 +551,21 @@ class ModelHost:
                     log.info("model `%s` idle for %.0f s (keep_alive %g s): unloading", m.name,
                              now - m.last_used, m.keep_alive_s)
                     await self._unload(m, 0.0, forget=False)
+            await self._reap_adapters(now)
+
+    async def _reap_adapters(self, now: float) -> None:
+        """Unload each LoRA adapter idle past its keep_alive (one with requests in flight is not idle)."""
+        for name, idle in list(self.adapter_idle.items()):
+            m = self.adapter_base(name)
+            if m is None:
+                self.adapter_idle.pop(name, None)
+                continue
+            if any(stream.lora == name for stream in m.engine.open_streams):
+                idle[1] = now
+            elif now - idle[1] >= max(idle[0], _MIN_IDLE_S):
+                log.info("LoRA adapter `%s` idle for %.0f s (keep_alive %g s): unloading", name, now - idle[1],
+                         idle[0])
+                await self.unload_lora(name)
 
     # ---- shutdown ----
 

@@ -5,7 +5,8 @@ token apart from `--api-key`:
 
     GET    /admin/models                      every model: state, devices, memory held, requests in flight, last use
     POST   /admin/models                      a spec (as a --models entry; "wait": false answers 202 at once),
-                                              or a LoRA adapter: {"name", "lora": its folder, "base": a model}
+                                              or a LoRA adapter: {"name", "lora": its folder, "base": a model,
+                                              "keep_alive": idle seconds before it is unloaded (default: kept)}
     DELETE /admin/models/{name}?drain=SECONDS unload, letting in-flight requests finish for up to that long
 
 A load answers 201 once the model is ready; 409 for a name already served or devices another
@@ -94,15 +95,19 @@ class _Admin:
         return JSONResponse({"name": m.name, **m.describe()}, 201 if wait else 202)
 
     async def _load_lora(self, body: dict) -> Response:
-        unknown = sorted(set(body) - {"name", "lora", "base"})
+        unknown = sorted(set(body) - {"name", "lora", "base", "keep_alive"})
         if unknown:
-            raise bad_request(f"unknown key(s) {', '.join(map(repr, unknown))}; a LoRA adapter takes name, lora "
-                              "and base")
+            raise bad_request(f"unknown key(s) {', '.join(map(repr, unknown))}; a LoRA adapter takes name, lora, "
+                              "base and keep_alive")
+        keep_alive = body.get("keep_alive")
+        if keep_alive is not None and (isinstance(keep_alive, bool) or not isinstance(keep_alive, (int, float))
+                                       or not 0 <= keep_alive <= 1e9):
+            raise bad_request(f"keep_alive must be seconds (0 or more), got {keep_alive!r:.80}", param="keep_alive")
         base = body.get("base")
         if base is not None and not isinstance(base, str):
             raise bad_request("base must be the name of a served model", param="base")
         try:
-            m = await self.host.load_lora(body.get("name"), body.get("lora"), base)
+            m = await self.host.load_lora(body.get("name"), body.get("lora"), base, keep_alive)
         except NeuronError as exc:
             raise host_error(exc) from None
         return JSONResponse({"name": body["name"], "status": "ready", "lora": body["lora"], "base": m.name}, 201)
