@@ -291,7 +291,7 @@ def test_adapters_are_served_by_name_and_loaded_while_serving(served_lora):
     prompt = [5, 17, 200, 3]
     engine = real_engine(str(base), 1, name="base", enable_lora=True, max_loras=1, max_lora_rank=8,
                          lora_modules=f"sql={adapters['sql']}")
-    with LiveServer(engine, ServerConfig(admin_key="admin")) as server:
+    with LiveServer(engine, ServerConfig(admin_key="admin", allow_runtime_lora_updating=True)) as server:
         server.wait_ready()
         cards = {c["id"]: c for c in httpx.get(f"{server.base_url}/models").json()["data"]}
         assert cards["sql"]["parent"] == "base" and cards["base"]["parent"] is None
@@ -440,13 +440,21 @@ def test_prompt_logprobs_and_samples_run_the_adapter(qwen3_lora):
 
 
 def test_a_model_without_adapters_refuses_them(default_tokenizer, served_lora):
-    """A server whose model was started without --enable-lora answers 400 to a load, naming why,
-    and 404 to an unload or a request naming an unknown adapter."""
+    """vLLM's routes are off (404) unless --allow-runtime-lora-updating; with it, a server whose
+    model was started without --enable-lora answers 400 to a load, naming why, and 404 to an
+    unload of an unknown adapter."""
     import httpx
     from server_harness import LiveServer, ScriptedEngine, scripted_engine
 
     _, adapters = served_lora
-    with LiveServer(scripted_engine(ScriptedEngine(default_tokenizer, {}))) as server:
+    from neuron.entrypoints.openai.app import ServerConfig
+
+    with LiveServer(scripted_engine(ScriptedEngine(default_tokenizer, {}))) as server:  # vLLM's routes off
+        server.wait_ready(10)
+        assert httpx.post(f"{server.base_url}/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/x"}
+                          ).status_code == 404
+    with LiveServer(scripted_engine(ScriptedEngine(default_tokenizer, {})),
+                    ServerConfig(allow_runtime_lora_updating=True)) as server:
         server.wait_ready(10)
         load = httpx.post(f"{server.base_url}/load_lora_adapter",
                           json={"lora_name": "sql", "lora_path": str(adapters["sql"])})

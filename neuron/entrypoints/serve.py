@@ -46,7 +46,7 @@ OPTION_GROUPS = (
      ("served_model_name", "models", "task", "tokenizer", "hf_overrides", "dtype", "quantization", "max_model_len",
       "speculative_config", "load_timeout_s")),
     ("lora", "LoRA adapters on the model (README: LoRA adapters)",
-     ("lora_modules", "enable_lora", "max_loras", "max_lora_rank")),
+     ("lora_modules", "enable_lora", "max_loras", "max_lora_rank", "allow_runtime_lora_updating")),
     ("parallel", "ranks, devices, batching and the KV cache",
      ("tp", "device", "cpu_all_reduce", "cpu_bind", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
       "gpu_memory_utilization", "memory_budget", "no_prefix_caching")),

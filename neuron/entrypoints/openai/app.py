@@ -78,6 +78,7 @@ class ServerConfig:
     max_connections_per_client: int = from_settings("max_connections_per_client")
     allowed_origins: str | None = from_settings("allowed_origins")
     idle_timeout_s: float = from_settings("idle_timeout_s")  # keep-alive connections between requests
+    allow_runtime_lora_updating: bool = from_settings("allow_runtime_lora_updating")  # vLLM's LoRA routes
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -110,7 +111,8 @@ def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
         Route("/detokenize", api.endpoint("detokenize", api.detokenize), methods=["POST"]),
         Route("/tokenizer_info", api.endpoint("tokenizer_info", api.tokenizer_info), methods=["GET"]),
     ]
-    routes += lora_routes(host, api.endpoint, api._decode)
+    if cfg.allow_runtime_lora_updating:  # off without it: its paths are unknown (404), as vLLM's
+        routes += lora_routes(host, api.endpoint, api._decode)
     routes += ollama_routes(Served(host, api.limiters, api._decode, api._engine, api._salt, api.started), api.endpoint)
     if cfg.admin_key is not None:  # off without a key: its paths are unknown (404)
         routes += admin_routes(host, cfg.admin_key, api.endpoint)

@@ -3,6 +3,9 @@
     POST /v1/load_lora_adapter     {"lora_name": ..., "lora_path": ..., "base_model_name": optional}
     POST /v1/unload_lora_adapter   {"lora_name": ...}
 
+Served only with --allow-runtime-lora-updating (as vLLM's need VLLM_ALLOW_RUNTIME_LORA_UPDATING):
+with them any client of the API may load adapters from this machine's paths; the admin API's
+`POST /admin/models {"name", "lora", "base"}` does the same behind the admin key.
 A loaded adapter is served as a model named `lora_name` (its `parent` in /v1/models is the base).
 Both answer 200 with a line of text, as vLLM's do; a bad adapter gets 400 naming why, an unknown
 name 404, a name already served 409. Unloading cancels the adapter's requests in flight with an
