@@ -23,7 +23,7 @@ from neuron.errors import ConfigError, UnsupportedModel
 from neuron.layers import cpu_attention, cpu_ops
 from neuron.layers.kernels import Kernels
 from neuron.layers.lora import LoraRows
-from neuron.models import build_model
+from neuron.models import build_model, text_config
 from neuron.models.inputs import StepBatch, StepRejected, StepResult
 from neuron.models.loader import CheckpointReader, open_checkpoint
 from neuron.models.lora import PeftAdapter
@@ -51,7 +51,7 @@ class ModelRunner:
         # beyond the pool wait here to be swapped in), and which id each pool slot holds
         self.lora_host: dict[int, list] = {}
         self.lora_in_slot: dict[int, int] = {}
-        self.model_config_json, self.max_lora_rank = "{}", 0  # what an adapter is checked against
+        self.lora_base: tuple[dict, int] = ({}, 0)  # what an adapter is checked against: the config, the pool's rank
 
     @classmethod
     def load(cls, shard: p.ShardSpec, failed_kernels: dict[str, str], comm: Communicator, device: torch.device,
@@ -80,7 +80,7 @@ class ModelRunner:
             model.allocate(num_blocks, shard.block_size, shard.max_slots, shard.max_model_len)
             runner = cls(model, num_blocks, BlockTables(shard.max_slots, num_blocks, shard.block_size,
                                                          shard.max_model_len, device, kernels.paged))
-            runner.model_config_json, runner.max_lora_rank = shard.config_json, shard.max_lora_rank
+            runner.lora_base = (text_config(config), shard.max_lora_rank)
             if _graphs_wanted(model, device, comm):
                 runner.capture_graphs(shard.max_slots, shard.verify)
         except UnsupportedModel as exc:
@@ -148,15 +148,13 @@ class ModelRunner:
         share = self.lora_host.get(lora_id)
         if share is None:
             try:
-                config = json.loads(self.model_config_json)
-                adapter = PeftAdapter.open(path, config, self.max_lora_rank)
+                adapter = PeftAdapter.open(path, *self.lora_base)
                 with CheckpointReader([adapter.path / "adapter_model.safetensors"]) as reader:
                     share = model.lora_share(adapter, reader)
             except (ConfigError, OSError) as exc:
                 raise WorkerFailure(p.ErrorKind.LOAD_FAILED, str(exc)) from exc
             self.lora_host[lora_id] = share
-        with torch.inference_mode():
-            model.put_lora(slot, share)
+        model.put_lora(slot, share)
         self.lora_in_slot[slot] = lora_id
 
     def forget_lora(self, lora_id: int) -> None:
