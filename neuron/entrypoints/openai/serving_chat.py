@@ -166,6 +166,16 @@ async def create_chat_completion(request: Request, engine: AsyncEngine, req: Cha
                                  keepalive_s: float, limiters: Limiters, cache_salt: str | None = None) -> Response:
     """`limiters` bound how many chats are rendered and tokenized, and grammars compiled, at once;
     `cache_salt` is the request's, as the server's isolation makes it (common.request_salt)."""
+    ctx, samples = await open_chat(engine, req, limiters, cache_salt)
+    if req.stream:
+        return EventStreamResponse(_events(ctx, samples, keepalive_s), on_close=samples.close)
+    return await json_unless_disconnected(request, samples, _collect(ctx, samples))
+
+
+async def open_chat(engine: AsyncEngine, req: ChatCompletionRequest, limiters: Limiters,
+                    cache_salt: str | None = None) -> tuple[ChatRequestContext, Samples]:
+    """Check, render and queue a chat: its context and its samples, which the caller answers in
+    its API's shape (OpenAI's here, Anthropic's in serving_messages) and closes."""
     check_model(req, engine.model_name)
     _check(req)
     check_ready(engine)
@@ -187,9 +197,7 @@ async def create_chat_completion(request: Request, engine: AsyncEngine, req: Cha
     prompt, prompt_ids, images = await off_loop(limiters.tokenize, _render, engine, req)
     ctx = ChatRequestContext(req, engine.model_name, engine.tokenizer, prompt, top_logprobs, tools)
     samples = open_samples(engine, ctx.id, [prompt_ids], params, "messages", images, grammar, cache_salt)
-    if req.stream:
-        return EventStreamResponse(_events(ctx, samples, keepalive_s), on_close=samples.close)
-    return await json_unless_disconnected(request, samples, _collect(ctx, samples))
+    return ctx, samples
 
 
 @dataclass(slots=True)
