@@ -38,8 +38,11 @@ from neuron.entrypoints.openai.common import check_ready, request_salt
 from neuron.entrypoints.openai.connections import BodyTimeout, RequestGuard, parse_origins
 from neuron.entrypoints.openai.prompt_input import Limiters
 from neuron.entrypoints.openai.request_body import read_body, require_json
+from neuron.entrypoints.openai.response_store import ResponseStore
+from neuron.entrypoints.openai.responses_types import ResponsesRequest
 from neuron.entrypoints.openai.serving_chat import create_chat_completion
 from neuron.entrypoints.openai.serving_completions import create_completion
+from neuron.entrypoints.openai.serving_responses import create_response, delete_response, retrieve_response
 from neuron.entrypoints.openai.serving_tokenization import detokenize, tokenize
 from neuron.errors import ConfigError
 
@@ -71,6 +74,8 @@ class ServerConfig:
     max_connections_per_client: int = from_settings("max_connections_per_client")
     allowed_origins: str | None = from_settings("allowed_origins")
     idle_timeout_s: float = from_settings("idle_timeout_s")  # keep-alive connections between requests
+    responses_max_stored: int = from_settings("responses_max_stored")  # the Responses API's store, by count
+    responses_max_stored_bytes: int = from_settings("responses_max_stored_bytes")  # and by bytes
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -93,6 +98,9 @@ def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
         Route("/v1/models", api.endpoint("models", api.models), methods=["GET"]),
         Route("/v1/chat/completions", api.endpoint("chat", api.chat), methods=["POST"]),
         Route("/v1/completions", api.endpoint("completions", api.completions), methods=["POST"]),
+        Route("/v1/responses", api.endpoint("responses", api.responses), methods=["POST"]),
+        Route("/v1/responses/{response_id}", api.endpoint("responses", api.retrieve_response), methods=["GET"]),
+        Route("/v1/responses/{response_id}", api.endpoint("responses", api.delete_response), methods=["DELETE"]),
         Route("/tokenize", api.endpoint("tokenize", api.tokenize), methods=["POST"]),
         Route("/detokenize", api.endpoint("detokenize", api.detokenize), methods=["POST"]),
     ]
@@ -128,6 +136,7 @@ class _Api:
         self.stats = host.metrics
         self.started = int(time.time())
         self.limiters = Limiters()
+        self.responses_store = ResponseStore(cfg.responses_max_stored, cfg.responses_max_stored_bytes)
 
     def endpoint(self, name: str, handler, authenticate=None):
         """Wrap a handler: authentication (the API key's, unless `authenticate` says otherwise), the
@@ -210,6 +219,18 @@ class _Api:
         engine = await self._engine(req.model)
         return await create_completion(request, engine, req, self.cfg.keepalive_s, self.limiters,
                                        self._salt(request, req))
+
+    async def responses(self, request: Request) -> Response:
+        req = await self._decode(request, ResponsesRequest)
+        engine = await self._engine(req.model)
+        return await create_response(request, engine, req, self.cfg.keepalive_s, self.limiters,
+                                     self.responses_store, self._salt(request, req))
+
+    async def retrieve_response(self, request: Request) -> Response:
+        return await retrieve_response(self.responses_store, request.path_params["response_id"])
+
+    async def delete_response(self, request: Request) -> Response:
+        return await delete_response(self.responses_store, request.path_params["response_id"])
 
     async def _engine(self, name: str | None) -> AsyncEngine:
         """The engine of the model a request names (loading an on-demand one); 400 without a name,
