@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from server_harness import ERROR, LiveServer, ScriptedEngine, client, metric, real_engine, scripted_engine, wait_until
+from server_harness import ERROR, LiveServer, ScriptedEngine, ServeProcess, client, metric, real_engine, scripted_engine, wait_until
 
 from neuron.entrypoints.openai.app import ServerConfig
 from neuron.entrypoints.openai.response_store import ResponseStore, StoredResponse
@@ -179,6 +179,36 @@ def test_a_failed_generation_ends_the_stream_with_response_failed(stub_server):
     with pytest.raises(openai.APIStatusError) as e:
         c.responses.create(model="stub", input="explode")
     assert e.value.status_code == 503 and e.value.code == "generation_failed"
+
+
+@pytest.mark.slow
+def test_neuron_serve_tp2_answers_as_its_chat_does():
+    """`neuron serve --tp 2`: a seeded sample, streamed and not, is the chat endpoint's; a forced
+    call fits its schema and its result, fed back, is read."""
+    with ServeProcess("--tp", "2", "--max-model-len", "1024") as server:
+        c = client(server)
+        kw = dict(input="The river", max_output_tokens=8, reasoning={"effort": "none"}, **SAMPLED)
+        whole = c.responses.create(model=MODEL, **kw)
+        streamed = list(c.responses.create(model=MODEL, stream=True, **kw))[-1].response
+        chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "The river"}],
+                                         max_tokens=8, temperature=1.0, seed=7,
+                                         extra_body={"ignore_eos": True,
+                                                     "chat_template_kwargs": {"enable_thinking": False}})
+        assert whole.output_text == streamed.output_text == chat.choices[0].message.content
+        assert whole.usage.input_tokens == streamed.usage.input_tokens == chat.usage.prompt_tokens
+        call = c.responses.create(model=MODEL, input="Weather?", tools=[WEATHER_TOOL], tool_choice="required",
+                                  temperature=0, max_output_tokens=40, reasoning={"effort": "none"})
+        jsonschema.validate(json.loads(call.output[0].arguments), CITY)
+        [made] = call.output
+        result = {"type": "function_call_output", "call_id": made.call_id, "output": "sunny"}
+        tail = dict(tools=[WEATHER_TOOL], max_output_tokens=4, temperature=0)  # tools are not carried on
+        after = c.responses.create(model=MODEL, previous_response_id=call.id, input=[result], **tail)
+        explicit = c.responses.create(model=MODEL, **tail, input=[
+            {"role": "user", "content": "Weather?"},
+            {"type": "function_call", "call_id": made.call_id, "name": made.name, "arguments": made.arguments},
+            result])
+        assert after.usage.input_tokens == explicit.usage.input_tokens > call.usage.input_tokens
+        assert after.output_text == explicit.output_text
 
 
 # ---- reasoning and function calls, not streamed ----
