@@ -16,7 +16,20 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from server_harness import ERROR, LiveServer, ScriptedEngine, ServeProcess, client, metric, real_engine, scripted_engine, wait_until
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from server_harness import (
+    ERROR,
+    LiveServer,
+    ScriptedEngine,
+    ServeProcess,
+    client,
+    metric,
+    real_engine,
+    scripted_engine,
+    wait_until,
+)
+from test_fuzz_http import FUZZ, nasty, odd_text
 
 from neuron.entrypoints.openai.app import ServerConfig
 from neuron.entrypoints.openai.response_store import ResponseStore, StoredResponse
@@ -402,6 +415,59 @@ def test_bad_requests_get_openai_errors(model_server, body, status, param):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+
+
+RESPONSES_FIELDS = ["input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
+                    "temperature", "top_p", "reasoning", "text", "stream", "store", "previous_response_id", "metadata",
+                    "include", "truncation", "user", "top_k", "seed", "stop"]
+ITEM_FIELDS = ["type", "role", "content", "call_id", "name", "arguments", "output", "summary"]
+
+
+@st.composite
+def responses_bodies(draw) -> dict:
+    """A valid request with every kind of input item, then up to three mutations."""
+    items = [{"role": "developer", "content": "Be brief."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+             {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]
+    body = {"model": "stub", "input": items[draw(st.integers(0, 4)):], "stream": draw(st.booleans()),
+            "tools": [dict(WEATHER_TOOL)], "reasoning": {"effort": "low"},
+            "text": {"format": {"type": "json_schema", "name": "a", "schema": CITY}}}
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["field", "field", "item", "part", "tool", "drop"]))
+        if kind == "field":
+            body[draw(st.sampled_from(RESPONSES_FIELDS))] = draw(nasty)
+        elif kind == "item" and isinstance(body.get("input"), list) and body["input"]:
+            item = body["input"][draw(st.integers(0, len(body["input"]) - 1))]
+            item[draw(st.sampled_from(ITEM_FIELDS))] = draw(nasty)
+        elif kind == "part":
+            part = draw(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "input_image", "x"])},
+                                              optional={"text": nasty | odd_text, "image_url": nasty}))
+            body["input"] = [{"role": "user", "content": [part]}]
+        elif kind == "tool":
+            body["tools"] = [draw(st.dictionaries(st.sampled_from(["type", "name", "parameters", "strict"]), nasty,
+                                                  max_size=4))]
+        elif kind == "drop":
+            body.pop(draw(st.sampled_from(sorted(body))), None)
+    return body
+
+
+@settings(FUZZ, max_examples=60)
+@given(body=responses_bodies())
+def test_mutated_requests_get_answers_or_openai_errors(stub_server, body):
+    r = httpx.post(f"{stub_server.base_url}/responses", content=json.dumps(body).encode(), timeout=30,
+                   headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"})
+    context = f"body {body!r:.600}\nanswer {r.status_code} {r.text[:600]}"
+    assert r.status_code in (200, 400, 404), context
+    if r.status_code != 200:
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], context
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1]["type"] == "response.completed", context
+    else:
+        assert r.json()["status"] == "completed", context
 
 
 def test_an_oversized_body_is_413(model_server):
