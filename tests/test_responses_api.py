@@ -7,6 +7,7 @@ reasoning and tool calls a random model never would."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 
@@ -510,9 +511,8 @@ def test_a_client_that_leaves_aborts_the_response(stub_server, stub):
 # ---- the Agents SDK ----
 
 
-def test_an_agent_runs_a_function_tool_to_completion(stub_server):
-    agents.set_tracing_disabled(True)
-    calls = []
+def _weather_agent(server, calls: list[str]) -> agents.Agent:
+    """An agent with one function tool, on a client of its own (a client keeps to one event loop)."""
 
     @agents.function_tool
     def get_weather(city: str) -> str:
@@ -521,10 +521,23 @@ def test_an_agent_runs_a_function_tool_to_completion(stub_server):
         return f"sunny in {city}"
 
     model = agents.OpenAIResponsesModel(model="stub", openai_client=openai.AsyncOpenAI(
-        base_url=stub_server.base_url, api_key=KEY, max_retries=0))
-    agent = agents.Agent(name="weather", instructions="Answer about the weather.", tools=[get_weather], model=model)
-    result = agents.Runner.run_sync(agent, "What is the weather?")
+        base_url=server.base_url, api_key=KEY, max_retries=0))
+    return agents.Agent(name="weather", instructions="Answer about the weather.", tools=[get_weather], model=model)
+
+
+def test_an_agent_runs_a_function_tool_to_completion(stub_server):
+    agents.set_tracing_disabled(True)
+    calls = []
+    result = agents.Runner.run_sync(_weather_agent(stub_server, calls), "What is the weather?")
     assert calls == ["Paris"]
     assert result.final_output == "It is sunny in Paris."
     kinds = [item.type for item in result.new_items]
     assert kinds == ["reasoning_item", "tool_call_item", "tool_call_output_item", "message_output_item"]
+
+    async def streamed():
+        run = agents.Runner.run_streamed(_weather_agent(stub_server, calls), "What is the weather?")
+        return run, [event.type async for event in run.stream_events()]
+
+    run, events = asyncio.run(streamed())
+    assert calls == ["Paris", "Paris"] and run.final_output == "It is sunny in Paris."
+    assert "raw_response_event" in events and [item.type for item in run.new_items] == kinds
