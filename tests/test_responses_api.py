@@ -314,6 +314,8 @@ def test_retrieve_delete_and_not_stored(model_server):
         with pytest.raises(openai.NotFoundError) as e:
             call()
         assert e.value.code == "response_not_found"
+    r = httpx.get(f"{model_server.base_url}/responses/{out.id}?stream=true")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
     unstored = _create(model_server, input="The river", max_output_tokens=2, temperature=0, store=False)
     assert unstored.store is False
     with pytest.raises(openai.NotFoundError):

@@ -227,7 +227,8 @@ class _Api:
                                      self.responses_store, self._salt(request, req))
 
     async def retrieve_response(self, request: Request) -> Response:
-        return await retrieve_response(self.responses_store, request.path_params["response_id"])
+        stream = request.query_params.get("stream", "false").lower() not in ("false", "0")
+        return await retrieve_response(self.responses_store, request.path_params["response_id"], stream)
 
     async def delete_response(self, request: Request) -> Response:
         return await delete_response(self.responses_store, request.path_params["response_id"])

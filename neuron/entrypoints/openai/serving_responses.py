@@ -505,7 +505,9 @@ def _failed(run: _Run, error: APIError) -> bytes:
     return run.output.take()
 
 
-async def retrieve_response(store: ResponseStore, response_id: str) -> Response:
+async def retrieve_response(store: ResponseStore, response_id: str, stream: bool) -> Response:
+    if stream:
+        raise unsupported("stream", "a stored response is returned whole; streaming it again is not supported")
     entry = store.get(response_id)
     if entry is None:
         raise _not_found(response_id)
