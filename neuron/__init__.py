@@ -14,6 +14,8 @@ _LAZY = {
     "CompletionOutput": "neuron.entrypoints.llm",
     "SamplingParams": "neuron.engine.sampling_params",
     "GuidedDecodingParams": "neuron.engine.sampling_params",
+    "PoolingParams": "neuron.engine.pooling",
+    "EmbeddingRequestOutput": "neuron.entrypoints.llm",
 }
 
 
@@ -26,4 +28,5 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["LLM", "SamplingParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "GuidedDecodingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
+           "EmbeddingRequestOutput", "__version__"]

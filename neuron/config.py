@@ -145,6 +145,11 @@ class Settings:
         str, None, "a JSON object merged into the checkpoint's config.json as it is read, such as "
         '\'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}\' '
         "to run a model past its native context with YaRN", unset="config.json as it is")
+    task: str = _setting(
+        str, "auto", "what the model is served for: generate (chat and completions), embed (/v1/embeddings, "
+        "pooling the final hidden states), or generate,embed (both); auto is embed for a sentence-transformers "
+        "checkpoint (modules.json with a Pooling module), else generate", choices=("auto", "generate", "embed",
+                                                                                  "generate,embed"))
     tp: int = _setting(int, 1, "tensor-parallel size: how many ranks (devices) share the model", lo=1)
     hosts: str | None = _setting(
         str, None, "where the ranks run, in rank order: HOST:N entries, comma-separated (the first the leader's "

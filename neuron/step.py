@@ -8,6 +8,8 @@ no torch, so the wire, the mock workers and the fuzzers use it too.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 
@@ -28,7 +30,10 @@ class SeqStep(msgspec.Struct, array_like=True):
     wanted); every rank sees it, as the LM head's gathers must pair up. `logits`: how many of its
     last positions rank 0 returns logits for (a speculative step scores its proposed tokens too).
     `images`: on a sequence's first step only, the images its prompt holds, in order; each rank
-    keeps them for the slot until its prefill has passed them, so later chunks carry none."""
+    keeps them for the slot until its prefill has passed them, so later chunks carry none.
+    `pool`: a pooling (embedding) request's chunk, what rank 0 returns of its final-norm hidden
+    states: `last` (the chunk's last row), `first` (its first row) or `sum` (of its rows); None
+    for a chunk that needs none (engine/pooling.py)."""
 
     slot: int
     token_ids: list[int]
@@ -38,6 +43,7 @@ class SeqStep(msgspec.Struct, array_like=True):
     prompt_logprobs: int | None = None
     logits: int = 1
     images: list[StepImage] = []
+    pool: Literal["last", "first", "sum"] | None = None
 
 
 class VerifyShape(msgspec.Struct, frozen=True):

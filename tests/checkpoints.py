@@ -157,3 +157,51 @@ def cached_model(cls, path):
 # Three ranks need head counts and widths that 3 divides.
 TP3 = dict(BASE, vocab_size=301, hidden_size=48, intermediate_size=96, num_attention_heads=6,
            num_key_value_heads=1, head_dim=8)
+
+
+def build_embedding_checkpoint(path: Path, seed: int = 0, pooling: str = "lasttoken", normalize: bool = True,
+                               **overrides) -> Path:
+    """A tiny random Qwen3 embedding checkpoint laid out as Qwen3-Embedding ships: the base model
+    saved alone (weight names without `model.`, no LM head) under a Qwen3ForCausalLM config, with
+    sentence-transformers' modules.json and 1_Pooling/config.json (`pooling`: lasttoken, mean or
+    cls), and a Normalize module when `normalize`."""
+    import json
+
+    from transformers import Qwen3Config, Qwen3Model
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(**{**BASE, **overrides})
+    model = Qwen3Model(config).eval()
+    with torch.no_grad():  # a final norm of ones would vanish in the L2 normalization: no test could see it
+        model.norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(path, safe_serialization=True)
+    saved = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**saved, "architectures": ["Qwen3ForCausalLM"]}))
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    flags = {"pooling_mode_cls_token": pooling == "cls", "pooling_mode_mean_tokens": pooling == "mean",
+             "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False,
+             "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": pooling == "lasttoken"}
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": config.hidden_size, **flags, "include_prompt": True}))
+    return path
+
+
+def reference_embeddings(path: Path, prompts: list[list[int]], pooling: str = "lasttoken",
+                         normalize: bool = True) -> list[torch.Tensor]:
+    """transformers' AutoModel over each prompt alone (fp32): its last hidden state (after the
+    final norm) pooled as `pooling` says, L2-normalized when `normalize`."""
+    from transformers import AutoModel
+
+    model = cached_model(AutoModel, path)
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            hidden = model(input_ids=torch.tensor([prompt])).last_hidden_state[0]
+            v = {"lasttoken": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[pooling]
+            out.append(torch.nn.functional.normalize(v, dim=-1) if normalize else v)
+    return out

@@ -14,6 +14,7 @@ import torch
 from checkpoints import BASE
 from tokenizers import processors
 
+from neuron.engine.tokenizer import Tokenizer
 from neuron.utils.default_checkpoint import build_tokenizer
 
 LLAMA3_TEMPLATE = """\
@@ -155,3 +156,10 @@ def build_family_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
     assert config.model_type == model_type
     return path
+
+
+def formatless_tokenizer() -> Tokenizer:
+    """A tokenizer whose template writes the messages' text and nothing of tools, and that has no
+    think tags."""
+    backend = build_tokenizer(("<|eot|>",), ())
+    return Tokenizer(backend, eos_token="<|eot|>", chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")

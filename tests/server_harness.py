@@ -15,7 +15,9 @@ import threading
 import time
 from types import SimpleNamespace
 
+import anthropic
 import httpx
+import ollama
 import openai
 import uvicorn
 
@@ -96,7 +98,9 @@ class ScriptedEngine:
         self.vocab_size = tokenizer.vocab_size
         # what LLMEngine keeps in its ModelConfig, executor and input processor, and the handlers ask
         self.model = SimpleNamespace(quantization=None, speculative=None, vision=None, eos_token_ids=(),
-                                     default_sampling=dict)
+                                     default_sampling=dict, model_type="stub", hf_config={}, gguf=None,
+                                     model_dir=None, spec=SimpleNamespace(quantization=None, dtype="float32"),
+                                     tasks=frozenset({"generate"}), pooling=None)
         self.executor = SimpleNamespace(kernels=dict, memory=list)
         self.inputs = self
         self.gate = threading.Event()
@@ -233,8 +237,19 @@ def client(server, api_key: str = "unused", **kw) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url, api_key=api_key, max_retries=0, timeout=60, **kw)
 
 
+def ollama_client(server, **kw) -> ollama.Client:
+    """The official Ollama client on a server of any kind (it speaks to the root, not /v1)."""
+    return ollama.Client(host=server.url, timeout=60, **kw)
+
+
 def async_client(server) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+def anthropic_client(server, api_key: str | None = "unused", **kw) -> anthropic.Anthropic:
+    """Anthropic's official client on a server of any kind (it sends the key as x-api-key; pass
+    `auth_token` instead for a bearer token); no retries, so a test sees every error."""
+    return anthropic.Anthropic(base_url=server.url, api_key=api_key, max_retries=0, timeout=60, **kw)
 
 
 def token_ids(logprobs) -> list[int]:

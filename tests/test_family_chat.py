@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 import torch
-from family_chat import FAMILIES, LLAMA3_STOPS, build_family_checkpoint
+from family_chat import FAMILIES, LLAMA3_STOPS, build_family_checkpoint, formatless_tokenizer
 from safetensors.torch import load_file, save_file
 from server_harness import LiveServer, ScriptedEngine, client, real_engine, scripted_engine
 
@@ -24,7 +24,6 @@ from neuron.engine.tokenizer import Tokenizer
 from neuron.entrypoints.openai.api_types import ChatCompletionRequest
 from neuron.entrypoints.openai.guided import guided_params
 from neuron.entrypoints.openai.response_parser import tool_format
-from neuron.utils.default_checkpoint import build_tokenizer
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
            "additionalProperties": False}
@@ -146,12 +145,6 @@ def test_a_reply_in_the_family_format_becomes_tool_calls(tool_family, stream):
         # but a scripted reply is text already).
         plain = api.chat.completions.create(model="stub", messages=HISTORY[:2]).choices[0].message
         assert plain.content == "".join(REPLIES[name]) and not plain.tool_calls
-
-
-def formatless_tokenizer() -> Tokenizer:
-    """A tokenizer whose template writes the messages' text and nothing of tools."""
-    backend = build_tokenizer(("<|eot|>",), ())
-    return Tokenizer(backend, eos_token="<|eot|>", chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
 
 
 def grammar_takes(tok: Tokenizer, text: str, **request) -> bool:

@@ -1,8 +1,8 @@
 """A CPU fp32 step's decoder layers in one C++ call (neuron/layers/cpu_decoder.py) against the
 same layers run one kernel call at a time from Python: the same logits and the same KV blocks, bit
 for bit, at tp 1 and 2, for each dense family (Qwen3's q/k norms, Llama's biases on every
-projection, Qwen2's on q/k/v), across prefill and decode; steps the C loop does not take and models
-it does not run keep the Python layers."""
+projection, Qwen2's on q/k/v) and with quantized projections, across prefill and decode; steps the
+C loop does not take and weights it does not multiply keep the Python layers."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from neuron.distributed.shm import CommFailure
 from neuron.layers import cpu_decoder, cpu_ops
 from neuron.layers.kernels import Kernels
 from neuron.layers.paged_attention import build_metadata
-from neuron.layers.quantized import quantize_int8
+from neuron.layers.quantized import QuantizedWeight, StackedWeight, pack_nibbles, quantize_int8
 from neuron.models import build_model
 from neuron.models.loader import CheckpointReader, safetensors_files
 from neuron.step import SeqStep
@@ -86,11 +86,10 @@ def _blocks(slot: int) -> list[int]:
     return list(range(slot * 16, slot * 16 + 16))
 
 
-def test_one_call_equals_the_python_layers(fused_checkpoint, fused_steps):
+def _same_steps(fused: ModelRunner, layered: ModelRunner) -> None:
     """Prefill a lone prompt, then two more in one step (10 rows: the C loop), then one of 20 rows
     (the Python layers); decode batches of 3, 1 and 2 across block boundaries: equal logits at
     every step and equal KV pools at the end."""
-    fused, layered = _runner(fused_checkpoint, FUSED), _runner(fused_checkpoint, LAYERED)
     prompts = {0: [5, 17, 200, 3], 1: list(range(10, 16)), 2: [7] * 4, 3: list(range(30, 50))}
     steps = [[SeqStep(0, prompts[0], 0, _blocks(0), fresh=True)],
              [SeqStep(s, prompts[s], 0, _blocks(s), fresh=True) for s in (1, 2)],
@@ -104,9 +103,53 @@ def test_one_call_equals_the_python_layers(fused_checkpoint, fused_steps):
     for seqs in steps:
         got, expected = fused.step(seqs).logits, layered.step(seqs).logits
         assert torch.equal(got, expected), [s.slot for s in seqs]
-    assert fused_steps == [4, 10] + [3, 3, 3, 1, 1, 1, 2, 2, 2, 3, 3, 3, 1, 1, 1]
     for a, b in zip(fused.model.cache.k + fused.model.cache.v, layered.model.cache.k + layered.model.cache.v):
         assert torch.equal(a, b)
+
+
+FUSED_STEPS = [4, 10] + [3, 3, 3, 1, 1, 1, 2, 2, 2, 3, 3, 3, 1, 1, 1]
+
+
+def test_one_call_equals_the_python_layers(fused_checkpoint, fused_steps):
+    _same_steps(_runner(fused_checkpoint, FUSED), _runner(fused_checkpoint, LAYERED))
+    assert fused_steps == FUSED_STEPS
+
+
+def _four_bit(w: torch.Tensor) -> QuantizedWeight:
+    """W in 4-bit codes with a scale and an offset per 32 inputs (Q4_1's arithmetic)."""
+    n, k = w.shape
+    groups = w.float().reshape(n, k // 32, 32)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp_min(1e-8)
+    codes = torch.round((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15).reshape(n, k)
+    return QuantizedWeight(codes=pack_nibbles(codes), k=k, bits=4, group=32, scale=scale, offset=-low, format="q4_1")
+
+
+def _quantize(runner: ModelRunner, mixed: bool) -> ModelRunner:
+    """Every projection int8; or, `mixed`, q/k/v stacked from a 4-bit part (q) and an int8 one
+    (k and v), gate/up 4-bit, the output and down projections int8."""
+    for layer in runner.model.layers:
+        a, m = layer.attn, layer.mlp
+        if mixed:
+            q_rows = a.qkv.sizes[0]
+            a.qkv.weight = StackedWeight([_four_bit(a.qkv.weight[:q_rows]), quantize_int8(a.qkv.weight[q_rows:])])
+            m.gate_up.weight = _four_bit(m.gate_up.weight)
+        else:
+            a.qkv.weight, m.gate_up.weight = quantize_int8(a.qkv.weight), quantize_int8(m.gate_up.weight)
+        a.o_proj.weight, m.down.weight = quantize_int8(a.o_proj.weight), quantize_int8(m.down.weight)
+    return runner
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["int8", "stacked-4-bit-and-int8"])
+@pytest.mark.parametrize("exact", [False, True], ids=["integer", "exact"])
+def test_quantized_projections_in_one_call_equal_the_python_layers(fused_checkpoint, fused_steps, mixed, exact):
+    """The quantized kernels inside the C loop (the integer-activation one by default, the exact
+    one under NEURON_QUANT_EXACT), a projection stacked from two layouts among them: the Python
+    layers' logits and KV blocks, bit for bit."""
+    fused = _quantize(_runner(fused_checkpoint, Kernels(quant_exact=exact)), mixed)
+    layered = _quantize(_runner(fused_checkpoint, Kernels(fused_layers=False, quant_exact=exact)), mixed)
+    _same_steps(fused, layered)
+    assert fused_steps == FUSED_STEPS
 
 
 @pytest.mark.slow
@@ -152,12 +195,15 @@ def test_a_failed_sum_stops_the_layers_and_raises(tmp_path):
     assert comm.statuses == [3]  # BAD_SEGMENT, from the first layer's first sum
 
 
-def test_a_quantized_layer_keeps_the_python_layers(tmp_path, fused_steps):
-    """One int8 weight and the whole model runs layer by layer; switched off, no plan is built."""
+def test_a_weight_no_kernel_takes_keeps_the_python_layers(tmp_path, fused_steps):
+    """One projection the C loop would not multiply as the Python layer does (a stacked weight with
+    an fp32 part, which F.linear multiplies) and the whole model runs layer by layer; switched
+    off, no plan is built."""
     path = build_checkpoint(tmp_path, seed=4)
     runner = _runner(path, FUSED)
     down = runner.model.layers[1].mlp.down
-    down.weight = quantize_int8(down.weight)
+    half = down.weight.shape[0] // 2
+    down.weight = StackedWeight([quantize_int8(down.weight[:half]), down.weight[half:].clone()])
     logits = runner.step([SeqStep(0, [5, 6, 7], 0, _blocks(0), fresh=True)]).logits
     assert logits.shape == (1, BASE["vocab_size"]) and torch.isfinite(logits).all()
     assert fused_steps == [] and runner.model._decoder_stack() is None

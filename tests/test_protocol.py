@@ -90,16 +90,19 @@ def test_defaults_are_omitted_and_restored():
 
 def test_step_seq_stays_small_and_compatible():
     """A decode step's sequence is a short array; a sender that knows no blocks is still understood,
-    and the prompt-logprobs flag, the count of positions whose logits come back and the images of a
-    sequence's first step ride at the end (msgspec writes every field of an array: no images is `[]`)."""
-    assert codec.encode(p.SeqStep(slot=2, token_ids=[9], offset=41)) == b"[2,[9],41,[],false,null,1,[]]\n"
+    and the prompt-logprobs flag, the count of positions whose logits come back, the images of a
+    sequence's first step and an embedding's pooling ride at the end (msgspec writes every field of
+    an array: no images is `[]`, no pooling `null`)."""
+    assert codec.encode(p.SeqStep(slot=2, token_ids=[9], offset=41)) == b"[2,[9],41,[],false,null,1,[],null]\n"
     flagged = p.SeqStep(slot=2, token_ids=[9, 8], offset=0, prompt_logprobs=1)
-    assert codec.encode(flagged) == b"[2,[9,8],0,[],false,1,1,[]]\n"
+    assert codec.encode(flagged) == b"[2,[9,8],0,[],false,1,1,[],null]\n"
     speculative = p.SeqStep(slot=2, token_ids=[9, 4, 4, 4], offset=7, logits=4)
-    assert codec.encode(speculative) == b"[2,[9,4,4,4],7,[],false,null,4,[]]\n"
+    assert codec.encode(speculative) == b"[2,[9,4,4,4],7,[],false,null,4,[],null]\n"
+    pooled = p.SeqStep(slot=1, token_ids=[5, 6], offset=0, fresh=True, pool="last")
+    assert codec.encode(pooled) == b'[1,[5,6],0,[],true,null,1,[],"last"]\n'
     imaged = p.SeqStep(slot=0, token_ids=[3, 7, 7], offset=0, new_blocks=[1], fresh=True,
                        images=[StepImage("data:image/png;base64,AA==", 1)])
-    assert codec.encode(imaged) == b'[0,[3,7,7],0,[1],true,null,1,[["data:image/png;base64,AA==",1]]]\n'
+    assert codec.encode(imaged) == b'[0,[3,7,7],0,[1],true,null,1,[["data:image/png;base64,AA==",1]],null]\n'
     line = b'{"op":"forward_step","seq":5,"model_id":"m","seqs":[[2,[9],41]]}\n'
     step = codec.decode_request(line)
     assert step.seqs == [p.SeqStep(slot=2, token_ids=[9], offset=41, new_blocks=[], fresh=False)]

@@ -27,6 +27,7 @@ from neuron.config import settings
 from neuron.engine.engine_client import EngineClient
 from neuron.engine.llm_engine import LLMEngine, Update
 from neuron.engine.metrics import Metrics, ModelMetrics
+from neuron.engine.pooling import PoolingParams
 from neuron.engine.request_stream import RequestStream
 from neuron.engine.sampling_params import SamplingParams
 from neuron.engine.structured_output import CompiledGrammar
@@ -217,11 +218,12 @@ class AsyncEngine(EngineClient):
 
     # ---- requests (event-loop thread) ----
 
-    def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
              images: list[ImageInput] | None = None, count_prompt: bool = True,
              grammar: CompiledGrammar | None = None, cache_salt: str | None = None) -> RequestStream:
         """Submit a request (its image placeholders already expanded, its grammar compiled if it has
-        one); raises NotReady, Overloaded or the engine's RequestError. `count_prompt`: False for
+        one), or with PoolingParams an embedding request, whose one update carries the vector;
+        raises NotReady, Overloaded or the engine's RequestError. `count_prompt`: False for
         the further samples of a prompt (n, best_of), whose tokens the prompt-token counter already has.
         `cache_salt`: see LLMEngine.add_request."""
         if self._state is not EngineState.READY:

@@ -145,7 +145,7 @@ class BlockManager:
         computed right now by one of `others` (the same tokens up to the end of that block). The
         sequence then waits, and takes the block from the cache once it is there instead of
         computing it a second time: the samples of one prompt prefill it once."""
-        if not self.enable_prefix_caching or seq.images or seq.params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or seq.images or seq.wants_every_prompt_row:
             return False
         k = len(self._cached_prefix(seq))
         hashes = self._hashes(seq, (seq.num_tokens - 1) // self.block_size)
@@ -162,9 +162,10 @@ class BlockManager:
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached run of the sequence's full blocks; at least one token
-        is always left to compute, since its logits are needed. None for a sequence that wants its
-        prompt's logprobs: a cached prefix would skip the rows they come from."""
-        if not self.enable_prefix_caching or seq.images or seq.params.prompt_logprobs is not None:
+        is always left to compute, since its logits (or its last-token embedding) are needed. None
+        for a sequence that wants every prompt row (its logprobs, a mean pooling): a cached prefix
+        would skip the rows they come from."""
+        if not self.enable_prefix_caching or seq.images or seq.wants_every_prompt_row:
             return []
         hits = []
         for h in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):

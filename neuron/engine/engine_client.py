@@ -57,6 +57,20 @@ class EngineClient:
         return spec.summary() if spec is not None else None
 
     @property
+    def tasks(self) -> frozenset[str]:
+        """What the model serves: "generate", "embed" or both (engine/pooling.py)."""
+        return self._loaded().model.tasks
+
+    @property
+    def hidden_size(self) -> int:
+        """An embedding's length before `dimensions` truncates it."""
+        return self._loaded().model.hidden_size
+
+    def validate_embedding(self, prompt_token_ids: list[int]) -> None:
+        """Refuse an embedding input that cannot run (RequestError)."""
+        self._loaded().inputs.admit_pooling(prompt_token_ids)
+
+    @property
     def vocab_size(self) -> int:
         return self._loaded().vocab_size
 

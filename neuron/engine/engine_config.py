@@ -22,7 +22,7 @@ def _prefix_caching() -> bool | None:
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 # EngineConfig fields bounded like the setting they default to (field: setting).
-_CHECKED = {"tp": "tp", "dtype": "dtype", "quantization": "quantization", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
+_CHECKED = {"task": "task", "tp": "tp", "dtype": "dtype", "quantization": "quantization", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
             "max_num_batched_tokens": "max_num_batched_tokens", "prefill_chunk_tokens": "prefill_chunk_tokens",
             "block_size": "kv_block_size", "gpu_memory_utilization": "gpu_memory_utilization",
             "load_timeout_s": "load_timeout_s"}
@@ -34,6 +34,7 @@ class EngineConfig:
     table's default) as it stands when the config is built."""
 
     model: str | None = from_settings("model")  # path or repo id; None serves the embedded default
+    task: str = from_settings("task")  # engine/pooling.py: what the model serves (generate, embed or both)
     tp: int = from_settings("tp")
     hosts: str | None = from_settings("hosts")  # ranks on other hosts (executor.placement)
     worker_launcher: str = from_settings("worker_launcher")

@@ -45,7 +45,7 @@ _MIN_IDLE_S = 1.0  # the least idleness that unloads a model, whatever its keep_
 # `share_devices` are the host's own.
 _ENGINE_KEYS = ("model", "tp", "devices", "dtype", "quantization", "max_model_len", "speculative_config",
                 "hf_overrides", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "gpu_memory_utilization",
-                "tokenizer")
+                "tokenizer", "task")
 SPEC_KEYS = ("name", *_ENGINE_KEYS, "keep_alive", "load", "share_devices")
 
 
@@ -188,6 +188,7 @@ class HostedModel:
         self.unloading = False
         self.last_used = time.monotonic()
         self.loading: asyncio.Task | None = None  # the load under way, for on-demand requests to wait on
+        self.keep_alive_s = spec.keep_alive_s  # the spec's, or what the last request that said set (keep_for)
 
     @property
     def name(self) -> str:
@@ -207,6 +208,13 @@ class HostedModel:
             return "failed"
         return "unloading" if state is EngineState.SHUTTING_DOWN else state.value
 
+    def keep_for(self, seconds: float | None) -> None:
+        """A request's keep_alive (Ollama's): how long this model may stay idle from now on; None:
+        for good. Only a model that loads on demand takes it, since nothing would load one loaded at
+        start-up again."""
+        if self.spec.load == "on_demand":
+            self.keep_alive_s = seconds
+
     @property
     def in_flight(self) -> int:
         return len(self.engine.open_streams) if self.engine is not None else 0
@@ -215,7 +223,7 @@ class HostedModel:
         """The model as /v1/models and /admin/models show it."""
         engine = self.engine.engine if self.engine is not None else None  # the LLMEngine, once loaded
         out: dict[str, Any] = {"status": self.status, "tp": self.spec.engine.tp, "devices": self.devices,
-                               "load": self.spec.load, "keep_alive": self.spec.keep_alive_s}
+                               "load": self.spec.load, "keep_alive": self.keep_alive_s}
         error = self.error or (self.engine.error if self.engine is not None else None)
         if error and self.status == "failed":
             out["error"] = error
@@ -452,15 +460,15 @@ class ModelHost:
             await asyncio.sleep(_REAP_INTERVAL_S)
             now = time.monotonic()
             for m in list(self.models.values()):
-                if m.engine is None or m.unloading or m.spec.keep_alive_s is None:
+                if m.engine is None or m.unloading or m.keep_alive_s is None:
                     continue
                 if m.in_flight or m.status != "ready":
                     m.last_used = now  # idleness counts from the last request's end
                     continue
                 # keep_alive 0 still leaves a request that has just been routed here a moment to be submitted
-                if now - m.last_used >= max(m.spec.keep_alive_s, _MIN_IDLE_S):
+                if now - m.last_used >= max(m.keep_alive_s, _MIN_IDLE_S):
                     log.info("model `%s` idle for %.0f s (keep_alive %g s): unloading", m.name,
-                             now - m.last_used, m.spec.keep_alive_s)
+                             now - m.last_used, m.keep_alive_s)
                     await self._unload(m, 0.0, forget=False)
 
     # ---- shutdown ----

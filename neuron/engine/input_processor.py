@@ -77,19 +77,11 @@ class InputProcessor:
             raise RequestError("the engine runs one sample per request: split n and best_of into one request per "
                                "sample first (parallel_sampling.sample_params)", param="n")
         n = len(prompt_token_ids)
-        if n == 0:
-            raise RequestError("the prompt is empty", param="prompt")
         if n >= self.max_model_len:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has {n} "
                 "tokens (no room to generate)", code="context_length_exceeded", param="messages")
-        if not all(type(t) is int for t in prompt_token_ids):  # bools, floats, numpy scalars: convert first
-            kind = next(type(t).__name__ for t in prompt_token_ids if type(t) is not int)
-            raise RequestError(f"token ids must be Python ints, got a {kind}", param="prompt")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
-                               param="prompt")
+        self._check_tokens(prompt_token_ids, "prompt")
         self._check_placeholders(prompt_token_ids, images or [])
         if images and params.prompt_logprobs is not None:  # an image placeholder has no logprob to speak of
             raise RequestError("prompt_logprobs are not supported for prompts with images", param="prompt_logprobs")
@@ -97,6 +89,27 @@ class InputProcessor:
         grammar = self.grammar(params, compiled)
         room = self.max_model_len - n
         return (room if params.max_tokens is None else min(params.max_tokens, room)), grammar
+
+    def admit_pooling(self, prompt_token_ids: list[int]) -> None:
+        """Refuse an embedding input that cannot run: empty, past the model length (it may fill
+        it: nothing is generated), or with ids that are no tokens of the vocabulary."""
+        n = len(prompt_token_ids)
+        if n > self.max_model_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the input has {n} "
+                "tokens: shorten it or split it into several inputs", code="context_length_exceeded", param="input")
+        self._check_tokens(prompt_token_ids, "input")
+
+    def _check_tokens(self, prompt_token_ids: list[int], param: str) -> None:
+        if not prompt_token_ids:
+            raise RequestError(f"the {param} is empty", param=param)
+        if not all(type(t) is int for t in prompt_token_ids):  # bools, floats, numpy scalars: convert first
+            kind = next(type(t).__name__ for t in prompt_token_ids if type(t) is not int)
+            raise RequestError(f"token ids must be Python ints, got a {kind}", param=param)
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                               param=param)
 
     def _check_samplable(self, params: SamplingParams) -> None:
         """Refuse constraints that leave the first token nothing to be. Until min_tokens tokens exist

@@ -14,13 +14,14 @@ from collections.abc import Callable
 
 import torch
 
-from neuron.engine import prompt_logprobs
+from neuron.engine import pooling, prompt_logprobs
 from neuron.engine.block_manager import BlockManager, salt_key
 from neuron.engine.engine_config import EngineConfig
 from neuron.engine.input_processor import InputProcessor, RequestError, check_cache_salt
 from neuron.engine.loading import load_within
 from neuron.engine.model_config import ModelConfig, resolve_model_config
 from neuron.engine.output_processor import OutputProcessor, Update
+from neuron.engine.pooling import PoolingParams
 from neuron.engine.sampling import SampleFailure, SequenceSampler, TokenBitmask, sample
 from neuron.engine.sampling_params import SamplingParams
 from neuron.engine.scheduler import Scheduled, Scheduler
@@ -97,19 +98,28 @@ class LLMEngine:
 
     # ---- requests (any thread) ----
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                     images: list[ImageInput] | None = None, grammar: CompiledGrammar | None = None,
                     cache_salt: str | None = None) -> None:
         """Queue a request (checked first by `inputs`, the InputProcessor). With images, the prompt's
         placeholders are already expanded (`inputs.expand_images`) and must hold each image's run of
         tokens, in order. `grammar`: the
         params' structured output, compiled already (else it is compiled here). `cache_salt`: the
-        request shares cached prefix blocks only with requests of the same salt (None: unsalted)."""
+        request shares cached prefix blocks only with requests of the same salt (None: unsalted).
+        With PoolingParams the request is an embedding: its prompt is prefilled like any other,
+        batched with the rest, and its final update carries the pooled vector (`Update.embedding`)."""
         check_cache_salt(cache_salt)
-        max_tokens, matcher = self.inputs.admit(prompt_token_ids, params, images, grammar)
+        _check_task(self.model, params)
+        if isinstance(params, PoolingParams):
+            self.inputs.admit_pooling(prompt_token_ids)
+            pooled, pooled_by, max_tokens, matcher = pooling.Pooled(params.dimensions), self.model.pooling, 0, None
+            params = SamplingParams(temperature=0.0, max_tokens=0)  # prefill only
+        else:
+            pooled = pooled_by = None
+            max_tokens, matcher = self.inputs.admit(prompt_token_ids, params, images, grammar)
         sampler = SequenceSampler(params, prompt_token_ids, self.vocab_size, self.executor.devices[0])
         seq = Sequence(request_id, list(prompt_token_ids), params, sampler, max_tokens, images=list(images or []),
-                       grammar=matcher, cache_salt=salt_key(cache_salt))
+                       grammar=matcher, cache_salt=salt_key(cache_salt), pooling=pooled_by, pooled=pooled)
         self._inbox.put(("add", seq))
 
     def abort(self, request_id: str) -> None:
@@ -151,7 +161,7 @@ class LLMEngine:
         logits, ran = self._execute(batch, updates)
         if ran:
             rows, scored = self.scheduler.update_from_output(ran)
-            updates += [self.outputs.end(seq) for seq in scored]  # prompt scored, nothing to generate
+            updates += [self.outputs.end(seq) for seq in scored]  # prompt scored or pooled, nothing to generate
             updates += self._sample_step([ran[i] for i in rows], logits, [ran[i].logits for i in range(len(ran))], rows)
         if self.spec is not None and self.failure is None:
             self.spec.propose(self.scheduler)
@@ -190,10 +200,11 @@ class LLMEngine:
 
     def _forward(self, part: list[Scheduled]) -> torch.Tensor:
         steps = _steps(part, self.model.vision)
-        if all(st.prompt_logprobs is None for st in steps):
+        if all(st.prompt_logprobs is None and st.pool is None for st in steps):
             return self.executor.step(steps)
         result = self.executor.run_step(steps)
         prompt_logprobs.accumulate(part, result)
+        pooling.accumulate(part, steps, result)
         return result.logits
 
     def _sample(self, ready: list[Scheduled], logits: torch.Tensor) -> list[Update]:
@@ -307,7 +318,7 @@ class LLMEngine:
 def _steps(part: list[Scheduled], vision: VisionSpec | None) -> list[SeqStep]:
     """The step records of the scheduled sequences, for every rank."""
     return [SeqStep(s.seq.slot, s.token_ids, s.offset, s.new_blocks, s.fresh, prompt_logprobs.wanted(s), s.logits,
-                    _step_images(s, vision)) for s in part]
+                    _step_images(s, vision), pooling.wanted(s)) for s in part]
 
 
 def _step_images(s: Scheduled, vision: VisionSpec | None) -> list[StepImage]:
@@ -318,6 +329,22 @@ def _step_images(s: Scheduled, vision: VisionSpec | None) -> list[StepImage]:
     images = s.seq.images
     spans = image_spans(s.seq.prompt_token_ids, vision.image_token_id, [i.num_tokens for i in images])
     return [StepImage(image.uri, start) for image, (start, _) in zip(images, spans)]
+
+
+def _check_task(model: ModelConfig, params: SamplingParams | PoolingParams) -> None:
+    """Refuse a generation from a model served for embeddings only and an embedding from one served
+    for generation only (`--task`), or an embedding cut to more dimensions than it has."""
+    if isinstance(params, SamplingParams) and pooling.GENERATE not in model.tasks:
+        raise RequestError(f"model `{model.name}` is an embedding model: it serves /v1/embeddings, not generation "
+                           "(serve it with --task generate,embed to allow both)", param="model")
+    if not isinstance(params, PoolingParams):
+        return
+    if model.pooling is None:
+        raise RequestError(f"model `{model.name}` is a generation model: it does not serve embeddings (serve an "
+                           "embedding model, or this one with --task generate,embed)", param="model")
+    if params.dimensions is not None and not 0 < params.dimensions <= model.hidden_size:
+        raise RequestError(f"dimensions must be in 1..{model.hidden_size} (this model's embedding size), got "
+                           f"{params.dimensions}", param="dimensions")
 
 
 def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -341,7 +368,7 @@ def encode_prompt(engine: LLMEngine, prompt: str) -> list[int]:
     return engine.tokenizer.encode(prompt, add_special_tokens=True)
 
 
-__all__ = ["EngineConfig", "ImageError", "LLMEngine", "RequestError", "Update", "encode_prompt"]
+__all__ = ["EngineConfig", "ImageError", "LLMEngine", "PoolingParams", "RequestError", "Update", "encode_prompt"]
 
 
 def interruptible_load(cfg: EngineConfig | ModelConfig) -> tuple[Callable[[], LLMEngine], Callable[[str], None]]:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from neuron.config import MAX_MODEL_LEN_CAP, parse_bytes
 from neuron.engine.engine_config import EngineConfig, default_device
+from neuron.engine.pooling import EMBED, GENERATE, PoolingConfig
 from neuron.engine.spec_decode.config import SpeculativeConfig
 from neuron.engine.tokenizer import Tokenizer
 from neuron.errors import ConfigError
@@ -68,6 +69,8 @@ class ModelConfig:
     prefix_caching: bool
     step_tokens: int  # the token budget of one step
     kv_cache_bytes: int  # per rank; 0: sized by the rank (free GPU memory, or room for max_num_seqs on CPU)
+    tasks: frozenset[str] = frozenset({"generate"})  # what it serves: "generate", "embed" (engine/pooling.py)
+    pooling: PoolingConfig | None = None  # how it embeds, when "embed" is one of its tasks
 
     @property
     def model_type(self) -> str:
@@ -77,6 +80,11 @@ class ModelConfig:
         """Sampling defaults from generation_config.json, applied where a request is silent."""
         g = self.generation_config
         return {k: g[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty") if k in g}
+
+    @property
+    def hidden_size(self) -> int:
+        """The width of its hidden states: an embedding's length."""
+        return int(text_config(self.hf_config)["hidden_size"])
 
     @property
     def verify(self) -> VerifyShape:
@@ -134,6 +142,7 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
     tokenizer, tokenizer_dir = _tokenizer(spec, model_dir, gguf)
     generation = _generation_config(tokenizer_dir)
     speculative = _speculative(spec, config)
+    tasks, pooling = _tasks(spec.task, model_dir)
     return ModelConfig(
         spec=spec, name=spec.served_model_name or spec.model or "neuron-default", model_dir=model_dir,
         weight_files=tuple(str(f) for f in weight_files(model_dir)), hf_config=config, gguf=gguf,
@@ -144,7 +153,8 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
         generation_config=generation, eos_token_ids=_eos_ids(config, generation, tokenizer),
         vision=_vision(config, model_dir), speculative=speculative, prefix_caching=_prefix_caching(spec, config),
         step_tokens=spec.max_num_batched_tokens or max(spec.prefill_chunk_tokens, spec.max_num_seqs),
-        kv_cache_bytes=0 if spec.kv_cache_memory is None else parse_bytes(spec.kv_cache_memory, "kv_cache_memory"))
+        kv_cache_bytes=0 if spec.kv_cache_memory is None else parse_bytes(spec.kv_cache_memory, "kv_cache_memory"),
+        tasks=tasks, pooling=pooling)
 
 
 def load_config(model_dir: Path, overrides: dict | None = None) -> dict:
@@ -313,6 +323,66 @@ def _prefix_caching(spec: EngineConfig, config: dict) -> bool:
         raise ConfigError(f"prefix caching is not available for model_type {config.get('model_type')!r}: "
                           "its recurrent layers keep state that cannot be shared between sequences")
     return spec.enable_prefix_caching is not False and supports_prefix_caching(config)
+
+
+# ---- what it is served for: generation, embeddings (engine/pooling.py) ----------------------------
+
+_ST_POOLING = "sentence_transformers.models.Pooling"
+_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+_ST_TRANSFORMER = "sentence_transformers.models.Transformer"
+# sentence-transformers' pooling flags, as neuron's modes
+_MODES = {"pooling_mode_lasttoken": "lasttoken", "pooling_mode_mean_tokens": "mean",
+          "pooling_mode_cls_token": "cls"}
+_UNSUPPORTED = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+
+
+def _tasks(task: str, model_dir: Path) -> tuple[frozenset[str], PoolingConfig | None]:
+    """What the model serves (`task`: auto, generate, embed or generate,embed) and, when it embeds,
+    how it pools: from the checkpoint's sentence-transformers files, else the last token,
+    normalized. `auto` embeds only when those files say the checkpoint is a pooling model."""
+    found = sentence_transformers_pooling(model_dir)
+    if task == "auto":
+        task = EMBED if found is not None else GENERATE
+    tasks = frozenset(task.split(","))
+    if EMBED not in tasks:
+        return tasks, None
+    return tasks, found or PoolingConfig()
+
+
+def sentence_transformers_pooling(model_dir: Path) -> PoolingConfig | None:
+    """The pooling a sentence-transformers checkpoint declares (modules.json: a Transformer, a
+    Pooling module, optionally Normalize); None when it has no modules.json or no Pooling module.
+    What neuron cannot reproduce (another pooling mode, a Dense layer) is refused, naming it."""
+    path = model_dir / "modules.json"
+    if not path.is_file():
+        return None
+    modules = read_json(path)
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise ConfigError(f"{path}: expected a list of modules, each an object with `type` and `path`")
+    types = [str(m.get("type", "")) for m in modules]
+    if _ST_POOLING not in types:
+        return None
+    others = [t for t in types if t not in (_ST_TRANSFORMER, _ST_POOLING, _ST_NORMALIZE)]
+    if others:
+        raise ConfigError(f"{path}: module {others[0]!r} is not supported (neuron pools the hidden states and "
+                          "normalizes them: Transformer, Pooling and Normalize modules only)")
+    folder = str(modules[types.index(_ST_POOLING)].get("path") or "1_Pooling")
+    pooling = model_dir / folder / "config.json"
+    if not pooling.resolve().is_relative_to(model_dir.resolve()):
+        raise ConfigError(f"{path}: the Pooling module's path {folder!r} leads out of the checkpoint")
+    cfg = read_json(pooling)
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{pooling}: expected an object of pooling_mode_* flags")
+    unsupported = [k for k in _UNSUPPORTED if cfg.get(k)]
+    if unsupported:
+        raise ConfigError(f"{pooling}: {unsupported[0]} is not supported (lasttoken, mean and cls pooling are)")
+    if cfg.get("include_prompt") is False:
+        raise ConfigError(f"{pooling}: include_prompt false is not supported (every token is pooled)")
+    modes = [mode for key, mode in _MODES.items() if cfg.get(key)]
+    if len(modes) != 1:
+        raise ConfigError(f"{pooling}: exactly one of {', '.join(_MODES)} must be true, found "
+                          f"{len(modes)}")
+    return PoolingConfig(modes[0], _ST_NORMALIZE in types)
 
 
 def _stored_label(gguf: Path | None, stored: dict | None) -> str | None:

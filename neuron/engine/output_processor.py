@@ -34,6 +34,8 @@ class Update:
     failure_kind: str | None = None
     # The prompt's logprobs (first entry None), on the request's first update, when asked for.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # An embedding request's pooled vector (engine/pooling.py), on its final update.
+    embedding: list[float] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -85,13 +87,16 @@ class OutputProcessor:
         return self._final(tr, reason, stop_reason, [token], lps)
 
     def end(self, seq: Sequence, error: str | None = None, failure_kind: str | None = None) -> Update:
-        """The final update of a request the scheduler retired from outside (aborted, failed)."""
+        """The final update of a request the scheduler retired from outside (aborted, failed, or
+        done with its prompt: scored, or pooled into its embedding)."""
         tr = self._tracked.get(seq.request_id)
         if tr is None:  # it failed after `process` had made its final update, which is lost
             return Update(seq.request_id, [], "", None, True, "error", None, error, len(seq.prompt_token_ids),
                           len(seq.output_token_ids), failure_kind)
         update = self._final(tr, seq.finish_reason, seq.stop_reason, error=error)
         update.failure_kind = failure_kind
+        if seq.pooling is not None and error is None and seq.finish_reason != "abort":
+            update.embedding = seq.pooled.vector(seq.pooling)  # its prefill is done: the pooled vector
         return update
 
     def _stop_check(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:

@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from neuron.engine.pooling import Pooled, PoolingConfig
 from neuron.engine.sampling import SequenceSampler
 from neuron.engine.sampling_params import SamplingParams
 from neuron.engine.structured_output import GrammarMatcher
@@ -48,6 +49,16 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
     acceptance: Acceptance | None = None
     draft_state: DraftState | None = None
+    # an embedding request (engine/pooling.py): how its hidden states are pooled, and its vector so far
+    pooling: PoolingConfig | None = None
+    pooled: Pooled | None = None
+
+    @property
+    def wants_every_prompt_row(self) -> bool:
+        """Something is read from every prompt position (its logprobs, a mean or first-token pooling),
+        so no cached prefix may skip computing them."""
+        return self.params.prompt_logprobs is not None or (self.pooling is not None
+                                                            and self.pooling.mode != "lasttoken")
 
     @property
     def num_tokens(self) -> int:

@@ -155,6 +155,17 @@ class Tokenizer:
     def is_special(self, id: int) -> bool:
         return id in self._special_ids
 
+    @property
+    def named_tokens(self) -> dict[str, str]:
+        """The special tokens tokenizer_config.json names (bos_token, eos_token, pad_token, ...)."""
+        return dict(self._named_tokens)
+
+    def added_tokens_decoder(self) -> dict[str, dict]:
+        """The added tokens by id, as tokenizer_config.json writes them."""
+        return {str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized, "rstrip": t.rstrip,
+                         "single_word": t.single_word, "special": t.special}
+                for i, t in sorted(self._backend.get_added_tokens_decoder().items())}
+
     def to_json(self) -> str:
         """tokenizer.json as loaded, with the tokens tokenizer_config.json added (for grammar engines)."""
         return self._backend.to_str()

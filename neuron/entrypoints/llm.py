@@ -2,6 +2,9 @@
 
     with LLM(model="path-or-repo-id", tensor_parallel_size=2) as llm:
         outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=16))
+
+    with LLM(model="Qwen/Qwen3-Embedding-0.6B", task="embed") as llm:
+        vectors = [o.outputs.embedding for o in llm.embed(["Hello", "World"])]
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Sequence
 from neuron.engine.input_processor import check_cache_salt
 from neuron.engine.llm_engine import EngineConfig, LLMEngine, Update, encode_prompt
 from neuron.engine.parallel_sampling import cumulative_logprob, ranked, sample_id, sample_params
+from neuron.engine.pooling import PoolingParams
 from neuron.engine.sampling_params import SamplingParams, token_ids
 from neuron.errors import NeuronError
 from neuron.multimodal.image import ImageInput
@@ -43,6 +47,21 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # SamplingParams.prompt_logprobs
 
 
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """One input's embedding, as vLLM's `LLM.embed` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
 PromptType = str | dict | list[int]
 # What a prompt dict may hold (vLLM's TextPrompt and TokensPrompt, as far as neuron takes them).
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"})
@@ -65,6 +84,7 @@ class LLM:
     def __init__(
         self,
         model: str | None = None,
+        task: str | None = None,
         tensor_parallel_size: int | None = None,
         device: str | None = None,
         dtype: str | None = None,
@@ -88,7 +108,7 @@ class LLM:
     ):
         if kwargs:
             raise TypeError(f"LLM() got unsupported arguments: {', '.join(sorted(kwargs))}")
-        given = dict(model=model, tp=tensor_parallel_size, device=device, dtype=dtype, max_model_len=max_model_len,
+        given = dict(model=model, task=task, tp=tensor_parallel_size, device=device, dtype=dtype, max_model_len=max_model_len,
                      max_num_seqs=max_num_seqs, hf_cache_dir=download_dir, block_size=block_size,
                      kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
                      enable_prefix_caching=enable_prefix_caching, hf_overrides=hf_overrides,
@@ -129,6 +149,50 @@ class LLM:
         for out, p in zip(outputs, params_list):
             _keep_best(out, p)
         return outputs
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (a model served with task embed, or generate,embed), batched
+        together, in prompt order. `pooling_params.dimensions`: keep the first this many values
+        (Matryoshka), normalized again where the model normalizes."""
+        if self.engine.model.pooling is None:
+            raise NeuronError("this model does not embed: load it with task=\"embed\" (or \"generate,embed\")")
+        params = pooling_params or PoolingParams()
+        if isinstance(prompts, (str, dict)) or (len(prompts) and _is_id(prompts[0])):  # one prompt of ids
+            prompts = [prompts]
+        tokenized = [self._tokenize(prompt) for prompt in prompts]
+        for prompt in tokenized:
+            if prompt.images:
+                raise ValueError("embeddings take text or token ids, not images")
+            self.engine.inputs.admit_pooling(prompt.ids)
+        if self.engine.failure is not None:
+            self.engine.recover()
+        outputs = {}
+        for prompt in tokenized:
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, prompt.ids, params, cache_salt=prompt.cache_salt)
+            outputs[rid] = EmbeddingRequestOutput(rid, prompt.ids, EmbeddingOutput([]))
+        for u in self._drain(set(outputs)):
+            outputs[u.request_id].outputs.embedding = u.embedding
+        return list(outputs.values())
+
+    def _drain(self, pending: set[str]) -> list[Update]:
+        """Step until each of these requests has its final update; a failed one raises, after the
+        others were aborted and drained."""
+        done, failure = [], None
+        while pending:
+            for u in self.engine.step():
+                if u.request_id not in pending or not u.finished:
+                    continue
+                pending.discard(u.request_id)
+                done.append(u)
+                if u.error and failure is None:
+                    failure = u.error
+                    for rid in pending:
+                        self.engine.abort(rid)
+        if failure is not None:
+            raise NeuronError(f"embedding failed: {failure}")
+        return done
 
     def _add(self, prompt: _Prompt, children: list[SamplingParams],
              routes: dict[str, tuple[RequestOutput, int]]) -> RequestOutput:

@@ -30,9 +30,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("neuron.server")
 
 _DESCRIPTION = """\
-Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with
-/health for readiness probes and /metrics for Prometheus. The model loads in the background:
-/health answers 503 {"status": "loading"} until it is ready."""
+Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings,
+/v1/models), with /health for readiness probes and /metrics for Prometheus. The model loads in the
+background: /health answers 503 {"status": "loading"} until it is ready."""
 
 _EPILOG = """\
 Each option can also be set with the environment variable its help names (NEURON_ and the option
@@ -43,7 +43,7 @@ Example: NEURON_TP=2 NEURON_API_KEY=secret neuron serve ./my-model"""
 # The settings `neuron serve` takes as flags, in the groups and the order --help lists them.
 OPTION_GROUPS = (
     ("model", "what is served, and how its weights are held",
-     ("served_model_name", "models", "tokenizer", "hf_overrides", "dtype", "quantization", "max_model_len",
+     ("served_model_name", "models", "task", "tokenizer", "hf_overrides", "dtype", "quantization", "max_model_len",
       "speculative_config", "load_timeout_s")),
     ("parallel", "ranks, devices, batching and the KV cache",
      ("tp", "device", "cpu_all_reduce", "cpu_bind", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",

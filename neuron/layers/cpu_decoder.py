@@ -1,11 +1,13 @@
-"""A CPU fp32 step's dense decoder layers, all of them in one C++ call (`csrc/cpu_decoder.cpp`).
+"""A CPU fp32 step's decoder layers, all of them in one C++ call (`csrc/cpu_decoder.cpp`).
 
 A small model's decode step is host time: per layer a dozen ctypes calls into the kernels
 (cpu_ops, the paged attention) and as many small torch operations, 200-300 microseconds of Python
 against a few of arithmetic. Here a plan of every layer's weights, shapes and scratch buffers is
 built once per model (`DecoderStack.build`), and a step of up to cpu_ops.MAX_LINEAR_ROWS rows
 runs the whole layer loop in C, calling the same kernels with the same arguments as the Python
-layers, so the numbers are the same bit for bit. At tp > 1 the sums of the row-parallel
+layers, so the numbers are the same bit for bit. A projection's weight may be quantized (the
+kernel quantized.py calls for it, chosen once for the plan) or stacked from quantized parts of
+different layouts, as a GGUF file mixes them. At tp > 1 the sums of the row-parallel
 projections run there too, where the communicator's all-reduce has a C entry point (shared
 memory); a gloo group keeps the Python layers.
 
@@ -24,20 +26,31 @@ from pathlib import Path
 import torch
 
 from neuron.distributed.comm import Communicator
-from neuron.layers import cpu_attention, cpu_ops
+from neuron.layers import cpu_attention, cpu_ops, quantized
+from neuron.layers.kernels import Kernels
 from neuron.layers.paged_attention import PagedAttentionMetadata
 from neuron.utils import native
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_decoder.cpp"
 
-_WEIGHTS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "post_norm", "gate_up",
-            "gate_up_bias", "down", "down_bias", "k_pool", "v_pool")
+_NORMS = ("input_norm", "q_norm", "k_norm", "post_norm")
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _KERNELS = ("linear", "rms_norm", "add_rms_norm", "norm_rope", "silu_mul", "attention", "all_reduce", "abort_word")
 _SCRATCH = ("h", "qkv", "q", "k", "attn", "o", "mid", "gate_up", "act", "down")
 
 
+class _Part(ctypes.Structure):
+    _fields_ = [("dense", ctypes.c_void_p), ("layout", ctypes.c_void_p), ("qlinear", ctypes.c_void_p),
+                ("rows", ctypes.c_int64)]
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [("parts", ctypes.POINTER(_Part)), ("count", ctypes.c_int64), ("bias", ctypes.c_void_p)]
+
+
 class _LayerWeights(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in _WEIGHTS]
+    _fields_ = ([(name, ctypes.c_void_p) for name in _NORMS] + [(name, _Projection) for name in _PROJECTIONS]
+                + [("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p)])
 
 
 class _Plan(ctypes.Structure):
@@ -71,20 +84,20 @@ def library() -> ctypes.CDLL | None:
 @dataclass(slots=True)
 class LayerWeights:
     """One decoder layer's tensors as the plan takes them: the norms' weights, the merged
-    projections' [out, in] weights and biases (None where the layer has none; q_norm and k_norm
-    None without per-head norms) and the layer's K and V pools."""
+    projections' [out, in] weights (fp32, quantized or stacked) and biases (None where the layer
+    has none; q_norm and k_norm None without per-head norms) and the layer's K and V pools."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: quantized.Weight
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
+    o: quantized.Weight
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
+    gate_up: quantized.Weight
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
+    down: quantized.Weight
     down_bias: torch.Tensor | None
     k_pool: torch.Tensor
     v_pool: torch.Tensor
@@ -96,12 +109,30 @@ def _fp32(t, *shape: int) -> bool:
             and tuple(t.shape) == shape)
 
 
+def _parts(kernels: Kernels, w, rows: int, inputs: int) -> list[_Part] | None:
+    """A projection's weight as the plan's parts, each multiplied as the Python layer multiplies it
+    (cpu_linear.linear, quantized.linear); None where that is not the kernel the C loop calls: a
+    stacked part in fp32 (F.linear there), an input order of its own, a layout no kernel takes."""
+    if isinstance(w, torch.Tensor):
+        return [_Part(w.data_ptr(), None, None, rows)] if _fp32(w, rows, inputs) else None
+    pieces = w.parts if isinstance(w, quantized.StackedWeight) else [w]
+    parts = []
+    for q in pieces:
+        if not isinstance(q, quantized.QuantizedWeight) or q.input_index is not None or q.shape[1] != inputs:
+            return None
+        chosen = quantized.cpu_kernel(kernels, q, cpu_ops.MAX_LINEAR_ROWS)
+        if chosen is None:
+            return None
+        kernel, layout = chosen
+        parts.append(_Part(None, ctypes.addressof(layout), _address(kernel), q.shape[0]))
+    return parts if sum(p.rows for p in parts) == rows else None
+
+
 def _takes_layer(w: LayerWeights, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int) -> bool:
+    """The layer's norms, biases and pools are what the kernels take (its projections: _parts)."""
     qkv = (heads + 2 * kv_heads) * head_dim
     pool = w.k_pool
-    return (_fp32(w.input_norm, hidden) and _fp32(w.post_norm, hidden) and _fp32(w.qkv, qkv, hidden)
-            and _fp32(w.o, hidden, heads * head_dim) and _fp32(w.gate_up, 2 * inter, hidden)
-            and _fp32(w.down, hidden, inter)
+    return (_fp32(w.input_norm, hidden) and _fp32(w.post_norm, hidden)
             and all(b is None or _fp32(b, n) for b, n in ((w.qkv_bias, qkv), (w.o_bias, hidden),
                                                            (w.gate_up_bias, 2 * inter), (w.down_bias, hidden)))
             and (w.q_norm is None) == (w.k_norm is None)
@@ -122,11 +153,16 @@ def _address(function) -> int:
 class DecoderStack:
     """A model's plan: its layers' pointers and shapes, and the scratch buffers a step writes."""
 
-    def __init__(self, layers: list[LayerWeights], hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 inter: int, eps: float, comm: Communicator):
+    def __init__(self, layers: list[LayerWeights], parts: list[dict[str, list[_Part]]], hidden: int, heads: int,
+                 kv_heads: int, head_dim: int, inter: int, eps: float, comm: Communicator):
         self.layers, self.comm, self.hidden = layers, comm, hidden  # the tensors stay referenced
-        self.weights = (_LayerWeights * len(layers))(
-            *[_LayerWeights(*[_ptr(getattr(w, name)) for name in _WEIGHTS]) for w in layers])
+        self.parts = [{name: (_Part * len(p))(*p) for name, p in layer.items()} for layer in parts]
+        self.weights = (_LayerWeights * len(layers))(*[
+            _LayerWeights(*[_ptr(getattr(w, name)) for name in _NORMS],
+                          *[_Projection(arrays[name], len(arrays[name]), _ptr(getattr(w, f"{name}_bias")))
+                            for name in _PROJECTIONS],
+                          w.k_pool.data_ptr(), w.v_pool.data_ptr())
+            for w, arrays in zip(layers, self.parts)])
         rows = cpu_ops.MAX_LINEAR_ROWS
         widths = dict(h=hidden, qkv=(heads + 2 * kv_heads) * head_dim, q=heads * head_dim, k=kv_heads * head_dim,
                       attn=heads * head_dim, o=hidden, mid=hidden, gate_up=2 * inter, act=inter, down=hidden)
@@ -142,10 +178,11 @@ class DecoderStack:
 
     @classmethod
     def build(cls, layers: list[LayerWeights], hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,
-              eps: float, comm: Communicator) -> DecoderStack | None:
+              eps: float, comm: Communicator, kernels: Kernels) -> DecoderStack | None:
         """The plan for these layers (this rank's heads and MLP width), or None where one of them is
-        not what the C loop runs (a quantized or non-fp32 weight, an odd head size), the kernels
-        are not built here, or the ranks sum through a communicator without a C entry point."""
+        not what the C loop runs (a weight neither fp32 nor in a layout the quantized kernels take
+        under `kernels`, an odd head size), the kernels are not built here, or the ranks sum
+        through a communicator without a C entry point."""
         if (not layers or head_dim % 2 or library() is None or cpu_ops.library() is None
                 or cpu_attention.library() is None):
             return None
@@ -153,8 +190,15 @@ class DecoderStack:
             return None
         if not all(_takes_layer(w, hidden, heads, kv_heads, head_dim, inter) for w in layers):
             return None
+        shapes = {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden), "o": (hidden, heads * head_dim),
+                  "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+        parts = [{name: _parts(kernels, getattr(w, name), *shapes[name]) for name in _PROJECTIONS} for w in layers]
+        if any(p is None for layer in parts for p in layer.values()):
+            return None
         pools = {(w.k_pool.stride(0), w.k_pool.stride(1)) for w in layers}
-        return cls(layers, hidden, heads, kv_heads, head_dim, inter, eps, comm) if len(pools) == 1 else None
+        if len(pools) != 1:
+            return None
+        return cls(layers, parts, hidden, heads, kv_heads, head_dim, inter, eps, comm)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             meta: PagedAttentionMetadata | None) -> torch.Tensor | None:

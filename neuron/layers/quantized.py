@@ -233,12 +233,35 @@ class _Layout(ctypes.Structure):
 def _kernel_takes(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> bool:
     if not (kernels.quant_kernels and kernels.cpu_ops) or x.dim() != 2 or x.shape[0] > MAX_KERNEL_ROWS:
         return False
+    return _weight_takes(w) and cpu_ops.takes(x, *([bias] if bias is not None else []))
+
+
+def _weight_takes(w: QuantizedWeight) -> bool:
+    """Whether the CPU kernels take W's layout: whole groups (of 16 inputs, 32 for 4-bit codes), a
+    power-of-two number of groups per super-block that the kernel's buffer holds, fp32 scales."""
     if w.group % 16 or (w.bits == 4 and w.group % 32) or w.k % w.group:
         return False
     if w.per_super > MAX_PER_SUPER or w.per_super & (w.per_super - 1):  # the kernel's shift and its buffer
         return False
-    floats = [x, w.scale] + ([w.offset] if w.offset is not None else []) + ([bias] if bias is not None else [])
+    floats = [w.scale] + ([w.offset] if w.offset is not None else [])
     return w.codes.is_cpu and w.codes.stride(-1) == 1 and cpu_ops.takes(*floats)
+
+
+def cpu_kernel(kernels: Kernels, w: QuantizedWeight, rows: int = 1):
+    """The CPU kernel that multiplies fp32 steps of up to `rows` rows (at most MAX_KERNEL_ROWS) by W
+    in its stored input order, and W's layout as that kernel reads it: `kernel(x, m, x_stride,
+    byref(layout), bias, y, y_stride, threads)`. None where `kernels` rule the kernels out or they
+    do not take W (its layout, or FP8 scales too large for the kernel's exponent shift)."""
+    if not (kernels.quant_kernels and kernels.cpu_ops) or rows > MAX_KERNEL_ROWS or not _weight_takes(w):
+        return None
+    if w.layout is None:
+        # FP8 codes are scaled by scale x 2^120 in the kernel (csrc/cpu_ops.cpp), finite below 2^8
+        w.layout = _layout(w) if not w.fp8 or bool(w.scale.abs().max() < 256) else False
+    if not w.layout:
+        return None
+    lib = cpu_ops.library()
+    kernel = lib.neuron_qlinear if kernels.quant_exact or not _integer_takes(w, rows) else lib.neuron_qlinear_int
+    return kernel, w.layout
 
 
 def _integer_takes(w: QuantizedWeight, rows: int) -> bool:
@@ -276,18 +299,14 @@ def linear(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight | StackedWeight
     # a half-precision CPU step runs the kernel in fp32 (its activations are a few rows) and casts back
     half = x.dtype in (torch.bfloat16, torch.float16) and x.is_cpu
     xk, bk = (x.float(), None if bias is None else bias.float()) if half else (x, bias)
-    if _kernel_takes(kernels, xk, w, bk):
-        if w.layout is None:
-            # FP8 codes are scaled by scale x 2^120 in the kernel (csrc/cpu_ops.cpp), finite below 2^8
-            w.layout = _layout(w) if not w.fp8 or bool(w.scale.abs().max() < 256) else False
-        if w.layout:
-            m = xk.shape[0]
-            y = torch.empty((m, w.codes.shape[0]), dtype=torch.float32)
-            lib = cpu_ops.library()
-            kernel = lib.neuron_qlinear if kernels.quant_exact or not _integer_takes(w, m) else lib.neuron_qlinear_int
-            kernel(xk.data_ptr(), m, xk.stride(0), ctypes.byref(w.layout), None if bk is None else bk.data_ptr(),
-                   y.data_ptr(), y.stride(0), torch.get_num_threads())
-            return y.to(x.dtype) if half else y
+    chosen = cpu_kernel(kernels, w, xk.shape[0]) if _kernel_takes(kernels, xk, w, bk) else None
+    if chosen is not None:
+        kernel, layout = chosen
+        m = xk.shape[0]
+        y = torch.empty((m, w.codes.shape[0]), dtype=torch.float32)
+        kernel(xk.data_ptr(), m, xk.stride(0), ctypes.byref(layout), None if bk is None else bk.data_ptr(),
+               y.data_ptr(), y.stride(0), torch.get_num_threads())
+        return y.to(x.dtype) if half else y
     if x.is_cuda and x.dim() == 2 and HAS_TRITON and kernels.triton("quant_linear"):
         return linear_triton(x, w, bias)
     return F.linear(x, w.stored(x.dtype), bias)

@@ -11,6 +11,7 @@ holds for the residual sum and the activation: rounded where PyTorch's separate 
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -79,7 +80,8 @@ def add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, stride_x, str
 
 
 @triton.jit
-def silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, stride_out, n_cols, BLOCK: tl.constexpr):
+def silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, stride_out, n_cols, BLOCK: tl.constexpr,
+                    LIBDEVICE: tl.constexpr):
     """silu(gate) * up over a block of one row, each rounded to the model's dtype as PyTorch's two
     operations round."""
     row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -88,5 +90,12 @@ def silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, stride_ou
     out_dtype = out_ptr.dtype.element_ty
     gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
-    activated = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32)
+    # PyTorch's silu: x / (1 + exp(-x)) with the accurate expf and an IEEE division; Triton's own exp
+    # and `/` are the fast approximations, which flipped fp16 roundings on a GPU. Triton's CPU
+    # interpreter (the tests without a GPU) has no libdevice; its exp is numpy's.
+    if LIBDEVICE:
+        exp = libdevice.exp(-gate)
+    else:
+        exp = tl.exp(-gate)
+    activated = tl.math.div_rn(gate, 1.0 + exp).to(out_dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (activated * up).to(out_dtype), mask=mask)

@@ -6,13 +6,13 @@ import torch
 
 from neuron.errors import ConfigError
 from neuron.layers import quantized
-from neuron.models import prompt_logprobs
+from neuron.models import pooling, prompt_logprobs
 from neuron.models.inputs import StepBatch
 
 
 class CausalLM:
-    """Subclasses set `embed`, `layers`, `norm`, `lm_head`, `rotary` and `cache`, and list each
-    layer's weights in `layer_tensors`."""
+    """Subclasses set `comm`, `embed`, `layers`, `norm`, `lm_head`, `rotary` and `cache`, and list
+    each layer's weights in `layer_tensors`."""
 
     # Whether a decode step reads only the batch's device tensors (no per-slot state kept on the
     # host), so that the model runner may replay it from a CUDA graph (neuron/worker/cuda_graphs.py).
@@ -45,6 +45,8 @@ class CausalLM:
         x = self.run_layers(x, batch, self.rotary.tables(positions))
         if batch.prompt_topk is not None:
             batch.prompt_out = prompt_logprobs.compute(self, x, batch)
+        if batch.pool is not None and self.comm.rank == 0:
+            batch.pool_out = pooling.compute(self, x, batch)
         last = x if batch.all_decode else x[batch.last_index]
         logits = self.lm_head(self.norm(last))
         return None if logits is None else logits.float()

@@ -37,12 +37,16 @@ class StepBatch:
     prompt_topk: list[int | None] | None = None  # per sequence: top-k of its chunk's prompt logprobs, if asked
     prompt_out: dict | None = None  # rank 0: PromptChunkLogprobs by sequence index, filled by the forward
     logit_counts: list[int] | None = None  # a speculative step: each sequence's rows of logits (else one each)
+    pool: list[str | None] | None = None  # per sequence: what rank 0 pools of its chunk (SeqStep.pool), if any
+    pool_out: dict | None = None  # rank 0: each pooled sequence's [hidden] vector by index, filled by the forward
 
 
 @dataclass(slots=True)
 class StepResult:
     """What rank 0 keeps of a step: the last-token logits ([num_seqs, vocab]) and, for the
-    sequences that asked, their chunk's prompt logprobs keyed by index in the step."""
+    sequences that asked, their chunk's prompt logprobs and their pooled hidden states, keyed by
+    index in the step."""
 
     logits: Any
     prompt: dict[int, Any] = field(default_factory=dict)
+    pooled: dict[int, Any] = field(default_factory=dict)

@@ -142,11 +142,15 @@ class CheckpointReader(Reader):
 
     def __init__(self, paths: list[str | Path]):
         self._files = []
-        self._where: dict[str, tuple[object, str]] = {}  # tensor name: (open file, its name)
+        self._where: dict[str, tuple[object, str, str]] = {}  # tensor name: (open file, its name, stored name)
         for path in paths:
             f = _safetensors(path, lambda p: safe_open(str(p), framework="pt", device="cpu"))
             self._files.append(f)
-            self._where.update((name, (f, Path(path).name)) for name in f.keys())
+            self._where.update((name, (f, Path(path).name, name)) for name in f.keys())
+        if "model.embed_tokens.weight" not in self._where and "embed_tokens.weight" in self._where:
+            # the base model saved alone (sentence-transformers' Qwen3-Embedding): names without the
+            # `model.` prefix the causal LM's carry, and no LM head
+            self._where = {f"model.{name}": where for name, where in self._where.items()}
 
     def has(self, name: str) -> bool:
         return name in self._where
@@ -163,19 +167,19 @@ class CheckpointReader(Reader):
         return self._where[name][0]
 
     def shape(self, name: str) -> list[int]:
-        f = self._file(name)
-        return _safetensors(self.source(name), lambda _: list(f.get_slice(name).get_shape()), name)
+        f, stored = self._file(name), self._where[name][2]
+        return _safetensors(self.source(name), lambda _: list(f.get_slice(stored).get_shape()), name)
 
     def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         """The tensor `name`, or its [start, end) along `dim`, in memory of its own: safetensors hands
         whole tensors out as views of its mapping of the file, and one such view kept (a norm's
         weight) kept the whole file mapped, with every page the rank's slices had read resident."""
-        f = self._file(name)
+        f, stored = self._file(name), self._where[name][2]
         if dim is None:
-            return _safetensors(self.source(name), lambda _: f.get_tensor(name).clone(), name)
+            return _safetensors(self.source(name), lambda _: f.get_tensor(stored).clone(), name)
 
         def sliced(_) -> torch.Tensor:
-            sl = f.get_slice(name)
+            sl = f.get_slice(stored)
             shape = sl.get_shape()
             stop = shape[dim] if end is None else end
             return sl[tuple(slice(start, stop) if d == dim else slice(None) for d in range(len(shape)))]

@@ -258,7 +258,7 @@ class Qwen3ForCausalLM(CausalLM):
         weights = [self._layer_weights(i, layer) for i, layer in enumerate(self.layers)]
         return cpu_decoder.DecoderStack.build(weights, c.hidden_size, lay.local_heads, lay.local_kv_heads,
                                               c.head_dim, self.layers[0].mlp.gate_up.sizes[0], norms[0].eps,
-                                              self.comm)
+                                              self.comm, k)
 
     def _layer_weights(self, i: int, layer: DecoderLayer) -> cpu_decoder.LayerWeights:
         a, m = layer.attn, layer.mlp

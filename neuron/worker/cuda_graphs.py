@@ -88,7 +88,8 @@ class DecodeGraphs:
         self.logits: torch.Tensor | None = None  # rank 0: every bucket's logits, rows of one buffer
 
     def fits(self, batch: StepBatch) -> bool:
-        if batch.paged is None or batch.prompt_topk is not None or batch.paged.num_seqs > self.buckets[-1]:
+        if batch.paged is None or batch.prompt_topk is not None or batch.pool is not None \
+                or batch.paged.num_seqs > self.buckets[-1]:
             return False
         if self.query_len == 1:
             return batch.all_decode

@@ -86,7 +86,8 @@ class ModelRunner:
             self.verify_graphs = capture_decode_graphs(self.model, min(max_batch, verify.batch), verify.tokens)
 
     def step(self, seqs: list[SeqStep]) -> StepResult:
-        """One batched forward; what this rank keeps of it (rank 0: logits and prompt logprobs)."""
+        """One batched forward; what this rank keeps of it (rank 0: logits, prompt logprobs and
+        pooled hidden states)."""
         model, tables = self.model, self.tables
         if any(s.images for s in seqs) and getattr(model, "vision", None) is None:
             raise WorkerFailure(p.ErrorKind.UNSUPPORTED_ARCH, "this model has no vision tower: a step with images "
@@ -100,13 +101,15 @@ class ModelRunner:
         model.cache.begin(seqs)
         if any(s.prompt_logprobs is not None for s in seqs):
             batch.prompt_topk = [s.prompt_logprobs for s in seqs]
+        if any(s.pool is not None for s in seqs):
+            batch.pool = [s.pool for s in seqs]
         try:
             logits = self._forward(batch)
         except Exception as exc:
             raise WorkerFailure(p.ErrorKind.FORWARD_FAILED, f"{type(exc).__name__}: {exc}") from exc
         tables.commit(batch)
         model.cache.commit(batch)
-        return StepResult(logits, batch.prompt_out or {})
+        return StepResult(logits, batch.prompt_out or {}, batch.pool_out or {})
 
     def _forward(self, batch: StepBatch) -> torch.Tensor | None:
         """A step that fits a captured graph replays it; any other runs the model's forward."""

@@ -250,3 +250,38 @@ class DetokenizeRequest(Struct, kw_only=True):
 
 class DetokenizeResponse(Struct):
     prompt: str
+
+
+# ---- /v1/embeddings ----
+
+
+class EmbeddingRequest(Struct, kw_only=True):
+    """OpenAI's embeddings request: `input` a string, a list of strings, token ids, or a list of
+    token-id lists; `dimensions` keeps the first values of each vector (Matryoshka)."""
+
+    input: Any
+    model: str | None = None
+    encoding_format: str = "float"  # or "base64": little-endian float32, as OpenAI sends it
+    dimensions: int | None = None
+    user: str | None = None  # OpenAI's end-user id: accepted, not used
+    cache_salt: str | None = None  # as on completions: which requests may share cached prefixes
+
+
+class EmbeddingData(Struct):
+    index: int
+    embedding: list[float] | str
+    object: str = "embedding"
+
+
+class EmbeddingUsage(Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(Struct):
+    id: str
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+    object: str = "list"

@@ -23,27 +23,33 @@ from starlette.routing import Route
 from neuron.config import check, from_settings
 from neuron.engine.async_engine import AsyncEngine, EngineState
 from neuron.engine.host import HostedModel, HostError, ModelHost
+from neuron.engine.pooling import GENERATE
 from neuron.entrypoints.openai.admin import admin_routes, host_error
 from neuron.entrypoints.openai.api_errors import APIError, bad_request, internal
 from neuron.entrypoints.openai.api_types import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ModelCard,
     ModelList,
     SamplingRequest,
     TokenizeRequest,
 )
-from neuron.entrypoints.openai.common import check_ready, request_salt
+from neuron.entrypoints.openai.common import check_ready, check_serves, request_salt
 from neuron.entrypoints.openai.connections import BodyTimeout, RequestGuard, parse_origins
+from neuron.entrypoints.openai.messages_types import CountTokensRequest, MessagesRequest
+from neuron.entrypoints.openai.ollama import Served, ollama_error, ollama_routes
 from neuron.entrypoints.openai.prompt_input import Limiters
 from neuron.entrypoints.openai.request_body import read_body, require_json
 from neuron.entrypoints.openai.response_store import ResponseStore
 from neuron.entrypoints.openai.responses_types import ResponsesRequest
 from neuron.entrypoints.openai.serving_chat import create_chat_completion
 from neuron.entrypoints.openai.serving_completions import create_completion
+from neuron.entrypoints.openai.serving_embeddings import create_embedding
+from neuron.entrypoints.openai.serving_messages import count_tokens, create_message, error_response
 from neuron.entrypoints.openai.serving_responses import create_response, delete_response, retrieve_response
-from neuron.entrypoints.openai.serving_tokenization import detokenize, tokenize
+from neuron.entrypoints.openai.serving_tokenization import detokenize, tokenize, tokenizer_info
 from neuron.errors import ConfigError
 
 log = logging.getLogger("neuron.server")
@@ -98,12 +104,20 @@ def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
         Route("/v1/models", api.endpoint("models", api.models), methods=["GET"]),
         Route("/v1/chat/completions", api.endpoint("chat", api.chat), methods=["POST"]),
         Route("/v1/completions", api.endpoint("completions", api.completions), methods=["POST"]),
+        Route("/v1/embeddings", api.endpoint("embeddings", api.embeddings), methods=["POST"]),
+        # Anthropic's Messages API: its clients send the key as x-api-key, and read its error shape
+        Route("/v1/messages", api.endpoint("messages", api.messages, api.authenticate_either, error_response),
+              methods=["POST"]),
+        Route("/v1/messages/count_tokens", api.endpoint("count_tokens", api.count_tokens, api.authenticate_either,
+                                                        error_response), methods=["POST"]),
         Route("/v1/responses", api.endpoint("responses", api.responses), methods=["POST"]),
         Route("/v1/responses/{response_id}", api.endpoint("responses", api.retrieve_response), methods=["GET"]),
         Route("/v1/responses/{response_id}", api.endpoint("responses", api.delete_response), methods=["DELETE"]),
         Route("/tokenize", api.endpoint("tokenize", api.tokenize), methods=["POST"]),
         Route("/detokenize", api.endpoint("detokenize", api.detokenize), methods=["POST"]),
+        Route("/tokenizer_info", api.endpoint("tokenizer_info", api.tokenizer_info), methods=["GET"]),
     ]
+    routes += ollama_routes(Served(host, api.limiters, api._decode, api._engine, api._salt, api.started), api.endpoint)
     if cfg.admin_key is not None:  # off without a key: its paths are unknown (404)
         routes += admin_routes(host, cfg.admin_key, api.endpoint)
 
@@ -126,7 +140,8 @@ def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Unknown routes and methods, in the same envelope as everything else."""
     kind = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None
-    return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=kind).response()
+    error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=kind)
+    return ollama_error(error) if request.url.path.startswith("/api/") else error.response()
 
 
 class _Api:
@@ -138,9 +153,10 @@ class _Api:
         self.limiters = Limiters()
         self.responses_store = ResponseStore(cfg.responses_max_stored, cfg.responses_max_stored_bytes)
 
-    def endpoint(self, name: str, handler, authenticate=None):
+    def endpoint(self, name: str, handler, authenticate=None, errors=APIError.response):
         """Wrap a handler: authentication (the API key's, unless `authenticate` says otherwise), the
-        error envelope, and the request counter."""
+        error envelope (`errors` renders an APIError in the route's API: OpenAI's unless it says
+        otherwise), and the request counter."""
 
         async def run(request: Request) -> Response:
             try:
@@ -149,7 +165,7 @@ class _Api:
             except APIError as exc:  # the path and the message may hold client text: quoted, one line
                 log.info("%s %r refused: %d %s: %r", request.method, request.url.path, exc.status,
                          exc.code or exc.type, exc.message)
-                response = exc.response()
+                response = errors(exc)
                 # The traceback's frames hold the request (its params, a compiled grammar, its
                 # streams) in reference cycles that only a full garbage collection would free.
                 traceback.clear_frames(exc.__traceback__)
@@ -159,7 +175,7 @@ class _Api:
                 response = Response(status_code=CLIENT_CLOSED_REQUEST)
             except Exception:
                 log.exception("%s %r failed", request.method, request.url.path)
-                response = internal("internal server error; see the server log").response()
+                response = errors(internal("internal server error; see the server log"))
             self.stats.requests.labels(name, str(response.status_code)).inc()
             return response
 
@@ -171,11 +187,23 @@ class _Api:
         the key's UTF-8 in constant time."""
         if self.cfg.api_key is None:
             return
-        token = _bearer(request)
-        if token is None or not hmac.compare_digest(token.encode("latin-1"), self.cfg.api_key.encode()):
+        if not self._is_key(_bearer(request)):
             raise APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
                            type="authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
+
+    def authenticate_either(self, request: Request) -> None:
+        """Anthropic's way, the key as `x-api-key`, or OpenAI's bearer token."""
+        if self.cfg.api_key is None or self._is_key(request.headers.get("x-api-key")):
+            return
+        if not self._is_key(_bearer(request)):
+            raise APIError(401, "missing or invalid API key: send `x-api-key: <key>` or `Authorization: Bearer <key>`",
+                           type="authentication_error", code="invalid_api_key")
+
+    def _is_key(self, given: str | None) -> bool:
+        """The header's bytes (Starlette decodes them as latin-1) equal the key's UTF-8, compared in
+        constant time."""
+        return given is not None and hmac.compare_digest(given.encode("latin-1"), self.cfg.api_key.encode())
 
     async def health(self, request: Request) -> Response:
         """200 when every model loaded at start-up is ready; else 503. A server of one model answers
@@ -211,18 +239,36 @@ class _Api:
     async def chat(self, request: Request) -> Response:
         req = await self._decode(request, ChatCompletionRequest)
         engine = await self._engine(req.model)
+        check_serves(engine, GENERATE)
         return await create_chat_completion(request, engine, req, self.cfg.keepalive_s, self.limiters,
                                             self._salt(request, req))
 
     async def completions(self, request: Request) -> Response:
         req = await self._decode(request, CompletionRequest)
         engine = await self._engine(req.model)
+        check_serves(engine, GENERATE)
         return await create_completion(request, engine, req, self.cfg.keepalive_s, self.limiters,
                                        self._salt(request, req))
+
+    async def embeddings(self, request: Request) -> Response:
+        req = await self._decode(request, EmbeddingRequest)
+        engine = await self._engine(req.model)
+        return await create_embedding(request, engine, req, self.limiters.tokenize, self._salt(request, req))
+
+    async def messages(self, request: Request) -> Response:
+        req = await self._decode(request, MessagesRequest)
+        engine = await self._engine(req.model)
+        return await create_message(request, engine, req, self.cfg.keepalive_s, self.limiters,
+                                    self._salt(request, req))
+
+    async def count_tokens(self, request: Request) -> Response:
+        req = await self._decode(request, CountTokensRequest)
+        return await count_tokens(await self._engine(req.model), req, self.limiters)
 
     async def responses(self, request: Request) -> Response:
         req = await self._decode(request, ResponsesRequest)
         engine = await self._engine(req.model)
+        check_serves(engine, GENERATE)
         return await create_response(request, engine, req, self.cfg.keepalive_s, self.limiters,
                                      self.responses_store, self._salt(request, req))
 
@@ -243,10 +289,14 @@ class _Api:
         except HostError as exc:
             raise host_error(exc, param="model") from None
 
-    def _salt(self, request: Request, req: SamplingRequest) -> str | None:
+    def _salt(self, request: Request,
+              req: SamplingRequest | MessagesRequest | EmbeddingRequest | ResponsesRequest) -> str | None:
         """The request's cache salt under this server's isolation. The key it presented: the bearer
-        token, else the Authorization header as sent ("" without one: keyless requests share)."""
+        token, else the x-api-key header, else the Authorization header as sent ("" without any:
+        keyless requests share)."""
         token = _bearer(request)
+        if token is None:
+            token = request.headers.get("x-api-key")
         presented = token if token is not None else request.headers.get("authorization", "")
         return request_salt(req, self.cfg.prefix_cache_isolation, presented)
 
@@ -257,6 +307,9 @@ class _Api:
     async def detokenize(self, request: Request) -> Response:
         req = await self._decode(request, DetokenizeRequest)
         return await detokenize(await self._named(req.model), req, self.limiters.tokenize)
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        return tokenizer_info(await self._named(request.query_params.get("model")))
 
     async def _named(self, name: str | None) -> AsyncEngine:
         """The engine of a tokenizer route: the model named, or the server's one model."""

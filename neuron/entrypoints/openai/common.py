@@ -18,6 +18,7 @@ from neuron.engine.async_engine import AsyncEngine, EngineState, NotReady, Overl
 from neuron.engine.input_processor import check_cache_salt
 from neuron.engine.llm_engine import RequestError, Update
 from neuron.engine.parallel_sampling import num_samples, ranked, sample_id, sample_params
+from neuron.engine.pooling import GENERATE
 from neuron.engine.sampling_params import InvalidParams, SamplingParams
 from neuron.engine.structured_output import CompiledGrammar
 from neuron.entrypoints.openai.api_errors import (
@@ -28,7 +29,7 @@ from neuron.entrypoints.openai.api_errors import (
     unavailable,
     unsupported,
 )
-from neuron.entrypoints.openai.api_types import SamplingRequest, UsageInfo
+from neuron.entrypoints.openai.api_types import EmbeddingRequest, SamplingRequest, UsageInfo
 from neuron.entrypoints.openai.streaming import DONE, KEEPALIVE, merged_updates
 from neuron.multimodal.image import ImageInput
 
@@ -74,7 +75,7 @@ def check_common(req: SamplingRequest) -> None:
         raise unsupported("logit_bias", "logit_bias is not supported")
 
 
-def request_salt(req: SamplingRequest, isolation: str, presented_key: str) -> str | None:
+def request_salt(req: SamplingRequest | EmbeddingRequest, isolation: str, presented_key: str) -> str | None:
     """The cache salt every sequence of the request carries (its prompts' and samples', which so
     share one prefill), by --prefix-cache-isolation: `none`, the request's own `cache_salt`; `api-key`,
     a digest of the key the client presented (`presented_key`) with its `cache_salt`, so that
@@ -95,6 +96,21 @@ def check_ready(engine: AsyncEngine) -> None:
     """Nothing when the model is ready to serve; else the 503 that says why not."""
     if engine.state is not EngineState.READY or not engine.loaded:
         raise _not_ready(NotReady(engine.state, engine.error))
+
+
+def check_serves(engine: AsyncEngine, task: str) -> None:
+    """`check_ready`, then a 400 when the model is not served for `task` (engine/pooling.py:
+    "generate" for chat and completions, "embed" for embeddings), saying how to serve it so."""
+    check_ready(engine)
+    if task in engine.tasks:
+        return
+    if task == GENERATE:
+        raise bad_request(f"model `{engine.model_name}` is an embedding model: it serves /v1/embeddings only, not "
+                          "chat or completions (serve it with --task generate,embed to allow both)",
+                          param="model", code="model_not_generative")
+    raise bad_request(f"model `{engine.model_name}` is a generation model: it does not serve /v1/embeddings (serve "
+                      "an embedding model, or this one with --task embed or --task generate,embed)",
+                      param="model", code="model_not_embedding")
 
 
 def _not_ready(exc: NotReady) -> APIError:
@@ -151,8 +167,15 @@ def sampling_params(req: SamplingRequest, defaults: dict, *, max_tokens: int | N
 def open_stream(engine: AsyncEngine, request_id: str, prompt_ids: list[int], params: SamplingParams,
                 prompt_param: str, images: list[ImageInput] | None = None, count_prompt: bool = True,
                 grammar: CompiledGrammar | None = None, cache_salt: str | None = None) -> RequestStream:
+    return admitted(lambda: engine.open(request_id, prompt_ids, params, images, count_prompt, grammar, cache_salt),
+                    prompt_param)
+
+
+def admitted(open_request: Callable[[], RequestStream], prompt_param: str) -> RequestStream:
+    """The stream `open_request()` opens; the engine's refusals as the API's errors (503 not ready
+    or full, 400 for a request it cannot run, naming `prompt_param` for the prompt)."""
     try:
-        return engine.open(request_id, prompt_ids, params, images, count_prompt, grammar, cache_salt)
+        return open_request()
     except NotReady as exc:
         raise _not_ready(exc) from None
     except Overloaded as exc:
@@ -226,33 +249,41 @@ def check_prompt_logprobs(prompts: list[list[int]], params: SamplingParams) -> N
                           "ask for fewer samples, a smaller top-k or a shorter prompt", param="prompt_logprobs")
 
 
+def _openai_error_event(error: APIError) -> bytes:
+    return sse(error.body())
+
+
 async def stream_events(samples: Samples, keepalive_s: float,
                         chunks: Callable[[int, Update], Awaitable[list[bytes]]],
-                        usage: Callable[[UsageInfo], bytes] | None, opening: Sequence[bytes] = ()) -> AsyncIterator[bytes]:
-    """The SSE body of both endpoints: `opening`, then for each batch of updates the chunks they make
-    (`chunks(choice, update)`, one write per batch), a keep-alive comment whenever `keepalive_s`
-    passes with nothing, an error event (and the end) when a sample fails, the usage chunk when the
-    request asked for it, and `[DONE]`. The samples are closed however it ends."""
+                        usage: Callable[[UsageInfo], bytes] | None, opening: Sequence[bytes] = (), *,
+                        keepalive: bytes = KEEPALIVE, error_event: Callable[[APIError], bytes] = _openai_error_event,
+                        done: bytes = DONE) -> AsyncIterator[bytes]:
+    """The SSE body of every generating endpoint: `opening`, then for each batch of updates the
+    chunks they make (`chunks(choice, update)`, one write per batch), `keepalive` whenever
+    `keepalive_s` passes with nothing, an error event (and the end) when a sample fails, the usage
+    chunk when the request asked for it, and `done`. OpenAI's comment, error chunk and `[DONE]`
+    unless the API says otherwise. The samples are closed however it ends."""
     try:
         for chunk in opening:
             yield chunk
         async for batch in merged_updates(samples.streams, keepalive_s):
             if batch is None:
-                yield KEEPALIVE
+                yield keepalive
                 continue
             out: list[bytes] = []
             for k, update in batch:
                 if update.finish_reason == "error":
                     if samples.streams[k].failure_kind == "unloaded":  # cut by an unload: its choice aborts
                         out += await chunks(k, dataclasses.replace(update, finish_reason="abort", error=None))
-                    yield b"".join(out) + sse(stream_error(samples.streams[k], update.error).body())
+                    yield b"".join(out) + error_event(stream_error(samples.streams[k], update.error))
                     return
                 out += await chunks(k, update)
             if out:
                 yield b"".join(out)  # one write for what the batch brought
         if usage is not None:
             yield usage(samples.usage(range(len(samples.streams))))
-        yield DONE
+        if done:
+            yield done
     finally:
         samples.close()
 

@@ -66,12 +66,12 @@ class ChatRequestContext:
     """Everything about one chat request that its response needs."""
 
     def __init__(self, req: ChatCompletionRequest, model: str, tokenizer, prompt: str, top_logprobs: int | None,
-                 tools: str | None):
+                 tools: str | None, id_prefix: str = "chatcmpl"):
         """`tools`: the format the reply's tool calls come in (TOOL_FORMATS, or GRAMMAR_CALLS); None
         when it offers none."""
         self.req = req
         self.tools = tools
-        self.id = new_id("chatcmpl")
+        self.id = new_id(id_prefix)
         self.created = now()
         self.model = model
         self.tokenizer = tokenizer
@@ -139,7 +139,7 @@ def _check(req: ChatCompletionRequest) -> None:
                           param="chat_template_kwargs")
 
 
-def _render(engine: AsyncEngine, req: ChatCompletionRequest) -> tuple[str, list[int], list[ImageInput]]:
+def render_chat(engine: AsyncEngine, req: ChatCompletionRequest) -> tuple[str, list[int], list[ImageInput]]:
     """The prompt and its token ids, each image placeholder expanded to the image's tokens. Images
     are decoded and checked here (CPU work, so off the event loop), before any device work. The
     rendered prompt is bounded by its length before it is tokenized."""
@@ -173,9 +173,9 @@ async def create_chat_completion(request: Request, engine: AsyncEngine, req: Cha
 
 
 async def open_chat(engine: AsyncEngine, req: ChatCompletionRequest, limiters: Limiters,
-                    cache_salt: str | None = None) -> tuple[ChatRequestContext, Samples]:
-    """Check, render and queue a chat: its context and its samples, which the caller answers in
-    its API's shape (OpenAI's here, Anthropic's in serving_messages) and closes."""
+                    cache_salt: str | None = None, id_prefix: str = "chatcmpl") -> tuple[ChatRequestContext, Samples]:
+    """Check, render and queue a chat: its context (its id `id_prefix-...`) and its samples, which
+    the caller answers in its API's shape (OpenAI's here, Anthropic's in serving_messages) and closes."""
     check_model(req, engine.model_name)
     _check(req)
     check_ready(engine)
@@ -194,8 +194,8 @@ async def open_chat(engine: AsyncEngine, req: ChatCompletionRequest, limiters: L
     check_sequences(engine, 1, params)  # before compiling or rendering anything
     grammar = await compile_guided(engine, req, limiters.grammar)
     check_prompt_chars(engine, template_content_chars(req.messages), "messages")  # at once, before the template
-    prompt, prompt_ids, images = await off_loop(limiters.tokenize, _render, engine, req)
-    ctx = ChatRequestContext(req, engine.model_name, engine.tokenizer, prompt, top_logprobs, tools)
+    prompt, prompt_ids, images = await off_loop(limiters.tokenize, render_chat, engine, req)
+    ctx = ChatRequestContext(req, engine.model_name, engine.tokenizer, prompt, top_logprobs, tools, id_prefix)
     samples = open_samples(engine, ctx.id, [prompt_ids], params, "messages", images, grammar, cache_salt)
     return ctx, samples
 
@@ -211,7 +211,7 @@ class _Sample:
     last: Update | None = None
 
 
-async def _read(ctx: ChatRequestContext, stream: RequestStream) -> _Sample:
+async def read_sample(ctx: ChatRequestContext, stream: RequestStream) -> _Sample:
     out = _Sample(ChoiceState(ctx))
     async for update in stream:
         out.parsed.extend(out.state.parser.feed(update.text))
@@ -236,7 +236,7 @@ def _choice(ctx: ChatRequestContext, index: int, out: _Sample) -> ChatChoice:
 
 
 async def _collect(ctx: ChatRequestContext, samples: Samples) -> bytes:
-    outs = [await _read(ctx, stream) for stream in samples.streams]
+    outs = [await read_sample(ctx, stream) for stream in samples.streams]
     chosen = samples.chosen([o.cumulative_logprob for o in outs])
     choices = [_choice(ctx, index, outs[k]) for index, k in enumerate(chosen)]
     return await encoded(ChatCompletionResponse(ctx.id, ctx.created, ctx.model, choices, samples.usage(chosen)))

@@ -366,7 +366,8 @@ class _Run:
         self.finish_reason: str | None = None
         defaults = engine.default_sampling()
         self.response = ResponseObject(
-            id=_id("resp"), created_at=now(), model=ctx.model, status="in_progress", output=[],
+            id=ctx.id.replace("-", "_", 1),  # resp_<hex>: the engine's logs name it resp-<hex>
+            created_at=now(), model=ctx.model, status="in_progress", output=[],
             instructions=req.instructions, max_output_tokens=req.max_output_tokens,
             previous_response_id=req.previous_response_id,
             parallel_tool_calls=req.parallel_tool_calls is not False,
@@ -434,7 +435,7 @@ async def create_response(request: Request, engine: AsyncEngine, req: ResponsesR
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions is not None else []) + \
         history + turn
     try:
-        ctx, samples = await open_chat(engine, _chat_request(req, messages), limiters, cache_salt)
+        ctx, samples = await open_chat(engine, _chat_request(req, messages), limiters, cache_salt, "resp")
     except APIError as exc:
         raise _renamed(exc) from None
     run = _Run(req, ctx, samples, engine, history + turn)

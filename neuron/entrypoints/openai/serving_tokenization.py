@@ -1,6 +1,8 @@
 """POST /tokenize and /detokenize, in vLLM's shapes: the token ids the server makes of a prompt or a
 chat (as /v1/completions and /v1/chat/completions would), and the text of token ids. Tokenizing
-and decoding run in worker threads, a few at a time (prompt_input), so the event loop stays free."""
+and decoding run in worker threads, a few at a time (prompt_input), so the event loop stays free.
+GET /tokenizer_info, vLLM's too: the tokenizer's configuration, which lm-eval's remote tokenizer
+reads beside the other two."""
 
 from __future__ import annotations
 
@@ -54,6 +56,23 @@ async def detokenize(engine: AsyncEngine, req: DetokenizeRequest, limiter: anyio
         raise bad_request(f"token id {bad} is outside the vocabulary (0..{engine.vocab_size - 1})", param="tokens")
     text = await off_loop(limiter, lambda: engine.tokenizer.decode(req.tokens, skip_special_tokens=False))
     return _json(DetokenizeResponse(text))
+
+
+# Always present, null where the checkpoint names none: clients test for the key (lm-eval, eos_token).
+_ALWAYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def tokenizer_info(engine: AsyncEngine) -> Response:
+    """The tokenizer's configuration as tokenizer_config.json holds it (vLLM's TokenizerInfo): its
+    named special tokens, chat template and added tokens, with `model_max_length` the context this
+    server serves the model with."""
+    _check(engine, None, "model")
+    tok = engine.tokenizer
+    named = tok.named_tokens
+    body = {"tokenizer_class": "PreTrainedTokenizerFast", **{k: named.get(k) for k in _ALWAYS}, **named,
+            "chat_template": tok.chat_template, "model_max_length": engine.max_model_len,
+            "added_tokens_decoder": tok.added_tokens_decoder()}
+    return _json(body)
 
 
 def _check(engine: AsyncEngine, model: str | None, param: str) -> None:

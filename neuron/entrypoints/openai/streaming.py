@@ -60,6 +60,12 @@ class EventStreamResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+class NDJSONResponse(EventStreamResponse):
+    """One JSON object a line (Ollama's streams), with the same watch on the client."""
+
+    media_type = "application/x-ndjson"
+
+
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
     """Run `work` unless the client disconnects first: (True, result), or (False, None)."""
     result: list = []

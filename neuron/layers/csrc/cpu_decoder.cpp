@@ -1,6 +1,7 @@
-// A CPU fp32 step's dense decoder layers, every layer in one call: a small model's decode step
-// spends most of its time between kernels (a ctypes call and a torch allocation each, a dozen per
-// layer), not in them.
+// A CPU fp32 step's decoder layers, every layer in one call: a small model's decode step spends
+// most of its time between kernels (a ctypes call and a torch allocation each, a dozen per layer),
+// not in them. A projection's weight is fp32 or quantized (the kernels of quantized.py), or several
+// parts of either stacked along the outputs (a GGUF file's q and k as Q4_K, v as Q6_K).
 //
 // Each layer is Llama's (Mistral's, Qwen2's, Qwen3's): RMSNorm, the merged q/k/v projection (+
 // bias), the rotary embedding (after a per-head RMSNorm for Qwen3), the step's keys and values
@@ -30,11 +31,30 @@ typedef void (*NormRopeFn)(const float*, int64_t, int64_t, int64_t, int64_t, int
 typedef void (*SiluMulFn)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t, int);
 typedef int (*AttentionFn)(const PagedAttentionArgs*, int, int);
 typedef int (*AllReduceFn)(void*, int, void*, int64_t, int, int64_t, const uint32_t*, int);
+// neuron_qlinear / neuron_qlinear_int (cpu_ops.cpp): x, m, x's row stride, the weight's layout, bias, y, y's row stride
+typedef void (*QLinearFn)(const float*, int64_t, int64_t, const void*, const float*, float*, int64_t, int);
 }
 
+// One part of a projection's weight: `rows` outputs, fp32 [rows, in] (`dense`) or a quantized
+// layout multiplied by `qlinear`.
+struct Part {
+    const float* dense;
+    const void* layout;
+    QLinearFn qlinear;
+    int64_t rows;
+};
+
+// A projection: its parts' outputs side by side, then the bias (nullable) where it is not summed
+// across ranks first.
+struct Projection {
+    const Part* parts;
+    int64_t count;
+    const float* bias;
+};
+
 struct LayerWeights {
-    const float *input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *o_bias;  // nullable: biases, q/k norms
-    const float *post_norm, *gate_up, *gate_up_bias, *down, *down_bias;
+    const float *input_norm, *q_norm, *k_norm, *post_norm;  // q/k norms nullable
+    Projection qkv, o, gate_up, down;
     float *k_pool, *v_pool;
 };
 
@@ -71,6 +91,28 @@ struct Step {
 namespace {
 
 constexpr int ATTENTION_REFUSED = 100;
+
+// y [m, n] = x [m, k] W^T (+ the bias, when `with_bias`), each part through the kernel the Python
+// layer calls for it, with the same arguments: one part takes the bias into its kernel; parts
+// stacked write their columns, then the bias is added, as torch.cat(...) + bias.
+void project(const Plan& p, const Projection& j, const float* x, int64_t m, int64_t k, float* y, int64_t n,
+             bool with_bias, int th) {
+    const float* bias = with_bias ? j.bias : nullptr;
+    const bool single = j.count == 1;
+    int64_t col = 0;
+    for (int64_t i = 0; i < j.count; ++i) {
+        const Part& part = j.parts[i];
+        const float* b = single ? bias : nullptr;
+        if (part.dense)
+            p.linear(x, m, k, part.dense, part.rows, k, k, b, y + col, n, th);
+        else
+            part.qlinear(x, m, k, part.layout, b, y + col, n, th);
+        col += part.rows;
+    }
+    if (!single && bias)
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t c = 0; c < n; ++c) y[r * n + c] += bias[c];
+}
 
 // y = sum over ranks of y, then + bias: RowParallelLinear's order.
 int reduce(const Plan& p, const Step& s, float* y, int64_t n, const float* bias, int64_t width) {
@@ -112,20 +154,20 @@ extern "C" int neuron_decoder_layers(const Plan* plan, const Step* step) {
     for (int64_t l = 0; l < p.num_layers; ++l) {
         const LayerWeights& w = p.layers[l];
         p.rms_norm(x, m, H, H, w.input_norm, p.eps, p.h, H, th);
-        p.linear(p.h, m, H, w.qkv, qkvw, H, H, w.qkv_bias, p.qkv, qkvw, th);
+        project(p, w.qkv, p.h, m, H, p.qkv, qkvw, true, th);
         p.norm_rope(p.qkv, m, p.heads, qkvw, D, D, w.q_norm, p.eps, s.cos, s.sin, D, p.q, qw, D, th);
         p.norm_rope(p.qkv + qw, m, p.kv_heads, qkvw, D, D, w.k_norm, p.eps, s.cos, s.sin, D, p.k, kw, D, th);
         write_kv(p, s, w, qkvw);
         a.k_pool = w.k_pool;
         a.v_pool = w.v_pool;
         if (p.attention(&a, 0, th)) return ATTENTION_REFUSED;
-        p.linear(p.attn, m, qw, w.o, H, qw, qw, nullptr, p.o, H, th);
-        if (const int status = reduce(p, s, p.o, m * H, w.o_bias, H)) return status;
+        project(p, w.o, p.attn, m, qw, p.o, H, false, th);
+        if (const int status = reduce(p, s, p.o, m * H, w.o.bias, H)) return status;
         p.add_rms_norm(x, H, p.o, H, m, H, w.post_norm, p.eps, p.mid, H, p.h, H, th);
-        p.linear(p.h, m, H, w.gate_up, 2 * I, H, H, w.gate_up_bias, p.gate_up, 2 * I, th);
+        project(p, w.gate_up, p.h, m, H, p.gate_up, 2 * I, true, th);
         p.silu_mul(p.gate_up, 2 * I, p.gate_up + I, 2 * I, m, I, p.act, I, th);
-        p.linear(p.act, m, I, w.down, H, I, I, nullptr, p.down, H, th);
-        if (const int status = reduce(p, s, p.down, m * H, w.down_bias, H)) return status;
+        project(p, w.down, p.act, m, I, p.down, H, false, th);
+        if (const int status = reduce(p, s, p.down, m * H, w.down.bias, H)) return status;
         for (int64_t i = 0; i < m * H; ++i) s.out[i] = p.mid[i] + p.down[i];
         x = s.out;
     }

@@ -1,0 +1,104 @@
+"""Embeddings on the leader: what a model is served for, how it pools, and the vectors it returns.
+
+A pooling model (Qwen3-Embedding, any sentence-transformers checkpoint of a decoder neuron runs) is
+a causal LM whose final-norm hidden states are pooled into one vector per input: the last token's
+(`lasttoken`), their mean (`mean`) or the first token's (`cls`), L2-normalized when the checkpoint
+has a Normalize module. sentence-transformers describes this in `modules.json` and
+`1_Pooling/config.json` (read with the rest of the checkpoint's description, in model_config.py);
+`--task embed` on a checkpoint without them pools the last token and normalizes, as
+Qwen3-Embedding does.
+
+A pooling request runs through the scheduler like any other, prefill only: each of its chunks
+asks rank 0 for what the mode needs of it (`SeqStep.pool`), and `Pooled` adds the chunks up until
+the prompt is done. Nothing here runs a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GENERATE, EMBED = "generate", "embed"  # the tasks a model is served for (`--task`)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingConfig:
+    """How a model's hidden states become one embedding."""
+
+    mode: str = "lasttoken"  # lasttoken, mean or cls
+    normalize: bool = True  # L2-normalize the pooled vector (and again after `dimensions` truncates it)
+
+    def chunk_op(self, offset: int, length: int, prompt_len: int) -> str | None:
+        """What rank 0 returns for a prompt chunk [offset, offset + length) (`SeqStep.pool`):
+        `last` (its last row), `first` (its first row) or `sum` (of its rows); None when the
+        chunk holds nothing the mode needs."""
+        if self.mode == "mean":
+            return "sum"
+        if self.mode == "cls":
+            return "first" if offset == 0 else None
+        return "last" if offset + length == prompt_len else None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingParams:
+    """An embedding request's parameters (vLLM's name), where SamplingParams would make it a
+    generation: `dimensions` keeps the vector's first values (Matryoshka)."""
+
+    dimensions: int | None = None
+
+
+@dataclass(slots=True)
+class Pooled:
+    """A pooling sequence's vector so far: the chunks' contributions, on rank 0's device until
+    the vector is read (one copy to the host per request, not one per chunk)."""
+
+    dimensions: int | None = None  # PoolingParams.dimensions
+    total: torch.Tensor | None = None
+    rows: int = 0
+
+    def add(self, op: str, value: torch.Tensor, length: int) -> None:
+        value = value.float()
+        if op == "sum":
+            self.total = value if self.total is None else self.total + value
+            self.rows += length
+        else:
+            self.total, self.rows = value, 1
+
+    def reset(self) -> None:
+        """The sequence starts over (preempted, to be recomputed from its first token)."""
+        self.total, self.rows = None, 0
+
+    def vector(self, cfg: PoolingConfig) -> list[float]:
+        v = self.total / max(self.rows, 1) if cfg.mode == "mean" else self.total
+        return finish(v.cpu(), cfg.normalize, self.dimensions)
+
+
+def finish(v: torch.Tensor, normalize: bool, dimensions: int | None = None) -> list[float]:
+    """The embedding as a client gets it: its first `dimensions` values (Matryoshka truncation),
+    L2-normalized after the cut when the model normalizes."""
+    if dimensions is not None:
+        v = v[:dimensions]
+    if normalize:
+        v = torch.nn.functional.normalize(v, dim=-1)
+    return v.tolist()
+
+
+def wanted(s) -> str | None:
+    """What rank 0 returns for this scheduled chunk of a pooling request (`SeqStep.pool`); None
+    for any other request, or a chunk that holds nothing its pooling needs."""
+    seq = s.seq
+    if seq.pooling is None:
+        return None
+    return seq.pooling.chunk_op(s.offset, len(s.token_ids), len(seq.prompt_token_ids))
+
+
+def accumulate(part: list, steps: list, result) -> None:
+    """Add this step's pooled rows (rank 0's `StepResult.pooled`) to each pooling request of `part`.
+    A chunk at offset 0 starts the vector anew: a preempted request is recomputed from its start."""
+    for i, (s, step) in enumerate(zip(part, steps)):
+        if step.pool is None or i not in result.pooled:
+            continue
+        if s.offset == 0:
+            s.seq.pooled.reset()
+        s.seq.pooled.add(step.pool, result.pooled[i], len(s.token_ids))

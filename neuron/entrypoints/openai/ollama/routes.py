@@ -1,0 +1,198 @@
+"""The routes: each through the server's endpoint wrapper (admission, limits, the API key, the
+guards), with its errors in Ollama's shape."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import neuron
+from neuron.engine.async_engine import AsyncEngine
+from neuron.engine.host import HostError, ModelHost
+from neuron.entrypoints.openai.admin import host_error
+from neuron.entrypoints.openai.api_errors import APIError, bad_request
+from neuron.entrypoints.openai.api_types import CompletionRequest
+from neuron.entrypoints.openai.common import Samples, check_model, check_ready, new_id, open_samples, sampling_params
+from neuron.entrypoints.openai.guided import compile_guided
+from neuron.entrypoints.openai.ollama.models import (
+    SPEC_KEEP_ALIVE,
+    card,
+    parse_keep_alive,
+    running,
+    served_name,
+    show_body,
+)
+from neuron.entrypoints.openai.ollama.protocol import (
+    OLLAMA_API_VERSION,
+    OllamaChatRequest,
+    OllamaGenerateRequest,
+    OllamaRequest,
+    OllamaShowRequest,
+    ollama_error,
+)
+from neuron.entrypoints.openai.ollama.reply import PlainText, RawLogprobs, Reply, collect, ndjson_lines, timestamp
+from neuron.entrypoints.openai.ollama.translate import (
+    chat_request,
+    check_generate,
+    opened,
+    prompt_messages,
+    renamed,
+    sampling_fields,
+)
+from neuron.entrypoints.openai.prompt_input import Limiters
+from neuron.entrypoints.openai.serving_chat import ChoiceState, open_chat
+from neuron.entrypoints.openai.serving_completions import prompt_ids
+from neuron.entrypoints.openai.streaming import NDJSONResponse, json_unless_disconnected
+
+
+@dataclass(slots=True)
+class Served:
+    """What the routes borrow from the server: its models, its places for client-controlled work,
+    and how it decodes a body, finds a model's engine and salts a request's cache."""
+
+    host: ModelHost
+    limiters: Limiters
+    decode: Callable[[Request, type], Awaitable[Any]]
+    engine: Callable[[str], Awaitable[AsyncEngine]]
+    salt: Callable[[Request, Any], str | None]
+    started: float  # the server's start (time.time()), when a model's files are not known
+
+
+def ollama_routes(served: Served, endpoint: Callable) -> list[Route]:
+    """Every route through `endpoint` (admission, limits, the API key, the guards), its errors in
+    Ollama's shape."""
+    api = _Ollama(served)
+
+    def route(path: str, handler, method: str = "POST") -> Route:
+        name = "ollama_" + path.rsplit("/", 1)[1]  # the request counter's label: ollama_chat, ...
+        return Route(path, endpoint(name, handler, errors=ollama_error), methods=[method])
+
+    routes = [route("/api/chat", api.chat), route("/api/generate", api.generate), route("/api/show", api.show),
+              route("/api/tags", api.tags, "GET"), route("/api/ps", api.ps, "GET"),
+              route("/api/version", api.version, "GET")]
+    for path, method in _REFUSED.items():
+        routes.append(route(path, api.refused, method))
+    return routes
+
+
+_NO_DOWNLOADS = ("neuron serves the models it was started with (or that its admin API loads) and never downloads, "
+                 "pushes, creates, copies or deletes models; /api/tags lists the models served")
+_REFUSED = {"/api/pull": "POST", "/api/push": "POST", "/api/create": "POST", "/api/copy": "POST",
+            "/api/delete": "DELETE", "/api/embed": "POST", "/api/embeddings": "POST"}
+
+
+class _Ollama:
+    def __init__(self, served: Served):
+        self.served = served
+
+    async def chat(self, request: Request) -> Response:
+        started = time.monotonic()
+        req = await self.served.decode(request, OllamaChatRequest)
+        name, engine, load_s = await self._model(req)
+        if not req.messages:  # Ollama's way to load (or, with keep_alive 0, unload) a model
+            return self._loaded(name, engine, "message")
+        chat = chat_request(name, req, engine)
+        ctx, samples = await opened(open_chat(engine, chat, self.served.limiters, self.served.salt(request, chat)))
+        state = ChoiceState(ctx)
+        reply = Reply(name, "message", state.parser, state, started, load_s)
+        return await self._respond(request, req.stream, samples, reply)
+
+    async def generate(self, request: Request) -> Response:
+        started = time.monotonic()
+        req = await self.served.decode(request, OllamaGenerateRequest)
+        check_generate(req)
+        name, engine, load_s = await self._model(req)
+        if not req.prompt and not req.images:
+            return self._loaded(name, engine, "response")
+        if req.raw:
+            samples, reply = await self._raw(request, name, engine, req, started, load_s)
+        else:
+            chat = chat_request(name, req, engine, prompt_messages(req))
+            ctx, samples = await opened(open_chat(engine, chat, self.served.limiters, self.served.salt(request, chat)))
+            state = ChoiceState(ctx)
+            reply = Reply(name, "response", state.parser, state, started, load_s)
+        return await self._respond(request, req.stream, samples, reply)
+
+    async def _raw(self, request: Request, name: str, engine: AsyncEngine, req: OllamaGenerateRequest,
+                   started: float, load_s: float) -> tuple[Samples, Reply]:
+        """The prompt as it is, no template (as /v1/completions takes a text prompt); the reply is text."""
+        if req.images:
+            raise bad_request("images need the chat template, which raw leaves out; send raw false", param="images")
+        if req.think:
+            raise bad_request("think needs the chat template, which raw leaves out; send raw false", param="think")
+        fields = sampling_fields(req)
+        completion = CompletionRequest(model=name, prompt=req.prompt, **fields)
+        check_model(completion, engine.model_name)
+        check_ready(engine)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        try:
+            params = sampling_params(completion, engine.default_sampling(), max_tokens=completion.max_tokens,
+                                     logprobs=top, renames={})
+            grammar = await compile_guided(engine, completion, self.served.limiters.grammar)
+            ids = await prompt_ids(engine, req.prompt, self.served.limiters.tokenize)
+            samples = open_samples(engine, new_id("cmpl"), [ids], params, "prompt", grammar=grammar,
+                                   cache_salt=self.served.salt(request, completion))
+        except APIError as exc:
+            raise renamed(exc) from None
+        return samples, Reply(name, "response", PlainText(), RawLogprobs(engine.tokenizer, top), started, load_s)
+
+    async def _model(self, req: OllamaRequest) -> tuple[str, AsyncEngine, float]:
+        """The model a request names (Ollama's `name:latest` is `name`), its engine, loaded first if
+        it loads on demand (and how long that took), and the request's keep_alive applied to it."""
+        keep = parse_keep_alive(req.keep_alive)
+        name = served_name(self.served.host, req.model)
+        began = time.monotonic()
+        engine = await self.served.engine(name)
+        load_s = time.monotonic() - began
+        m = self.served.host.models.get(name)
+        if m is not None:
+            m.keep_for(m.spec.keep_alive_s if keep is SPEC_KEEP_ALIVE else keep)
+        return name, engine, load_s
+
+    def _loaded(self, name: str, engine: AsyncEngine, field: str) -> Response:
+        """The answer to a request with nothing to generate: the model is loaded now, or it will be
+        unloaded at once (keep_alive 0 on a model that loads on demand)."""
+        check_ready(engine)
+        m = self.served.host.models.get(name)
+        unloads = m is not None and m.spec.load == "on_demand" and m.keep_alive_s == 0
+        body = {"model": name, "created_at": timestamp()}
+        body[field] = {"role": "assistant", "content": ""} if field == "message" else ""
+        body.update(done=True, done_reason="unload" if unloads else "load")
+        return JSONResponse(body)
+
+    async def _respond(self, request: Request, stream: bool, samples: Samples, reply: Reply) -> Response:
+        if stream:
+            return NDJSONResponse(ndjson_lines(reply, samples), on_close=samples.close)
+        return await json_unless_disconnected(request, samples, collect(reply, samples))
+
+    async def show(self, request: Request) -> Response:
+        req = await self.served.decode(request, OllamaShowRequest)
+        name = served_name(self.served.host, req.model or req.name)
+        try:
+            m = self.served.host.model(name)
+        except HostError as exc:
+            raise host_error(exc, param="model") from None
+        return JSONResponse(show_body(m, self.served.started))
+
+    async def tags(self, request: Request) -> Response:
+        return JSONResponse({"models": [card(m, self.served.started) for m in self.served.host.models.values()]})
+
+    async def ps(self, request: Request) -> Response:
+        loaded = [m for m in self.served.host.models.values() if m.engine is not None and m.engine.loaded]
+        return JSONResponse({"models": [running(m, self.served.started) for m in loaded]})
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": OLLAMA_API_VERSION, "neuron": neuron.__version__})
+
+    async def refused(self, request: Request) -> Response:
+        path = request.url.path
+        if path in ("/api/embed", "/api/embeddings"):
+            raise APIError(400, f"{path} is not served: neuron serves embeddings at /v1/embeddings (OpenAI's API)",
+                           code="unsupported_endpoint")
+        raise APIError(403, f"{path} is refused: {_NO_DOWNLOADS}", code="unsupported_endpoint")

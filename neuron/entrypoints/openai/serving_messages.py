@@ -1,0 +1,464 @@
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API.
+
+A thin translation onto the chat path: the request becomes a chat completion request (system
+blocks a system turn, tool_result blocks tool turns, tools functions, `thinking` the template's
+`enable_thinking`), which serving_chat checks, renders and queues as it does its own; the reply's
+reasoning, text and tool calls, parsed there, come back as thinking, text and tool_use blocks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from neuron.engine.async_engine import AsyncEngine
+from neuron.engine.output_processor import Update
+from neuron.entrypoints.openai.api_errors import APIError, bad_request, unsupported
+from neuron.entrypoints.openai.api_types import ChatCompletionRequest, ToolCall, UsageInfo
+from neuron.entrypoints.openai.chat_utils import template_content_chars
+from neuron.entrypoints.openai.common import Samples, check_model, check_ready, encoded, stream_events
+from neuron.entrypoints.openai.messages_types import (
+    ContentBlockDelta,
+    ContentBlockStart,
+    ContentBlockStop,
+    CountTokensRequest,
+    InputJsonDelta,
+    Message,
+    MessageDelta,
+    MessagesRequest,
+    MessageStart,
+    MessageStop,
+    OutputUsage,
+    Ping,
+    StopDelta,
+    TextBlock,
+    TextDelta,
+    ThinkingBlock,
+    ThinkingDelta,
+    TokenCount,
+    ToolUseBlock,
+    Usage,
+)
+from neuron.entrypoints.openai.prompt_input import Limiters, check_prompt_chars, off_loop
+from neuron.entrypoints.openai.response_parser import Parsed
+from neuron.entrypoints.openai.serving_chat import ChatRequestContext, ChoiceState, open_chat, read_sample, render_chat
+from neuron.entrypoints.openai.streaming import EventStreamResponse, json_unless_disconnected
+
+# ---- errors ----
+
+# Anthropic's error types by status; 529 is its "overloaded" (our queue being full).
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
+                429: "rate_limit_error", 529: "overloaded_error"}
+_OVERLOADED = 529
+
+
+def _status(exc: APIError) -> int:
+    return _OVERLOADED if exc.code == "overloaded" else exc.status
+
+
+def error_body(exc: APIError) -> dict:
+    """`{"type": "error", "error": {"type", "message"}}`; the type follows the status, as Anthropic's."""
+    status = _status(exc)
+    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+
+
+def error_response(exc: APIError) -> Response:
+    """An error of these routes in Anthropic's shape (the wrapper in app.py renders every one so)."""
+    return Response(msgspec.json.encode(error_body(exc)), _status(exc), exc.headers, media_type="application/json")
+
+
+def _error_event(exc: APIError) -> bytes:
+    return b"event: error\ndata: " + msgspec.json.encode(error_body(exc)) + b"\n\n"
+
+
+# ---- the request, as a chat ----
+
+_USER_BLOCKS = ("text", "image", "tool_result")
+_ASSISTANT_BLOCKS = ("text", "thinking", "tool_use")
+# Blocks Anthropic takes that neuron does not, with what to do instead.
+_REFUSED_BLOCKS = {
+    "document": "document blocks (PDFs and text files) are not supported; send the document's text in a text block",
+    "redacted_thinking": "redacted_thinking blocks are not supported: neuron never redacts its reasoning, so send "
+                         "back the thinking blocks it returned",
+    "search_result": "search_result blocks are not supported; send the results as text",
+    "server_tool_use": "server tools are not supported: neuron runs no tools itself",
+    "web_search_tool_result": "server tools are not supported: neuron runs no tools itself",
+    "container_upload": "container_upload blocks are not supported: neuron runs no code",
+}
+
+
+def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
+    """The chat completion request a Messages request means; what it cannot mean is a 400."""
+    for name in ("mcp_servers", "container"):
+        if getattr(req, name) is not None:
+            raise unsupported(name, f"{name} is not supported: neuron runs no tools or code itself")
+    tools = _tools(req.tools)
+    choice, parallel = _tool_choice(req.tool_choice, tools)
+    generates = isinstance(req, MessagesRequest)  # not a count_tokens request
+    switch = _thinking(req.thinking, req.max_tokens if generates else None)
+    fields = dict(model=req.model, messages=_system(req.system) + _turns(req.messages), tools=tools,
+                  tool_choice=choice, parallel_tool_calls=parallel, chat_template_kwargs=switch)
+    if generates:
+        _check_metadata(req.metadata)
+        fields.update(max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,
+                      top_p=req.top_p, top_k=req.top_k, seed=req.seed, stream=req.stream, cache_salt=req.cache_salt,
+                      response_format=_output_format(req.output_config))
+    return ChatCompletionRequest(**fields)
+
+
+def _output_format(config: dict | None) -> dict | None:
+    """`output_config.format` as OpenAI's response_format, which the structured-output path compiles
+    (its `effort` is not used)."""
+    fmt = (config or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise bad_request('output_config.format: must be {"type": "json_schema", "schema": {...}}',
+                          param="output_config.format")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
+def _system(system) -> list[dict]:
+    if system is None:
+        return []
+    if isinstance(system, str):
+        return [{"role": "system", "content": system}] if system else []
+    texts = [_text(block, f"system[{i}]") for i, block in enumerate(system)]
+    return [{"role": "system", "content": "\n".join(texts)}] if texts else []
+
+
+def _turns(messages: list) -> list[dict]:
+    if not messages:
+        raise bad_request("messages: at least one message is required", param="messages")
+    out = [turn for i, m in enumerate(messages) for turn in _message(m, i)]
+    last = messages[-1]
+    if isinstance(last, dict) and last.get("role") == "assistant":
+        raise bad_request(f"messages[{len(messages) - 1}]: a final assistant message (a prefill for the reply to "
+                          "continue) is not supported; end with a user message", param="messages")
+    return out
+
+
+def _message(m, i: int) -> list[dict]:
+    """One Anthropic message as chat turns: a user message's tool_result blocks become tool turns,
+    in their place among its other blocks."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise bad_request(f"{where}: a message must be an object with a role and content", param=where)
+    role = m.get("role")
+    if role not in ("user", "assistant"):
+        raise bad_request(f"{where}.role: must be 'user' or 'assistant', got {role!r} (a system prompt goes in the "
+                          "top-level `system` field)", param=f"{where}.role")
+    content = m.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content: must be a string or a list of content blocks", param=f"{where}.content")
+    allowed = _USER_BLOCKS if role == "user" else _ASSISTANT_BLOCKS
+    blocks = [(_block_type(b, f"{where}.content[{j}]", role, allowed), b, f"{where}.content[{j}]")
+              for j, b in enumerate(content)]
+    return _user(blocks) if role == "user" else [_assistant(blocks)]
+
+
+def _block_type(block, where: str, role: str, allowed: tuple[str, ...]) -> str:
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind in allowed:
+        return kind
+    if kind in _REFUSED_BLOCKS:
+        raise bad_request(f"{where}: {_REFUSED_BLOCKS[kind]}", param=where)
+    raise bad_request(f"{where}: a block of type {kind!r} is not supported in a{'n' * (role == 'assistant')} {role} "
+                      f"message; it takes {', '.join(allowed)} blocks", param=where)
+
+
+def _user(blocks: list[tuple[str, dict, str]]) -> list[dict]:
+    turns: list[dict] = []
+    parts: list[dict] = []
+    for kind, block, where in blocks:
+        if kind == "tool_result":
+            if parts:
+                turns.append({"role": "user", "content": parts})
+                parts = []
+            turns.append(_tool_result(block, where))
+        elif kind == "image":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block, where)}})
+        else:
+            parts.append({"type": "text", "text": _text(block, where)})
+    if parts or not turns:
+        turns.append({"role": "user", "content": parts})
+    return turns
+
+
+def _assistant(blocks: list[tuple[str, dict, str]]) -> dict:
+    texts, thoughts, calls = [], [], []
+    for kind, block, where in blocks:
+        if kind == "text":
+            texts.append(_text(block, where))
+        elif kind == "thinking":
+            thought = block.get("thinking")
+            if not isinstance(thought, str):
+                raise bad_request(f"{where}.thinking: must be a string", param=f"{where}.thinking")
+            thoughts.append(thought)
+        else:
+            calls.append(_tool_use(block, where))
+    turn = {"role": "assistant", "content": "\n".join(texts)}
+    if thoughts:
+        turn["reasoning_content"] = "\n".join(thoughts)
+    if calls:
+        turn["tool_calls"] = calls
+    return turn
+
+
+def _text(block, where: str) -> str:
+    """A text block's text (its cache_control and citations are ignored)."""
+    if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+        raise bad_request(f'{where}: must be a text block {{"type": "text", "text": ...}}', param=where)
+    return block["text"]
+
+
+def _image_url(block: dict, where: str) -> str:
+    """A base64 image as a data URI (a URL source is passed on, and refused: neuron fetches nothing)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("media_type"), str) and isinstance(source.get("data"), str):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise bad_request(f'{where}.source: an image needs {{"type": "base64", "media_type": "image/png", "data": ...}}',
+                      param=f"{where}.source")
+
+
+def _tool_use(block: dict, where: str) -> dict:
+    name, call_id, args = block.get("name"), block.get("id"), block.get("input")
+    if not isinstance(name, str) or not name or not isinstance(call_id, str) or not isinstance(args, dict):
+        raise bad_request(f"{where}: a tool_use block needs an id, a name and an input object", param=where)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+
+
+def _tool_result(block: dict, where: str) -> dict:
+    """A tool turn; its content a string or text blocks. `is_error` reaches the model only as the
+    result's text says it."""
+    call_id, content = block.get("tool_use_id"), block.get("content", "")
+    if not isinstance(call_id, str):
+        raise bad_request(f"{where}.tool_use_id: must be the id of the tool_use block answered",
+                          param=f"{where}.tool_use_id")
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") != "text":
+                raise bad_request(f"{where}.content[{j}]: a tool result takes text blocks only, not "
+                                  f"{part.get('type')!r}", param=f"{where}.content[{j}]")
+        content = "\n".join(_text(part, f"{where}.content[{j}]") for j, part in enumerate(content))
+    elif not isinstance(content, str):
+        raise bad_request(f"{where}.content: must be a string or a list of text blocks", param=f"{where}.content")
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+
+def _tools(tools: list | None) -> list[dict] | None:
+    """Client tools as functions; a server tool (one with a `type` of Anthropic's) is a 400."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind not in (None, "custom"):
+            raise unsupported(f"tools[{i}]", f"tools[{i}]: the server tool {kind!r} is not supported: neuron runs no "
+                                             "tools itself; describe a tool by name, description and input_schema")
+        name = tool.get("name") if isinstance(tool, dict) else None
+        schema = tool.get("input_schema") if isinstance(tool, dict) else None
+        if not isinstance(name, str) or not name or not isinstance(schema, dict):
+            raise bad_request(f"tools[{i}]: a tool needs a name and an input_schema (a JSON schema object)",
+                              param=f"tools[{i}]")
+        # name, description, parameters: the order OpenAI's clients send, which templates render as is
+        described = {"description": tool["description"]} if isinstance(tool.get("description"), str) else {}
+        out.append({"type": "function", "function": {"name": name, **described, "parameters": schema}})
+    return out
+
+
+def _tool_choice(choice: dict | None, tools: list[dict] | None) -> tuple[str | dict | None, bool | None]:
+    """OpenAI's tool_choice for Anthropic's (auto, any, tool, none), and whether parallel calls are allowed."""
+    if choice is None:
+        return None, None
+    kind = choice.get("type")
+    if kind not in ("auto", "any", "tool", "none"):
+        raise bad_request(f"tool_choice.type: must be auto, any, tool or none, got {kind!r}", param="tool_choice")
+    if kind in ("any", "tool") and not tools:
+        raise bad_request(f"tool_choice {kind!r} needs tools", param="tool_choice")
+    parallel = False if choice.get("disable_parallel_tool_use") else None
+    if kind == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request("tool_choice.name: a tool_choice of type tool names the tool", param="tool_choice")
+        return {"type": "function", "function": {"name": name}}, parallel
+    return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
+
+
+def _thinking(thinking: dict | None, max_tokens: int | None) -> dict | None:
+    """The template's reasoning switch: on for `enabled`, off for `disabled`, the template's own
+    default for `adaptive` or none given. The budget is checked as Anthropic checks it (below
+    max_tokens), not enforced: reasoning counts against max_tokens."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type")
+    if kind == "disabled":
+        return {"enable_thinking": False}
+    if kind == "adaptive":
+        return None
+    if kind != "enabled":
+        raise bad_request(f"thinking.type: must be enabled, disabled or adaptive, got {kind!r}", param="thinking")
+    budget = thinking.get("budget_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise bad_request("thinking.budget_tokens: must be a positive integer", param="thinking.budget_tokens")
+    if max_tokens is not None and budget >= max_tokens:
+        raise bad_request(f"thinking.budget_tokens: must be less than max_tokens ({max_tokens}), got {budget}",
+                          param="thinking.budget_tokens")
+    return {"enable_thinking": True}
+
+
+def _check_metadata(metadata: dict | None) -> None:
+    """Anthropic's `metadata.user_id`, an opaque string: checked, then not used."""
+    user = (metadata or {}).get("user_id")
+    if user is not None and not isinstance(user, str):
+        raise bad_request("metadata.user_id: must be a string", param="metadata.user_id")
+
+
+# ---- the reply ----
+
+
+def _stop(update: Update, called: bool) -> tuple[str | None, str | None]:
+    """stop_reason and stop_sequence: max_tokens, tool_use, the stop sequence met, or end_turn."""
+    if update.finish_reason == "length":
+        return "max_tokens", None
+    if called:
+        return "tool_use", None
+    if update.finish_reason == "stop" and isinstance(update.stop_reason, str):
+        return "stop_sequence", update.stop_reason
+    return "end_turn", None
+
+
+def _tool_use_block(call: ToolCall) -> ToolUseBlock | TextBlock:
+    """A parsed call as a tool_use block. A named call the grammar left unfinished (max_tokens)
+    has no input to parse: its text comes back as text, so nothing is lost."""
+    try:
+        args = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        args = None
+    if not isinstance(args, dict):
+        return TextBlock(call.function.arguments)
+    return ToolUseBlock(_tool_use_id(call), call.function.name, args)
+
+
+def _tool_use_id(call: ToolCall) -> str:
+    return "toolu_" + call.id.removeprefix("call_")
+
+
+async def create_message(request: Request, engine: AsyncEngine, req: MessagesRequest, keepalive_s: float,
+                         limiters: Limiters, cache_salt: str | None = None) -> Response:
+    ctx, samples = await open_chat(engine, chat_request(req), limiters, cache_salt, id_prefix="msg")
+    if req.stream:
+        return EventStreamResponse(_events(ctx, samples, keepalive_s), on_close=samples.close)
+    return await json_unless_disconnected(request, samples, _collect(ctx, samples))
+
+
+async def _collect(ctx: ChatRequestContext, samples: Samples) -> bytes:
+    out = await read_sample(ctx, samples.streams[0])
+    calls = out.state.tool_calls(out.parsed)
+    blocks = [ThinkingBlock(out.parsed.reasoning)] if out.parsed.reasoning else []
+    blocks += [TextBlock(out.parsed.content)] if out.parsed.content else []
+    blocks += [_tool_use_block(call) for call in calls]
+    reason, sequence = _stop(out.last, bool(calls))
+    usage = samples.usage([0])
+    message = Message(ctx.id, ctx.model, blocks, reason, sequence, Usage(usage.prompt_tokens, usage.completion_tokens))
+    return await encoded(message)
+
+
+def _event(event) -> bytes:
+    """One SSE event, named by its type as Anthropic's clients expect."""
+    return b"event: " + event.__struct_config__.tag.encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
+
+
+class _Blocks:
+    """The content blocks of a streamed reply: the one open, and the events that open, extend and
+    close them as parsed output arrives (reasoning, then text, then tool calls, in each piece)."""
+
+    def __init__(self, state: ChoiceState):
+        self.state = state
+        self.index = -1
+        self.open: str | None = None  # the open block's type
+
+    def feed(self, parsed: Parsed) -> list[bytes]:
+        out = []
+        if parsed.reasoning:
+            out += self._extend(ThinkingBlock(""), ThinkingDelta(parsed.reasoning))
+        if parsed.arguments:  # more of the call the open tool_use block holds
+            out.append(_event(ContentBlockDelta(self.index, InputJsonDelta(parsed.arguments))))
+        if parsed.content:
+            out += self._extend(TextBlock(""), TextDelta(parsed.content))
+        for call in self.state.tool_calls(parsed):
+            out += self._start(ToolUseBlock(_tool_use_id(call), call.function.name, {}))
+            if call.function.arguments:
+                out.append(_event(ContentBlockDelta(self.index, InputJsonDelta(call.function.arguments))))
+        return out
+
+    def close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [_event(ContentBlockStop(self.index))]
+
+    def _extend(self, empty, delta) -> list[bytes]:
+        kind = empty.__struct_config__.tag
+        out = [] if self.open == kind else self._start(empty)
+        return out + [_event(ContentBlockDelta(self.index, delta))]
+
+    def _start(self, block) -> list[bytes]:
+        out = self.close()
+        self.index += 1
+        self.open = block.__struct_config__.tag
+        return out + [_event(ContentBlockStart(self.index, block))]
+
+
+async def _events(ctx: ChatRequestContext, samples: Samples, keepalive_s: float) -> AsyncIterator[bytes]:
+    """message_start and a ping, the blocks' events as the reply comes, then message_delta (the
+    stop reason and the output tokens) and message_stop; a ping whenever `keepalive_s` passes with
+    nothing to say, and an `error` event if generation fails."""
+    state = ChoiceState(ctx)
+    blocks = _Blocks(state)
+    last: list[Update] = []
+
+    async def chunks(k: int, update: Update) -> list[bytes]:
+        parsed = state.parser.feed(update.text)
+        if update.finished:
+            parsed.extend(state.parser.finish())
+            last.append(update)
+        out = blocks.feed(parsed)
+        return out + blocks.close() if update.finished else out
+
+    def ending(usage: UsageInfo) -> bytes:
+        reason, sequence = _stop(last[0], state.num_tool_calls > 0)
+        return (_event(MessageDelta(StopDelta(reason, sequence), OutputUsage(usage.completion_tokens)))
+                + _event(MessageStop()))
+
+    start = Message(ctx.id, ctx.model, [], None, None, Usage(samples.prompt_lens[0], 0))
+    opening = [_event(MessageStart(start)), _event(Ping())]
+    async for event in stream_events(samples, keepalive_s, chunks, ending, opening, keepalive=_event(Ping()),
+                                     error_event=_error_event, done=b""):
+        yield event
+
+
+# ---- count_tokens ----
+
+
+async def count_tokens(engine: AsyncEngine, req: CountTokensRequest, limiters: Limiters) -> Response:
+    """The prompt's tokens as the model would be given them: template, tools and images included."""
+    chat = chat_request(req)
+    check_model(chat, engine.model_name)
+    check_ready(engine)
+    if engine.tokenizer is None:
+        raise bad_request("this model has no tokenizer, so it cannot count a chat's tokens", param="messages")
+    check_prompt_chars(engine, template_content_chars(chat.messages), "messages")
+    _, ids, _ = await off_loop(limiters.tokenize, render_chat, engine, chat)
+    return Response(msgspec.json.encode(TokenCount(len(ids))), media_type="application/json")

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU checklist of docs/benchmarks.md in one command, for a machine lent for minutes: the
+# environment and `neuron doctor`, the kernel tests compiled for the card, each file of `gpu` tests
+# in its own pytest run (so one that hangs or runs long still leaves the others' tracebacks), then
+# one bench_gpu.py part. Every phase has its own time limit and the whole run a budget, so it ends
+# on time with whatever it reached; each phase's log goes to LOGS (default ./gpu-checklist).
+#
+#   bash scripts/gpu_checklist.sh                    # about 8 minutes
+#   BUDGET=300 BENCH=tp2 bash scripts/gpu_checklist.sh
+#
+# PYTHON (default python3) must have torch with CUDA and neuron's dependencies importable.
+set -u
+PYTHON=${PYTHON:-python3}
+LOGS=${LOGS:-gpu-checklist}
+BUDGET=${BUDGET:-480}   # seconds for the whole run
+BENCH=${BENCH-decode}  # the bench_gpu.py part(s) run last with what time is left; empty for none
+export PYTHONUNBUFFERED=1 NEURON_LOG_LEVEL=${NEURON_LOG_LEVEL:-WARNING}
+mkdir -p "$LOGS"
+start=$(date +%s)
+left() { echo $((BUDGET - ($(date +%s) - start))); }
+
+# phase NAME LIMIT COMMAND...: runs COMMAND under min(LIMIT, time left), logs it, prints its tail
+phase() {
+    local name=$1 limit=$2; shift 2
+    local room; room=$(left)
+    [ "$limit" -gt "$room" ] && limit=$room
+    if [ "$limit" -lt 15 ]; then echo "== $name: skipped, ${room}s left"; return; fi
+    echo "== $name (limit ${limit}s, ${room}s left)"
+    timeout -k 5 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+    local rc=$?
+    [ $rc -eq 124 ] && echo "   timed out after ${limit}s"
+    echo "   rc=$rc"
+    grep -E "^(FAILED|ERROR)|passed|failed|Timeout|Error:|error:" "$LOGS/$name.log" | tail -25 | cut -c1-400
+}
+
+# pytest with short tracebacks, printed when each run ends
+PYTEST=("$PYTHON" -m pytest -q -p no:cacheprovider --timeout "${TEST_TIMEOUT:-120}" --tb=short -rfEs)
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+} >"$LOGS/environment.log" 2>&1
+cat "$LOGS/environment.log"
+
+phase doctor 120 "$PYTHON" -m neuron doctor
+# The compile matrix (every tile for sm_80..sm_120) needs no GPU and runs in CI; left out here.
+phase kernels 120 "${PYTEST[@]}" tests/test_norm_kernels.py tests/test_quant_kernels.py tests/test_paged_attention.py \
+    -k "not every_tile_the_runtime_picks"
+for file in test_gpu test_sampling test_paged_kv test_moe test_quant_formats test_structured_output test_host; do
+    phase "$file" 200 "${PYTEST[@]}" -m gpu "tests/$file.py"
+done
+if [ -n "$BENCH" ]; then
+    room=$(($(left) - 10))
+    phase bench "$room" "$PYTHON" scripts/bench_gpu.py --shapes 0.6b --only "$BENCH" --attention paged \
+        --deadline $((room > 60 ? room - 20 : 40)) --out "$LOGS/bench.json" --md "$LOGS/bench.md"
+    [ -f "$LOGS/bench.md" ] && cat "$LOGS/bench.md"
+fi
+echo "== done in $(($(date +%s) - start)) s; logs in $LOGS"
