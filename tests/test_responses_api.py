@@ -60,7 +60,7 @@ SCRIPTS = {
 @pytest.fixture(scope="module")
 def model_server():
     cfg = ServerConfig(responses_max_stored=MAX_STORED, max_body_bytes=BODY_LIMIT)
-    with LiveServer(real_engine(None, 1, max_model_len=1024), cfg) as server:
+    with LiveServer(real_engine(None, 2, max_model_len=1024), cfg) as server:  # the default model at tp 2
         yield server.wait_ready()
 
 
@@ -504,6 +504,9 @@ def test_a_client_that_leaves_aborts_the_response(stub_server, stub):
             lines = r.iter_lines()  # held: a dropped iterator would close the connection at once
             assert next(lines) == "event: response.created"
             wait_until(lambda: len(stub_server.engine.open_streams) == 1)
+        # the gate opens only once the server has seen this client leave: opened before, the
+        # request could finish first and be counted as finished, not aborted
+        wait_until(lambda: not stub_server.engine.open_streams)
     finally:
         stub.gate.set()
     wait_until(lambda: not stub_server.engine.open_streams and not stub._active and stub._inbox.empty())
