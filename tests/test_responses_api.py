@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from typing import Annotated
 
 import agents
 import httpx
@@ -19,6 +20,7 @@ import pydantic
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from openai.types.shared import Reasoning
 from server_harness import (
     ERROR,
     LiveServer,
@@ -546,3 +548,27 @@ def test_an_agent_runs_a_function_tool_to_completion(stub_server):
     run, events = asyncio.run(streamed())
     assert calls == ["Paris", "Paris"] and run.final_output == "It is sunny in Paris."
     assert "raw_response_event" in events and [item.type for item in run.new_items] == kinds
+
+
+def test_an_agent_on_the_real_model_runs_a_forced_tool_call_to_completion(model_server):
+    """The default model at tp 2 behind the Agents SDK: the tool call forced (the random model would
+    not choose one), its arguments valid for the tool, and the run ends with the tool's output."""
+    agents.set_tracing_disabled(True)
+    calls = []
+
+    @agents.function_tool
+    def get_weather(city: Annotated[str, pydantic.Field(max_length=12)]) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"sunny in {city}"
+
+    model = agents.OpenAIResponsesModel(model=MODEL, openai_client=openai.AsyncOpenAI(
+        base_url=model_server.base_url, api_key="unused", max_retries=0))
+    settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=128,
+                                    reasoning=Reasoning(effort="none"))
+    agent = agents.Agent(name="weather", instructions="Answer about the weather.", tools=[get_weather], model=model,
+                         model_settings=settings, tool_use_behavior="stop_on_first_tool")
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?")
+    assert len(calls) == 1 and isinstance(calls[0], str)
+    assert result.final_output == f"sunny in {calls[0]}"
+    assert [item.type for item in result.new_items] == ["tool_call_item", "tool_call_output_item"]
