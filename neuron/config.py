@@ -332,6 +332,14 @@ class Settings:
                                         "with logprobs, prompt_logprobs), counted as prompts x samples x prompt "
                                         "tokens x (top-k + 1); more is refused with 400", lo=1)
 
+    # What the server keeps between requests.
+    responses_max_stored: int = _setting(int, 1000, "responses of the Responses API kept in memory (store: true) "
+                                         "for GET /v1/responses/{id} and previous_response_id; the least "
+                                         "recently used is evicted first, and 0 keeps none", lo=0)
+    responses_max_stored_bytes: int = _setting("bytes", 64 * 2**20, "bytes the kept responses may hold "
+                                               "together, each with the conversation it continues; the least "
+                                               "recently used are evicted to stay under it")
+
     # Limits on what peers send.
     max_line_bytes: int = _setting("bytes", 64 * 2**20, "longest protocol line between leader and workers")
     vision_max_pixels: int = _setting(int, 64 * 2**20, "images with more pixels (width x height, before "

@@ -294,6 +294,8 @@ def test_bad_input_gets_a_400_in_openai_shape_and_loses_nothing(embed_server):
              400, "model", "is an embedding model", "model_not_generative")
     _refused(lambda: c.completions.create(model="embedder", prompt="hi"), 400, "model", "is an embedding model",
              "model_not_generative")
+    _refused(lambda: c.responses.create(model="embedder", input="hi"), 400, "model", "is an embedding model",
+             "model_not_generative")
     assert len(create(model="embedder", input="still here").data[0].embedding) == 64
     assert len(create(model="embedder", input=[1] * 256).data) == 1  # an input may fill the context
 

@@ -58,10 +58,11 @@ SCRIPTS = {
 }
 
 
-@pytest.fixture(scope="module", params=[1, pytest.param(2, marks=pytest.mark.slow)], ids=lambda tp: f"tp{tp}")
-def ollama_server(request):
+@pytest.fixture(scope="module")
+def ollama_server():
+    """The default model at tp 2."""
     cfg = ServerConfig(max_body_bytes=BODY_LIMIT)
-    with LiveServer(real_engine(None, request.param, max_model_len=MAX_MODEL_LEN), cfg) as server:
+    with LiveServer(real_engine(None, 2, max_model_len=MAX_MODEL_LEN), cfg) as server:
         yield server.wait_ready()
 
 

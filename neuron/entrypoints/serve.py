@@ -54,7 +54,7 @@ OPTION_GROUPS = (
                                    "allowed_origins", "keepalive_s", "shutdown_grace_s", "log_level")),
     ("limits", "what clients may queue, send and hold open",
      ("max_waiting", "max_body_bytes", "max_connections", "max_connections_per_client", "header_timeout_s",
-      "body_timeout_s", "min_body_rate", "idle_timeout_s")),
+      "body_timeout_s", "min_body_rate", "idle_timeout_s", "responses_max_stored", "responses_max_stored_bytes")),
     ("multi-host", "ranks on other hosts (README: Ranks on several hosts)",
      ("hosts", "worker_launcher", "cluster_address", "cluster_interface", "cluster_port")),
 )

@@ -43,10 +43,13 @@ from neuron.entrypoints.openai.messages_types import CountTokensRequest, Message
 from neuron.entrypoints.openai.ollama import Served, ollama_error, ollama_routes
 from neuron.entrypoints.openai.prompt_input import Limiters
 from neuron.entrypoints.openai.request_body import read_body, require_json
+from neuron.entrypoints.openai.response_store import ResponseStore
+from neuron.entrypoints.openai.responses_types import ResponsesRequest
 from neuron.entrypoints.openai.serving_chat import create_chat_completion
 from neuron.entrypoints.openai.serving_completions import create_completion
 from neuron.entrypoints.openai.serving_embeddings import create_embedding
 from neuron.entrypoints.openai.serving_messages import count_tokens, create_message, error_response
+from neuron.entrypoints.openai.serving_responses import create_response, delete_response, retrieve_response
 from neuron.entrypoints.openai.serving_tokenization import detokenize, tokenize, tokenizer_info
 from neuron.errors import ConfigError
 
@@ -79,6 +82,8 @@ class ServerConfig:
     allowed_origins: str | None = from_settings("allowed_origins")
     idle_timeout_s: float = from_settings("idle_timeout_s")  # keep-alive connections between requests
     allow_runtime_lora_updating: bool = from_settings("allow_runtime_lora_updating")  # vLLM's LoRA routes
+    responses_max_stored: int = from_settings("responses_max_stored")  # the Responses API's store, by count
+    responses_max_stored_bytes: int = from_settings("responses_max_stored_bytes")  # and by bytes
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -107,6 +112,9 @@ def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
               methods=["POST"]),
         Route("/v1/messages/count_tokens", api.endpoint("count_tokens", api.count_tokens, api.authenticate_either,
                                                         error_response), methods=["POST"]),
+        Route("/v1/responses", api.endpoint("responses", api.responses), methods=["POST"]),
+        Route("/v1/responses/{response_id}", api.endpoint("responses", api.retrieve_response), methods=["GET"]),
+        Route("/v1/responses/{response_id}", api.endpoint("responses", api.delete_response), methods=["DELETE"]),
         Route("/tokenize", api.endpoint("tokenize", api.tokenize), methods=["POST"]),
         Route("/detokenize", api.endpoint("detokenize", api.detokenize), methods=["POST"]),
         Route("/tokenizer_info", api.endpoint("tokenizer_info", api.tokenizer_info), methods=["GET"]),
@@ -147,6 +155,7 @@ class _Api:
         self.stats = host.metrics
         self.started = int(time.time())
         self.limiters = Limiters()
+        self.responses_store = ResponseStore(cfg.responses_max_stored, cfg.responses_max_stored_bytes)
 
     def endpoint(self, name: str, handler, authenticate=None, errors=APIError.response):
         """Wrap a handler: authentication (the API key's, unless `authenticate` says otherwise), the
@@ -263,6 +272,20 @@ class _Api:
         req = await self._decode(request, CountTokensRequest)
         return await count_tokens(await self._engine(req.model), req, self.limiters)
 
+    async def responses(self, request: Request) -> Response:
+        req = await self._decode(request, ResponsesRequest)
+        engine = await self._engine(req.model)
+        check_serves(engine, GENERATE)
+        return await create_response(request, engine, req, self.cfg.keepalive_s, self.limiters,
+                                     self.responses_store, self._salt(request, req))
+
+    async def retrieve_response(self, request: Request) -> Response:
+        stream = request.query_params.get("stream", "false").lower() not in ("false", "0")
+        return await retrieve_response(self.responses_store, request.path_params["response_id"], stream)
+
+    async def delete_response(self, request: Request) -> Response:
+        return await delete_response(self.responses_store, request.path_params["response_id"])
+
     async def _engine(self, name: str | None) -> AsyncEngine:
         """The engine of the model a request names (loading an on-demand one); 400 without a name,
         404 listing the names served, 503 for a model not ready."""
@@ -273,7 +296,8 @@ class _Api:
         except HostError as exc:
             raise host_error(exc, param="model") from None
 
-    def _salt(self, request: Request, req: SamplingRequest | MessagesRequest | EmbeddingRequest) -> str | None:
+    def _salt(self, request: Request,
+              req: SamplingRequest | MessagesRequest | EmbeddingRequest | ResponsesRequest) -> str | None:
         """The request's cache salt under this server's isolation. The key it presented: the bearer
         token, else the x-api-key header, else the Authorization header as sent ("" without any:
         keyless requests share)."""
