@@ -16,6 +16,7 @@ _LAZY = {
     "GuidedDecodingParams": "neuron.engine.sampling_params",
     "PoolingParams": "neuron.engine.pooling",
     "EmbeddingRequestOutput": "neuron.entrypoints.llm",
+    "LoRARequest": "neuron.engine.lora",
 }
 
 

@@ -194,6 +194,19 @@ class Settings:
     cxx: str | None = _setting(str, None, "C++ compiler that builds the CPU kernels, once per machine",
                                unset="the first of g++, c++, clang++ on PATH")
 
+    enable_lora: bool = _setting(bool, False, "serve LoRA adapters on the model (PEFT folders): each rank holds a "
+                                 "pool of --max-loras of them, and one step mixes requests for several adapters "
+                                 "and for the base model")
+    max_loras: int = _setting(int, 1, "LoRA adapters held at once on the ranks (the slot pool, sized at load); more "
+                              "wait in host memory and are swapped in, least recently used out", lo=1)
+    max_lora_rank: int = _setting(int, 16, "the largest LoRA rank (r) an adapter may have", lo=1, hi=1024)
+    allow_runtime_lora_updating: bool = _setting(
+        bool, False, "serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, with which any client "
+        "of the API may load adapters from this machine's paths (the admin API's key guards its own way)")
+    lora_modules: str | None = _setting(
+        str, None, "adapters to serve from the start, NAME=PATH entries separated by spaces or commas (implies "
+        "--enable-lora); a request names one as its `model`", unset="none")
+
     # Batching and the KV cache.
     max_model_len: int | None = _setting(int, None, "longest sequence (prompt + output) in tokens", lo=2,
                                          unset=f"the model's limit, capped at {MAX_MODEL_LEN_CAP}")

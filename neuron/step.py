@@ -33,7 +33,8 @@ class SeqStep(msgspec.Struct, array_like=True):
     keeps them for the slot until its prefill has passed them, so later chunks carry none.
     `pool`: a pooling (embedding) request's chunk, what rank 0 returns of its final-norm hidden
     states: `last` (the chunk's last row), `first` (its first row) or `sum` (of its rows); None
-    for a chunk that needs none (engine/pooling.py)."""
+    for a chunk that needs none (engine/pooling.py). `lora`: the slot of the rank's LoRA pool
+    whose adapter the sequence runs (-1: the bare base model)."""
 
     slot: int
     token_ids: list[int]
@@ -44,6 +45,7 @@ class SeqStep(msgspec.Struct, array_like=True):
     logits: int = 1
     images: list[StepImage] = []
     pool: Literal["last", "first", "sum"] | None = None
+    lora: int = -1
 
 
 class VerifyShape(msgspec.Struct, frozen=True):

@@ -205,3 +205,56 @@ def reference_embeddings(path: Path, prompts: list[list[int]], pooling: str = "l
             v = {"lasttoken": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[pooling]
             out.append(torch.nn.functional.normalize(v, dim=-1) if normalize else v)
     return out
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_llama_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random Llama checkpoint of BASE's shape (no q/k norms, its own head)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    shape = {k: v for k, v in BASE.items() if k != "tie_word_embeddings"}
+    LlamaForCausalLM(LlamaConfig(**{**shape, **overrides})).eval().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def build_lora_adapter(base: Path, path: Path, seed: int, r: int = 4, alpha: float = 8.0,
+                       targets=LORA_TARGETS, use_rslora: bool = False, scale: float = 0.2) -> Path:
+    """A PEFT LoRA adapter of the checkpoint at `base`, A and B both random (PEFT starts B at zero,
+    which would make the adapter a no-op)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora, lora_dropout=0.0)
+    peft_model = get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    peft_model.save_pretrained(path)
+    return path
+
+
+def lora_reference_model(base: Path, adapter: Path | None):
+    """transformers' model of `base` with PEFT's `adapter` on it (None: the base), loaded once."""
+    from transformers import AutoModelForCausalLM
+
+    key = ("lora", str(base), str(adapter))
+    if key not in _MODELS:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        if adapter is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, adapter).eval()
+        _MODELS[key] = model
+    return _MODELS[key]
+
+
+def reference_lora_greedy(base: Path, adapter: Path | None, prompt: list[int],
+                          max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers + PEFT's greedy tokens and logprobs with `adapter` on `base` (None: the base)."""
+    return greedy_with_logprobs(lora_reference_model(base, adapter), prompt, max_new_tokens)

@@ -127,7 +127,8 @@ class ScriptedEngine:
             raise RequestError("token id outside the vocabulary", param="prompt")
         return params.max_tokens
 
-    def add_request(self, request_id, prompt_token_ids, params, images=None, grammar=None, cache_salt=None) -> None:
+    def add_request(self, request_id, prompt_token_ids, params, images=None, grammar=None, cache_salt=None,
+                    lora=None) -> None:
         self.validate(prompt_token_ids, params, images)
         prompt = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
         script = next((s for key, s in self.scripts.items() if key in prompt), ["ok"])

@@ -207,7 +207,9 @@ def _help_sections(text: str) -> dict[str, list[str]]:
 
 def test_serve_help_groups_its_options(capsys, clean_env):
     sections = _help_sections(_help("serve", capsys))
-    assert list(sections) == ["options", "model", "parallel", "server", "limits", "multi-host"]
+    assert list(sections) == ["options", "model", "lora", "parallel", "server", "limits", "multi-host"]
+    assert sections["lora"] == ["--lora-modules", "--enable-lora", "--max-loras", "--max-lora-rank",
+                                "--allow-runtime-lora-updating"]
     assert sections["options"] == ["-h"]
     assert sections["model"][:2] == ["MODEL", "--served-model-name"] and "--speculative-config" in sections["model"]
     assert sections["parallel"][:2] == ["--tp", "--device"]

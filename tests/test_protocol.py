@@ -25,14 +25,17 @@ REQUESTS = [
                                   dtype="bfloat16", max_slots=3, max_model_len=512, block_size=32,
                                   kv_cache_bytes=3 << 30, gpu_memory_utilization=0.45, max_num_batched_tokens=2048,
                                   quantization="int8", stored_format={"method": "fp8", "block": [128, 128]},
-                                  verify=VerifyShape(tokens=4, batch=8)),
+                                  verify=VerifyShape(tokens=4, batch=8), max_loras=4, max_lora_rank=16),
                 failed_kernels={"silu_mul": "rank 1: differs from the reference"}),
     p.ForwardStep(seq=15, model_id="qwen3-tiny",
                    seqs=[p.SeqStep(slot=0, token_ids=[1, 2, 3], offset=32, new_blocks=[7, 4, 9], fresh=True),
                          p.SeqStep(slot=2, token_ids=[9], offset=48, new_blocks=[12]),
                          p.SeqStep(slot=1, token_ids=[5], offset=41),
                          p.SeqStep(slot=3, token_ids=[8, 151655, 151655], offset=0, new_blocks=[2], fresh=True,
-                                   images=[StepImage("data:image/png;base64,AAAA", 1)])]),
+                                   images=[StepImage("data:image/png;base64,AAAA", 1)]),
+                         p.SeqStep(slot=4, token_ids=[6], offset=9, lora=2)]),
+    p.LoadLora(seq=31, model_id="qwen3-tiny", slot=1, lora_id=7, path="/adapters/sql"),
+    p.ForgetLora(seq=32, model_id="qwen3-tiny", lora_id=7),
     p.ClearKvCache(seq=17, model_id="qwen3-tiny", slots=[0, 3]),
     p.UnloadModel(seq=18, model_id="qwen3-tiny"),
     p.Shutdown(seq=19),
@@ -46,6 +49,7 @@ REPLIES = [
     p.LoadShardOk(seq=24, model_id="qwen3-tiny", weight_bytes=123_456, num_kv_blocks=4096),
     p.ForwardStepOk(seq=25, elapsed_ms=3.25),
     p.KvCacheCleared(seq=26),
+    p.LoraLoaded(seq=33),
     p.Unloaded(seq=27, model_id="qwen3-tiny"),
     p.Bye(seq=28),
     p.Error(seq=29, kind=p.ErrorKind.FORWARD_FAILED, message="CUDA out of memory"),
@@ -55,6 +59,7 @@ OPS = {
     p.Ping: "ping", p.Init: "init", p.CommSanityCheck: "comm_sanity_check", p.CheckKernels: "check_kernels",
     p.LoadShard: "load_shard", p.KernelsChecked: "kernels_checked",
     p.ForwardStep: "forward_step",
+    p.LoadLora: "load_lora", p.ForgetLora: "forget_lora", p.LoraLoaded: "lora_loaded",
     p.ClearKvCache: "clear_kv_cache", p.UnloadModel: "unload_model", p.Shutdown: "shutdown",
     p.Pong: "pong", p.InitOk: "init_ok", p.SanityResult: "sanity_result", p.LoadShardOk: "load_shard_ok",
     p.ForwardStepOk: "forward_step_ok", p.KvCacheCleared: "kv_cache_cleared", p.Unloaded: "unloaded",
@@ -92,17 +97,19 @@ def test_step_seq_stays_small_and_compatible():
     """A decode step's sequence is a short array; a sender that knows no blocks is still understood,
     and the prompt-logprobs flag, the count of positions whose logits come back, the images of a
     sequence's first step and an embedding's pooling ride at the end (msgspec writes every field of
-    an array: no images is `[]`, no pooling `null`)."""
-    assert codec.encode(p.SeqStep(slot=2, token_ids=[9], offset=41)) == b"[2,[9],41,[],false,null,1,[],null]\n"
+    an array: no images is `[]`, no pooling `null`), and last the sequence's LoRA slot (-1: none)."""
+    assert codec.encode(p.SeqStep(slot=2, token_ids=[9], offset=41)) == b"[2,[9],41,[],false,null,1,[],null,-1]\n"
     flagged = p.SeqStep(slot=2, token_ids=[9, 8], offset=0, prompt_logprobs=1)
-    assert codec.encode(flagged) == b"[2,[9,8],0,[],false,1,1,[],null]\n"
+    assert codec.encode(flagged) == b"[2,[9,8],0,[],false,1,1,[],null,-1]\n"
     speculative = p.SeqStep(slot=2, token_ids=[9, 4, 4, 4], offset=7, logits=4)
-    assert codec.encode(speculative) == b"[2,[9,4,4,4],7,[],false,null,4,[],null]\n"
+    assert codec.encode(speculative) == b"[2,[9,4,4,4],7,[],false,null,4,[],null,-1]\n"
     pooled = p.SeqStep(slot=1, token_ids=[5, 6], offset=0, fresh=True, pool="last")
-    assert codec.encode(pooled) == b'[1,[5,6],0,[],true,null,1,[],"last"]\n'
+    assert codec.encode(pooled) == b'[1,[5,6],0,[],true,null,1,[],"last",-1]\n'
     imaged = p.SeqStep(slot=0, token_ids=[3, 7, 7], offset=0, new_blocks=[1], fresh=True,
                        images=[StepImage("data:image/png;base64,AA==", 1)])
-    assert codec.encode(imaged) == b'[0,[3,7,7],0,[1],true,null,1,[["data:image/png;base64,AA==",1]],null]\n'
+    assert codec.encode(imaged) == b'[0,[3,7,7],0,[1],true,null,1,[["data:image/png;base64,AA==",1]],null,-1]\n'
+    adapted = p.SeqStep(slot=3, token_ids=[4], offset=2, lora=1)
+    assert codec.encode(adapted) == b"[3,[4],2,[],false,null,1,[],null,1]\n"
     line = b'{"op":"forward_step","seq":5,"model_id":"m","seqs":[[2,[9],41]]}\n'
     step = codec.decode_request(line)
     assert step.seqs == [p.SeqStep(slot=2, token_ids=[9], offset=41, new_blocks=[], fresh=False)]

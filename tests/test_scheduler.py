@@ -161,3 +161,32 @@ def test_a_block_being_computed_is_waited_for_not_computed_twice():
     assert [(s.seq, s.offset, s.token_ids) for s in batch] == [(a, 10, [99]), (other, 3, [98]), (b, 8, [9, 10])]
     assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
     assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (23, 8)
+
+
+def test_a_request_whose_adapter_finds_no_slot_waits_and_swaps_in_lru(monkeypatch):
+    """Two adapter slots, three adapters: the third adapter's request waits (the base model's
+    request behind it goes on); once one adapter's requests end, its slot is reloaded with the
+    waiting adapter, least recently used first, and the loads are queued for the engine."""
+    from neuron.engine import lora
+
+    monkeypatch.setattr(lora.PeftAdapter, "open", staticmethod(lambda path, base, rank: SimpleNamespace(rank=4)))
+    slots = lora.LoraSlots(2, 8, {"hidden_size": 64})
+    x, y, z = (slots.register(name, f"/adapters/{name}") for name in "xyz")
+    sched = scheduler(slots=4)
+    sched.loras = slots
+    a, b, c, d = seq([1, 2], "a"), seq([3, 4], "b"), seq([5, 6], "c"), seq([7, 8], "d")
+    a.lora, b.lora, c.lora = x, y, z
+    for s in (a, b, c, d):
+        sched.add(s)
+    assert [s.seq for s in run(sched)] == [a, b, d]
+    assert list(sched.waiting) == [c] and c.lora_slot is None
+    loaded = []
+    ranks = SimpleNamespace(load_lora=lambda slot, lora_id, path: loaded.append((slot, path)))
+    slots.fill(ranks)
+    assert loaded == [(a.lora_slot, "/adapters/x"), (b.lora_slot, "/adapters/y")]
+    sched.finish(b, "stop")  # y's slot is idle; x was used less recently than y
+    sched.finish(a, "stop")
+    run(sched)
+    assert c.lora_slot == 0 and slots.resident() == ["z", "y"]
+    slots.fill(ranks)
+    assert loaded[2:] == [(0, "/adapters/z")]

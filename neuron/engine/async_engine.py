@@ -33,6 +33,7 @@ from neuron.engine.sampling_params import SamplingParams
 from neuron.engine.structured_output import CompiledGrammar
 from neuron.errors import NeuronError
 from neuron.executor.executor import resource_shortage
+from neuron.models.lora import LoraError
 from neuron.multimodal.image import ImageInput
 
 log = logging.getLogger("neuron.server")
@@ -162,6 +163,22 @@ class AsyncEngine(EngineClient):
             self._fail_streams(f"{why}; the request was cancelled", failure_kind)
         return left
 
+    async def unload_lora(self, name: str, drain_s: float) -> int:
+        """Stop serving LoRA adapter `name`: its new requests are refused at once, those in flight
+        get up to `drain_s` to finish and the rest end with an error (failure kind `unloaded`); the
+        ranks forget it once none runs. Returns how many were cancelled; LoraError for an unknown name."""
+        loras = self._loaded().loras
+        if loras is None:
+            raise LoraError(f"model `{self.model_name}` serves no LoRA adapters")
+        loras.remove(name)
+        deadline = time.monotonic() + drain_s
+        while any(s.lora == name for s in self._streams.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = [rid for rid, s in self._streams.items() if s.lora == name]
+        self._fail_streams(f"LoRA adapter {name!r} was unloaded; the request was cancelled", "unloaded", left)
+        self._wake.set()
+        return len(left)
+
     def stop(self, timeout_s: float = _STOP_JOIN_S) -> None:
         """Stop the engine thread and shut the engine down; blocks, so call it off the event loop.
         Only the first call does the work; a later one (the lifespan, then `neuron serve`) waits for it."""
@@ -220,19 +237,21 @@ class AsyncEngine(EngineClient):
 
     def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
              images: list[ImageInput] | None = None, count_prompt: bool = True,
-             grammar: CompiledGrammar | None = None, cache_salt: str | None = None) -> RequestStream:
+             grammar: CompiledGrammar | None = None, cache_salt: str | None = None,
+             lora: str | None = None) -> RequestStream:
         """Submit a request (its image placeholders already expanded, its grammar compiled if it has
         one), or with PoolingParams an embedding request, whose one update carries the vector;
         raises NotReady, Overloaded or the engine's RequestError. `count_prompt`: False for
         the further samples of a prompt (n, best_of), whose tokens the prompt-token counter already has.
-        `cache_salt`: see LLMEngine.add_request."""
+        `cache_salt`, `lora`: see LLMEngine.add_request."""
         if self._state is not EngineState.READY:
             raise NotReady(self._state, self._error)
         if len(self._streams) >= self.capacity:
             raise Overloaded(f"all {self.capacity} running and waiting places are taken")
         self.engine.add_request(request_id, prompt_token_ids, params, images=images, grammar=grammar,
-                                cache_salt=cache_salt)
+                                cache_salt=cache_salt, lora=lora)
         stream = RequestStream(self.metrics, request_id, len(prompt_token_ids), self._close)
+        stream.lora = lora
         self._streams[request_id] = stream
         if count_prompt:
             self.metrics.prompt_tokens.inc(len(prompt_token_ids))
@@ -272,9 +291,10 @@ class AsyncEngine(EngineClient):
                  stream.request_id, stream.finish_reason, stream.num_prompt_tokens, stream.num_output_tokens,
                  ttft * 1e3, (now - stream.arrival) * 1e3, f", error: {update.error!r}" if update.error else "")
 
-    def _fail_streams(self, message: str, failure_kind: str | None = None) -> None:
-        """End every open request with an error, and abort it in case the engine still runs it."""
-        for rid in list(self._streams):
+    def _fail_streams(self, message: str, failure_kind: str | None = None, only: list[str] | None = None) -> None:
+        """End every open request (or those of `only`) with an error, and abort it in case the engine
+        still runs it."""
+        for rid in list(self._streams) if only is None else only:
             if self.engine is not None:
                 self.engine.abort(rid)
             self._deliver([Update(rid, [], "", None, True, "error", error=message)], failure_kind)

@@ -25,7 +25,8 @@ _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 _CHECKED = {"task": "task", "tp": "tp", "dtype": "dtype", "quantization": "quantization", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
             "max_num_batched_tokens": "max_num_batched_tokens", "prefill_chunk_tokens": "prefill_chunk_tokens",
             "block_size": "kv_block_size", "gpu_memory_utilization": "gpu_memory_utilization",
-            "load_timeout_s": "load_timeout_s"}
+            "load_timeout_s": "load_timeout_s",
+            "max_loras": "max_loras", "max_lora_rank": "max_lora_rank"}
 
 
 @dataclass(slots=True)
@@ -59,6 +60,10 @@ class EngineConfig:
     gpu_memory_utilization: float = from_settings("gpu_memory_utilization")
     enable_prefix_caching: bool | None = field(default_factory=_prefix_caching)  # True: refuse models without it
     load_timeout_s: float = from_settings("load_timeout_s")
+    enable_lora: bool = from_settings("enable_lora")  # LoRA adapters (engine/lora.py)
+    max_loras: int = from_settings("max_loras")
+    max_lora_rank: int = from_settings("max_lora_rank")
+    lora_modules: str | list | dict | None = from_settings("lora_modules")  # adapters served from the start
 
     def __post_init__(self) -> None:
         for name, setting in _CHECKED.items():
@@ -71,6 +76,29 @@ class EngineConfig:
             for device in self.devices:
                 check_device(device)
         self.hf_overrides = parse_overrides(self.hf_overrides)
+        if self.lora_modules:
+            parse_lora_modules(self.lora_modules)  # refused here, before anything loads
+            self.enable_lora = True
+
+
+def parse_lora_modules(value: str | list | dict | None) -> list[tuple[str, str]]:
+    """`--lora-modules`: NAME=PATH entries separated by spaces or commas; a models file may give
+    them as a list of such entries or as a {name: path} mapping."""
+    if isinstance(value, dict):
+        value = [f"{name}={path}" for name, path in value.items()]
+    if isinstance(value, (list, tuple)):
+        value = " ".join(map(str, value))
+    if value is not None and not isinstance(value, str):
+        raise ConfigError(f"lora_modules takes NAME=PATH entries, got {value!r:.120}")
+    modules = []
+    for entry in (value or "").replace(",", " ").split():
+        name, eq, path = entry.partition("=")
+        if not (name and eq and path):
+            raise ConfigError(f"--lora-modules takes NAME=PATH entries, got {entry!r:.120}")
+        if name in dict(modules):
+            raise ConfigError(f"--lora-modules names the adapter {name!r} twice")
+        modules.append((name, path))
+    return modules
 
 
 def parse_overrides(value: dict | str | None) -> dict | None:

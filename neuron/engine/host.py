@@ -45,7 +45,7 @@ _MIN_IDLE_S = 1.0  # the least idleness that unloads a model, whatever its keep_
 # `share_devices` are the host's own.
 _ENGINE_KEYS = ("model", "tp", "devices", "dtype", "quantization", "max_model_len", "speculative_config",
                 "hf_overrides", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "gpu_memory_utilization",
-                "tokenizer", "task")
+                "tokenizer", "task", "enable_lora", "max_loras", "max_lora_rank", "lora_modules")
 SPEC_KEYS = ("name", *_ENGINE_KEYS, "keep_alive", "load", "share_devices")
 
 
@@ -232,6 +232,20 @@ class HostedModel:
         return out
 
 
+class AdapterEngine:
+    """A base model's engine as the requests for one of its LoRA adapters see it: it answers to the
+    adapter's name and every request it opens runs the adapter; the rest is the base engine's."""
+
+    def __init__(self, engine: AsyncEngine, adapter: str):
+        self.base, self.model_name = engine, adapter
+
+    def open(self, *args, **kwargs):
+        return self.base.open(*args, lora=self.model_name, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.base, name)
+
+
 EngineFactory = Callable[[ModelConfig, ModelSpec], AsyncEngine]
 
 
@@ -254,6 +268,7 @@ class ModelHost:
         self._lock: asyncio.Lock | None = None  # one load's pre-flight and placement at a time
         self._reaper: asyncio.Task | None = None
         self._stopping = False
+        self.adapter_idle: dict[str, list[float]] = {}  # LoRA adapters with a keep_alive: [seconds, last use]
 
     @classmethod
     def of_engine(cls, engine: AsyncEngine, **kwargs) -> "ModelHost":
@@ -307,6 +322,10 @@ class ModelHost:
         """The engine of model `name`, loading it first if it is on demand and not loaded (the
         request waits up to load_timeout_s, then gets the engine in whatever state it is in: the
         handlers answer 503 with Retry-After for one still loading)."""
+        if name not in self.models and (base := self.adapter_base(name)) is not None:
+            if name in self.adapter_idle:
+                self.adapter_idle[name][1] = time.monotonic()
+            return AdapterEngine(await self.engine_for(base.name), name)
         m = self.model(name)
         m.last_used = time.monotonic()
         if m.spec.load == "on_demand" and not m.unloading:
@@ -318,6 +337,65 @@ class ModelHost:
         if m.engine is None:
             raise _not_loaded(m)
         return m.engine
+
+    # ---- LoRA adapters: served by name on a loaded base model (engine/lora.py) ----
+
+    def adapter_base(self, name: str) -> HostedModel | None:
+        """The loaded model that serves LoRA adapter `name`, if one does."""
+        return next((m for m in self.models.values() if _serves_lora(m) and name in m.engine.engine.loras.adapters),
+                    None)
+
+    def adapters(self) -> list[tuple[str, str, str]]:
+        """Every adapter served: its name, its base model's and its folder."""
+        return [(a.name, m.name, a.path) for m in self.models.values() if _serves_lora(m)
+                for a in list(m.engine.engine.loras.adapters.values())]
+
+    async def load_lora(self, name: str, path: str, base: str | None = None,
+                        keep_alive_s: float | None = None) -> HostedModel:
+        """Serve the PEFT adapter at `path` as `name` on model `base` (None: the one model with LoRA
+        enabled), unloaded once idle for `keep_alive_s` (None: kept). Checked against the base
+        before any rank sees it: a bad adapter is refused (400, naming why) and nothing loaded
+        changes. It reaches the ranks with its first request."""
+        if not isinstance(name, str) or not name or len(name) > 256 or any(c in name for c in "\n\r\t/"):
+            raise HostError(f"lora_name must be a non-empty string of at most 256 characters without slashes or "
+                            f"newlines, got {name!r:.80}")
+        if not isinstance(path, str) or not path:
+            raise HostError(f"lora_path must be the adapter's folder, got {path!r:.80}")
+        if name in self.models or self.adapter_base(name) is not None:
+            raise ModelExists(f"a model or LoRA adapter named `{name}` is already served; unload it first")
+        m = self._lora_base(base)
+        try:
+            await asyncio.to_thread(m.engine.engine.loras.register, name, path)
+        except ConfigError as exc:
+            raise HostError(str(exc)) from None
+        if keep_alive_s is not None:
+            self.adapter_idle[name] = [keep_alive_s, time.monotonic()]
+        log.info("LoRA adapter `%s` loaded on `%s` from %r", name, m.name, path)
+        return m
+
+    def _lora_base(self, base: str | None) -> HostedModel:
+        """Model `base`, or the one model with LoRA enabled; it must be loaded."""
+        lora = [m for m in self.models.values() if _serves_lora(m) or m.spec.engine.enable_lora]
+        if base is None and len(lora) != 1:
+            raise HostError("name the base model the adapter is for (`base`): "
+                            + (f"{len(lora)} models serve LoRA adapters" if lora else
+                               "no model serves LoRA adapters (start it with --enable-lora)"))
+        m = lora[0] if base is None else self.model(base)
+        if not _serves_lora(m):
+            raise HostError(f"model `{m.name}` does not serve LoRA adapters (it needs enable_lora, and to be "
+                            f"loaded; it is {m.status})")
+        return m
+
+    async def unload_lora(self, name: str, drain_s: float = 0.0) -> int:
+        """Stop serving adapter `name`: requests for it in flight get `drain_s` to finish, then end
+        with an error; how many were cancelled."""
+        m = self.adapter_base(name)
+        if m is None:
+            raise UnknownModel(f"no LoRA adapter named `{name}` is loaded")
+        self.adapter_idle.pop(name, None)
+        cancelled = await m.engine.unload_lora(name, drain_s)
+        log.info("LoRA adapter `%s` unloaded from `%s` (%d request(s) cancelled)", name, m.name, cancelled)
+        return cancelled
 
     async def load(self, spec: ModelSpec, wait: bool = True) -> HostedModel:
         """Load a model the host does not serve yet (ModelExists otherwise); with `wait`, once it is
@@ -347,6 +425,9 @@ class ModelHost:
         `drain_s` to finish and the rest end with an error and finish_reason `abort`; returns once
         its workers have exited and its memory is given back."""
         m = self.models.get(name)
+        if m is None and self.adapter_base(name) is not None:
+            await self.unload_lora(name, drain_s)
+            return
         if m is None or (m.engine is None and m.loading is None and m.status != "failed"):
             raise UnknownModel(f"no model named `{name}` is loaded")
         await self._unload(m, drain_s, forget=True)
@@ -470,6 +551,21 @@ class ModelHost:
                     log.info("model `%s` idle for %.0f s (keep_alive %g s): unloading", m.name,
                              now - m.last_used, m.keep_alive_s)
                     await self._unload(m, 0.0, forget=False)
+            await self._reap_adapters(now)
+
+    async def _reap_adapters(self, now: float) -> None:
+        """Unload each LoRA adapter idle past its keep_alive (one with requests in flight is not idle)."""
+        for name, idle in list(self.adapter_idle.items()):
+            m = self.adapter_base(name)
+            if m is None:
+                self.adapter_idle.pop(name, None)
+                continue
+            if any(stream.lora == name for stream in m.engine.open_streams):
+                idle[1] = now
+            elif now - idle[1] >= max(idle[0], _MIN_IDLE_S):
+                log.info("LoRA adapter `%s` idle for %.0f s (keep_alive %g s): unloading", name, now - idle[1],
+                         idle[0])
+                await self.unload_lora(name)
 
     # ---- shutdown ----
 
@@ -487,6 +583,10 @@ class ModelHost:
         for m in list(self.models.values()):
             if m.engine is not None:
                 m.engine.stop()
+
+
+def _serves_lora(m: HostedModel) -> bool:
+    return m.engine is not None and m.engine.loaded and getattr(m.engine.engine, "loras", None) is not None
 
 
 def _not_loaded(m: HostedModel) -> HostError:

@@ -16,9 +16,10 @@ import torch
 
 from neuron.engine import pooling, prompt_logprobs
 from neuron.engine.block_manager import BlockManager, salt_key
-from neuron.engine.engine_config import EngineConfig
+from neuron.engine.engine_config import EngineConfig, parse_lora_modules
 from neuron.engine.input_processor import InputProcessor, RequestError, check_cache_salt
 from neuron.engine.loading import load_within
+from neuron.engine.lora import Adapter, LoraSlots
 from neuron.engine.model_config import ModelConfig, resolve_model_config
 from neuron.engine.output_processor import OutputProcessor, Update
 from neuron.engine.pooling import PoolingParams
@@ -44,8 +45,12 @@ class LLMEngine:
         self.model = model = model if isinstance(model, ModelConfig) else resolve_model_config(model)
         self.model_name, self.tokenizer = model.name, model.tokenizer
         self.max_model_len, self.vocab_size = model.max_model_len, model.vocab_size
+        self.loras = LoraSlots(model.spec.max_loras, model.spec.max_lora_rank, model.hf_config) \
+            if model.spec.enable_lora else None
+        for name, path in parse_lora_modules(model.spec.lora_modules):
+            self.loras.register(name, path)  # a bad adapter stops the load, naming it
         self.scheduler = Scheduler(model.spec.max_num_seqs, model.step_tokens, model.spec.prefill_chunk_tokens,
-                                   max_image_bytes=lambda: self.executor.max_image_bytes)
+                                   max_image_bytes=lambda: self.executor.max_image_bytes, loras=self.loras)
         self.spec = SpecDecoder(model.speculative, model) if model.speculative is not None else None
         self.executor = Executor(model.executor_config(), **({"worker_cmd": worker_cmd} if worker_cmd else {}))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -89,7 +94,10 @@ class LLMEngine:
                            hold=lambda engine: engine._shut_down.wait())
 
     def _new_blocks(self) -> None:
-        """A block manager over the pool the ranks just allocated (empty: a new pool holds nothing)."""
+        """A block manager over the pool the ranks just allocated (empty: a new pool holds nothing),
+        and adapter slots that hold nothing either."""
+        if self.loras is not None:
+            self.loras.reset()
         self.scheduler.use_blocks(BlockManager(self.executor.num_kv_blocks, self.executor.shard.block_size,
                                                self.model.prefix_caching))
         if self.spec is not None:
@@ -100,15 +108,18 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                     images: list[ImageInput] | None = None, grammar: CompiledGrammar | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, lora: str | None = None) -> None:
         """Queue a request (checked first by `inputs`, the InputProcessor). With images, the prompt's
         placeholders are already expanded (`inputs.expand_images`) and must hold each image's run of
         tokens, in order. `grammar`: the
         params' structured output, compiled already (else it is compiled here). `cache_salt`: the
         request shares cached prefix blocks only with requests of the same salt (None: unsalted).
         With PoolingParams the request is an embedding: its prompt is prefilled like any other,
-        batched with the rest, and its final update carries the pooled vector (`Update.embedding`)."""
+        batched with the rest, and its final update carries the pooled vector (`Update.embedding`).
+        `lora`: the name of a registered LoRA adapter (`self.loras`) the request runs; its cached
+        prefix blocks are the adapter's own."""
         check_cache_salt(cache_salt)
+        adapter = _named_adapter(self.loras, lora, self.model_name)
         _check_task(self.model, params)
         if isinstance(params, PoolingParams):
             self.inputs.admit_pooling(prompt_token_ids)
@@ -118,8 +129,9 @@ class LLMEngine:
             pooled = pooled_by = None
             max_tokens, matcher = self.inputs.admit(prompt_token_ids, params, images, grammar)
         sampler = SequenceSampler(params, prompt_token_ids, self.vocab_size, self.executor.devices[0])
+        salt = salt_key(cache_salt) if adapter is None else adapter.cache_key(salt_key(cache_salt))
         seq = Sequence(request_id, list(prompt_token_ids), params, sampler, max_tokens, images=list(images or []),
-                       grammar=matcher, cache_salt=salt_key(cache_salt), pooling=pooled_by, pooled=pooled)
+                       grammar=matcher, cache_salt=salt, pooling=pooled_by, pooled=pooled, lora=adapter)
         self._inbox.put(("add", seq))
 
     def abort(self, request_id: str) -> None:
@@ -128,7 +140,8 @@ class LLMEngine:
     # ---- the loop (engine thread only) ----
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or not self._inbox.empty()
+        """Requests to run, or unloaded LoRA adapters for the ranks to forget."""
+        return self.scheduler.has_work() or not self._inbox.empty() or bool(self.loras and self.loras.forgets)
 
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -155,6 +168,8 @@ class LLMEngine:
         propose the next step's draft tokens. A rank failure ends every request in flight; any other
         fault ends only the requests it touched."""
         updates = self._drain_inbox()
+        if self.loras is not None:
+            self.loras.forget(self.executor)
         batch = self.scheduler.schedule()
         if not batch:
             return updates
@@ -199,6 +214,8 @@ class LLMEngine:
             return None, []
 
     def _forward(self, part: list[Scheduled]) -> torch.Tensor:
+        if self.loras is not None:  # the adapter slots the scheduler assigned, filled before the step needs them
+            self.loras.fill(self.executor)
         steps = _steps(part, self.model.vision)
         if all(st.prompt_logprobs is None and st.pool is None for st in steps):
             return self.executor.step(steps)
@@ -318,7 +335,8 @@ class LLMEngine:
 def _steps(part: list[Scheduled], vision: VisionSpec | None) -> list[SeqStep]:
     """The step records of the scheduled sequences, for every rank."""
     return [SeqStep(s.seq.slot, s.token_ids, s.offset, s.new_blocks, s.fresh, prompt_logprobs.wanted(s), s.logits,
-                    _step_images(s, vision), pooling.wanted(s)) for s in part]
+                    _step_images(s, vision), pooling.wanted(s), -1 if s.seq.lora_slot is None else s.seq.lora_slot)
+            for s in part]
 
 
 def _step_images(s: Scheduled, vision: VisionSpec | None) -> list[StepImage]:
@@ -329,6 +347,17 @@ def _step_images(s: Scheduled, vision: VisionSpec | None) -> list[StepImage]:
     images = s.seq.images
     spans = image_spans(s.seq.prompt_token_ids, vision.image_token_id, [i.num_tokens for i in images])
     return [StepImage(image.uri, start) for image, (start, _) in zip(images, spans)]
+
+
+def _named_adapter(loras: LoraSlots | None, name: str | None, model_name: str) -> Adapter | None:
+    """The registered adapter a request names (None: the base model); refused when there is none."""
+    if name is None:
+        return None
+    adapter = loras.adapters.get(name) if loras is not None else None
+    if adapter is None:
+        served = "" if loras is None else f" (loaded: {', '.join(sorted(loras.adapters)) or 'none'})"
+        raise RequestError(f"model `{model_name}` has no LoRA adapter named {name!r}{served}", param="model")
+    return adapter
 
 
 def _check_task(model: ModelConfig, params: SamplingParams | PoolingParams) -> None:

@@ -28,6 +28,7 @@ from neuron.engine.tokenizer import Tokenizer
 from neuron.errors import ConfigError
 from neuron.executor.executor import ExecutorConfig
 from neuron.models import (
+    DENSE_MODEL_TYPES,
     MULTIMODAL_MODEL_TYPES,
     check_supported,
     check_tp,
@@ -99,7 +100,9 @@ class ModelConfig:
                          vision=asdict(self.vision) if self.vision is not None else None, max_slots=s.max_num_seqs,
                          max_model_len=self.max_model_len, block_size=s.block_size,
                          kv_cache_bytes=self.kv_cache_bytes, gpu_memory_utilization=s.gpu_memory_utilization,
-                         max_num_batched_tokens=max(self.step_tokens, s.max_num_seqs), verify=self.verify)
+                         max_num_batched_tokens=max(self.step_tokens, s.max_num_seqs), verify=self.verify,
+                         max_loras=s.max_loras if s.enable_lora else 0,
+                         max_lora_rank=s.max_lora_rank if s.enable_lora else 0)
 
     def executor_config(self, model_id: str = "model") -> ExecutorConfig:
         """How the executor brings these ranks up: where (the spec's placement), and what they load."""
@@ -142,6 +145,7 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
     tokenizer, tokenizer_dir = _tokenizer(spec, model_dir, gguf)
     generation = _generation_config(tokenizer_dir)
     speculative = _speculative(spec, config)
+    _check_lora(spec, config)
     tasks, pooling = _tasks(spec.task, model_dir)
     return ModelConfig(
         spec=spec, name=spec.served_model_name or spec.model or "neuron-default", model_dir=model_dir,
@@ -314,6 +318,18 @@ def _speculative(spec: EngineConfig, config: dict) -> SpeculativeConfig | None:
         raise ConfigError(f"speculative decoding is not available for model_type {config.get('model_type')!r}: "
                           "its recurrent layers' state cannot be rolled back past rejected tokens")
     return speculative
+
+
+def _check_lora(spec: EngineConfig, config: dict) -> None:
+    """LoRA adapters run on the dense decoder's layers, without speculative decoding."""
+    if not spec.enable_lora:
+        return
+    if config.get("model_type") not in DENSE_MODEL_TYPES:
+        raise ConfigError(f"LoRA adapters are not supported for model_type {config.get('model_type')!r} (they run "
+                          f"on {', '.join(DENSE_MODEL_TYPES)})")
+    if spec.speculative_config is not None:
+        raise ConfigError("speculative decoding with LoRA adapters is not supported: drop --speculative-config or "
+                          "--enable-lora")
 
 
 def _prefix_caching(spec: EngineConfig, config: dict) -> bool:

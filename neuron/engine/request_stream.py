@@ -39,6 +39,7 @@ class RequestStream:
         # How an early end (finish reason "error") is reported: a failing rank (`generation_failed`,
         # retrying helps), the server stopping (`shutting_down`), or a bug (`internal_error`).
         self.failure_kind = "generation_failed"
+        self.lora: str | None = None  # the LoRA adapter it runs, by name (None: the base model)
 
     @property
     def finished(self) -> bool:

@@ -12,6 +12,9 @@ budget, in a step that prefills nothing; their blocks were reserved when they we
 A prompt with images is chunked like any other; its first step carries the images to every
 rank, in the step's protocol line, so a step admits no more sequences with images than
 `max_image_bytes` of them fit (the others wait a step).
+A request for a LoRA adapter is admitted only once its adapter holds one of the ranks' adapter
+slots (engine/lora.py); while every slot serves other running adapters it waits, and later
+requests may pass it.
 The scheduler is the only one who assigns slots and blocks: a slot belongs to one sequence at a time.
 """
 
@@ -23,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from neuron.engine.block_manager import BlockManager
+from neuron.engine.lora import LoraSlots
 from neuron.engine.sequence import Sequence, Status
 
 log = logging.getLogger("neuron.engine.scheduler")
@@ -50,7 +54,8 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk: int,
-                 blocks: BlockManager | None = None, max_image_bytes: Callable[[], int] | None = None):
+                 blocks: BlockManager | None = None, max_image_bytes: Callable[[], int] | None = None,
+                 loras: LoraSlots | None = None):
         self.max_num_seqs = max_num_seqs
         self.budget = max(max_num_batched_tokens, max_num_seqs)
         self.prefill_chunk = prefill_chunk
@@ -62,6 +67,7 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of those, tokens found there (their prefill skipped)
         self.num_preemptions = 0
         self.max_image_bytes = max_image_bytes  # encoded image bytes one step carries (None: no bound)
+        self.loras = loras  # the ranks' LoRA adapter slots (None: the model serves no adapters)
 
     def use_blocks(self, blocks: BlockManager) -> None:
         """Schedule over a new block pool (at start, and after the ranks were rebuilt)."""
@@ -117,7 +123,11 @@ class Scheduler:
             size = sum(len(image.uri) for image in seq.images)
             if size and image_bytes and self.max_image_bytes and image_bytes + size > self.max_image_bytes():
                 continue
+            if seq.lora is not None and not self.loras.acquire(seq):
+                continue  # every adapter slot is busy: it waits, requests for resident adapters go on
             if not self.blocks.allocate(seq):
+                if self.loras is not None:
+                    self.loras.release(seq)
                 return  # first come, first served: later requests wait too
             self.waiting.remove(seq)
             self._start(seq)
@@ -246,6 +256,8 @@ class Scheduler:
         if seq.slot is not None:
             self.free_slots.append(seq.slot)
             seq.slot = None
+        if seq.lora_slot is not None:
+            self.loras.release(seq)
         if seq.block_table:
             self.blocks.release(seq)
         seq.num_blocks_sent = 0

@@ -13,6 +13,7 @@ from neuron.engine.sampling_params import SamplingParams
 from neuron.engine.structured_output import GrammarMatcher
 
 if TYPE_CHECKING:
+    from neuron.engine.lora import Adapter
     from neuron.engine.spec_decode.acceptance import Acceptance
     from neuron.engine.spec_decode.draft import DraftState
 
@@ -52,6 +53,9 @@ class Sequence:
     # an embedding request (engine/pooling.py): how its hidden states are pooled, and its vector so far
     pooling: PoolingConfig | None = None
     pooled: Pooled | None = None
+    # a LoRA adapter's request (engine/lora.py): the adapter, and the ranks' pool slot holding it while it runs
+    lora: Adapter | None = None
+    lora_slot: int | None = None
 
     @property
     def wants_every_prompt_row(self) -> bool:

@@ -19,6 +19,7 @@ from typing import Sequence
 
 from neuron.engine.input_processor import check_cache_salt
 from neuron.engine.llm_engine import EngineConfig, LLMEngine, Update, encode_prompt
+from neuron.engine.lora import LoRARequest
 from neuron.engine.parallel_sampling import cumulative_logprob, ranked, sample_id, sample_params
 from neuron.engine.pooling import PoolingParams
 from neuron.engine.sampling_params import SamplingParams, token_ids
@@ -104,6 +105,9 @@ class LLM:
         cluster_address: str | None = None,
         cluster_interface: str | None = None,
         cluster_port: int | None = None,
+        enable_lora: bool | None = None,
+        max_loras: int | None = None,
+        max_lora_rank: int | None = None,
         **kwargs,
     ):
         if kwargs:
@@ -114,7 +118,8 @@ class LLM:
                      enable_prefix_caching=enable_prefix_caching, hf_overrides=hf_overrides,
                      quantization=quantization, tokenizer=tokenizer, speculative_config=speculative_config,
                      hosts=hosts, worker_launcher=worker_launcher, cluster_address=cluster_address,
-                     cluster_interface=cluster_interface, cluster_port=cluster_port)
+                     cluster_interface=cluster_interface, cluster_port=cluster_port, enable_lora=enable_lora,
+                     max_loras=max_loras, max_lora_rank=max_lora_rank)
         cfg = EngineConfig(**{k: v for k, v in given.items() if v is not None})
         self.engine = LLMEngine.load(cfg)
         self._ids = itertools.count()
@@ -128,9 +133,12 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched together; outputs in prompt order, each with
-        `n` samples (`outputs[i].index == i`; see parallel_sampling for seeds and best_of)."""
+        `n` samples (`outputs[i].index == i`; see parallel_sampling for seeds and best_of).
+        `lora_request`: the LoRA adapter every prompt runs, or one per prompt (None: the base model);
+        an adapter is loaded the first time a request names it."""
         if isinstance(prompts, (str, dict)) or (len(prompts) and _is_id(prompts[0])):  # one prompt of ids
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -138,13 +146,15 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         tokenized = [self._tokenize(prompt) for prompt in prompts]  # refuses the whole call before queueing any
+        adapters = self._adapters(lora_request, len(prompts))
         samples = [sample_params(p) for p in params_list]
         for prompt, children in zip(tokenized, samples):
             self.engine.inputs.validate(prompt.ids, children[0], prompt.images)
         if self.engine.failure is not None:  # a rank died since the last call: bring the ranks back first
             self.engine.recover()
         routes: dict[str, tuple[RequestOutput, int]] = {}
-        outputs = [self._add(prompt, children, routes) for prompt, children in zip(tokenized, samples)]
+        outputs = [self._add(prompt, children, routes, lora) for prompt, children, lora in zip(tokenized, samples,
+                                                                                               adapters)]
         self._run(routes)
         for out, p in zip(outputs, params_list):
             _keep_best(out, p)
@@ -194,15 +204,27 @@ class LLM:
             raise NeuronError(f"embedding failed: {failure}")
         return done
 
+    def _adapters(self, requests: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list[str | None]:
+        """The adapter name of each of `n` prompts, every adapter registered (checked) first."""
+        if requests is None:
+            return [None] * n
+        if isinstance(requests, LoRARequest):
+            requests = [requests] * n
+        if len(requests) != n:
+            raise ValueError(f"{n} prompts but {len(requests)} LoRA requests")
+        if self.engine.loras is None and any(r is not None for r in requests):
+            raise NeuronError("LoRA requests need LLM(..., enable_lora=True)")
+        return [None if r is None else self.engine.loras.resolve(r).name for r in requests]
+
     def _add(self, prompt: _Prompt, children: list[SamplingParams],
-             routes: dict[str, tuple[RequestOutput, int]]) -> RequestOutput:
+             routes: dict[str, tuple[RequestOutput, int]], lora: str | None = None) -> RequestOutput:
         """Queue one prompt's samples, all with its salt (they share its prefill); `routes` learns
         which output each engine request fills."""
         rid = str(next(self._ids))
         out = RequestOutput(rid, prompt.text, prompt.ids)
         for i, child in enumerate(children):
             sid = sample_id(rid, i, len(children))
-            self.engine.add_request(sid, prompt.ids, child, prompt.images, cache_salt=prompt.cache_salt)
+            self.engine.add_request(sid, prompt.ids, child, prompt.images, cache_salt=prompt.cache_salt, lora=lora)
             out.outputs.append(CompletionOutput(i, "", [], None, [] if child.logprobs is not None else None, None))
             routes[sid] = (out, i)
         return out

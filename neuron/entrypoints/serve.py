@@ -45,6 +45,8 @@ OPTION_GROUPS = (
     ("model", "what is served, and how its weights are held",
      ("served_model_name", "models", "task", "tokenizer", "hf_overrides", "dtype", "quantization", "max_model_len",
       "speculative_config", "load_timeout_s")),
+    ("lora", "LoRA adapters on the model (README: LoRA adapters)",
+     ("lora_modules", "enable_lora", "max_loras", "max_lora_rank", "allow_runtime_lora_updating")),
     ("parallel", "ranks, devices, batching and the KV cache",
      ("tp", "device", "cpu_all_reduce", "cpu_bind", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
       "gpu_memory_utilization", "memory_budget", "no_prefix_caching")),
@@ -67,7 +69,10 @@ def add_parser(sub) -> None:
         if title == "model":
             group.add_argument("model", nargs="*", metavar="MODEL",
                                help=describe(SETTINGS["model"])[:-1] + "; several: each served under its name as given)")
-        add_options(group, names)
+        if "lora_modules" in names:  # several NAME=PATH after one flag, as vLLM's
+            group.add_argument("--lora-modules", dest="lora_modules", nargs="+", default=None, metavar="NAME=PATH",
+                               help=describe(SETTINGS["lora_modules"]))
+        add_options(group, [name for name in names if name != "lora_modules"])
     ap.set_defaults(run=run)
 
 
@@ -77,6 +82,8 @@ def configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
     from neuron.entrypoints.openai.app import ServerConfig
 
     engine = given(args, EngineConfig)
+    if isinstance(engine.get("lora_modules"), list):
+        engine["lora_modules"] = " ".join(engine["lora_modules"])
     models = engine.pop("model", None) or []
     if len(models) == 1:
         engine["model"] = models[0]

@@ -155,7 +155,8 @@ class Executor:
         per_token = kv_bytes_per_token(self.config, tp, dtype_bytes)
         wanted = plan(self.config, [Path(f) for f in c.weight_paths], tp=tp, dtype_bytes=dtype_bytes,
                       quantize_at_load=bool(c.quantization), max_model_len=c.max_model_len,
-                      kv_tokens=c.max_slots * one, kv_cache_bytes=c.kv_cache_bytes)
+                      kv_tokens=c.max_slots * one, kv_cache_bytes=c.kv_cache_bytes,
+                      lora=(c.max_loras, c.max_lora_rank))
         available = available_bytes()
         fix = ("lower --max-model-len or --kv-cache-memory, use fewer ranks on this host, or a smaller (or "
                "quantized) model")
@@ -357,6 +358,17 @@ class Executor:
         _, kept = self._run(lambda seq: p.ForwardStep(seq=seq, model_id=model_id, seqs=seqs),
                             self.cfg.step_timeout_s)
         return kept
+
+    def load_lora(self, slot: int, lora_id: int, path: str) -> None:
+        """Every rank puts its share of LoRA adapter `lora_id` (from `path`) in pool slot `slot`."""
+        model_id = self.cfg.model_id
+        self._run(lambda seq: p.LoadLora(seq=seq, model_id=model_id, slot=slot, lora_id=lora_id, path=path),
+                  self.cfg.load_timeout_s)
+
+    def forget_lora(self, lora_id: int) -> None:
+        """Every rank drops adapter `lora_id` from its pool and its host memory."""
+        model_id = self.cfg.model_id
+        self._run(lambda seq: p.ForgetLora(seq=seq, model_id=model_id, lora_id=lora_id), self.cfg.step_timeout_s)
 
     def clear(self, slots: list[int] | None = None) -> None:
         model_id = self.cfg.model_id

@@ -9,7 +9,9 @@ layers, so the numbers are the same bit for bit. A projection's weight may be qu
 kernel quantized.py calls for it, chosen once for the plan) or stacked from quantized parts of
 different layouts, as a GGUF file mixes them. At tp > 1 the sums of the row-parallel
 projections run there too, where the communicator's all-reduce has a C entry point (shared
-memory); a gloo group keeps the Python layers.
+memory); a gloo group keeps the Python layers. A model served with LoRA adapters hands the plan
+its projections' adapter pools (layers/lora.py) and a step the pool slot of each row; the C loop
+adds each run of one adapter's rows' (x A^T) B^T after the projection, before its all-reduce.
 
 The plan keeps the tensors it points into, so the pointers stay valid for its life; the model
 builds a new plan when its layers or its KV cache are replaced.
@@ -20,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,6 +30,7 @@ import torch
 from neuron.distributed.comm import Communicator
 from neuron.layers import cpu_attention, cpu_ops, quantized
 from neuron.layers.kernels import Kernels
+from neuron.layers.lora import LoraPool
 from neuron.layers.paged_attention import PagedAttentionMetadata
 from neuron.utils import native
 
@@ -36,7 +39,7 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_decoder.cpp"
 _NORMS = ("input_norm", "q_norm", "k_norm", "post_norm")
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _KERNELS = ("linear", "rms_norm", "add_rms_norm", "norm_rope", "silu_mul", "attention", "all_reduce", "abort_word")
-_SCRATCH = ("h", "qkv", "q", "k", "attn", "o", "mid", "gate_up", "act", "down")
+_SCRATCH = ("h", "qkv", "q", "k", "attn", "o", "mid", "gate_up", "act", "down", "lora_u", "lora_y")
 
 
 class _Part(ctypes.Structure):
@@ -48,9 +51,14 @@ class _Projection(ctypes.Structure):
     _fields_ = [("parts", ctypes.POINTER(_Part)), ("count", ctypes.c_int64), ("bias", ctypes.c_void_p)]
 
 
+class _Lora(ctypes.Structure):
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("width", ctypes.c_int64)]
+
+
 class _LayerWeights(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_void_p) for name in _NORMS] + [(name, _Projection) for name in _PROJECTIONS]
-                + [("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p)])
+                + [("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p)]
+                + [(f"{name}_lora", _Lora) for name in _PROJECTIONS])
 
 
 class _Plan(ctypes.Structure):
@@ -68,7 +76,7 @@ class _Step(ctypes.Structure):
                 + [(name, ctypes.c_void_p) for name in ("cos", "sin", "write_rows", "block_tables", "query_start",
                                                          "kv_lens")]
                 + [(name, ctypes.c_int64) for name in ("num_seqs", "table_stride", "block_size")]
-                + [("segment", ctypes.c_void_p), ("threads", ctypes.c_int64)])
+                + [("segment", ctypes.c_void_p), ("threads", ctypes.c_int64), ("lora_slots", ctypes.c_void_p)])
 
 
 @functools.cache
@@ -101,6 +109,7 @@ class LayerWeights:
     down_bias: torch.Tensor | None
     k_pool: torch.Tensor
     v_pool: torch.Tensor
+    lora: dict[str, LoraPool] = field(default_factory=dict)  # each projection's LoRA pool (layers/lora.py), if any
 
 
 def _fp32(t, *shape: int) -> bool:
@@ -139,7 +148,13 @@ def _takes_layer(w: LayerWeights, hidden: int, heads: int, kv_heads: int, head_d
             and (w.q_norm is None or _fp32(w.q_norm, head_dim) and _fp32(w.k_norm, head_dim))
             and pool.dim() == 3 and pool.shape[0] == kv_heads and pool.shape[2] == head_dim
             and pool.is_cpu and pool.dtype is torch.float32 and pool.stride(-1) == 1
-            and w.v_pool.shape == pool.shape and w.v_pool.stride() == pool.stride() and w.v_pool.dtype is pool.dtype)
+            and w.v_pool.shape == pool.shape and w.v_pool.stride() == pool.stride() and w.v_pool.dtype is pool.dtype
+            and all(_fp32(pool.a, *pool.a.shape) and _fp32(pool.b, *pool.b.shape) for pool in w.lora.values()))
+
+
+def _lora(w: LayerWeights, name: str) -> _Lora:
+    pool = w.lora.get(name)
+    return _Lora() if pool is None else _Lora(pool.a.data_ptr(), pool.b.data_ptr(), pool.a.shape[1])
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -161,11 +176,13 @@ class DecoderStack:
             _LayerWeights(*[_ptr(getattr(w, name)) for name in _NORMS],
                           *[_Projection(arrays[name], len(arrays[name]), _ptr(getattr(w, f"{name}_bias")))
                             for name in _PROJECTIONS],
-                          w.k_pool.data_ptr(), w.v_pool.data_ptr())
+                          w.k_pool.data_ptr(), w.v_pool.data_ptr(), *[_lora(w, name) for name in _PROJECTIONS])
             for w, arrays in zip(layers, self.parts)])
         rows = cpu_ops.MAX_LINEAR_ROWS
         widths = dict(h=hidden, qkv=(heads + 2 * kv_heads) * head_dim, q=heads * head_dim, k=kv_heads * head_dim,
-                      attn=heads * head_dim, o=hidden, mid=hidden, gate_up=2 * inter, act=inter, down=hidden)
+                      attn=heads * head_dim, o=hidden, mid=hidden, gate_up=2 * inter, act=inter, down=hidden,
+                      lora_u=max([p.a.shape[1] for w in layers for p in w.lora.values()], default=0),
+                      lora_y=max((heads + 2 * kv_heads) * head_dim, 2 * inter, hidden))
         self.scratch = {name: torch.empty((rows, widths[name])) for name in _SCRATCH}
         ops, attention = cpu_ops.library(), cpu_attention.library()
         pool = layers[0].k_pool
@@ -200,15 +217,20 @@ class DecoderStack:
             return None
         return cls(layers, parts, hidden, heads, kv_heads, head_dim, inter, eps, comm)
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            meta: PagedAttentionMetadata | None) -> torch.Tensor | None:
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PagedAttentionMetadata | None,
+            lora_slots: torch.Tensor | None = None) -> torch.Tensor | None:
         """Every layer over the step's hidden states x ([rows, hidden]) with the step's rotary
-        tables and attention metadata; None where the step is not one the C loop takes (more rows
-        than the scratch holds, no paged metadata, x not fp32 rows): the caller runs the layers."""
+        tables and attention metadata, and each row's LoRA slot (`lora_slots`, int64 [rows], -1 for
+        the base model; None: no adapters); None where the step is not one the C loop takes (more
+        rows than the scratch holds, no paged metadata, x not fp32 rows, adapters the plan lacks):
+        the caller runs the layers."""
         rows = x.shape[0]
         if (meta is None or rows > cpu_ops.MAX_LINEAR_ROWS or x.dim() != 2 or not x.is_cpu
                 or x.dtype is not torch.float32 or not x.is_contiguous() or cos.numel() != sin.numel()
                 or cos.numel() != rows * self.plan.head_dim):
+            return None
+        if lora_slots is not None and (not self.scratch["lora_u"].shape[1] or lora_slots.dtype is not torch.int64
+                                       or not lora_slots.is_contiguous() or lora_slots.shape != (rows,)):
             return None
         reduce = None
         if self.comm.world_size > 1:
@@ -223,7 +245,8 @@ class DecoderStack:
         out = torch.empty((rows, self.hidden))
         step = _Step(x.data_ptr(), out.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), write_rows.data_ptr(),
                      tables.data_ptr(), starts.data_ptr(), lens.data_ptr(), lens.shape[0], tables.stride(0),
-                     meta.block_size, None if reduce is None else reduce.segment, torch.get_num_threads())
+                     meta.block_size, None if reduce is None else reduce.segment, torch.get_num_threads(),
+                     _ptr(lora_slots))
         status = library().neuron_decoder_layers(ctypes.byref(self.plan), ctypes.byref(step))
         if status != 0:
             if reduce is not None:

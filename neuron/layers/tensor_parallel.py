@@ -18,6 +18,7 @@ from neuron.errors import ConfigError
 from neuron.layers import quantized
 from neuron.layers.cpu_linear import linear
 from neuron.layers.kernels import Kernels
+from neuron.layers.lora import LoraPool, LoraRows
 from neuron.layers.norm import rms_norm
 from neuron.layers.quantized import QuantizedWeight, Weight
 
@@ -128,6 +129,7 @@ class RowParallelLinear:
         self.bias = bias
         self.comm = comm
         self.kernels = kernels
+        self.lora: LoraPool | None = None  # adapters (layers/lora.py): A's columns of this rank's inputs
 
     @classmethod
     def load(cls, r: Reader, prefix: str, in_features: int, shard: Shard, comm, dtype, device, kernels: Kernels,
@@ -137,15 +139,17 @@ class RowParallelLinear:
         b = _place(r.read(f"{prefix}.bias"), dtype, device) if bias else None
         return cls(w, comm, kernels, b)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.partial(x)
+    def __call__(self, x: torch.Tensor, rows: LoraRows | None = None) -> torch.Tensor:
+        y = self.partial(x, rows)
         self.comm.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
+    def partial(self, x: torch.Tensor, rows: LoraRows | None = None) -> torch.Tensor:
         """This rank's share of the output, before the all-reduce and the bias: for a block that
-        sums several row-parallel outputs (a MoE's shared expert) and reduces once."""
-        return linear(self, x, self.weight)
+        sums several row-parallel outputs (a MoE's shared expert) and reduces once. The rows'
+        adapters add their share here, so it joins the same all-reduce."""
+        y = linear(self, x, self.weight)
+        return y if rows is None or self.lora is None else self.lora.add_to(y, x, rows)
 
 
 @dataclass(slots=True, frozen=True)
@@ -196,6 +200,7 @@ class QKVParallelLinear:
         self.kernels = kernels
         d = layout.head_dim
         self.sizes = (layout.local_heads * d, layout.local_kv_heads * d, layout.local_kv_heads * d)
+        self.lora: LoraPool | None = None  # adapters (layers/lora.py): B's rows of this rank's heads
 
     @classmethod
     def load(cls, r: Reader, prefix: str, layout: HeadLayout, dtype, device, kernels: Kernels, bias=False):
@@ -208,8 +213,8 @@ class QKVParallelLinear:
         b = torch.cat([r.read(f"{name}.bias", 0, a, b) for name, a, b in parts]) if bias else None
         return cls(w, None if b is None else _place(b, dtype, device), layout, kernels)
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return linear(self, x, self.weight, self.bias).split(self.sizes, dim=-1)
+    def __call__(self, x: torch.Tensor, rows: LoraRows | None = None) -> tuple[torch.Tensor, ...]:
+        return _with_adapters(self, x, linear(self, x, self.weight, self.bias), rows).split(self.sizes, dim=-1)
 
 
 class MergedColumnParallelLinear:
@@ -221,6 +226,7 @@ class MergedColumnParallelLinear:
         self.sizes = sizes
         self.kernels = kernels
         self.bias = bias
+        self.lora: LoraPool | None = None  # adapters (layers/lora.py): B's rows of this rank's outputs
 
     @classmethod
     def load(cls, r: Reader, prefixes: list[str], out_features: int, shard: Shard, dtype, device, kernels: Kernels,
@@ -230,8 +236,13 @@ class MergedColumnParallelLinear:
         b = _place(torch.cat([r.read(f"{p}.bias", 0, start, end) for p in prefixes]), dtype, device) if bias else None
         return cls(w, (end - start,) * len(prefixes), kernels, b)
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return linear(self, x, self.weight, self.bias).split(self.sizes, dim=-1)
+    def __call__(self, x: torch.Tensor, rows: LoraRows | None = None) -> tuple[torch.Tensor, ...]:
+        return _with_adapters(self, x, linear(self, x, self.weight, self.bias), rows).split(self.sizes, dim=-1)
+
+
+def _with_adapters(layer, x: torch.Tensor, y: torch.Tensor, rows: LoraRows | None) -> torch.Tensor:
+    """A column-parallel layer's output `y` plus the contribution of the adapters its rows run."""
+    return y if rows is None or layer.lora is None else layer.lora.add_to(y, x, rows)
 
 
 def _vocab_rows(r: Reader, name: str, vocab: int, shard: Shard, dtype, device) -> tuple[Weight, int]:

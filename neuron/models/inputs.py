@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from neuron.errors import NeuronError
+from neuron.layers.lora import LoraRows
 from neuron.layers.paged_attention import PagedAttentionMetadata
 
 
@@ -39,6 +40,7 @@ class StepBatch:
     logit_counts: list[int] | None = None  # a speculative step: each sequence's rows of logits (else one each)
     pool: list[str | None] | None = None  # per sequence: what rank 0 pools of its chunk (SeqStep.pool), if any
     pool_out: dict | None = None  # rank 0: each pooled sequence's [hidden] vector by index, filled by the forward
+    lora: LoraRows | None = None  # the LoRA adapter each row runs; None: every row runs the bare base model
 
 
 @dataclass(slots=True)

@@ -85,15 +85,29 @@ def _gguf_bytes(path: Path, dtype_bytes: int) -> int:
 
 
 def plan(config: dict, files: list[Path], *, tp: int, dtype_bytes: int, quantize_at_load: bool, max_model_len: int,
-         kv_tokens: int | None, kv_cache_bytes: int) -> MemoryPlan:
-    """One rank's plan. KV: `kv_cache_bytes` when given, else room for `kv_tokens` tokens."""
+         kv_tokens: int | None, kv_cache_bytes: int, lora: tuple[int, int] = (0, 0)) -> MemoryPlan:
+    """One rank's plan. KV: `kv_cache_bytes` when given, else room for `kv_tokens` tokens. `lora`:
+    the LoRA adapter pool's slots and rank, counted with the weights."""
     from neuron.models import text_config
 
     t = text_config(config)
     head_dim = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
     kv = kv_cache_bytes or kv_tokens * kv_bytes_per_token(config, tp, dtype_bytes)
     tables = 2 * max_model_len * head_dim * dtype_bytes  # cos and sin per position
-    return MemoryPlan(weight_bytes(files, dtype_bytes, quantize_at_load) // tp, kv, tables)
+    adapters = lora_pool_bytes(t, tp, *lora, dtype_bytes) if lora[0] else 0
+    return MemoryPlan(weight_bytes(files, dtype_bytes, quantize_at_load) // tp + adapters, kv, tables)
+
+
+def lora_pool_bytes(t: dict, tp: int, slots: int, rank: int, dtype_bytes: int) -> int:
+    """One rank's LoRA pool (layers/lora.py): per projection group A [slots, parts * rank, in] and B
+    [out, slots, parts * rank], the sharded side split by tp."""
+    hidden, heads = t["hidden_size"], t["num_attention_heads"]
+    head_dim = t.get("head_dim") or hidden // heads
+    q, kv = heads * head_dim // tp, max(1, (t.get("num_key_value_heads") or heads) // tp) * head_dim
+    inter = (t.get("intermediate_size") or 0) // tp
+    groups = [(3, hidden, q + 2 * kv), (1, q, hidden), (2, hidden, 2 * inter), (1, inter, hidden)]
+    per_layer = sum(parts * rank * slots * (inputs + outputs) for parts, inputs, outputs in groups)
+    return per_layer * t["num_hidden_layers"] * dtype_bytes
 
 
 def available_bytes() -> int | None:

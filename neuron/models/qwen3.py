@@ -16,6 +16,7 @@ from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
 from neuron.layers import cpu_decoder
 from neuron.layers.kernels import Kernels
+from neuron.layers.lora import LoraPool, LoraRows
 from neuron.layers.norm import add_rms_norm, norm_rope, rope_heads, silu_mul
 from neuron.layers.rope import RopeScaling, Rotary
 from neuron.layers.tensor_parallel import (
@@ -32,6 +33,7 @@ from neuron.layers.tensor_parallel import (
 from neuron.models.base import CausalLM
 from neuron.models.inputs import StepBatch
 from neuron.models.kv_cache import PagedKVCache
+from neuron.models.lora import PeftAdapter
 
 
 @dataclass(slots=True)
@@ -104,7 +106,7 @@ class Attention:
 
     def __call__(self, h: torch.Tensor, batch: StepBatch, rope: tuple, cache: PagedKVCache) -> torch.Tensor:
         t = h.shape[0]
-        q, k, v = self.qkv(h)
+        q, k, v = self.qkv(h, batch.lora)
         q, k = q.view(t, self.heads, self.head_dim), k.view(t, self.kv_heads, self.head_dim)
         if self.q_norm is None:  # Llama, Mistral, Qwen2: the rotary embedding alone
             q, k = rope_heads(self.qkv.kernels, q, *rope), rope_heads(self.qkv.kernels, k, *rope)
@@ -112,15 +114,15 @@ class Attention:
             q = norm_rope(self.q_norm.kernels, q, self.q_norm.weight, self.q_norm.eps, *rope)
             k = norm_rope(self.k_norm.kernels, k, self.k_norm.weight, self.k_norm.eps, *rope)
         cache.write(self.layer, batch, k, v.view(t, self.kv_heads, self.head_dim))
-        return self.o_proj(cache.attend(self.layer, batch, q).reshape(t, -1))
+        return self.o_proj(cache.attend(self.layer, batch, q).reshape(t, -1), batch.lora)
 
 
 class MLP:
     def __init__(self, gate_up: MergedColumnParallelLinear, down: RowParallelLinear):
         self.gate_up, self.down = gate_up, down
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(silu_mul(self.gate_up.kernels, *self.gate_up(x)))
+    def __call__(self, x: torch.Tensor, rows: LoraRows | None = None) -> torch.Tensor:
+        return self.down(silu_mul(self.gate_up.kernels, *self.gate_up(x, rows)), rows)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output, before the down projection's all-reduce."""
@@ -135,7 +137,7 @@ class DecoderLayer:
     def __call__(self, x, batch: StepBatch, rope: tuple, cache: PagedKVCache) -> torch.Tensor:
         post = self.post_norm
         x, h = add_rms_norm(post.kernels, x, self.attn(self.input_norm(x), batch, rope, cache), post.weight, post.eps)
-        return x + self.mlp(h)
+        return x + (self.mlp(h) if batch.lora is None else self.mlp(h, batch.lora))
 
 
 class Qwen3ForCausalLM(CausalLM):
@@ -157,6 +159,7 @@ class Qwen3ForCausalLM(CausalLM):
         self.cache: PagedKVCache | None = None
         self._stack: cpu_decoder.DecoderStack | None = None
         self._stack_for: tuple = (None, None)  # the layers and cache the plan points into
+        self.lora_slots = 0  # LoRA adapters the pool holds (enable_lora); 0: none
 
     @staticmethod
     def check_split(config: Qwen3Config, shard: Shard) -> None:
@@ -234,7 +237,8 @@ class Qwen3ForCausalLM(CausalLM):
         """Every layer in one C++ call where the plan takes the model and the step takes the plan
         (CPU fp32, dense layers, a small step: cpu_decoder.py), else one layer after the other."""
         stack = self._decoder_stack()
-        out = None if stack is None else stack.run(x, *rope, batch.paged)
+        out = None if stack is None else stack.run(x, *rope, batch.paged,
+                                                   None if batch.lora is None else batch.lora.per_row)
         return super().run_layers(x, batch, rope) if out is None else out
 
     def _decoder_stack(self) -> cpu_decoder.DecoderStack | None:
@@ -265,7 +269,58 @@ class Qwen3ForCausalLM(CausalLM):
         return cpu_decoder.LayerWeights(
             layer.input_norm.weight, a.qkv.weight, a.qkv.bias, None if a.q_norm is None else a.q_norm.weight,
             None if a.k_norm is None else a.k_norm.weight, a.o_proj.weight, a.o_proj.bias, layer.post_norm.weight, m.gate_up.weight,
-            m.gate_up.bias, m.down.weight, m.down.bias, self.cache.k[i], self.cache.v[i])
+            m.gate_up.bias, m.down.weight, m.down.bias, self.cache.k[i], self.cache.v[i],
+            {name: pool for name, pool in (("qkv", a.qkv.lora), ("o", a.o_proj.lora), ("gate_up", m.gate_up.lora),
+                                           ("down", m.down.lora)) if pool is not None})
+
+    # ---- LoRA adapters (layers/lora.py, models/lora.py) ----
+
+    def enable_lora(self, slots: int, rank: int) -> None:
+        """A pool of `slots` adapters of rank up to `rank` beside every attention and MLP projection,
+        sharded like the projection."""
+        if any(type(layer.mlp) is not MLP for layer in self.layers):
+            raise ConfigError("LoRA adapters apply to the dense decoder layers (qwen3, llama, mistral, qwen2); "
+                              "this model's layers have mixture-of-experts blocks")
+        lay, c, dt, dev = self.layout, self.config, self.dtype, self.device
+        q, kv, hidden = lay.local_heads * c.head_dim, lay.local_kv_heads * c.head_dim, c.hidden_size
+        for layer in self.layers:
+            a, m = layer.attn, layer.mlp
+            inter = m.gate_up.sizes[0]
+            a.qkv.lora = LoraPool(slots, rank, hidden, [(0, q), (q, kv), (q + kv, kv)], dt, dev)
+            a.o_proj.lora = LoraPool(slots, rank, q, [(0, hidden)], dt, dev)
+            m.gate_up.lora = LoraPool(slots, rank, hidden, [(0, inter), (inter, inter)], dt, dev)
+            m.down.lora = LoraPool(slots, rank, inter, [(0, hidden)], dt, dev)
+        self.lora_slots = slots
+        self._stack_for = (None, None)  # the C loop's plan is built anew, with the pools
+
+    def lora_share(self, adapter: PeftAdapter, reader) -> list[tuple[LoraPool, int, torch.Tensor, torch.Tensor]]:
+        """This rank's share of `adapter` (read through `reader`): for every projection it adapts,
+        the pool, the projection's part in it, A and scaled B, sliced like the base weight."""
+        c, s, lay = self.config, self.shard, self.layout
+        d = c.head_dim
+        q_rows = (s.rank * lay.local_heads * d, (s.rank + 1) * lay.local_heads * d)
+        kv_rows = tuple(h * d for h in lay.kv_head_range())
+        mlp_rows = s.even(c.intermediate_size, "intermediate_size")
+        share = []
+        for i, layer in enumerate(self.layers):
+            a, m = layer.attn, layer.mlp
+            parts = [(a.qkv.lora, 0, "q_proj", None, q_rows), (a.qkv.lora, 1, "k_proj", None, kv_rows),
+                     (a.qkv.lora, 2, "v_proj", None, kv_rows), (a.o_proj.lora, 0, "o_proj", q_rows, None),
+                     (m.gate_up.lora, 0, "gate_proj", None, mlp_rows), (m.gate_up.lora, 1, "up_proj", None, mlp_rows),
+                     (m.down.lora, 0, "down_proj", mlp_rows, None)]
+            for pool, part, proj, a_cols, b_rows in parts:
+                ab = adapter.read(reader, i, proj, a_cols, b_rows)
+                if ab is not None:
+                    share.append((pool, part, ab[0].to(self.dtype), ab[1].to(self.dtype)))
+        return share
+
+    def put_lora(self, slot: int, share: list | None) -> None:
+        """Fill pool slot `slot` with an adapter's share (lora_share), or empty it (None)."""
+        for layer in self.layers:
+            for pool in (layer.attn.qkv.lora, layer.attn.o_proj.lora, layer.mlp.gate_up.lora, layer.mlp.down.lora):
+                pool.clear(slot)
+        for pool, part, a, b in share or []:
+            pool.set(slot, part, a, b)
 
     def layer_tensors(self, layer) -> list[torch.Tensor]:
         a, m = layer.attn, layer.mlp

@@ -11,7 +11,7 @@ import msgspec
 
 from neuron.step import SeqStep, VerifyShape
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 def _snake(name: str) -> str:
@@ -72,6 +72,8 @@ class ShardSpec(msgspec.Struct, frozen=True):
     stored_format: dict | None = None  # a checkpoint stored quantized: its format (models.quant_formats)
     vision: dict | None = None  # how the model takes images (multimodal.image.VisionSpec's fields)
     verify: VerifyShape = VerifyShape()  # speculative decoding's verifying steps (CUDA graphs)
+    max_loras: int = 0  # LoRA adapters the rank's pool holds at once (0: no adapters)
+    max_lora_rank: int = 0  # the largest adapter rank the pool takes
 
 
 class LoadShard(Message):
@@ -90,6 +92,24 @@ class ForwardStep(Message):
 
     model_id: str
     seqs: list[SeqStep]
+
+
+class LoadLora(Message):
+    """Put LoRA adapter `lora_id` (the leader's number for one loading of it) in slot `slot` of
+    the model's adapter pool: from the rank's host copy, read from the PEFT folder `path` the
+    first time. The leader checked the adapter against the model before sending this."""
+
+    model_id: str
+    slot: int
+    lora_id: int
+    path: str
+
+
+class ForgetLora(Message):
+    """Drop the host copy of adapter `lora_id` and empty the slots holding it (it was unloaded)."""
+
+    model_id: str
+    lora_id: int
 
 
 class ClearKvCache(Message):
@@ -147,6 +167,10 @@ class KvCacheCleared(Message):
     pass
 
 
+class LoraLoaded(Message):
+    pass
+
+
 class Unloaded(Message):
     model_id: str
 
@@ -182,12 +206,15 @@ Request = (
     | CheckKernels
     | LoadShard
     | ForwardStep
+    | LoadLora
+    | ForgetLora
     | ClearKvCache
     | UnloadModel
     | Shutdown
 )
 Reply = (
-    Pong | InitOk | SanityResult | KernelsChecked | LoadShardOk | ForwardStepOk | KvCacheCleared | Unloaded | Bye | Error
+    Pong | InitOk | SanityResult | KernelsChecked | LoadShardOk | ForwardStepOk | KvCacheCleared | LoraLoaded | Unloaded
+    | Bye | Error
 )
 
 REQUEST_OPS = frozenset(t.__struct_config__.tag for t in Request.__args__)

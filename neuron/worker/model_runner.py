@@ -22,9 +22,11 @@ from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError, UnsupportedModel
 from neuron.layers import cpu_attention, cpu_ops
 from neuron.layers.kernels import Kernels
-from neuron.models import build_model
+from neuron.layers.lora import LoraRows
+from neuron.models import build_model, text_config
 from neuron.models.inputs import StepBatch, StepRejected, StepResult
-from neuron.models.loader import open_checkpoint
+from neuron.models.loader import CheckpointReader, open_checkpoint
+from neuron.models.lora import PeftAdapter
 from neuron.multimodal.image import VisionSpec
 from neuron.rpc import protocol as p
 from neuron.step import SeqStep, VerifyShape
@@ -45,6 +47,11 @@ class ModelRunner:
         self.tables = tables
         self.graphs: DecodeGraphs | None = None  # decode steps, once captured
         self.verify_graphs: DecodeGraphs | None = None  # speculative decoding's verifying steps, captured apart
+        # LoRA: each adapter's share of this rank kept in host memory by the leader's id for it (those
+        # beyond the pool wait here to be swapped in), and which id each pool slot holds
+        self.lora_host: dict[int, list] = {}
+        self.lora_in_slot: dict[int, int] = {}
+        self.lora_base: tuple[dict, int] = ({}, 0)  # what an adapter is checked against: the config, the pool's rank
 
     @classmethod
     def load(cls, shard: p.ShardSpec, failed_kernels: dict[str, str], comm: Communicator, device: torch.device,
@@ -63,12 +70,17 @@ class ModelRunner:
             model = build_model(config, comm, dtype, device, kernels, vision)
             with open_checkpoint(shard.weight_paths, config, shard.quantization, shard.stored_format) as reader:
                 model.load(reader, on_layer_loaded)
+            if shard.max_loras:
+                if not hasattr(model, "enable_lora"):
+                    raise ConfigError(f"LoRA adapters are not supported for model_type {config.get('model_type')!r}")
+                model.enable_lora(shard.max_loras, shard.max_lora_rank)
             if device.type == "cpu":
                 _load_cpu_kernels()
             num_blocks = plan_kv_pool(model, shard, device, held_before)
             model.allocate(num_blocks, shard.block_size, shard.max_slots, shard.max_model_len)
             runner = cls(model, num_blocks, BlockTables(shard.max_slots, num_blocks, shard.block_size,
                                                          shard.max_model_len, device, kernels.paged))
+            runner.lora_base = (text_config(config), shard.max_lora_rank)
             if _graphs_wanted(model, device, comm):
                 runner.capture_graphs(shard.max_slots, shard.verify)
         except UnsupportedModel as exc:
@@ -94,6 +106,7 @@ class ModelRunner:
                                                               "cannot run")
         try:
             tables.check(seqs, model.config.vocab_size)
+            self._check_lora(seqs)
             model.cache.check(seqs, model.config.vocab_size)
         except StepRejected as exc:
             raise WorkerFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
@@ -103,6 +116,9 @@ class ModelRunner:
             batch.prompt_topk = [s.prompt_logprobs for s in seqs]
         if any(s.pool is not None for s in seqs):
             batch.pool = [s.pool for s in seqs]
+        if any(s.lora >= 0 for s in seqs):
+            batch.lora = LoraRows.build([s.lora for s in seqs], [len(s.token_ids) for s in seqs],
+                                        model.lora_slots, tables.device)
         try:
             logits = self._forward(batch)
         except Exception as exc:
@@ -117,6 +133,35 @@ class ModelRunner:
             if graphs is not None and graphs.fits(batch):
                 return graphs.run(batch)
         return self.model.forward(batch)
+
+    def _check_lora(self, seqs: list[SeqStep]) -> None:
+        for s in seqs:
+            if s.lora >= 0 and s.lora not in self.lora_in_slot:
+                raise StepRejected(f"slot {s.slot}: LoRA slot {s.lora} holds no adapter")
+
+    def load_lora(self, slot: int, lora_id: int, path: str) -> None:
+        """Put adapter `lora_id` in pool slot `slot`, read from `path` unless host memory holds it."""
+        model = self.model
+        if not 0 <= slot < getattr(model, "lora_slots", 0):
+            raise WorkerFailure(p.ErrorKind.BAD_REQUEST, f"LoRA slot {slot} outside the pool "
+                                                         f"({getattr(model, 'lora_slots', 0)} slots)")
+        share = self.lora_host.get(lora_id)
+        if share is None:
+            try:
+                adapter = PeftAdapter.open(path, *self.lora_base)
+                with CheckpointReader([adapter.path / "adapter_model.safetensors"]) as reader:
+                    share = model.lora_share(adapter, reader)
+            except (ConfigError, OSError) as exc:
+                raise WorkerFailure(p.ErrorKind.LOAD_FAILED, str(exc)) from exc
+            self.lora_host[lora_id] = share
+        model.put_lora(slot, share)
+        self.lora_in_slot[slot] = lora_id
+
+    def forget_lora(self, lora_id: int) -> None:
+        self.lora_host.pop(lora_id, None)
+        for slot in [k for k, v in self.lora_in_slot.items() if v == lora_id]:
+            self.model.put_lora(slot, None)
+            del self.lora_in_slot[slot]
 
     def clear(self, slots: list[int] | None) -> None:
         try:
@@ -145,4 +190,5 @@ def _graphs_wanted(model, device: torch.device, comm: Communicator) -> bool:
     """Decode from CUDA graphs: on CUDA, over the paged cache, with collectives the GPU stream
     runs (one rank, or NCCL), for a model that allows it, unless NEURON_NO_CUDA_GRAPHS."""
     return (device.type == "cuda" and not settings().no_cuda_graphs and model.decode_on_device_only
+            and not getattr(model, "lora_slots", 0)  # adapter rows change every step: eager decode
             and model.cache.paged and comm.backend in ("single", "nccl"))

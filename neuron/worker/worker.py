@@ -116,6 +116,12 @@ class Worker:
                 t0 = time.perf_counter()
                 logits = self._model(req.model_id).step(req.seqs)
                 return p.ForwardStepOk(seq=seq, elapsed_ms=_ms(t0)), logits
+            case p.LoadLora():
+                self._model(req.model_id).load_lora(req.slot, req.lora_id, req.path)
+                return p.LoraLoaded(seq=seq), None
+            case p.ForgetLora():
+                self._model(req.model_id).forget_lora(req.lora_id)
+                return p.LoraLoaded(seq=seq), None
             case p.ClearKvCache():
                 self._model(req.model_id).clear(req.slots)
                 return p.KvCacheCleared(seq=seq), None

@@ -4,7 +4,9 @@ On only with `--admin-key` (its paths are unknown, 404, without one), each call 
 token apart from `--api-key`:
 
     GET    /admin/models                      every model: state, devices, memory held, requests in flight, last use
-    POST   /admin/models                      a spec (as a --models entry; "wait": false answers 202 at once)
+    POST   /admin/models                      a spec (as a --models entry; "wait": false answers 202 at once),
+                                              or a LoRA adapter: {"name", "lora": its folder, "base": a model,
+                                              "keep_alive": idle seconds before it is unloaded (default: kept)}
     DELETE /admin/models/{name}?drain=SECONDS unload, letting in-flight requests finish for up to that long
 
 A load answers 201 once the model is ready; 409 for a name already served or devices another
@@ -72,12 +74,16 @@ class _Admin:
             info.update(name=name, in_flight=m.in_flight, idle_s=round(now - m.last_used, 3),
                         memory=self.host.ledger.held.get(name, {}))
             data.append(info)
+        data += [{"name": name, "status": "ready", "lora": path, "base": base} for name, base, path in
+                 self.host.adapters()]
         return JSONResponse({"object": "list", "data": data})
 
     async def load(self, request: Request) -> Response:
         body = await _body(request)
         if not isinstance(body, dict):
             raise bad_request("the body must be a model spec: a JSON object")
+        if "lora" in body:
+            return await self._load_lora(body)
         wait = body.pop("wait", True)
         if not isinstance(wait, bool):
             raise bad_request("wait must be true or false", param="wait")
@@ -87,6 +93,24 @@ class _Admin:
         except NeuronError as exc:
             raise host_error(exc) from None
         return JSONResponse({"name": m.name, **m.describe()}, 201 if wait else 202)
+
+    async def _load_lora(self, body: dict) -> Response:
+        unknown = sorted(set(body) - {"name", "lora", "base", "keep_alive"})
+        if unknown:
+            raise bad_request(f"unknown key(s) {', '.join(map(repr, unknown))}; a LoRA adapter takes name, lora, "
+                              "base and keep_alive")
+        keep_alive = body.get("keep_alive")
+        if keep_alive is not None and (isinstance(keep_alive, bool) or not isinstance(keep_alive, (int, float))
+                                       or not 0 <= keep_alive <= 1e9):
+            raise bad_request(f"keep_alive must be seconds (0 or more), got {keep_alive!r:.80}", param="keep_alive")
+        base = body.get("base")
+        if base is not None and not isinstance(base, str):
+            raise bad_request("base must be the name of a served model", param="base")
+        try:
+            m = await self.host.load_lora(body.get("name"), body.get("lora"), base, keep_alive)
+        except NeuronError as exc:
+            raise host_error(exc) from None
+        return JSONResponse({"name": body["name"], "status": "ready", "lora": body["lora"], "base": m.name}, 201)
 
     async def unload(self, request: Request) -> Response:
         name = request.path_params["name"]

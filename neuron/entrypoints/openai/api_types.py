@@ -213,6 +213,8 @@ class ModelCard(Struct):
     devices: list[str] = []
     weight_bytes: int | None = None  # every rank's together, once loaded
     error: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
+    root: str | None = None  # a LoRA adapter's folder
 
 
 class ModelList(Struct):

@@ -38,6 +38,7 @@ from neuron.entrypoints.openai.api_types import (
 )
 from neuron.entrypoints.openai.common import check_ready, check_serves, request_salt
 from neuron.entrypoints.openai.connections import BodyTimeout, RequestGuard, parse_origins
+from neuron.entrypoints.openai.lora_routes import lora_routes
 from neuron.entrypoints.openai.messages_types import CountTokensRequest, MessagesRequest
 from neuron.entrypoints.openai.ollama import Served, ollama_error, ollama_routes
 from neuron.entrypoints.openai.prompt_input import Limiters
@@ -80,6 +81,7 @@ class ServerConfig:
     max_connections_per_client: int = from_settings("max_connections_per_client")
     allowed_origins: str | None = from_settings("allowed_origins")
     idle_timeout_s: float = from_settings("idle_timeout_s")  # keep-alive connections between requests
+    allow_runtime_lora_updating: bool = from_settings("allow_runtime_lora_updating")  # vLLM's LoRA routes
     responses_max_stored: int = from_settings("responses_max_stored")  # the Responses API's store, by count
     responses_max_stored_bytes: int = from_settings("responses_max_stored_bytes")  # and by bytes
 
@@ -117,6 +119,8 @@ def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
         Route("/detokenize", api.endpoint("detokenize", api.detokenize), methods=["POST"]),
         Route("/tokenizer_info", api.endpoint("tokenizer_info", api.tokenizer_info), methods=["GET"]),
     ]
+    if cfg.allow_runtime_lora_updating:  # off without it: its paths are unknown (404), as vLLM's
+        routes += lora_routes(host, api.endpoint, api._decode)
     routes += ollama_routes(Served(host, api.limiters, api._decode, api._engine, api._salt, api.started), api.endpoint)
     if cfg.admin_key is not None:  # off without a key: its paths are unknown (404)
         routes += admin_routes(host, cfg.admin_key, api.endpoint)
@@ -234,6 +238,9 @@ class _Api:
                            status=info["status"], tp=info["tp"], devices=info["devices"],
                            weight_bytes=info.get("weight_bytes"), error=info.get("error"))
                  for name, info in self.host.describe().items()]
+        described = {card.id: card for card in cards}
+        cards += [ModelCard(name, self.started, described[base].max_model_len, described[base].quantization,
+                            parent=base, root=path) for name, base, path in self.host.adapters()]
         return Response(msgspec.json.encode(ModelList(cards)), media_type="application/json")
 
     async def chat(self, request: Request) -> Response:

@@ -13,6 +13,10 @@
 // projections are summed across ranks by the shared-memory all-reduce (shm_allreduce.cpp), its
 // entry point passed the same way; a failed all-reduce ends the loop and its status is returned.
 //
+// A model served with LoRA adapters gives each projection its adapter pool (layers/lora.py) and
+// each step the pool slot of every row: after a projection (and before its all-reduce), the rows
+// of each run of one adapter gain (x A^T) B^T through the same linear kernel, as two products.
+//
 // A plan (the weights of every layer, the shapes, scratch buffers for MAX rows) is built once per
 // model; a step brings its hidden states, rotary tables and attention metadata.
 #include "paged_attention.h"
@@ -52,10 +56,19 @@ struct Projection {
     const float* bias;
 };
 
+// A projection's LoRA pool: slot s holds A [width, in] at a + s * width * in and B (scaled) [out,
+// width] at b + s * out * width; a null `a`: no adapters.
+struct Lora {
+    const float* a;
+    const float* b;
+    int64_t width;
+};
+
 struct LayerWeights {
     const float *input_norm, *q_norm, *k_norm, *post_norm;  // q/k norms nullable
     Projection qkv, o, gate_up, down;
     float *k_pool, *v_pool;
+    Lora qkv_lora, o_lora, gate_up_lora, down_lora;
 };
 
 struct Plan {
@@ -74,6 +87,7 @@ struct Plan {
     int64_t pool_stride_h, pool_stride_row;
     float eps, scale_log2;
     float *h, *qkv, *q, *k, *attn, *o, *mid, *gate_up, *act, *down;  // scratch of MAX rows each
+    float *lora_u, *lora_y;  // scratch of MAX rows: an adapter's A x, and its contribution
 };
 
 struct Step {
@@ -86,6 +100,7 @@ struct Step {
     int64_t num_seqs, table_stride, block_size;
     void* segment;  // the all-reduce's shared segment (tp > 1)
     int64_t threads;
+    const int64_t* lora_slots;  // [rows]: each row's LoRA pool slot, -1 for the base model; null: none
 };
 
 namespace {
@@ -112,6 +127,23 @@ void project(const Plan& p, const Projection& j, const float* x, int64_t m, int6
     if (!single && bias)
         for (int64_t r = 0; r < m; ++r)
             for (int64_t c = 0; c < n; ++c) y[r * n + c] += bias[c];
+}
+
+// y [m, n] += (x [m, k] A^T) B^T for each run of rows of one adapter (LoraPool.add_to's sum).
+void add_lora(const Plan& p, const Step& s, const Lora& l, const float* x, int64_t k, float* y, int64_t n, int th) {
+    if (!s.lora_slots || !l.a) return;
+    for (int64_t r = 0; r < s.rows;) {
+        const int64_t slot = s.lora_slots[r];
+        int64_t end = r + 1;
+        while (end < s.rows && s.lora_slots[end] == slot) ++end;
+        if (slot >= 0) {
+            const int64_t m = end - r, w = l.width;
+            p.linear(x + r * k, m, k, l.a + slot * w * k, w, k, k, nullptr, p.lora_u, w, th);
+            p.linear(p.lora_u, m, w, l.b + slot * n * w, n, w, w, nullptr, p.lora_y, n, th);
+            for (int64_t i = 0; i < m * n; ++i) y[r * n + i] += p.lora_y[i];
+        }
+        r = end;
+    }
 }
 
 // y = sum over ranks of y, then + bias: RowParallelLinear's order.
@@ -155,6 +187,7 @@ extern "C" int neuron_decoder_layers(const Plan* plan, const Step* step) {
         const LayerWeights& w = p.layers[l];
         p.rms_norm(x, m, H, H, w.input_norm, p.eps, p.h, H, th);
         project(p, w.qkv, p.h, m, H, p.qkv, qkvw, true, th);
+        add_lora(p, s, w.qkv_lora, p.h, H, p.qkv, qkvw, th);
         p.norm_rope(p.qkv, m, p.heads, qkvw, D, D, w.q_norm, p.eps, s.cos, s.sin, D, p.q, qw, D, th);
         p.norm_rope(p.qkv + qw, m, p.kv_heads, qkvw, D, D, w.k_norm, p.eps, s.cos, s.sin, D, p.k, kw, D, th);
         write_kv(p, s, w, qkvw);
@@ -162,11 +195,14 @@ extern "C" int neuron_decoder_layers(const Plan* plan, const Step* step) {
         a.v_pool = w.v_pool;
         if (p.attention(&a, 0, th)) return ATTENTION_REFUSED;
         project(p, w.o, p.attn, m, qw, p.o, H, false, th);
+        add_lora(p, s, w.o_lora, p.attn, qw, p.o, H, th);
         if (const int status = reduce(p, s, p.o, m * H, w.o.bias, H)) return status;
         p.add_rms_norm(x, H, p.o, H, m, H, w.post_norm, p.eps, p.mid, H, p.h, H, th);
         project(p, w.gate_up, p.h, m, H, p.gate_up, 2 * I, true, th);
+        add_lora(p, s, w.gate_up_lora, p.h, H, p.gate_up, 2 * I, th);
         p.silu_mul(p.gate_up, 2 * I, p.gate_up + I, 2 * I, m, I, p.act, I, th);
         project(p, w.down, p.act, m, I, p.down, H, false, th);
+        add_lora(p, s, w.down_lora, p.act, I, p.down, H, th);
         if (const int status = reduce(p, s, p.down, m * H, w.down.bias, H)) return status;
         for (int64_t i = 0; i < m * H; ++i) s.out[i] = p.mid[i] + p.down[i];
         x = s.out;
