@@ -72,15 +72,21 @@ def build_adapter(path: Path, config: dict, rank: int, seed: int) -> Path:
     return path
 
 
-def timed(llm, prompts: list[list[int]], params, loras, repeats: int) -> float:
-    """Output tokens per second of one `generate` of every prompt (median of `repeats`)."""
-    rates = []
+def rate(llm, prompts: list[list[int]], params, loras) -> float:
+    """Output tokens per second of one `generate` of every prompt."""
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
+def alternated(llm, prompts: list[list[int]], params, loras, repeats: int) -> tuple[float, float]:
+    """The bare base's and the adapters' rates (medians of `repeats`), one of each per round, so a
+    slower stretch of the machine weighs on both."""
+    base, adapted = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
-        elapsed = time.perf_counter() - t0
-        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
-    return statistics.median(rates)
+        base.append(rate(llm, prompts, params, None))
+        adapted.append(rate(llm, prompts, params, loras))
+    return statistics.median(base), statistics.median(adapted)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per request")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--json-out")
     args = ap.parse_args(argv)
@@ -113,13 +119,11 @@ def main(argv: list[str] | None = None) -> dict:
         with LLM(str(base), tensor_parallel_size=args.tp, device="cpu", dtype="float32", enable_lora=True,
                  max_loras=args.adapters, max_lora_rank=args.rank, max_num_seqs=max(args.requests, 1),
                  enable_prefix_caching=False) as llm:
-            timed(llm, prompts, params, mixed, 1)  # warm-up: every adapter loaded into its slot
-            result = {
-                "mixed_base_tok_s": timed(llm, prompts, params, None, args.repeats),
-                "mixed_lora_tok_s": timed(llm, prompts, params, mixed, args.repeats),
-                "batch1_base_tok_s": timed(llm, prompts[:1], params, None, args.repeats),
-                "batch1_lora_tok_s": timed(llm, prompts[:1], params, loras[:1], args.repeats),
-            }
+            rate(llm, prompts, params, mixed)  # warm-up: every adapter loaded into its slot
+            result = dict(zip(("mixed_base_tok_s", "mixed_lora_tok_s"),
+                              alternated(llm, prompts, params, mixed, args.repeats)))
+            result.update(zip(("batch1_base_tok_s", "batch1_lora_tok_s"),
+                              alternated(llm, prompts[:1], params, loras[:1], args.repeats)))
     result["mixed_ratio"] = result["mixed_lora_tok_s"] / result["mixed_base_tok_s"]
     result["batch1_ratio"] = result["batch1_lora_tok_s"] / result["batch1_base_tok_s"]
     result["setup"] = {"model": args.model or ("tiny" if args.tiny else SHAPE), "adapters": args.adapters,

@@ -39,7 +39,7 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_decoder.cpp"
 _NORMS = ("input_norm", "q_norm", "k_norm", "post_norm")
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _KERNELS = ("linear", "rms_norm", "add_rms_norm", "norm_rope", "silu_mul", "attention", "all_reduce", "abort_word")
-_SCRATCH = ("h", "qkv", "q", "k", "attn", "o", "mid", "gate_up", "act", "down", "lora_u", "lora_y")
+_SCRATCH = ("h", "qkv", "q", "k", "attn", "o", "mid", "gate_up", "act", "down", "lora_u")
 
 
 class _Part(ctypes.Structure):
@@ -52,7 +52,7 @@ class _Projection(ctypes.Structure):
 
 
 class _Lora(ctypes.Structure):
-    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("width", ctypes.c_int64)]
+    _fields_ = [("a", ctypes.c_void_p), ("bt", ctypes.c_void_p), ("width", ctypes.c_int64)]
 
 
 class _LayerWeights(ctypes.Structure):
@@ -149,12 +149,12 @@ def _takes_layer(w: LayerWeights, hidden: int, heads: int, kv_heads: int, head_d
             and pool.dim() == 3 and pool.shape[0] == kv_heads and pool.shape[2] == head_dim
             and pool.is_cpu and pool.dtype is torch.float32 and pool.stride(-1) == 1
             and w.v_pool.shape == pool.shape and w.v_pool.stride() == pool.stride() and w.v_pool.dtype is pool.dtype
-            and all(_fp32(pool.a, *pool.a.shape) and _fp32(pool.b, *pool.b.shape) for pool in w.lora.values()))
+            and all(_fp32(pool.a, *pool.a.shape) and _fp32(pool.bt, *pool.bt.shape) for pool in w.lora.values()))
 
 
 def _lora(w: LayerWeights, name: str) -> _Lora:
     pool = w.lora.get(name)
-    return _Lora() if pool is None else _Lora(pool.a.data_ptr(), pool.b.data_ptr(), pool.a.shape[1])
+    return _Lora() if pool is None else _Lora(pool.a.data_ptr(), pool.bt.data_ptr(), pool.a.shape[1])
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -181,8 +181,7 @@ class DecoderStack:
         rows = cpu_ops.MAX_LINEAR_ROWS
         widths = dict(h=hidden, qkv=(heads + 2 * kv_heads) * head_dim, q=heads * head_dim, k=kv_heads * head_dim,
                       attn=heads * head_dim, o=hidden, mid=hidden, gate_up=2 * inter, act=inter, down=hidden,
-                      lora_u=max([p.a.shape[1] for w in layers for p in w.lora.values()], default=0),
-                      lora_y=max((heads + 2 * kv_heads) * head_dim, 2 * inter, hidden))
+                      lora_u=max([p.a.shape[1] for w in layers for p in w.lora.values()], default=0))
         self.scratch = {name: torch.empty((rows, widths[name])) for name in _SCRATCH}
         ops, attention = cpu_ops.library(), cpu_attention.library()
         pool = layers[0].k_pool

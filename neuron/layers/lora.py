@@ -83,32 +83,34 @@ class LoraPool:
         out_features = sum(size for _, size in parts)
         width = len(parts) * rank
         self.a = torch.zeros(slots, width, in_features, dtype=dtype, device=device)  # [S, P*R, in]
-        self.b = torch.zeros(slots, out_features, width, dtype=dtype, device=device)  # [S, out, P*R]
+        # B transposed, [S, P*R, out]: a row's contribution is then a sum of whole rows of it, which
+        # the CPU loop (csrc/cpu_decoder.cpp) adds with contiguous vector loads
+        self.bt = torch.zeros(slots, width, out_features, dtype=dtype, device=device)
 
     def set(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Projection `part` of the adapter in `slot`: a [r, in] and b [size, r], b already scaled."""
         r, (start, size) = a.shape[0], self.parts[part]
         self.a[slot, part * self.rank : part * self.rank + r] = a
-        self.b[slot, start : start + size, part * self.rank : part * self.rank + r] = b
+        self.bt[slot, part * self.rank : part * self.rank + r, start : start + size] = b.T
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.bt[slot].zero_()
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: LoraRows) -> torch.Tensor:
         """`y` ([T, out], the layer's output for rows `x` [T, in]) plus the adapters' contribution,
         added in place."""
         if rows.single is not None:
-            return y.addmm_(x @ self.a[rows.single].T, self.b[rows.single].T)
-        a, b = (self.a, self.b) if rows.all_slots else (self.a.index_select(0, rows.slots),
-                                                        self.b.index_select(0, rows.slots))
+            return y.addmm_(x @ self.a[rows.single].T, self.bt[rows.single])
+        a, bt = (self.a, self.bt) if rows.all_slots else (self.a.index_select(0, rows.slots),
+                                                          self.bt.index_select(0, rows.slots))
         grouped = x.index_select(0, rows.take).view(a.shape[0], rows.group, x.shape[1])  # [U, group, in]
-        out = torch.bmm(torch.bmm(grouped, a.transpose(1, 2)), b.transpose(1, 2)).view(-1, b.shape[1])
+        out = torch.bmm(torch.bmm(grouped, a.transpose(1, 2)), bt).view(-1, bt.shape[2])
         return y.index_add_(0, rows.dest, out if rows.keep is None else out.index_select(0, rows.keep))
 
     def delta(self, x: torch.Tensor, rows: LoraRows) -> torch.Tensor:
         """The adapters' contribution alone ([T, out])."""
-        return self.add_to(x.new_zeros(x.shape[0], self.b.shape[1]), x, rows)
+        return self.add_to(x.new_zeros(x.shape[0], self.bt.shape[2]), x, rows)
 
     def nbytes(self) -> int:
-        return self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
+        return self.a.numel() * self.a.element_size() + self.bt.numel() * self.bt.element_size()

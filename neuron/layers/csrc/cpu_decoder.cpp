@@ -14,13 +14,15 @@
 // entry point passed the same way; a failed all-reduce ends the loop and its status is returned.
 //
 // A model served with LoRA adapters gives each projection its adapter pool (layers/lora.py) and
-// each step the pool slot of every row: after a projection (and before its all-reduce), the rows
-// of each run of one adapter gain (x A^T) B^T through the same linear kernel, as two products.
+// each step the pool slot of every row: after a projection (and before its all-reduce), each row
+// gains (x A^T) B^T with its own adapter's A and B.
 //
 // A plan (the weights of every layer, the shapes, scratch buffers for MAX rows) is built once per
 // model; a step brings its hidden states, rotary tables and attention metadata.
 #include "paged_attention.h"
+#include "simd.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -56,11 +58,11 @@ struct Projection {
     const float* bias;
 };
 
-// A projection's LoRA pool: slot s holds A [width, in] at a + s * width * in and B (scaled) [out,
-// width] at b + s * out * width; a null `a`: no adapters.
+// A projection's LoRA pool: slot s holds A [width, in] at a + s * width * in and B transposed (and
+// scaled) [width, out] at bt + s * width * out; a null `a`: no adapters.
 struct Lora {
     const float* a;
-    const float* b;
+    const float* bt;
     int64_t width;
 };
 
@@ -87,7 +89,7 @@ struct Plan {
     int64_t pool_stride_h, pool_stride_row;
     float eps, scale_log2;
     float *h, *qkv, *q, *k, *attn, *o, *mid, *gate_up, *act, *down;  // scratch of MAX rows each
-    float *lora_u, *lora_y;  // scratch of MAX rows: an adapter's A x, and its contribution
+    float* lora_u;  // scratch of MAX rows x the largest adapter rank: each row's A x
 };
 
 struct Step {
@@ -129,20 +131,52 @@ void project(const Plan& p, const Projection& j, const float* x, int64_t m, int6
             for (int64_t c = 0; c < n; ++c) y[r * n + c] += bias[c];
 }
 
-// y [m, n] += (x [m, k] A^T) B^T for each run of rows of one adapter (LoraPool.add_to's sum).
-void add_lora(const Plan& p, const Step& s, const Lora& l, const float* x, int64_t k, float* y, int64_t n, int th) {
+float dot(const float* a, const float* b, int64_t k) {
+    vecf acc0 = {}, acc1 = {};
+    int64_t i = 0;
+    for (; i + 2 * VL <= k; i += 2 * VL) {
+        acc0 += vload(a + i) * vload(b + i);
+        acc1 += vload(a + i + VL) * vload(b + i + VL);
+    }
+    for (; i + VL <= k; i += VL) acc0 += vload(a + i) * vload(b + i);
+    float sum = hsum(acc0 + acc1);
+    for (; i < k; ++i) sum += a[i] * b[i];
+    return sum;
+}
+
+// y [m, n] += (x [m, k] A^T) B^T with each row's own adapter (LoraPool.add_to's sum), in one
+// parallel region: u = A x for every row and rank, then each row adds u_j times row j of B^T,
+// by blocks of outputs. A step that mixes many adapters has runs of a row or two; a pair of kernel
+// calls per run (two parallel regions on a rank-16 matrix each) cost more than the products.
+void add_lora(const Step& s, const Lora& l, const float* x, int64_t k, float* y, int64_t n, float* u, int th) {
     if (!s.lora_slots || !l.a) return;
-    for (int64_t r = 0; r < s.rows;) {
-        const int64_t slot = s.lora_slots[r];
-        int64_t end = r + 1;
-        while (end < s.rows && s.lora_slots[end] == slot) ++end;
-        if (slot >= 0) {
-            const int64_t m = end - r, w = l.width;
-            p.linear(x + r * k, m, k, l.a + slot * w * k, w, k, k, nullptr, p.lora_u, w, th);
-            p.linear(p.lora_u, m, w, l.b + slot * n * w, n, w, w, nullptr, p.lora_y, n, th);
-            for (int64_t i = 0; i < m * n; ++i) y[r * n + i] += p.lora_y[i];
+    const int64_t rows = s.rows, w = l.width;
+    const int64_t* slots = s.lora_slots;
+    if (std::all_of(slots, slots + rows, [](int64_t slot) { return slot < 0; })) return;
+    constexpr int64_t BLOCK = 512;  // outputs per item: a row's block of y stays in L1 across j
+    // a decode step's one or two rows are a few hundred thousand multiply-adds: waking the other
+    // threads for them cost more than the products (a fifth of a batch-1 step, in libgomp)
+    const bool parallel = rows * w * (k + n) >= (int64_t(1) << 20);
+#pragma omp parallel num_threads(th) if (parallel)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < rows * w; ++i) {
+            const int64_t r = i / w, slot = slots[r];
+            u[i] = slot < 0 ? 0.0f : dot(l.a + (slot * w + i % w) * k, x + r * k, k);
         }
-        r = end;
+#pragma omp for schedule(static)
+        for (int64_t c0 = 0; c0 < n; c0 += BLOCK) {
+            const int64_t c1 = std::min(n, c0 + BLOCK);
+            for (int64_t r = 0; r < rows; ++r) {
+                if (slots[r] < 0) continue;
+                float* yr = y + r * n;
+                for (int64_t j = 0; j < w; ++j) {
+                    const float uj = u[r * w + j];
+                    const float* bt = l.bt + (slots[r] * w + j) * n;
+                    for (int64_t c = c0; c < c1; ++c) yr[c] += uj * bt[c];
+                }
+            }
+        }
     }
 }
 
@@ -187,7 +221,7 @@ extern "C" int neuron_decoder_layers(const Plan* plan, const Step* step) {
         const LayerWeights& w = p.layers[l];
         p.rms_norm(x, m, H, H, w.input_norm, p.eps, p.h, H, th);
         project(p, w.qkv, p.h, m, H, p.qkv, qkvw, true, th);
-        add_lora(p, s, w.qkv_lora, p.h, H, p.qkv, qkvw, th);
+        add_lora(s, w.qkv_lora, p.h, H, p.qkv, qkvw, p.lora_u, th);
         p.norm_rope(p.qkv, m, p.heads, qkvw, D, D, w.q_norm, p.eps, s.cos, s.sin, D, p.q, qw, D, th);
         p.norm_rope(p.qkv + qw, m, p.kv_heads, qkvw, D, D, w.k_norm, p.eps, s.cos, s.sin, D, p.k, kw, D, th);
         write_kv(p, s, w, qkvw);
@@ -195,14 +229,14 @@ extern "C" int neuron_decoder_layers(const Plan* plan, const Step* step) {
         a.v_pool = w.v_pool;
         if (p.attention(&a, 0, th)) return ATTENTION_REFUSED;
         project(p, w.o, p.attn, m, qw, p.o, H, false, th);
-        add_lora(p, s, w.o_lora, p.attn, qw, p.o, H, th);
+        add_lora(s, w.o_lora, p.attn, qw, p.o, H, p.lora_u, th);
         if (const int status = reduce(p, s, p.o, m * H, w.o.bias, H)) return status;
         p.add_rms_norm(x, H, p.o, H, m, H, w.post_norm, p.eps, p.mid, H, p.h, H, th);
         project(p, w.gate_up, p.h, m, H, p.gate_up, 2 * I, true, th);
-        add_lora(p, s, w.gate_up_lora, p.h, H, p.gate_up, 2 * I, th);
+        add_lora(s, w.gate_up_lora, p.h, H, p.gate_up, 2 * I, p.lora_u, th);
         p.silu_mul(p.gate_up, 2 * I, p.gate_up + I, 2 * I, m, I, p.act, I, th);
         project(p, w.down, p.act, m, I, p.down, H, false, th);
-        add_lora(p, s, w.down_lora, p.act, I, p.down, H, th);
+        add_lora(s, w.down_lora, p.act, I, p.down, H, p.lora_u, th);
         if (const int status = reduce(p, s, p.down, m * H, w.down.bias, H)) return status;
         for (int64_t i = 0; i < m * H; ++i) s.out[i] = p.mid[i] + p.down[i];
         x = s.out;
