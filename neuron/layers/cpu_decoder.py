@@ -52,7 +52,8 @@ class _Projection(ctypes.Structure):
 
 
 class _Lora(ctypes.Structure):
-    _fields_ = [("a", ctypes.c_void_p), ("bt", ctypes.c_void_p), ("width", ctypes.c_int64)]
+    _fields_ = [("a", ctypes.c_void_p), ("bt", ctypes.c_void_p), ("width", ctypes.c_int64), ("rank", ctypes.c_int64),
+                ("parts", ctypes.c_void_p)]
 
 
 class _LayerWeights(ctypes.Structure):
@@ -152,9 +153,14 @@ def _takes_layer(w: LayerWeights, hidden: int, heads: int, kv_heads: int, head_d
             and all(_fp32(pool.a, *pool.a.shape) and _fp32(pool.bt, *pool.bt.shape) for pool in w.lora.values()))
 
 
-def _lora(w: LayerWeights, name: str) -> _Lora:
+def _lora(w: LayerWeights, name: str, held: list[torch.Tensor]) -> _Lora:
+    """The plan's view of one projection's LoRA pool; the parts' output ranges it points into are
+    kept in `held`."""
     pool = w.lora.get(name)
-    return _Lora() if pool is None else _Lora(pool.a.data_ptr(), pool.bt.data_ptr(), pool.a.shape[1])
+    if pool is None:
+        return _Lora()
+    held.append(torch.tensor(pool.parts, dtype=torch.int64).reshape(-1))
+    return _Lora(pool.a.data_ptr(), pool.bt.data_ptr(), pool.a.shape[1], pool.rank, held[-1].data_ptr())
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -172,11 +178,13 @@ class DecoderStack:
                  kv_heads: int, head_dim: int, inter: int, eps: float, comm: Communicator):
         self.layers, self.comm, self.hidden = layers, comm, hidden  # the tensors stay referenced
         self.parts = [{name: (_Part * len(p))(*p) for name, p in layer.items()} for layer in parts]
+        self.lora_parts: list[torch.Tensor] = []  # each LoRA pool's parts' output ranges, pointed into
         self.weights = (_LayerWeights * len(layers))(*[
             _LayerWeights(*[_ptr(getattr(w, name)) for name in _NORMS],
                           *[_Projection(arrays[name], len(arrays[name]), _ptr(getattr(w, f"{name}_bias")))
                             for name in _PROJECTIONS],
-                          w.k_pool.data_ptr(), w.v_pool.data_ptr(), *[_lora(w, name) for name in _PROJECTIONS])
+                          w.k_pool.data_ptr(), w.v_pool.data_ptr(),
+                          *[_lora(w, name, self.lora_parts) for name in _PROJECTIONS])
             for w, arrays in zip(layers, self.parts)])
         rows = cpu_ops.MAX_LINEAR_ROWS
         widths = dict(h=hidden, qkv=(heads + 2 * kv_heads) * head_dim, q=heads * head_dim, k=kv_heads * head_dim,

@@ -59,11 +59,14 @@ struct Projection {
 };
 
 // A projection's LoRA pool: slot s holds A [width, in] at a + s * width * in and B transposed (and
-// scaled) [width, out] at bt + s * width * out; a null `a`: no adapters.
+// scaled) [width, out] at bt + s * width * out; a null `a`: no adapters. A merged projection (q/k/v,
+// gate/up) has one A/B pair per part: rows j of B^T for part j / rank are zero outside that part's
+// outputs, `parts` [start, size] pairs, and are read only within them.
 struct Lora {
     const float* a;
     const float* bt;
-    int64_t width;
+    int64_t width, rank;
+    const int64_t* parts;
 };
 
 struct LayerWeights {
@@ -171,9 +174,11 @@ void add_lora(const Step& s, const Lora& l, const float* x, int64_t k, float* y,
                 if (slots[r] < 0) continue;
                 float* yr = y + r * n;
                 for (int64_t j = 0; j < w; ++j) {
+                    const int64_t* part = l.parts + 2 * (j / l.rank);
+                    const int64_t lo = std::max(c0, part[0]), hi = std::min(c1, part[0] + part[1]);
                     const float uj = u[r * w + j];
                     const float* bt = l.bt + (slots[r] * w + j) * n;
-                    for (int64_t c = c0; c < c1; ++c) yr[c] += uj * bt[c];
+                    for (int64_t c = lo; c < hi; ++c) yr[c] += uj * bt[c];
                 }
             }
         }
