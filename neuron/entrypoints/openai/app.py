@@ -222,7 +222,9 @@ class _Api:
             {"status": "ready" if host.startup_ready else "loading"}
         if single is None or self.cfg.admin_key is not None:
             body["models"] = {name: _model_health(m) for name, m in host.models.items()}
-        ready = host.startup_ready and (single is None or single.engine.state is EngineState.READY)
+        # the code follows the status in the body, read once: the engine thread may change the
+        # state between two reads (a rebuild ending), and a 200 must never say "recovering"
+        ready = host.startup_ready and (single is None or body["status"] == EngineState.READY.value)
         return JSONResponse(body, 200 if ready else 503)
 
     async def metrics(self, request: Request) -> Response:
