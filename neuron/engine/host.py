@@ -34,6 +34,7 @@ from neuron.engine.metrics import Metrics
 from neuron.engine.model_config import ModelConfig, resolve_model_config
 from neuron.errors import ConfigError, NeuronError
 from neuron.utils import safe_yaml
+from neuron.utils.openmp import then_release_pool
 
 log = logging.getLogger("neuron.host")
 
@@ -365,7 +366,7 @@ class ModelHost:
             raise ModelExists(f"a model or LoRA adapter named `{name}` is already served; unload it first")
         m = self._lora_base(base)
         try:
-            await asyncio.to_thread(m.engine.engine.loras.register, name, path)
+            await asyncio.to_thread(then_release_pool, m.engine.engine.loras.register, name, path)
         except ConfigError as exc:
             raise HostError(str(exc)) from None
         if keep_alive_s is not None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from neuron.errors import NeuronError
+from neuron.utils.openmp import release_pool
 
 log = logging.getLogger("neuron.engine.loading")
 
@@ -54,6 +55,8 @@ def load_within(load: Callable[[Phases], Any], timeout_s: float, interrupt: Call
             outcome["result"] = load(phases)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
             outcome["error"] = exc
+        finally:
+            release_pool()  # this thread lives on holding the model: its OpenMP pool would slow every step
         with lock:
             late = abandoned.is_set()
             done.set()

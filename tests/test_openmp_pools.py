@@ -1,0 +1,80 @@
+"""A thread that loads a model and lives on gives its OpenMP pool back (neuron/utils/openmp.py).
+
+More pool threads than CPUs put every parallel region of every later step on libgomp's sleeping
+path; the loading thread's pool did that to each model served on two cores.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from neuron.engine.loading import load_within
+from neuron.utils.openmp import release_pool, then_release_pool
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+
+
+def _native_threads() -> int:
+    """This process's OS threads that Python did not start: OpenMP's pool threads among them."""
+    python = {t.native_id for t in threading.enumerate()}
+    return sum(1 for tid in os.listdir("/proc/self/task") if int(tid) not in python)
+
+
+def _parallel_work() -> None:
+    torch.ones(1 << 24).add_(1.0)  # far above torch's grain: runs on every OpenMP thread
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _on_a_thread(fn):
+    out = {}
+    thread = threading.Thread(target=lambda: out.setdefault("value", fn()))
+    thread.start()
+    thread.join()
+    return out["value"]
+
+
+def test_release_pool_ends_the_calling_threads_pool(two_threads):
+    baseline = _native_threads()
+
+    def work():
+        _parallel_work()
+        with_pool = _native_threads()
+        released = release_pool()
+        return with_pool, released, _native_threads()
+
+    with_pool, released, after = _on_a_thread(work)
+    assert with_pool == baseline + 1, "the parallel work should have made this thread a pool of one more thread"
+    assert released
+    assert after == baseline
+
+
+def test_a_load_leaves_no_pool_on_the_thread_that_holds_the_model(two_threads):
+    baseline = _native_threads()
+    holding, release = threading.Event(), threading.Event()
+
+    def hold(_model) -> None:
+        holding.set()
+        release.wait(30)
+
+    try:
+        load_within(lambda phases: _parallel_work() or "model", timeout_s=30, hold=hold)
+        assert holding.wait(30)
+        assert _native_threads() == baseline
+    finally:
+        release.set()
+
+
+def test_work_handed_to_a_pooled_thread_releases_its_pool(two_threads):
+    baseline = _native_threads()
+    assert _on_a_thread(lambda: then_release_pool(_parallel_work) or _native_threads()) == baseline
