@@ -464,3 +464,40 @@ def test_a_model_without_adapters_refuses_them(default_tokenizer, served_lora):
         assert named.status_code == 400 and "model `stub` does not serve LoRA adapters" in named.text
         assert httpx.post(f"{server.base_url}/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 404
         assert [m["id"] for m in httpx.get(f"{server.base_url}/models").json()["data"]] == ["stub"]
+
+
+@pytest.mark.slow
+def test_ollamas_clients_name_adapters_as_models(served_lora):
+    """Through Ollama's API an adapter is a model: /api/tags and /api/ps list it with its base as
+    parent_model, /api/show describes it, `NAME:latest` reaches it, a raw generate gives the
+    adapter's greedy tokens (PEFT's), and keep_alive 0 unloads the adapter once it is idle."""
+    from server_harness import LiveServer, ollama_client, real_engine, wait_until
+
+    base, adapters = served_lora
+    prompt = [5, 17, 200, 3]
+    engine = real_engine(str(base), 1, name="base", enable_lora=True, max_loras=2, max_lora_rank=8,
+                         lora_modules=f"sql={adapters['sql']} chat={adapters['chat']}")
+    with LiveServer(engine) as server:
+        server.wait_ready()
+        client = ollama_client(server)
+        tags = {m.model: m for m in client.list().models}
+        assert set(tags) == {"base", "sql", "chat"}
+        assert tags["sql"].details.parent_model == "base" and tags["base"].details.parent_model == ""
+        assert tags["sql"].digest != tags["chat"].digest and tags["sql"].size > 0
+        shown = client.show("sql:latest")
+        assert shown.details.parent_model == "base" and shown.modelinfo["general.architecture"] == "qwen3"
+        ps = {m.model: m for m in client.ps().models}
+        assert {"base", "sql", "chat"} <= set(ps) and ps["chat"].details.parent_model == "base"
+
+        text = server.engine.tokenizer.decode(prompt, skip_special_tokens=False)
+        out = client.generate(model="sql:latest", prompt=text, raw=True,
+                              options={"temperature": 0, "num_predict": NEW_TOKENS})
+        expected = reference_lora_greedy(base, adapters["sql"], prompt, NEW_TOKENS)[0]
+        assert out.response == server.engine.tokenizer.decode(expected, skip_special_tokens=False)
+
+        def listed() -> set[str]:
+            return {m.model for m in client.list().models}
+
+        client.generate(model="chat", prompt=text, raw=True, keep_alive=0, options={"num_predict": 1})
+        wait_until(lambda: "chat" not in listed(), 30, "keep_alive 0 did not unload the idle adapter")
+        assert listed() == {"base", "sql"}  # the other adapter, which has no keep_alive, stays

@@ -374,6 +374,13 @@ class ModelHost:
         log.info("LoRA adapter `%s` loaded on `%s` from %r", name, m.name, path)
         return m
 
+    def keep_adapter(self, name: str, keep_alive_s: float | None) -> None:
+        """LoRA adapter `name` unloaded once idle for `keep_alive_s` from now (None: kept)."""
+        if keep_alive_s is None:
+            self.adapter_idle.pop(name, None)
+        else:
+            self.adapter_idle[name] = [keep_alive_s, time.monotonic()]
+
     def _lora_base(self, base: str | None) -> HostedModel:
         """Model `base`, or the one model with LoRA enabled; it must be loaded."""
         lora = [m for m in self.models.values() if _serves_lora(m) or m.spec.engine.enable_lora]

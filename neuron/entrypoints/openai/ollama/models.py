@@ -18,11 +18,15 @@ _FOREVER = "2318-01-01T00:00:00Z"  # expires_at of a model that stays loaded, as
 
 
 def served_name(host: ModelHost, name: str) -> str:
-    """The served model a request means: its name, or Ollama's `NAME:latest` for NAME."""
-    if name in host.models or not name.endswith(":latest"):
+    """The served model or LoRA adapter a request means: its name, or Ollama's `NAME:latest` for NAME."""
+    if _served(host, name) or not name.endswith(":latest"):
         return name
     stem = name.removesuffix(":latest")
-    return stem if stem in host.models else name
+    return stem if _served(host, stem) else name
+
+
+def _served(host: ModelHost, name: str) -> bool:
+    return name in host.models or host.adapter_base(name) is not None
 
 
 SPEC_KEEP_ALIVE = object()  # no keep_alive in the request: the model's own
@@ -83,6 +87,10 @@ def _modified_at(m: HostedModel, started: float) -> str:
         at = Path(cfg.model_dir).stat().st_mtime if cfg is not None and cfg.model_dir else started
     except OSError:
         at = started
+    return _iso(at)
+
+
+def _iso(at: float) -> str:
     return datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -97,6 +105,26 @@ def card(m: HostedModel, started: float) -> dict:
     return {"name": m.name, "model": m.name, "modified_at": _modified_at(m, started),
             "size": info.get("weight_bytes") or 0, "digest": _digest(m), "details": _details(m),
             "status": info["status"]}
+
+
+def adapter_card(name: str, base: HostedModel, path: str, started: float) -> dict:
+    """A LoRA adapter as /api/tags lists it: its base's card under its own name, with the base as
+    `parent_model` (as vLLM's /v1/models gives it as `parent`) and the adapter's own files."""
+    out = card(base, started)
+    out.update(name=name, model=name, digest=hashlib.sha256(f"{name}\n{path}".encode()).hexdigest(),
+               size=_folder_bytes(path), details={**out["details"], "parent_model": base.name})
+    try:
+        out["modified_at"] = _iso(Path(path).stat().st_mtime)
+    except OSError:
+        pass
+    return out
+
+
+def _folder_bytes(path: str) -> int:
+    try:
+        return sum(entry.stat().st_size for entry in Path(path).iterdir() if entry.is_file())
+    except OSError:
+        return 0
 
 
 def running(m: HostedModel, started: float) -> dict:

@@ -22,6 +22,7 @@ from neuron.entrypoints.openai.common import Samples, check_model, check_ready, 
 from neuron.entrypoints.openai.guided import compile_guided
 from neuron.entrypoints.openai.ollama.models import (
     SPEC_KEEP_ALIVE,
+    adapter_card,
     card,
     parse_keep_alive,
     running,
@@ -150,9 +151,12 @@ class _Ollama:
         began = time.monotonic()
         engine = await self.served.engine(name)
         load_s = time.monotonic() - began
-        m = self.served.host.models.get(name)
+        host = self.served.host
+        m = host.models.get(name)
         if m is not None:
             m.keep_for(m.spec.keep_alive_s if keep is SPEC_KEEP_ALIVE else keep)
+        elif keep is not SPEC_KEEP_ALIVE:  # a LoRA adapter: how long it stays once idle
+            host.keep_adapter(name, keep)
         return name, engine, load_s
 
     def _loaded(self, name: str, engine: AsyncEngine, field: str) -> Response:
@@ -173,19 +177,34 @@ class _Ollama:
 
     async def show(self, request: Request) -> Response:
         req = await self.served.decode(request, OllamaShowRequest)
-        name = served_name(self.served.host, req.model or req.name)
+        host = self.served.host
+        name = served_name(host, req.model or req.name)
+        if name not in host.models and (base := host.adapter_base(name)) is not None:
+            body = show_body(base, self.served.started)
+            body["details"]["parent_model"] = base.name
+            return JSONResponse(body)
         try:
-            m = self.served.host.model(name)
+            m = host.model(name)
         except HostError as exc:
             raise host_error(exc, param="model") from None
         return JSONResponse(show_body(m, self.served.started))
 
     async def tags(self, request: Request) -> Response:
-        return JSONResponse({"models": [card(m, self.served.started) for m in self.served.host.models.values()]})
+        host, started = self.served.host, self.served.started
+        cards = [card(m, started) for m in host.models.values()]
+        cards += [adapter_card(name, host.models[base], path, started) for name, base, path in host.adapters()]
+        return JSONResponse({"models": cards})
 
     async def ps(self, request: Request) -> Response:
-        loaded = [m for m in self.served.host.models.values() if m.engine is not None and m.engine.loaded]
-        return JSONResponse({"models": [running(m, self.served.started) for m in loaded]})
+        """The loaded models, and the LoRA adapters their ranks serve (as their bases hold them)."""
+        host, started = self.served.host, self.served.started
+        loaded = [running(m, started) for m in host.models.values() if m.engine is not None and m.engine.loaded]
+        by_name = {c["name"]: c for c in loaded}
+        for name, base, path in host.adapters():
+            if base in by_name:
+                adapter = adapter_card(name, host.models[base], path, started)
+                loaded.append({**by_name[base], **{k: adapter[k] for k in ("name", "model", "digest", "details")}})
+        return JSONResponse({"models": loaded})
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": OLLAMA_API_VERSION, "neuron": neuron.__version__})
