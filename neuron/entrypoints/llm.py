@@ -14,6 +14,7 @@ import base64
 import io
 import itertools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -182,27 +183,32 @@ class LLM:
             rid = str(next(self._ids))
             self.engine.add_request(rid, prompt.ids, params, cache_salt=prompt.cache_salt)
             outputs[rid] = EmbeddingRequestOutput(rid, prompt.ids, EmbeddingOutput([]))
-        for u in self._drain(set(outputs)):
-            outputs[u.request_id].outputs.embedding = u.embedding
+        def take(u: Update) -> None:
+            if u.finished:
+                outputs[u.request_id].outputs.embedding = u.embedding
+
+        self._drain(set(outputs), take, "embedding")
         return list(outputs.values())
 
-    def _drain(self, pending: set[str]) -> list[Update]:
-        """Step until each of these requests has its final update; a failed one raises, after the
-        others were aborted and drained."""
-        done, failure = [], None
+    def _drain(self, pending: set[str], take: Callable[[Update], None], what: str) -> None:
+        """Step until each of these requests has its final update, handing each of their updates to
+        `take`. A failed one raises, after the others were aborted and drained, so none keeps running
+        unseen in the engine."""
+        failure = None
         while pending:
             for u in self.engine.step():
-                if u.request_id not in pending or not u.finished:
+                if u.request_id not in pending:
+                    continue
+                take(u)
+                if not u.finished:
                     continue
                 pending.discard(u.request_id)
-                done.append(u)
                 if u.error and failure is None:
                     failure = u.error
                     for rid in pending:
                         self.engine.abort(rid)
         if failure is not None:
-            raise NeuronError(f"embedding failed: {failure}")
-        return done
+            raise NeuronError(f"{what} failed: {failure}")
 
     def _adapters(self, requests: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list[str | None]:
         """The adapter name of each of `n` prompts, every adapter registered (checked) first."""
@@ -283,26 +289,16 @@ class LLM:
         return self.engine.tokenizer
 
     def _run(self, routes: dict[str, tuple[RequestOutput, int]]) -> None:
-        """Step until every sample of this call finished. A failed one raises, after the call's
-        other samples were aborted and drained, so none keeps running unseen in the engine."""
-        pending, failure = set(routes), None
-        while pending:
-            for u in self.engine.step():
-                if u.request_id not in routes:
-                    continue
-                out, i = routes[u.request_id]
-                _apply(out.outputs[i], u)
-                if u.prompt_logprobs is not None and out.prompt_logprobs is None:
-                    out.prompt_logprobs = u.prompt_logprobs
-                if u.finished:
-                    pending.discard(u.request_id)
-                    out.finished = all(c.finish_reason is not None for c in out.outputs)
-                    if u.error and failure is None:
-                        failure = u.error
-                        for rid in pending:
-                            self.engine.abort(rid)
-        if failure is not None:
-            raise NeuronError(f"generation failed: {failure}")
+        """Step until every sample of this call finished (see _drain)."""
+        def take(u: Update) -> None:
+            out, i = routes[u.request_id]
+            _apply(out.outputs[i], u)
+            if u.prompt_logprobs is not None and out.prompt_logprobs is None:
+                out.prompt_logprobs = u.prompt_logprobs
+            if u.finished:
+                out.finished = all(c.finish_reason is not None for c in out.outputs)
+
+        self._drain(set(routes), take, "generation")
 
     def shutdown(self) -> None:
         self._finalizer()
