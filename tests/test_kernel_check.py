@@ -27,7 +27,8 @@ def references() -> dict:
     return {"rms_norm": norm.rms_norm_reference, "add_rms_norm": norm.add_rms_norm_reference,
             "norm_rope": lambda x, w, eps, cos, sin: norm.apply_rotary(norm.rms_norm_reference(x, w, eps), cos, sin),
             "silu_mul": norm.silu_mul_reference, "paged_attention": paged_attention_reference,
-            "quant_linear": lambda x, w: torch.nn.functional.linear(x, w.stored(x.dtype))}
+            "quant_linear": lambda x, w: torch.nn.functional.linear(x, w.stored(x.dtype)),
+            "lora": lambda pool, y, x, rows: pool.add_grouped(y.clone(), x, rows)}
 
 
 def test_working_kernels_pass_every_shape():
@@ -68,7 +69,7 @@ def test_attention_is_checked_on_the_shapes_that_broke_kernels_before():
 
 def test_a_failed_piece_runs_its_reference_and_the_verdict_says_why(monkeypatch):
     kernels = Kernels.from_settings({"silu_mul": "rank 1: differs from the reference by 1.0e-02 of its largest value"})
-    assert [kernels.triton(p) for p in PIECES] == [True, True, True, False, True, True]
+    assert [kernels.triton(p) for p in PIECES] == [True, True, True, False, True, True, True]
     assert kernels.verdict()["silu_mul"] == "reference: rank 1: differs from the reference by 1.0e-02 of its largest value"
     assert kernels.verdict()["rms_norm"] == "triton"
     monkeypatch.setenv("NEURON_KERNELS", "reference")
@@ -77,7 +78,7 @@ def test_a_failed_piece_runs_its_reference_and_the_verdict_says_why(monkeypatch)
     assert set(forced.verdict().values()) == {"reference: NEURON_KERNELS=reference"}
     monkeypatch.setenv("NEURON_KERNELS", "triton")
     assert all(Kernels.from_settings({"silu_mul": "ignored when forced"}).triton(p) for p in PIECES)
-    assert [kernels.triton(p) for p in PIECES] == [True, True, True, False, True, True]  # built before: unchanged
+    assert [kernels.triton(p) for p in PIECES] == [True, True, True, False, True, True, True]  # built before: unchanged
 
 
 def test_two_models_in_one_process_run_their_own_kernels(tmp_path):

@@ -19,6 +19,7 @@ from checkpoints import (
 
 from neuron import LLM, LoRARequest, SamplingParams
 from neuron.errors import ConfigError, NeuronError
+from neuron.layers.kernels import Kernels
 from neuron.layers.lora import LoraPool, LoraRows
 from neuron.models.lora import LoraError
 
@@ -57,9 +58,9 @@ def _requests(adapters: dict) -> list[LoRARequest | None]:
     return [LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())] + [None]
 
 
-def _check_mixed(base, adapters, tp: int, **llm) -> None:
+def _check_mixed(base, adapters, tp: int, device: str = "cpu", **llm) -> None:
     requests = _requests(adapters)
-    with LLM(str(base), tensor_parallel_size=tp, device="cpu", dtype="float32", enable_lora=True, max_loras=3,
+    with LLM(str(base), tensor_parallel_size=tp, device=device, dtype="float32", enable_lora=True, max_loras=3,
              max_lora_rank=8, **llm) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, lora_request=requests)
     for prompt, request, out in zip(PROMPTS, requests, outs):
@@ -95,6 +96,19 @@ def test_python_layers_apply_adapters_alone(qwen3_lora, monkeypatch):
     Python layers' grouped product, equal to PEFT too."""
     monkeypatch.setenv("NEURON_NO_FUSED_LAYERS", "1")
     _check_mixed(*qwen3_lora, 1)
+
+
+@pytest.mark.gpu
+def test_mixed_batch_on_cuda_runs_the_triton_kernel_and_matches_peft(qwen3_lora, monkeypatch):
+    """On CUDA in fp32, steps mixing three adapters and the base model run the Triton kernels
+    (layers/triton_lora.py, trusted by the start-up self-check) and equal transformers + PEFT."""
+    from neuron.layers import lora
+
+    calls = []
+    kernel = lora.grouped_triton
+    monkeypatch.setattr(lora, "grouped_triton", lambda *args: calls.append(1) or kernel(*args))
+    _check_mixed(*qwen3_lora, 1, device="cuda")
+    assert calls, "no step ran the Triton kernel"
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
@@ -133,7 +147,7 @@ def test_grouped_product_equals_each_row_alone(seq_slots, lengths):
     """The grouped product over a step's rows equals each row's own x A^T B^T, and exactly zero
     for the base model's rows."""
     torch.manual_seed(0)
-    pool = LoraPool(4, 3, 8, [(0, 5), (5, 2)], torch.float32, "cpu")
+    pool = LoraPool(4, 3, 8, [(0, 5), (5, 2)], torch.float32, "cpu", Kernels())
     weights = {}
     for slot in range(4):
         for part, (_, size) in enumerate(pool.parts):

@@ -3,21 +3,17 @@ Triton kernel against the reference. Without a GPU the kernel runs in Triton's i
 tensors; with one it compiles and runs on CUDA."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_interpret import DEVICE, require_triton  # before anything loads Triton
+from triton_interpret import DEVICE, compile_in_a_fresh_process, require_triton  # before anything loads Triton
 
 from neuron.layers import cpu_attention
 from neuron.layers.kernels import Kernels
 from neuron.layers.paged_attention import (
-    HAS_TRITON,
     attend,
     build_metadata,
     paged_attention_reference,
@@ -194,24 +190,12 @@ COMPILE = textwrap.dedent("""
 """)
 
 
-def _compile_in_a_fresh_process(script: str, timeout: int) -> subprocess.CompletedProcess:
-    """Run a compile script in a new Python without Triton's interpreter mode (this process has it
-    on); skipped where Triton is not installed, failed with its stderr where the script fails."""
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed (pip install triton)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
-
-
 @pytest.mark.slow
 def test_kernel_compiles_for_nvidia_gpus():
     """The interpreter runs Python, which accepts code the GPU compiler refuses: compile the kernel to
     cubin for sm_90 (bf16, GQA, prefill tile) and sm_80 (fp32, MHA, decode tile), no GPU needed. In a
     fresh process, as this one's Triton is in interpreter mode."""
-    _compile_in_a_fresh_process(COMPILE, timeout=240)
+    compile_in_a_fresh_process(COMPILE, timeout=240)
 
 
 # Decodes over long and short contexts: with 4 or 8 splits of the longest, the short ones leave
@@ -295,7 +279,7 @@ def test_every_tile_the_runtime_picks_fits_every_supported_gpu():
     combination over a card's limit would fail there with OutOfResources."""
     from neuron.layers.paged_attention import SHARED_MEMORY
 
-    run = _compile_in_a_fresh_process(MATRIX, timeout=900)
+    run = compile_in_a_fresh_process(MATRIX, timeout=900)
     family = {80: (80, 86, 89, 120), 90: (90,), 100: (100,)}
     over = [(cc, name, head_dim, shared) for built, name, head_dim, shared in json.loads(run.stdout.splitlines()[-1])
             for cc in family[built] if shared > SHARED_MEMORY[cc]]

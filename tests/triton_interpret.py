@@ -5,6 +5,7 @@ first used, so setting it here is in time unless something imported Triton earli
 `require_triton` turns into a failure rather than a confusing one later."""
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -26,3 +27,18 @@ def require_triton() -> None:
     if INTERPRETING and IMPORTED_EARLY:
         pytest.fail("triton was imported before TRITON_INTERPRET=1 was set; set it in the environment of the "
                     "test run instead")
+
+
+def compile_in_a_fresh_process(script: str, timeout: int) -> subprocess.CompletedProcess:
+    """Run a compile script in a new Python without Triton's interpreter mode (this process has it
+    on): the interpreter runs Python, which accepts code the GPU compiler refuses. Skipped where
+    Triton is not installed, failed with its stderr where the script fails."""
+    from neuron.layers.paged_attention import HAS_TRITON
+
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed (pip install triton)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run

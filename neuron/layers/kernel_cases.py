@@ -1,7 +1,8 @@
 """The inputs the kernel self-check (`kernel_check`) runs each fused kernel on, with the reference's
 answer: a model's exact widths and dtype, plus the shapes that broke attention kernels before
 (a lone decode token, a prefill tile, a chunk after a cached prefix, a block size that does not
-divide the chunk, blocks scattered through the pool)."""
+divide the chunk, blocks scattered through the pool), and LoRA steps mixing adapters and the base
+model."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from neuron.layers import norm, quantized
+from neuron.layers import lora, norm, quantized
+from neuron.layers.kernels import Kernels
 from neuron.layers.paged_attention import build_metadata, paged_attention_reference, paged_attention_triton
 
 _EPS = 1e-6
@@ -21,7 +23,8 @@ def kernels() -> dict[str, Callable]:
     """Each piece's Triton kernel, called as its case's arguments say."""
     return {"rms_norm": norm.rms_norm_triton, "add_rms_norm": norm.add_rms_norm_triton,
             "norm_rope": norm.norm_rope_triton, "silu_mul": norm.silu_mul_triton,
-            "paged_attention": paged_attention_triton, "quant_linear": quantized.linear_triton}
+            "paged_attention": paged_attention_triton, "quant_linear": quantized.linear_triton,
+            "lora": lambda pool, y, x, rows: lora.grouped_triton(pool, y.clone(), x, rows)}
 
 
 def cases(device: str, dtype: torch.dtype, w) -> dict[str, list[tuple[str, tuple, object]]]:
@@ -42,6 +45,7 @@ def cases(device: str, dtype: torch.dtype, w) -> dict[str, list[tuple[str, tuple
                       for heads, name in ((w.heads, "queries"), (w.kv_heads, "keys"))],
         "paged_attention": _attention_cases(rand, w, device, gen),
         "quant_linear": _quant_cases(rand, w, device, dtype, gen),
+        "lora": _lora_cases(rand, w, device, dtype),
     }
     return out
 
@@ -75,6 +79,35 @@ def _quant_cases(rand, w, device: str, dtype: torch.dtype, gen: torch.Generator)
             x = rand(rows, k)
             reference = torch.nn.functional.linear(x, weight.stored(dtype))
             out.append((f"quantized linear, {name}, {rows} rows", (x, weight), reference))
+    return out
+
+
+# (name, each sequence's adapter slot (-1: the base model), its rows)
+_LORA_STEPS = (
+    ("decode", [2, -1, 0, 3, 2, -1, 0], [1] * 7),
+    ("prefill beside decodes", [1, -1, 3, 1], [70, 3, 1, 2]),  # 72 rows of one adapter: two row tiles
+)
+
+
+def _lora_cases(rand, w, device: str, dtype: torch.dtype) -> list:
+    """A pool of 4 adapters on the merged q/k/v projection (three parts, at the model's head
+    widths, rank 16) and on the MLP's down projection (rank 8); some adapters of half the rank,
+    some leaving a projection out. The rows' starting values (the base output) are of the same
+    scale as the adapters' contribution, so a kernel that drops or misplaces one shows."""
+    q, kv = w.heads * w.head_dim, w.kv_heads * w.head_dim
+    out = []
+    for name, in_features, parts, rank in (("q/k/v", w.hidden, [(0, q), (q, kv), (q + kv, kv)], 16),
+                                           ("down", w.intermediate, [(0, w.hidden)], 8)):
+        pool = lora.LoraPool(4, rank, in_features, parts, dtype, device, Kernels())
+        for slot in range(4):
+            r = rank if slot % 2 == 0 else rank // 2
+            for part, (_, size) in enumerate(parts):
+                if (slot + part) % 4 != 3:
+                    pool.set(slot, part, rand(r, in_features) / in_features ** 0.5, rand(size, r) / r ** 0.5)
+        for step, seq_slots, lengths in _LORA_STEPS:
+            rows = lora.LoraRows.build(seq_slots, lengths, 4, device)
+            x, y = rand(sum(lengths), in_features), rand(sum(lengths), pool.bt.shape[2])
+            out.append((f"LoRA, {name}, {step}", (pool, y, x, rows), pool.add_grouped(y.clone(), x, rows)))
     return out
 
 

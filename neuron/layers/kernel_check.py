@@ -1,11 +1,12 @@
 """Which fused CUDA kernels run: each is trusted only once it matched its PyTorch reference on the
 card it runs on.
 
-The Triton kernels (the fused norms, rotary and SiLU in `norm.py`, paged attention) were written
-and tested without a GPU. A kernel that fails to compile, or computes wrong, on a user's card would
-fail or corrupt every forward, so at start-up each one runs at the model's own widths and dtype
-against its reference (`check`). A piece that raises, differs or returns NaN is switched to its
-reference alone, with the reason in the log, in /health and in `neuron doctor`.
+The Triton kernels (the fused norms, rotary and SiLU in `norm.py`, paged attention, quantized
+linears, LoRA adapters' grouped product) were written and tested without a GPU. A kernel that
+fails to compile, or computes wrong, on a user's card would fail or corrupt every forward, so at
+start-up each one runs at the model's own widths and dtype against its reference (`check`). A
+piece that raises, differs or returns NaN is switched to its reference alone, with the reason in
+the log, in /health and in `neuron doctor`.
 
 The check runs in a subprocess (a kernel that faults leaves the GPU context unusable; it must not
 be the server's), once per GPU, driver, library versions, dtype and widths: the verdict is kept

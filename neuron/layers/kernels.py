@@ -18,7 +18,7 @@ from neuron.config import settings
 
 log = logging.getLogger("neuron.kernels")
 
-PIECES = ("rms_norm", "add_rms_norm", "norm_rope", "silu_mul", "paged_attention", "quant_linear")
+PIECES = ("rms_norm", "add_rms_norm", "norm_rope", "silu_mul", "paged_attention", "quant_linear", "lora")
 
 
 @dataclass(frozen=True, slots=True)

@@ -281,15 +281,15 @@ class Qwen3ForCausalLM(CausalLM):
         if any(type(layer.mlp) is not MLP for layer in self.layers):
             raise ConfigError("LoRA adapters apply to the dense decoder layers (qwen3, llama, mistral, qwen2); "
                               "this model's layers have mixture-of-experts blocks")
-        lay, c, dt, dev = self.layout, self.config, self.dtype, self.device
+        lay, c, dt, dev, k = self.layout, self.config, self.dtype, self.device, self.kernels
         q, kv, hidden = lay.local_heads * c.head_dim, lay.local_kv_heads * c.head_dim, c.hidden_size
         for layer in self.layers:
             a, m = layer.attn, layer.mlp
             inter = m.gate_up.sizes[0]
-            a.qkv.lora = LoraPool(slots, rank, hidden, [(0, q), (q, kv), (q + kv, kv)], dt, dev)
-            a.o_proj.lora = LoraPool(slots, rank, q, [(0, hidden)], dt, dev)
-            m.gate_up.lora = LoraPool(slots, rank, hidden, [(0, inter), (inter, inter)], dt, dev)
-            m.down.lora = LoraPool(slots, rank, inter, [(0, hidden)], dt, dev)
+            a.qkv.lora = LoraPool(slots, rank, hidden, [(0, q), (q, kv), (q + kv, kv)], dt, dev, k)
+            a.o_proj.lora = LoraPool(slots, rank, q, [(0, hidden)], dt, dev, k)
+            m.gate_up.lora = LoraPool(slots, rank, hidden, [(0, inter), (inter, inter)], dt, dev, k)
+            m.down.lora = LoraPool(slots, rank, inter, [(0, hidden)], dt, dev, k)
         self.lora_slots = slots
         self._stack_for = (None, None)  # the C loop's plan is built anew, with the pools
 
