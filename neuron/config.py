@@ -200,6 +200,9 @@ class Settings:
     max_loras: int = _setting(int, 1, "LoRA adapters held at once on the ranks (the slot pool, sized at load); more "
                               "wait in host memory and are swapped in, least recently used out", lo=1)
     max_lora_rank: int = _setting(int, 16, "the largest LoRA rank (r) an adapter may have", lo=1, hi=1024)
+    lora_host_bytes: int = _setting(int, 2**30, "bytes of host memory each rank keeps adapters in beyond its pool, "
+                                    "least recently used first out (read again from their folder when needed)",
+                                    lo=0)
     allow_runtime_lora_updating: bool = _setting(
         bool, False, "serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, with which any client "
         "of the API may load adapters from this machine's paths (the admin API's key guards its own way)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -38,6 +39,42 @@ from neuron.worker.step_input import BlockTables
 log = logging.getLogger("neuron.worker")
 
 
+class HostAdapters:
+    """Adapters' shares of this rank in host memory, by the leader's id for each loading, within
+    `max_bytes`: the least recently used go first (one needed again is read again from its folder).
+    Without a bound every adapter a server ever swapped in stayed, whatever the number registered."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[int, tuple[list, int]] = OrderedDict()
+        self.nbytes = 0
+
+    def get(self, lora_id: int) -> list | None:
+        if lora_id not in self.entries:
+            return None
+        self.entries.move_to_end(lora_id)
+        return self.entries[lora_id][0]
+
+    def put(self, lora_id: int, share: list) -> None:
+        """Keep `share` if it fits at all, forgetting the least recently used until it does."""
+        size = sum(t.nbytes for entry in share for t in entry if isinstance(t, torch.Tensor))
+        self.pop(lora_id)
+        if size > self.max_bytes:
+            return
+        while self.entries and self.nbytes + size > self.max_bytes:
+            self.pop(next(iter(self.entries)))
+        self.entries[lora_id] = (share, size)
+        self.nbytes += size
+
+    def pop(self, lora_id: int) -> None:
+        entry = self.entries.pop(lora_id, None)
+        if entry is not None:
+            self.nbytes -= entry[1]
+
+    def __contains__(self, lora_id: int) -> bool:
+        return lora_id in self.entries
+
+
 class ModelRunner:
     def __init__(self, model, num_blocks: int, tables: BlockTables):
         self.model = model
@@ -49,7 +86,7 @@ class ModelRunner:
         self.verify_graphs: DecodeGraphs | None = None  # speculative decoding's verifying steps, captured apart
         # LoRA: each adapter's share of this rank kept in host memory by the leader's id for it (those
         # beyond the pool wait here to be swapped in), and which id each pool slot holds
-        self.lora_host: dict[int, list] = {}
+        self.lora_host = HostAdapters(settings().lora_host_bytes)
         self.lora_in_slot: dict[int, int] = {}
         self.lora_base: tuple[dict, int] = ({}, 0)  # what an adapter is checked against: the config, the pool's rank
 
@@ -153,12 +190,12 @@ class ModelRunner:
                     share = model.lora_share(adapter, reader)
             except (ConfigError, OSError) as exc:
                 raise WorkerFailure(p.ErrorKind.LOAD_FAILED, str(exc)) from exc
-            self.lora_host[lora_id] = share
+            self.lora_host.put(lora_id, share)
         model.put_lora(slot, share)
         self.lora_in_slot[slot] = lora_id
 
     def forget_lora(self, lora_id: int) -> None:
-        self.lora_host.pop(lora_id, None)
+        self.lora_host.pop(lora_id)
         for slot in [k for k, v in self.lora_in_slot.items() if v == lora_id]:
             self.model.put_lora(slot, None)
             del self.lora_in_slot[slot]
