@@ -558,3 +558,73 @@ def test_adapters_beyond_the_host_budget_are_read_again_when_needed(qwen3_lora):
             ref = reference_lora_greedy(base, adapters[request.lora_name], PROMPTS[0], NEW_TOKENS)
             assert_matches_reference(out.outputs[0], *ref, request.lora_name)
             assert runner.lora_host.nbytes <= max(sizes) and len(runner.lora_host.entries) == 1
+
+
+# ---- a mixture-of-experts base: adapters on the attention and the dense MLP layers ----
+
+
+@pytest.fixture(scope="module")
+def moe_lora(tmp_path_factory):
+    """test_moe.py's Qwen3-MoE (layers 0 and 2 of experts, layer 1 dense) with an adapter on the
+    attention, and one that also targets the MLPs: PEFT puts it on layer 1's dense MLP and on the
+    experts' fused weights."""
+    from test_moe import _build
+
+    folder = tmp_path_factory.mktemp("lora_moe")
+    base = _build(folder / "base", seed=3, norm_topk_prob=True)
+    return base, {
+        "attn": build_lora_adapter(base, folder / "attn", seed=31, r=4, targets=("q_proj", "k_proj", "v_proj", "o_proj")),
+        "everywhere": build_lora_adapter(base, folder / "everywhere", seed=32, r=4,
+                                         targets=("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    }
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_attention_adapters_on_a_moe_model_match_peft(moe_lora, tp, small_prefill_chunks):
+    base, adapters = moe_lora
+    requests = [LoRARequest("attn", 1, str(adapters["attn"])), None]
+    with LLM(str(base), tensor_parallel_size=tp, device="cpu", dtype="float32", enable_lora=True, max_loras=1,
+             max_lora_rank=8) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], GREEDY, lora_request=requests)
+        with pytest.raises(LoraError, match="target_parameters.*mixture-of-experts block's experts"):
+            llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY,
+                         lora_request=LoRARequest("everywhere", 2, str(adapters["everywhere"])))
+    for prompt, request, out in zip(PROMPTS, requests, outs):
+        ref = reference_lora_greedy(base, None if request is None else adapters["attn"], prompt, NEW_TOKENS)
+        assert_matches_reference(out.outputs[0], *ref, f"adapter {request and request.lora_name}")
+
+
+def test_the_memory_plan_counts_no_pool_beside_the_experts(moe_lora):
+    from test_moe import MOE
+
+    from neuron.models.memory_plan import lora_pool_bytes
+
+    dense = {**MOE, "num_experts": 0}
+    slots, rank, h, inter = 2, 8, MOE["hidden_size"], MOE["intermediate_size"]
+    mlp_pools = 4 * slots * rank * (2 * (h + 2 * inter) + (inter + h))  # gate/up's A and B^T, down's
+    # the two layers of experts hold no MLP pool; the dense layer and every attention do
+    assert lora_pool_bytes(dense, 1, slots, rank, 4) - lora_pool_bytes(MOE, 1, slots, rank, 4) == 2 * mlp_pools
+
+
+def test_an_adapter_of_one_expert_is_refused_by_name(moe_lora, tmp_path):
+    """An adapter naming one expert's projection (PEFT before fused experts wrote them so), or a
+    mixture-of-experts layer's MLP, is refused naming the tensor."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from neuron.models.lora import PeftAdapter
+
+    base, adapters = moe_lora
+    config = json.loads((base / "config.json").read_text())
+    for name, bad in {"expert": "base_model.model.model.layers.0.mlp.experts.3.gate_proj.lora_{}.weight",
+                      "moe layer": "base_model.model.model.layers.2.mlp.gate_proj.lora_{}.weight"}.items():
+        folder = shutil.copytree(adapters["attn"], tmp_path / name.replace(" ", "_"))
+        tensors = load_file(folder / "adapter_model.safetensors")
+        a = next(k for k in tensors if k.endswith("layers.0.self_attn.q_proj.lora_A.weight"))
+        tensors[bad.format("A")] = tensors.pop(a)
+        tensors[bad.format("B")] = tensors.pop(a.replace("lora_A", "lora_B"))
+        save_file(tensors, folder / "adapter_model.safetensors")
+        with pytest.raises(LoraError, match="mixture of experts|mixture-of-experts") as refused:
+            PeftAdapter.open(folder, config, 8)
+        assert bad.format("A") in str(refused.value) or bad.format("B") in str(refused.value), name

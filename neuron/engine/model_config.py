@@ -320,13 +320,17 @@ def _speculative(spec: EngineConfig, config: dict) -> SpeculativeConfig | None:
     return speculative
 
 
+_LORA_MODEL_TYPES = (*DENSE_MODEL_TYPES, "qwen3_moe")
+
+
 def _check_lora(spec: EngineConfig, config: dict) -> None:
-    """LoRA adapters run on the dense decoder's layers, without speculative decoding."""
+    """LoRA adapters run on the dense decoders' layers and on Qwen3-MoE's attention and dense MLPs,
+    without speculative decoding."""
     if not spec.enable_lora:
         return
-    if config.get("model_type") not in DENSE_MODEL_TYPES:
+    if config.get("model_type") not in _LORA_MODEL_TYPES:
         raise ConfigError(f"LoRA adapters are not supported for model_type {config.get('model_type')!r} (they run "
-                          f"on {', '.join(DENSE_MODEL_TYPES)})")
+                          f"on {', '.join(_LORA_MODEL_TYPES)})")
     if spec.speculative_config is not None:
         raise ConfigError("speculative decoding with LoRA adapters is not supported: drop --speculative-config or "
                           "--enable-lora")

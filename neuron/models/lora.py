@@ -43,19 +43,31 @@ class BaseShapes:
     q: int  # num_heads * head_dim
     kv: int  # num_kv_heads * head_dim
     intermediate: int
+    sparse: frozenset[int] = frozenset()  # layers whose MLP is a mixture of experts: no adapter there
 
     @classmethod
     def of(cls, config: dict) -> BaseShapes:
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         head_dim = int(config.get("head_dim") or hidden // heads)
         kv_heads = int(config.get("num_key_value_heads") or heads)
-        return cls(int(config["num_hidden_layers"]), hidden, heads * head_dim, kv_heads * head_dim,
-                   int(config["intermediate_size"]))
+        layers = int(config["num_hidden_layers"])
+        return cls(layers, hidden, heads * head_dim, kv_heads * head_dim, int(config.get("intermediate_size") or 0),
+                   sparse_layers(config, layers))
 
     def in_out(self, proj: str) -> tuple[int, int]:
         return {"q_proj": (self.hidden, self.q), "k_proj": (self.hidden, self.kv), "v_proj": (self.hidden, self.kv),
                 "o_proj": (self.q, self.hidden), "gate_proj": (self.hidden, self.intermediate),
                 "up_proj": (self.hidden, self.intermediate), "down_proj": (self.intermediate, self.hidden)}[proj]
+
+
+def sparse_layers(config: dict, layers: int) -> frozenset[int]:
+    """The layers of a Qwen3-MoE model whose MLP is a mixture of experts (none for a dense model)."""
+    if not (config.get("num_experts") or config.get("num_local_experts")):
+        return frozenset()
+    from neuron.models.qwen3_moe import Qwen3MoeConfig
+
+    moe = Qwen3MoeConfig.from_dict(config)
+    return frozenset(i for i in range(layers) if moe.is_sparse(i))
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +123,10 @@ def _rank_and_scaling(config: dict, folder: Path, max_rank: int) -> tuple[int, f
     if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
         raise LoraError(f"LoRA adapter {folder}: adapter_config.json is not a LoRA adapter's "
                         f"(peft_type {config.get('peft_type') if isinstance(config, dict) else None!r})")
+    if config.get("target_parameters"):  # what PEFT writes for the fused experts of a MoE block
+        raise LoraError(f"LoRA adapter {folder}: it adapts parameters {config['target_parameters']!r:.80} "
+                        "(target_parameters), such as a mixture-of-experts block's experts; neuron applies "
+                        "adapters to the attention and dense MLP projections only")
     for key, what in _REFUSED.items():
         if config.get(key):
             raise LoraError(f"LoRA adapter {folder}: {what} is not supported")
@@ -136,6 +152,9 @@ def _targets(reader: CheckpointReader, folder: Path, shapes: BaseShapes, rank: i
     found: dict[tuple[int, str], dict[str, str]] = {}
     for name in reader.names():
         m = _TENSOR.fullmatch(name)
+        if m is None and ".mlp.experts." in name:
+            raise LoraError(f"LoRA adapter {folder}: tensor {name!r} adapts an expert of a mixture-of-experts block; "
+                            "neuron applies adapters to the attention of such layers and to dense MLPs only")
         if m is None or m.group(3) not in TARGETS:
             raise LoraError(f"LoRA adapter {folder}: tensor {name!r} adapts a module neuron does not (it applies "
                             f"adapters to {', '.join(TARGETS)} of the decoder layers)")
@@ -143,6 +162,9 @@ def _targets(reader: CheckpointReader, folder: Path, shapes: BaseShapes, rank: i
         if layer >= shapes.num_layers:
             raise LoraError(f"LoRA adapter {folder}: tensor {name!r} is for layer {layer}, but the base model has "
                             f"{shapes.num_layers} layers: the adapter was trained on another base model")
+        if proj in MLP and layer in shapes.sparse:
+            raise LoraError(f"LoRA adapter {folder}: tensor {name!r} adapts the MLP of layer {layer}, which is a "
+                            "mixture of experts; neuron applies adapters to the attention of such layers only")
         inputs, outputs = shapes.in_out(proj)
         want = [rank, inputs] if which == "A" else [outputs, rank]
         if reader.shape(name) != want:

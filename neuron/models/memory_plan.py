@@ -104,10 +104,17 @@ def lora_pool_bytes(t: dict, tp: int, slots: int, rank: int, dtype_bytes: int) -
     hidden, heads = t["hidden_size"], t["num_attention_heads"]
     head_dim = t.get("head_dim") or hidden // heads
     q, kv = heads * head_dim // tp, max(1, (t.get("num_key_value_heads") or heads) // tp) * head_dim
+    from neuron.models.lora import sparse_layers
+
     inter = (t.get("intermediate_size") or 0) // tp
-    groups = [(3, hidden, q + 2 * kv), (1, q, hidden), (2, hidden, 2 * inter), (1, inter, hidden)]
-    per_layer = sum(parts * rank * slots * (inputs + outputs) for parts, inputs, outputs in groups)
-    return per_layer * t["num_hidden_layers"] * dtype_bytes
+    layers = t["num_hidden_layers"]
+    dense = layers - len(sparse_layers(t, layers))  # a mixture-of-experts block holds no adapter
+
+    def pools(groups) -> int:
+        return sum(parts * rank * slots * (inputs + outputs) for parts, inputs, outputs in groups)
+    attention = pools([(3, hidden, q + 2 * kv), (1, q, hidden)])
+    mlp = pools([(2, hidden, 2 * inter), (1, inter, hidden)])
+    return (attention * layers + mlp * dense) * dtype_bytes
 
 
 def available_bytes() -> int | None:

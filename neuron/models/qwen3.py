@@ -137,7 +137,8 @@ class DecoderLayer:
     def __call__(self, x, batch: StepBatch, rope: tuple, cache: PagedKVCache) -> torch.Tensor:
         post = self.post_norm
         x, h = add_rms_norm(post.kernels, x, self.attn(self.input_norm(x), batch, rope, cache), post.weight, post.eps)
-        return x + (self.mlp(h) if batch.lora is None else self.mlp(h, batch.lora))
+        # a mixture-of-experts block takes no adapter (models/lora.py refuses one that targets it)
+        return x + (self.mlp(h) if batch.lora is None or type(self.mlp) is not MLP else self.mlp(h, batch.lora))
 
 
 class Qwen3ForCausalLM(CausalLM):
@@ -276,20 +277,18 @@ class Qwen3ForCausalLM(CausalLM):
     # ---- LoRA adapters (layers/lora.py, models/lora.py) ----
 
     def enable_lora(self, slots: int, rank: int) -> None:
-        """A pool of `slots` adapters of rank up to `rank` beside every attention and MLP projection,
-        sharded like the projection."""
-        if any(type(layer.mlp) is not MLP for layer in self.layers):
-            raise ConfigError("LoRA adapters apply to the dense decoder layers (qwen3, llama, mistral, qwen2); "
-                              "this model's layers have mixture-of-experts blocks")
+        """A pool of `slots` adapters of rank up to `rank` beside every attention projection and every
+        dense MLP's, sharded like the projection (a mixture-of-experts block has none)."""
         lay, c, dt, dev, k = self.layout, self.config, self.dtype, self.device, self.kernels
         q, kv, hidden = lay.local_heads * c.head_dim, lay.local_kv_heads * c.head_dim, c.hidden_size
         for layer in self.layers:
             a, m = layer.attn, layer.mlp
-            inter = m.gate_up.sizes[0]
             a.qkv.lora = LoraPool(slots, rank, hidden, [(0, q), (q, kv), (q + kv, kv)], dt, dev, k)
             a.o_proj.lora = LoraPool(slots, rank, q, [(0, hidden)], dt, dev, k)
-            m.gate_up.lora = LoraPool(slots, rank, hidden, [(0, inter), (inter, inter)], dt, dev, k)
-            m.down.lora = LoraPool(slots, rank, inter, [(0, hidden)], dt, dev, k)
+            if type(m) is MLP:
+                inter = m.gate_up.sizes[0]
+                m.gate_up.lora = LoraPool(slots, rank, hidden, [(0, inter), (inter, inter)], dt, dev, k)
+                m.down.lora = LoraPool(slots, rank, inter, [(0, hidden)], dt, dev, k)
         self.lora_slots = slots
         self._stack_for = (None, None)  # the C loop's plan is built anew, with the pools
 
@@ -303,11 +302,12 @@ class Qwen3ForCausalLM(CausalLM):
         mlp_rows = s.even(c.intermediate_size, "intermediate_size")
         share = []
         for i, layer in enumerate(self.layers):
-            a, m = layer.attn, layer.mlp
+            a = layer.attn
             parts = [(a.qkv.lora, 0, "q_proj", None, q_rows), (a.qkv.lora, 1, "k_proj", None, kv_rows),
-                     (a.qkv.lora, 2, "v_proj", None, kv_rows), (a.o_proj.lora, 0, "o_proj", q_rows, None),
-                     (m.gate_up.lora, 0, "gate_proj", None, mlp_rows), (m.gate_up.lora, 1, "up_proj", None, mlp_rows),
-                     (m.down.lora, 0, "down_proj", mlp_rows, None)]
+                     (a.qkv.lora, 2, "v_proj", None, kv_rows), (a.o_proj.lora, 0, "o_proj", q_rows, None)]
+            if type(m := layer.mlp) is MLP:
+                parts += [(m.gate_up.lora, 0, "gate_proj", None, mlp_rows),
+                          (m.gate_up.lora, 1, "up_proj", None, mlp_rows), (m.down.lora, 0, "down_proj", mlp_rows, None)]
             for pool, part, proj, a_cols, b_rows in parts:
                 ab = adapter.read(reader, i, proj, a_cols, b_rows)
                 if ab is not None:
@@ -317,7 +317,8 @@ class Qwen3ForCausalLM(CausalLM):
     def put_lora(self, slot: int, share: list | None) -> None:
         """Fill pool slot `slot` with an adapter's share (lora_share), or empty it (None)."""
         for layer in self.layers:
-            for pool in (layer.attn.qkv.lora, layer.attn.o_proj.lora, layer.mlp.gate_up.lora, layer.mlp.down.lora):
+            mlp = (layer.mlp.gate_up.lora, layer.mlp.down.lora) if type(layer.mlp) is MLP else ()
+            for pool in (layer.attn.qkv.lora, layer.attn.o_proj.lora, *mlp):
                 pool.clear(slot)
         for pool, part, a, b in share or []:
             pool.set(slot, part, a, b)
