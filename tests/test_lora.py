@@ -628,3 +628,84 @@ def test_an_adapter_of_one_expert_is_refused_by_name(moe_lora, tmp_path):
         with pytest.raises(LoraError, match="mixture of experts|mixture-of-experts") as refused:
             PeftAdapter.open(folder, config, 8)
         assert bad.format("A") in str(refused.value) or bad.format("B") in str(refused.value), name
+
+
+# ---- hostile adapter files: each refused with a clear error, the server unharmed ----
+
+
+def _hostile_adapters(good, root) -> dict:
+    """Variants of a good adapter folder, each broken one way, and what its refusal must say."""
+    import shutil
+    import struct
+
+    from safetensors.torch import load_file, save_file
+
+    cases = {}
+
+    def variant(name: str, message: str, change) -> None:
+        folder = shutil.copytree(good, root / name)
+        change(folder)
+        cases[name] = (folder, message)
+
+    def config(edit):
+        def change(folder):
+            path = folder / "adapter_config.json"
+            path.write_text(edit(json.loads(path.read_text())) if callable(edit) else edit)
+        return change
+
+    def tensors(edit):
+        def change(folder):
+            t = load_file(folder / "adapter_model.safetensors")
+            edit(t)
+            save_file(t, folder / "adapter_model.safetensors")
+        return change
+
+    def raw(data: bytes):
+        return lambda folder: (folder / "adapter_model.safetensors").write_bytes(data)
+
+    def first(t, which="A"):
+        return next(k for k in sorted(t) if k.endswith(f"lora_{which}.weight"))
+
+    def nan(t):
+        t[first(t)][0, 0] = float("nan")
+
+    def wrong_dtype(t):
+        t[first(t)] = t[first(t)].to(torch.int32)
+
+    def far_layer(t):
+        a = first(t)
+        t[a.replace("layers.0.", "layers.99999999999999999999.")] = t.pop(a)
+        t[a.replace("layers.0.", "layers.99999999999999999999.").replace("lora_A", "lora_B")] = t.pop(
+            a.replace("lora_A", "lora_B"))
+
+    variant("config-not-json", "adapter_config.json", config("{not json"))
+    variant("config-a-list", "not a LoRA adapter", config(lambda c: "[1, 2]"))
+    variant("rank-a-string", "r must be a positive integer", config(lambda c: json.dumps({**c, "r": "4"})))
+    variant("rank-huge", "exceeds --max-lora-rank", config(lambda c: json.dumps({**c, "r": 10**12})))
+    variant("alpha-nan", "lora_alpha must be a number", config(lambda c: json.dumps({**c, "lora_alpha": "NaN"})))
+    variant("rank-disagrees", "has shape", config(lambda c: json.dumps({**c, "r": 2})))
+    variant("header-huge", "adapter_model.safetensors", raw(struct.pack("<Q", 1 << 60) + b"{}"))
+    variant("header-not-json", "adapter_model.safetensors", raw(struct.pack("<Q", 8) + b"not json" + b"\0" * 64))
+    variant("empty-file", "adapter_model.safetensors", raw(b""))
+    variant("far-layer", "but the base model has 2 layers", tensors(far_layer))
+    variant("integer-tensor", "lora_A", tensors(wrong_dtype))
+    variant("nan-value", "not finite", tensors(nan))
+    return cases
+
+
+def test_hostile_adapter_files_are_refused_by_name(qwen3_lora, tmp_path):
+    base, adapters = qwen3_lora
+    good = LoRARequest("all", 1, str(adapters["all"]))
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    with LLM(str(base), device="cpu", dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8) as llm:
+        before = llm.generate(prompt, GREEDY, lora_request=good)[0].outputs[0].token_ids
+        wrong = []
+        for i, (name, (folder, message)) in enumerate(_hostile_adapters(adapters["all"], tmp_path).items()):
+            try:
+                llm.generate(prompt, GREEDY, lora_request=LoRARequest(name, 10 + i, str(folder)))
+                wrong.append(f"{name}: served")
+            except NeuronError as exc:
+                if message not in str(exc):
+                    wrong.append(f"{name}: {type(exc).__name__}: {exc}")
+            assert llm.generate(prompt, GREEDY, lora_request=good)[0].outputs[0].token_ids == before, name
+        assert not wrong, "\n".join(wrong)

@@ -170,6 +170,11 @@ class CheckpointReader(Reader):
         f, stored = self._file(name), self._where[name][2]
         return _safetensors(self.source(name), lambda _: list(f.get_slice(stored).get_shape()), name)
 
+    def dtype(self, name: str) -> str:
+        """The tensor's dtype as the file names it ("F32", "BF16", "I32", ...)."""
+        f, stored = self._file(name), self._where[name][2]
+        return _safetensors(self.source(name), lambda _: str(f.get_slice(stored).get_dtype()), name)
+
     def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         """The tensor `name`, or its [start, end) along `dim`, in memory of its own: safetensors hands
         whole tensors out as views of its mapping of the file, and one such view kept (a norm's

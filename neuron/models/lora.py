@@ -110,9 +110,14 @@ class PeftAdapter:
             return None
         a = reader.read(names[0], None if a_cols is None else 1, *(a_cols or (0, None)))
         b = reader.read(names[1], None if b_rows is None else 0, *(b_rows or (0, None)))
+        for name, t in zip(names, (a, b)):  # one NaN would turn every output of its requests to NaN
+            if not bool(torch.isfinite(t).all()):
+                raise LoraError(f"LoRA adapter {self.path}: tensor {name!r} holds values that are not finite "
+                                "(NaN or infinity)")
         return a.float(), b.float() * self.scaling
 
 
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 _REFUSED = {"modules_to_save": "modules_to_save (layers trained in full beside the adapter)",
             "use_dora": "DoRA (use_dora)", "rank_pattern": "a per-module rank (rank_pattern)",
             "alpha_pattern": "a per-module alpha (alpha_pattern)", "lora_bias": "LoRA biases (lora_bias)",
@@ -165,6 +170,9 @@ def _targets(reader: CheckpointReader, folder: Path, shapes: BaseShapes, rank: i
         if proj in MLP and layer in shapes.sparse:
             raise LoraError(f"LoRA adapter {folder}: tensor {name!r} adapts the MLP of layer {layer}, which is a "
                             "mixture of experts; neuron applies adapters to the attention of such layers only")
+        if reader.dtype(name) not in _FLOAT_DTYPES:
+            raise LoraError(f"LoRA adapter {folder}: tensor {name!r} is {reader.dtype(name)}; an adapter's "
+                            f"tensors are floating point ({', '.join(_FLOAT_DTYPES)})")
         inputs, outputs = shapes.in_out(proj)
         want = [rank, inputs] if which == "A" else [outputs, rank]
         if reader.shape(name) != want:
