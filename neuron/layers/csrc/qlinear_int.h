@@ -25,6 +25,7 @@
 // 2e-5 to 4e-5 in the mean square, tests/test_quant_int.py), as llama.cpp's products do.
 #pragma once
 
+#include <deque>
 #include <type_traits>
 
 namespace {
@@ -110,6 +111,22 @@ inline LaneFloats fmul(LaneFloats a, LaneFloats b) { return _mm512_mul_ps(a, b);
 inline float lane_sum(LaneFloats v) { return _mm512_reduce_add_ps(v); }
 // p[idx[l]] for each lane (idx < LANES).
 inline LaneFloats spread(LaneInts idx, const float* p) { return _mm512_permutexvar_ps(idx, _mm512_loadu_ps(p)); }
+// One block of XBLOCK activations rounded to int8 into q (to nearest, ties to even: |x| / d is at
+// most 127 plus a rounding error, so never 128), the sums of its two halves of 16 into `halves`;
+// returns the block's scale d.
+inline float round_block(const float* xb, int8_t* q, int32_t halves[2]) {
+    const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    constexpr int NEAREST = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512i qa = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, inv), NEAREST);
+    const __m512i qb = _mm512_cvt_roundps_epi32(_mm512_mul_ps(b, inv), NEAREST);
+    _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtsepi32_epi8(qb));
+    halves[0] = _mm512_reduce_add_epi32(qa);
+    halves[1] = _mm512_reduce_add_epi32(qb);
+    return amax / 127.0f;
+}
 #elif defined(NEURON_INT_AVX2)
 inline ChunkBytes load_x(const int8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
 inline LaneInts load_ints(const int32_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
@@ -140,6 +157,31 @@ inline float lane_sum(LaneFloats v) {
     return _mm_cvtss_f32(s);
 }
 inline LaneFloats spread(LaneInts idx, const float* p) { return _mm256_permutevar8x32_ps(_mm256_loadu_ps(p), idx); }
+inline int32_t int_sum(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+inline float round_block(const float* xb, int8_t* q, int32_t halves[2]) {
+    __m256 v[4];
+    __m256 m = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < 4; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i] = _mm256_loadu_ps(xb + 8 * i)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m256i n[4];
+    for (int i = 0; i < 4; ++i)
+        n[i] = _mm256_cvtps_epi32(
+            _mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    // packs interleave the 128-bit halves: the last permute puts the four eights back in order
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+    _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    halves[0] = int_sum(_mm256_add_epi32(n[0], n[1]));
+    halves[1] = int_sum(_mm256_add_epi32(n[2], n[3]));
+    return amax / 127.0f;
+}
 #else
 inline ChunkBytes load_x(const int8_t* p) {
     ChunkBytes b;
@@ -183,55 +225,52 @@ inline LaneFloats spread(LaneInts idx, const float* p) {
     for (int l = 0; l < LANES; ++l) v[l] = p[idx[l]];
     return v;
 }
+inline float round_block(const float* xb, int8_t* q, int32_t halves[2]) {
+    float amax = 0.0f;
+    for (int t = 0; t < XBLOCK; ++t) amax = std::max(amax, std::fabs(xb[t]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    halves[0] = halves[1] = 0;
+    for (int t = 0; t < XBLOCK; ++t) {
+        // the default rounding: to nearest, ties to even (NaN clamped, not converted)
+        q[t] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(xb[t] * inv))));
+        halves[t / 16] += q[t];
+    }
+    return amax / 127.0f;
+}
 #endif
 
 // x's rows rounded for one call, in the kernel's chunk order, and what the weights' groups need.
 struct RoundedRows {
     int64_t chunks, groups;
+    int64_t sum_stride;  // groups rounded up to whole LANES, the rest zeros (whole vectors in dot_lanes)
     const int8_t* q;      // [m][chunks * CHUNK], zero past k
     const float* d;       // [m][chunks * LANES]: each lane's block scale
     const int32_t* corr;  // [m][chunks * LANES]: -128 * the sum of each lane's four q (VNNI, int8 codes)
-    const float* sum;     // [m][groups]: the rounded x summed over each weight group (offsets), or null
+    const float* sum;     // [m][sum_stride]: the rounded x summed over each weight group (offsets), or null
     const int32_t* lane_group;  // [chunks * LANES]: each lane's group, less the chunk's first
     const int64_t* first_group;  // [chunks]
 };
 
 // Row r of x into `rows`' buffers (the caller sized them).
 inline void round_row(const float* x, int64_t k, int bits, int64_t group, int8_t* q, float* d, int32_t* corr,
-                      float* sum, int64_t chunks) {
-    constexpr float ROUND = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to nearest even
-    if (sum) std::fill(sum, sum + k / group, 0.0f);
+                      float* sum, int64_t sum_stride, int64_t chunks) {
+    if (sum) std::fill(sum, sum + sum_stride, 0.0f);
+    int64_t g = 0, left = group;  // the group of the half-block at hand, and its inputs from there on
     for (int64_t c = 0; c < chunks; ++c) {
         float block_d[CHUNK / XBLOCK];
         int8_t* qc = q + c * CHUNK;
         for (int b = 0; b < CHUNK / XBLOCK; ++b) {
             const int64_t at = c * CHUNK + b * XBLOCK;
-            if (at >= k) {  // the tail chunk's missing block
-                block_d[b] = 0.0f;
-                for (int t = 0; t < XBLOCK; t += 16) std::memset(qc + chunk_pos(b * XBLOCK + t, bits), 0, 16);
-                continue;
-            }
-            const float* xb = x + at;
-            float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-            for (int t = 0; t < XBLOCK; ++t) amax = std::max(amax, std::fabs(xb[t]));
-            block_d[b] = amax / 127.0f;
-            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int8_t rounded[XBLOCK];
-#pragma omp simd
-            for (int t = 0; t < XBLOCK; ++t) {
-                const float v = std::min(127.0f, std::max(-127.0f, (xb[t] * inv + ROUND) - ROUND));
-                rounded[t] = int8_t(v);
-            }
+            int8_t rounded[XBLOCK] = {};  // the tail chunk's missing block: zeros under a scale of 0
+            int32_t halves[2];
+            block_d[b] = at < k ? round_block(x + at, rounded, halves) : 0.0f;
             // a block's two halves of 16 sit apart only in the 4-bit AVX-512 order (chunk_pos)
             std::memcpy(qc + chunk_pos(b * XBLOCK, bits), rounded, 16);
             std::memcpy(qc + chunk_pos(b * XBLOCK + 16, bits), rounded + 16, 16);
-            if (sum)
-                for (int h = 0; h < XBLOCK; h += 16) {  // groups are multiples of 16 inputs
-                    int32_t t = 0;
-                    for (int i = h; i < h + 16; ++i) t += rounded[i];
-                    sum[(at + h) / group] += block_d[b] * float(t);
-                }
+            for (int h = 0; sum && at < k && h < 2; ++h) {  // groups are multiples of 16 inputs
+                sum[g] += block_d[b] * float(halves[h]);
+                if ((left -= 16) == 0) ++g, left = group;
+            }
         }
         for (int l = 0; l < LANES; ++l) {
             d[c * LANES + l] = block_d[pos_input(4 * l, bits) / XBLOCK];
@@ -241,11 +280,10 @@ inline void round_row(const float* x, int64_t k, int bits, int64_t group, int8_t
 }
 
 // y[r][o + j] for RB rows of x from r0 and NBT weight rows from o, before scales per row, offsets
-// and bias: the lanes' sums. `gs` holds each weight row's group scales (PLAIN: unused).
+// and bias, in lanes still to be summed. `gs` holds each weight row's group scales (PLAIN: unused).
 template <int NBT, int RB, int BITS, bool PLAIN>
 inline void itile(const RoundedRows& a, int64_t r0, const QuantizedWeight& w, int64_t o, const float* gs,
-                  int64_t gstride, float out[RB][NBT]) {
-    LaneFloats acc[RB][NBT];
+                  int64_t gstride, LaneFloats acc[RB][NBT]) {
     for (int r = 0; r < RB; ++r)
         for (int j = 0; j < NBT; ++j) acc[r][j] = LaneFloats{};
     const uint8_t* rows[NBT];
@@ -285,8 +323,13 @@ inline void itile(const RoundedRows& a, int64_t r0, const QuantizedWeight& w, in
     const int64_t full = w.k / CHUNK;
     for (int64_t c = 0; c < full; ++c) step(c, std::false_type{});
     if (full < a.chunks) step(full, std::true_type{});
-    for (int r = 0; r < RB; ++r)
-        for (int j = 0; j < NBT; ++j) out[r][j] = lane_sum(acc[r][j]);
+}
+
+// sum(z[i] s[i]) over n (whole LANES) in lanes still to be summed.
+inline LaneFloats dot_lanes(const float* z, const float* s, int64_t n) {
+    LaneFloats t{};
+    for (int64_t i = 0; i < n; i += LANES) t = fmadd(load_floats(z + i), load_floats(s + i), t);
+    return t;
 }
 
 inline void prefetch_row(const void* p, int64_t bytes) {
@@ -310,8 +353,9 @@ inline void two_level(const float* top, const int8_t* sub, int64_t groups, float
 
 // One row's factor per group: the top-level float per `per_super` groups, times the int8 sub-factor.
 inline void group_factors(const float* top, const int8_t* sub, int64_t groups, int per_super, float* out) {
-    if (!sub && per_super == 1) {
-        std::memcpy(out, top, groups * sizeof(float));
+    if (!sub && per_super == 1) {  // a loop, not memcpy: a call costs as much as a short row's copy
+#pragma omp simd
+        for (int64_t i = 0; i < groups; ++i) out[i] = top[i];
         return;
     }
     if (sub && per_super == 8) return two_level<8>(top, sub, groups, out);  // Q4_K, Q5_K
@@ -349,20 +393,15 @@ inline void irows(const RoundedRows& a, int64_t m, const QuantizedWeight& w, int
     }
     auto finish = [&](auto rb, int64_t r0) {
         constexpr int RB = decltype(rb)::value;
-        float out[RB][NBT];
-        itile<NBT, RB, BITS, PLAIN>(a, r0, w, o, gs, gstride, out);
+        LaneFloats acc[RB][NBT];
+        itile<NBT, RB, BITS, PLAIN>(a, r0, w, o, gs, gstride, acc);
         for (int r = 0; r < RB; ++r)
             for (int j = 0; j < NBT; ++j) {
-                float v = out[r][j];
+                LaneFloats lanes = acc[r][j];
+                if (!PLAIN && w.offset)  // one horizontal sum for both
+                    lanes -= dot_lanes(zs + j * gstride, a.sum + (r0 + r) * a.sum_stride, a.sum_stride);
+                float v = lane_sum(lanes);
                 if constexpr (PLAIN) v *= w.scale[(o + j) * w.scale_stride];
-                if (!PLAIN && w.offset) {
-                    const float* z = zs + j * gstride;
-                    const float* s = a.sum + (r0 + r) * groups;
-                    float t = 0.0f;
-#pragma omp simd reduction(+ : t)
-                    for (int64_t i = 0; i < groups; ++i) t += z[i] * s[i];
-                    v -= t;
-                }
                 y[(r0 + r) * ys + o + j] = bias ? v + bias[o + j] : v;
             }
     };
@@ -376,51 +415,73 @@ inline void irows(const RoundedRows& a, int64_t m, const QuantizedWeight& w, int
 struct RoundingBuffers {
     std::vector<int8_t> q;
     std::vector<float> d, sum;
-    std::vector<int32_t> corr, lane_group;
-    std::vector<int64_t> first_group;
+    std::vector<int32_t> corr;
 };
+
+// Each chunk's first group and each lane's group less that one: the same for every call on rows of
+// k inputs in groups of `group`, so made once per shape by each calling thread (the divisions cost
+// as much as rounding the activations when made per call).
+struct LaneGroups {
+    int64_t k, group;
+    std::vector<int32_t> lane;
+    std::vector<int64_t> first;
+};
+
+template <int BITS>
+const LaneGroups& lane_groups(int64_t k, int64_t group) {
+    constexpr size_t SHAPES = 64;  // more than a model has; past it the tables start again
+    static thread_local std::deque<LaneGroups> made;
+    for (const LaneGroups& t : made)
+        if (t.k == k && t.group == group) return t;
+    if (made.size() == SHAPES) made.clear();
+    const int64_t chunks = (k + CHUNK - 1) / CHUNK;
+    LaneGroups& t = made.emplace_back(LaneGroups{k, group, std::vector<int32_t>(chunks * LANES), {}});
+    for (int64_t c = 0; c < chunks; ++c) {
+        t.first.push_back(c * CHUNK / group);
+        for (int l = 0; l < LANES; ++l)
+            t.lane[c * LANES + l] = int32_t((c * CHUNK + pos_input(4 * l, BITS)) / group - t.first[c]);
+    }
+    return t;
+}
 
 template <int BITS, bool PLAIN>
 void qlinear_int(const float* x, int64_t m, int64_t xs, const QuantizedWeight& w, const float* bias, float* y,
                  int64_t ys, int threads) {
     static thread_local RoundingBuffers buf;
     const int64_t chunks = (w.k + CHUNK - 1) / CHUNK, groups = w.k / w.group;
+    const int64_t sum_stride = (groups + LANES - 1) / LANES * LANES;
     const bool corr = VNNI && BITS == 8, sums = w.offset && !PLAIN;
     buf.q.resize(m * chunks * CHUNK);
     buf.d.resize(m * chunks * LANES);
     buf.corr.resize(corr ? m * chunks * LANES : 0);
-    buf.sum.resize(sums ? m * groups : 0);
-    buf.lane_group.resize(chunks * LANES);
-    buf.first_group.resize(chunks);
-    for (int64_t c = 0; c < chunks; ++c) {
-        buf.first_group[c] = c * CHUNK / w.group;
-        for (int l = 0; l < LANES; ++l)
-            buf.lane_group[c * LANES + l] =
-                int32_t((c * CHUNK + pos_input(4 * l, BITS)) / w.group - buf.first_group[c]);
-    }
-    const RoundedRows a{chunks, groups, buf.q.data(), buf.d.data(), corr ? buf.corr.data() : nullptr,
-                        sums ? buf.sum.data() : nullptr, buf.lane_group.data(), buf.first_group.data()};
+    buf.sum.resize(sums ? m * sum_stride : 0);
+    const LaneGroups& lanes = lane_groups<BITS>(w.k, w.group);
+    const RoundedRows a{chunks, groups, sum_stride, buf.q.data(), buf.d.data(), corr ? buf.corr.data() : nullptr,
+                        sums ? buf.sum.data() : nullptr, lanes.lane.data(), lanes.first.data()};
     const int64_t n = w.n, tiles = (n + INB - 1) / INB;
-    const int64_t gstride = groups + LANES;  // a chunk's spread reads up to LANES scales from its first group
+    // a chunk's spread reads up to LANES scales from its first group, dot_lanes sum_stride offsets
+    const int64_t gstride = sum_stride + LANES;
+    auto round = [&](int64_t r) {
+        round_row(x + r * xs, w.k, BITS, w.group, const_cast<int8_t*>(a.q) + r * chunks * CHUNK,
+                  const_cast<float*>(a.d) + r * chunks * LANES,
+                  corr ? const_cast<int32_t*>(a.corr) + r * chunks * LANES : nullptr,
+                  sums ? const_cast<float*>(a.sum) + r * sum_stride : nullptr, sum_stride, chunks);
+    };
     // (the team's threads see their own `buf`: they reach the caller's through `a` alone)
     // A few rows are rounded before the team starts: a barrier between rounding and multiplying
     // costs more than the rounding on cores shared with other work.
     const bool round_first = m * w.k <= MIN_PARALLEL_ROUNDING;
-    for (int64_t r = 0; r < (round_first ? m : 0); ++r)
-        round_row(x + r * xs, w.k, BITS, w.group, buf.q.data() + r * chunks * CHUNK, buf.d.data() + r * chunks * LANES,
-                  corr ? buf.corr.data() + r * chunks * LANES : nullptr, sums ? buf.sum.data() + r * groups : nullptr,
-                  chunks);
+    for (int64_t r = 0; r < (round_first ? m : 0); ++r) round(r);
 #pragma omp parallel num_threads(threads) if (m * n * w.k >= MIN_PARALLEL_LINEAR)
     {
         if (!round_first) {
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < m; ++r)
-                round_row(x + r * xs, w.k, BITS, w.group, const_cast<int8_t*>(a.q) + r * chunks * CHUNK,
-                          const_cast<float*>(a.d) + r * chunks * LANES,
-                          corr ? const_cast<int32_t*>(a.corr) + r * chunks * LANES : nullptr,
-                          sums ? const_cast<float*>(a.sum) + r * groups : nullptr, chunks);
+            for (int64_t r = 0; r < m; ++r) round(r);
         }
-        std::vector<float> gs(PLAIN ? 0 : INB * gstride, 0.0f), zs(w.offset && !PLAIN ? INB * gstride : 0, 0.0f);
+        // each thread's factors for its tile, kept from call to call; zeros past the groups
+        static thread_local std::vector<float> gs, zs;
+        gs.assign(PLAIN ? 0 : INB * gstride, 0.0f);
+        zs.assign(w.offset && !PLAIN ? INB * gstride : 0, 0.0f);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; ++t) {
             const int64_t o = t * INB;
