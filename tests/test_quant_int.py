@@ -6,6 +6,12 @@ kernel (NEURON_QUANT_EXACT=1)."""
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +22,8 @@ from neuron import LLM, SamplingParams
 from neuron.layers import cpu_ops, quantized
 from neuron.layers.kernels import Kernels
 from neuron.layers.quantized import QuantizedWeight, quantize_int8
+from neuron.models import quant_formats
+from neuron.utils import native
 
 pytestmark = pytest.mark.skipif(cpu_ops.library() is None, reason="the CPU kernels could not be built here")
 gguf = pytest.importorskip("gguf", reason="the gguf package is a dependency of neuron; this install lacks it")
@@ -30,38 +38,103 @@ NMSE_BOUND = 1e-4
 
 
 def _weight(kind: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
-    """Gaussian weights quantized as `kind`: int8 at load, or a GGUF type read back as neuron reads files."""
+    """Gaussian weights quantized as `kind`: int8 at load, AWQ's layout ("g128": 4-bit codes, a scale
+    and a zero per 128 inputs; "g96": per 96, as GPTQ's act-order runs may be padded to), or a GGUF
+    type read back as neuron reads files."""
     x = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
     if kind == "int8":
         return quantize_int8(torch.from_numpy(x))
+    if kind in ("g128", "g96"):
+        return _asymmetric_4bit(torch.from_numpy(x), int(kind[1:]))
     from neuron.models import gguf as neuron_gguf
 
     data, qtype = quantize(x, kind)
     return neuron_gguf._DECODERS[kind](data.reshape(n, -1, gguf.GGML_QUANT_SIZES[qtype][1]), k)
 
 
+def _asymmetric_4bit(x: torch.Tensor, group: int) -> QuantizedWeight:
+    """x rounded to 4-bit codes with a scale and a zero per `group` inputs, as AWQ and GPTQ store it."""
+    n, k = x.shape
+    g = x.reshape(n, k // group, group)
+    low, high = g.amin(-1), g.amax(-1)
+    scales = (high - low) / 15
+    zeros = torch.round(-low / scales)
+    q = torch.clamp(torch.round(g / scales[..., None]) + zeros[..., None], 0, 15).reshape(n, k).int()
+    return quant_formats._grouped(q, 4, torch.arange(k) // group, scales, zeros, f"g{group}", "test")
+
+
 def _nmse(y: torch.Tensor, ref: torch.Tensor) -> float:
     return (((y.double() - ref) ** 2).sum() / (ref ** 2).sum()).item()
 
 
-# widths: int8 and the 32-blocks one and a half 64-input chunks past a multiple of 64 (the AVX-512 loop's tail)
-WIDTHS = {"int8": 288, "Q8_0": 288, "Q4_0": 288, "Q4_K": 512, "Q5_K": 512, "Q6_K": 512}
+# (kind, k): the kernel steps through 64 inputs of int8 codes, or 128 of 4-bit codes, at a time with
+# AVX-512 (32 and 64 with AVX2), so the widths leave every tail: 288 = 4 x 64 + 32 = 2 x 128 + 32,
+# 352 = 2 x 128 + 96, 576 = 4 x 128 + 64 (SmolLM2's hidden size), 1536 (its MLP's) none. The
+# K-quants take multiples of 256. g96's groups straddle the 128-input steps.
+CASES = [("int8", 288), ("Q8_0", 288), ("Q8_0", 576), ("Q4_0", 288), ("Q4_0", 352), ("Q4_0", 576),
+         ("Q4_0", 1536), ("Q4_1", 288), ("Q4_1", 576), ("Q4_1", 1536), ("Q4_K", 512), ("Q4_K", 1536),
+         ("Q5_K", 512), ("Q6_K", 512), ("g128", 384), ("g96", 576)]
+OUTPUTS = 67  # whole tiles of 4 and 8 weight rows, and a ragged end
 
 
-@pytest.mark.parametrize("kind", list(WIDTHS))
+@pytest.mark.parametrize(("kind", "k"), CASES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 32])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_integer_kernel_is_within_the_bound_of_dequantize_then_matmul(kind, rows, with_bias):
-    k = WIDTHS[kind]
-    w = _weight(kind, 67, k)  # 67 outputs: whole tiles of 4 and a ragged end
+def test_integer_kernel_is_within_the_bound_of_dequantize_then_matmul(kind, k, rows, with_bias):
+    w = _weight(kind, OUTPUTS, k)
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=g)
-    bias = torch.randn(67, generator=g) * 0.1 if with_bias else None
+    bias = torch.randn(OUTPUTS, generator=g) * 0.1 if with_bias else None
     ref = torch.nn.functional.linear(x.double(), w.dequantize().double(), None if bias is None else bias.double())
     got = quantized.linear(INTEGER, x, w, bias)
-    assert got.dtype == torch.float32 and got.shape == (rows, 67)
+    assert got.dtype == torch.float32 and got.shape == (rows, OUTPUTS)
     assert _nmse(got, ref) <= NMSE_BOUND
     assert _nmse(quantized.linear(EXACT, x, w, bias), ref) <= 1e-12  # the exact kernel, for contrast
+
+
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel rounds it, in fp64: per 32 inputs, d = max|x| / 127 and q = round(x 127 / max|x|)
+    (ties to even) in fp32, then q d."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv)
+    return (q.double() * (amax / 127.0).double()).reshape(x.shape)
+
+
+@pytest.mark.parametrize(("kind", "k"), CASES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_integer_kernel_multiplies_the_rounded_activations(kind, k, rows):
+    """Against dequantize-then-matmul on the activations rounded as the kernel rounds them, only fp32's
+    summation order differs (measured 1.2e-13 at most): one activation a step off, or one lane's
+    scale or offset taken from the wrong inputs, lands orders of magnitude above 1e-11 here and may
+    stay under the bound above."""
+    w = _weight(kind, OUTPUTS, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[0, :32] = 0.0  # a block of zeros: its scale is 0
+    ref = _rounded(x) @ w.dequantize().double().T
+    assert _nmse(quantized.linear(INTEGER, x, w), ref) <= 1e-11
+
+
+# The build picks its code by -march=native; each of these flags takes away part of what an AVX-512
+# VNNI machine has, so the other paths (maddubs, 256 bits, plain C++) are checked on it too: through
+# a compiler wrapper named by NEURON_CXX and a kernel cache of its own.
+NARROWER = {"avx512-without-vnni": "-mno-avx512vnni", "avx2": "-mno-avx512f", "scalar": "-mno-avx"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the flags are x86's")
+@pytest.mark.parametrize("flag", list(NARROWER.values()), ids=list(NARROWER))
+def test_narrower_builds_pass_the_same_checks(flag, tmp_path):
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text(f'#!/bin/sh\nexec {native.compiler()} "$@" {flag}\n')
+    wrapper.chmod(0o755)
+    env = {**os.environ, "NEURON_CXX": str(wrapper), "NEURON_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "bound_of or rounded_activations"], env=env, cwd=Path(__file__).parent, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0 and "skipped" not in done.stdout, done.stdout[-3000:]
+    assert list((tmp_path / "cache" / "kernels").glob("cpu_ops-*.so"))  # built here, with the flag
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K"])

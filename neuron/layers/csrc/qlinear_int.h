@@ -3,9 +3,9 @@
 // cache on this folder's headers too).
 //
 // Each row of x is rounded once per call to int8 in blocks of XBLOCK (32) inputs, symmetrically:
-// d = max|x| / 127, q = round(x / d). A step of the loop takes CHUNK inputs (64 with AVX-512, 32
-// otherwise) of one weight row: its codes times the rounded activations in integers, four products
-// summed into each 32-bit lane (VNNI's dpbusd, or maddubs + madd), the lanes turned into floats and
+// d = max|x| / 127, q = round(x / d). A step of the loop takes one register of a weight row's codes
+// (64 bytes with AVX-512, 32 otherwise): the codes times the rounded activations in integers,
+// summed into 32-bit lanes (VNNI's dpbusd, or maddubs + madd), the lanes turned into floats and
 // multiplied by their block's d and their weight group's scale. Lanes never straddle a group or a
 // block (groups are multiples of 16 inputs), so groups of 16 (Q6_K), 32 (Q8_0, the K-quants), more
 // (AWQ's 128) and one per row (int8 at load) all work the same way; each lane's group comes from a
@@ -14,95 +14,133 @@
 // times the rounding's, where the exact sum of x would leave s sum(q (x' - x)), whose codes are
 // all positive (0..15 against an offset of 8 in Q4_0) and so several times larger.
 //
-// The unsigned operand of the integer products is the weight: 4-bit codes (0..15) as they are;
-// int8 codes with 128 added (a xor) and 128 * sum(q) of each lane subtracted, precomputed with
-// the activations, under VNNI; without VNNI, |w| against x with w's sign (maddubs saturates at
-// 16 bits, and 255 * 127 * 2 would). With 4-bit codes and AVX-512 the activations are stored in
-// the order the nibbles unpack to (per two blocks: block 0's inputs 0..15, block 1's 0..15, block
-// 0's 16..31, block 1's 16..31), so the codes need no shuffle.
+// int8 codes, four inputs per lane: the unsigned operand is the code with 128 added (a xor), and
+// 128 * sum(q) of each lane, precomputed with the activations, is subtracted, under VNNI; without
+// VNNI, |w| against x with w's sign (maddubs saturates at 16 bits, and 255 * 127 * 2 would).
+//
+// 4-bit codes, eight inputs per lane (128 per AVX-512 step: four groups of 32). A group's byte i
+// holds input i in its low nibble and input i + 16 in its high one, so both nibbles of a byte
+// belong to one group and one block: the register masked to its low nibbles and to its high ones
+// gives two registers whose lane l covers the same group. The activations are stored once per call
+// in the matching order (per chunk, every group's inputs 0..15, then every group's 16..31:
+// chunk_pos), so the codes are never shuffled; both registers' products go into the same lanes,
+// and the float work (convert, scale, accumulate) is paid once per 128 inputs, not per 64.
+// Under VNNI neither nibble is shifted down: the high one stays in place (code x 16) and the low one
+// is shifted up to match, so every lane's sum is 16 times the true one, exactly (8 products of at
+// most 240 x 127 fit 32 bits, and their sum, under 2^24, converts to float exactly); the 1/16 is
+// folded into the lanes' activation scales (LANE_UNIT, a power of two: exact). maddubs adds pairs
+// into 16 bits with saturation, and 240 x 127 x 2 would overflow: without VNNI (and with AVX2,
+// 64 inputs a step) the high nibbles are shifted down instead, and the two registers' pairs (at
+// most 15 x 127 x 4 together) added in 16 bits before the one madd. A row's last chunk may hold
+// 32, 64 or 96 inputs (k is a multiple of 32): its codes are loaded masked, and its missing
+// activations are zeros under a scale of 0.
 //
 // The result differs from dequantize-then-matmul by the activations' rounding (a relative error of
 // 2e-5 to 4e-5 in the mean square, tests/test_quant_int.py), as llama.cpp's products do.
 #pragma once
 
+#include <deque>
 #include <type_traits>
 
 namespace {
 
 constexpr int XBLOCK = 32;  // activations under one int8 scale
-constexpr int INB = 4;      // weight rows per integer tile
+// Weight rows per integer tile: their factors are made once per tile, and a chunk of x meets them all
+// at once. Up to three rows of x, 4-bit products are bound by reading W from memory, and four rows'
+// streams were read faster than eight; from four rows of x on they are bound by their arithmetic
+// and did better with eight (x read from memory in the product) even where the accumulators spill.
+// int8 codes hold x in registers and stay at four. Either way the codes are fetched PREFETCH_ROWS
+// ahead: further was slower with the weights in memory.
+constexpr int INB = 4, WIDE_INB = 8;
+constexpr int PREFETCH_ROWS = PREFETCH_TILES * INB;
 constexpr int64_t MIN_PARALLEL_ROUNDING = 8192;  // activations rounded by the team rather than the caller
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 #define NEURON_INT_AVX512 1
-constexpr int CHUNK = 64, LANES = 16;
-typedef __m512i ChunkBytes;  // a chunk of codes or activations
-typedef __m512i LaneInts;    // LANES 32-bit sums
+constexpr int LANES = 16;
+typedef __m512i Bytes;    // a register of codes or activations, four bytes per lane
+typedef __m512i LaneInts;  // LANES 32-bit sums
 typedef __m512 LaneFloats;
 #elif defined(__AVX2__)
 #define NEURON_INT_AVX2 1
-constexpr int CHUNK = 32, LANES = 8;
-typedef __m256i ChunkBytes;
+constexpr int LANES = 8;
+typedef __m256i Bytes;
 typedef __m256i LaneInts;
 typedef __m256 LaneFloats;
 #else
-constexpr int CHUNK = 32, LANES = 8;
-struct ChunkBytes {
-    int32_t v[CHUNK];
+constexpr int LANES = 8;
+struct Bytes {
+    int32_t v[LANES * 4];
 };
 typedef int32_t LaneInts __attribute__((vector_size(LANES * 4)));
 typedef float LaneFloats __attribute__((vector_size(LANES * 4)));
 #endif
 #if defined(NEURON_INT_AVX512) && defined(__AVX512VNNI__)
+#define NEURON_INT_VNNI 1
 constexpr bool VNNI = true;
 #else
 constexpr bool VNNI = false;
 #endif
 
-// Where input i (0..CHUNK) of a chunk sits among the chunk's activation bytes, and back.
-inline int chunk_pos(int i, int bits) {
-#if defined(NEURON_INT_AVX512)
-    if (bits == 4) return (i % 32 / 16) * 32 + (i / 32) * 16 + i % 16;
-#endif
-    (void)bits;
+constexpr int REG_BYTES = LANES * 4;
+// Inputs per step: one register of codes.
+template <int BITS>
+constexpr int CHUNK = REG_BYTES * 8 / BITS;
+// What the integer lanes count in: 1/16 for 4-bit codes under VNNI (both nibbles times 16).
+template <int BITS>
+constexpr float LANE_UNIT = BITS == 4 && VNNI ? 1.0f / 16 : 1.0f;
+
+// Where input i of a chunk sits among the chunk's activation bytes, and back: 4-bit chunks hold
+// every group's first halves, then every group's second halves (one register each).
+template <int BITS>
+inline int chunk_pos(int i) {
+    if constexpr (BITS == 4) return (i % 32 / 16) * REG_BYTES + (i / 32) * 16 + i % 16;
     return i;
 }
-inline int pos_input(int pos, int bits) {
-#if defined(NEURON_INT_AVX512)
-    if (bits == 4) return (pos / 16 % 2) * 32 + (pos / 32) * 16 + pos % 16;
-#endif
-    (void)bits;
+template <int BITS>
+inline int pos_input(int pos) {
+    if constexpr (BITS == 4) return (pos % REG_BYTES / 16) * 32 + (pos / REG_BYTES) * 16 + pos % 16;
     return pos;
 }
 
 #if defined(NEURON_INT_AVX512)
-inline ChunkBytes load_x(const int8_t* p) { return _mm512_loadu_si512(p); }
+inline Bytes load_x(const int8_t* p) { return _mm512_loadu_si512(p); }
 inline LaneInts load_ints(const int32_t* p) { return _mm512_loadu_si512(p); }
 inline LaneFloats load_floats(const float* p) { return _mm512_loadu_ps(p); }
-// The chunk's codes as unsigned bytes (4-bit) or as int8 (8-bit); TAIL: only its first 32 inputs exist.
-template <int BITS, bool TAIL>
-inline ChunkBytes load_codes(const uint8_t* p) {
-    if constexpr (BITS == 4) {
-        const __m256i b = TAIL ? _mm256_maskz_loadu_epi8(0xFFFF, p) : _mm256_loadu_si256((const __m256i*)p);
-        const __m256i low = _mm256_set1_epi8(15);
-        return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, low)),
-                                  _mm256_and_si256(_mm256_srli_epi16(b, 4), low), 1);
-    } else {
-        return TAIL ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, p) : _mm512_loadu_si512(p);
-    }
+// A register of codes; TAIL: only the first `bytes` exist (a multiple of 16), the rest read as zeros.
+template <bool TAIL>
+inline Bytes load_codes(const uint8_t* p, int bytes) {
+    return TAIL ? _mm512_maskz_loadu_epi8(~0ull >> (64 - bytes), p) : _mm512_loadu_si512(p);
 }
-// Each lane's four code x activation products summed; `corr` is the lane's -128 * sum(q) (VNNI, 8-bit).
-template <int BITS>
-inline LaneInts idot(ChunkBytes w, ChunkBytes x, LaneInts corr) {
-    if constexpr (VNNI) {
-        if constexpr (BITS == 4) return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
-        return _mm512_dpbusd_epi32(corr, _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80))), x);
-    } else {
-        const __m512i ones = _mm512_set1_epi16(1);
-        if constexpr (BITS == 4) return _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), ones);
-        const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
-        return _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), signed_x), ones);
-    }
+// A register of 4-bit codes as its low nibbles and its high ones, in the lanes' unit (LANE_UNIT).
+inline void nibbles(Bytes b, Bytes& lo, Bytes& hi) {
+#if defined(NEURON_INT_VNNI)
+    const __m512i top = _mm512_set1_epi8(char(0xF0));
+    lo = _mm512_and_si512(_mm512_slli_epi16(b, 4), top);
+    hi = _mm512_and_si512(b, top);
+#else
+    const __m512i low = _mm512_set1_epi8(15);
+    lo = _mm512_and_si512(b, low);
+    hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+#endif
+}
+inline LaneInts idot4(Bytes lo, Bytes hi, Bytes xlo, Bytes xhi) {
+#if defined(NEURON_INT_VNNI)
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
+#else
+    const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(lo, xlo), _mm512_maddubs_epi16(hi, xhi));
+    return _mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
+#endif
+}
+// Each lane's four int8 code x activation products summed; `corr` is the lane's -128 * sum(q) (VNNI).
+inline LaneInts idot8(Bytes w, Bytes x, LaneInts corr) {
+#if defined(NEURON_INT_VNNI)
+    return _mm512_dpbusd_epi32(corr, _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80))), x);
+#else
+    (void)corr;
+    const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), signed_x), _mm512_set1_epi16(1));
+#endif
 }
 inline LaneFloats to_floats(LaneInts v) { return _mm512_cvtepi32_ps(v); }
 inline LaneFloats fmadd(LaneFloats a, LaneFloats b, LaneFloats c) { return _mm512_fmadd_ps(a, b, c); }
@@ -110,25 +148,44 @@ inline LaneFloats fmul(LaneFloats a, LaneFloats b) { return _mm512_mul_ps(a, b);
 inline float lane_sum(LaneFloats v) { return _mm512_reduce_add_ps(v); }
 // p[idx[l]] for each lane (idx < LANES).
 inline LaneFloats spread(LaneInts idx, const float* p) { return _mm512_permutexvar_ps(idx, _mm512_loadu_ps(p)); }
+// One block of XBLOCK activations rounded to int8 into q (to nearest, ties to even: |x| / d is at
+// most 127 plus a rounding error, so never 128), the sums of its two halves of 16 into `halves`;
+// returns the block's scale d.
+inline float round_block(const float* xb, int8_t* q, int32_t halves[2]) {
+    const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    constexpr int NEAREST = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512i qa = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, inv), NEAREST);
+    const __m512i qb = _mm512_cvt_roundps_epi32(_mm512_mul_ps(b, inv), NEAREST);
+    _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtsepi32_epi8(qb));
+    halves[0] = _mm512_reduce_add_epi32(qa);
+    halves[1] = _mm512_reduce_add_epi32(qb);
+    return amax / 127.0f;
+}
 #elif defined(NEURON_INT_AVX2)
-inline ChunkBytes load_x(const int8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline Bytes load_x(const int8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
 inline LaneInts load_ints(const int32_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
 inline LaneFloats load_floats(const float* p) { return _mm256_loadu_ps(p); }
-template <int BITS, bool TAIL>
-inline ChunkBytes load_codes(const uint8_t* p) {
-    if constexpr (BITS == 4) {
-        const __m128i b = _mm_loadu_si128((const __m128i*)p);
-        const __m128i low = _mm_set1_epi8(15);
-        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
-    } else {
-        return _mm256_loadu_si256((const __m256i*)p);
-    }
+template <bool TAIL>
+inline Bytes load_codes(const uint8_t* p, int bytes) {
+    if (!TAIL) return _mm256_loadu_si256((const __m256i*)p);
+    const __m256i words = _mm256_cmpgt_epi32(_mm256_set1_epi32(bytes / 4), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_maskload_epi32((const int*)p, words);
 }
-template <int BITS>
-inline LaneInts idot(ChunkBytes w, ChunkBytes x, LaneInts) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    if constexpr (BITS == 4) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
+inline void nibbles(Bytes b, Bytes& lo, Bytes& hi) {
+    const __m256i low = _mm256_set1_epi8(15);
+    lo = _mm256_and_si256(b, low);
+    hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+}
+inline LaneInts idot4(Bytes lo, Bytes hi, Bytes xlo, Bytes xhi) {
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+inline LaneInts idot8(Bytes w, Bytes x, LaneInts) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
+                             _mm256_set1_epi16(1));
 }
 inline LaneFloats to_floats(LaneInts v) { return _mm256_cvtepi32_ps(v); }
 inline LaneFloats fmadd(LaneFloats a, LaneFloats b, LaneFloats c) { return _mm256_fmadd_ps(a, b, c); }
@@ -140,10 +197,35 @@ inline float lane_sum(LaneFloats v) {
     return _mm_cvtss_f32(s);
 }
 inline LaneFloats spread(LaneInts idx, const float* p) { return _mm256_permutevar8x32_ps(_mm256_loadu_ps(p), idx); }
+inline int32_t int_sum(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+inline float round_block(const float* xb, int8_t* q, int32_t halves[2]) {
+    __m256 v[4];
+    __m256 m = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < 4; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i] = _mm256_loadu_ps(xb + 8 * i)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m256i n[4];
+    for (int i = 0; i < 4; ++i)
+        n[i] = _mm256_cvtps_epi32(
+            _mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    // packs interleave the 128-bit halves: the last permute puts the four eights back in order
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+    _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    halves[0] = int_sum(_mm256_add_epi32(n[0], n[1]));
+    halves[1] = int_sum(_mm256_add_epi32(n[2], n[3]));
+    return amax / 127.0f;
+}
 #else
-inline ChunkBytes load_x(const int8_t* p) {
-    ChunkBytes b;
-    for (int i = 0; i < CHUNK; ++i) b.v[i] = p[i];
+inline Bytes load_x(const int8_t* p) {
+    Bytes b;
+    for (int i = 0; i < REG_BYTES; ++i) b.v[i] = p[i];
     return b;
 }
 inline LaneInts load_ints(const int32_t* p) {
@@ -156,18 +238,26 @@ inline LaneFloats load_floats(const float* p) {
     std::memcpy(&v, p, sizeof v);
     return v;
 }
-template <int BITS, bool TAIL>
-inline ChunkBytes load_codes(const uint8_t* p) {
-    ChunkBytes b;
-    for (int i = 0; i < CHUNK; ++i)
-        b.v[i] = BITS == 4 ? (i < 16 ? p[i] & 15 : p[i - 16] >> 4) : int8_t(p[i]);
+// The bytes as they are (0..255); idot8 reads them as int8.
+template <bool TAIL>
+inline Bytes load_codes(const uint8_t* p, int bytes) {
+    Bytes b;
+    for (int i = 0; i < REG_BYTES; ++i) b.v[i] = !TAIL || i < bytes ? p[i] : 0;
     return b;
 }
-template <int BITS>
-inline LaneInts idot(const ChunkBytes& w, const ChunkBytes& x, LaneInts) {
+inline void nibbles(const Bytes& b, Bytes& lo, Bytes& hi) {
+    for (int i = 0; i < REG_BYTES; ++i) lo.v[i] = b.v[i] & 15, hi.v[i] = b.v[i] >> 4;
+}
+inline LaneInts idot4(const Bytes& lo, const Bytes& hi, const Bytes& xlo, const Bytes& xhi) {
     LaneInts s = {};
     for (int l = 0; l < LANES; ++l)
-        for (int t = 0; t < 4; ++t) s[l] += w.v[4 * l + t] * x.v[4 * l + t];
+        for (int t = 4 * l; t < 4 * l + 4; ++t) s[l] += lo.v[t] * xlo.v[t] + hi.v[t] * xhi.v[t];
+    return s;
+}
+inline LaneInts idot8(const Bytes& w, const Bytes& x, LaneInts) {
+    LaneInts s = {};
+    for (int l = 0; l < LANES; ++l)
+        for (int t = 4 * l; t < 4 * l + 4; ++t) s[l] += int8_t(w.v[t]) * x.v[t];
     return s;
 }
 inline LaneFloats to_floats(LaneInts v) { return __builtin_convertvector(v, LaneFloats); }
@@ -183,110 +273,134 @@ inline LaneFloats spread(LaneInts idx, const float* p) {
     for (int l = 0; l < LANES; ++l) v[l] = p[idx[l]];
     return v;
 }
+inline float round_block(const float* xb, int8_t* q, int32_t halves[2]) {
+    float amax = 0.0f;
+    for (int t = 0; t < XBLOCK; ++t) amax = std::max(amax, std::fabs(xb[t]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    halves[0] = halves[1] = 0;
+    for (int t = 0; t < XBLOCK; ++t) {
+        // the default rounding: to nearest, ties to even (NaN clamped, not converted)
+        q[t] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(xb[t] * inv))));
+        halves[t / 16] += q[t];
+    }
+    return amax / 127.0f;
+}
 #endif
 
 // x's rows rounded for one call, in the kernel's chunk order, and what the weights' groups need.
 struct RoundedRows {
     int64_t chunks, groups;
+    int64_t sum_stride;  // groups rounded up to whole LANES, the rest zeros (whole vectors in dot_lanes)
     const int8_t* q;      // [m][chunks * CHUNK], zero past k
-    const float* d;       // [m][chunks * LANES]: each lane's block scale
+    const float* d;       // [m][chunks * LANES]: each lane's block scale, in LANE_UNIT
     const int32_t* corr;  // [m][chunks * LANES]: -128 * the sum of each lane's four q (VNNI, int8 codes)
-    const float* sum;     // [m][groups]: the rounded x summed over each weight group (offsets), or null
+    const float* sum;     // [m][sum_stride]: the rounded x summed over each weight group (offsets), or null
     const int32_t* lane_group;  // [chunks * LANES]: each lane's group, less the chunk's first
     const int64_t* first_group;  // [chunks]
 };
 
 // Row r of x into `rows`' buffers (the caller sized them).
-inline void round_row(const float* x, int64_t k, int bits, int64_t group, int8_t* q, float* d, int32_t* corr,
-                      float* sum, int64_t chunks) {
-    constexpr float ROUND = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to nearest even
-    if (sum) std::fill(sum, sum + k / group, 0.0f);
+template <int BITS>
+inline void round_row(const float* x, int64_t k, int64_t group, int8_t* q, float* d, int32_t* corr, float* sum,
+                      int64_t sum_stride, int64_t chunks) {
+    constexpr int C = CHUNK<BITS>;
+    if (sum) std::fill(sum, sum + sum_stride, 0.0f);
+    int64_t g = 0, left = group;  // the group of the half-block at hand, and its inputs from there on
     for (int64_t c = 0; c < chunks; ++c) {
-        float block_d[CHUNK / XBLOCK];
-        int8_t* qc = q + c * CHUNK;
-        for (int b = 0; b < CHUNK / XBLOCK; ++b) {
-            const int64_t at = c * CHUNK + b * XBLOCK;
-            if (at >= k) {  // the tail chunk's missing block
-                block_d[b] = 0.0f;
-                for (int t = 0; t < XBLOCK; t += 16) std::memset(qc + chunk_pos(b * XBLOCK + t, bits), 0, 16);
-                continue;
+        float block_d[C / XBLOCK];
+        int8_t* qc = q + c * C;
+        for (int b = 0; b < C / XBLOCK; ++b) {
+            const int64_t at = c * C + b * XBLOCK;
+            int8_t rounded[XBLOCK] = {};  // the tail chunk's missing blocks: zeros under a scale of 0
+            int32_t halves[2];
+            block_d[b] = at < k ? round_block(x + at, rounded, halves) : 0.0f;
+            // a block's two halves of 16 sit apart in the 4-bit order (chunk_pos)
+            std::memcpy(qc + chunk_pos<BITS>(b * XBLOCK), rounded, 16);
+            std::memcpy(qc + chunk_pos<BITS>(b * XBLOCK + 16), rounded + 16, 16);
+            for (int h = 0; sum && at < k && h < 2; ++h) {  // groups are multiples of 16 inputs
+                sum[g] += block_d[b] * float(halves[h]);
+                if ((left -= 16) == 0) ++g, left = group;
             }
-            const float* xb = x + at;
-            float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-            for (int t = 0; t < XBLOCK; ++t) amax = std::max(amax, std::fabs(xb[t]));
-            block_d[b] = amax / 127.0f;
-            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int8_t rounded[XBLOCK];
-#pragma omp simd
-            for (int t = 0; t < XBLOCK; ++t) {
-                const float v = std::min(127.0f, std::max(-127.0f, (xb[t] * inv + ROUND) - ROUND));
-                rounded[t] = int8_t(v);
-            }
-            // a block's two halves of 16 sit apart only in the 4-bit AVX-512 order (chunk_pos)
-            std::memcpy(qc + chunk_pos(b * XBLOCK, bits), rounded, 16);
-            std::memcpy(qc + chunk_pos(b * XBLOCK + 16, bits), rounded + 16, 16);
-            if (sum)
-                for (int h = 0; h < XBLOCK; h += 16) {  // groups are multiples of 16 inputs
-                    int32_t t = 0;
-                    for (int i = h; i < h + 16; ++i) t += rounded[i];
-                    sum[(at + h) / group] += block_d[b] * float(t);
-                }
         }
         for (int l = 0; l < LANES; ++l) {
-            d[c * LANES + l] = block_d[pos_input(4 * l, bits) / XBLOCK];
+            d[c * LANES + l] = block_d[pos_input<BITS>(4 * l) / XBLOCK] * LANE_UNIT<BITS>;
             if (corr) corr[c * LANES + l] = -128 * (qc[4 * l] + qc[4 * l + 1] + qc[4 * l + 2] + qc[4 * l + 3]);
         }
     }
 }
 
+// The codes of the tile PREFETCH_ROWS ahead, fetched a few lines per step by a tile's first product.
+struct Ahead {
+    const char* next;
+    int64_t lines;
+    int per_step;
+};
+
 // y[r][o + j] for RB rows of x from r0 and NBT weight rows from o, before scales per row, offsets
-// and bias: the lanes' sums. `gs` holds each weight row's group scales (PLAIN: unused).
+// and bias, in lanes still to be summed. `gs` holds each weight row's group scales (PLAIN: unused).
 template <int NBT, int RB, int BITS, bool PLAIN>
 inline void itile(const RoundedRows& a, int64_t r0, const QuantizedWeight& w, int64_t o, const float* gs,
-                  int64_t gstride, float out[RB][NBT]) {
-    LaneFloats acc[RB][NBT];
+                  int64_t gstride, LaneFloats acc[RB][NBT], Ahead ahead) {
+    constexpr int C = CHUNK<BITS>;
     for (int r = 0; r < RB; ++r)
         for (int j = 0; j < NBT; ++j) acc[r][j] = LaneFloats{};
     const uint8_t* rows[NBT];
     for (int j = 0; j < NBT; ++j) rows[j] = w.codes + (o + j) * w.code_stride;
-    const int64_t ahead = o + PREFETCH_TILES * INB;
-    const char* next = reinterpret_cast<const char*>(w.codes + ahead * w.code_stride);
-    const int64_t lines = ahead + INB <= w.n ? INB * w.code_stride / 64 : 0;
-    constexpr int LINES_PER_CHUNK = std::max(1, INB * CHUNK * BITS / 8 / 64);
+    const char* next = ahead.next;
+    const int64_t lines = ahead.lines;
     int64_t line = 0;
-    const int64_t xq_stride = a.chunks * CHUNK, lane_stride = a.chunks * LANES;
+    const int64_t full = w.k / C;
+    const int tail_bytes = int(w.k % C) * BITS / 8;
+    const int64_t xq_stride = a.chunks * C, lane_stride = a.chunks * LANES;
     auto step = [&](int64_t c, auto tail) {
         constexpr bool TAIL = decltype(tail)::value;
-        for (int p = 0; p < LINES_PER_CHUNK; ++p)
+        for (int p = 0; p < ahead.per_step; ++p)
             if (line < lines) __builtin_prefetch(next + 64 * line++, 0, 3);
-        ChunkBytes xq[RB];
-        LaneFloats xd[RB];
-        LaneInts xc[RB];
+        // 4-bit: x's chunk read where it is used (the loads fold into the products), as RB x NBT
+        // accumulators and RB x 2 registers of x would not fit the registers; 8-bit: held in them.
+        const int8_t* xq[RB];  // 4-bit: the groups' first halves, then their second halves
+        const float* xd[RB];
+        Bytes x8[RB];
+        LaneFloats d8[RB];
+        LaneInts c8[RB];
         for (int r = 0; r < RB; ++r) {
-            xq[r] = load_x(a.q + (r0 + r) * xq_stride + c * CHUNK);
-            xd[r] = load_floats(a.d + (r0 + r) * lane_stride + c * LANES);
-            if constexpr (VNNI && BITS == 8) xc[r] = load_ints(a.corr + (r0 + r) * lane_stride + c * LANES);
-            else xc[r] = LaneInts{};
+            xq[r] = a.q + (r0 + r) * xq_stride + c * C;
+            xd[r] = a.d + (r0 + r) * lane_stride + c * LANES;
+            if constexpr (BITS == 8) {
+                x8[r] = load_x(xq[r]);
+                d8[r] = load_floats(xd[r]);
+                c8[r] = VNNI ? load_ints(a.corr + (r0 + r) * lane_stride + c * LANES) : LaneInts{};
+            }
         }
         LaneInts idx{};
         if constexpr (!PLAIN) idx = load_ints(a.lane_group + c * LANES);
         const int64_t g0 = a.first_group[c];
         for (int j = 0; j < NBT; ++j) {
-            const ChunkBytes wv = load_codes<BITS, TAIL>(rows[j] + c * CHUNK * BITS / 8);
+            const Bytes codes = load_codes<TAIL>(rows[j] + c * REG_BYTES, tail_bytes);
+            Bytes lo, hi;
+            if constexpr (BITS == 4) nibbles(codes, lo, hi);
             LaneFloats sw{};
             if constexpr (!PLAIN) sw = spread(idx, gs + j * gstride + g0);
             for (int r = 0; r < RB; ++r) {
-                const LaneFloats f = to_floats(idot<BITS>(wv, xq[r], xc[r]));
-                acc[r][j] = fmadd(f, PLAIN ? xd[r] : fmul(xd[r], sw), acc[r][j]);
+                LaneInts s;
+                LaneFloats d;
+                if constexpr (BITS == 4)
+                    s = idot4(lo, hi, load_x(xq[r]), load_x(xq[r] + REG_BYTES)), d = load_floats(xd[r]);
+                else
+                    s = idot8(codes, x8[r], c8[r]), d = d8[r];
+                acc[r][j] = fmadd(to_floats(s), PLAIN ? d : fmul(d, sw), acc[r][j]);
             }
         }
     };
-    const int64_t full = w.k / CHUNK;
     for (int64_t c = 0; c < full; ++c) step(c, std::false_type{});
     if (full < a.chunks) step(full, std::true_type{});
-    for (int r = 0; r < RB; ++r)
-        for (int j = 0; j < NBT; ++j) out[r][j] = lane_sum(acc[r][j]);
+}
+
+// sum(z[i] s[i]) over n (whole LANES) in lanes still to be summed.
+inline LaneFloats dot_lanes(const float* z, const float* s, int64_t n) {
+    LaneFloats t{};
+    for (int64_t i = 0; i < n; i += LANES) t = fmadd(load_floats(z + i), load_floats(s + i), t);
+    return t;
 }
 
 inline void prefetch_row(const void* p, int64_t bytes) {
@@ -310,8 +424,9 @@ inline void two_level(const float* top, const int8_t* sub, int64_t groups, float
 
 // One row's factor per group: the top-level float per `per_super` groups, times the int8 sub-factor.
 inline void group_factors(const float* top, const int8_t* sub, int64_t groups, int per_super, float* out) {
-    if (!sub && per_super == 1) {
-        std::memcpy(out, top, groups * sizeof(float));
+    if (!sub && per_super == 1) {  // a loop, not memcpy: a call costs as much as a short row's copy
+#pragma omp simd
+        for (int64_t i = 0; i < groups; ++i) out[i] = top[i];
         return;
     }
     if (sub && per_super == 8) return two_level<8>(top, sub, groups, out);  // Q4_K, Q5_K
@@ -320,15 +435,15 @@ inline void group_factors(const float* top, const int8_t* sub, int64_t groups, i
 }
 
 // NBT weight rows from o against every row of x: the group scales (and offsets) of those rows made
-// once into `gs` and `zs`, then the x rows RB at a time.
+// once into `gs` and `zs`, then the x rows RB at a time. `tile`: the rows of a whole tile (prefetches).
 template <int NBT, int BITS, bool PLAIN>
 inline void irows(const RoundedRows& a, int64_t m, const QuantizedWeight& w, int64_t o, float* y, int64_t ys,
-                  const float* bias, float* gs, float* zs, int64_t gstride) {
+                  const float* bias, float* gs, float* zs, int64_t gstride, int tile) {
     const int64_t groups = a.groups;
     if constexpr (!PLAIN) {
         // The scales and offsets are streams of their own, a few lines per row: fetched a few tiles
         // ahead like the codes (the loads of the factors below missed the cache without it).
-        const int64_t ahead = o + 2 * PREFETCH_TILES * INB;
+        const int64_t ahead = o + 2 * PREFETCH_ROWS;
         if (ahead + NBT <= w.n)
             for (int j = 0; j < NBT; ++j) {
                 prefetch_row(w.scale + (ahead + j) * w.scale_stride, (groups / w.per_super) * 4);
@@ -347,22 +462,21 @@ inline void irows(const RoundedRows& a, int64_t m, const QuantizedWeight& w, int
                               zs + j * gstride);
         }
     }
+    const int64_t ahead_row = o + PREFETCH_ROWS;
+    Ahead ahead{reinterpret_cast<const char*>(w.codes + ahead_row * w.code_stride),
+                ahead_row + tile <= w.n ? tile * w.code_stride / 64 : 0, std::max(1, tile * REG_BYTES / 64)};
     auto finish = [&](auto rb, int64_t r0) {
         constexpr int RB = decltype(rb)::value;
-        float out[RB][NBT];
-        itile<NBT, RB, BITS, PLAIN>(a, r0, w, o, gs, gstride, out);
+        LaneFloats acc[RB][NBT];
+        itile<NBT, RB, BITS, PLAIN>(a, r0, w, o, gs, gstride, acc, ahead);
+        ahead.lines = 0;  // fetched once
         for (int r = 0; r < RB; ++r)
             for (int j = 0; j < NBT; ++j) {
-                float v = out[r][j];
+                LaneFloats lanes = acc[r][j];
+                if (!PLAIN && w.offset)  // one horizontal sum for both
+                    lanes -= dot_lanes(zs + j * gstride, a.sum + (r0 + r) * a.sum_stride, a.sum_stride);
+                float v = lane_sum(lanes);
                 if constexpr (PLAIN) v *= w.scale[(o + j) * w.scale_stride];
-                if (!PLAIN && w.offset) {
-                    const float* z = zs + j * gstride;
-                    const float* s = a.sum + (r0 + r) * groups;
-                    float t = 0.0f;
-#pragma omp simd reduction(+ : t)
-                    for (int64_t i = 0; i < groups; ++i) t += z[i] * s[i];
-                    v -= t;
-                }
                 y[(r0 + r) * ys + o + j] = bias ? v + bias[o + j] : v;
             }
     };
@@ -376,62 +490,96 @@ inline void irows(const RoundedRows& a, int64_t m, const QuantizedWeight& w, int
 struct RoundingBuffers {
     std::vector<int8_t> q;
     std::vector<float> d, sum;
-    std::vector<int32_t> corr, lane_group;
-    std::vector<int64_t> first_group;
+    std::vector<int32_t> corr;
 };
+
+// Each chunk's first group and each lane's group less that one: the same for every call on rows of
+// k inputs in groups of `group`, so made once per shape by each calling thread (the divisions cost
+// as much as rounding the activations when made per call).
+struct LaneGroups {
+    int64_t k, group;
+    std::vector<int32_t> lane;
+    std::vector<int64_t> first;
+};
+
+template <int BITS>
+const LaneGroups& lane_groups(int64_t k, int64_t group) {
+    constexpr int C = CHUNK<BITS>;
+    constexpr size_t SHAPES = 64;  // more than a model has; past it the tables start again
+    static thread_local std::deque<LaneGroups> made;
+    for (const LaneGroups& t : made)
+        if (t.k == k && t.group == group) return t;
+    if (made.size() == SHAPES) made.clear();
+    const int64_t chunks = (k + C - 1) / C;
+    LaneGroups& t = made.emplace_back(LaneGroups{k, group, std::vector<int32_t>(chunks * LANES), {}});
+    for (int64_t c = 0; c < chunks; ++c) {
+        t.first.push_back(c * C / group);
+        for (int l = 0; l < LANES; ++l)
+            t.lane[c * LANES + l] = int32_t((c * C + pos_input<BITS>(4 * l)) / group - t.first[c]);
+    }
+    return t;
+}
+
+// The product of TILE-row tiles, after the rows of x up to `rounded` were rounded by the caller;
+// `round(r)` rounds row r.
+template <int BITS, bool PLAIN, int TILE, class Round>
+void multiply(const RoundedRows& a, int64_t m, int64_t rounded, const QuantizedWeight& w, const float* bias,
+              float* y, int64_t ys, int threads, const Round& round) {
+    const int64_t n = w.n, tiles = (n + TILE - 1) / TILE;
+    // a chunk's spread reads up to LANES scales from its first group, dot_lanes sum_stride offsets
+    const int64_t gstride = a.sum_stride + LANES;
+#pragma omp parallel num_threads(threads) if (m * n * w.k >= MIN_PARALLEL_LINEAR)
+    {
+        if (rounded < m) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; ++r) round(r);
+        }
+        // each thread's factors for its tile, kept from call to call; zeros past the groups
+        static thread_local std::vector<float> gs, zs;
+        gs.assign(PLAIN ? 0 : TILE * gstride, 0.0f);
+        zs.assign(w.offset && !PLAIN ? TILE * gstride : 0, 0.0f);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; ++t) {
+            const int64_t o = t * TILE;
+            if (o + TILE <= n) {
+                irows<TILE, BITS, PLAIN>(a, m, w, o, y, ys, bias, gs.data(), zs.data(), gstride, TILE);
+            } else {
+                for (int64_t j = o; j < n; ++j)
+                    irows<1, BITS, PLAIN>(a, m, w, j, y, ys, bias, gs.data(), zs.data(), gstride, TILE);
+            }
+        }
+    }
+}
 
 template <int BITS, bool PLAIN>
 void qlinear_int(const float* x, int64_t m, int64_t xs, const QuantizedWeight& w, const float* bias, float* y,
                  int64_t ys, int threads) {
+    constexpr int C = CHUNK<BITS>;
     static thread_local RoundingBuffers buf;
-    const int64_t chunks = (w.k + CHUNK - 1) / CHUNK, groups = w.k / w.group;
+    const int64_t chunks = (w.k + C - 1) / C, groups = w.k / w.group;
+    const int64_t sum_stride = (groups + LANES - 1) / LANES * LANES;
     const bool corr = VNNI && BITS == 8, sums = w.offset && !PLAIN;
-    buf.q.resize(m * chunks * CHUNK);
+    buf.q.resize(m * chunks * C);
     buf.d.resize(m * chunks * LANES);
     buf.corr.resize(corr ? m * chunks * LANES : 0);
-    buf.sum.resize(sums ? m * groups : 0);
-    buf.lane_group.resize(chunks * LANES);
-    buf.first_group.resize(chunks);
-    for (int64_t c = 0; c < chunks; ++c) {
-        buf.first_group[c] = c * CHUNK / w.group;
-        for (int l = 0; l < LANES; ++l)
-            buf.lane_group[c * LANES + l] =
-                int32_t((c * CHUNK + pos_input(4 * l, BITS)) / w.group - buf.first_group[c]);
-    }
-    const RoundedRows a{chunks, groups, buf.q.data(), buf.d.data(), corr ? buf.corr.data() : nullptr,
-                        sums ? buf.sum.data() : nullptr, buf.lane_group.data(), buf.first_group.data()};
-    const int64_t n = w.n, tiles = (n + INB - 1) / INB;
-    const int64_t gstride = groups + LANES;  // a chunk's spread reads up to LANES scales from its first group
+    buf.sum.resize(sums ? m * sum_stride : 0);
+    const LaneGroups& lanes = lane_groups<BITS>(w.k, w.group);
+    const RoundedRows a{chunks, groups, sum_stride, buf.q.data(), buf.d.data(), corr ? buf.corr.data() : nullptr,
+                        sums ? buf.sum.data() : nullptr, lanes.lane.data(), lanes.first.data()};
+    auto round = [&](int64_t r) {
+        round_row<BITS>(x + r * xs, w.k, w.group, const_cast<int8_t*>(a.q) + r * chunks * C,
+                        const_cast<float*>(a.d) + r * chunks * LANES,
+                        corr ? const_cast<int32_t*>(a.corr) + r * chunks * LANES : nullptr,
+                        sums ? const_cast<float*>(a.sum) + r * sum_stride : nullptr, sum_stride, chunks);
+    };
     // (the team's threads see their own `buf`: they reach the caller's through `a` alone)
     // A few rows are rounded before the team starts: a barrier between rounding and multiplying
     // costs more than the rounding on cores shared with other work.
-    const bool round_first = m * w.k <= MIN_PARALLEL_ROUNDING;
-    for (int64_t r = 0; r < (round_first ? m : 0); ++r)
-        round_row(x + r * xs, w.k, BITS, w.group, buf.q.data() + r * chunks * CHUNK, buf.d.data() + r * chunks * LANES,
-                  corr ? buf.corr.data() + r * chunks * LANES : nullptr, sums ? buf.sum.data() + r * groups : nullptr,
-                  chunks);
-#pragma omp parallel num_threads(threads) if (m * n * w.k >= MIN_PARALLEL_LINEAR)
-    {
-        if (!round_first) {
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < m; ++r)
-                round_row(x + r * xs, w.k, BITS, w.group, const_cast<int8_t*>(a.q) + r * chunks * CHUNK,
-                          const_cast<float*>(a.d) + r * chunks * LANES,
-                          corr ? const_cast<int32_t*>(a.corr) + r * chunks * LANES : nullptr,
-                          sums ? const_cast<float*>(a.sum) + r * groups : nullptr, chunks);
-        }
-        std::vector<float> gs(PLAIN ? 0 : INB * gstride, 0.0f), zs(w.offset && !PLAIN ? INB * gstride : 0, 0.0f);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; ++t) {
-            const int64_t o = t * INB;
-            if (o + INB <= n) {
-                irows<INB, BITS, PLAIN>(a, m, w, o, y, ys, bias, gs.data(), zs.data(), gstride);
-            } else {
-                for (int64_t j = o; j < n; ++j)
-                    irows<1, BITS, PLAIN>(a, m, w, j, y, ys, bias, gs.data(), zs.data(), gstride);
-            }
-        }
-    }
+    const int64_t rounded = m * w.k <= MIN_PARALLEL_ROUNDING ? m : 0;
+    for (int64_t r = 0; r < rounded; ++r) round(r);
+    if constexpr (BITS == 4)
+        if (m >= 4) return multiply<BITS, PLAIN, WIDE_INB>(a, m, rounded, w, bias, y, ys, threads, round);
+    multiply<BITS, PLAIN, INB>(a, m, rounded, w, bias, y, ys, threads, round);
 }
 
 }  // namespace
