@@ -709,3 +709,19 @@ def test_hostile_adapter_files_are_refused_by_name(qwen3_lora, tmp_path):
                     wrong.append(f"{name}: {type(exc).__name__}: {exc}")
             assert llm.generate(prompt, GREEDY, lora_request=good)[0].outputs[0].token_ids == before, name
         assert not wrong, "\n".join(wrong)
+
+
+def test_structured_output_holds_on_an_adapters_tokens(served_lora):
+    """A grammar constrains a request for an adapter as it does one for the base model: the reply
+    matches the regex."""
+    import re
+
+    from neuron import GuidedDecodingParams
+
+    base, adapters = served_lora
+    pattern = r"(yes|no)-[0-9]{2}"
+    params = SamplingParams(temperature=0.0, max_tokens=12, guided_decoding=GuidedDecodingParams(regex=pattern))
+    with LLM(str(base), device="cpu", dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8) as llm:
+        for request in (LoRARequest("sql", 1, str(adapters["sql"])), None):
+            text = llm.generate("Answer:", params, lora_request=request)[0].outputs[0].text
+            assert re.fullmatch(pattern, text), (request, text)
