@@ -183,6 +183,20 @@ def _check_hybrid(t: Fields) -> None:
         raise t.fail("layer_types", f"a list of {layers} of 'linear_attention' or 'full_attention'", types)
 
 
+def is_sparse_layer(layer: int, mlp_only_layers, decoder_sparse_step: int) -> bool:
+    """transformers' rule for Qwen's MoE models: a block of experts on every
+    `decoder_sparse_step`-th layer, unless the layer is listed dense."""
+    return layer not in mlp_only_layers and (layer + 1) % decoder_sparse_step == 0
+
+
+def sparse_layers(config: dict) -> frozenset[int]:
+    """The layers of a text config whose MLP is a block of experts (none for a dense model)."""
+    if not (config.get("num_experts") or config.get("num_local_experts")):
+        return frozenset()
+    dense, step = {int(i) for i in config.get("mlp_only_layers") or ()}, int(config.get("decoder_sparse_step", 1))
+    return frozenset(i for i in range(int(config["num_hidden_layers"])) if is_sparse_layer(i, dense, step))
+
+
 def _check_experts(t: Fields) -> None:
     experts = t.int("num_experts", 1, MAX_EXPERTS) or t.int("num_local_experts", 1, MAX_EXPERTS, required=True)
     t.int("num_experts_per_tok", 1, experts, required=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from neuron.errors import ConfigError
+from neuron.models.config_check import sparse_layers
 from neuron.models.loader import CheckpointReader, read_json
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -52,22 +53,12 @@ class BaseShapes:
         kv_heads = int(config.get("num_key_value_heads") or heads)
         layers = int(config["num_hidden_layers"])
         return cls(layers, hidden, heads * head_dim, kv_heads * head_dim, int(config.get("intermediate_size") or 0),
-                   sparse_layers(config, layers))
+                   sparse_layers(config))
 
     def in_out(self, proj: str) -> tuple[int, int]:
         return {"q_proj": (self.hidden, self.q), "k_proj": (self.hidden, self.kv), "v_proj": (self.hidden, self.kv),
                 "o_proj": (self.q, self.hidden), "gate_proj": (self.hidden, self.intermediate),
                 "up_proj": (self.hidden, self.intermediate), "down_proj": (self.intermediate, self.hidden)}[proj]
-
-
-def sparse_layers(config: dict, layers: int) -> frozenset[int]:
-    """The layers of a Qwen3-MoE model whose MLP is a mixture of experts (none for a dense model)."""
-    if not (config.get("num_experts") or config.get("num_local_experts")):
-        return frozenset()
-    from neuron.models.qwen3_moe import Qwen3MoeConfig
-
-    moe = Qwen3MoeConfig.from_dict(config)
-    return frozenset(i for i in range(layers) if moe.is_sparse(i))
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neuron.errors import ConfigError
+from neuron.models.config_check import sparse_layers
 
 _GIB = 2**30
 HEADROOM = 0.9  # of MemAvailable: the leader, the tokenizer and a step's activations need the rest
@@ -104,11 +105,9 @@ def lora_pool_bytes(t: dict, tp: int, slots: int, rank: int, dtype_bytes: int) -
     hidden, heads = t["hidden_size"], t["num_attention_heads"]
     head_dim = t.get("head_dim") or hidden // heads
     q, kv = heads * head_dim // tp, max(1, (t.get("num_key_value_heads") or heads) // tp) * head_dim
-    from neuron.models.lora import sparse_layers
-
     inter = (t.get("intermediate_size") or 0) // tp
     layers = t["num_hidden_layers"]
-    dense = layers - len(sparse_layers(t, layers))  # a mixture-of-experts block holds no adapter
+    dense = layers - len(sparse_layers(t))  # a mixture-of-experts block holds no adapter
 
     def pools(groups) -> int:
         return sum(parts * rank * slots * (inputs + outputs) for parts, inputs, outputs in groups)

@@ -14,6 +14,7 @@ from neuron.errors import ConfigError
 from neuron.layers.kernels import Kernels
 from neuron.layers.moe import SparseMoE
 from neuron.layers.tensor_parallel import Reader, Shard
+from neuron.models.config_check import is_sparse_layer
 from neuron.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
 
@@ -50,8 +51,7 @@ class Qwen3MoeConfig:
         return cfg
 
     def is_sparse(self, layer: int) -> bool:
-        """transformers' rule: MoE unless listed dense, on every `decoder_sparse_step`-th layer."""
-        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        return is_sparse_layer(layer, self.mlp_only_layers, self.decoder_sparse_step)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
