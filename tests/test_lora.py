@@ -518,20 +518,17 @@ def test_ollamas_clients_name_adapters_as_models(served_lora):
 
 
 def test_host_copies_are_bounded_by_bytes_least_recently_used_out():
-    from neuron.worker.model_runner import HostAdapters
+    from neuron.utils.lru import SizedLRU
 
-    def share(nbytes: int) -> list:
-        return [(None, 0, torch.zeros(nbytes // 8), torch.zeros(nbytes // 8))]  # two halves of nbytes
-
-    host = HostAdapters(max_bytes=1000)
-    host.put(1, share(400))
-    host.put(2, share(400))
-    assert host.get(1) is not None  # 1 is now the most recently used
-    host.put(3, share(400))
+    host = SizedLRU(max_bytes=1000)
+    host.put(1, "a", 400)
+    host.put(2, "b", 400)
+    assert host.get(1) == "a"  # 1 is now the most recently used
+    host.put(3, "c", 400)
     assert 2 not in host and 1 in host and 3 in host and host.nbytes == 800
-    host.put(4, share(1200))  # larger than the whole budget: not kept, nothing else lost
+    assert not host.put(4, "d", 1200)  # larger than the whole budget: not kept, nothing else lost
     assert 4 not in host and host.nbytes == 800
-    host.put(1, share(400))  # put again: counted once
+    host.put(1, "a", 400)  # put again: counted once
     assert host.nbytes == 800
     host.pop(1)
     assert host.nbytes == 400 and list(host.entries) == [3]
@@ -541,7 +538,7 @@ def test_adapters_beyond_the_host_budget_are_read_again_when_needed(qwen3_lora):
     """One pool slot and host memory for one adapter: serving three in turn swaps each in from its
     folder again, each request still gets its own adapter's output, and the host copies stay
     within the budget."""
-    from neuron.worker.model_runner import HostAdapters
+    from neuron.utils.lru import SizedLRU
 
     base, adapters = qwen3_lora
     names = list(adapters)
@@ -552,7 +549,7 @@ def test_adapters_beyond_the_host_budget_are_read_again_when_needed(qwen3_lora):
         llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 3, GREEDY, lora_request=requests)
         sizes = [size for _, size in runner.lora_host.entries.values()]
         assert len(sizes) == 3 and len(set(sizes)) == 3  # the three adapters' shares differ in size
-        runner.lora_host = HostAdapters(max(sizes))  # room for the largest alone
+        runner.lora_host = SizedLRU(max(sizes))  # room for the largest alone
         for request in requests + requests[:1]:
             out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, lora_request=request)[0]
             ref = reference_lora_greedy(base, adapters[request.lora_name], PROMPTS[0], NEW_TOKENS)

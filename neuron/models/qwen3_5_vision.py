@@ -9,13 +9,13 @@ image and never across images.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
 
 from neuron.errors import ConfigError
 from neuron.layers.tensor_parallel import Reader
+from neuron.utils.lru import SizedLRU
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -91,28 +91,20 @@ class EmbeddingCache:
 
     def __init__(self, max_bytes: int = 64 * 2**20):
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[bytes, tuple[tuple[int, int, int], torch.Tensor]] = OrderedDict()
-        self._bytes = 0
+        self._entries: SizedLRU[bytes, tuple[tuple[int, int, int], torch.Tensor]] = SizedLRU(max_bytes)
 
     @staticmethod
     def key(uri: str) -> bytes:
         return hashlib.sha256(uri.encode()).digest()
 
     def get(self, key: bytes):
-        hit = self._entries.get(key)
-        if hit is not None:
-            self._entries.move_to_end(key)
-        return hit
+        return self._entries.get(key)
 
     def put(self, key: bytes, grid: tuple[int, int, int], embeds: torch.Tensor) -> None:
         size = embeds.numel() * embeds.element_size()
         if size > self.max_bytes // 4 or key in self._entries:
             return
-        self._entries[key] = (grid, embeds)
-        self._bytes += size
-        while self._bytes > self.max_bytes:
-            _, (_, old) = self._entries.popitem(last=False)
-            self._bytes -= old.numel() * old.element_size()
+        self._entries.put(key, (grid, embeds), size)
 
 
 class VisionTower:

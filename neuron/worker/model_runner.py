@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -31,6 +30,7 @@ from neuron.models.lora import PeftAdapter
 from neuron.multimodal.image import VisionSpec
 from neuron.rpc import protocol as p
 from neuron.step import SeqStep, VerifyShape
+from neuron.utils.lru import SizedLRU
 from neuron.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from neuron.worker.failure import WorkerFailure, resolve_dtype
 from neuron.worker.kv_pool import plan_kv_pool
@@ -39,40 +39,9 @@ from neuron.worker.step_input import BlockTables
 log = logging.getLogger("neuron.worker")
 
 
-class HostAdapters:
-    """Adapters' shares of this rank in host memory, by the leader's id for each loading, within
-    `max_bytes`: the least recently used go first (one needed again is read again from its folder).
-    Without a bound every adapter a server ever swapped in stayed, whatever the number registered."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self.entries: OrderedDict[int, tuple[list, int]] = OrderedDict()
-        self.nbytes = 0
-
-    def get(self, lora_id: int) -> list | None:
-        if lora_id not in self.entries:
-            return None
-        self.entries.move_to_end(lora_id)
-        return self.entries[lora_id][0]
-
-    def put(self, lora_id: int, share: list) -> None:
-        """Keep `share` if it fits at all, forgetting the least recently used until it does."""
-        size = sum(t.nbytes for entry in share for t in entry if isinstance(t, torch.Tensor))
-        self.pop(lora_id)
-        if size > self.max_bytes:
-            return
-        while self.entries and self.nbytes + size > self.max_bytes:
-            self.pop(next(iter(self.entries)))
-        self.entries[lora_id] = (share, size)
-        self.nbytes += size
-
-    def pop(self, lora_id: int) -> None:
-        entry = self.entries.pop(lora_id, None)
-        if entry is not None:
-            self.nbytes -= entry[1]
-
-    def __contains__(self, lora_id: int) -> bool:
-        return lora_id in self.entries
+def _share_bytes(share: list) -> int:
+    """The bytes of an adapter's share (lora_share's tensors) in host memory."""
+    return sum(t.nbytes for entry in share for t in entry if isinstance(t, torch.Tensor))
 
 
 class ModelRunner:
@@ -86,7 +55,8 @@ class ModelRunner:
         self.verify_graphs: DecodeGraphs | None = None  # speculative decoding's verifying steps, captured apart
         # LoRA: each adapter's share of this rank kept in host memory by the leader's id for it (those
         # beyond the pool wait here to be swapped in), and which id each pool slot holds
-        self.lora_host = HostAdapters(settings().lora_host_bytes)
+        # (at most lora_host_bytes, least recently used out: one forgotten is read again from its folder)
+        self.lora_host: SizedLRU[int, list] = SizedLRU(settings().lora_host_bytes)
         self.lora_in_slot: dict[int, int] = {}
         self.lora_base: tuple[dict, int] = ({}, 0)  # what an adapter is checked against: the config, the pool's rank
 
@@ -190,7 +160,7 @@ class ModelRunner:
                     share = model.lora_share(adapter, reader)
             except (ConfigError, OSError) as exc:
                 raise WorkerFailure(p.ErrorKind.LOAD_FAILED, str(exc)) from exc
-            self.lora_host.put(lora_id, share)
+            self.lora_host.put(lora_id, share, _share_bytes(share))
         model.put_lora(slot, share)
         self.lora_in_slot[slot] = lora_id
 

@@ -4,8 +4,9 @@ recently used evicted first. Held by the event loop alone, so it needs no lock."
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
+
+from neuron.utils.lru import SizedLRU
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,37 +24,23 @@ class StoredResponse:
 
 class ResponseStore:
     def __init__(self, max_count: int, max_bytes: int):
-        self.max_count = max_count
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._entries: SizedLRU[str, StoredResponse] = SizedLRU(max_bytes, max_count)
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def bytes(self) -> int:
+        return self._entries.nbytes
+
     def put(self, response_id: str, entry: StoredResponse) -> bool:
         """Keep `entry`, evicting the least recently used until both bounds hold; False (and nothing
         kept) when it alone would break one."""
-        if self.max_count == 0 or entry.size > self.max_bytes:
-            return False
-        self.delete(response_id)
-        self._entries[response_id] = entry
-        self.bytes += entry.size
-        while len(self._entries) > self.max_count or self.bytes > self.max_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.bytes -= evicted.size
-        return True
+        return self._entries.put(response_id, entry, entry.size)
 
     def get(self, response_id: str) -> StoredResponse | None:
         """The entry, now the most recently used; None when it was never kept or is evicted."""
-        entry = self._entries.get(response_id)
-        if entry is not None:
-            self._entries.move_to_end(response_id)
-        return entry
+        return self._entries.get(response_id)
 
     def delete(self, response_id: str) -> bool:
-        entry = self._entries.pop(response_id, None)
-        if entry is None:
-            return False
-        self.bytes -= entry.size
-        return True
+        return self._entries.pop(response_id)
