@@ -369,8 +369,7 @@ class ModelHost:
             await asyncio.to_thread(then_release_pool, m.engine.engine.loras.register, name, path)
         except ConfigError as exc:
             raise HostError(str(exc)) from None
-        if keep_alive_s is not None:
-            self.adapter_idle[name] = [keep_alive_s, time.monotonic()]
+        self.keep_adapter(name, keep_alive_s)
         log.info("LoRA adapter `%s` loaded on `%s` from %r", name, m.name, path)
         return m
 
