@@ -6,6 +6,7 @@ kernel (NEURON_QUANT_EXACT=1)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import subprocess
@@ -90,6 +91,24 @@ def test_integer_kernel_is_within_the_bound_of_dequantize_then_matmul(kind, k, r
     assert got.dtype == torch.float32 and got.shape == (rows, OUTPUTS)
     assert _nmse(got, ref) <= NMSE_BOUND
     assert _nmse(quantized.linear(EXACT, x, w, bias), ref) <= 1e-12  # the exact kernel, for contrast
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_fp16_factors_are_kept_and_read_as_their_fp32_values(kind, rows):
+    """GGUF's fp16 scales and offsets stay fp16 in memory (a Q8_0 row holds the file's 34 bytes per
+    32 inputs, not 36), and both kernels multiply them as the same weight with its factors widened
+    to fp32, bit for bit."""
+    k = 512
+    w = _weight(kind, OUTPUTS, k)
+    assert w.scale.dtype is torch.float16 and (w.offset is None or w.offset.dtype is torch.float16)
+    if kind == "Q8_0":
+        assert sum(t.numel() * t.element_size() for t in w.tensors()) == OUTPUTS * (k + k // 32 * 2)
+    wide = dataclasses.replace(w, scale=w.scale.float(), offset=None if w.offset is None else w.offset.float())
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    for kernels in (INTEGER, EXACT):
+        assert quantized.cpu_kernel(kernels, w, rows) is not None
+        assert torch.equal(quantized.linear(kernels, x, w), quantized.linear(kernels, x, wide))
 
 
 def _rounded(x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ with q int8 codes (`bits` 8), FP8 e4m3 bytes (`bits` 8, `fp8`), or 4-bit codes p
 byte (`bits` 4: in each group of 32 inputs byte i holds input i in its low nibble and input i + 16
 in its high one, values 0..15, as GGUF's Q4_0 stores them). s is a float per `per_super` groups,
 times an int8 sub-scale per group where the format has two levels (GGUF's K-quants); z likewise,
-or absent. Load-time int8 is the case group = k (one scale per output row); GGUF's Q8_0 is group
+or absent. s and z are float32, or float16 where the file stores them so (GGUF's blocks: kept as
+they are, so a Q8_0 row is 34 bytes per 32 inputs as in the file, not 36). Load-time int8 is the case group = k (one scale per output row); GGUF's Q8_0 is group
 32; Q4_K is 4-bit codes in groups of 32 under super-blocks of 256; Q2_K, Q3_K and the IQ4 types
 are int8 codes (2- and 3-bit values, codebook values) under the same two-level factors. Groups that are not runs of
 consecutive inputs (GPTQ's act-order) are stored gathered, with `input_index` saying which input
@@ -50,10 +51,10 @@ class QuantizedWeight:
     k: int
     bits: int
     group: int
-    scale: torch.Tensor  # float32 [n, groups // per_super]
+    scale: torch.Tensor  # float32 or float16 [n, groups // per_super]
     per_super: int = 1
     scale_sub: torch.Tensor | None = None  # int8 [n, groups]
-    offset: torch.Tensor | None = None  # float32 [n, groups // per_super]
+    offset: torch.Tensor | None = None  # [n, groups // per_super], scale's dtype
     offset_sub: torch.Tensor | None = None  # int8 [n, groups]
     format: str = "int8"  # what it was read or quantized as, for messages and logs
     fp8: bool = False  # codes are FP8 e4m3 bytes (bits 8), not integers
@@ -78,8 +79,13 @@ class QuantizedWeight:
                        offset=opt(self.offset), offset_sub=opt(self.offset_sub))
 
     def to(self, device) -> "QuantizedWeight":
+        """On `device`; off the CPU, float16 factors become float32 (the Triton kernel's case)."""
         index = None if self.input_index is None else self.input_index.to(device)
-        return replace(self._map(lambda t: t.to(device).contiguous()), input_index=index)
+        moved = self._map(lambda t: t.to(device).contiguous())
+        if moved.codes.is_cpu or self.scale.dtype is not torch.float16:
+            return replace(moved, input_index=index)
+        return replace(moved, scale=moved.scale.float(), offset=None if moved.offset is None else moved.offset.float(),
+                       input_index=index)
 
     def take_rows(self, index: torch.Tensor) -> "QuantizedWeight":
         return self._map(lambda t: t[index])
@@ -140,7 +146,11 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
 
     def cat(name):
         ts = [getattr(p, name) for p in parts]
-        return None if ts[0] is None else torch.cat(ts)
+        if ts[0] is None:
+            return None
+        if len({t.dtype for t in ts}) > 1:  # fp16 factors beside fp32 ones: all fp32
+            ts = [t.float() for t in ts]
+        return torch.cat(ts)
     return replace(first, codes=cat("codes"), scale=cat("scale"), scale_sub=cat("scale_sub"), offset=cat("offset"),
                    offset_sub=cat("offset_sub"))
 
@@ -227,6 +237,7 @@ class _Layout(ctypes.Structure):
         ("scale_sub", ctypes.c_void_p), ("scale_sub_stride", ctypes.c_int64),
         ("offset", ctypes.c_void_p), ("offset_stride", ctypes.c_int64),
         ("offset_sub", ctypes.c_void_p), ("offset_sub_stride", ctypes.c_int64),
+        ("half_factors", ctypes.c_int32),
     ]
 
 
@@ -238,13 +249,19 @@ def _kernel_takes(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight, bias: t
 
 def _weight_takes(w: QuantizedWeight) -> bool:
     """Whether the CPU kernels take W's layout: whole groups (of 16 inputs, 32 for 4-bit codes), a
-    power-of-two number of groups per super-block that the kernel's buffer holds, fp32 scales."""
+    power-of-two number of groups per super-block that the kernel's buffer holds, fp32 factors or
+    fp16 ones (scale and offset alike), rows contiguous."""
     if w.group % 16 or (w.bits == 4 and w.group % 32) or w.k % w.group:
         return False
     if w.per_super > MAX_PER_SUPER or w.per_super & (w.per_super - 1):  # the kernel's shift and its buffer
         return False
-    floats = [w.scale] + ([w.offset] if w.offset is not None else [])
-    return w.codes.is_cpu and w.codes.stride(-1) == 1 and cpu_ops.takes(*floats)
+    dtype = w.scale.dtype
+    if dtype is not torch.float32 and dtype is not torch.float16:
+        return False
+    for t in (w.scale, w.offset):
+        if t is not None and (not t.is_cpu or t.dtype is not dtype or t.stride(-1) != 1):
+            return False
+    return w.codes.is_cpu and w.codes.stride(-1) == 1 and cpu_ops.library() is not None
 
 
 def cpu_kernel(kernels: Kernels, w: QuantizedWeight, rows: int = 1):
@@ -283,7 +300,8 @@ def _layout(w: QuantizedWeight) -> _Layout:
         return 0 if t is None else t.stride(0)
     return _Layout(w.codes.data_ptr(), w.codes.stride(0), w.codes.shape[0], w.k, w.bits, w.group, w.per_super, int(w.fp8),
                    ptr(w.scale), stride(w.scale), ptr(w.scale_sub), stride(w.scale_sub),
-                   ptr(w.offset), stride(w.offset), ptr(w.offset_sub), stride(w.offset_sub))
+                   ptr(w.offset), stride(w.offset), ptr(w.offset_sub), stride(w.offset_sub),
+                   int(w.scale.dtype is torch.float16))
 
 
 def linear(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight | StackedWeight,

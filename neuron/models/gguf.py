@@ -274,8 +274,9 @@ class GGUFReader(Reader):
 
 
 def _f16(blocks: np.ndarray, at: int) -> torch.Tensor:
-    """The fp16 field at byte `at` of every block, as float32 [rows, blocks]."""
-    return torch.from_numpy(np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32))
+    """The fp16 field at byte `at` of every block, [rows, blocks], kept in fp16: the kernels widen
+    it as they read it, and a row's factors take the bytes they take in the file."""
+    return torch.from_numpy(np.ascontiguousarray(np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0]))
 
 
 def _int8_codes(q: np.ndarray) -> torch.Tensor:
@@ -311,7 +312,10 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 def _q4_0(blocks: np.ndarray, k: int) -> QuantizedWeight:
     d = _f16(blocks, 0)
-    return QuantizedWeight(codes=_packed(blocks, 2), k=k, bits=4, group=32, scale=d, offset=d * 8, format="Q4_0")
+    z = d.float() * 8  # exact in fp16 too, unless it passes fp16's largest value: then both fp32
+    fits = z.numel() == 0 or bool(z.abs().max() <= torch.finfo(torch.float16).max)
+    d, z = (d, z.half()) if fits else (d.float(), z)
+    return QuantizedWeight(codes=_packed(blocks, 2), k=k, bits=4, group=32, scale=d, offset=z, format="Q4_0")
 
 
 def _q4_1(blocks: np.ndarray, k: int) -> QuantizedWeight:

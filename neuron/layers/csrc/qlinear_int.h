@@ -407,10 +407,10 @@ inline void prefetch_row(const void* p, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at, 0, 3);
 }
 
-template <int PER_SUPER>
-inline void two_level(const float* top, const int8_t* sub, int64_t groups, float* out) {
+template <int PER_SUPER, typename T>
+inline void two_level(const T* top, const int8_t* sub, int64_t groups, float* out) {
     for (int64_t s = 0; s < groups / PER_SUPER; ++s) {
-        const float t = top[s];
+        const float t = widen_half(top[s]);
 #if defined(__AVX2__)  // GCC leaves the plain loop scalar
         for (int i = 0; i < PER_SUPER; i += 8) {
             const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sub + s * PER_SUPER + i)));
@@ -422,16 +422,36 @@ inline void two_level(const float* top, const int8_t* sub, int64_t groups, float
     }
 }
 
+// n fp16 values widened (GCC leaves the plain loop a call per value).
+inline void widen_halves(const _Float16* p, int64_t n, float* out) {
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+#endif
+    for (; i < n; ++i) out[i] = widen_half(p[i]);
+}
+
 // One row's factor per group: the top-level float per `per_super` groups, times the int8 sub-factor.
-inline void group_factors(const float* top, const int8_t* sub, int64_t groups, int per_super, float* out) {
+template <typename T>
+inline void group_factors(const T* top, const int8_t* sub, int64_t groups, int per_super, float* out) {
     if (!sub && per_super == 1) {  // a loop, not memcpy: a call costs as much as a short row's copy
+        if constexpr (std::is_same_v<T, _Float16>) return widen_halves(top, groups, out);
 #pragma omp simd
-        for (int64_t i = 0; i < groups; ++i) out[i] = top[i];
+        for (int64_t i = 0; i < groups; ++i) out[i] = float(top[i]);
         return;
     }
     if (sub && per_super == 8) return two_level<8>(top, sub, groups, out);  // Q4_K, Q5_K
     if (sub && per_super == 16) return two_level<16>(top, sub, groups, out);  // Q6_K
-    for (int64_t i = 0; i < groups; ++i) out[i] = top[i / per_super] * (sub ? float(sub[i]) : 1.0f);
+    for (int64_t i = 0; i < groups; ++i) out[i] = widen_half(top[i / per_super]) * (sub ? float(sub[i]) : 1.0f);
+}
+
+// The same for a row of `w`'s scales (or offsets) at `tops`, fp32 or fp16.
+inline void group_factors(const QuantizedWeight& w, const void* tops, const int8_t* sub, int64_t groups, float* out) {
+    if (w.half_factors)
+        group_factors(static_cast<const _Float16*>(tops), sub, groups, w.per_super, out);
+    else
+        group_factors(static_cast<const float*>(tops), sub, groups, w.per_super, out);
 }
 
 // NBT weight rows from o against every row of x: the group scales (and offsets) of those rows made
@@ -443,22 +463,24 @@ inline void irows(const RoundedRows& a, int64_t m, const QuantizedWeight& w, int
     if constexpr (!PLAIN) {
         // The scales and offsets are streams of their own, a few lines per row: fetched a few tiles
         // ahead like the codes (the loads of the factors below missed the cache without it).
-        const int64_t ahead = o + 2 * PREFETCH_ROWS;
+        const int64_t ahead = o + 2 * PREFETCH_ROWS, fbytes = w.half_factors ? 2 : 4;
+        const char* scales = static_cast<const char*>(w.scale);
+        const char* offsets = static_cast<const char*>(w.offset);
         if (ahead + NBT <= w.n)
             for (int j = 0; j < NBT; ++j) {
-                prefetch_row(w.scale + (ahead + j) * w.scale_stride, (groups / w.per_super) * 4);
+                prefetch_row(scales + (ahead + j) * w.scale_stride * fbytes, (groups / w.per_super) * fbytes);
                 if (w.scale_sub) prefetch_row(w.scale_sub + (ahead + j) * w.scale_sub_stride, groups);
-                if (w.offset) prefetch_row(w.offset + (ahead + j) * w.offset_stride, (groups / w.per_super) * 4);
+                if (w.offset)
+                    prefetch_row(offsets + (ahead + j) * w.offset_stride * fbytes, (groups / w.per_super) * fbytes);
                 if (w.offset_sub) prefetch_row(w.offset_sub + (ahead + j) * w.offset_sub_stride, groups);
             }
         for (int j = 0; j < NBT; ++j) {
             const int64_t row = o + j;
-            group_factors(w.scale + row * w.scale_stride,
-                          w.scale_sub ? w.scale_sub + row * w.scale_sub_stride : nullptr, groups, w.per_super,
-                          gs + j * gstride);
+            group_factors(w, scales + row * w.scale_stride * fbytes,
+                          w.scale_sub ? w.scale_sub + row * w.scale_sub_stride : nullptr, groups, gs + j * gstride);
             if (w.offset)
-                group_factors(w.offset + row * w.offset_stride,
-                              w.offset_sub ? w.offset_sub + row * w.offset_sub_stride : nullptr, groups, w.per_super,
+                group_factors(w, offsets + row * w.offset_stride * fbytes,
+                              w.offset_sub ? w.offset_sub + row * w.offset_sub_stride : nullptr, groups,
                               zs + j * gstride);
         }
     }
@@ -476,7 +498,7 @@ inline void irows(const RoundedRows& a, int64_t m, const QuantizedWeight& w, int
                 if (!PLAIN && w.offset)  // one horizontal sum for both
                     lanes -= dot_lanes(zs + j * gstride, a.sum + (r0 + r) * a.sum_stride, a.sum_stride);
                 float v = lane_sum(lanes);
-                if constexpr (PLAIN) v *= w.scale[(o + j) * w.scale_stride];
+                if constexpr (PLAIN) v *= top_factor(w.scale, (o + j) * w.scale_stride, w.half_factors);
                 y[(r0 + r) * ys + o + j] = bias ? v + bias[o + j] : v;
             }
     };
