@@ -321,6 +321,14 @@ def test_cpu_kernel_long_mixed_step(cpu_kernel):
     assert_kernel_matches(cpu_kernel, *step_tensors, tolerance=CPU_EXACT)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cpu_kernel_short_multi_token_steps(cpu_kernel, head_dim):
+    """Steps of 2 to 4 tokens (speculative verification) on the per-row path: the first query at
+    position 31 or 63 leaves the last key tile wholly after it, so that row's tile is all masked."""
+    step_tensors = make_step([31, 63, 10, 95], [2, 3, 4, 1], heads=6, kv_heads=3, head_dim=head_dim, device="cpu")
+    assert_kernel_matches(cpu_kernel, *step_tensors, tolerance=CPU_EXACT)
+
+
 def test_cpu_kernel_strided_queries(cpu_kernel):
     """Queries that are a view of a fused projection (rows wider than heads x head_dim)."""
     q, k_pool, v_pool, meta = make_step(**MIXED, device="cpu")

@@ -28,6 +28,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -38,11 +39,13 @@ constexpr int BLOCK_ROWS = 64;  // the same for the blocked path: each K and V t
 constexpr int LANES = 16;       // independent partial sums of a dot product (one AVX-512 or two AVX2 registers)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 // Below this many multiply-adds (query rows x keys x head_dim over the step) one thread does the
-// whole step: a parallel region ends in a barrier that waits for every thread of the team, and on
-// cores shared with other processes a descheduled thread makes that wait milliseconds, which
-// dwarfs a batch-1 decode's attention (tens of microseconds). torch's own ops skip threads for
-// small work the same way (at::parallel_for's grain size).
-constexpr int64_t MIN_PARALLEL_WORK = int64_t(1) << 21;
+// whole step: a parallel region ends in a barrier that waits for every thread of the team, which
+// costs more than a few keys' attention (torch's own ops skip threads for small work the same way,
+// at::parallel_for's grain size). Above it the team splits the KV heads: a batch-1 decode step of
+// the 191M model (16 heads of 128) goes parallel past 32 positions. Measured there, Q8_0 at batch 1
+// over 256 tokens, alternated on the 2-core VM: 2^16 gave 104-123 tok/s against 94-107 for 2^21
+// (a decode's attention on one thread, 8 % of the step) and 107-110 for 2^13.
+constexpr int64_t MIN_PARALLEL_WORK = int64_t(1) << 16;
 
 // Pool element types: fp32 in place; bf16 and fp16 are widened to fp32 as they are read.
 struct bf16 { uint16_t bits; };
@@ -173,25 +176,59 @@ void load_queries(const Args& a, const Item& it, int64_t group, float* qbuf) {
     }
 }
 
+// VL vectors of partial sums, one key's each, reduced to one vector of the keys' sums (lane n: key
+// n's): at each level, lanes of one partner hold a pair's sum of the one key's partials, the other
+// lanes the other key's, halving the keys' spread, so every key's sum is the same tree of adds
+// whatever the other lanes hold. VL - 1 vector adds and twice as many shuffles for VL keys, where a
+// horizontal sum per key takes about as many as VL adds.
+template <int STEP, int... L>
+inline vecf pair_sums(vecf a, vecf b, std::integer_sequence<int, L...>) {
+    // lane l: from a where (l & STEP) == 0, else from b (b's lanes are VL + l); each lane adds the
+    // pair l and l ^ STEP
+    const vecf lo = __builtin_shufflevector(a, b, ((L & STEP) == 0 ? L : VL + L - STEP)...);
+    const vecf hi = __builtin_shufflevector(a, b, ((L & STEP) == 0 ? L + STEP : VL + L)...);
+    return lo + hi;
+}
+template <int STEP>
+inline vecf pair_sums(vecf a, vecf b) {
+    return pair_sums<STEP>(a, b, std::make_integer_sequence<int, VL>{});
+}
+inline vecf key_sums(vecf* v) {
+    for (int n = 0; n < VL / 2; ++n) v[n] = pair_sums<1>(v[2 * n], v[2 * n + 1]);
+    for (int n = 0; n < VL / 4; ++n) v[n] = pair_sums<2>(v[2 * n], v[2 * n + 1]);
+    for (int n = 0; n < VL / 8; ++n) v[n] = pair_sums<4>(v[2 * n], v[2 * n + 1]);
+    if constexpr (VL == 16) v[0] = pair_sums<8>(v[0], v[1]);
+    return v[0];
+}
+
 // Scores of every row against the tile's keys; a key past a row's own position is masked out.
 template <int DT>
 void scores(const Args& a, int64_t rows, int64_t group, int64_t first_pos, int64_t n0, int nn,
             const float** krows, Scratch& w) {
     const int64_t D = dim<DT>(a);
     if constexpr (DT != 0 && DT % (2 * VL) == 0) {
-        // each key row is loaded into registers once and dotted with every row of the item
+        // a row's query held in registers against VL keys at a time, their sums reduced together
         constexpr int NV = DT / VL;
-        for (int n = 0; n < nn; ++n) {
-            vecf k[NV];
-            for (int j = 0; j < NV; ++j) k[j] = vload(krows[n] + j * VL);
-            for (int64_t r = 0; r < rows; ++r) {
-                const float* q = &w.q[r * DT];
-                vecf s0 = vload(q) * k[0], s1 = vload(q + VL) * k[1];
-                for (int j = 2; j < NV; j += 2) {
-                    s0 += vload(q + j * VL) * k[j];
-                    s1 += vload(q + (j + 1) * VL) * k[j + 1];
+        for (int64_t r = 0; r < rows; ++r) {
+            vecf q[NV];
+            for (int j = 0; j < NV; ++j) q[j] = vload(&w.q[r * DT + j * VL]);
+            for (int k0 = 0; k0 < nn; k0 += VL) {
+                vecf part[VL];
+                for (int n = 0; n < VL; ++n) {
+                    const float* k = k0 + n < nn ? krows[k0 + n] : w.zero.data();
+                    vecf s0 = q[0] * vload(k), s1 = q[1] * vload(k + VL);
+                    for (int j = 2; j < NV; j += 2) {
+                        s0 += q[j] * vload(k + j * VL);
+                        s1 += q[j + 1] * vload(k + (j + 1) * VL);
+                    }
+                    part[n] = s0 + s1;
                 }
-                w.s[r * TILE_N + n] = hsum(s0 + s1);
+                const vecf sums = key_sums(part);
+                float* out = &w.s[r * TILE_N + k0];
+                if (k0 + VL <= nn)
+                    vstore(out, sums);
+                else
+                    for (int n = 0; n < nn - k0; ++n) out[n] = sums[n];
             }
         }
     } else {
@@ -209,11 +246,18 @@ void scores(const Args& a, int64_t rows, int64_t group, int64_t first_pos, int64
 template <int DT>
 void accumulate(const Args& a, int64_t rows, int nn, const float** vrows, Scratch& w) {
     const int64_t D = dim<DT>(a);
+    // first each row's new maximum, its factor alpha and its probabilities (in s); a row for which
+    // every key of the tile lies after its query keeps its state: alpha 1 and p 0 (its values are
+    // finite: rows of this step or earlier ones)
     for (int64_t r = 0; r < rows; ++r) {
         float* s = &w.s[r * TILE_N];
         float tile_max = NEG_INF;
         for (int n = 0; n < nn; ++n) tile_max = std::max(tile_max, s[n]);
-        if (tile_max == NEG_INF) continue;  // every key of the tile lies after this row's query
+        if (tile_max == NEG_INF) {
+            std::fill(s, s + nn, 0.0f);
+            w.alpha[r] = 1.0f;
+            continue;
+        }
         const float m_new = std::max(w.m[r], tile_max);
         const float alpha = w.m[r] == NEG_INF ? 0.0f : exp2_neg(w.m[r] - m_new);
         float sum = 0.0f;
@@ -222,28 +266,47 @@ void accumulate(const Args& a, int64_t rows, int nn, const float** vrows, Scratc
             s[n] = exp2_neg(s[n] - m_new);
             sum += s[n];
         }
-        float* acc = &w.acc[r * D];
-        if constexpr (DT != 0 && DT % (CHUNK * VL) == 0) {
-            // CHUNK vectors of the accumulator stay in registers across the tile's values
-            for (int c = 0; c < DT; c += CHUNK * VL) {
-                vecf part[CHUNK];
-                for (int j = 0; j < CHUNK; ++j) part[j] = vload(acc + c + j * VL) * alpha;
+        w.alpha[r] = alpha;
+        w.l[r] = w.l[r] * alpha + sum;
+        w.m[r] = m_new;
+    }
+    // then P V: RB rows x CH vectors of their accumulators in registers, each value vector loaded
+    // once for the RB rows (a GQA group's rows share the keys)
+    if constexpr (DT != 0 && DT % VL == 0) {
+        constexpr int CH = std::min(CHUNK, DT / VL);
+        constexpr int RB = std::max(1, 2 * CHUNK / CH);  // rows per block: RB x CH accumulators, 2 x CHUNK
+        static_assert(DT % (CH * VL) == 0, "whole chunks of the head");
+        auto block = [&](auto rb, int64_t r0) {
+            constexpr int R = decltype(rb)::value;
+            for (int c = 0; c < DT; c += CH * VL) {
+                vecf part[R][CH];
+                for (int i = 0; i < R; ++i)
+                    for (int j = 0; j < CH; ++j) part[i][j] = vload(&w.acc[(r0 + i) * D + c + j * VL]) * w.alpha[r0 + i];
                 for (int n = 0; n < nn; ++n) {
-                    const float p = s[n];
-                    const float* v = vrows[n] + c;
-                    for (int j = 0; j < CHUNK; ++j) part[j] += p * vload(v + j * VL);
+                    vecf v[CH];
+                    for (int j = 0; j < CH; ++j) v[j] = vload(vrows[n] + c + j * VL);
+                    for (int i = 0; i < R; ++i) {
+                        const float p = w.s[(r0 + i) * TILE_N + n];
+                        for (int j = 0; j < CH; ++j) part[i][j] += p * v[j];
+                    }
                 }
-                for (int j = 0; j < CHUNK; ++j) vstore(acc + c + j * VL, part[j]);
+                for (int i = 0; i < R; ++i)
+                    for (int j = 0; j < CH; ++j) vstore(&w.acc[(r0 + i) * D + c + j * VL], part[i][j]);
             }
-        } else {
+        };
+        int64_t r = 0;
+        for (; r + RB <= rows; r += RB) block(std::integral_constant<int, RB>{}, r);
+        for (; r < rows; ++r) block(std::integral_constant<int, 1>{}, r);
+    } else {
+        for (int64_t r = 0; r < rows; ++r) {
+            float* acc = &w.acc[r * D];
+            const float alpha = w.alpha[r];
             if (alpha != 1.0f) {
 #pragma omp simd
                 for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
             }
-            for (int n = 0; n < nn; ++n) axpy<DT>(acc, s[n], vrows[n], D);
+            for (int n = 0; n < nn; ++n) axpy<DT>(acc, w.s[r * TILE_N + n], vrows[n], D);
         }
-        w.l[r] = w.l[r] * alpha + sum;
-        w.m[r] = m_new;
     }
 }
 
