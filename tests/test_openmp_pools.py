@@ -78,3 +78,28 @@ def test_a_load_leaves_no_pool_on_the_thread_that_holds_the_model(two_threads):
 def test_work_handed_to_a_pooled_thread_releases_its_pool(two_threads):
     baseline = _native_threads()
     assert _on_a_thread(lambda: then_release_pool(_parallel_work) or _native_threads()) == baseline
+
+
+def test_an_engine_thread_gives_its_pool_back_while_it_idles(default_tokenizer, two_threads):
+    """A host serving several models runs each on an engine thread of its own: an idle model's pool
+    would count against the CPUs for the busy ones. The pool goes when the engine runs out of work
+    and comes back with the next step."""
+    from server_harness import LiveServer, ScriptedEngine, client, scripted_engine, wait_until
+
+    during: list[int] = []
+
+    class Working(ScriptedEngine):
+        def step(self):
+            _parallel_work()
+            during.append(_native_threads())
+            return super().step()
+
+    with LiveServer(scripted_engine(Working(default_tokenizer, {"hi": ["a", "b"]}))) as s:
+        s.wait_ready(10)
+        baseline = _native_threads()
+        for _ in range(2):  # the pool is made again for the second request
+            during.clear()
+            answer = client(s).completions.create(model="stub", prompt="hi", max_tokens=4)
+            assert answer.choices[0].text == "ab"
+            assert during and max(during) == baseline + 1, "the steps should have run on a pool of one more thread"
+            wait_until(lambda: _native_threads() == baseline, 5, "the idle engine thread kept its pool")

@@ -35,6 +35,7 @@ from neuron.errors import NeuronError
 from neuron.executor.executor import resource_shortage
 from neuron.models.lora import LoraError
 from neuron.multimodal.image import ImageInput
+from neuron.utils.openmp import release_pool
 
 log = logging.getLogger("neuron.server")
 
@@ -328,16 +329,24 @@ class AsyncEngine(EngineClient):
             engine.shutdown()
 
     def _loop_forever(self, engine: LLMEngine) -> None:
+        stepped = False  # since the engine was last idle
         while not self._stopping.is_set():
             if engine.failure is not None:
                 if not self._recover(engine):
                     return
                 continue
             if not engine.has_unfinished():
+                if stepped:
+                    # this thread's OpenMP pool goes while it idles (the next step makes it again): a host's
+                    # idle models then hold no pool threads, whose number beyond the CPUs would put every
+                    # model's parallel regions on libgomp's sleeping path (neuron/utils/openmp.py)
+                    release_pool()
+                    stepped = False
                 self.metrics.engine_load(engine.num_running(), engine.num_waiting(), engine.kv_slot_usage())
                 self._wake.wait(_IDLE_WAIT_S)
                 self._wake.clear()
                 continue
+            stepped = True
             try:
                 updates = engine.step()
             except Exception as exc:

@@ -11,7 +11,9 @@ cores went from 63 to 130-147 tok/s once the loading thread gave its pool back
 (docs/benchmarks.md).
 
 So a thread that runs tensor work and then lives on without stepping calls `release_pool` when its
-work is done; the thread that steps keeps its pool.
+work is done. The thread that steps keeps its pool while it has work, and gives it back when it runs
+out (async_engine.py): a host serving several models steps each on a thread of its own, and an idle
+model's pool would count against the CPUs for the busy ones.
 """
 
 from __future__ import annotations
