@@ -136,24 +136,39 @@ def test_integer_kernel_multiplies_the_rounded_activations(kind, k, rows):
 
 
 # The build picks its code by -march=native; each of these flags takes away part of what an AVX-512
-# VNNI machine has, so the other paths (maddubs, 256 bits, plain C++) are checked on it too: through
-# a compiler wrapper named by NEURON_CXX and a kernel cache of its own.
+# VNNI machine has, so the other paths (maddubs, 256 bits, plain C++, fp16 factors widened without
+# F16C) are checked on it too: through a compiler wrapper named by NEURON_CXX and a kernel cache of
+# its own. The three runs (a build and the checks each, mostly one core's work) start together.
 NARROWER = {"avx512-without-vnni": "-mno-avx512vnni", "avx2": "-mno-avx512f", "scalar": "-mno-avx"}
+
+
+@pytest.fixture(scope="module")
+def narrower_runs(tmp_path_factory):
+    runs = {}
+    for name, flag in NARROWER.items():
+        root = tmp_path_factory.mktemp(name)
+        wrapper = root / "cxx"
+        wrapper.write_text(f'#!/bin/sh\nexec {native.compiler()} "$@" {flag}\n')
+        wrapper.chmod(0o755)
+        env = {**os.environ, "NEURON_CXX": str(wrapper), "NEURON_CACHE_DIR": str(root / "cache")}
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                                 "bound_of or rounded_activations or fp16_factors"], env=env,
+                                cwd=Path(__file__).parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        runs[name] = (proc, root)
+    yield runs
+    for proc, _ in runs.values():
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the flags are x86's")
-@pytest.mark.parametrize("flag", list(NARROWER.values()), ids=list(NARROWER))
-def test_narrower_builds_pass_the_same_checks(flag, tmp_path):
-    wrapper = tmp_path / "cxx"
-    wrapper.write_text(f'#!/bin/sh\nexec {native.compiler()} "$@" {flag}\n')
-    wrapper.chmod(0o755)
-    env = {**os.environ, "NEURON_CXX": str(wrapper), "NEURON_CACHE_DIR": str(tmp_path / "cache")}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "bound_of or rounded_activations"], env=env, cwd=Path(__file__).parent, capture_output=True,
-                          text=True, timeout=900)
-    assert done.returncode == 0 and "skipped" not in done.stdout, done.stdout[-3000:]
-    assert list((tmp_path / "cache" / "kernels").glob("cpu_ops-*.so"))  # built here, with the flag
+@pytest.mark.parametrize("name", list(NARROWER))
+def test_narrower_builds_pass_the_same_checks(name, narrower_runs):
+    proc, root = narrower_runs[name]
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0 and "skipped" not in out, out[-3000:]
+    assert list((root / "cache" / "kernels").glob("cpu_ops-*.so"))  # built there, with the flag
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K"])
