@@ -9,8 +9,11 @@ says) on the same GGUF files, "not installed" where it is missing.
     python scripts/bench_quant.py --only int8,Q8_0,Q4_K --exact   # the integer kernel against the exact one
 
 For each: weight bytes per rank (what the ranks report after loading), batch-1 decode tok/s (one
-sequence) and batch-16 decode tok/s (16 sequences at once), each the median of --repeats runs, and
-the ratio to fp32. Greedy decoding ignores EOS so every run has the same length.
+sequence) and batch-16 decode tok/s (16 sequences at once), each the median of --repeats rounds, and
+the ratio to fp32. llama.cpp decodes each GGUF file once after every round of neuron's, and the
+ratio to it is the median of the rounds' own ratios: a shared VM's memory bandwidth drifts by a
+third over minutes, more than the engines differ. Greedy decoding ignores EOS so every run has the
+same length.
 """
 
 from __future__ import annotations
@@ -63,10 +66,11 @@ def decode_rate(llm, tokens: int, batch: int) -> float:
     return batch * (tokens - 1) / max(time.perf_counter() - start - prefill, 1e-9)
 
 
-def time_neuron(variants: dict, tokens: int, repeats: int, batch: int) -> dict:
+def time_neuron(variants: dict, tokens: int, repeats: int, batch: int, each_round=None) -> dict:
     """Every variant loaded at once and measured in turn, round after round, so that a machine whose
-    speed drifts (a shared VM) shifts all of them alike: per variant, rank 0's weight bytes and the
-    median batch-1 and batch-`batch` decode tok/s."""
+    speed drifts (a shared VM) shifts all of them alike: per variant, rank 0's weight bytes, the
+    median batch-1 and batch-`batch` decode tok/s, and each round's batch-1 figure. `each_round()`
+    runs after each round (the peer's turn)."""
     from neuron import LLM, SamplingParams
 
     llms = {}
@@ -84,9 +88,12 @@ def time_neuron(variants: dict, tokens: int, repeats: int, batch: int) -> dict:
             for name, llm in llms.items():
                 rates[name][0].append(decode_rate(llm, tokens, 1))
                 rates[name][1].append(decode_rate(llm, tokens, batch))
+            if each_round is not None:
+                each_round()
         return {name: dict(weight_bytes=llm.engine.executor.weight_bytes[0],
                            batch1_tok_s=statistics.median(rates[name][0]),
-                           batchN_tok_s=statistics.median(rates[name][1]))
+                           batchN_tok_s=statistics.median(rates[name][1]), batch1_rounds=rates[name][0],
+                           batchN_rounds=rates[name][1])
                 for name, llm in llms.items()}
     finally:
         for llm in llms.values():
@@ -132,6 +139,11 @@ def time_llama_cpp(python: str, path: str, tokens: int, repeats: int) -> float |
     return float(done.stdout.strip().splitlines()[-1])
 
 
+def _round_ratio(ours: list[float], theirs: list[float]) -> float:
+    """The median of each round's ratio: figures of one round are seconds apart, of two rounds minutes."""
+    return statistics.median(a / b for a, b in zip(ours, theirs))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="a Qwen3 / Llama checkpoint directory (default: a random one built here)")
@@ -171,25 +183,42 @@ def main() -> int:
                 model, kwargs = variants[name]
                 variants[f"{name} exact"] = (model, dict(kwargs, exact=True))
                 wanted.add(f"{name} exact")
+        # llama.cpp takes its turn on each file after every round of neuron's, so that the ratios
+        # compare runs minutes apart at most, not one engine's rounds against the other's
+        peers = {name: [] for name in gguf_files if name in wanted}
+        installed = [True]
+
+        def llama_cpp_round() -> None:
+            for name, rounds in peers.items():
+                if installed[0]:
+                    rate = time_llama_cpp(args.llama_cpp_python, str(gguf_files[name]), args.tokens, 1)
+                    installed[0] = rate is not None
+                    rounds.append(rate)
+
         results = time_neuron({k: v for k, v in variants.items() if k in wanted}, args.tokens, args.repeats,
-                              args.batch)
-        for name, r in results.items():
-            if name in gguf_files:
-                r["llama_cpp_batch1_tok_s"] = time_llama_cpp(args.llama_cpp_python, str(gguf_files[name]),
-                                                             args.tokens, args.repeats)
+                              args.batch, llama_cpp_round)
+        for name, rounds in peers.items():
+            r = results[name]
+            r["llama_cpp_batch1_tok_s"] = statistics.median(rounds) if installed[0] else None
+            if installed[0]:
+                r["llama_cpp_rounds"] = rounds
+                r["vs_llama_cpp"] = _round_ratio(r["batch1_rounds"], rounds)
 
     base = results.get("fp32")
     bf16 = results.get("bf16")
     print(f"\n{'variant':8} {'MiB/rank':>9} {'x bf16 B':>9} {'b1 tok/s':>9} {'x fp32':>7} "
-          f"{f'b{args.batch} tok/s':>10} {'x fp32':>7} {'llama.cpp b1':>13}")
+          f"{f'b{args.batch} tok/s':>10} {'x fp32':>7} {'llama.cpp b1':>13} {'x llama.cpp':>12}")
     for name, r in results.items():
         vs_bf16 = f"{r['weight_bytes'] / bf16['weight_bytes']:.2f}" if bf16 else "-"
-        x1 = f"{r['batch1_tok_s'] / base['batch1_tok_s']:.2f}" if base else "-"
-        xn = f"{r['batchN_tok_s'] / base['batchN_tok_s']:.2f}" if base else "-"
+        x1 = f"{_round_ratio(r['batch1_rounds'], base['batch1_rounds']):.2f}" if base else "-"
+        xn = f"{_round_ratio(r['batchN_rounds'], base['batchN_rounds']):.2f}" if base else "-"
         lc = r.get("llama_cpp_batch1_tok_s")
         lc_text = "-" if name not in gguf_files else ("not installed" if lc is None else f"{lc:.1f}")
+        vs = f"{r['vs_llama_cpp']:.2f}" if "vs_llama_cpp" in r else "-"
         print(f"{name:8} {r['weight_bytes'] / 2**20:9.1f} {vs_bf16:>9} {r['batch1_tok_s']:9.1f} {x1:>7} "
-              f"{r['batchN_tok_s']:10.1f} {xn:>7} {lc_text:>13}")
+              f"{r['batchN_tok_s']:10.1f} {xn:>7} {lc_text:>13} {vs:>12}")
+    print("\ntok/s: medians of the rounds; x fp32 and x llama.cpp: medians of each round's own ratio (llama.cpp's "
+          "turn follows neuron's in every round)")
     print(f"\n{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(dict(tokens=args.tokens, batch=args.batch, results=results), indent=2))
