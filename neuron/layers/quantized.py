@@ -9,11 +9,12 @@ byte (`bits` 4: in each group of 32 inputs byte i holds input i in its low nibbl
 in its high one, values 0..15, as GGUF's Q4_0 stores them). s is a float per `per_super` groups,
 times an int8 sub-scale per group where the format has two levels (GGUF's K-quants); z likewise,
 or absent. s and z are float32, or float16 where the file stores them so (GGUF's blocks: kept as
-they are, so a Q8_0 row is 34 bytes per 32 inputs as in the file, not 36). Load-time int8 is the case group = k (one scale per output row); GGUF's Q8_0 is group
-32; Q4_K is 4-bit codes in groups of 32 under super-blocks of 256; Q2_K, Q3_K and the IQ4 types
-are int8 codes (2- and 3-bit values, codebook values) under the same two-level factors. Groups that are not runs of
-consecutive inputs (GPTQ's act-order) are stored gathered, with `input_index` saying which input
-each stored column multiplies.
+they are, so a Q8_0 row is 34 bytes per 32 inputs as in the file, not 36). Load-time int8 is the
+case group = k (one scale per output row); GGUF's Q8_0 is group 32; Q4_K is 4-bit codes in groups
+of 32 under super-blocks of 256; Q2_K, Q3_K and the IQ4 types are int8 codes (2- and 3-bit values,
+codebook values) under the same two-level factors. Groups that are not runs of consecutive inputs
+(GPTQ's act-order) are stored gathered, with `input_index` saying which input each stored column
+multiplies.
 
 A CPU step of up to MAX_KERNEL_ROWS rows multiplies through neuron's C++ kernels, which read 1 or
 0.5 bytes per weight instead of 4: for int8 and 4-bit codes by default `neuron_qlinear_int`

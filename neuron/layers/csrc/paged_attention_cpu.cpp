@@ -13,7 +13,8 @@
 // in fp32: one max and one rescale of the accumulators per tile, not per key. An item takes one
 // of two paths by its number of rows:
 // - few rows (decodes): bound by reading K and V, so a score is a plain dot product of a query row
-//   with a key row, one row at a time;
+//   with a key row, one row at a time (16 keys' dot products reduced together), and P V holds a
+//   GQA group's accumulators in registers;
 // - many rows (prefill chunks): bound by arithmetic, as Q K^T and P V over a key tile are small
 //   matrix products; they run as register-blocked products with the rows along the vector lanes
 //   (see "Blocked path" below).
@@ -281,7 +282,8 @@ void accumulate(const Args& a, int64_t rows, int nn, const float** vrows, Scratc
             for (int c = 0; c < DT; c += CH * VL) {
                 vecf part[R][CH];
                 for (int i = 0; i < R; ++i)
-                    for (int j = 0; j < CH; ++j) part[i][j] = vload(&w.acc[(r0 + i) * D + c + j * VL]) * w.alpha[r0 + i];
+                    for (int j = 0; j < CH; ++j)
+                        part[i][j] = vload(&w.acc[(r0 + i) * D + c + j * VL]) * w.alpha[r0 + i];
                 for (int n = 0; n < nn; ++n) {
                     vecf v[CH];
                     for (int j = 0; j < CH; ++j) v[j] = vload(vrows[n] + c + j * VL);
