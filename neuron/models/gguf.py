@@ -16,6 +16,7 @@ the `gguf` package does:
 - IQ4_NL and IQ4_XS: the codebook's values as int8 codes, under d per 32 (IQ4_NL) or under
   d x (ls - 32) per 32 (IQ4_XS).
 
+d, m and dmin stay fp16, as the file stores them (the kernels widen them exactly as they read).
 The two-level factors multiply in fp32 as gguf's do (d x sc before the code), so each product
 rounds the same. F32, F16 and BF16 tensors load as dense ones; any other type (the IQ1-IQ3
 families, TQ1_0, ...) is refused on the leader, naming it and its tensors, before workers start.
