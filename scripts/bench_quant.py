@@ -186,23 +186,21 @@ def main() -> int:
         # llama.cpp takes its turn on each file after every round of neuron's, so that the ratios
         # compare runs minutes apart at most, not one engine's rounds against the other's
         peers = {name: [] for name in gguf_files if name in wanted}
-        installed = [True]
 
         def llama_cpp_round() -> None:
             for name, rounds in peers.items():
-                if installed[0]:
-                    rate = time_llama_cpp(args.llama_cpp_python, str(gguf_files[name]), args.tokens, 1)
-                    installed[0] = rate is not None
-                    rounds.append(rate)
+                if None in rounds:  # llama-cpp-python is not installed there
+                    return
+                rounds.append(time_llama_cpp(args.llama_cpp_python, str(gguf_files[name]), args.tokens, 1))
 
         results = time_neuron({k: v for k, v in variants.items() if k in wanted}, args.tokens, args.repeats,
                               args.batch, llama_cpp_round)
         for name, rounds in peers.items():
             r = results[name]
-            r["llama_cpp_batch1_tok_s"] = statistics.median(rounds) if installed[0] else None
-            if installed[0]:
-                r["llama_cpp_rounds"] = rounds
-                r["vs_llama_cpp"] = _round_ratio(r["batch1_rounds"], rounds)
+            r["llama_cpp_batch1_tok_s"] = None
+            if rounds and None not in rounds:
+                r.update(llama_cpp_batch1_tok_s=statistics.median(rounds), llama_cpp_rounds=rounds,
+                         vs_llama_cpp=_round_ratio(r["batch1_rounds"], rounds))
 
     base = results.get("fp32")
     bf16 = results.get("bf16")

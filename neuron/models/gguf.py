@@ -277,7 +277,7 @@ class GGUFReader(Reader):
 def _f16(blocks: np.ndarray, at: int) -> torch.Tensor:
     """The fp16 field at byte `at` of every block, [rows, blocks], kept in fp16: the kernels widen
     it as they read it, and a row's factors take the bytes they take in the file."""
-    return torch.from_numpy(np.ascontiguousarray(np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0]))
+    return torch.from_numpy(np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].copy())
 
 
 def _int8_codes(q: np.ndarray) -> torch.Tensor:
