@@ -79,6 +79,28 @@ def test_random_blocks_read_back_exactly_whole_and_split_across_two_ranks(tmp_pa
     assert neuron_gguf.held_bytes(reader.file.tensors["blk.0.ffn_down.weight"], 4) == held  # the memory plan's count
 
 
+def test_q4_0_scales_whose_offset_passes_fp16_are_read_in_fp32():
+    """Q4_0's offset is 8 d: kept fp16 beside d, unless 8 d passes fp16's largest value (d of 60,000
+    is a finite fp16); then both are fp32, and the weight still reads and multiplies as gguf's."""
+    from neuron.layers import quantized
+    from neuron.layers.kernels import Kernels
+
+    qtype = gguf.GGMLQuantizationType.Q4_0
+    data = random_blocks("Q4_0", 6, 512, seed=9)
+    blocks = data.reshape(6, -1, gguf.GGML_QUANT_SIZES[qtype][1])
+    modest = neuron_gguf._DECODERS["Q4_0"](blocks, 512)
+    assert modest.scale.dtype == modest.offset.dtype == torch.float16
+    blocks[2, 3, 0:2] = np.array([60000], dtype=np.float16).view(np.uint8)
+    w = neuron_gguf._DECODERS["Q4_0"](blocks, 512)
+    assert w.scale.dtype == w.offset.dtype == torch.float32
+    reference = torch.from_numpy(gguf.dequantize(data, qtype))
+    assert torch.equal(w.dequantize(), reference)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(1))
+    assert quantized.cpu_kernel(Kernels(quant_exact=True), w, 2) is not None
+    exact = quantized.linear(Kernels(quant_exact=True), x, w)
+    assert torch.allclose(exact, x.double().matmul(reference.double().T).float(), rtol=1e-5, atol=1e-2)
+
+
 def _hf_checkpoint(tmp_path, family: str):
     if family == "qwen3":
         return build_checkpoint(tmp_path / "hf", seed=3, **SHAPE)
