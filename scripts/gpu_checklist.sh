@@ -8,13 +8,16 @@
 #   bash scripts/gpu_checklist.sh                    # about 8 minutes
 #   BUDGET=300 BENCH=tp2 bash scripts/gpu_checklist.sh
 #
-# PYTHON (default python3) must have torch with CUDA and neuron's dependencies importable.
+# PYTHON (default python3) must have torch with CUDA and neuron's dependencies importable; on a machine
+# without a package index, scripts/gpu_wheels.sh makes the wheels to carry. A collection of every
+# `gpu` test runs first and names any module still missing. Failures print their tracebacks as they
+# happen (NEURON_TEST_INSTAFAIL), so a phase cut by its limit still says why.
 set -u
 PYTHON=${PYTHON:-python3}
 LOGS=${LOGS:-gpu-checklist}
 BUDGET=${BUDGET:-480}   # seconds for the whole run
 BENCH=${BENCH-decode}  # the bench_gpu.py part(s) run last with what time is left; empty for none
-export PYTHONUNBUFFERED=1 NEURON_LOG_LEVEL=${NEURON_LOG_LEVEL:-WARNING}
+export PYTHONUNBUFFERED=1 NEURON_LOG_LEVEL=${NEURON_LOG_LEVEL:-WARNING} NEURON_TEST_INSTAFAIL=1
 mkdir -p "$LOGS"
 start=$(date +%s)
 left() { echo $((BUDGET - ($(date +%s) - start))); }
@@ -30,7 +33,7 @@ phase() {
     local rc=$?
     [ $rc -eq 124 ] && echo "   timed out after ${limit}s"
     echo "   rc=$rc"
-    grep -E "^(FAILED|ERROR)|passed|failed|Timeout|Error:|error:" "$LOGS/$name.log" | tail -25 | cut -c1-400
+    grep -E "^(FAILED|ERROR|E  )|^==== |passed|failed|selected|Timeout|Error:|error:" "$LOGS/$name.log" | tail -40 | cut -c1-400
 }
 
 # pytest with short tracebacks, printed when each run ends
@@ -41,6 +44,7 @@ PYTEST=("$PYTHON" -m pytest -q -p no:cacheprovider --timeout "${TEST_TIMEOUT:-12
 } >"$LOGS/environment.log" 2>&1
 cat "$LOGS/environment.log"
 
+phase collect 60 "$PYTHON" -m pytest -q -p no:cacheprovider --collect-only -m gpu tests
 phase doctor 120 "$PYTHON" -m neuron doctor
 # The compile matrix (every tile for sm_80..sm_120) needs no GPU and runs in CI; left out here.
 phase kernels 120 "${PYTEST[@]}" tests/test_norm_kernels.py tests/test_quant_kernels.py tests/test_paged_attention.py \

@@ -21,6 +21,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+    """NEURON_TEST_INSTAFAIL=1 (scripts/gpu_checklist.sh): a failure's traceback is written as it
+    happens, so a run that its time limit cuts short still shows why each failed test failed."""
+    if report.failed and os.environ.get("NEURON_TEST_INSTAFAIL"):
+        sys.__stderr__.write(f"\n==== {report.nodeid} failed in {report.when}\n{report.longreprtext}\n")
+        sys.__stderr__.flush()
+
+
 @pytest.fixture
 def small_prefill_chunks(monkeypatch):
     """16-token prefill chunks, so the longer test prompts take several steps."""

@@ -5,8 +5,10 @@ the release path itself."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
+import weakref
 
 import pytest
 import torch
@@ -145,8 +147,15 @@ def test_shutdown_releases_rank0_and_the_device_cache(monkeypatch):
     worker_mod.release_device_memory(torch.device("cpu"))
     assert calls == []
 
+    # the device cache is emptied once nothing holds the models any more: a reference still held
+    # then (a loop variable in close()) left a whole KV pool cached and counted as used on CUDA
     llm = LLM(model=str(default_model_dir()), device="cpu", max_model_len=64)
     rank0 = llm.engine.executor.rank0
     assert list(rank0.models) == ["model"]
+    runner = weakref.ref(rank0.models["model"])
+    alive_at_release = []
+    monkeypatch.setattr(worker_mod, "release_device_memory",
+                        lambda device: (gc.collect(), alive_at_release.append(runner() is not None)))
     llm.shutdown()
     assert rank0.models == {}
+    assert alive_at_release == [False]

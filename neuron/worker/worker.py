@@ -128,6 +128,7 @@ class Worker:
             case p.UnloadModel():
                 self._model(req.model_id).release()
                 del self.models[req.model_id]
+                release_device_memory(self.device)
                 return p.Unloaded(seq=seq, model_id=req.model_id), None
             case p.Shutdown():
                 return p.Bye(seq=seq), None
@@ -211,9 +212,7 @@ class Worker:
 
     def close(self) -> None:
         """Drop the models and the communicator, and give their device memory back."""
-        for runner in self.models.values():
-            runner.release()
-        self.models.clear()
+        self._drop_models()  # its own frame: no loop variable here keeps a model alive past the release
         self._joining = None  # a store hosted for a join that never happened stops listening
         if self.comm is not None:
             self.comm.close()
@@ -222,6 +221,11 @@ class Worker:
             os.sched_setaffinity(0, before)  # the offline API's caller gets its thread back as it was
         self._bound_thread = None
         release_device_memory(self.device)
+
+    def _drop_models(self) -> None:
+        models, self.models = self.models, {}
+        for runner in models.values():
+            runner.release()
 
     def _need_comm(self) -> Communicator:
         if self.comm is None:
