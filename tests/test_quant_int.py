@@ -111,6 +111,44 @@ def test_fp16_factors_are_kept_and_read_as_their_fp32_values(kind, rows):
         assert torch.equal(quantized.linear(kernels, x, w), quantized.linear(kernels, x, wide))
 
 
+@pytest.mark.parametrize("kind", ["int8", "g128", "g96", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K",
+                                  "Q3_K", "IQ4_XS"])
+def test_rows_of_a_quantized_table_are_its_dequantized_rows(kind):
+    """An embedding lookup of a quantized table (`QuantizedWeight.rows`, the kernel's
+    `neuron_qrows` where it takes the layout) gives `take_rows(ids).dequantize()` bit for bit,
+    repeated ids and both ends included, with fp16 or fp32 factors, and refuses an id out of range
+    without reading past the table."""
+    w = _weight(kind, OUTPUTS, 576 if kind == "g96" else 512)
+    wide = dataclasses.replace(w, scale=w.scale.float(), offset=None if w.offset is None else w.offset.float())
+    ids = torch.tensor([0, OUTPUTS - 1, 7, 7, 21])
+    for weight in (w, wide):
+        expected = weight.take_rows(ids).dequantize()
+        assert torch.equal(weight.rows(ids), expected)
+        assert torch.equal(weight.rows(ids, torch.bfloat16), weight.take_rows(ids).dequantize(torch.bfloat16))
+        if weight.input_index is None:  # g96's gathered runs take the reference's way
+            assert weight.layout, "the kernel did not take this layout"
+        for outside in (OUTPUTS, -1):
+            with pytest.raises(IndexError):
+                weight.rows(torch.tensor([3, outside]))
+
+
+def test_greedy_picks_the_first_largest_and_refuses_nan_and_all_minus_infinity_rows():
+    """sampling._greedy on CPU (cpu_ops.greedy): torch's argmax on every ordinary row, the first of
+    equal largest values, and -1 for a row with a NaN anywhere or nothing above -inf."""
+    from neuron.engine.sampling import _greedy
+
+    x = torch.randn(6, 32000, generator=torch.Generator().manual_seed(0))
+    x[1, 5] = x[1, 31999] = x[1].max() + 1  # a tie: the first wins
+    x[2, 17] = float("nan")
+    x[3] = float("-inf")
+    x[4, :100] = float("-inf")
+    x[5] = float("-inf")
+    x[5, 31999] = -3.0  # only the last token is possible
+    assert _greedy(x).tolist() == [int(x[0].argmax()), 5, -1, -1, int(x[4].argmax()), 31999]
+    strided = x[:, :1000]  # rows not packed
+    assert _greedy(strided)[[0, 4]].tolist() == [int(strided[0].argmax()), int(strided[4].argmax())]
+
+
 def _rounded(x: torch.Tensor) -> torch.Tensor:
     """x as the kernel rounds it, in fp64: per 32 inputs, d = max|x| / 127 and q = round(x 127 / max|x|)
     (ties to even) in fp32, then q d."""
@@ -152,7 +190,7 @@ def narrower_runs(tmp_path_factory):
         wrapper.chmod(0o755)
         env = {**os.environ, "NEURON_CXX": str(wrapper), "NEURON_CACHE_DIR": str(root / "cache")}
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                                 "bound_of or rounded_activations or fp16_factors"], env=env,
+                                 "bound_of or rounded_activations or fp16_factors or rows_of"], env=env,
                                 cwd=Path(__file__).parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         runs[name] = (proc, root)
     yield runs

@@ -25,6 +25,7 @@ import torch
 
 from neuron.engine.draw import draw
 from neuron.engine.sampling_params import SamplingParams
+from neuron.layers import cpu_ops
 from neuron.utils.device import to_device
 
 
@@ -171,6 +172,8 @@ def _pinned(dtype: torch.dtype, index: int, n: int) -> torch.Tensor:
 def _greedy(x: torch.Tensor) -> torch.Tensor:
     """Argmax per row, -1 where no token has a logit above -inf. max() ranks NaN highest, so a
     row holding a NaN fails too instead of picking it."""
+    if x.dim() == 2 and cpu_ops.takes(x):
+        return cpu_ops.greedy(x)
     best, ids = x.max(dim=-1)
     return torch.where(best > float("-inf"), ids, -1)
 

@@ -36,7 +36,10 @@ _SIGNATURES = {
     "neuron_silu_mul": [_P, _I, _P, _I, _I, _I, _P, _I, ctypes.c_int],
     "neuron_qlinear": [_P, _I, _I, _P, _P, _P, _I, ctypes.c_int],  # quantized.py
     "neuron_qlinear_int": [_P, _I, _I, _P, _P, _P, _I, ctypes.c_int],  # quantized.py
+    "neuron_qrows": [_P, _P, _I, _P, _I],  # quantized.py
+    "neuron_greedy": [_P, _I, _I, _I, _P],
 }
+_RETURNS = {"neuron_qrows": ctypes.c_int}
 
 
 @functools.cache
@@ -46,7 +49,7 @@ def library() -> ctypes.CDLL | None:
     if lib is not None:
         for name, args in _SIGNATURES.items():
             getattr(lib, name).argtypes = args
-            getattr(lib, name).restype = None
+            getattr(lib, name).restype = _RETURNS.get(name)
     return lib
 
 
@@ -73,6 +76,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     library().neuron_linear(x.data_ptr(), m, x.stride(0), weight.data_ptr(), n, k, weight.stride(0),
                             None if bias is None else bias.data_ptr(), y.data_ptr(), n, _threads())
     return y
+
+
+def greedy(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax as int64 [rows], -1 where the row holds a NaN or nothing above -inf; x fp32
+    [rows, width], rows contiguous (`takes`). A 32,000-token row takes microseconds here against
+    tens of them for torch's max(dim)."""
+    rows, width = x.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    library().neuron_greedy(x.data_ptr(), rows, x.stride(0), width, out.data_ptr())
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

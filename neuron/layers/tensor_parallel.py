@@ -276,7 +276,7 @@ class VocabParallelEmbedding:
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, torch.Tensor):
             return F.embedding(ids, self.weight)
-        return self.weight.take_rows(ids.reshape(-1)).dequantize(self.dtype).view(*ids.shape, -1)
+        return self.weight.rows(ids.reshape(-1), self.dtype).view(*ids.shape, -1)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.comm.world_size == 1:

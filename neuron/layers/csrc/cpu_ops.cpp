@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -151,6 +152,28 @@ void neuron_rms_norm(const float* x, int64_t rows, int64_t xs, int64_t width, co
         const float inv = inverse_rms(xr, width, eps);
 #pragma omp simd
         for (int64_t i = 0; i < width; ++i) orow[i] = xr[i] * inv * weight[i];
+    }
+}
+
+// Each row's argmax, the first of its largest values; -1 for a row that holds a NaN or nothing
+// above -inf (sampling._greedy's rule). One pass for the largest value and any NaN, one to find it.
+void neuron_greedy(const float* x, int64_t rows, int64_t xs, int64_t width, int64_t* out) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* __restrict xr = x + r * xs;
+        float best = -std::numeric_limits<float>::infinity();
+        int nan = 0;
+#pragma omp simd reduction(max : best)
+        for (int64_t i = 0; i < width; ++i) best = xr[i] > best ? xr[i] : best;
+#pragma omp simd reduction(| : nan)
+        for (int64_t i = 0; i < width; ++i) nan |= xr[i] != xr[i];
+        int64_t at = -1;
+        if (!nan && best > -std::numeric_limits<float>::infinity())
+            for (int64_t i = 0; i < width; ++i)
+                if (xr[i] == best) {
+                    at = i;
+                    break;
+                }
+        out[r] = at;
     }
 }
 
@@ -496,6 +519,48 @@ void neuron_qlinear(const float* x, int64_t m, int64_t xs, const QuantizedWeight
         qlinear<I8, true>(x, m, xs, *w, bias, y, ys, threads);
     else
         qlinear<I8, false>(x, m, xs, *w, bias, y, ys, threads);
+}
+
+
+// Rows `ids` of W dequantized as QuantizedWeight.stored() makes them (code x scale - offset per
+// group, each product rounded to fp32), into out [m, k] with row stride os: an embedding lookup of
+// a quantized table. Integer codes only (not FP8). Returns -1, writing nothing, if an id is outside
+// [0, n). Not contracted into a fused multiply-add, which would round once where stored() rounds twice.
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+int neuron_qrows(const QuantizedWeight* w, const int64_t* ids, int64_t m, float* out, int64_t os) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    for (int64_t r = 0; r < m; ++r)
+        if (ids[r] < 0 || ids[r] >= w->n) return -1;
+    const int64_t groups = w->k / w->group;
+    const int shift = __builtin_ctz(unsigned(w->per_super));
+    for (int64_t r = 0; r < m; ++r) {
+        const int64_t row = ids[r];
+        const uint8_t* codes = w->codes + row * w->code_stride;
+        float* __restrict o = out + r * os;
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t top = g >> shift;
+            const float s = group_factor(w->scale, w->half_factors, w->scale_stride, w->scale_sub,
+                                         w->scale_sub_stride, row, g, top);
+            const float z = !w->offset ? 0.0f
+                                       : group_factor(w->offset, w->half_factors, w->offset_stride, w->offset_sub,
+                                                      w->offset_sub_stride, row, g, top);
+            for (int64_t i = g * w->group; i < (g + 1) * w->group; ++i) {
+                float q;
+                if (w->bits == 4) {  // 32 inputs in 16 bytes: the low nibbles are the first 16
+                    const uint8_t byte = codes[(i >> 5) * 16 + (i & 15)];
+                    q = float((i & 16) ? byte >> 4 : byte & 15);
+                } else {
+                    q = float(int8_t(codes[i]));
+                }
+                o[i] = w->offset ? q * s - z : q * s;
+            }
+        }
+    }
+    return 0;
 }
 
 }  // extern "C"
