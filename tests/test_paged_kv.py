@@ -200,6 +200,36 @@ def test_a_paged_step_crosses_to_the_device_in_one_copy(monkeypatch):
     assert batch.paged.block_tables.tolist() == [[5, 2], [3, 0]]
 
 
+@pytest.mark.parametrize("decoding", [[0], [1], [0, 1], [1, 0]])
+def test_a_cpu_decode_step_is_described_as_the_general_path_describes_it(decoding, monkeypatch):
+    """A CPU step of one token per sequence takes a short path (BlockTables._cpu_decode_step); its
+    tensors equal build_step's, values, dtypes and shapes, on one sequence and several, in either
+    order, at a block's end and a longer table's."""
+    import numpy as np
+
+    from neuron.layers.paged_attention import build_step
+    from neuron.worker import step_input
+
+    cache = _cache()
+    for s in ([SeqStep(0, [1, 2, 3, 4, 5], 0, [5, 2], True)], [SeqStep(1, [6, 7, 8], 0, [3], True)]):
+        cache.commit(cache.prepare(s))
+    offsets = {0: 5, 1: 3}  # slot 0 writes into its second block, slot 1 the last row of its first
+    step = [SeqStep(slot, [40 + slot], offsets[slot]) for slot in decoding]
+    cache.check(step, vocab_size=50)
+    with monkeypatch.context() as m:
+        m.setattr(step_input, "build_step", lambda *a, **k: pytest.fail("the general path"))
+        batch = cache.prepare(step)
+    meta, ids, positions = build_step(cache.table_array[decoding], [offsets[i] for i in decoding], [1] * len(step),
+                                      cache.block_size, cache.staging, [40 + i for i in decoding])
+    got = [batch.token_ids, batch.positions, batch.paged.slot_mapping, batch.paged.query_start, batch.paged.kv_lens,
+           batch.paged.block_tables]
+    want = [ids, positions, meta.slot_mapping, meta.query_start, meta.kv_lens, meta.block_tables]
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.tolist() == w.tolist()
+    assert (batch.paged.max_query_len, batch.paged.max_kv_len) == (meta.max_query_len, meta.max_kv_len)
+    assert batch.all_decode and np.array_equal(batch.paged.block_tables.numpy(), meta.block_tables.numpy())
+
+
 @pytest.mark.gpu
 def test_a_cuda_step_makes_one_host_to_device_copy():
     import torch

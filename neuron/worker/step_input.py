@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from neuron.layers.paged_attention import build_step
+from neuron.layers.paged_attention import PagedAttentionMetadata, build_step
 from neuron.models.inputs import StepBatch, StepRejected
 from neuron.step import SeqStep
 from neuron.utils.device import Staging, to_device
@@ -167,9 +167,12 @@ class BlockTables:
         """The step as one flat batch and its attention metadata, built once for every layer."""
         slots, lengths, offsets = [s.slot for s in seqs], [len(s.token_ids) for s in seqs], [s.offset for s in seqs]
         ids = [t for s in seqs for t in s.token_ids]
-        meta, token_ids, positions = build_step(self.table_array[slots], offsets, lengths, self.block_size,
-                                                self.staging, ids)
         all_decode = all(n == 1 for n in lengths)
+        if all_decode and self.device.type == "cpu":
+            meta, token_ids, positions = self._cpu_decode_step(slots, offsets, ids)
+        else:
+            meta, token_ids, positions = build_step(self.table_array[slots], offsets, lengths, self.block_size,
+                                                    self.staging, ids)
         last_index, counts = None, None
         if not all_decode:
             last_index = meta.query_start[1:].long() - 1
@@ -179,6 +182,24 @@ class BlockTables:
         return StepBatch(token_ids, positions, meta.slot_mapping, slots, lengths,
                          [o + n for o, n in zip(offsets, lengths)], last_index, all_decode, [], [], meta,
                          logit_counts=counts)
+
+    def _cpu_decode_step(self, slots: list[int], offsets: list[int], ids: list[int]
+                         ) -> tuple[PagedAttentionMetadata, torch.Tensor, torch.Tensor]:
+        """build_step's tensors for a CPU step of one new token per sequence, from the host tables'
+        lists with a handful of calls: a decode step starts right after the last one streamed the
+        weights through the caches, where each numpy or torch call of the general path costs
+        several microseconds (about 150 us a step in all on the 191M model at batch 1)."""
+        n, bs = len(slots), self.block_size
+        kv_lens = [o + 1 for o in offsets]
+        longest = max(kv_lens)
+        width = -(-longest // bs)
+        rows = [self.tables[slot][o // bs] * bs + o % bs for slot, o in zip(slots, offsets)]
+        tables = self.table_array[slots[0] : slots[0] + 1, :width] if n == 1 else self.table_array[slots, :width]
+        longs = torch.tensor([*ids, *offsets, *rows], dtype=torch.int64)
+        ints = torch.tensor([*range(n + 1), *kv_lens], dtype=torch.int32)
+        meta = PagedAttentionMetadata(ints[: n + 1], ints[n + 1 :], torch.from_numpy(tables), longs[2 * n :], bs, 1,
+                                      longest)
+        return meta, longs[:n], longs[n : 2 * n]
 
     def commit(self, batch: StepBatch) -> None:
         for slot, kv_len in zip(batch.slots, batch.kv_lens):
