@@ -69,13 +69,13 @@ def _runner(path, kernels: Kernels, comm: Communicator | None = None) -> ModelRu
 
 @pytest.fixture
 def fused_steps(monkeypatch) -> list[int]:
-    """The rows of each step the C loop ran."""
+    """The rows of each step the C loop ran; (rows, "head") where it ran the final norm and head too."""
     rows, run = [], cpu_decoder.DecoderStack.run
 
-    def counted(self, x, *args):
-        out = run(self, x, *args)
+    def counted(self, x, *args, **kwargs):
+        out = run(self, x, *args, **kwargs)
         if out is not None:
-            rows.append(x.shape[0])
+            rows.append((x.shape[0], "head") if kwargs.get("with_logits") else x.shape[0])
         return out
 
     monkeypatch.setattr(cpu_decoder.DecoderStack, "run", counted)
@@ -107,7 +107,8 @@ def _same_steps(fused: ModelRunner, layered: ModelRunner) -> None:
         assert torch.equal(a, b)
 
 
-FUSED_STEPS = [4, 10] + [3, 3, 3, 1, 1, 1, 2, 2, 2, 3, 3, 3, 1, 1, 1]
+# the prompts' steps end in Python (their last rows' logits); decode steps end with the head in C
+FUSED_STEPS = [4, 10] + [(n, "head") for n in [3, 3, 3, 1, 1, 1, 2, 2, 2, 3, 3, 3, 1, 1, 1]]
 
 
 def test_one_call_equals_the_python_layers(fused_checkpoint, fused_steps):
@@ -126,8 +127,8 @@ def _four_bit(w: torch.Tensor) -> QuantizedWeight:
 
 
 def _quantize(runner: ModelRunner, mixed: bool) -> ModelRunner:
-    """Every projection int8; or, `mixed`, q/k/v stacked from a 4-bit part (q) and an int8 one
-    (k and v), gate/up 4-bit, the output and down projections int8."""
+    """Every projection and the head int8; or, `mixed`, q/k/v stacked from a 4-bit part (q) and an
+    int8 one (k and v), gate/up and the head 4-bit, the output and down projections int8."""
     for layer in runner.model.layers:
         a, m = layer.attn, layer.mlp
         if mixed:
@@ -137,6 +138,8 @@ def _quantize(runner: ModelRunner, mixed: bool) -> ModelRunner:
         else:
             a.qkv.weight, m.gate_up.weight = quantize_int8(a.qkv.weight), quantize_int8(m.gate_up.weight)
         a.o_proj.weight, m.down.weight = quantize_int8(a.o_proj.weight), quantize_int8(m.down.weight)
+    head = runner.model.lm_head  # the output projection too: the C loop's head multiplies it as Python does
+    head.weight = _four_bit(head.weight) if mixed else quantize_int8(head.weight)
     return runner
 
 

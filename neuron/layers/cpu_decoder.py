@@ -69,7 +69,8 @@ class _Plan(ctypes.Structure):
                 + [(name, ctypes.c_int64) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim",
                                                        "inter", "pool_stride_h", "pool_stride_row")]
                 + [("eps", ctypes.c_float), ("scale_log2", ctypes.c_float)]
-                + [(f"{name}_buf", ctypes.c_void_p) for name in _SCRATCH])
+                + [(f"{name}_buf", ctypes.c_void_p) for name in _SCRATCH]
+                + [("final_norm", ctypes.c_void_p), ("head", _Projection), ("head_rows", ctypes.c_int64)])
 
 
 class _Step(ctypes.Structure):
@@ -77,7 +78,8 @@ class _Step(ctypes.Structure):
                 + [(name, ctypes.c_void_p) for name in ("cos", "sin", "write_rows", "block_tables", "query_start",
                                                          "kv_lens")]
                 + [(name, ctypes.c_int64) for name in ("num_seqs", "table_stride", "block_size")]
-                + [("segment", ctypes.c_void_p), ("threads", ctypes.c_int64), ("lora_slots", ctypes.c_void_p)])
+                + [("segment", ctypes.c_void_p), ("threads", ctypes.c_int64), ("lora_slots", ctypes.c_void_p),
+                   ("logits", ctypes.c_void_p)])
 
 
 @functools.cache
@@ -177,6 +179,8 @@ class DecoderStack:
     def __init__(self, layers: list[LayerWeights], parts: list[dict[str, list[_Part]]], hidden: int, heads: int,
                  kv_heads: int, head_dim: int, inter: int, eps: float, comm: Communicator):
         self.layers, self.comm, self.hidden = layers, comm, hidden  # the tensors stay referenced
+        self.head: tuple | None = None  # the final norm and output projection, once attached
+        self.vocab, self.eps = 0, eps
         self.parts = [{name: (_Part * len(p))(*p) for name, p in layer.items()} for layer in parts]
         self.lora_parts: list[torch.Tensor] = []  # each LoRA pool's parts' output ranges, pointed into
         self.weights = (_LayerWeights * len(layers))(*[
@@ -224,14 +228,35 @@ class DecoderStack:
             return None
         return cls(layers, parts, hidden, heads, kv_heads, head_dim, inter, eps, comm)
 
+    def attach_head(self, norm: torch.Tensor, eps: float, weight: quantized.Weight, vocab: int,
+                    kernels: Kernels) -> bool:
+        """Let a step end with the model's final norm and output projection (`run(with_logits=True)`),
+        at tp 1 where that projection's rows are the whole vocabulary, multiplied by the kernel the
+        Python head calls (cpu_linear.linear, quantized.linear: the same logits bit for bit);
+        whether the plan took them."""
+        inputs = self.hidden
+        rows = weight.shape[0]
+        parts = None if self.comm.world_size > 1 or rows < vocab or not _fp32(norm, inputs) or \
+            eps != self.eps else _parts(kernels, weight, rows, inputs)
+        if parts is None:
+            return False
+        self.head = (norm, weight, (_Part * len(parts))(*parts))  # the plan points into these
+        self.plan.final_norm, self.plan.head_rows = norm.data_ptr(), rows
+        self.plan.head = _Projection(self.head[2], len(parts), None)
+        self.vocab = vocab
+        return True
+
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PagedAttentionMetadata | None,
-            lora_slots: torch.Tensor | None = None) -> torch.Tensor | None:
+            lora_slots: torch.Tensor | None = None, with_logits: bool = False) -> torch.Tensor | None:
         """Every layer over the step's hidden states x ([rows, hidden]) with the step's rotary
         tables and attention metadata, and each row's LoRA slot (`lora_slots`, int64 [rows], -1 for
-        the base model; None: no adapters); None where the step is not one the C loop takes (more
-        rows than the scratch holds, no paged metadata, x not fp32 rows, adapters the plan lacks):
-        the caller runs the layers."""
+        the base model; None: no adapters); with `with_logits`, every row's logits [rows, vocab]
+        through the head (`attach_head`) instead of the last layer's output. None where the step is
+        not one the C loop takes (more rows than the scratch holds, no paged metadata, x not fp32
+        rows, adapters the plan lacks, no head): the caller runs the layers."""
         rows = x.shape[0]
+        if with_logits and not self.plan.head_rows:
+            return None
         if (meta is None or rows > cpu_ops.MAX_LINEAR_ROWS or x.dim() != 2 or not x.is_cpu
                 or x.dtype is not torch.float32 or not x.is_contiguous() or cos.numel() != sin.numel()
                 or cos.numel() != rows * self.plan.head_dim):
@@ -250,16 +275,19 @@ class DecoderStack:
         tables, starts, lens = meta.block_tables.contiguous(), meta.query_start.contiguous(), meta.kv_lens.contiguous()
         write_rows = meta.slot_mapping.contiguous()
         out = torch.empty((rows, self.hidden))
+        logits = torch.empty((rows, self.plan.head_rows)) if with_logits else None
         step = _Step(x.data_ptr(), out.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), write_rows.data_ptr(),
                      tables.data_ptr(), starts.data_ptr(), lens.data_ptr(), lens.shape[0], tables.stride(0),
                      meta.block_size, None if reduce is None else reduce.segment, torch.get_num_threads(),
-                     _ptr(lora_slots))
+                     _ptr(lora_slots), _ptr(logits))
         status = library().neuron_decoder_layers(ctypes.byref(self.plan), ctypes.byref(step))
         if status != 0:
             if reduce is not None:
                 reduce.check(status)
             raise RuntimeError(f"the CPU decoder layers stopped with status {status}")
-        return out
+        if logits is None:
+            return out
+        return logits if logits.shape[1] == self.vocab else logits[:, : self.vocab]
 
 
 if __name__ == "__main__":

@@ -93,6 +93,9 @@ struct Plan {
     float eps, scale_log2;
     float *h, *qkv, *q, *k, *attn, *o, *mid, *gate_up, *act, *down;  // scratch of MAX rows each
     float* lora_u;  // scratch of MAX rows x the largest adapter rank: each row's A x
+    const float* final_norm;  // the model's last norm and output projection (tp 1); null: no head
+    Projection head;
+    int64_t head_rows;  // the projection's outputs: the vocabulary (a shard's padding included)
 };
 
 struct Step {
@@ -106,6 +109,7 @@ struct Step {
     void* segment;  // the all-reduce's shared segment (tp > 1)
     int64_t threads;
     const int64_t* lora_slots;  // [rows]: each row's LoRA pool slot, -1 for the base model; null: none
+    float* logits;  // [rows, head_rows]: every row's logits through the plan's head; null: out alone
 };
 
 namespace {
@@ -245,6 +249,10 @@ extern "C" int neuron_decoder_layers(const Plan* plan, const Step* step) {
         if (const int status = reduce(p, s, p.down, m * H, w.down.bias, H)) return status;
         for (int64_t i = 0; i < m * H; ++i) s.out[i] = p.mid[i] + p.down[i];
         x = s.out;
+    }
+    if (s.logits && p.final_norm) {
+        p.rms_norm(s.out, m, H, H, p.final_norm, p.eps, p.h, H, th);
+        project(p, p.head, p.h, m, H, s.logits, p.head_rows, false, th);
     }
     return 0;
 }
