@@ -69,8 +69,9 @@ def _runner(path, kernels: Kernels, comm: Communicator | None = None) -> ModelRu
 
 @pytest.fixture
 def fused_steps(monkeypatch) -> list[int]:
-    """The rows of each step the C loop ran; (rows, "head") where it ran the final norm and head too."""
-    rows, run = [], cpu_decoder.DecoderStack.run
+    """The rows of each step the C loop ran; (rows, "head") where it ran the final norm and head
+    too, (rows, "tokens") where it also embedded the tokens (run_tokens)."""
+    rows, run, run_tokens = [], cpu_decoder.DecoderStack.run, cpu_decoder.DecoderStack.run_tokens
 
     def counted(self, x, *args, **kwargs):
         out = run(self, x, *args, **kwargs)
@@ -78,7 +79,14 @@ def fused_steps(monkeypatch) -> list[int]:
             rows.append((x.shape[0], "head") if kwargs.get("with_logits") else x.shape[0])
         return out
 
+    def counted_tokens(self, token_ids, *args):
+        out = run_tokens(self, token_ids, *args)
+        if out is not None:
+            rows.append((token_ids.shape[0], "tokens"))
+        return out
+
     monkeypatch.setattr(cpu_decoder.DecoderStack, "run", counted)
+    monkeypatch.setattr(cpu_decoder.DecoderStack, "run_tokens", counted_tokens)
     return rows
 
 
@@ -107,13 +115,36 @@ def _same_steps(fused: ModelRunner, layered: ModelRunner) -> None:
         assert torch.equal(a, b)
 
 
-# the prompts' steps end in Python (their last rows' logits); decode steps end with the head in C
-FUSED_STEPS = [4, 10] + [(n, "head") for n in [3, 3, 3, 1, 1, 1, 2, 2, 2, 3, 3, 3, 1, 1, 1]]
+# the prompts' steps end in Python (their last rows' logits); decode steps run from their token
+# ids to their logits in C
+DECODES = [3, 3, 3, 1, 1, 1, 2, 2, 2, 3, 3, 3, 1, 1, 1]
+FUSED_STEPS = [4, 10] + [(n, "tokens") for n in DECODES]
 
 
 def test_one_call_equals_the_python_layers(fused_checkpoint, fused_steps):
     _same_steps(_runner(fused_checkpoint, FUSED), _runner(fused_checkpoint, LAYERED))
     assert fused_steps == FUSED_STEPS
+
+
+def test_without_the_inputs_a_decode_step_still_ends_with_the_head(fused_checkpoint, fused_steps, monkeypatch):
+    """A plan that did not take the embedding (a layout the row lookup does not read) embeds in
+    Python and still runs the final norm and head in its call: the same logits."""
+    monkeypatch.setattr(cpu_decoder.DecoderStack, "attach_inputs", lambda *a: False)
+    _same_steps(_runner(fused_checkpoint, FUSED), _runner(fused_checkpoint, LAYERED))
+    assert fused_steps == [4, 10] + [(n, "head") for n in DECODES]
+
+
+def test_an_embedding_row_out_of_range_is_refused_by_the_one_call(fused_checkpoint):
+    """run_tokens checks every id and position against its table before reading it."""
+    runner = _runner(fused_checkpoint, FUSED)
+    runner.step([SeqStep(0, [5, 17, 200, 3], 0, _blocks(0), fresh=True)])
+    stack = runner.model._decoder_stack()
+    batch = runner.tables.prepare([SeqStep(0, [7], 4)])
+    vocab, length = stack.inputs[0].shape[0], stack.inputs[1].shape[0]
+    for ids, positions in (([vocab], [4]), ([-1], [4]), ([7], [length])):
+        with pytest.raises(IndexError, match="past the embedding table or a position past the rotary"):
+            stack.run_tokens(torch.tensor(ids), torch.tensor(positions), batch.paged)
+    assert stack.run_tokens(torch.tensor([7]), torch.tensor([4]), batch.paged).shape == (1, runner.model.config.vocab_size)
 
 
 def _four_bit(w: torch.Tensor) -> QuantizedWeight:
@@ -127,8 +158,9 @@ def _four_bit(w: torch.Tensor) -> QuantizedWeight:
 
 
 def _quantize(runner: ModelRunner, mixed: bool) -> ModelRunner:
-    """Every projection and the head int8; or, `mixed`, q/k/v stacked from a 4-bit part (q) and an
-    int8 one (k and v), gate/up and the head 4-bit, the output and down projections int8."""
+    """Every projection, the head and the embedding int8; or, `mixed`, q/k/v stacked from a 4-bit
+    part (q) and an int8 one (k and v), gate/up, the head and the embedding 4-bit, the output and
+    down projections int8."""
     for layer in runner.model.layers:
         a, m = layer.attn, layer.mlp
         if mixed:
@@ -140,6 +172,8 @@ def _quantize(runner: ModelRunner, mixed: bool) -> ModelRunner:
         a.o_proj.weight, m.down.weight = quantize_int8(a.o_proj.weight), quantize_int8(m.down.weight)
     head = runner.model.lm_head  # the output projection too: the C loop's head multiplies it as Python does
     head.weight = _four_bit(head.weight) if mixed else quantize_int8(head.weight)
+    embed = runner.model.embed  # and the table the C loop reads the decode steps' rows from
+    embed.weight = _four_bit(embed.weight) if mixed else quantize_int8(embed.weight)
     return runner
 
 

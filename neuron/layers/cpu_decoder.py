@@ -39,6 +39,7 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_decoder.cpp"
 _NORMS = ("input_norm", "q_norm", "k_norm", "post_norm")
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _KERNELS = ("linear", "rms_norm", "add_rms_norm", "norm_rope", "silu_mul", "attention", "all_reduce", "abort_word")
+_INPUT_OUT_OF_RANGE = 101  # csrc/cpu_decoder.cpp: a token id or position outside its table
 _SCRATCH = ("h", "qkv", "q", "k", "attn", "o", "mid", "gate_up", "act", "down", "lora_u")
 
 
@@ -70,7 +71,11 @@ class _Plan(ctypes.Structure):
                                                        "inter", "pool_stride_h", "pool_stride_row")]
                 + [("eps", ctypes.c_float), ("scale_log2", ctypes.c_float)]
                 + [(f"{name}_buf", ctypes.c_void_p) for name in _SCRATCH]
-                + [("final_norm", ctypes.c_void_p), ("head", _Projection), ("head_rows", ctypes.c_int64)])
+                + [("final_norm", ctypes.c_void_p), ("head", _Projection), ("head_rows", ctypes.c_int64)]
+                + [(name, ctypes.c_void_p) for name in ("embed_dense", "embed_layout", "embed_qrows")]
+                + [("embed_rows", ctypes.c_int64), ("rope_cos", ctypes.c_void_p), ("rope_sin", ctypes.c_void_p),
+                   ("rope_len", ctypes.c_int64)]
+                + [(name, ctypes.c_void_p) for name in ("x_buf", "cos_buf", "sin_buf")])
 
 
 class _Step(ctypes.Structure):
@@ -79,7 +84,7 @@ class _Step(ctypes.Structure):
                                                          "kv_lens")]
                 + [(name, ctypes.c_int64) for name in ("num_seqs", "table_stride", "block_size")]
                 + [("segment", ctypes.c_void_p), ("threads", ctypes.c_int64), ("lora_slots", ctypes.c_void_p),
-                   ("logits", ctypes.c_void_p)])
+                   ("logits", ctypes.c_void_p), ("token_ids", ctypes.c_void_p), ("positions", ctypes.c_void_p)])
 
 
 @functools.cache
@@ -181,6 +186,7 @@ class DecoderStack:
         self.layers, self.comm, self.hidden = layers, comm, hidden  # the tensors stay referenced
         self.head: tuple | None = None  # the final norm and output projection, once attached
         self.vocab, self.eps = 0, eps
+        self.inputs: tuple | None = None  # the embedding and rotary tables and their scratch, once attached
         self.parts = [{name: (_Part * len(p))(*p) for name, p in layer.items()} for layer in parts]
         self.lora_parts: list[torch.Tensor] = []  # each LoRA pool's parts' output ranges, pointed into
         self.weights = (_LayerWeights * len(layers))(*[
@@ -246,6 +252,32 @@ class DecoderStack:
         self.vocab = vocab
         return True
 
+    def attach_inputs(self, embed: quantized.Weight, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Let a step start from its token ids and positions (`run_tokens`): the embedding table,
+        dense fp32 or quantized in a layout the kernels take (its rows dequantized as
+        QuantizedWeight.rows does), and the rotary tables [positions, head_dim]; at tp 1, where
+        the table holds the whole vocabulary. Whether the plan took them."""
+        hidden, head_dim = self.hidden, self.plan.head_dim
+        if self.comm.world_size > 1 or not (_fp32(cos, *cos.shape) and _fp32(sin, *cos.shape)) \
+                or cos.dim() != 2 or cos.shape[1] != head_dim:
+            return False
+        if isinstance(embed, torch.Tensor):
+            if not _fp32(embed, embed.shape[0], hidden):
+                return False
+            dense, layout, qrows = embed.data_ptr(), None, None
+        elif isinstance(embed, quantized.QuantizedWeight) and embed.shape[1] == hidden and embed.rows_layout():
+            dense, layout, qrows = None, ctypes.addressof(embed.layout), _address(cpu_ops.library().neuron_qrows)
+        else:
+            return False
+        rows = cpu_ops.MAX_LINEAR_ROWS
+        self.inputs = (embed, cos, sin, torch.empty((rows, hidden)), torch.empty((rows, head_dim)),
+                       torch.empty((rows, head_dim)))  # the plan points into these
+        p = self.plan
+        p.embed_dense, p.embed_layout, p.embed_qrows, p.embed_rows = dense, layout, qrows, embed.shape[0]
+        p.rope_cos, p.rope_sin, p.rope_len = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
+        p.x_buf, p.cos_buf, p.sin_buf = (t.data_ptr() for t in self.inputs[3:])
+        return True
+
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PagedAttentionMetadata | None,
             lora_slots: torch.Tensor | None = None, with_logits: bool = False) -> torch.Tensor | None:
         """Every layer over the step's hidden states x ([rows, hidden]) with the step's rotary
@@ -255,11 +287,26 @@ class DecoderStack:
         not one the C loop takes (more rows than the scratch holds, no paged metadata, x not fp32
         rows, adapters the plan lacks, no head): the caller runs the layers."""
         rows = x.shape[0]
-        if with_logits and not self.plan.head_rows:
+        if (x.dim() != 2 or not x.is_cpu or x.dtype is not torch.float32 or not x.is_contiguous()
+                or cos.numel() != sin.numel() or cos.numel() != rows * self.plan.head_dim):
             return None
-        if (meta is None or rows > cpu_ops.MAX_LINEAR_ROWS or x.dim() != 2 or not x.is_cpu
-                or x.dtype is not torch.float32 or not x.is_contiguous() or cos.numel() != sin.numel()
-                or cos.numel() != rows * self.plan.head_dim):
+        cos, sin = cos.contiguous(), sin.contiguous()
+        return self._call(rows, meta, lora_slots, with_logits, (x, cos, sin))
+
+    def run_tokens(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata | None,
+                   lora_slots: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A decode step from its token ids and positions (int64 [rows]) to every row's logits, all
+        in the one call: `run(embed(token_ids), *rotary.tables(positions), ..., with_logits=True)`,
+        the same numbers. None where the plan has no inputs or head attached, or as `run`."""
+        rows = token_ids.shape[0]
+        if self.inputs is None or not all(t.dtype is torch.int64 and t.dim() == 1 and t.is_contiguous()
+                                          and t.shape[0] == rows for t in (token_ids, positions)):
+            return None
+        return self._call(rows, meta, lora_slots, True, None, (token_ids, positions))
+
+    def _call(self, rows: int, meta: PagedAttentionMetadata | None, lora_slots: torch.Tensor | None,
+              with_logits: bool, hidden: tuple | None, tokens: tuple | None = None) -> torch.Tensor | None:
+        if (with_logits and not self.plan.head_rows) or meta is None or rows > cpu_ops.MAX_LINEAR_ROWS:
             return None
         if lora_slots is not None and (not self.scratch["lora_u"].shape[1] or lora_slots.dtype is not torch.int64
                                        or not lora_slots.is_contiguous() or lora_slots.shape != (rows,)):
@@ -271,24 +318,26 @@ class DecoderStack:
                 return None
             self.plan.all_reduce, self.plan.abort_word = reduce.function, reduce.abort_word
             self.plan.timeout_ms = reduce.timeout_ms
-        cos, sin = cos.contiguous(), sin.contiguous()
         tables, starts, lens = meta.block_tables.contiguous(), meta.query_start.contiguous(), meta.kv_lens.contiguous()
         write_rows = meta.slot_mapping.contiguous()
         out = torch.empty((rows, self.hidden))
         logits = torch.empty((rows, self.plan.head_rows)) if with_logits else None
-        step = _Step(x.data_ptr(), out.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), write_rows.data_ptr(),
-                     tables.data_ptr(), starts.data_ptr(), lens.data_ptr(), lens.shape[0], tables.stride(0),
-                     meta.block_size, None if reduce is None else reduce.segment, torch.get_num_threads(),
-                     _ptr(lora_slots), _ptr(logits))
+        x, cos, sin = (None, None, None) if hidden is None else (t.data_ptr() for t in hidden)
+        ids, positions = (None, None) if tokens is None else (t.data_ptr() for t in tokens)
+        step = _Step(x, out.data_ptr(), rows, cos, sin, write_rows.data_ptr(), tables.data_ptr(), starts.data_ptr(),
+                     lens.data_ptr(), lens.shape[0], tables.stride(0), meta.block_size,
+                     None if reduce is None else reduce.segment, torch.get_num_threads(), _ptr(lora_slots),
+                     _ptr(logits), ids, positions)
         status = library().neuron_decoder_layers(ctypes.byref(self.plan), ctypes.byref(step))
         if status != 0:
             if reduce is not None:
                 reduce.check(status)
+            if status == _INPUT_OUT_OF_RANGE:
+                raise IndexError("a token id past the embedding table or a position past the rotary tables")
             raise RuntimeError(f"the CPU decoder layers stopped with status {status}")
         if logits is None:
             return out
         return logits if logits.shape[1] == self.vocab else logits[:, : self.vocab]
-
 
 if __name__ == "__main__":
     if library() is None:

@@ -133,16 +133,22 @@ class QuantizedWeight:
         """Rows `ids` (int64, 1-D) dequantized, [len(ids), inputs]: `take_rows(ids).dequantize(dtype)`,
         in one call of the CPU kernel where it takes W (an embedding lookup per step otherwise runs
         a dozen small PyTorch operations)."""
-        if (self.input_index is None and not self.fp8 and ids.is_cpu and ids.dtype is torch.int64 and ids.dim() == 1
-                and ids.stride(0) == 1 and _weight_takes(self)):
-            if self.layout is None:
-                self.layout = _layout(self)
+        if ids.is_cpu and ids.dtype is torch.int64 and ids.dim() == 1 and ids.stride(0) == 1 and self.rows_layout():
             out = torch.empty((ids.shape[0], self.k), dtype=torch.float32)
             if cpu_ops.library().neuron_qrows(ctypes.byref(self.layout), ids.data_ptr(), ids.shape[0], out.data_ptr(),
                                               out.stride(0)) != 0:
                 raise IndexError(f"row index out of range for a table of {self.codes.shape[0]} rows")
             return out if dtype is torch.float32 else out.to(dtype)
         return self.take_rows(ids).dequantize(dtype)
+
+    def rows_layout(self) -> bool:
+        """Whether the kernel's row lookup (`neuron_qrows`) reads this weight: integer codes in a
+        layout the kernels take, in stored order. Makes `layout` where it does."""
+        if self.input_index is not None or self.fp8 or not _weight_takes(self):
+            return False
+        if self.layout is None:
+            self.layout = _layout(self)
+        return bool(self.layout)
 
     def gather_inputs(self, x: torch.Tensor) -> torch.Tensor:
         """x's columns in the stored order (zeros where the stored column is padding)."""

@@ -234,6 +234,19 @@ class Qwen3ForCausalLM(CausalLM):
         self.cache = PagedKVCache(c.num_layers, num_blocks, block_size, max_model_len, self.layout.local_kv_heads,
                                   c.head_dim, self.dtype, self.device, self.kernels)
 
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> torch.Tensor | None:
+        """As CausalLM.forward; a decode step (every row wants its logits) goes from its token ids
+        to its logits in one C++ call where the plan took the inputs and the head (tp 1, see `run`)."""
+        if batch.all_decode and batch.prompt_topk is None and batch.pool is None:
+            stack = self._decoder_stack()
+            if stack is not None and stack.inputs is not None and stack.head is not None:
+                logits = stack.run_tokens(batch.token_ids, batch.positions, batch.paged,
+                                          None if batch.lora is None else batch.lora.per_row)
+                if logits is not None:
+                    return logits
+        return super().forward(batch)
+
     def run(self, x: torch.Tensor, positions: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
         """As CausalLM.run; a step whose every row wants its logits (a decode step) ends in the same
         C++ call as the layers where the plan took the final norm and head (tp 1): between a step's
@@ -279,8 +292,9 @@ class Qwen3ForCausalLM(CausalLM):
                                                c.head_dim, self.layers[0].mlp.gate_up.sizes[0], norms[0].eps,
                                                self.comm, k)
         if stack is not None and type(self.norm) is RMSNorm and type(self.lm_head) is ParallelLMHead:
-            stack.attach_head(self.norm.weight, self.norm.eps, self.lm_head.weight, self.lm_head.vocab,
-                              self.lm_head.kernels)
+            if stack.attach_head(self.norm.weight, self.norm.eps, self.lm_head.weight, self.lm_head.vocab,
+                                 self.lm_head.kernels) and type(self.embed) is VocabParallelEmbedding:
+                stack.attach_inputs(self.embed.weight, self.rotary.cos, self.rotary.sin)
         return stack
 
     def _layer_weights(self, i: int, layer: DecoderLayer) -> cpu_decoder.LayerWeights:

@@ -39,6 +39,7 @@ typedef int (*AttentionFn)(const PagedAttentionArgs*, int, int);
 typedef int (*AllReduceFn)(void*, int, void*, int64_t, int, int64_t, const uint32_t*, int);
 // neuron_qlinear / neuron_qlinear_int (cpu_ops.cpp): x, m, x's row stride, the weight's layout, bias, y, y's row stride
 typedef void (*QLinearFn)(const float*, int64_t, int64_t, const void*, const float*, float*, int64_t, int);
+typedef int (*QRowsFn)(const void*, const int64_t*, int64_t, float*, int64_t);
 }
 
 // One part of a projection's weight: `rows` outputs, fp32 [rows, in] (`dense`) or a quantized
@@ -96,6 +97,15 @@ struct Plan {
     const float* final_norm;  // the model's last norm and output projection (tp 1); null: no head
     Projection head;
     int64_t head_rows;  // the projection's outputs: the vocabulary (a shard's padding included)
+    // The step's inputs from token ids and positions (tp 1): the embedding table, dense fp32 or
+    // quantized (its layout, read by qrows), and the rotary tables [rope_len, head_dim]; null: none.
+    const float* embed_dense;
+    const void* embed_layout;
+    QRowsFn embed_qrows;
+    int64_t embed_rows;
+    const float *rope_cos, *rope_sin;
+    int64_t rope_len;
+    float *x_buf, *cos_buf, *sin_buf;  // scratch of MAX rows: the embedded tokens, their cos and sin
 };
 
 struct Step {
@@ -110,11 +120,34 @@ struct Step {
     int64_t threads;
     const int64_t* lora_slots;  // [rows]: each row's LoRA pool slot, -1 for the base model; null: none
     float* logits;  // [rows, head_rows]: every row's logits through the plan's head; null: out alone
+    // [rows] each: with the plan's inputs, x and cos/sin are made here from these (x, cos, sin unused)
+    const int64_t *token_ids, *positions;
 };
 
 namespace {
 
 constexpr int ATTENTION_REFUSED = 100;
+constexpr int INPUT_OUT_OF_RANGE = 101;  // a token id past the embedding table, or a position past the rotary's
+
+// The step's embedded tokens and rotary rows into the plan's scratch, as the embedding and
+// Rotary.tables make them (row copies; a quantized table's rows dequantized as stored()).
+int make_inputs(const Plan& p, const Step& s) {
+    const int64_t m = s.rows, H = p.hidden, D = p.head_dim;
+    for (int64_t r = 0; r < m; ++r)
+        if (s.token_ids[r] < 0 || s.token_ids[r] >= p.embed_rows || s.positions[r] < 0 || s.positions[r] >= p.rope_len)
+            return INPUT_OUT_OF_RANGE;
+    if (p.embed_dense) {
+        for (int64_t r = 0; r < m; ++r)
+            std::memcpy(p.x_buf + r * H, p.embed_dense + s.token_ids[r] * H, size_t(H) * sizeof(float));
+    } else if (p.embed_qrows(p.embed_layout, s.token_ids, m, p.x_buf, H) != 0) {
+        return INPUT_OUT_OF_RANGE;
+    }
+    for (int64_t r = 0; r < m; ++r) {
+        std::memcpy(p.cos_buf + r * D, p.rope_cos + s.positions[r] * D, size_t(D) * sizeof(float));
+        std::memcpy(p.sin_buf + r * D, p.rope_sin + s.positions[r] * D, size_t(D) * sizeof(float));
+    }
+    return 0;
+}
 
 // y [m, n] = x [m, k] W^T (+ the bias, when `with_bias`), each part through the kernel the Python
 // layer calls for it, with the same arguments: one part takes the bias into its kernel; parts
@@ -225,14 +258,19 @@ extern "C" int neuron_decoder_layers(const Plan* plan, const Step* step) {
     PagedAttentionArgs a{p.attn, p.q, nullptr, nullptr, s.block_tables, s.query_start, s.kv_lens, s.num_seqs,
                          p.heads, p.kv_heads, D, s.block_size, s.table_stride, qw, D, qw, D, p.pool_stride_h,
                          p.pool_stride_row, p.scale_log2};
-    const float* x = s.x;
+    const float *x = s.x, *cos = s.cos, *sin = s.sin;
+    if (s.token_ids) {
+        if (!p.x_buf) return INPUT_OUT_OF_RANGE;
+        if (const int status = make_inputs(p, s)) return status;
+        x = p.x_buf, cos = p.cos_buf, sin = p.sin_buf;
+    }
     for (int64_t l = 0; l < p.num_layers; ++l) {
         const LayerWeights& w = p.layers[l];
         p.rms_norm(x, m, H, H, w.input_norm, p.eps, p.h, H, th);
         project(p, w.qkv, p.h, m, H, p.qkv, qkvw, true, th);
         add_lora(s, w.qkv_lora, p.h, H, p.qkv, qkvw, p.lora_u, th);
-        p.norm_rope(p.qkv, m, p.heads, qkvw, D, D, w.q_norm, p.eps, s.cos, s.sin, D, p.q, qw, D, th);
-        p.norm_rope(p.qkv + qw, m, p.kv_heads, qkvw, D, D, w.k_norm, p.eps, s.cos, s.sin, D, p.k, kw, D, th);
+        p.norm_rope(p.qkv, m, p.heads, qkvw, D, D, w.q_norm, p.eps, cos, sin, D, p.q, qw, D, th);
+        p.norm_rope(p.qkv + qw, m, p.kv_heads, qkvw, D, D, w.k_norm, p.eps, cos, sin, D, p.k, kw, D, th);
         write_kv(p, s, w, qkvw);
         a.k_pool = w.k_pool;
         a.v_pool = w.v_pool;
