@@ -339,6 +339,7 @@ class DecoderStack:
             return out
         return logits if logits.shape[1] == self.vocab else logits[:, : self.vocab]
 
+
 if __name__ == "__main__":
     if library() is None:
         raise SystemExit("the CPU decoder layers could not be built here; see the warning above")

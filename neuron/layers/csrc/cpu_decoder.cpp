@@ -128,6 +128,7 @@ namespace {
 
 constexpr int ATTENTION_REFUSED = 100;
 constexpr int INPUT_OUT_OF_RANGE = 101;  // a token id past the embedding table, or a position past the rotary's
+constexpr int NO_INPUTS = 102;  // token ids for a plan without the embedding and rotary tables
 
 // The step's embedded tokens and rotary rows into the plan's scratch, as the embedding and
 // Rotary.tables make them (row copies; a quantized table's rows dequantized as stored()).
@@ -260,7 +261,7 @@ extern "C" int neuron_decoder_layers(const Plan* plan, const Step* step) {
                          p.pool_stride_row, p.scale_log2};
     const float *x = s.x, *cos = s.cos, *sin = s.sin;
     if (s.token_ids) {
-        if (!p.x_buf) return INPUT_OUT_OF_RANGE;
+        if (!p.x_buf) return NO_INPUTS;
         if (const int status = make_inputs(p, s)) return status;
         x = p.x_buf, cos = p.cos_buf, sin = p.sin_buf;
     }

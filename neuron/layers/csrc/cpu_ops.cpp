@@ -521,7 +521,6 @@ void neuron_qlinear(const float* x, int64_t m, int64_t xs, const QuantizedWeight
         qlinear<I8, false>(x, m, xs, *w, bias, y, ys, threads);
 }
 
-
 // Rows `ids` of W dequantized as QuantizedWeight.stored() makes them (code x scale - offset per
 // group, each product rounded to fp32), into out [m, k] with row stride os: an embedding lookup of
 // a quantized table. Integer codes only (not FP8). Returns -1, writing nothing, if an id is outside
