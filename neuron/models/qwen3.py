@@ -141,6 +141,11 @@ class DecoderLayer:
         return x + (self.mlp(h) if batch.lora is None or type(self.mlp) is not MLP else self.mlp(h, batch.lora))
 
 
+def _lora_rows(batch: StepBatch) -> torch.Tensor | None:
+    """Each row's LoRA pool slot for the C loop, or None without adapters."""
+    return None if batch.lora is None else batch.lora.per_row
+
+
 class Qwen3ForCausalLM(CausalLM):
     """This rank's share of a Qwen3 model plus its KV block pool."""
 
@@ -236,38 +241,36 @@ class Qwen3ForCausalLM(CausalLM):
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor | None:
-        """As CausalLM.forward; a decode step (every row wants its logits) goes from its token ids
-        to its logits in one C++ call where the plan took the inputs and the head (tp 1, see `run`)."""
-        if batch.all_decode and batch.prompt_topk is None and batch.pool is None:
-            stack = self._decoder_stack()
-            if stack is not None and stack.inputs is not None and stack.head is not None:
-                logits = stack.run_tokens(batch.token_ids, batch.positions, batch.paged,
-                                          None if batch.lora is None else batch.lora.per_row)
-                if logits is not None:
-                    return logits
-        return super().forward(batch)
+        """As CausalLM.forward; a decode step goes from its token ids to its logits in one C++ call
+        where the plan also took the embedding and rotary tables (see `run`)."""
+        stack = self._logits_stack(batch)
+        logits = None if stack is None else stack.run_tokens(batch.token_ids, batch.positions, batch.paged,
+                                                             _lora_rows(batch))
+        return super().forward(batch) if logits is None else logits
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
-        """As CausalLM.run; a step whose every row wants its logits (a decode step) ends in the same
-        C++ call as the layers where the plan took the final norm and head (tp 1): between a step's
-        streamed weights the caches are cold, and the separate norm and head calls cost about 100 us
-        a token on the 191M model."""
-        if batch.all_decode and batch.prompt_topk is None and batch.pool is None:
-            stack = self._decoder_stack()
-            if stack is not None and stack.head is not None:
-                logits = stack.run(x, *self.rotary.tables(positions), batch.paged,
-                                   None if batch.lora is None else batch.lora.per_row, with_logits=True)
-                if logits is not None:
-                    return logits
-        return super().run(x, positions, batch)
+        """As CausalLM.run; a decode step ends in the same C++ call as the layers where the plan took
+        the final norm and head: between a step's streamed weights the caches are cold, and the
+        separate norm and head calls cost about 100 us a token on the 191M model."""
+        stack = self._logits_stack(batch)
+        logits = None if stack is None else stack.run(x, *self.rotary.tables(positions), batch.paged,
+                                                      _lora_rows(batch), with_logits=True)
+        return super().run(x, positions, batch) if logits is None else logits
 
     def run_layers(self, x: torch.Tensor, batch: StepBatch, rope: tuple) -> torch.Tensor:
         """Every layer in one C++ call where the plan takes the model and the step takes the plan
         (CPU fp32, dense layers, a small step: cpu_decoder.py), else one layer after the other."""
         stack = self._decoder_stack()
-        out = None if stack is None else stack.run(x, *rope, batch.paged,
-                                                   None if batch.lora is None else batch.lora.per_row)
+        out = None if stack is None else stack.run(x, *rope, batch.paged, _lora_rows(batch))
         return super().run_layers(x, batch, rope) if out is None else out
+
+    def _logits_stack(self, batch: StepBatch) -> cpu_decoder.DecoderStack | None:
+        """The plan, where the step may end in its call with every row's logits: a decode step (each
+        row wants its logits; no prompt logprobs, no pooling) and a plan that took the head (tp 1)."""
+        if not (batch.all_decode and batch.prompt_topk is None and batch.pool is None):
+            return None
+        stack = self._decoder_stack()
+        return stack if stack is not None and stack.head is not None else None
 
     def _decoder_stack(self) -> cpu_decoder.DecoderStack | None:
         """The plan of the layers and cache the model holds now, built the first time they are seen."""
