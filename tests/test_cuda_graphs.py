@@ -1,10 +1,12 @@
 """Decode steps from static, padded inputs (neuron/worker/cuda_graphs.py). On CPU the buffers and
 the padding run eagerly, exactly as they would be captured, and must give the plain forward's
 logits and leave every sequence's KV blocks as the plain forward does. Capture itself needs CUDA:
-tests/test_gpu.py compares captured decode with eager decode there."""
+tests/test_gpu.py compares captured decode with eager decode there; here a stand-in graph that
+replays by running its recorded step again checks what capture keeps (its output buffers)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -56,12 +58,55 @@ def test_buckets_cover_every_batch_size_with_little_padding():
         assert bucket - size < max(16, size)
 
 
-def test_padded_decode_equals_the_plain_forward(checkpoint):
+class _Replaying:
+    """A CUDA graph's stand-in on CPU: a replay runs the recorded step again, on the same buffers."""
+
+    def __init__(self):
+        self.step = None
+
+    def replay(self) -> None:
+        self.step()
+
+    def pool(self) -> str:
+        return "pool"
+
+
+def _capture_on_cpu(monkeypatch, graphs: DecodeGraphs) -> None:
+    """Run `graphs.capture()` with stand-in graphs: every bucket must be recorded."""
+    recording = []
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, capture_error_mode=None):
+        recording.append(g)
+        try:
+            yield
+        finally:
+            recording.pop()
+
+    record = DecodeGraphs._recorded_step
+
+    def recorded(self, bucket):
+        recording[-1].step = lambda: record(self, bucket)
+        return record(self, bucket)
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Replaying)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(DecodeGraphs, "_recorded_step", recorded)
+    monkeypatch.setattr(graphs, "_warm_up", graphs._forward)
+    monkeypatch.setattr(graphs, "_synchronize", lambda: None)
+    assert graphs.capture() == {}
+    assert sorted(graphs.graphs) == graphs.buckets
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_padded_decode_equals_the_plain_forward(checkpoint, monkeypatch, captured):
     """Prefill five sequences, then decode batches of 5, 3 and 1 (padded to 8, 4 and 1), crossing
     block boundaries: same logits, and the same KV in every block but the scratch one."""
     plain, padded = _runner(checkpoint), _runner(checkpoint)
     padded.graphs = DecodeGraphs(padded.model, max_batch=SLOTS)
     assert padded.graphs.buckets == [1, 2, 4, 8]
+    if captured:
+        _capture_on_cpu(monkeypatch, padded.graphs)
     prompts = {slot: list(range(3 + slot, 3 + slot + 5 + 2 * slot)) for slot in range(5)}
     blocks = {slot: list(range(slot * 16, slot * 16 + 16)) for slot in prompts}  # 16 blocks of 4 per slot
     prefill = [SeqStep(s, ids, 0, blocks[s], fresh=True) for s, ids in prompts.items()]
@@ -79,13 +124,17 @@ def test_padded_decode_equals_the_plain_forward(checkpoint):
     _assert_same_kv(padded.model.cache, plain.model.cache)
 
 
-def test_padded_verifying_steps_equal_the_plain_forward(checkpoint):
+@pytest.mark.parametrize("captured", [False, True])
+def test_padded_verifying_steps_equal_the_plain_forward(checkpoint, monkeypatch, captured):
     """Speculative decoding's verifying steps (graphs of 4 tokens per sequence): sequences bring 1
     to 4 tokens and ask for the logits of their last 1 to 4, in batches of 5, 3 and 1 padded to 8, 4
     and 1, crossing block boundaries: the same logits, and the same KV in every block but the
     scratch one (where padding rows write)."""
     plain, padded = _runner(checkpoint), _runner(checkpoint)
     padded.verify_graphs = DecodeGraphs(padded.model, max_batch=SLOTS, query_len=4)
+    if captured:  # every row's logits of a bucket, four per sequence, in the shared buffer
+        _capture_on_cpu(monkeypatch, padded.verify_graphs)
+        assert padded.verify_graphs.logits.shape == (8 * 4, 256)
     prompts = {slot: list(range(3 + slot, 3 + slot + 5 + 2 * slot)) for slot in range(5)}
     blocks = {slot: list(range(slot * 16, slot * 16 + 16)) for slot in prompts}
     prefill = [SeqStep(s, ids, 0, blocks[s], fresh=True) for s, ids in prompts.items()]

@@ -65,3 +65,53 @@ def test_a_second_model_in_the_process_gets_its_own_share(monkeypatch):
                              gpu_memory_utilization=0.4, activation_reserve=2 * GIB, device=CUDA0,
                              held_by_others=30 * GIB)
     assert blocks == (10 - 2) * GIB // BLOCK_BYTES
+
+
+def test_a_draft_on_the_same_gpu_takes_its_blocks_and_weights_from_the_share(monkeypatch):
+    # The target's weights take 16 GiB of an 80 GiB device at 0.9; speculative decoding's draft
+    # will hold 4 GiB and a block of its own for each of the target's (as large as the target's).
+    fake_gpu_memory(monkeypatch, free=int(63.5 * GIB), total=80 * GIB, allocated=16 * GIB, reserved=16 * GIB)
+    blocks = plan_num_blocks(BLOCK_BYTES, 16, max_slots=8, max_model_len=4096, kv_cache_bytes=0,
+                             gpu_memory_utilization=0.9, activation_reserve=2 * GIB, device=CUDA0,
+                             draft=(BLOCK_BYTES, 4 * GIB))
+    assert blocks == (72 - 16 - 2 - 4) * GIB // (2 * BLOCK_BYTES)
+    # an explicit budget is the user's: the draft gets as many blocks again, beside it
+    assert plan_num_blocks(BLOCK_BYTES, 16, max_slots=8, max_model_len=4096, kv_cache_bytes=GIB,
+                           gpu_memory_utilization=0.9, activation_reserve=2 * GIB, device=CUDA0,
+                           draft=(BLOCK_BYTES, 4 * GIB)) == GIB // BLOCK_BYTES
+    fake_gpu_memory(monkeypatch, free=int(7 * GIB), total=80 * GIB, allocated=16 * GIB, reserved=16 * GIB)
+    with pytest.raises(ConfigError, match="and 8192 MiB for the speculative draft model"):
+        plan_num_blocks(BLOCK_BYTES, 16, max_slots=8, max_model_len=4096, kv_cache_bytes=0,
+                        gpu_memory_utilization=0.9, activation_reserve=2 * GIB, device=CUDA0,
+                        draft=(BLOCK_BYTES, 8 * GIB))
+
+
+def test_rank_0_of_a_cuda_target_leaves_room_for_its_draft(tmp_path, monkeypatch):
+    """The target's shard spec carries what its draft holds on rank 0's GPU: a block as large as
+    the draft's KV block, and at least its weights. Not on CPU, and not with an explicit KV budget."""
+    import dataclasses
+    import json
+
+    from checkpoints import build_checkpoint, truncated_copy
+
+    from neuron.engine import engine_config
+    from neuron.engine.engine_config import EngineConfig
+    from neuron.engine.model_config import resolve_model_config
+    from neuron.engine.spec_decode.draft import _block_bytes
+
+    target = build_checkpoint(tmp_path / "target", seed=3)
+    draft = truncated_copy(target, tmp_path / "draft", 1)
+    spec = {"method": "draft", "model": str(draft), "num_speculative_tokens": 3}
+    cfg = resolve_model_config(EngineConfig(model=str(target), device="cpu", dtype="float32",
+                                            speculative_config=spec))
+    shard = cfg.shard_spec()
+    assert (shard.draft_block_bytes, shard.draft_bytes) == (0, 0)
+    monkeypatch.setattr(engine_config, "check_device", lambda device: None)  # a CPU build of torch
+    on_gpu = dataclasses.replace(cfg, device="cuda:0")
+    shard = on_gpu.shard_spec()
+    draft_weights = (draft / "model.safetensors").stat().st_size
+    draft_config = json.loads((draft / "config.json").read_text())  # one layer of the target's two
+    assert shard.draft_block_bytes == _block_bytes(draft_config, "float32", "cuda:0", shard.block_size) \
+        == _block_bytes(cfg.hf_config, "float32", "cuda:0", shard.block_size) // 2
+    assert shard.draft_bytes > 0.9 * draft_weights
+    assert dataclasses.replace(on_gpu, kv_cache_bytes=GIB).shard_spec().draft_bytes == 0

@@ -102,7 +102,17 @@ class ModelConfig:
                          kv_cache_bytes=self.kv_cache_bytes, gpu_memory_utilization=s.gpu_memory_utilization,
                          max_num_batched_tokens=max(self.step_tokens, s.max_num_seqs), verify=self.verify,
                          max_loras=s.max_loras if s.enable_lora else 0,
-                         max_lora_rank=s.max_lora_rank if s.enable_lora else 0)
+                         max_lora_rank=s.max_lora_rank if s.enable_lora else 0, **self._draft_room())
+
+    def _draft_room(self) -> dict[str, int]:
+        """What rank 0's pool leaves free for a draft model on its GPU (spec_decode/draft.py)."""
+        if self.speculative is None or self.speculative.model is None or not self.device.startswith("cuda") \
+                or self.kv_cache_bytes:
+            return {}
+        from neuron.engine.spec_decode.draft import draft_footprint
+
+        per_block, fixed = draft_footprint(self)
+        return {"draft_block_bytes": per_block, "draft_bytes": fixed}
 
     def executor_config(self, model_id: str = "model") -> ExecutorConfig:
         """How the executor brings these ranks up: where (the spec's placement), and what they load."""

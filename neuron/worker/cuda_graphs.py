@@ -85,6 +85,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor | None] = {}
         self.failed: dict[int, str] = {}  # buckets that run eagerly, with why
+        self._warm_up_stream: torch.cuda.Stream | None = None  # while capturing
         self.logits: torch.Tensor | None = None  # rank 0: every bucket's logits, rows of one buffer
 
     def fits(self, batch: StepBatch) -> bool:
@@ -200,12 +201,19 @@ class DecodeGraphs:
                 failed[bucket] = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
                 self.graphs.pop(bucket, None)
                 self.outputs.pop(bucket, None)
+                if not self.graphs:  # the shared logits came from this failed capture's pool
+                    self.logits = None
         self._synchronize()
+        self._warm_up_stream = None
+        clear_cublas_workspaces()
         return failed
 
     def _warm_up(self, bucket: int) -> None:
-        """The bucket's step, eagerly, on a side stream, with any host synchronisation an error."""
-        stream = torch.cuda.Stream()
+        """The bucket's step, eagerly, on a side stream (one for every bucket: cuBLAS keeps a
+        workspace per stream), with any host synchronisation an error."""
+        if self._warm_up_stream is None:
+            self._warm_up_stream = torch.cuda.Stream()
+        stream = self._warm_up_stream
         stream.wait_stream(torch.cuda.current_stream())
         mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
@@ -233,17 +241,28 @@ class DecodeGraphs:
         none), so the graphs keep one [largest bucket, vocab] of them alive, not one per bucket,
         and the step's own output is freed back to the pool for the next capture."""
         graph = torch.cuda.CUDAGraph()
+        # cuBLAS's workspace for the capture stream is allocated inside the capture, from the graph's
+        # pool, and forgotten after it: one kept from before would be memory the graph writes
+        # without owning it, freed under it by the next clear (a model unloaded beside this one)
+        clear_cublas_workspaces()
         # thread_local: rank 0 shares the leader's process, whose other threads may use CUDA meanwhile
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            logits = self._forward(bucket)
-            if logits is not None:
-                if self.logits is None:  # allocated in the first (largest) capture, from the shared pool
-                    self.logits = torch.empty_like(logits)
-                self.logits[:bucket].copy_(logits)
-                logits = self.logits[:bucket]
-            self.outputs[bucket] = logits
+            self.outputs[bucket] = self._recorded_step(bucket)
+        clear_cublas_workspaces()
         self.graphs[bucket] = graph
         return graph.pool()
+
+    def _recorded_step(self, bucket: int) -> torch.Tensor | None:
+        """The bucket's step as captured: its logits (every row of a verifying step) copied into
+        the rows of the one shared buffer."""
+        logits = self._forward(bucket)
+        if logits is None:
+            return None
+        rows = logits.shape[0]  # bucket * query_len
+        if self.logits is None:  # allocated in the first (largest) capture, from the shared pool
+            self.logits = torch.empty_like(logits)
+        self.logits[:rows].copy_(logits)
+        return self.logits[:rows]
 
     @staticmethod
     def _synchronize() -> None:
@@ -253,6 +272,14 @@ class DecodeGraphs:
         self.graphs.clear()
         self.outputs.clear()
         self.logits = None
+
+
+def clear_cublas_workspaces() -> None:
+    """Free the workspaces cuBLAS keeps per (handle, stream) through the caching allocator, 32 MiB
+    each on recent cards: they outlive the streams they were made for."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None and torch.cuda.is_available():
+        clear()
 
 
 def capture_decode_graphs(model, max_batch: int, query_len: int = 1) -> DecodeGraphs | None:

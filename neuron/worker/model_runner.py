@@ -83,7 +83,7 @@ class ModelRunner:
                 model.enable_lora(shard.max_loras, shard.max_lora_rank)
             if device.type == "cpu":
                 _load_cpu_kernels()
-            num_blocks = plan_kv_pool(model, shard, device, held_before)
+            num_blocks = plan_kv_pool(model, shard, device, held_before, comm.rank)
             model.allocate(num_blocks, shard.block_size, shard.max_slots, shard.max_model_len)
             runner = cls(model, num_blocks, BlockTables(shard.max_slots, num_blocks, shard.block_size,
                                                          shard.max_model_len, device, kernels.paged))
@@ -178,11 +178,14 @@ class ModelRunner:
             raise WorkerFailure(p.ErrorKind.BAD_REQUEST, str(exc)) from exc
 
     def release(self) -> None:
-        """Free the captured graphs (and their memory pool) now, not when garbage collection gets to them."""
+        """Free the captured graphs (and their memory pool) now, not when garbage collection gets
+        to them, and let go of the model: a reference to this runner kept elsewhere (a caller's
+        variable, a traceback) then holds none of its weights or KV pool."""
         for graphs in (self.graphs, self.verify_graphs):
             if graphs is not None:
                 graphs.release()
         self.graphs = self.verify_graphs = None
+        self.model = None
 
 
 def _load_cpu_kernels() -> None:

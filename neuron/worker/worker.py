@@ -246,8 +246,11 @@ def release_device_memory(device: torch.device) -> None:
         return
     import gc
 
+    from neuron.worker.cuda_graphs import clear_cublas_workspaces
+
     gc.collect()  # layers that reference each other free their tensors only when collected
     torch.cuda.synchronize(device)
+    clear_cublas_workspaces()  # one per stream the model's steps and captures ran on
     torch.cuda.empty_cache()  # the rank's own device: it was made current when the rank started
 
 
