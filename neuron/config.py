@@ -184,8 +184,9 @@ class Settings:
                           choices=("auto", "float32", "bfloat16", "float16"))
     quantization: str | None = _setting(
         str, None, "quantize each rank's linear-layer weights as it reads them and keep them quantized: int8, one "
-        "symmetric scale per output row; fp8, e4m3 with a scale per row and 128 inputs (embeddings, norms and the "
-        "LM head stay in the model dtype); a checkpoint stored quantized is kept as stored without it",
+        "symmetric scale per output row, the LM head's too; fp8, e4m3 with a scale per row and 128 inputs, the LM "
+        "head left in the model dtype (embeddings and norms stay in it); a checkpoint stored quantized is kept as "
+        "stored without it",
         choices=("int8", "fp8"),
         unset="weights as the checkpoint stores them")
     num_threads: int | None = _setting(int, None, "torch threads per CPU rank", lo=1, unset="cores / tp")

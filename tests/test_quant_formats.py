@@ -219,7 +219,8 @@ def test_moe_experts_stay_quantized(tmp_path, fmt):
         tensors = load_file(tmp_path / "hf" / "model.safetensors")
         path, kwargs = tmp_path / "hf", {"quantization": "int8"}
         dense = {n: quantize_int8(w).dequantize() for n, w in tensors.items()
-                 if n.endswith("proj.weight")}  # tp 1: every linear weight per output row
+                 if n.endswith("proj.weight") or n == "lm_head.weight"}  # tp 1: every linear weight per row
+        assert "lm_head.weight" in dense  # int8 at load takes the head too
     reference_dir = dense_checkpoint(tmp_path / "hf", tmp_path / "dense", dense)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
     with LLM(str(path), device="cpu", dtype="float32", **kwargs) as llm:

@@ -103,10 +103,11 @@ def checkpoint(tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp("int8"), seed=1, **ODD)
 
 
-def _int8_reference(path, tp: int, quantize=quantize_int8):
-    """transformers with every linear weight but the LM head replaced by its rounding as neuron's
-    ranks make it: per output row (and group), and for the row-parallel o_proj and down_proj per
-    rank's slice of the inputs."""
+def _int8_reference(path, tp: int, quantize=quantize_int8, head: bool = True):
+    """transformers with every linear weight replaced by its rounding as neuron's ranks make it:
+    per output row (and group), and for the row-parallel o_proj and down_proj per rank's slice of
+    the inputs; the LM head too where `head` (int8: its rows are the vocabulary's, whole on each
+    rank, so the split changes nothing; a tied head is untied from the embedding, which stays)."""
     from transformers import Qwen3ForCausalLM
 
     model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -117,6 +118,8 @@ def _int8_reference(path, tp: int, quantize=quantize_int8):
                 mod.weight.data = torch.cat([quantize(c).dequantize() for c in w.chunk(tp, dim=1)], 1)
             else:
                 mod.weight.data = quantize(w).dequantize()
+    if head:
+        model.lm_head.weight = torch.nn.Parameter(quantize(model.lm_head.weight.data).dequantize())
     return model
 
 
@@ -127,10 +130,11 @@ def test_quantization_at_load_matches_transformers_on_the_rounded_weights(checkp
     with LLM(str(checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32", quantization=method) as llm:
         model = llm.engine.executor.rank0.models["model"].model
         assert isinstance(model.layers[0].mlp.gate_up.weight, QuantizedWeight)
-        assert isinstance(model.lm_head.weight, torch.Tensor)  # the LM head stays in the model dtype
+        # int8 takes the LM head too (as 8-bit GGUF files do); fp8 leaves it in the model dtype
+        assert isinstance(model.lm_head.weight, QuantizedWeight if method == "int8" else torch.Tensor)
         quant_bytes = llm.engine.executor.weight_bytes
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    reference = _int8_reference(checkpoint, tp, quantized.QUANTIZERS[method])
+    reference = _int8_reference(checkpoint, tp, quantized.QUANTIZERS[method], head=method == "int8")
     for prompt, out in zip(PROMPTS, outs):
         assert_matches_reference(out.outputs[0], *greedy_with_logprobs(reference, prompt, 8))
     with LLM(str(checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:

@@ -70,6 +70,11 @@ class Reader:
         an embedding or LM head, which load-time quantization leaves in the model dtype."""
         return self.read(name, dim, start, end)
 
+    def head_weight(self, w: Weight) -> Weight:
+        """What an LM head's rows `w` (this rank's, as read) are held as: as read, unless the reader
+        quantizes at load in a format that takes the head too."""
+        return w
+
     def close(self) -> None:
         """Let go of the files; a reader is used in a `with` block."""
 
@@ -301,7 +306,7 @@ class ParallelLMHead:
     @classmethod
     def load(cls, r: Reader, name: str, vocab: int, shard: Shard, comm, dtype, device, kernels: Kernels):
         w, _ = _vocab_rows(r, name, vocab, shard, dtype, device)
-        return cls(w, vocab, comm, kernels)
+        return cls(r.head_weight(w), vocab, comm, kernels)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor | None:
         local = linear(self, h, self.weight)

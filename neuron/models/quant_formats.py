@@ -195,6 +195,9 @@ class PrequantizedReader(Reader):
         w = self.read_weight(name, dim, start, end)
         return w.dequantize() if isinstance(w, QuantizedWeight) else w
 
+    def head_weight(self, w):
+        return self.inner.head_weight(w)
+
     def read_weight(self, name, dim=None, start=0, end=None, vocab=False):
         prefix, method = name.removesuffix(".weight"), self.spec["method"]
         if not name.endswith(".weight"):

@@ -111,6 +111,9 @@ class CheckedReader(Reader):
         end = self._before(name, dim, start, end)
         return self._after(name, self.inner.read(name, dim, start, end), dim, start, end)
 
+    def head_weight(self, w):
+        return self.inner.head_weight(w)
+
     def read_weight(self, name, dim=None, start=0, end=None, vocab=False):
         end = self._before(name, dim, start, end)
         return self._after(name, self.inner.read_weight(name, dim, start, end, vocab), dim, start, end)
