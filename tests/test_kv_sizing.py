@@ -97,7 +97,7 @@ def test_rank_0_of_a_cuda_target_leaves_room_for_its_draft(tmp_path, monkeypatch
     from neuron.engine import engine_config
     from neuron.engine.engine_config import EngineConfig
     from neuron.engine.model_config import resolve_model_config
-    from neuron.engine.spec_decode.draft import _block_bytes
+    from neuron.models.memory_plan import kv_bytes_per_token
 
     target = build_checkpoint(tmp_path / "target", seed=3)
     draft = truncated_copy(target, tmp_path / "draft", 1)
@@ -111,7 +111,7 @@ def test_rank_0_of_a_cuda_target_leaves_room_for_its_draft(tmp_path, monkeypatch
     shard = on_gpu.shard_spec()
     draft_weights = (draft / "model.safetensors").stat().st_size
     draft_config = json.loads((draft / "config.json").read_text())  # one layer of the target's two
-    assert shard.draft_block_bytes == _block_bytes(draft_config, "float32", "cuda:0", shard.block_size) \
-        == _block_bytes(cfg.hf_config, "float32", "cuda:0", shard.block_size) // 2
+    assert shard.draft_block_bytes == kv_bytes_per_token(draft_config, 1, 4) * shard.block_size \
+        == kv_bytes_per_token(cfg.hf_config, 1, 4) * shard.block_size // 2
     assert shard.draft_bytes > 0.9 * draft_weights
     assert dataclasses.replace(on_gpu, kv_cache_bytes=GIB).shard_spec().draft_bytes == 0

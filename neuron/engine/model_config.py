@@ -105,14 +105,26 @@ class ModelConfig:
                          max_lora_rank=s.max_lora_rank if s.enable_lora else 0, **self._draft_room())
 
     def _draft_room(self) -> dict[str, int]:
-        """What rank 0's pool leaves free for a draft model on its GPU (spec_decode/draft.py)."""
+        """What rank 0's pool leaves free on its GPU for speculative decoding's draft, which loads
+        there after it (spec_decode/draft.py): a block of its own for each of the pool's (bytes per
+        block), and its weights plus a bound on what its steps and decode graphs keep (the rows of
+        its largest batch, and their logits). Nothing on CPU, or with an explicit KV budget."""
         if self.speculative is None or self.speculative.model is None or not self.device.startswith("cuda") \
                 or self.kv_cache_bytes:
             return {}
-        from neuron.engine.spec_decode.draft import draft_footprint
+        import torch
 
-        per_block, fixed = draft_footprint(self)
-        return {"draft_block_bytes": per_block, "draft_bytes": fixed}
+        from neuron.models.memory_plan import kv_bytes_per_token, weight_bytes
+        from neuron.worker.failure import resolve_dtype
+
+        draft, s = resolve_model_config(self.draft_spec()), self.spec
+        t = text_config(draft.hf_config)
+        size = torch.finfo(resolve_dtype(s.dtype, self.device)).bits // 8
+        rows = max(s.max_num_seqs, draft.step_tokens)
+        steps = 2 * rows * (4 * int(t["hidden_size"]) + 3 * int(t.get("intermediate_size") or 0)) * size \
+            + 3 * s.max_num_seqs * draft.vocab_size * 4 + 256 * 2**20
+        return {"draft_block_bytes": kv_bytes_per_token(draft.hf_config, 1, size) * s.block_size,
+                "draft_bytes": weight_bytes([Path(f) for f in draft.weight_files], size) + steps}
 
     def executor_config(self, model_id: str = "model") -> ExecutorConfig:
         """How the executor brings these ranks up: where (the spec's placement), and what they load."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -159,24 +158,6 @@ class DraftProposer:
         if self.executor is not None:
             self.executor.shutdown()
             self.executor = None
-
-
-def draft_footprint(target: ModelConfig) -> tuple[int, int]:
-    """What the draft `target` names will hold on rank 0's GPU: bytes per block of the target's pool
-    (its own pool mirrors it), and its weights plus a bound on what its steps and decode graphs keep
-    (the rows of its largest captured batch, and their logits). The target's rank 0 sizes its pool
-    to leave both free."""
-    from neuron.engine.model_config import resolve_model_config
-    from neuron.models.memory_plan import weight_bytes
-
-    draft = resolve_model_config(target.draft_spec())
-    t, s = text_config(draft.hf_config), target.spec
-    size = torch.finfo(resolve_dtype(s.dtype, target.device)).bits // 8
-    weights = weight_bytes([Path(f) for f in draft.weight_files], size, quantize_at_load=False)
-    rows = max(s.max_num_seqs, draft.step_tokens)
-    steps = 2 * rows * (4 * int(t["hidden_size"]) + 3 * int(t.get("intermediate_size") or 0)) * size \
-        + 3 * s.max_num_seqs * draft.vocab_size * 4 + 256 * 2**20
-    return _block_bytes(draft.hf_config, s.dtype, target.device, s.block_size), weights + steps
 
 
 def _block_bytes(config: dict, dtype: str, device: str, block_size: int) -> int:
