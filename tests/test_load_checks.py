@@ -131,3 +131,26 @@ def test_the_gguf_walk_accepts_a_well_formed_file_and_bounds_every_count(base, t
     long_key = gguf_file(tmp_path / "key.gguf", gguf_meta(config) + [kv("k" * (1 << 17), U32, 1)], tensors)
     with pytest.raises(ConfigError, match=r"key\.gguf: a metadata key claims 131072 bytes \(at most 65536\)"):
         check_layout(long_key)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_memory_plan_counts_the_weights_a_rank_holds(tmp_path, tied):
+    """Dense, int8 at load (its LM head quantized too) and fp8 (its head dense): the plan's weights
+    are the rank's own count within 3 %. A tied head shares the embedding's table, held once,
+    unless int8 makes it a quantized copy."""
+    import json
+
+    from neuron.layers.quantized import QuantizedWeight
+    from neuron.models.memory_plan import plan
+
+    path = build_checkpoint(tmp_path, seed=1, tie_word_embeddings=tied)
+    config = json.loads((path / "config.json").read_text())
+    for method in ("", "int8", "fp8"):
+        with LLM(str(path), device="cpu", dtype="float32", quantization=method or None) as llm:
+            model = llm.engine.executor.rank0.models["model"].model
+            held = llm.engine.executor.weight_bytes[0]
+            assert isinstance(model.lm_head.weight, QuantizedWeight) == (method == "int8")
+            assert (model.lm_head.weight is model.embed.weight) == (tied and method != "int8")
+        wanted = plan(config, [path / "model.safetensors"], tp=1, dtype_bytes=4, quantization=method,
+                      max_model_len=64, kv_tokens=0, kv_cache_bytes=0).weights
+        assert abs(wanted / held - 1) < 0.03, (method, wanted, held)

@@ -120,7 +120,7 @@ def _plans(model: ModelConfig) -> tuple[MemoryPlan, int]:
     on_gpu = model.device.startswith("cuda")
     tokens = one if on_gpu else spec.max_num_seqs * one  # a GPU rank sizes its pool from what is free at load
     p = plan(model.hf_config, [Path(f) for f in model.weight_files], tp=spec.tp, dtype_bytes=dtype_bytes,
-             quantize_at_load=bool(spec.quantization), max_model_len=model.max_model_len, kv_tokens=tokens,
+             quantization=spec.quantization or "", max_model_len=model.max_model_len, kv_tokens=tokens,
              kv_cache_bytes=model.kv_cache_bytes,
              lora=(spec.max_loras, spec.max_lora_rank) if spec.enable_lora else (0, 0))
     return p, one * per_token

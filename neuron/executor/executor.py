@@ -154,7 +154,7 @@ class Executor:
         one = blocks_for(c.max_model_len, c.block_size) * c.block_size  # one full-length sequence
         per_token = kv_bytes_per_token(self.config, tp, dtype_bytes)
         wanted = plan(self.config, [Path(f) for f in c.weight_paths], tp=tp, dtype_bytes=dtype_bytes,
-                      quantize_at_load=bool(c.quantization), max_model_len=c.max_model_len,
+                      quantization=c.quantization, max_model_len=c.max_model_len,
                       kv_tokens=c.max_slots * one, kv_cache_bytes=c.kv_cache_bytes,
                       lora=(c.max_loras, c.max_lora_rank))
         available = available_bytes()

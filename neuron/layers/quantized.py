@@ -249,6 +249,7 @@ def quantize_fp8(w: torch.Tensor) -> QuantizedWeight:
 
 
 QUANTIZERS = {"int8": quantize_int8, "fp8": quantize_fp8}
+HEAD_QUANTIZATIONS = ("int8",)  # the formats at load that take the LM head too (loader.QuantizingReader)
 
 
 class _Layout(ctypes.Structure):

@@ -304,8 +304,10 @@ class ParallelLMHead:
         self.kernels = kernels
 
     @classmethod
-    def load(cls, r: Reader, name: str, vocab: int, shard: Shard, comm, dtype, device, kernels: Kernels):
-        w, _ = _vocab_rows(r, name, vocab, shard, dtype, device)
+    def load(cls, r: Reader, name: str, vocab: int, shard: Shard, comm, dtype, device, kernels: Kernels,
+             tied: VocabParallelEmbedding | None = None):
+        """`tied`: the embedding whose rows (`name`'s, read alike) the head shares, held once."""
+        w = tied.weight if tied is not None else _vocab_rows(r, name, vocab, shard, dtype, device)[0]
         return cls(r.head_weight(w), vocab, comm, kernels)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor | None:

@@ -213,8 +213,6 @@ class QuantizingReader(Reader):
     int8 takes the LM head too, as 8-bit GGUF files hold theirs: at batch 1 a step reads the head
     once per token, and for a small model it is a third of the bytes. fp8 leaves the head dense."""
 
-    HEADS = ("int8",)  # formats that quantize the LM head
-
     def __init__(self, inner: Reader, method: str):
         if method not in quantized.QUANTIZERS:
             raise ConfigError(f"quantization {method!r} is not supported (supported: {', '.join(quantized.QUANTIZERS)})")
@@ -242,7 +240,7 @@ class QuantizingReader(Reader):
 
     def head_weight(self, w):
         w = self.inner.head_weight(w)
-        if self.method not in self.HEADS or not isinstance(w, torch.Tensor):
+        if self.method not in quantized.HEAD_QUANTIZATIONS or not isinstance(w, torch.Tensor):
             return w
         return self.quantize(w)
 

@@ -53,9 +53,10 @@ def kv_bytes_per_token(config: dict, tp: int, dtype_bytes: int) -> int:
     return 2 * layers * kv_heads * head_dim * dtype_bytes
 
 
-def weight_bytes(files: list[Path], dtype_bytes: int, quantize_at_load: bool) -> int:
+def weight_bytes(files: list[Path], dtype_bytes: int, quantization: str = "") -> int:
     """All weights as the ranks will hold them together: dense floating-point tensors in the model
-    dtype (about one byte per value when quantized at load), everything else as stored."""
+    dtype (about one byte per value when `quantization` at load takes them: linear layers, and
+    under int8 the LM head), everything else as stored."""
     if len(files) == 1 and files[0].suffix == ".gguf":
         return _gguf_bytes(files[0], dtype_bytes)
     from safetensors import safe_open
@@ -72,11 +73,20 @@ def weight_bytes(files: list[Path], dtype_bytes: int, quantize_at_load: bool) ->
                 numel *= d
             kind = sl.get_dtype()
             if kind in ("F32", "F16", "BF16", "F64"):
-                size = 1 if quantize_at_load and len(sl.get_shape()) == 2 and "embed" not in name else dtype_bytes
+                size = 1 if quantized_at_load(name, len(sl.get_shape()), quantization) else dtype_bytes
             else:
                 size = _DTYPE_BYTES.get(kind, 4)
             total += numel * size
     return total
+
+
+def quantized_at_load(name: str, dims: int, quantization: str) -> bool:
+    """Whether `quantization` at load (loader.QuantizingReader) takes the floating-point tensor `name`."""
+    from neuron.layers.quantized import HEAD_QUANTIZATIONS
+
+    if not quantization or dims != 2 or "embed" in name:
+        return False
+    return "lm_head" not in name or quantization in HEAD_QUANTIZATIONS
 
 
 def _gguf_bytes(path: Path, dtype_bytes: int) -> int:
@@ -85,10 +95,11 @@ def _gguf_bytes(path: Path, dtype_bytes: int) -> int:
     return sum(held_bytes(t, dtype_bytes) for t in open_file(path).tensors.values())
 
 
-def plan(config: dict, files: list[Path], *, tp: int, dtype_bytes: int, quantize_at_load: bool, max_model_len: int,
+def plan(config: dict, files: list[Path], *, tp: int, dtype_bytes: int, quantization: str, max_model_len: int,
          kv_tokens: int | None, kv_cache_bytes: int, lora: tuple[int, int] = (0, 0)) -> MemoryPlan:
-    """One rank's plan. KV: `kv_cache_bytes` when given, else room for `kv_tokens` tokens. `lora`:
-    the LoRA adapter pool's slots and rank, counted with the weights."""
+    """One rank's plan. `quantization`: at load ("" for none). KV: `kv_cache_bytes` when given,
+    else room for `kv_tokens` tokens. `lora`: the LoRA adapter pool's slots and rank, counted with
+    the weights."""
     from neuron.models import text_config
 
     t = text_config(config)
@@ -96,7 +107,11 @@ def plan(config: dict, files: list[Path], *, tp: int, dtype_bytes: int, quantize
     kv = kv_cache_bytes or kv_tokens * kv_bytes_per_token(config, tp, dtype_bytes)
     tables = 2 * max_model_len * head_dim * dtype_bytes  # cos and sin per position
     adapters = lora_pool_bytes(t, tp, *lora, dtype_bytes) if lora[0] else 0
-    return MemoryPlan(weight_bytes(files, dtype_bytes, quantize_at_load) // tp + adapters, kv, tables)
+    weights = weight_bytes(files, dtype_bytes, quantization)
+    tied = config.get("tie_word_embeddings", t.get("tie_word_embeddings"))
+    if tied and quantized_at_load("lm_head.weight", 2, quantization):
+        weights += t["vocab_size"] * t["hidden_size"]  # the tied head's quantized copy
+    return MemoryPlan(weights // tp + adapters, kv, tables)
 
 
 def lora_pool_bytes(t: dict, tp: int, slots: int, rank: int, dtype_bytes: int) -> int:

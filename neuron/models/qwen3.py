@@ -177,7 +177,8 @@ class Qwen3ForCausalLM(CausalLM):
         c, s, dt, dev, k = self.config, self.shard, self.dtype, self.device, self.kernels
         self.embed = VocabParallelEmbedding.load(r, "model.embed_tokens.weight", c.vocab_size, s, self.comm, dt, dev)
         head = "model.embed_tokens.weight" if c.tie_word_embeddings or not r.has("lm_head.weight") else "lm_head.weight"
-        self.lm_head = ParallelLMHead.load(r, head, c.vocab_size, s, self.comm, dt, dev, k)
+        self.lm_head = ParallelLMHead.load(r, head, c.vocab_size, s, self.comm, dt, dev, k,
+                                           tied=self.embed if head == "model.embed_tokens.weight" else None)
         self.norm = RMSNorm.load(r, "model.norm.weight", c.rms_norm_eps, dt, dev, k)
         self.layers = []
         for i in range(c.num_layers):

@@ -333,7 +333,8 @@ class Qwen35ForCausalLM(CausalLM):
         p = "model.language_model" if r.has("model.language_model.embed_tokens.weight") else "model"
         self.embed = VocabParallelEmbedding.load(r, f"{p}.embed_tokens.weight", c.vocab_size, s, self.comm, dt, dev)
         head = f"{p}.embed_tokens.weight" if c.tie_word_embeddings or not r.has("lm_head.weight") else "lm_head.weight"
-        self.lm_head = ParallelLMHead.load(r, head, c.vocab_size, s, self.comm, dt, dev, self.kernels)
+        self.lm_head = ParallelLMHead.load(r, head, c.vocab_size, s, self.comm, dt, dev, self.kernels,
+                                           tied=self.embed if head.endswith("embed_tokens.weight") else None)
         self.norm = OffsetRMSNorm.load(r, f"{p}.norm.weight", c.rms_norm_eps, dev)
         self.layers = []
         for i in range(c.num_layers):
