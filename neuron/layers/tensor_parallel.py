@@ -67,7 +67,8 @@ class Reader:
                     vocab: bool = False) -> torch.Tensor | QuantizedWeight:
         """A linear layer's weight (or this rank's slice of it): quantized where the checkpoint
         stores it so or the reader quantizes at load, else as `read` gives it. `vocab`: the rows of
-        an embedding or LM head, which load-time quantization leaves in the model dtype."""
+        an embedding or LM head, which load-time quantization leaves as read (a head's then go
+        through `head_weight`)."""
         return self.read(name, dim, start, end)
 
     def head_weight(self, w: Weight) -> Weight:
