@@ -7,6 +7,7 @@
 #
 #   bash scripts/gpu_checklist.sh                    # about 8 minutes
 #   BUDGET=300 BENCH=tp2 bash scripts/gpu_checklist.sh
+#   BENCH_RESERVE=200 bash scripts/gpu_checklist.sh  # the test phases leave 200 s for the bench
 #
 # PYTHON (default python3) must have torch with CUDA and neuron's dependencies importable; on a machine
 # without a package index, scripts/gpu_wheels.sh makes the wheels to carry. A collection of every
@@ -17,15 +18,18 @@ PYTHON=${PYTHON:-python3}
 LOGS=${LOGS:-gpu-checklist}
 BUDGET=${BUDGET:-480}   # seconds for the whole run
 BENCH=${BENCH-decode}  # the bench_gpu.py part(s) run last with what time is left; empty for none
+BENCH_RESERVE=${BENCH_RESERVE:-150}  # seconds the test phases leave for the bench (it needs about 2 minutes)
 export PYTHONUNBUFFERED=1 NEURON_LOG_LEVEL=${NEURON_LOG_LEVEL:-WARNING} NEURON_TEST_INSTAFAIL=1
 mkdir -p "$LOGS"
 start=$(date +%s)
 left() { echo $((BUDGET - ($(date +%s) - start))); }
+# what a test phase may use: the time left less the bench's reserve
+left_for_tests() { local room; room=$(left); [ -n "$BENCH" ] && room=$((room - BENCH_RESERVE)); echo "$room"; }
 
 # phase NAME LIMIT COMMAND...: runs COMMAND under min(LIMIT, time left), logs it, prints its tail
 phase() {
     local name=$1 limit=$2; shift 2
-    local room; room=$(left)
+    local room; room=$([ "$name" = bench ] && left || left_for_tests)
     [ "$limit" -gt "$room" ] && limit=$room
     if [ "$limit" -lt 15 ]; then echo "== $name: skipped, ${room}s left"; return; fi
     echo "== $name (limit ${limit}s, ${room}s left)"
