@@ -53,8 +53,8 @@ phase doctor 120 "$PYTHON" -m neuron doctor
 # The compile matrix (every tile for sm_80..sm_120) needs no GPU and runs in CI; left out here.
 phase kernels 120 "${PYTEST[@]}" tests/test_norm_kernels.py tests/test_quant_kernels.py tests/test_paged_attention.py \
     tests/test_lora_kernels.py -k "not every_tile_the_runtime_picks and not every_supported_gpu"
-for file in test_gpu test_sampling test_paged_kv test_moe test_quant_formats test_structured_output test_host \
-    test_lora; do
+for file in test_gpu test_sampling test_paged_kv test_moe test_quant_formats test_quantized test_structured_output \
+    test_host test_lora; do
     phase "$file" 200 "${PYTEST[@]}" -m gpu "tests/$file.py"
 done
 if [ -n "$BENCH" ]; then

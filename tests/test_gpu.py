@@ -161,3 +161,16 @@ def test_shutdown_releases_rank0_and_the_device_cache(monkeypatch):
     llm.shutdown()
     assert rank0.models == {} and runner.model is None
     assert alive_at_release == [False]
+
+
+def test_the_gpu_checklist_runs_every_file_of_gpu_tests():
+    """scripts/gpu_checklist.sh names the files it runs; a file with `gpu` tests that it leaves out
+    would never run on the few machines lent with a GPU."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "scripts" / "gpu_checklist.sh").read_text()
+    named = set(re.findall(r"\btest_\w+", script)) | set(re.findall(r"tests/(test_\w+)\.py", script))
+    marked = {p.stem for p in (root / "tests").glob("test_*.py") if "@pytest.mark.gpu" in p.read_text()}
+    assert marked and marked <= named, sorted(marked - named)

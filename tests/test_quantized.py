@@ -142,6 +142,22 @@ def test_quantization_at_load_matches_transformers_on_the_rounded_weights(checkp
     assert all(q < d for q, d in zip(quant_bytes, dense_bytes))
 
 
+@pytest.mark.gpu
+def test_int8_at_load_on_a_gpu_matches_the_cpu(checkpoint):
+    """On CUDA, int8 at load (its LM head too) runs through the Triton kernel (or, where the
+    self-check failed it, the reference) to the CPU's greedy tokens and logprobs in fp32."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, ignore_eos=True)
+    runs = {}
+    for device in ("cpu", "cuda"):
+        with LLM(str(checkpoint), device=device, dtype="float32", quantization="int8") as llm:
+            assert isinstance(llm.engine.executor.rank0.models["model"].model.lm_head.weight, QuantizedWeight)
+            runs[device] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    for cpu, gpu in zip(runs["cpu"], runs["cuda"]):
+        assert cpu.token_ids == gpu.token_ids
+        for a, b in zip(cpu.logprobs, gpu.logprobs):
+            assert max(abs(a[t] - b[t]) for t in a if t in b) <= 1e-3
+
+
 def test_int8_kernel_and_reference_paths_agree(checkpoint, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
     runs = []
