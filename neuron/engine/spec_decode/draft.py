@@ -33,7 +33,8 @@ import torch
 
 from neuron.errors import ConfigError
 from neuron.executor.executor import Executor
-from neuron.models import supports_prefix_caching, text_config
+from neuron.models import supports_prefix_caching
+from neuron.models.memory_plan import kv_bytes_per_token
 from neuron.step import SeqStep
 from neuron.worker.failure import resolve_dtype
 
@@ -161,10 +162,6 @@ class DraftProposer:
 
 
 def _block_bytes(config: dict, dtype: str, device: str, block_size: int) -> int:
-    """Bytes of one KV block of a full-attention model (every layer's K and V)."""
-    t = text_config(config)
-    heads = int(t["num_attention_heads"])
-    head_dim = int(t.get("head_dim") or int(t["hidden_size"]) // heads)
-    kv_heads = int(t.get("num_key_value_heads") or heads)
-    size = torch.finfo(resolve_dtype(dtype, device)).bits // 8
-    return 2 * int(t["num_hidden_layers"]) * kv_heads * head_dim * block_size * size
+    """Bytes of one KV block of a full-attention model (every layer's K and V), as the target's
+    rank 0 counts them when it leaves room for the draft (ModelConfig._draft_room)."""
+    return kv_bytes_per_token(config, 1, torch.finfo(resolve_dtype(dtype, device)).bits // 8) * block_size
