@@ -17,6 +17,7 @@ import time
 
 import httpx
 import pytest
+from caches import fresh_cache
 from server_harness import LiveServer, Records, ScriptedEngine, open_fds, scripted_engine, wait_until
 
 from neuron.entrypoints.openai import connections
@@ -138,7 +139,7 @@ def test_an_idle_connection_attack_leaves_descriptors_for_a_rebuild(tmp_path):
     thousand idle connections get 503 past the cap, a worker killed meanwhile is rebuilt, and the
     descriptors come back once the header deadline has closed the idle connections."""
     port, limit = free_port(), 512
-    env = {**os.environ, "NEURON_CACHE_DIR": str(tmp_path), "NEURON_HEADER_TIMEOUT_S": "3"}
+    env = {**os.environ, "NEURON_CACHE_DIR": str(fresh_cache(tmp_path)), "NEURON_HEADER_TIMEOUT_S": "3"}
     proc = subprocess.Popen([sys.executable, "-c", LIMITED.format(soft=limit, hard=limit), "serve", "--tp", "2",
                              "--port", str(port), "--max-model-len", "256"], env=env, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from caches import fresh_cache
 from checkpoints import build_checkpoint
 from hostile_files import cases
 
@@ -29,7 +30,7 @@ def sweep(tmp_path_factory):
     lines = "".join(json.dumps({"name": c.name, "model": c.model, "overrides": c.overrides, "tp": c.tp,
                                 "extra": c.extra}) + "\n" for c in all_cases)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)]),
-           "NEURON_CACHE_DIR": str(tmp_path_factory.mktemp("cache")), "NEURON_LOG_LEVEL": "WARNING"}
+           "NEURON_CACHE_DIR": str(fresh_cache(tmp_path_factory.mktemp("cache"))), "NEURON_LOG_LEVEL": "WARNING"}
     proc = subprocess.run([sys.executable, str(TESTS / "hostile_sweep.py")], input=lines, capture_output=True,
                           text=True, env=env, timeout=600)
     results = {}

@@ -14,6 +14,7 @@ import time
 import httpx
 import openai
 import pytest
+from caches import fresh_cache
 from checkpoints import executor_config
 from server_harness import (
     LiveServer,
@@ -202,7 +203,7 @@ def test_a_worker_gone_without_eof_is_reported(watched_pool):
 
 @pytest.fixture
 def tp2_executor(monkeypatch, tmp_path):
-    monkeypatch.setenv("NEURON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("NEURON_CACHE_DIR", str(fresh_cache(tmp_path)))
     executors: list[Executor] = []
 
     def make() -> Executor:
@@ -261,7 +262,7 @@ def test_a_rank_lost_while_joining_ends_the_attempt_and_leaves_nothing(tp2_execu
 @pytest.fixture(scope="module")
 def tp2_server(tmp_path_factory):
     mp = pytest.MonkeyPatch()
-    mp.setenv("NEURON_CACHE_DIR", str(tmp_path_factory.mktemp("neuron-cache")))
+    mp.setenv("NEURON_CACHE_DIR", str(fresh_cache(tmp_path_factory.mktemp("neuron-cache"))))
     mp.delenv("NEURON_TP_STEP_TIMEOUT_S", raising=False)  # 120 s: the liveness monitor must find it first
     mp.setenv("NEURON_RECOVERY_BACKOFF_S", "0.05")
     with LiveServer(real_engine(None, 2, max_model_len=4096, max_num_seqs=4)) as s:
@@ -340,7 +341,7 @@ def test_sigterm_exits_within_the_grace_period_at_any_moment(tmp_path, moment):
     step waits on it, or while a rebuild waits for its ping, ends the process within the grace
     period and a few seconds, exit 0, no worker left, the engine stopped once."""
     grace = 2.0
-    env = {"NEURON_CACHE_DIR": str(tmp_path), "NEURON_SHUTDOWN_GRACE_S": str(grace),
+    env = {"NEURON_CACHE_DIR": str(fresh_cache(tmp_path)), "NEURON_SHUTDOWN_GRACE_S": str(grace),
            "NEURON_LIVENESS_INTERVAL_S": "1000"}
     with ServeProcess("--tp", "2", "--max-model-len", "4096", env=env) as served:
         [worker] = served.workers()

@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+from caches import fresh_cache
 from server_harness import gone, wait_until
 
 from neuron import LLM, SamplingParams
@@ -15,12 +16,11 @@ from neuron.engine.llm_engine import RequestError
 
 @pytest.fixture(scope="module")
 def tp2_llm(tmp_path_factory):
-    """`LLM()` on the default model at tp=2."""
-    import os
-
-    os.environ["NEURON_CACHE_DIR"] = str(tmp_path_factory.mktemp("neuron-cache"))
-    with LLM(tensor_parallel_size=2, device="cpu", max_model_len=256) as llm:
-        yield llm
+    """`LLM()` on the default model at tp=2, with a cache of its own for the module's time."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NEURON_CACHE_DIR", str(fresh_cache(tmp_path_factory.mktemp("neuron-cache"))))
+        with LLM(tensor_parallel_size=2, device="cpu", max_model_len=256) as llm:
+            yield llm
 
 
 def test_text_and_token_prompts_in_one_batch(tp2_llm):
@@ -94,7 +94,7 @@ def test_workers_exit_with_the_interpreter(tmp_path):
     """Forgetting shutdown() must not leave workers behind."""
     script = textwrap.dedent(f"""
         import os
-        os.environ["NEURON_CACHE_DIR"] = {str(tmp_path)!r}
+        os.environ["NEURON_CACHE_DIR"] = {str(fresh_cache(tmp_path))!r}
         from neuron import LLM
         llm = LLM(tensor_parallel_size=2, device="cpu", max_model_len=64)
         print(llm.engine.executor.pool.workers[0].proc.pid, flush=True)

@@ -10,6 +10,7 @@ import uuid
 
 import httpx
 import pytest
+from caches import fresh_cache
 from server_harness import LiveServer, ServeProcess, real_engine
 
 from neuron.entrypoints.openai.app import ServerConfig
@@ -46,7 +47,7 @@ def test_defaults_are_loopback(monkeypatch):
 @pytest.fixture(scope="module")
 def keyed_process(tmp_path_factory):
     """`neuron serve` with NEURON_API_KEY set, as a subprocess."""
-    env = {"NEURON_API_KEY": KEY, "NEURON_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}
+    env = {"NEURON_API_KEY": KEY, "NEURON_CACHE_DIR": str(fresh_cache(tmp_path_factory.mktemp("cache")))}
     with ServeProcess("--max-model-len", "128", env=env) as served:
         yield served
 

@@ -14,6 +14,7 @@ import time
 import httpx
 import openai
 import pytest
+from caches import fresh_cache
 from server_harness import RAISE, LiveServer, ScriptedEngine, client, metric, real_engine, scripted_engine, wait_until
 
 STEP_TIMEOUT_S = 3.0
@@ -24,7 +25,7 @@ PROMPT = "The morning train"
 @pytest.fixture(scope="module")
 def fault_env(tmp_path_factory):
     mp = pytest.MonkeyPatch()
-    mp.setenv("NEURON_CACHE_DIR", str(tmp_path_factory.mktemp("neuron-cache")))
+    mp.setenv("NEURON_CACHE_DIR", str(fresh_cache(tmp_path_factory.mktemp("neuron-cache"))))
     mp.setenv("NEURON_TP_STEP_TIMEOUT_S", str(STEP_TIMEOUT_S))
     mp.setenv("NEURON_COLLECTIVE_TIMEOUT_S", "30")
     mp.setenv("NEURON_PREFILL_CHUNK_TOKENS", "8")

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+from caches import fresh_cache
 from server_harness import LiveServer, ScriptedEngine, ServeProcess, gone, metric, scripted_engine, wait_until
 
 from neuron.entrypoints.openai.app import ServerConfig
@@ -108,7 +109,7 @@ def test_sigterm_with_streams_in_flight(tmp_path):
     """The real command at tp=2: SIGTERM while streams run; exit 0, workers reaped, every client
     got a complete answer or a clean error."""
     grace = 4.0
-    env = {"NEURON_CACHE_DIR": str(tmp_path), "NEURON_SHUTDOWN_GRACE_S": str(grace)}
+    env = {"NEURON_CACHE_DIR": str(fresh_cache(tmp_path)), "NEURON_SHUTDOWN_GRACE_S": str(grace)}
     with ServeProcess("--tp", "2", "--max-model-len", "4096", env=env) as served:
         workers = served.workers()
         assert len(workers) == 1
@@ -142,7 +143,7 @@ def test_sigterm_with_streams_in_flight(tmp_path):
 
 @pytest.mark.slow
 def test_no_worker_outlives_a_killed_leader(tmp_path):
-    with ServeProcess("--tp", "2", "--max-model-len", "256", env={"NEURON_CACHE_DIR": str(tmp_path)}) as served:
+    with ServeProcess("--tp", "2", "--max-model-len", "256", env={"NEURON_CACHE_DIR": str(fresh_cache(tmp_path))}) as served:
         workers = served.workers()
         assert len(workers) == 1
         # Keep the ranks busy inside their collectives when the leader goes.

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from caches import fresh_cache
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "soak.py"
 
@@ -22,7 +23,7 @@ def test_short_soak(tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--clients", "64", "--requests", "150", "--max-waiting", "32",
            "--time-limit", "60",
            "--log", str(tmp_path / "server.log"), "--json", str(out)]
-    env = {**os.environ, "NEURON_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "NEURON_CACHE_DIR": str(fresh_cache(tmp_path / "cache"))}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stdout + done.stderr + (tmp_path / "server.log").read_text()[-3000:]
     report = json.loads(out.read_text())
