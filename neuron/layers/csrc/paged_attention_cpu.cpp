@@ -106,7 +106,7 @@ struct Item {
 
 inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
-// Per-thread scratch, sized once per call for the largest item (its rows padded to VL). The
+// Per-thread scratch, sized at each call for its largest item (its rows padded to VL). The
 // blocked path keeps its queries transposed in q and its probabilities as s[key][row].
 struct Scratch {
     std::vector<float> q, acc, k, v, s, m, l, alpha, shift, zero;
@@ -162,6 +162,17 @@ void prefetch_rows(const Args& a, const void* pool, const int32_t* table, int64_
                                                         row * a.pool_stride_row);
         for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(src + off, 0, 3);
     }
+}
+
+// The first tile's keys and values asked for before the queries are read: the tile loop fetches
+// each next tile while the current one computes, but nothing did so for the first, whose values
+// then missed the cache only after its scores were done (a decode step's short contexts are
+// mostly first tiles).
+template <typename T, int DT>
+void prefetch_first(const Args& a, const int32_t* table, int64_t h, int64_t end) {
+    const int nn = int(std::min<int64_t>(TILE_N, end));
+    prefetch_rows<T, DT>(a, a.k_pool, table, h, 0, nn);
+    prefetch_rows<T, DT>(a, a.v_pool, table, h, 0, nn);
 }
 
 // The item's query rows (row = query * group + head in the group), widened and pre-scaled.
@@ -332,6 +343,7 @@ void attend_item(const Args& a, const Item& it, Scratch& w) {
     const int64_t first_pos = a.kv_lens[it.b] - query_len + it.q0;  // the tile's first query's position
     const int64_t end = first_pos + it.nq;  // keys past the tile's last query are never seen
     const int32_t* table = a.block_tables + it.b * a.table_stride;
+    prefetch_first<T, DT>(a, table, it.h, end);
     load_queries<T, DT>(a, it, group, w.q.data());
     std::fill(w.acc.begin(), w.acc.begin() + rows * D, 0.0f);
     std::fill(w.m.begin(), w.m.begin() + rows, NEG_INF);
@@ -497,6 +509,7 @@ void attend_item_blocked(const Args& a, const Item& it, Scratch& w) {
     const int64_t first_pos = a.kv_lens[it.b] - query_len + it.q0;
     const int64_t end = first_pos + it.nq;
     const int32_t* table = a.block_tables + it.b * a.table_stride;
+    prefetch_first<T, DT>(a, table, it.h, end);
     load_queries_transposed<T, DT>(a, it, group, rp, w.q.data());
     std::fill(w.acc.begin(), w.acc.begin() + rp * DT, 0.0f);
     std::fill(w.m.begin(), w.m.begin() + rp, NEG_INF);
@@ -555,7 +568,9 @@ void run(const Args& a, int threads) {
     }
 #pragma omp parallel num_threads(threads) if (work >= MIN_PARALLEL_WORK)
     {
-        Scratch w;
+        // each thread's scratch is kept from call to call and only grows: made anew, its buffers'
+        // allocation and zeroing cost a decode step's short attention more than its arithmetic
+        static thread_local Scratch w;
         w.size_for(rows, dim<DT>(a));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n; ++i) {
