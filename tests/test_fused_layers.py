@@ -157,34 +157,45 @@ def _four_bit(w: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(codes=pack_nibbles(codes), k=k, bits=4, group=32, scale=scale, offset=-low, format="q4_1")
 
 
-def _quantize(runner: ModelRunner, mixed: bool) -> ModelRunner:
-    """Every projection, the head and the embedding int8; or, `mixed`, q/k/v stacked from a 4-bit
+def _quantize(runner: ModelRunner, layout: str) -> ModelRunner:
+    """Every projection, the head and the embedding int8; or, "mixed", q/k/v stacked from a 4-bit
     part (q) and an int8 one (k and v), gate/up, the head and the embedding 4-bit, the output and
-    down projections int8."""
+    down projections int8; or, "4-bit parts", q, k and v three 4-bit parts and gate and up two (as
+    a GGUF file holds them, which the C loop multiplies in one call each), the rest as "mixed"."""
     for layer in runner.model.layers:
         a, m = layer.attn, layer.mlp
-        if mixed:
+        if layout == "int8":
+            a.qkv.weight, m.gate_up.weight = quantize_int8(a.qkv.weight), quantize_int8(m.gate_up.weight)
+        elif layout == "mixed":
             q_rows = a.qkv.sizes[0]
             a.qkv.weight = StackedWeight([_four_bit(a.qkv.weight[:q_rows]), quantize_int8(a.qkv.weight[q_rows:])])
             m.gate_up.weight = _four_bit(m.gate_up.weight)
         else:
-            a.qkv.weight, m.gate_up.weight = quantize_int8(a.qkv.weight), quantize_int8(m.gate_up.weight)
+            a.qkv.weight = StackedWeight([_four_bit(w) for w in a.qkv.weight.split(a.qkv.sizes)])
+            m.gate_up.weight = StackedWeight([_four_bit(w) for w in m.gate_up.weight.chunk(2)])
         a.o_proj.weight, m.down.weight = quantize_int8(a.o_proj.weight), quantize_int8(m.down.weight)
     head = runner.model.lm_head  # the output projection too: the C loop's head multiplies it as Python does
-    head.weight = _four_bit(head.weight) if mixed else quantize_int8(head.weight)
+    head.weight = quantize_int8(head.weight) if layout == "int8" else _four_bit(head.weight)
     embed = runner.model.embed  # and the table the C loop reads the decode steps' rows from
-    embed.weight = _four_bit(embed.weight) if mixed else quantize_int8(embed.weight)
+    embed.weight = quantize_int8(embed.weight) if layout == "int8" else _four_bit(embed.weight)
     return runner
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["int8", "stacked-4-bit-and-int8"])
+@pytest.mark.parametrize("layout", ["int8", "mixed", "4-bit parts"],
+                         ids=["int8", "stacked-4-bit-and-int8", "stacked-4-bit-parts"])
 @pytest.mark.parametrize("exact", [False, True], ids=["integer", "exact"])
-def test_quantized_projections_in_one_call_equal_the_python_layers(fused_checkpoint, fused_steps, mixed, exact):
+def test_quantized_projections_in_one_call_equal_the_python_layers(fused_checkpoint, fused_steps, layout, exact):
     """The quantized kernels inside the C loop (the integer-activation one by default, the exact
-    one under NEURON_QUANT_EXACT), a projection stacked from two layouts among them: the Python
-    layers' logits and KV blocks, bit for bit."""
-    fused = _quantize(_runner(fused_checkpoint, Kernels(quant_exact=exact)), mixed)
-    layered = _quantize(_runner(fused_checkpoint, Kernels(fused_layers=False, quant_exact=exact)), mixed)
+    one under NEURON_QUANT_EXACT), a projection stacked from two layouts among them, or from parts
+    of one layout that the integer kernel multiplies in one call: the Python layers' logits and KV
+    blocks, bit for bit."""
+    fused = _quantize(_runner(fused_checkpoint, Kernels(quant_exact=exact)), layout)
+    layered = _quantize(_runner(fused_checkpoint, Kernels(fused_layers=False, quant_exact=exact)), layout)
+    # one call for the parts where the integer kernel multiplies all of them ("mixed": offered for
+    # q/k/v, and declined there, its parts' codes differing; test_quant_int.py tests both answers)
+    weights = fused.model._decoder_stack().weights
+    assert [bool(w.qkv.stack) for w in weights] == [not exact and layout != "int8"] * len(weights)
+    assert [bool(w.gate_up.stack) for w in weights] == [not exact and layout == "4-bit parts"] * len(weights)
     _same_steps(fused, layered)
     assert fused_steps == FUSED_STEPS
 

@@ -6,6 +6,7 @@ kernel (NEURON_QUANT_EXACT=1)."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import platform
@@ -173,6 +174,51 @@ def test_integer_kernel_multiplies_the_rounded_activations(kind, k, rows):
     assert _nmse(quantized.linear(INTEGER, x, w), ref) <= 1e-11
 
 
+def _stacked(parts: list[QuantizedWeight], x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """`neuron_qlinear_int_stack` on the parts side by side (what the C decoder loop calls for a
+    merged projection read as several weights): its answer and y, NaN where it wrote nothing."""
+    rows, layouts = x.shape[0], []
+    for w in parts:
+        kernel, layout = quantized.cpu_kernel(INTEGER, w, rows)
+        assert kernel is cpu_ops.library().neuron_qlinear_int
+        layouts.append(ctypes.addressof(layout))
+    n = sum(w.shape[0] for w in parts)
+    y = torch.full((rows, n), float("nan"))
+    answer = cpu_ops.library().neuron_qlinear_int_stack(
+        x.data_ptr(), rows, x.shape[1], (ctypes.c_void_p * len(parts))(*layouts), len(parts), y.data_ptr(), n,
+        torch.get_num_threads())
+    return answer, y
+
+
+# parts as a GGUF file's q, k and v (or gate and up) are: one layout, ragged ends at each part's last tile
+STACKS = {"Q4_K": (["Q4_K"] * 3, 512), "Q4_1": (["Q4_1"] * 2, 576), "Q8_0": (["Q8_0"] * 3, 288),
+          "int8": (["int8"] * 2, 288), "g128": (["g128"] * 2, 384)}
+
+
+@pytest.mark.parametrize("stack", list(STACKS))
+@pytest.mark.parametrize("rows", [1, 3, 5, 16])
+def test_stacked_parts_in_one_call_equal_each_part_s_own_call(stack, rows):
+    """Several parts multiplied in one call (x rounded once, one parallel region over every part's
+    tiles): each part's own call's outputs, bit for bit, side by side."""
+    kinds, k = STACKS[stack]
+    parts = [_weight(kind, n, k, seed=i) for i, (kind, n) in enumerate(zip(kinds, [67, 35, 33]))]
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    answer, y = _stacked(parts, x)
+    assert answer == 0
+    assert torch.equal(y, torch.cat([quantized.linear(INTEGER, x, w) for w in parts], dim=-1))
+
+
+@pytest.mark.parametrize("kinds", [("Q4_K", "Q8_0"), ("Q4_K", "g128"), ("int8", "Q8_0")],
+                         ids=["codes", "groups", "offsets-and-groups"])
+def test_parts_that_differ_are_declined_untouched(kinds):
+    """Parts whose codes, groups or offsets differ would need x rounded twice: the call answers 1
+    and writes nothing, and the C loop goes part by part."""
+    k = 512 if "g128" not in kinds else 384 * 4
+    parts = [_weight(kind, 35, k, seed=i) for i, kind in enumerate(kinds)]
+    answer, y = _stacked(parts, torch.randn(2, k))
+    assert answer == 1 and torch.isnan(y).all()
+
+
 # The build picks its code by -march=native; each of these flags takes away part of what an AVX-512
 # VNNI machine has, so the other paths (maddubs, 256 bits, plain C++, fp16 factors widened without
 # F16C) are checked on it too: through a compiler wrapper named by NEURON_CXX and a kernel cache of
@@ -190,7 +236,7 @@ def narrower_runs(tmp_path_factory):
         wrapper.chmod(0o755)
         env = {**os.environ, "NEURON_CXX": str(wrapper), "NEURON_CACHE_DIR": str(root / "cache")}
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                                 "bound_of or rounded_activations or fp16_factors or rows_of"], env=env,
+                                 "bound_of or rounded_activations or fp16_factors or rows_of or stacked or declined"], env=env,
                                 cwd=Path(__file__).parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         runs[name] = (proc, root)
     yield runs

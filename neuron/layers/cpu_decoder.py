@@ -49,7 +49,8 @@ class _Part(ctypes.Structure):
 
 
 class _Projection(ctypes.Structure):
-    _fields_ = [("parts", ctypes.POINTER(_Part)), ("count", ctypes.c_int64), ("bias", ctypes.c_void_p)]
+    _fields_ = [("parts", ctypes.POINTER(_Part)), ("count", ctypes.c_int64), ("bias", ctypes.c_void_p),
+                ("stack", ctypes.c_void_p)]
 
 
 class _Lora(ctypes.Structure):
@@ -178,6 +179,17 @@ def _address(function) -> int:
     return ctypes.cast(function, ctypes.c_void_p).value
 
 
+def _stack(parts) -> int | None:
+    """The kernel that multiplies several parts in one call (rounding x once, one parallel region)
+    where every part is multiplied by the integer kernel; None otherwise. It declines, and the C
+    loop goes part by part, where the parts' layouts differ in what it shares between them."""
+    ops = cpu_ops.library()
+    integer = _address(ops.neuron_qlinear_int)
+    if len(parts) < 2 or any(p.qlinear != integer for p in parts):
+        return None
+    return _address(ops.neuron_qlinear_int_stack)
+
+
 class DecoderStack:
     """A model's plan: its layers' pointers and shapes, and the scratch buffers a step writes."""
 
@@ -191,7 +203,8 @@ class DecoderStack:
         self.lora_parts: list[torch.Tensor] = []  # each LoRA pool's parts' output ranges, pointed into
         self.weights = (_LayerWeights * len(layers))(*[
             _LayerWeights(*[_ptr(getattr(w, name)) for name in _NORMS],
-                          *[_Projection(arrays[name], len(arrays[name]), _ptr(getattr(w, f"{name}_bias")))
+                          *[_Projection(arrays[name], len(arrays[name]), _ptr(getattr(w, f"{name}_bias")),
+                                        _stack(arrays[name]))
                             for name in _PROJECTIONS],
                           w.k_pool.data_ptr(), w.v_pool.data_ptr(),
                           *[_lora(w, name, self.lora_parts) for name in _PROJECTIONS])
@@ -248,7 +261,7 @@ class DecoderStack:
             return False
         self.head = (norm, weight, (_Part * len(parts))(*parts))  # the plan points into these
         self.plan.final_norm, self.plan.head_rows = norm.data_ptr(), rows
-        self.plan.head = _Projection(self.head[2], len(parts), None)
+        self.plan.head = _Projection(self.head[2], len(parts), None, _stack(self.head[2]))
         self.vocab = vocab
         return True
 

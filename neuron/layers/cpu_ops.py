@@ -36,10 +36,11 @@ _SIGNATURES = {
     "neuron_silu_mul": [_P, _I, _P, _I, _I, _I, _P, _I, ctypes.c_int],
     "neuron_qlinear": [_P, _I, _I, _P, _P, _P, _I, ctypes.c_int],  # quantized.py
     "neuron_qlinear_int": [_P, _I, _I, _P, _P, _P, _I, ctypes.c_int],  # quantized.py
+    "neuron_qlinear_int_stack": [_P, _I, _I, _P, _I, _P, _I, ctypes.c_int],  # cpu_decoder.py
     "neuron_qrows": [_P, _P, _I, _P, _I],  # quantized.py
     "neuron_greedy": [_P, _I, _I, _I, _P],
 }
-_RETURNS = {"neuron_qrows": ctypes.c_int}
+_RETURNS = {"neuron_qrows": ctypes.c_int, "neuron_qlinear_int_stack": ctypes.c_int}
 
 
 @functools.cache

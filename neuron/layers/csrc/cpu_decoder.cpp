@@ -40,6 +40,8 @@ typedef int (*AllReduceFn)(void*, int, void*, int64_t, int, int64_t, const uint3
 // neuron_qlinear / neuron_qlinear_int (cpu_ops.cpp): x, m, x's row stride, the weight's layout, bias, y, y's row stride
 typedef void (*QLinearFn)(const float*, int64_t, int64_t, const void*, const float*, float*, int64_t, int);
 typedef int (*QRowsFn)(const void*, const int64_t*, int64_t, float*, int64_t);
+// neuron_qlinear_int_stack (cpu_ops.cpp): x, m, x's stride, the parts' layouts and count, y, y's stride
+typedef int (*QStackFn)(const float*, int64_t, int64_t, const void* const*, int64_t, float*, int64_t, int);
 }
 
 // One part of a projection's weight: `rows` outputs, fp32 [rows, in] (`dense`) or a quantized
@@ -52,12 +54,15 @@ struct Part {
 };
 
 // A projection: its parts' outputs side by side, then the bias (nullable) where it is not summed
-// across ranks first.
+// across ranks first. `stack` (nullable): multiplies every part in one call, for parts that all
+// take neuron_qlinear_int; where it declines, the parts go one by one.
 struct Projection {
     const Part* parts;
     int64_t count;
     const float* bias;
+    QStackFn stack;
 };
+constexpr int64_t MAX_STACK = 8;  // parts neuron_qlinear_int_stack takes
 
 // A projection's LoRA pool: slot s holds A [width, in] at a + s * width * in and B transposed (and
 // scaled) [width, out] at bt + s * width * out; a null `a`: no adapters. A merged projection (q/k/v,
@@ -152,13 +157,20 @@ int make_inputs(const Plan& p, const Step& s) {
 
 // y [m, n] = x [m, k] W^T (+ the bias, when `with_bias`), each part through the kernel the Python
 // layer calls for it, with the same arguments: one part takes the bias into its kernel; parts
-// stacked write their columns, then the bias is added, as torch.cat(...) + bias.
+// stacked write their columns (all in one call where `stack` takes them: the same numbers), then
+// the bias is added, as torch.cat(...) + bias.
 void project(const Plan& p, const Projection& j, const float* x, int64_t m, int64_t k, float* y, int64_t n,
              bool with_bias, int th) {
     const float* bias = with_bias ? j.bias : nullptr;
     const bool single = j.count == 1;
+    bool done = false;
+    if (j.stack && !single && j.count <= MAX_STACK) {
+        const void* layouts[MAX_STACK];
+        for (int64_t i = 0; i < j.count; ++i) layouts[i] = j.parts[i].layout;
+        done = j.stack(x, m, k, layouts, j.count, y, n, th) == 0;
+    }
     int64_t col = 0;
-    for (int64_t i = 0; i < j.count; ++i) {
+    for (int64_t i = 0; i < j.count && !done; ++i) {
         const Part& part = j.parts[i];
         const float* b = single ? bias : nullptr;
         if (part.dense)

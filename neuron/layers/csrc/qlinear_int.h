@@ -542,15 +542,30 @@ const LaneGroups& lane_groups(int64_t k, int64_t group) {
     return t;
 }
 
-// The product of TILE-row tiles, after the rows of x up to `rounded` were rounded by the caller;
-// `round(r)` rounds row r.
+// One weight of a product by several side by side (a merged projection's q, k and v; gate and up):
+// its outputs start at column `col` of y.
+struct StackPart {
+    const QuantizedWeight* w;
+    int64_t col;
+};
+constexpr int64_t MAX_STACK = 8;
+
+// The product of TILE-row tiles of every part, after the rows of x up to `rounded` were rounded by
+// the caller; `round(r)` rounds row r. The parts' tiles are one loop, shared out in one parallel
+// region. `bias`: a single part's (a stack's is added by the caller).
 template <int BITS, bool PLAIN, int TILE, class Round>
-void multiply(const RoundedRows& a, int64_t m, int64_t rounded, const QuantizedWeight& w, const float* bias,
-              float* y, int64_t ys, int threads, const Round& round) {
-    const int64_t n = w.n, tiles = (n + TILE - 1) / TILE;
+void multiply(const RoundedRows& a, int64_t m, int64_t rounded, const StackPart* parts, int64_t count,
+              const float* bias, float* y, int64_t ys, int threads, const Round& round) {
+    int64_t first[MAX_STACK + 1] = {0}, work = 0;  // each part's first tile
+    for (int64_t p = 0; p < count; ++p) {
+        first[p + 1] = first[p] + (parts[p].w->n + TILE - 1) / TILE;
+        work += m * parts[p].w->n * parts[p].w->k;
+    }
+    const int64_t tiles = first[count];
+    const bool offsets = parts[0].w->offset;  // the parts agree (neuron_qlinear_int_stack checks)
     // a chunk's spread reads up to LANES scales from its first group, dot_lanes sum_stride offsets
     const int64_t gstride = a.sum_stride + LANES;
-#pragma omp parallel num_threads(threads) if (m * n * w.k >= MIN_PARALLEL_LINEAR)
+#pragma omp parallel num_threads(threads) if (work >= MIN_PARALLEL_LINEAR)
     {
         if (rounded < m) {
 #pragma omp for schedule(static)
@@ -559,24 +574,31 @@ void multiply(const RoundedRows& a, int64_t m, int64_t rounded, const QuantizedW
         // each thread's factors for its tile, kept from call to call; zeros past the groups
         static thread_local std::vector<float> gs, zs;
         gs.assign(PLAIN ? 0 : TILE * gstride, 0.0f);
-        zs.assign(w.offset && !PLAIN ? TILE * gstride : 0, 0.0f);
+        zs.assign(offsets && !PLAIN ? TILE * gstride : 0, 0.0f);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; ++t) {
-            const int64_t o = t * TILE;
+            int64_t p = 0;
+            while (t >= first[p + 1]) ++p;
+            const QuantizedWeight& w = *parts[p].w;
+            float* yp = y + parts[p].col;
+            const int64_t o = (t - first[p]) * TILE, n = w.n;
             if (o + TILE <= n) {
-                irows<TILE, BITS, PLAIN>(a, m, w, o, y, ys, bias, gs.data(), zs.data(), gstride, TILE);
+                irows<TILE, BITS, PLAIN>(a, m, w, o, yp, ys, bias, gs.data(), zs.data(), gstride, TILE);
             } else {
                 for (int64_t j = o; j < n; ++j)
-                    irows<1, BITS, PLAIN>(a, m, w, j, y, ys, bias, gs.data(), zs.data(), gstride, TILE);
+                    irows<1, BITS, PLAIN>(a, m, w, j, yp, ys, bias, gs.data(), zs.data(), gstride, TILE);
             }
         }
     }
 }
 
+// x times the parts side by side, x rounded once for all of them (they share k, the groups and
+// whether they have offsets).
 template <int BITS, bool PLAIN>
-void qlinear_int(const float* x, int64_t m, int64_t xs, const QuantizedWeight& w, const float* bias, float* y,
-                 int64_t ys, int threads) {
+void qlinear_int(const float* x, int64_t m, int64_t xs, const StackPart* parts, int64_t count, const float* bias,
+                 float* y, int64_t ys, int threads) {
     constexpr int C = CHUNK<BITS>;
+    const QuantizedWeight& w = *parts[0].w;
     static thread_local RoundingBuffers buf;
     const int64_t chunks = (w.k + C - 1) / C, groups = w.k / w.group;
     const int64_t sum_stride = (groups + LANES - 1) / LANES * LANES;
@@ -600,8 +622,34 @@ void qlinear_int(const float* x, int64_t m, int64_t xs, const QuantizedWeight& w
     const int64_t rounded = m * w.k <= MIN_PARALLEL_ROUNDING ? m : 0;
     for (int64_t r = 0; r < rounded; ++r) round(r);
     if constexpr (BITS == 4)
-        if (m >= 4) return multiply<BITS, PLAIN, WIDE_INB>(a, m, rounded, w, bias, y, ys, threads, round);
-    multiply<BITS, PLAIN, INB>(a, m, rounded, w, bias, y, ys, threads, round);
+        if (m >= 4) return multiply<BITS, PLAIN, WIDE_INB>(a, m, rounded, parts, count, bias, y, ys, threads, round);
+    multiply<BITS, PLAIN, INB>(a, m, rounded, parts, count, bias, y, ys, threads, round);
+}
+
+inline bool plain_layout(const QuantizedWeight& w) { return w.group == w.k && !w.offset && !w.scale_sub; }
+
+// Which of the kernel's variants multiplies `count` parts, or -1 where they need different ones or
+// different roundings of x: 0 4-bit codes, 1 int8 with one scale per row, 2 int8 with groups.
+inline int variant(const StackPart* parts, int64_t count) {
+    const QuantizedWeight& w = *parts[0].w;
+    const int v = w.bits == 4 ? 0 : plain_layout(w) ? 1 : 2;
+    for (int64_t p = 1; p < count; ++p) {
+        const QuantizedWeight& o = *parts[p].w;
+        if (o.bits != w.bits || o.fp8 || o.k != w.k || o.group != w.group || !o.offset != !w.offset ||
+            plain_layout(o) != plain_layout(w))
+            return -1;
+    }
+    return w.fp8 ? -1 : v;
+}
+
+void qlinear_int_parts(const float* x, int64_t m, int64_t xs, const StackPart* parts, int64_t count,
+                       const float* bias, float* y, int64_t ys, int threads, int v) {
+    if (v == 0)
+        qlinear_int<4, false>(x, m, xs, parts, count, bias, y, ys, threads);
+    else if (v == 1)
+        qlinear_int<8, true>(x, m, xs, parts, count, bias, y, ys, threads);
+    else
+        qlinear_int<8, false>(x, m, xs, parts, count, bias, y, ys, threads);
 }
 
 }  // namespace
@@ -612,13 +660,29 @@ extern "C" {
 // (quantized.py) checks.
 void neuron_qlinear_int(const float* x, int64_t m, int64_t xs, const QuantizedWeight* w, const float* bias, float* y,
                         int64_t ys, int threads) {
-    const bool plain = w->group == w->k && !w->offset && !w->scale_sub;
-    if (w->bits == 4)
-        qlinear_int<4, false>(x, m, xs, *w, bias, y, ys, threads);
-    else if (plain)
-        qlinear_int<8, true>(x, m, xs, *w, bias, y, ys, threads);
-    else
-        qlinear_int<8, false>(x, m, xs, *w, bias, y, ys, threads);
+    const StackPart part{w, 0};
+    qlinear_int_parts(x, m, xs, &part, 1, bias, y, ys, threads, variant(&part, 1));
+}
+
+// y [m, sum of the parts' n] = x times `count` weights side by side, each as neuron_qlinear_int
+// multiplies it, bit for bit, in one call: x rounded once and every part's tiles shared out in
+// one parallel region, where a call per part rounds x again and starts and joins the team again
+// (a merged q/k/v projection read from a GGUF file is three weights). Returns 1, having done
+// nothing, where the parts differ in what the rounding or the kernel's variant depends on (their
+// codes, inputs, groups or offsets) or are more than MAX_STACK; the caller then goes part by part.
+int neuron_qlinear_int_stack(const float* x, int64_t m, int64_t xs, const QuantizedWeight* const* ws,
+                             int64_t count, float* y, int64_t ys, int threads) {
+    if (count < 1 || count > MAX_STACK) return 1;
+    StackPart parts[MAX_STACK];
+    int64_t col = 0;
+    for (int64_t p = 0; p < count; ++p) {
+        parts[p] = StackPart{ws[p], col};
+        col += ws[p]->n;
+    }
+    const int v = variant(parts, count);
+    if (v < 0) return 1;
+    qlinear_int_parts(x, m, xs, parts, count, nullptr, y, ys, threads, v);
+    return 0;
 }
 
 }  // extern "C"
