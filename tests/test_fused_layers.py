@@ -57,9 +57,11 @@ def fused_checkpoint(request, tmp_path_factory):
     return CASES[request.param](tmp_path_factory.mktemp(request.param))
 
 
-def _runner(path, kernels: Kernels, comm: Communicator | None = None) -> ModelRunner:
+def _runner(path, kernels: Kernels, comm: Communicator | None = None,
+            kv_dtype: torch.dtype | None = None) -> ModelRunner:
     config = json.loads((path / "config.json").read_text())
     model = build_model(config, comm or SingleRank(), torch.float32, torch.device("cpu"), kernels)
+    model.kv_dtype = kv_dtype
     with CheckpointReader(safetensors_files(path)) as r:
         model.load(r)
     blocks = SLOTS * MAX_LEN // BLOCK
@@ -196,6 +198,18 @@ def test_quantized_projections_in_one_call_equal_the_python_layers(fused_checkpo
     weights = fused.model._decoder_stack().weights
     assert [bool(w.qkv.stack) for w in weights] == [not exact and layout != "int8"] * len(weights)
     assert [bool(w.gate_up.stack) for w in weights] == [not exact and layout == "4-bit parts"] * len(weights)
+    _same_steps(fused, layered)
+    assert fused_steps == FUSED_STEPS
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_a_16_bit_kv_cache_in_one_call_equals_the_python_layers(fused_checkpoint, fused_steps, kv_dtype):
+    """An fp32 model's keys and values held in 16 bits (kv_cache_dtype): the C loop rounds them
+    into the pool as torch's .to() does in the Python layers, and attends over them widened the
+    same way: the same logits and pools, bit for bit."""
+    fused = _runner(fused_checkpoint, FUSED, kv_dtype=kv_dtype)
+    layered = _runner(fused_checkpoint, LAYERED, kv_dtype=kv_dtype)
+    assert {t.dtype for t in fused.model.cache.k + fused.model.cache.v} == {kv_dtype}
     _same_steps(fused, layered)
     assert fused_steps == FUSED_STEPS
 

@@ -343,6 +343,27 @@ def test_cpu_kernel_half_precision(cpu_kernel, dtype):
     assert_kernel_matches(cpu_kernel, *make_step(**MIXED, dtype=dtype, device="cpu"), tolerance=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("step", [DECODE, MIXED], ids=["decode", "mixed"])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_cpu_kernel_fp32_queries_over_a_16_bit_pool(cpu_kernel, dtype, step, head_dim):
+    """An fp32 model's 16-bit KV cache (kv_cache_dtype): fp32 queries and output over bf16 or fp16
+    pools, the stored values widened exactly, so the same numbers, bit for bit, as over those
+    values held in fp32 (the blocked prefill path and the per-row one, a constant-size head and
+    not); through `attend` too. 16-bit queries over another type's pool are not taken."""
+    q, k_pool, v_pool, meta = make_step(**step, head_dim=head_dim, device="cpu")
+    narrow_k, narrow_v = k_pool.to(dtype), v_pool.to(dtype)
+    scale = head_dim ** -0.5
+    out = cpu_kernel(q, narrow_k, narrow_v, meta, scale)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, cpu_kernel(q, narrow_k.float(), narrow_v.float(), meta, scale))
+    assert_kernel_matches(cpu_kernel, q, narrow_k, narrow_v, meta, tolerance=CPU_EXACT)
+    assert torch.equal(attend(Kernels(), q, narrow_k, narrow_v, meta, scale), out)
+    assert cpu_attention.supports(q, dtype) and not cpu_attention.supports(q.to(dtype), torch.float32)
+    other = torch.float16 if dtype is torch.bfloat16 else torch.bfloat16
+    assert not cpu_attention.supports(q.to(dtype), other)
+
+
 def test_cpu_kernel_uses_the_threads_torch_has(cpu_kernel):
     """One thread and several give the same numbers: work items never share an output row."""
     step_tensors = make_step(**MIXED, heads=16, kv_heads=8, head_dim=128, device="cpu")

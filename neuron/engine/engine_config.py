@@ -24,7 +24,7 @@ _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 # EngineConfig fields bounded like the setting they default to (field: setting).
 _CHECKED = {"task": "task", "tp": "tp", "dtype": "dtype", "quantization": "quantization", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
             "max_num_batched_tokens": "max_num_batched_tokens", "prefill_chunk_tokens": "prefill_chunk_tokens",
-            "block_size": "kv_block_size", "gpu_memory_utilization": "gpu_memory_utilization",
+            "block_size": "kv_block_size", "kv_cache_dtype": "kv_cache_dtype", "gpu_memory_utilization": "gpu_memory_utilization",
             "load_timeout_s": "load_timeout_s",
             "max_loras": "max_loras", "max_lora_rank": "max_lora_rank"}
 
@@ -57,6 +57,7 @@ class EngineConfig:
     served_model_name: str | None = from_settings("served_model_name")
     block_size: int = from_settings("kv_block_size")
     kv_cache_memory: int | str | None = from_settings("kv_cache_memory")  # per rank, bytes or "4GiB"
+    kv_cache_dtype: str = from_settings("kv_cache_dtype")  # "auto": the model dtype
     gpu_memory_utilization: float = from_settings("gpu_memory_utilization")
     enable_prefix_caching: bool | None = field(default_factory=_prefix_caching)  # True: refuse models without it
     load_timeout_s: float = from_settings("load_timeout_s")

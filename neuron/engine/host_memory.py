@@ -20,7 +20,7 @@ import torch
 from neuron.engine.model_config import ModelConfig
 from neuron.errors import NeuronError
 from neuron.models.memory_plan import HEADROOM, MemoryPlan, available_bytes, kv_bytes_per_token, plan
-from neuron.worker.failure import resolve_dtype
+from neuron.worker.failure import resolve_dtype, resolve_kv_dtype
 from neuron.worker.step_input import blocks_for
 
 _GIB = 2**30
@@ -83,7 +83,7 @@ class MemoryLedger:
         cpu_ranks = devices.count("cpu")
         if all(floor[d] <= left[d] for d in need) and not any(d.startswith("cuda") and need[d] > left[d] for d in need):
             if cpu_ranks and not model.kv_cache_bytes:  # the CPU pool the room holds, in whole blocks
-                block = kv_bytes_per_token(model.hf_config, model.spec.tp, _dtype_bytes(model)) * model.spec.block_size
+                block = kv_bytes_per_token(model.hf_config, model.spec.tp, _kv_dtype_bytes(model)) * model.spec.block_size
                 kv = (left["cpu"] // cpu_ranks - per_rank.weights - per_rank.tables) // block * block
                 fitted = dataclasses.replace(model, kv_cache_bytes=kv)
                 if reserve:
@@ -116,18 +116,23 @@ def _plans(model: ModelConfig) -> tuple[MemoryPlan, int]:
     spec = model.spec
     dtype_bytes = _dtype_bytes(model)
     one = blocks_for(model.max_model_len, spec.block_size) * spec.block_size
-    per_token = kv_bytes_per_token(model.hf_config, spec.tp, dtype_bytes)
+    per_token = kv_bytes_per_token(model.hf_config, spec.tp, _kv_dtype_bytes(model))
     on_gpu = model.device.startswith("cuda")
     tokens = one if on_gpu else spec.max_num_seqs * one  # a GPU rank sizes its pool from what is free at load
     p = plan(model.hf_config, [Path(f) for f in model.weight_files], tp=spec.tp, dtype_bytes=dtype_bytes,
              quantization=spec.quantization or "", max_model_len=model.max_model_len, kv_tokens=tokens,
              kv_cache_bytes=model.kv_cache_bytes,
-             lora=(spec.max_loras, spec.max_lora_rank) if spec.enable_lora else (0, 0))
+             lora=(spec.max_loras, spec.max_lora_rank) if spec.enable_lora else (0, 0),
+             kv_dtype_bytes=_kv_dtype_bytes(model))
     return p, one * per_token
 
 
 def _dtype_bytes(model: ModelConfig) -> int:
     return torch.finfo(resolve_dtype(model.spec.dtype, model.device)).bits // 8
+
+
+def _kv_dtype_bytes(model: ModelConfig) -> int:
+    return torch.finfo(resolve_kv_dtype(model.spec.kv_cache_dtype, model.spec.dtype, model.device)).bits // 8
 
 
 def _by_device(devices: list[str], per_rank: int) -> dict[str, int]:

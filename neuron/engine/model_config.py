@@ -45,6 +45,7 @@ from neuron.models.quant_formats import stored_format
 from neuron.multimodal.image import VisionSpec
 from neuron.rpc.protocol import ShardSpec
 from neuron.step import VerifyShape
+from neuron.worker.failure import resolve_dtype, resolve_kv_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +103,8 @@ class ModelConfig:
                          kv_cache_bytes=self.kv_cache_bytes, gpu_memory_utilization=s.gpu_memory_utilization,
                          max_num_batched_tokens=max(self.step_tokens, s.max_num_seqs), verify=self.verify,
                          max_loras=s.max_loras if s.enable_lora else 0,
-                         max_lora_rank=s.max_lora_rank if s.enable_lora else 0, **self._draft_room())
+                         max_lora_rank=s.max_lora_rank if s.enable_lora else 0,
+                         kv_cache_dtype="" if s.kv_cache_dtype == "auto" else s.kv_cache_dtype, **self._draft_room())
 
     def _draft_room(self) -> dict[str, int]:
         """What rank 0's pool leaves free on its GPU for speculative decoding's draft, which loads
@@ -143,7 +145,7 @@ class ModelConfig:
         return replace(self.spec, model=self.speculative.model, tp=1, hosts=None, device=self.device,
                        devices=self.spec.devices[:1] if self.spec.devices else None,
                        quantization=None, speculative_config=None, hf_overrides=None, tokenizer=None,
-                       served_model_name=None, kv_cache_memory=None, max_model_len=None,
+                       served_model_name=None, kv_cache_memory=None, kv_cache_dtype="auto", max_model_len=None,
                        max_num_batched_tokens=self.step_tokens)
 
 
@@ -169,10 +171,12 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
     speculative = _speculative(spec, config)
     _check_lora(spec, config)
     tasks, pooling = _tasks(spec.task, model_dir)
+    device = (spec.devices[0].split(":")[0] if spec.devices else None) or spec.device or default_device()
+    check_kv_cache_dtype(spec.kv_cache_dtype, spec.dtype, device)
     return ModelConfig(
         spec=spec, name=spec.served_model_name or spec.model or "neuron-default", model_dir=model_dir,
         weight_files=tuple(str(f) for f in weight_files(model_dir)), hf_config=config, gguf=gguf,
-        device=(spec.devices[0].split(":")[0] if spec.devices else None) or spec.device or default_device(),
+        device=device,
         stored_format=stored,
         quantization=spec.quantization or _stored_label(gguf, stored),
         max_model_len=_max_model_len(spec, config), vocab_size=vocab, tokenizer=tokenizer,
@@ -181,6 +185,16 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
         step_tokens=spec.max_num_batched_tokens or max(spec.prefill_chunk_tokens, spec.max_num_seqs),
         kv_cache_bytes=0 if spec.kv_cache_memory is None else parse_bytes(spec.kv_cache_memory, "kv_cache_memory"),
         tasks=tasks, pooling=pooling)
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device: str) -> None:
+    """Refuse a KV cache type the device's attention cannot read: on CUDA the kernels read the
+    model dtype (the CPU kernel widens 16-bit keys and values for any query type)."""
+    kv, model = resolve_kv_dtype(kv_cache_dtype, dtype, device), resolve_dtype(dtype, device)
+    if device.startswith("cuda") and kv != model:
+        raise ConfigError(f"kv_cache_dtype {kv_cache_dtype} differs from the model dtype "
+                          f"{str(model).removeprefix('torch.')}: on CUDA the KV cache holds the model dtype "
+                          "(kv_cache_dtype auto); a 16-bit cache for an fp32 model is for CPUs")
 
 
 def load_config(model_dir: Path, overrides: dict | None = None) -> dict:

@@ -7,8 +7,8 @@ import sys
 from neuron.entrypoints.options import add_model, add_options
 
 # The settings `neuron generate` takes as flags; the rest come from the environment or the defaults.
-OPTIONS = ("tp", "device", "dtype", "quantization", "max_model_len", "max_num_seqs", "kv_cache_memory", "gpu_memory_utilization",
-           "no_prefix_caching")
+OPTIONS = ("tp", "device", "dtype", "quantization", "max_model_len", "max_num_seqs", "kv_cache_memory", "kv_cache_dtype",
+           "gpu_memory_utilization", "no_prefix_caching")
 
 
 def add_parser(sub) -> None:
@@ -52,7 +52,8 @@ def _generate(args) -> int:
     llm = LLM(args.model, tensor_parallel_size=args.tp, device=args.device, dtype=args.dtype,
               quantization=args.quantization,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+              kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
+              gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=False if args.no_prefix_caching else None)
     with llm:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params) if args.chat \

@@ -95,6 +95,7 @@ class LLM:
         download_dir: str | None = None,
         block_size: int | None = None,
         kv_cache_memory: int | str | None = None,
+        kv_cache_dtype: str | None = None,
         gpu_memory_utilization: float | None = None,
         enable_prefix_caching: bool | None = None,
         hf_overrides: dict | None = None,
@@ -115,7 +116,8 @@ class LLM:
             raise TypeError(f"LLM() got unsupported arguments: {', '.join(sorted(kwargs))}")
         given = dict(model=model, task=task, tp=tensor_parallel_size, device=device, dtype=dtype, max_model_len=max_model_len,
                      max_num_seqs=max_num_seqs, hf_cache_dir=download_dir, block_size=block_size,
-                     kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+                     kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
+                     gpu_memory_utilization=gpu_memory_utilization,
                      enable_prefix_caching=enable_prefix_caching, hf_overrides=hf_overrides,
                      quantization=quantization, tokenizer=tokenizer, speculative_config=speculative_config,
                      hosts=hosts, worker_launcher=worker_launcher, cluster_address=cluster_address,

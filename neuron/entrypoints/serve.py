@@ -49,7 +49,7 @@ OPTION_GROUPS = (
      ("lora_modules", "enable_lora", "max_loras", "max_lora_rank", "allow_runtime_lora_updating")),
     ("parallel", "ranks, devices, batching and the KV cache",
      ("tp", "device", "cpu_all_reduce", "cpu_bind", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
-      "gpu_memory_utilization", "memory_budget", "no_prefix_caching")),
+      "kv_cache_dtype", "gpu_memory_utilization", "memory_budget", "no_prefix_caching")),
     ("server", "the HTTP server", ("host", "port", "api_key", "admin_key", "prefix_cache_isolation",
                                    "allowed_origins", "keepalive_s", "shutdown_grace_s", "log_level")),
     ("limits", "what clients may queue, send and hold open",

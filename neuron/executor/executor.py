@@ -40,7 +40,7 @@ from neuron.rpc import protocol as p
 from neuron.rpc.dial_in import Listener, cluster_token
 from neuron.step import SeqStep
 from neuron.utils import procfs
-from neuron.worker.failure import resolve_dtype
+from neuron.worker.failure import resolve_dtype, resolve_kv_dtype
 from neuron.worker.step_input import blocks_for
 from neuron.worker.worker import Worker
 
@@ -151,12 +151,13 @@ class Executor:
         if not ranks:
             return c.kv_cache_bytes
         dtype_bytes = torch.finfo(resolve_dtype(c.dtype, "cpu")).bits // 8
+        kv_dtype_bytes = torch.finfo(resolve_kv_dtype(c.kv_cache_dtype, c.dtype, "cpu")).bits // 8
         one = blocks_for(c.max_model_len, c.block_size) * c.block_size  # one full-length sequence
-        per_token = kv_bytes_per_token(self.config, tp, dtype_bytes)
+        per_token = kv_bytes_per_token(self.config, tp, kv_dtype_bytes)
         wanted = plan(self.config, [Path(f) for f in c.weight_paths], tp=tp, dtype_bytes=dtype_bytes,
                       quantization=c.quantization, max_model_len=c.max_model_len,
                       kv_tokens=c.max_slots * one, kv_cache_bytes=c.kv_cache_bytes,
-                      lora=(c.max_loras, c.max_lora_rank))
+                      lora=(c.max_loras, c.max_lora_rank), kv_dtype_bytes=kv_dtype_bytes)
         available = available_bytes()
         fix = ("lower --max-model-len or --kv-cache-memory, use fewer ranks on this host, or a smaller (or "
                "quantized) model")

@@ -2,8 +2,9 @@
 
 The library is built on first use (and by `./run install`) with the system compiler and cached
 per machine (neuron.utils.native). Where it cannot be built, `library()` is None after one
-warning and attention runs the PyTorch reference. The kernel takes fp32, bf16 and fp16 pools;
-it computes in fp32 whatever the storage type. `python -m neuron.layers.cpu_attention` builds it
+warning and attention runs the PyTorch reference. The kernel takes fp32, bf16 and fp16 pools (a
+16-bit pool under fp32 queries too: an fp32 model's 16-bit KV cache); it computes in fp32
+whatever the storage type. `python -m neuron.layers.cpu_attention` builds it
 and prints where it lies.
 """
 
@@ -37,14 +38,18 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernel library, built if this machine has none yet; None where it cannot be built."""
     lib = native.load(SOURCE, "CPU paged attention falls back to the PyTorch reference")
     if lib is not None:
-        lib.neuron_paged_attention.argtypes = [ctypes.POINTER(_Args), ctypes.c_int, ctypes.c_int]
+        lib.neuron_paged_attention.argtypes = [ctypes.POINTER(_Args), ctypes.c_int, ctypes.c_int, ctypes.c_int]
         lib.neuron_paged_attention.restype = ctypes.c_int
     return lib
 
 
-def supports(q: torch.Tensor) -> bool:
-    """Whether the kernel takes these queries: CPU tensors of a dtype it knows, once it is built."""
-    return q.device.type == "cpu" and q.dtype in DTYPES and library() is not None
+def supports(q: torch.Tensor, pool_dtype: torch.dtype | None = None) -> bool:
+    """Whether the kernel takes these queries over pools of `pool_dtype` (None: the queries'): CPU
+    tensors of a dtype it knows, the pools the queries' type or, for fp32 queries, any 16-bit type
+    it knows, once it is built."""
+    pool_dtype = pool_dtype or q.dtype
+    return (q.device.type == "cpu" and q.dtype in DTYPES and pool_dtype in DTYPES
+            and (pool_dtype == q.dtype or q.dtype == torch.float32) and library() is not None)
 
 
 def paged_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, query_start: torch.Tensor,
@@ -60,9 +65,11 @@ def paged_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
                  starts.data_ptr(), lens.data_ptr(), kv_lens.shape[0], q.shape[1], k_pool.shape[0], q.shape[2],
                  block_size, tables.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                  k_pool.stride(0), k_pool.stride(1), scale * math.log2(math.e))
-    status = library().neuron_paged_attention(ctypes.byref(args), DTYPES[q.dtype], torch.get_num_threads())
+    status = library().neuron_paged_attention(ctypes.byref(args), DTYPES[q.dtype], DTYPES[k_pool.dtype],
+                                              torch.get_num_threads())
     if status != 0:
-        raise ValueError(f"the CPU attention kernel refused dtype {q.dtype} (status {status})")
+        raise ValueError(f"the CPU attention kernel refused queries of {q.dtype} over a {k_pool.dtype} pool "
+                         f"(status {status})")
     return out
 
 

@@ -69,7 +69,7 @@ class _Plan(ctypes.Structure):
                 + [(name, ctypes.c_int64) for name in ("rank", "timeout_ms")]
                 + [("layers", ctypes.POINTER(_LayerWeights))]
                 + [(name, ctypes.c_int64) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim",
-                                                       "inter", "pool_stride_h", "pool_stride_row")]
+                                                       "inter", "pool_stride_h", "pool_stride_row", "kv_dtype")]
                 + [("eps", ctypes.c_float), ("scale_log2", ctypes.c_float)]
                 + [(f"{name}_buf", ctypes.c_void_p) for name in _SCRATCH]
                 + [("final_norm", ctypes.c_void_p), ("head", _Projection), ("head_rows", ctypes.c_int64)]
@@ -156,7 +156,7 @@ def _takes_layer(w: LayerWeights, hidden: int, heads: int, kv_heads: int, head_d
             and (w.q_norm is None) == (w.k_norm is None)
             and (w.q_norm is None or _fp32(w.q_norm, head_dim) and _fp32(w.k_norm, head_dim))
             and pool.dim() == 3 and pool.shape[0] == kv_heads and pool.shape[2] == head_dim
-            and pool.is_cpu and pool.dtype is torch.float32 and pool.stride(-1) == 1
+            and pool.is_cpu and pool.dtype in cpu_attention.DTYPES and pool.stride(-1) == 1
             and w.v_pool.shape == pool.shape and w.v_pool.stride() == pool.stride() and w.v_pool.dtype is pool.dtype
             and all(_fp32(pool.a, *pool.a.shape) and _fp32(pool.bt, *pool.bt.shape) for pool in w.lora.values()))
 
@@ -220,7 +220,8 @@ class DecoderStack:
             _address(ops.neuron_linear), _address(ops.neuron_rms_norm), _address(ops.neuron_add_rms_norm),
             _address(ops.neuron_norm_rope), _address(ops.neuron_silu_mul), _address(attention.neuron_paged_attention),
             None, None, comm.rank, 0, self.weights, len(layers), hidden, heads, kv_heads, head_dim, inter,
-            pool.stride(0), pool.stride(1), eps, 1.0 / math.sqrt(head_dim) * math.log2(math.e),
+            pool.stride(0), pool.stride(1), cpu_attention.DTYPES[pool.dtype], eps,
+            1.0 / math.sqrt(head_dim) * math.log2(math.e),
             *[t.data_ptr() for t in self.scratch.values()])
 
     @classmethod
@@ -242,7 +243,7 @@ class DecoderStack:
         parts = [{name: _parts(kernels, getattr(w, name), *shapes[name]) for name in _PROJECTIONS} for w in layers]
         if any(p is None for layer in parts for p in layer.values()):
             return None
-        pools = {(w.k_pool.stride(0), w.k_pool.stride(1)) for w in layers}
+        pools = {(w.k_pool.stride(0), w.k_pool.stride(1), w.k_pool.dtype) for w in layers}
         if len(pools) != 1:
             return None
         return cls(layers, parts, hidden, heads, kv_heads, head_dim, inter, eps, comm)

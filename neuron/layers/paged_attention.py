@@ -130,8 +130,8 @@ def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     for i, kv_len in enumerate(kv_lens):
         begin, end = starts[i], starts[i + 1]
         rows = _context_rows(meta.block_tables[i], kv_len, meta.block_size)
-        k = k_pool.index_select(1, rows).unsqueeze(0)
-        v = v_pool.index_select(1, rows).unsqueeze(0)
+        k = k_pool.index_select(1, rows).unsqueeze(0).to(q.dtype)  # a 16-bit cache widened
+        v = v_pool.index_select(1, rows).unsqueeze(0).to(q.dtype)
         qi = q[begin:end].transpose(0, 1).unsqueeze(0)
         mask = _causal_mask(end - begin, kv_len, q.device)
         o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -285,7 +285,7 @@ def attend(kernels: Kernels, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if q.is_cuda and HAS_TRITON and kernels.triton("paged_attention"):
         return paged_attention_triton(q, k_pool, v_pool, meta, scale)
-    if k_pool.dtype == q.dtype and cpu_attention.supports(q):
+    if k_pool.dtype == v_pool.dtype and cpu_attention.supports(q, k_pool.dtype):
         _check_shapes(q, k_pool, v_pool)
         return cpu_attention.paged_attention_cpu(q, k_pool, v_pool, meta.query_start, meta.kv_lens,
                                                  meta.block_tables, meta.block_size, scale)

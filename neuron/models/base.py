@@ -17,6 +17,12 @@ class CausalLM:
     # Whether a decode step reads only the batch's device tensors (no per-slot state kept on the
     # host), so that the model runner may replay it from a CUDA graph (neuron/worker/cuda_graphs.py).
     decode_on_device_only = False
+    # What the KV pool holds (the runner sets it before sizing the pool); None: the model dtype.
+    kv_dtype: torch.dtype | None = None
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
 
     def check_model_len(self, max_model_len: int, native: int) -> None:
         if max_model_len > native:

@@ -58,8 +58,9 @@ class PagedKVCache:
             self.k[layer][:, batch.write_rows] = k[0]
             self.v[layer][:, batch.write_rows] = v[0]
             return
-        self.k[layer].index_copy_(1, batch.write_rows, k.transpose(0, 1))
-        self.v[layer].index_copy_(1, batch.write_rows, v.transpose(0, 1))
+        dtype = self.k[layer].dtype  # a cache narrower than the model rounds them here
+        self.k[layer].index_copy_(1, batch.write_rows, k.transpose(0, 1).to(dtype))
+        self.v[layer].index_copy_(1, batch.write_rows, v.transpose(0, 1).to(dtype))
 
     def attend(self, layer: int, batch: StepBatch, q: torch.Tensor) -> torch.Tensor:
         """Causal attention of this step's queries ([T, heads, head_dim]) over each sequence's blocks."""
@@ -68,14 +69,14 @@ class PagedKVCache:
             return attend(self.kernels, q, k_pool, v_pool, batch.paged)
         if batch.all_decode:
             rows = batch.read_rows[0]
-            k, v = _gather(k_pool, rows), _gather(v_pool, rows)
+            k, v = _gather(k_pool, rows).to(q.dtype), _gather(v_pool, rows).to(q.dtype)
             return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=batch.masks[0],
                                                   enable_gqa=True)[:, :, 0]
         out = []
         start = 0
         for rows, mask, n in zip(batch.read_rows, batch.masks, batch.lengths):
             qi = q[start : start + n].transpose(0, 1).unsqueeze(0)
-            k, v = _gather(k_pool, rows), _gather(v_pool, rows)
+            k, v = _gather(k_pool, rows).to(q.dtype), _gather(v_pool, rows).to(q.dtype)
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=mask is None and n > 1,
                                                enable_gqa=True)
             out.append(o[0].transpose(0, 1))

@@ -96,15 +96,16 @@ def _gguf_bytes(path: Path, dtype_bytes: int) -> int:
 
 
 def plan(config: dict, files: list[Path], *, tp: int, dtype_bytes: int, quantization: str, max_model_len: int,
-         kv_tokens: int | None, kv_cache_bytes: int, lora: tuple[int, int] = (0, 0)) -> MemoryPlan:
+         kv_tokens: int | None, kv_cache_bytes: int, lora: tuple[int, int] = (0, 0),
+         kv_dtype_bytes: int | None = None) -> MemoryPlan:
     """One rank's plan. `quantization`: at load ("" for none). KV: `kv_cache_bytes` when given,
-    else room for `kv_tokens` tokens. `lora`: the LoRA adapter pool's slots and rank, counted with
-    the weights."""
+    else room for `kv_tokens` tokens of `kv_dtype_bytes` per element (None: the model's). `lora`:
+    the LoRA adapter pool's slots and rank, counted with the weights."""
     from neuron.models import text_config
 
     t = text_config(config)
     head_dim = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
-    kv = kv_cache_bytes or kv_tokens * kv_bytes_per_token(config, tp, dtype_bytes)
+    kv = kv_cache_bytes or kv_tokens * kv_bytes_per_token(config, tp, kv_dtype_bytes or dtype_bytes)
     tables = 2 * max_model_len * head_dim * dtype_bytes  # cos and sin per position
     adapters = lora_pool_bytes(t, tp, *lora, dtype_bytes) if lora[0] else 0
     weights = weight_bytes(files, dtype_bytes, quantization)

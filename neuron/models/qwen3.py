@@ -217,7 +217,7 @@ class Qwen3ForCausalLM(CausalLM):
         """Bytes of one KV block on this rank: K and V of `block_size` tokens in every layer."""
         c = self.config
         per_token = 2 * c.num_layers * self.layout.local_kv_heads * c.head_dim
-        return per_token * block_size * torch.finfo(self.dtype).bits // 8
+        return per_token * block_size * torch.finfo(self.cache_dtype).bits // 8
 
     def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int) -> int:
         """A generous bound on one step's transient memory, kept free of KV blocks on GPUs."""
@@ -238,7 +238,7 @@ class Qwen3ForCausalLM(CausalLM):
         self.check_model_len(max_model_len, c.rope.max_len(c.max_position_embeddings))
         self.rotary = Rotary(c.head_dim, c.rope, max_model_len, self.dtype, self.device)
         self.cache = PagedKVCache(c.num_layers, num_blocks, block_size, max_model_len, self.layout.local_kv_heads,
-                                  c.head_dim, self.dtype, self.device, self.kernels)
+                                  c.head_dim, self.cache_dtype, self.device, self.kernels)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor | None:

@@ -378,7 +378,7 @@ class Qwen35ForCausalLM(CausalLM):
         """Bytes of one KV block on this rank: K and V of `block_size` tokens in every full-attention layer."""
         c = self.config
         per_token = 2 * c.layer_types.count(FULL) * self.layout.local_kv_heads * c.head_dim
-        return per_token * block_size * torch.finfo(self.dtype).bits // 8
+        return per_token * block_size * torch.finfo(self.cache_dtype).bits // 8
 
     def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int) -> int:
         """A generous bound on one step's transient memory, plus the per-slot recurrent state that
@@ -400,7 +400,7 @@ class Qwen35ForCausalLM(CausalLM):
         self.check_model_len(max_model_len, c.max_position_embeddings)
         self.rotary = MRotary(c.rotary_dim, c.rope_theta, c.mrope_section, max_model_len, self.dtype, self.device)
         kv = PagedKVCache(c.layer_types.count(FULL), num_blocks, block_size, max_model_len,
-                          self.layout.local_kv_heads, c.head_dim, self.dtype, self.device, self.kernels)
+                          self.layout.local_kv_heads, c.head_dim, self.cache_dtype, self.device, self.kernels)
         linear = DeltaNetState(c.layer_types.count(LINEAR), max_slots, self._conv_dim(), c.conv_kernel, self.heads,
                                self.dtype, self.device)
         images = None

@@ -74,6 +74,7 @@ class ShardSpec(msgspec.Struct, frozen=True):
     verify: VerifyShape = VerifyShape()  # speculative decoding's verifying steps (CUDA graphs)
     max_loras: int = 0  # LoRA adapters the rank's pool holds at once (0: no adapters)
     max_lora_rank: int = 0  # the largest adapter rank the pool takes
+    kv_cache_dtype: str = ""  # what the KV pool holds ("float16", "bfloat16"); "": the model dtype
     # Rank 0 on CUDA, sized from free memory: speculative decoding's draft loads on its device after
     # it, with a block for each of this pool's and its weights and graphs besides; the pool leaves room
     draft_block_bytes: int = 0

@@ -17,6 +17,11 @@ class WorkerFailure(Exception):
         self.kind = kind
 
 
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: str, device: str) -> torch.dtype:
+    """What the KV pool holds: the model dtype for "auto" (or ""), else the type named."""
+    return resolve_dtype(dtype, device) if kv_cache_dtype in ("", "auto") else resolve_dtype(kv_cache_dtype, device)
+
+
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32

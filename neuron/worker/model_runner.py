@@ -32,7 +32,7 @@ from neuron.rpc import protocol as p
 from neuron.step import SeqStep, VerifyShape
 from neuron.utils.lru import SizedLRU
 from neuron.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
-from neuron.worker.failure import WorkerFailure, resolve_dtype
+from neuron.worker.failure import WorkerFailure, resolve_dtype, resolve_kv_dtype
 from neuron.worker.kv_pool import plan_kv_pool
 from neuron.worker.step_input import BlockTables
 
@@ -75,6 +75,7 @@ class ModelRunner:
             kernels.log_failures()
             vision = VisionSpec.from_wire(shard.vision) if shard.vision is not None else None
             model = build_model(config, comm, dtype, device, kernels, vision)
+            model.kv_dtype = resolve_kv_dtype(shard.kv_cache_dtype, shard.dtype, str(device))
             with open_checkpoint(shard.weight_paths, config, shard.quantization, shard.stored_format) as reader:
                 model.load(reader, on_layer_loaded)
             if shard.max_loras:

@@ -23,6 +23,7 @@
 #include "simd.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -35,7 +36,7 @@ typedef void (*AddRmsNormFn)(const float*, int64_t, const float*, int64_t, int64
 typedef void (*NormRopeFn)(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, float,
                            const float*, const float*, int64_t, float*, int64_t, int64_t, int);
 typedef void (*SiluMulFn)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t, int);
-typedef int (*AttentionFn)(const PagedAttentionArgs*, int, int);
+typedef int (*AttentionFn)(const PagedAttentionArgs*, int, int, int);
 typedef int (*AllReduceFn)(void*, int, void*, int64_t, int, int64_t, const uint32_t*, int);
 // neuron_qlinear / neuron_qlinear_int (cpu_ops.cpp): x, m, x's row stride, the weight's layout, bias, y, y's row stride
 typedef void (*QLinearFn)(const float*, int64_t, int64_t, const void*, const float*, float*, int64_t, int);
@@ -78,7 +79,7 @@ struct Lora {
 struct LayerWeights {
     const float *input_norm, *q_norm, *k_norm, *post_norm;  // q/k norms nullable
     Projection qkv, o, gate_up, down;
-    float *k_pool, *v_pool;
+    void *k_pool, *v_pool;  // of the plan's kv_dtype
     Lora qkv_lora, o_lora, gate_up_lora, down_lora;
 };
 
@@ -96,6 +97,7 @@ struct Plan {
     int64_t num_layers;
     int64_t hidden, heads, kv_heads, head_dim, inter;  // this rank's heads and MLP width
     int64_t pool_stride_h, pool_stride_row;
+    int64_t kv_dtype;  // what the pools hold, in the attention kernel's codes: 0 fp32, 1 bf16, 2 fp16
     float eps, scale_log2;
     float *h, *qkv, *q, *k, *attn, *o, *mid, *gate_up, *act, *down;  // scratch of MAX rows each
     float* lora_u;  // scratch of MAX rows x the largest adapter rank: each row's A x
@@ -246,16 +248,41 @@ int reduce(const Plan& p, const Step& s, float* y, int64_t n, const float* bias,
     return 0;
 }
 
+// x rounded to bf16 as torch's .to(torch.bfloat16) rounds it: to nearest even, NaN to 0x7fc0.
+inline uint16_t to_bf16(float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    if (std::isnan(x)) return 0x7fc0;
+    return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// D values at `out` in the pools' type (fp32 copied; 16-bit rounded to nearest even, as torch's
+// .to() rounds what the Python layers write).
+inline void store_row(const float* x, int64_t D, void* out, int64_t kv_dtype) {
+    if (kv_dtype == 0) {
+        std::memcpy(out, x, size_t(D) * sizeof(float));
+    } else if (kv_dtype == 1) {
+        uint16_t* o = static_cast<uint16_t*>(out);
+        for (int64_t d = 0; d < D; ++d) o[d] = to_bf16(x[d]);
+    } else {
+        _Float16* o = static_cast<_Float16*>(out);
+        for (int64_t d = 0; d < D; ++d) o[d] = _Float16(x[d]);
+    }
+}
+
 // The step's keys (roped, [rows, kv_heads, head_dim]) and values (a slice of the q/k/v output) at
 // their pool rows.
 void write_kv(const Plan& p, const Step& s, const LayerWeights& w, int64_t qkv_width) {
-    const int64_t D = p.head_dim, kw = p.kv_heads * D, bytes = D * int64_t(sizeof(float));
+    const int64_t D = p.head_dim, kw = p.kv_heads * D;
+    const int64_t size = p.kv_dtype == 0 ? 4 : 2;  // bytes per element
+    char* k_pool = static_cast<char*>(w.k_pool);
+    char* v_pool = static_cast<char*>(w.v_pool);
     for (int64_t t = 0; t < s.rows; ++t) {
         const int64_t row = s.write_rows[t] * p.pool_stride_row;
         const float* v = p.qkv + t * qkv_width + p.heads * D + kw;
         for (int64_t h = 0; h < p.kv_heads; ++h) {
-            std::memcpy(w.k_pool + h * p.pool_stride_h + row, p.k + t * kw + h * D, size_t(bytes));
-            std::memcpy(w.v_pool + h * p.pool_stride_h + row, v + h * D, size_t(bytes));
+            store_row(p.k + t * kw + h * D, D, k_pool + (h * p.pool_stride_h + row) * size, p.kv_dtype);
+            store_row(v + h * D, D, v_pool + (h * p.pool_stride_h + row) * size, p.kv_dtype);
         }
     }
 }
@@ -287,7 +314,7 @@ extern "C" int neuron_decoder_layers(const Plan* plan, const Step* step) {
         write_kv(p, s, w, qkvw);
         a.k_pool = w.k_pool;
         a.v_pool = w.v_pool;
-        if (p.attention(&a, 0, th)) return ATTENTION_REFUSED;
+        if (p.attention(&a, 0, int(p.kv_dtype), th)) return ATTENTION_REFUSED;
         project(p, w.o, p.attn, m, qw, p.o, H, false, th);
         add_lora(s, w.o_lora, p.attn, qw, p.o, H, p.lora_u, th);
         if (const int status = reduce(p, s, p.o, m * H, w.o.bias, H)) return status;

@@ -128,6 +128,33 @@ struct Scratch {
 template <int DT>
 inline int64_t dim(const Args& a) { return DT ? DT : a.head_dim; }
 
+// D 16-bit values widened to fp32, 16 (or 8) at a time where the CPU converts in registers: fp16
+// by F16C's conversion, bf16 by moving its bits to a float's top half (exact, as widen()); the
+// scalar loop GCC leaves otherwise converted one value per call and made a 16-bit cache's decode
+// slower than fp32's.
+template <typename T>
+inline void widen_row(const T* src, int64_t D, float* dst) {
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    for (; d + 16 <= D; d += 16) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
+        if constexpr (std::is_same_v<T, _Float16>)
+            _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(h));
+        else
+            _mm512_storeu_si512(dst + d, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+#elif defined(__AVX2__) && defined(__F16C__)
+    for (; d + 8 <= D; d += 8) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
+        if constexpr (std::is_same_v<T, _Float16>)
+            _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(h));
+        else
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+#endif
+    for (; d < D; ++d) dst[d] = widen(src[d]);
+}
+
 // K or V rows of positions [n0, n0 + nn) of KV head h as fp32 pointers: into the pool for fp32,
 // into `buf` (widened) for the 16-bit types.
 template <typename T, int DT>
@@ -142,7 +169,7 @@ void load_rows(const Args& a, const void* pool, const int32_t* table, int64_t h,
             rows[n] = src;
         } else {
             float* dst = buf + n * D;
-            for (int64_t d = 0; d < D; ++d) dst[d] = widen(src[d]);
+            widen_row(src, D, dst);
             rows[n] = dst;
         }
     }
@@ -336,15 +363,15 @@ void store(const Args& a, const Item& it, int64_t group, const Scratch& w) {
     }
 }
 
-template <typename T, int DT>
+template <typename TQ, typename TKV, int DT>
 void attend_item(const Args& a, const Item& it, Scratch& w) {
     const int64_t D = dim<DT>(a), group = a.heads / a.kv_heads, rows = it.nq * group;
     const int64_t query_len = a.query_start[it.b + 1] - a.query_start[it.b];
     const int64_t first_pos = a.kv_lens[it.b] - query_len + it.q0;  // the tile's first query's position
     const int64_t end = first_pos + it.nq;  // keys past the tile's last query are never seen
     const int32_t* table = a.block_tables + it.b * a.table_stride;
-    prefetch_first<T, DT>(a, table, it.h, end);
-    load_queries<T, DT>(a, it, group, w.q.data());
+    prefetch_first<TKV, DT>(a, table, it.h, end);
+    load_queries<TQ, DT>(a, it, group, w.q.data());
     std::fill(w.acc.begin(), w.acc.begin() + rows * D, 0.0f);
     std::fill(w.m.begin(), w.m.begin() + rows, NEG_INF);
     std::fill(w.l.begin(), w.l.begin() + rows, 0.0f);
@@ -352,17 +379,17 @@ void attend_item(const Args& a, const Item& it, Scratch& w) {
     const float* vrows[TILE_N];
     for (int64_t n0 = 0; n0 < end; n0 += TILE_N) {
         const int nn = int(std::min<int64_t>(TILE_N, end - n0));
-        load_rows<T, DT>(a, a.k_pool, table, it.h, n0, nn, w.k.data(), krows);
-        load_rows<T, DT>(a, a.v_pool, table, it.h, n0, nn, w.v.data(), vrows);
+        load_rows<TKV, DT>(a, a.k_pool, table, it.h, n0, nn, w.k.data(), krows);
+        load_rows<TKV, DT>(a, a.v_pool, table, it.h, n0, nn, w.v.data(), vrows);
         if (n0 + TILE_N < end) {
             const int next = int(std::min<int64_t>(TILE_N, end - n0 - TILE_N));
-            prefetch_rows<T, DT>(a, a.k_pool, table, it.h, n0 + TILE_N, next);
-            prefetch_rows<T, DT>(a, a.v_pool, table, it.h, n0 + TILE_N, next);
+            prefetch_rows<TKV, DT>(a, a.k_pool, table, it.h, n0 + TILE_N, next);
+            prefetch_rows<TKV, DT>(a, a.v_pool, table, it.h, n0 + TILE_N, next);
         }
         scores<DT>(a, rows, group, first_pos, n0, nn, krows, w);
         accumulate<DT>(a, rows, nn, vrows, w);
     }
-    store<T, DT>(a, it, group, w);
+    store<TQ, DT>(a, it, group, w);
 }
 
 // ---- Blocked path ----
@@ -502,15 +529,15 @@ void block_values(int64_t rows, int64_t rp, int nn, const float** vrows, Scratch
     }
 }
 
-template <typename T, int DT>
+template <typename TQ, typename TKV, int DT>
 void attend_item_blocked(const Args& a, const Item& it, Scratch& w) {
     const int64_t group = a.heads / a.kv_heads, rows = it.nq * group, rp = round_up(rows, VL);
     const int64_t query_len = a.query_start[it.b + 1] - a.query_start[it.b];
     const int64_t first_pos = a.kv_lens[it.b] - query_len + it.q0;
     const int64_t end = first_pos + it.nq;
     const int32_t* table = a.block_tables + it.b * a.table_stride;
-    prefetch_first<T, DT>(a, table, it.h, end);
-    load_queries_transposed<T, DT>(a, it, group, rp, w.q.data());
+    prefetch_first<TKV, DT>(a, table, it.h, end);
+    load_queries_transposed<TQ, DT>(a, it, group, rp, w.q.data());
     std::fill(w.acc.begin(), w.acc.begin() + rp * DT, 0.0f);
     std::fill(w.m.begin(), w.m.begin() + rp, NEG_INF);
     std::fill(w.l.begin(), w.l.begin() + rp, 0.0f);
@@ -518,18 +545,18 @@ void attend_item_blocked(const Args& a, const Item& it, Scratch& w) {
     const float* vrows[TILE_N];
     for (int64_t n0 = 0; n0 < end; n0 += TILE_N) {
         const int nn = int(std::min<int64_t>(TILE_N, end - n0));
-        load_rows<T, DT>(a, a.k_pool, table, it.h, n0, nn, w.k.data(), krows);
-        load_rows<T, DT>(a, a.v_pool, table, it.h, n0, nn, w.v.data(), vrows);
+        load_rows<TKV, DT>(a, a.k_pool, table, it.h, n0, nn, w.k.data(), krows);
+        load_rows<TKV, DT>(a, a.v_pool, table, it.h, n0, nn, w.v.data(), vrows);
         if (n0 + TILE_N < end) {
             const int next = int(std::min<int64_t>(TILE_N, end - n0 - TILE_N));
-            prefetch_rows<T, DT>(a, a.k_pool, table, it.h, n0 + TILE_N, next);
-            prefetch_rows<T, DT>(a, a.v_pool, table, it.h, n0 + TILE_N, next);
+            prefetch_rows<TKV, DT>(a, a.k_pool, table, it.h, n0 + TILE_N, next);
+            prefetch_rows<TKV, DT>(a, a.v_pool, table, it.h, n0 + TILE_N, next);
         }
         block_scores<DT>(rp, group, first_pos, n0, nn, krows, w);
         block_softmax(rp, nn, w);
         block_values<DT>(round_up(rows, VALUE_ROWS), rp, nn, vrows, w);
     }
-    store<T, DT>(a, it, group, w);
+    store<TQ, DT>(a, it, group, w);
 }
 
 // Work items, the longest queries first so that dynamic scheduling ends with the short ones. A
@@ -556,7 +583,7 @@ std::vector<Item> plan(const Args& a) {
     return items;
 }
 
-template <typename T, int DT>
+template <typename TQ, typename TKV, int DT>
 void run(const Args& a, int threads) {
     const int64_t group = a.heads / a.kv_heads;
     const std::vector<Item> items = plan<DT>(a);
@@ -576,35 +603,38 @@ void run(const Args& a, int threads) {
         for (int64_t i = 0; i < n; ++i) {
             if constexpr (BLOCKABLE<DT>) {
                 if (items[i].blocked) {
-                    attend_item_blocked<T, DT>(a, items[i], w);
+                    attend_item_blocked<TQ, TKV, DT>(a, items[i], w);
                     continue;
                 }
             }
-            attend_item<T, DT>(a, items[i], w);
+            attend_item<TQ, TKV, DT>(a, items[i], w);
         }
     }
 }
 
 // The head sizes models use get loops with a constant trip count; any other size runs the same
 // code with the size read at run time.
-template <typename T>
+template <typename TQ, typename TKV>
 void run_dim(const Args& a, int threads) {
     switch (a.head_dim) {
-        case 64: return run<T, 64>(a, threads);
-        case 128: return run<T, 128>(a, threads);
-        case 256: return run<T, 256>(a, threads);
-        default: return run<T, 0>(a, threads);
+        case 64: return run<TQ, TKV, 64>(a, threads);
+        case 128: return run<TQ, TKV, 128>(a, threads);
+        case 256: return run<TQ, TKV, 256>(a, threads);
+        default: return run<TQ, TKV, 0>(a, threads);
     }
 }
 
 }  // namespace
 
-// dtype: 0 fp32, 1 bf16, 2 fp16. Returns 0, or 1 for an unknown dtype.
-extern "C" int neuron_paged_attention(const Args* a, int dtype, int threads) {
-    switch (dtype) {
-        case 0: run_dim<float>(*a, threads); return 0;
-        case 1: run_dim<bf16>(*a, threads); return 0;
-        case 2: run_dim<_Float16>(*a, threads); return 0;
-        default: return 1;
-    }
+// dtype: the queries' and the output's, kv_dtype: the pools' (0 fp32, 1 bf16, 2 fp16). 16-bit keys
+// and values are widened as they are read: fp32 queries take any pool (an fp32 model's 16-bit KV
+// cache), 16-bit ones a pool of their own type. Returns 0, or 1 for a pair it does not take.
+extern "C" int neuron_paged_attention(const Args* a, int dtype, int kv_dtype, int threads) {
+    if (dtype == 0 && kv_dtype == 0) run_dim<float, float>(*a, threads);
+    else if (dtype == 0 && kv_dtype == 1) run_dim<float, bf16>(*a, threads);
+    else if (dtype == 0 && kv_dtype == 2) run_dim<float, _Float16>(*a, threads);
+    else if (dtype == 1 && kv_dtype == 1) run_dim<bf16, bf16>(*a, threads);
+    else if (dtype == 2 && kv_dtype == 2) run_dim<_Float16, _Float16>(*a, threads);
+    else return 1;
+    return 0;
 }
