@@ -109,7 +109,9 @@ LLAMA_CPP = """
 import statistics, sys, time
 import llama_cpp, numpy as np
 path, tokens, repeats, threads, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), eval(sys.argv[5])
-llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+n_ctx = max(512, len(prompt) + tokens + 16)
+llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                      verbose=False)
 def greedy():
     logits = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
     return int(np.ctypeslib.as_array(logits, shape=(llm.n_vocab(),)).argmax())
@@ -125,12 +127,13 @@ print(statistics.median(rates[1:]))
 """
 
 
-def time_llama_cpp(python: str, path: str, tokens: int, repeats: int) -> float | None:
-    """llama.cpp's batch-1 decode tok/s on the same GGUF file; None where `python` lacks llama-cpp-python."""
+def time_llama_cpp(python: str, path: str, tokens: int, repeats: int, prompt: list[int] | None = None) -> float | None:
+    """llama.cpp's batch-1 decode tok/s on the same GGUF file after `prompt` (the 16-token one by
+    default); None where `python` lacks llama-cpp-python."""
     import subprocess
 
     args = [python, "-c", LLAMA_CPP, path, str(tokens), str(repeats), str(torch.get_num_threads()),
-            repr(prompts(1)[0])]
+            repr(prompt or prompts(1)[0])]
     done = subprocess.run(args, capture_output=True, text=True)
     if done.returncode != 0:
         if "No module named 'llama_cpp'" in done.stderr:

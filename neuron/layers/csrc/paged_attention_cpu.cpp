@@ -155,6 +155,51 @@ inline void widen_row(const T* src, int64_t D, float* dst) {
     for (; d < D; ++d) dst[d] = widen(src[d]);
 }
 
+// One register of keys or values read from the pool and widened there: the decode path reads a
+// 16-bit pool this way, in place, where the copy widened into scratch cost more than the bytes it
+// saved (a decode's few query rows do little arithmetic per key).
+inline vecf vload_kv(const float* p) { return vload(p); }
+inline vecf vload_kv(const _Float16* p) {
+#if defined(__AVX512F__)
+    return reinterpret_cast<vecf>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__AVX2__) && defined(__F16C__)
+    return reinterpret_cast<vecf>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+    vecf v;
+    for (int l = 0; l < VL; ++l) v[l] = widen(p[l]);
+    return v;
+#endif
+}
+inline vecf vload_kv(const bf16* p) {
+#if defined(__AVX512F__)
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return reinterpret_cast<vecf>(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+#elif defined(__AVX2__)
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return reinterpret_cast<vecf>(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+#else
+    vecf v;
+    for (int l = 0; l < VL; ++l) v[l] = widen(p[l]);
+    return v;
+#endif
+}
+
+// Whether the per-row path reads the pool's rows in place (widened in registers): fp32 always, a
+// 16-bit pool at the head sizes with constant-size vector loops.
+template <typename TKV, int DT>
+constexpr bool IN_PLACE = std::is_same_v<TKV, float> || (DT != 0 && DT % (2 * VL) == 0);
+
+// The pool rows of positions [n0, n0 + nn) of KV head h, where they lie.
+template <typename TKV, int DT>
+void pool_rows(const Args& a, const void* pool, const int32_t* table, int64_t h, int64_t n0, int nn,
+               const TKV** rows) {
+    for (int n = 0; n < nn; ++n) {
+        const int64_t p = n0 + n;
+        const int64_t row = int64_t(table[p / a.block_size]) * a.block_size + p % a.block_size;
+        rows[n] = static_cast<const TKV*>(pool) + h * a.pool_stride_h + row * a.pool_stride_row;
+    }
+}
+
 // K or V rows of positions [n0, n0 + nn) of KV head h as fp32 pointers: into the pool for fp32,
 // into `buf` (widened) for the 16-bit types.
 template <typename T, int DT>
@@ -241,9 +286,9 @@ inline vecf key_sums(vecf* v) {
 }
 
 // Scores of every row against the tile's keys; a key past a row's own position is masked out.
-template <int DT>
+template <int DT, typename TK>
 void scores(const Args& a, int64_t rows, int64_t group, int64_t first_pos, int64_t n0, int nn,
-            const float** krows, Scratch& w) {
+            const TK* const* krows, Scratch& w) {
     const int64_t D = dim<DT>(a);
     if constexpr (DT != 0 && DT % (2 * VL) == 0) {
         // a row's query held in registers against VL keys at a time, their sums reduced together
@@ -254,11 +299,15 @@ void scores(const Args& a, int64_t rows, int64_t group, int64_t first_pos, int64
             for (int k0 = 0; k0 < nn; k0 += VL) {
                 vecf part[VL];
                 for (int n = 0; n < VL; ++n) {
-                    const float* k = k0 + n < nn ? krows[k0 + n] : w.zero.data();
-                    vecf s0 = q[0] * vload(k), s1 = q[1] * vload(k + VL);
+                    if (k0 + n >= nn) {  // past the tile's keys: a zero row
+                        part[n] = vecf{};
+                        continue;
+                    }
+                    const TK* k = krows[k0 + n];
+                    vecf s0 = q[0] * vload_kv(k), s1 = q[1] * vload_kv(k + VL);
                     for (int j = 2; j < NV; j += 2) {
-                        s0 += q[j] * vload(k + j * VL);
-                        s1 += q[j + 1] * vload(k + (j + 1) * VL);
+                        s0 += q[j] * vload_kv(k + j * VL);
+                        s1 += q[j + 1] * vload_kv(k + (j + 1) * VL);
                     }
                     part[n] = s0 + s1;
                 }
@@ -282,8 +331,8 @@ void scores(const Args& a, int64_t rows, int64_t group, int64_t first_pos, int64
 }
 
 // Online softmax: fold the tile's scores into each row's running max, sum and accumulator.
-template <int DT>
-void accumulate(const Args& a, int64_t rows, int nn, const float** vrows, Scratch& w) {
+template <int DT, typename TV>
+void accumulate(const Args& a, int64_t rows, int nn, const TV* const* vrows, Scratch& w) {
     const int64_t D = dim<DT>(a);
     // first each row's new maximum, its factor alpha and its probabilities (in s); a row for which
     // every key of the tile lies after its query keeps its state: alpha 1 and p 0 (its values are
@@ -324,7 +373,7 @@ void accumulate(const Args& a, int64_t rows, int nn, const float** vrows, Scratc
                         part[i][j] = vload(&w.acc[(r0 + i) * D + c + j * VL]) * w.alpha[r0 + i];
                 for (int n = 0; n < nn; ++n) {
                     vecf v[CH];
-                    for (int j = 0; j < CH; ++j) v[j] = vload(vrows[n] + c + j * VL);
+                    for (int j = 0; j < CH; ++j) v[j] = vload_kv(vrows[n] + c + j * VL);
                     for (int i = 0; i < R; ++i) {
                         const float p = w.s[(r0 + i) * TILE_N + n];
                         for (int j = 0; j < CH; ++j) part[i][j] += p * v[j];
@@ -375,12 +424,19 @@ void attend_item(const Args& a, const Item& it, Scratch& w) {
     std::fill(w.acc.begin(), w.acc.begin() + rows * D, 0.0f);
     std::fill(w.m.begin(), w.m.begin() + rows, NEG_INF);
     std::fill(w.l.begin(), w.l.begin() + rows, 0.0f);
-    const float* krows[TILE_N];
-    const float* vrows[TILE_N];
+    // the tile's key and value rows: in the pool where the loops read its type, else widened into scratch
+    using Row = std::conditional_t<IN_PLACE<TKV, DT>, TKV, float>;
+    const Row* krows[TILE_N];
+    const Row* vrows[TILE_N];
     for (int64_t n0 = 0; n0 < end; n0 += TILE_N) {
         const int nn = int(std::min<int64_t>(TILE_N, end - n0));
-        load_rows<TKV, DT>(a, a.k_pool, table, it.h, n0, nn, w.k.data(), krows);
-        load_rows<TKV, DT>(a, a.v_pool, table, it.h, n0, nn, w.v.data(), vrows);
+        if constexpr (IN_PLACE<TKV, DT>) {
+            pool_rows<TKV, DT>(a, a.k_pool, table, it.h, n0, nn, krows);
+            pool_rows<TKV, DT>(a, a.v_pool, table, it.h, n0, nn, vrows);
+        } else {
+            load_rows<TKV, DT>(a, a.k_pool, table, it.h, n0, nn, w.k.data(), krows);
+            load_rows<TKV, DT>(a, a.v_pool, table, it.h, n0, nn, w.v.data(), vrows);
+        }
         if (n0 + TILE_N < end) {
             const int next = int(std::min<int64_t>(TILE_N, end - n0 - TILE_N));
             prefetch_rows<TKV, DT>(a, a.k_pool, table, it.h, n0 + TILE_N, next);
