@@ -225,7 +225,8 @@ class Settings:
     kv_cache_dtype: str = _setting(
         str, "auto", "what the KV cache holds keys and values in: auto is the model dtype; float16 or bfloat16 "
         "halve an fp32 model's cache on CPU (twice the tokens in the same memory, less to read per token), each "
-        "key and value rounded as it is stored while attention computes in fp32. On CUDA: auto or the model dtype",
+        "key and value rounded as it is stored while attention computes in fp32. On CUDA, and for a 16-bit "
+        "model: the model dtype",
         choices=("auto", "float32", "bfloat16", "float16"))
     gpu_memory_utilization: float = _setting(
         float, 0.9, "share of each GPU's memory neuron may use for weights, activations and the KV cache",

@@ -2,7 +2,7 @@
 and value is rounded as it is stored and widened as attention reads it, the arithmetic stays fp32.
 Against transformers in fp32 throughout, greedy tokens are equal and logprobs within a stated bound,
 at tp 1 and 2, with prompts prefilled in several chunks; the pool holds that type, and the same
-bytes hold twice the tokens; CUDA, whose kernels read the model dtype, refuses another type."""
+bytes hold twice the tokens; a type the kernels do not read is refused at start-up."""
 
 from __future__ import annotations
 
@@ -59,11 +59,18 @@ def test_the_same_bytes_hold_twice_the_tokens(checkpoint):
     assert default.kv_cache_dtype == "bfloat16"
 
 
-def test_cuda_refuses_a_cache_type_other_than_the_model_s():
+def test_a_cache_type_the_kernels_do_not_read_is_refused():
+    """CUDA's kernels read the model dtype; the CPU kernel that too, and 16-bit keys and values
+    under fp32 queries: anything else would leave every step on the slow reference."""
     check_kv_cache_dtype("auto", "auto", "cuda")
     check_kv_cache_dtype("bfloat16", "auto", "cuda:0")  # the model dtype there
     check_kv_cache_dtype("float16", "float32", "cpu")
+    check_kv_cache_dtype("bfloat16", "auto", "cpu")  # auto is float32 on CPU
+    check_kv_cache_dtype("bfloat16", "bfloat16", "cpu")
     with pytest.raises(ConfigError, match="kv_cache_dtype float16 differs from the model dtype bfloat16"):
         check_kv_cache_dtype("float16", "auto", "cuda")
+    for kv, model in (("float32", "bfloat16"), ("float16", "bfloat16"), ("bfloat16", "float16")):
+        with pytest.raises(ConfigError, match=f"kv_cache_dtype {kv} with the model dtype {model}"):
+            check_kv_cache_dtype(kv, model, "cpu")
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         model_config(None, kv_cache_dtype="float8")  # not a type it knows

@@ -188,13 +188,18 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device: str) -> None:
-    """Refuse a KV cache type the device's attention cannot read: on CUDA the kernels read the
-    model dtype (the CPU kernel widens 16-bit keys and values for any query type)."""
+    """Refuse a KV cache type the device's attention kernel does not read: on CUDA the kernels read
+    the model dtype; on CPU the kernel reads the model dtype, and 16-bit keys and values under an
+    fp32 model's queries (a cache of another type would leave every step on the slow reference)."""
     kv, model = resolve_kv_dtype(kv_cache_dtype, dtype, device), resolve_dtype(dtype, device)
+    name = str(model).removeprefix("torch.")
     if device.startswith("cuda") and kv != model:
-        raise ConfigError(f"kv_cache_dtype {kv_cache_dtype} differs from the model dtype "
-                          f"{str(model).removeprefix('torch.')}: on CUDA the KV cache holds the model dtype "
-                          "(kv_cache_dtype auto); a 16-bit cache for an fp32 model is for CPUs")
+        raise ConfigError(f"kv_cache_dtype {kv_cache_dtype} differs from the model dtype {name}: on CUDA the KV "
+                          "cache holds the model dtype (kv_cache_dtype auto); a 16-bit cache for an fp32 model is "
+                          "for CPUs")
+    if kv != model and name != "float32":
+        raise ConfigError(f"kv_cache_dtype {kv_cache_dtype} with the model dtype {name}: a KV cache holds the model "
+                          "dtype (kv_cache_dtype auto), or, for an fp32 model, float16 or bfloat16")
 
 
 def load_config(model_dir: Path, overrides: dict | None = None) -> dict:
