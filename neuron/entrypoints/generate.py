@@ -7,8 +7,8 @@ import sys
 from neuron.entrypoints.options import add_model, add_options
 
 # The settings `neuron generate` takes as flags; the rest come from the environment or the defaults.
-OPTIONS = ("tp", "device", "dtype", "quantization", "max_model_len", "max_num_seqs", "kv_cache_memory", "kv_cache_dtype",
-           "gpu_memory_utilization", "no_prefix_caching")
+OPTIONS = ("tp", "device", "dtype", "quantization", "max_model_len", "max_num_seqs", "kv_cache_memory",
+           "kv_cache_dtype", "gpu_memory_utilization", "no_prefix_caching")
 
 
 def add_parser(sub) -> None:
