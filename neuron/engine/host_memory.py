@@ -114,16 +114,16 @@ def _plans(model: ModelConfig) -> tuple[MemoryPlan, int]:
     """One rank's plan with the KV cache the model asks for (or its CPU default), and the bytes of
     one full-length sequence's KV."""
     spec = model.spec
-    dtype_bytes = _dtype_bytes(model)
+    dtype_bytes, kv_dtype_bytes = _dtype_bytes(model), _kv_dtype_bytes(model)
     one = blocks_for(model.max_model_len, spec.block_size) * spec.block_size
-    per_token = kv_bytes_per_token(model.hf_config, spec.tp, _kv_dtype_bytes(model))
+    per_token = kv_bytes_per_token(model.hf_config, spec.tp, kv_dtype_bytes)
     on_gpu = model.device.startswith("cuda")
     tokens = one if on_gpu else spec.max_num_seqs * one  # a GPU rank sizes its pool from what is free at load
     p = plan(model.hf_config, [Path(f) for f in model.weight_files], tp=spec.tp, dtype_bytes=dtype_bytes,
              quantization=spec.quantization or "", max_model_len=model.max_model_len, kv_tokens=tokens,
              kv_cache_bytes=model.kv_cache_bytes,
              lora=(spec.max_loras, spec.max_lora_rank) if spec.enable_lora else (0, 0),
-             kv_dtype_bytes=_kv_dtype_bytes(model))
+             kv_dtype_bytes=kv_dtype_bytes)
     return p, one * per_token
 
 

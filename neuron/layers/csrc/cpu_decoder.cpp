@@ -23,7 +23,6 @@
 #include "simd.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -248,14 +247,6 @@ int reduce(const Plan& p, const Step& s, float* y, int64_t n, const float* bias,
     return 0;
 }
 
-// x rounded to bf16 as torch's .to(torch.bfloat16) rounds it: to nearest even, NaN to 0x7fc0.
-inline uint16_t to_bf16(float x) {
-    uint32_t u;
-    std::memcpy(&u, &x, 4);
-    if (std::isnan(x)) return 0x7fc0;
-    return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 // D values at `out` in the pools' type (fp32 copied; 16-bit rounded to nearest even, as torch's
 // .to() rounds what the Python layers write).
 inline void store_row(const float* x, int64_t D, void* out, int64_t kv_dtype) {
@@ -263,7 +254,7 @@ inline void store_row(const float* x, int64_t D, void* out, int64_t kv_dtype) {
         std::memcpy(out, x, size_t(D) * sizeof(float));
     } else if (kv_dtype == 1) {
         uint16_t* o = static_cast<uint16_t*>(out);
-        for (int64_t d = 0; d < D; ++d) o[d] = to_bf16(x[d]);
+        for (int64_t d = 0; d < D; ++d) o[d] = bf16_bits(x[d]);
     } else {
         _Float16* o = static_cast<_Float16*>(out);
         for (int64_t d = 0; d < D; ++d) o[d] = _Float16(x[d]);

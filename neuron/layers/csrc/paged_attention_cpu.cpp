@@ -62,15 +62,7 @@ inline float widen(_Float16 x) { return float(x); }
 
 inline void narrow(float x, float* out) { *out = x; }
 inline void narrow(float x, _Float16* out) { *out = _Float16(x); }
-inline void narrow(float x, bf16* out) {
-    uint32_t u;
-    std::memcpy(&u, &x, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
-        out->bits = uint16_t((u >> 16) | 0x40);
-        return;
-    }
-    out->bits = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // round to nearest even
-}
+inline void narrow(float x, bf16* out) { out->bits = bf16_bits(x); }
 
 template <int DT>
 inline float dot(const float* __restrict a, const float* __restrict b, int d_runtime) {
@@ -128,33 +120,6 @@ struct Scratch {
 template <int DT>
 inline int64_t dim(const Args& a) { return DT ? DT : a.head_dim; }
 
-// D 16-bit values widened to fp32, 16 (or 8) at a time where the CPU converts in registers: fp16
-// by F16C's conversion, bf16 by moving its bits to a float's top half (exact, as widen()); the
-// scalar loop GCC leaves otherwise converted one value per call and made a 16-bit cache's decode
-// slower than fp32's.
-template <typename T>
-inline void widen_row(const T* src, int64_t D, float* dst) {
-    int64_t d = 0;
-#if defined(__AVX512F__)
-    for (; d + 16 <= D; d += 16) {
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
-        if constexpr (std::is_same_v<T, _Float16>)
-            _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(h));
-        else
-            _mm512_storeu_si512(dst + d, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-#elif defined(__AVX2__) && defined(__F16C__)
-    for (; d + 8 <= D; d += 8) {
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
-        if constexpr (std::is_same_v<T, _Float16>)
-            _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(h));
-        else
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-#endif
-    for (; d < D; ++d) dst[d] = widen(src[d]);
-}
-
 // One register of keys or values read from the pool and widened there: the decode path reads a
 // 16-bit pool this way, in place, where the copy widened into scratch cost more than the bytes it
 // saved (a decode's few query rows do little arithmetic per key).
@@ -182,6 +147,15 @@ inline vecf vload_kv(const bf16* p) {
     for (int l = 0; l < VL; ++l) v[l] = widen(p[l]);
     return v;
 #endif
+}
+
+// D 16-bit values widened to fp32 a register at a time (vload_kv), the rest one by one: the
+// scalar loop alone converted one value per call.
+template <typename T>
+inline void widen_row(const T* src, int64_t D, float* dst) {
+    int64_t d = 0;
+    for (; d + VL <= D; d += VL) vstore(dst + d, vload_kv(src + d));
+    for (; d < D; ++d) dst[d] = widen(src[d]);
 }
 
 // Whether the per-row path reads the pool's rows in place (widened in registers): fp32 always, a

@@ -46,6 +46,14 @@ inline float hsum(vecf v) {
 #endif
 }
 
+// x rounded to bf16 as torch's .to(torch.bfloat16) rounds it: to nearest even, NaN to 0x7fc0.
+inline uint16_t bf16_bits(float x) {
+    if (std::isnan(x)) return 0x7fc0;
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 // 2^x for x <= 0 (softmax exponents, already in base 2), vectorisable: split x into an integer n
 // and a fraction f in [-0.5, 0.5], a degree-6 polynomial for 2^f (relative error ~2e-7), and n
 // added to the float's exponent. Below -126 (a masked key's -inf included) the result is 0: a
