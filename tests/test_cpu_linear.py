@@ -39,13 +39,15 @@ def _calls(monkeypatch) -> list[tuple[int, torch.Tensor]]:
 
 
 def test_many_rows_match_f_linear_on_the_weight_itself(data, monkeypatch):
-    x, w, b = data
+    _, w, b = data
+    rows = cpu_ops.MAX_LINEAR_ROWS + 64  # more than neuron's kernel takes
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1))
     owner = Owner()
     seen = _calls(monkeypatch)
     torch.testing.assert_close(cpu_linear.linear(owner, x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
-    assert [(rows, weight is w) for rows, weight in seen] == [(64, True)]  # no packed copy of it
+    assert [(rows, weight is w) for rows, weight in seen] == [(rows, True)]  # no packed copy of it
     assert vars(owner) == {"kernels": owner.kernels}  # nor one kept on the layer
-    strided = torch.randn(64, 300)[:, :256]
+    strided = torch.randn(rows, 300)[:, :256]
     torch.testing.assert_close(cpu_linear.linear(owner, strided, w), F.linear(strided, w), atol=1e-4, rtol=1e-5)
 
 
@@ -61,7 +63,8 @@ def test_few_rows_and_half_precision_stay_off_onednn(data, monkeypatch):
 
 def test_switched_off(data, monkeypatch):
     monkeypatch.setenv("NEURON_NO_ONEDNN", "1")
-    x, w, b = data
+    _, w, b = data
+    x = torch.randn(cpu_ops.MAX_LINEAR_ROWS + 64, 256, generator=torch.Generator().manual_seed(2))
     seen = _calls(monkeypatch)
     assert torch.equal(cpu_linear.linear(Owner(Kernels.from_settings()), x, w, b), F.linear(x, w, b))
     assert seen == []

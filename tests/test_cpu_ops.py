@@ -27,9 +27,12 @@ def _gen(seed: int) -> torch.Generator:
 
 # (rows, out, in): one row, two, three, four; widths with and without a vector tail; one big enough
 # that the threads split the weight rows; outputs that leave a partial tile of rows; from five rows
-# up the many-row tiles, with a partial tile of rows of x and of the weight
+# up the many-row tiles, with a partial tile of rows of x and of the weight; from sixteen up the
+# transposed panels: a partial panel, inputs fewer than a vector, a vector tail, rows that split into
+# tiles of several sizes, and the most rows the kernel takes
 @pytest.mark.parametrize("m,n,k", [(1, 7, 5), (2, 33, 100), (3, 64, 256), (4, 4096, 1024), (1, 1030, 1027),
-                                   (5, 7, 100), (7, 1030, 1027), (cpu_ops.MAX_LINEAR_ROWS, 3072, 1024)])
+                                   (5, 7, 100), (7, 1030, 1027), (15, 96, 64), (16, 33, 100), (29, 65, 7),
+                                   (64, 1030, 1027), (201, 40, 48), (cpu_ops.MAX_LINEAR_ROWS, 3072, 1024)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_f_linear(m, n, k, bias):
     gen = _gen(m * n + k)
@@ -41,8 +44,9 @@ def test_linear_matches_f_linear(m, n, k, bias):
 def test_linear_reads_strided_rows():
     """x as a slice of a wider tensor and W as rows of a bigger matrix (a merged projection's part)."""
     gen = _gen(1)
-    wide, big = torch.randn(11, 300, generator=gen), torch.randn(50, 300, generator=gen)
-    for rows in (3, 11):  # the streaming tiles and the many-row ones
+    big = torch.randn(50, 300, generator=gen)
+    wide = torch.randn(40, 300, generator=gen)
+    for rows in (3, 11, 40):  # the streaming tiles, the many-row ones and the panels
         x, w = wide[:rows, :200], big[10:40, :200]
         torch.testing.assert_close(cpu_ops.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
 

@@ -30,8 +30,8 @@ pytestmark = pytest.mark.skipif(cpu_decoder.library() is None or cpu_ops.library
                                 reason="the CPU kernels could not be built here")
 
 BLOCK = 4
-MAX_LEN = 64
-SLOTS = 4
+MAX_LEN = 128
+SLOTS = 5
 FUSED, LAYERED = Kernels(), Kernels(fused_layers=False)  # LAYERED: what NEURON_NO_FUSED_LAYERS builds
 
 
@@ -93,17 +93,21 @@ def fused_steps(monkeypatch) -> list[int]:
 
 
 def _blocks(slot: int) -> list[int]:
-    return list(range(slot * 16, slot * 16 + 16))
+    per_slot = MAX_LEN // BLOCK
+    return list(range(slot * per_slot, (slot + 1) * per_slot))
 
 
 def _same_steps(fused: ModelRunner, layered: ModelRunner) -> None:
-    """Prefill a lone prompt, then two more in one step (10 rows: the C loop), then one of 20 rows
-    (the Python layers); decode batches of 3, 1 and 2 across block boundaries: equal logits at
-    every step and equal KV pools at the end."""
-    prompts = {0: [5, 17, 200, 3], 1: list(range(10, 16)), 2: [7] * 4, 3: list(range(30, 50))}
+    """Prefill a lone prompt, then two more in one step (10 rows: the C loop), then one of
+    MAX_ROWS + 6 rows (the Python layers) and one of 40 (the C loop with dense projections, the
+    Python layers with quantized ones); decode batches of 3, 1 and 2 across block boundaries: equal
+    logits at every step and equal KV pools at the end."""
+    prompts = {0: [5, 17, 200, 3], 1: list(range(10, 16)), 2: [7] * 4, 3: list(range(30, 36 + cpu_decoder.MAX_ROWS)),
+               4: list(range(100, 140))}
     steps = [[SeqStep(0, prompts[0], 0, _blocks(0), fresh=True)],
              [SeqStep(s, prompts[s], 0, _blocks(s), fresh=True) for s in (1, 2)],
-             [SeqStep(3, prompts[3], 0, _blocks(3), fresh=True)]]
+             [SeqStep(3, prompts[3], 0, _blocks(3), fresh=True)],
+             [SeqStep(4, prompts[4], 0, _blocks(4), fresh=True)]]
     lengths = {s: len(p) for s, p in prompts.items()}
     for active in ([0, 1, 2], [3], [0, 3], [0, 1, 2], [2]):
         for i in range(3):
@@ -120,7 +124,9 @@ def _same_steps(fused: ModelRunner, layered: ModelRunner) -> None:
 # the prompts' steps end in Python (their last rows' logits); decode steps run from their token
 # ids to their logits in C
 DECODES = [3, 3, 3, 1, 1, 1, 2, 2, 2, 3, 3, 3, 1, 1, 1]
-FUSED_STEPS = [4, 10] + [(n, "tokens") for n in DECODES]
+FUSED_STEPS = [4, 10, 40] + [(n, "tokens") for n in DECODES]
+# a plan with quantized projections takes steps of up to quantized.MAX_KERNEL_ROWS rows (32)
+QUANTIZED_STEPS = [4, 10] + [(n, "tokens") for n in DECODES]
 
 
 def test_one_call_equals_the_python_layers(fused_checkpoint, fused_steps):
@@ -133,7 +139,7 @@ def test_without_the_inputs_a_decode_step_still_ends_with_the_head(fused_checkpo
     Python and still runs the final norm and head in its call: the same logits."""
     monkeypatch.setattr(cpu_decoder.DecoderStack, "attach_inputs", lambda *a: False)
     _same_steps(_runner(fused_checkpoint, FUSED), _runner(fused_checkpoint, LAYERED))
-    assert fused_steps == [4, 10] + [(n, "head") for n in DECODES]
+    assert fused_steps == [4, 10, 40] + [(n, "head") for n in DECODES]
 
 
 def test_an_embedding_row_out_of_range_is_refused_by_the_one_call(fused_checkpoint):
@@ -199,7 +205,7 @@ def test_quantized_projections_in_one_call_equal_the_python_layers(fused_checkpo
     assert [bool(w.qkv.stack) for w in weights] == [not exact and layout != "int8"] * len(weights)
     assert [bool(w.gate_up.stack) for w in weights] == [not exact and layout == "4-bit parts"] * len(weights)
     _same_steps(fused, layered)
-    assert fused_steps == FUSED_STEPS
+    assert fused_steps == QUANTIZED_STEPS
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

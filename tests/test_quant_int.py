@@ -236,10 +236,12 @@ def narrower_runs(tmp_path_factory):
         wrapper.chmod(0o755)
         env = {**os.environ, "NEURON_CXX": str(wrapper), "NEURON_CACHE_DIR": str(root / "cache")}
         # (and the attention kernel's widening of a 16-bit KV cache, which has a path per width too)
+        # (and the fp32 linear kernel's panel transposes, one per vector width)
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                                 str(Path(__file__).parent / "test_paged_attention.py"), "-k",
+                                 str(Path(__file__).parent / "test_paged_attention.py"),
+                                 str(Path(__file__).parent / "test_cpu_ops.py"), "-k",
                                  "bound_of or rounded_activations or fp16_factors or rows_of or stacked or declined "
-                                 "or 16_bit_pool"], env=env,
+                                 "or 16_bit_pool or linear_matches or strided_rows"], env=env,
                                 cwd=Path(__file__).parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         runs[name] = (proc, root)
     yield runs

@@ -3,8 +3,8 @@
 A small model's decode step is host time: per layer a dozen ctypes calls into the kernels
 (cpu_ops, the paged attention) and as many small torch operations, 200-300 microseconds of Python
 against a few of arithmetic. Here a plan of every layer's weights, shapes and scratch buffers is
-built once per model (`DecoderStack.build`), and a step of up to cpu_ops.MAX_LINEAR_ROWS rows
-runs the whole layer loop in C, calling the same kernels with the same arguments as the Python
+built once per model (`DecoderStack.build`), and a step of up to MAX_ROWS rows runs the whole
+layer loop in C, calling the same kernels with the same arguments as the Python
 layers, so the numbers are the same bit for bit. A projection's weight may be quantized (the
 kernel quantized.py calls for it, chosen once for the plan) or stacked from quantized parts of
 different layouts, as a GGUF file mixes them. At tp > 1 the sums of the row-parallel
@@ -40,6 +40,11 @@ _NORMS = ("input_norm", "q_norm", "k_norm", "post_norm")
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _KERNELS = ("linear", "rms_norm", "add_rms_norm", "norm_rope", "silu_mul", "attention", "all_reduce", "abort_word")
 _INPUT_OUT_OF_RANGE = 101  # csrc/cpu_decoder.cpp: a token id or position outside its table
+# The most rows a step run here may have: a decode batch of up to 64 sequences, where the Python
+# layers' host time is still a tenth of the step. The scratch holds that many rows of every
+# activation. A plan with a quantized projection takes at most quantized.MAX_KERNEL_ROWS, the rows
+# its kernels take in the Python layers too (more rows dequantize there).
+MAX_ROWS = 64
 _SCRATCH = ("h", "qkv", "q", "k", "attn", "o", "mid", "gate_up", "act", "down", "lora_u")
 
 
@@ -138,12 +143,18 @@ def _parts(kernels: Kernels, w, rows: int, inputs: int) -> list[_Part] | None:
     for q in pieces:
         if not isinstance(q, quantized.QuantizedWeight) or q.input_index is not None or q.shape[1] != inputs:
             return None
-        chosen = quantized.cpu_kernel(kernels, q, cpu_ops.MAX_LINEAR_ROWS)
+        chosen = quantized.cpu_kernel(kernels, q, min(MAX_ROWS, quantized.MAX_KERNEL_ROWS))
         if chosen is None:
             return None
         kernel, layout = chosen
         parts.append(_Part(None, ctypes.addressof(layout), _address(kernel), q.shape[0]))
     return parts if sum(p.rows for p in parts) == rows else None
+
+
+def _rows_for(parts) -> int:
+    """The most rows of a step these parts are multiplied for in the C loop (MAX_ROWS)."""
+    quantized_part = any(p.layout for p in parts)
+    return min(MAX_ROWS, quantized.MAX_KERNEL_ROWS) if quantized_part else MAX_ROWS
 
 
 def _takes_layer(w: LayerWeights, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int) -> bool:
@@ -209,7 +220,8 @@ class DecoderStack:
                           w.k_pool.data_ptr(), w.v_pool.data_ptr(),
                           *[_lora(w, name, self.lora_parts) for name in _PROJECTIONS])
             for w, arrays in zip(layers, self.parts)])
-        rows = cpu_ops.MAX_LINEAR_ROWS
+        self.max_rows = _rows_for(part for layer in parts for p in layer.values() for part in p)
+        rows = self.max_rows
         widths = dict(h=hidden, qkv=(heads + 2 * kv_heads) * head_dim, q=heads * head_dim, k=kv_heads * head_dim,
                       attn=heads * head_dim, o=hidden, mid=hidden, gate_up=2 * inter, act=inter, down=hidden,
                       lora_u=max([p.a.shape[1] for w in layers for p in w.lora.values()], default=0))
@@ -261,6 +273,7 @@ class DecoderStack:
         if parts is None:
             return False
         self.head = (norm, weight, (_Part * len(parts))(*parts))  # the plan points into these
+        self.max_rows = min(self.max_rows, _rows_for(parts))
         self.plan.final_norm, self.plan.head_rows = norm.data_ptr(), rows
         self.plan.head = _Projection(self.head[2], len(parts), None, _stack(self.head[2]))
         self.vocab = vocab
@@ -283,7 +296,7 @@ class DecoderStack:
             dense, layout, qrows = None, ctypes.addressof(embed.layout), _address(cpu_ops.library().neuron_qrows)
         else:
             return False
-        rows = cpu_ops.MAX_LINEAR_ROWS
+        rows = self.max_rows
         self.inputs = (embed, cos, sin, torch.empty((rows, hidden)), torch.empty((rows, head_dim)),
                        torch.empty((rows, head_dim)))  # the plan points into these
         p = self.plan
@@ -320,7 +333,7 @@ class DecoderStack:
 
     def _call(self, rows: int, meta: PagedAttentionMetadata | None, lora_slots: torch.Tensor | None,
               with_logits: bool, hidden: tuple | None, tokens: tuple | None = None) -> torch.Tensor | None:
-        if (with_logits and not self.plan.head_rows) or meta is None or rows > cpu_ops.MAX_LINEAR_ROWS:
+        if (with_logits and not self.plan.head_rows) or meta is None or rows > self.max_rows:
             return None
         if lora_slots is not None and (not self.scratch["lora_u"].shape[1] or lora_slots.dtype is not torch.int64
                                        or not lora_slots.is_contiguous() or lora_slots.shape != (rows,)):

@@ -1,4 +1,4 @@
-"""x W^T on CPU: neuron's own kernel for a few rows, oneDNN for many, both on the one row-major weight.
+"""x W^T on CPU: neuron's kernel for decode batches, oneDNN for long prefills, both on one row-major weight.
 
 torch's F.linear hands a [rows, in] x [out, in]^T product to MKL's sgemm, which takes a generic code
 path on the benchmark machine's AMD CPU; oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`)
@@ -7,8 +7,9 @@ JIT-compiles for the CPU it finds (docs/benchmarks.md). Given the weight in its 
 copy of its weights. A copy reordered once into oneDNN's blocked layout (`_reorder_linear_weight`,
 an opaque tensor), which ran here before, was 5 % faster at 512 rows and 10-25 % at 32-64, but
 doubled every rank's resident memory after its first prefill ("One copy of the weights"). Up to
-cpu_ops.MAX_LINEAR_ROWS rows (decode batches) neuron's kernel beats oneDNN on the row-major
-weight. NEURON_NO_ONEDNN keeps F.linear (the layer's `Kernels`, as for the rest).
+cpu_ops.MAX_LINEAR_ROWS rows neuron's kernel is at least as fast as oneDNN on the row-major weight
+(10-15 % faster at 32-64 rows, docs/benchmarks.md). NEURON_NO_ONEDNN keeps F.linear (the layer's
+`Kernels`, as for the rest).
 """
 
 from __future__ import annotations

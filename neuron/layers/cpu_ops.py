@@ -4,10 +4,12 @@ called through ctypes.
 Batch-1 decode is bound by reading the weights: torch's F.linear sends a one-row product to MKL's
 sgemv, which on the benchmark machine read the 191M model's weights at about 17 GB/s and took
 twice as long again for two rows; the kernel here streams each weight once at 30 GB/s for up to
-four rows, and from five rows on reads it from the cache once per four rows of x, which beats
-oneDNN on the same weight up to MAX_LINEAR_ROWS rows (docs/benchmarks.md). Between the matrix products, each element-wise pass (RMSNorm, the
-residual add + RMSNorm, the per-head RMSNorm + rotary of queries and keys, silu(gate) * up) is one
-loop instead of several PyTorch operations and their temporaries.
+four rows, and from five rows on reads it from the cache once per four rows of x. From 16 rows on,
+where the arithmetic binds, it transposes panels of the weight as it goes and multiplies them
+without sums across vector lanes, as fast as oneDNN on the same row-major weight at 512 rows and
+10-15 % faster at 32-64 (docs/benchmarks.md). Between the matrix products, each element-wise pass
+(RMSNorm, the residual add + RMSNorm, the per-head RMSNorm + rotary of queries and keys,
+silu(gate) * up) is one loop instead of several PyTorch operations and their temporaries.
 
 Built on first use (and by `./run install`) like the attention kernel (neuron.utils.native); where
 it cannot be built `takes()` is False, and where a model's `Kernels` turns them off
@@ -25,7 +27,9 @@ import torch
 from neuron.utils import native
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-MAX_LINEAR_ROWS = 16  # above this oneDNN is faster (cpu_linear.py)
+# the most rows the kernel takes: x's rows stay in the cache across the weight's panels up to here;
+# above it oneDNN (cpu_linear.py), which blocks over the rows too
+MAX_LINEAR_ROWS = 256
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {

@@ -5,11 +5,12 @@
 // headers, called through ctypes with data pointers and row strides (every last dimension is
 // contiguous; the Python side checks). -O3 -march=native vectorises the loops for the machine.
 //
-// linear: y[m, n] = x[m, k] W[n, k]^T (+ bias) for a few rows of x (decode at small batch). It is
+// linear: y[m, n] = x[m, k] W[n, k]^T (+ bias) for the rows of a decode step. Up to four rows it is
 // bound by reading W once from memory: tiles of NB weight rows are dotted with up to RB rows of x
 // at a time in vector accumulators, and the threads take contiguous ranges of weight rows, so each
 // streams its share of W exactly once. From five rows on the tiles are sized for the registers
-// (many_rows); above cpu_ops.MAX_LINEAR_ROWS rows oneDNN is faster (cpu_linear.py).
+// (tiled_rows), and from PANEL_ROWS on, where the arithmetic binds, panels of W are transposed as
+// they are used (panel_rows); above cpu_ops.MAX_LINEAR_ROWS rows oneDNN is as fast (cpu_linear.py).
 //
 // The element-wise passes (RMSNorm, the residual add + RMSNorm, the per-head RMSNorm + rotary
 // embedding of queries and keys, silu(gate) * up) each replace several PyTorch operations and
@@ -25,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -64,14 +66,14 @@ inline void weight_rows(const float* x, int64_t m, int64_t xs, const float* w, i
     for (; r < m; ++r) tile<NBT, 1>(x + r * xs, xs, w, ws, k, y + r * ys, ys, bias);
 }
 
-// More rows than the streaming tiles take: the weight is read from the cache once per MB rows of
-// x, not from memory, so the tile is sized for the registers instead (RB x MNB accumulators, MNB
+// More rows than the streaming tiles take, fewer than PANEL_ROWS: the weight is read from the cache once per
+// four rows of x, not from memory, so the tile is sized for the registers instead (RB x MNB accumulators, MNB
 // weight vectors and one of x: 31 of AVX-512's 32, 16 of AVX2's 16), and each weight tile meets
 // every row of x before the next tile is read.
 constexpr int MNB = VL == 16 ? 6 : 3;
 
-void many_rows(const float* x, int64_t m, int64_t xs, const float* w, int64_t n, int64_t k, int64_t ws,
-               const float* bias, float* y, int64_t ys, int threads) {
+void tiled_rows(const float* x, int64_t m, int64_t xs, const float* w, int64_t n, int64_t k, int64_t ws,
+                const float* bias, float* y, int64_t ys, int threads) {
     const int64_t tiles = (n + MNB - 1) / MNB;
 #pragma omp parallel for schedule(static) num_threads(threads) if (m * n * k >= MIN_PARALLEL_LINEAR)
     for (int64_t t = 0; t < tiles; ++t) {
@@ -81,6 +83,154 @@ void many_rows(const float* x, int64_t m, int64_t xs, const float* w, int64_t n,
         } else {
             for (int64_t j = o; j < n; ++j)
                 weight_rows<1>(x, m, xs, w + j * ws, ws, k, y + j, ys, bias ? bias + j : nullptr);
+        }
+    }
+}
+
+// From PANEL_ROWS rows on, each weight is used by enough rows of x that the product is bound by
+// the arithmetic, and a dot product per output (a vector of partial sums per row and
+// weight, summed across its lanes at the end) spends a fifth of it on those sums. Instead each
+// thread copies PN = 2 x VL weight rows at a time into a panel transposed to [k][PN] (vector
+// transposes, in L1/L2), and each output vector accumulates x[r][c] x panel[c] over c: RB rows of x
+// by PN outputs in 2 x RB accumulators, one broadcast of x and two panel loads per 2 x RB
+// multiply-adds, no sums across lanes. The copy costs about 4/m of the arithmetic. The weight
+// stays row-major, the one copy the model holds (cpu_linear.py). Each output is summed in input
+// order, so it is not bit-equal to the streaming tiles' sums (four rows or fewer).
+constexpr int PN = 2 * VL;
+// below this the copy costs more than the sums across lanes that it saves (docs/benchmarks.md)
+constexpr int64_t PANEL_ROWS = 16;
+#if defined(__AVX512F__)
+constexpr int RB_PANEL = 14;  // 28 accumulators, two panel vectors and the broadcast: 31 of 32 registers
+#else
+constexpr int RB_PANEL = 6;   // 12 + 2 + 1 of AVX2's 16
+#endif
+constexpr int64_t PANEL_PREFETCH = 128;  // floats ahead along a weight row while copying it
+
+// dst[q * ds + i] = src[i * ss + q] for a VL x VL block.
+inline void transpose_block(const float* src, int64_t ss, float* dst, int64_t ds) {
+#if defined(__AVX512F__)
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i) {
+        r[i] = _mm512_loadu_ps(src + i * ss);
+        __builtin_prefetch(src + i * ss + PANEL_PREFETCH);
+    }
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int i = 0; i < 4; ++i) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
+        t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xdd);
+        t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
+        t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xdd);
+    }
+    for (int i = 0; i < 4; ++i) {
+        _mm512_storeu_ps(dst + i * ds, _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88));
+        _mm512_storeu_ps(dst + (8 + i) * ds, _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd));
+        _mm512_storeu_ps(dst + (4 + i) * ds, _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88));
+        _mm512_storeu_ps(dst + (12 + i) * ds, _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xdd));
+    }
+#elif defined(__AVX__)
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm256_loadu_ps(src + i * ss);
+        __builtin_prefetch(src + i * ss + PANEL_PREFETCH);
+    }
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+        r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(dst + i * ds, _mm256_permute2f128_ps(r[i], r[4 + i], 0x20));
+        _mm256_storeu_ps(dst + (4 + i) * ds, _mm256_permute2f128_ps(r[i], r[4 + i], 0x31));
+    }
+#else
+    for (int i = 0; i < VL; ++i)
+        for (int q = 0; q < VL; ++q) dst[q * ds + i] = src[i * ss + q];
+#endif
+}
+
+// Weight rows [0, rows) of w (rows <= PN; the rest of the panel zeros) as panel[c][PN].
+void pack_panel(const float* w, int64_t ws, int64_t rows, int64_t k, float* panel) {
+    int64_t c = 0;
+    if (rows == PN)
+        for (; c + VL <= k; c += VL)
+            for (int g = 0; g < 2; ++g) transpose_block(w + g * VL * ws + c, ws, panel + c * PN + g * VL, PN);
+    for (; c < k; ++c)
+        for (int j = 0; j < PN; ++j) panel[c * PN + j] = j < rows ? w[j * ws + c] : 0.0f;
+}
+
+// RB rows of x times the panel: y[r][0, cols) (+ bias).
+template <int RB>
+void panel_tile(const float* x, int64_t xs, const float* panel, int64_t k, float* y, int64_t ys, int64_t cols,
+                const float* bias, const float* ahead, int64_t ws) {
+    vecf acc[RB][2] = {};
+    for (int64_t c = 0; c < k; ++c) {
+        if (ahead) {
+            // the next panel's weight rows, a cache line of each of two rows per step
+            constexpr int LINE = 16;
+            const int64_t line = c * (PN / LINE);
+            for (int j = 0; j < PN / LINE; ++j)
+                __builtin_prefetch(ahead + ((line + j) % PN) * ws + (line + j) / PN * LINE, 0, 2);
+        }
+        const vecf p0 = vload(panel + c * PN), p1 = vload(panel + c * PN + VL);
+        for (int r = 0; r < RB; ++r) {
+            const float xv = x[r * xs + c];
+            acc[r][0] += xv * p0;
+            acc[r][1] += xv * p1;
+        }
+    }
+    for (int r = 0; r < RB; ++r) {
+        float out[PN];
+        vstore(out, acc[r][0]);
+        vstore(out + VL, acc[r][1]);
+        if (bias)
+            for (int j = 0; j < cols; ++j) out[j] += bias[j];
+        std::memcpy(y + r * ys, out, cols * sizeof(float));
+    }
+}
+
+template <int... R>
+inline void panel_rows_of(int64_t rows, const float* x, int64_t xs, const float* panel, int64_t k, float* y,
+                          int64_t ys, int64_t cols, const float* bias, const float* ahead, int64_t ws,
+                          std::integer_sequence<int, R...>) {
+    ((rows == R + 1 ? (panel_tile<R + 1>(x, xs, panel, k, y, ys, cols, bias, ahead, ws), 0) : 0), ...);
+}
+
+void panel_rows(const float* x, int64_t m, int64_t xs, const float* w, int64_t n, int64_t k, int64_t ws,
+               const float* bias, float* y, int64_t ys, int threads) {
+    const int64_t panels = (n + PN - 1) / PN, row_tiles = (m + RB_PANEL - 1) / RB_PANEL;
+#pragma omp parallel num_threads(threads) if (m * n * k >= MIN_PARALLEL_LINEAR)
+    {
+        static thread_local std::vector<float> buffer;
+        if (int64_t(buffer.size()) < k * PN) buffer.resize(k * PN);
+        float* panel = buffer.data();
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; ++p) {
+            const int64_t o = p * PN, cols = std::min<int64_t>(PN, n - o);
+            pack_panel(w + o * ws, ws, cols, k, panel);
+            // the rows in tiles of near-equal size (64 rows: 12 + 13 + 13 + 13 + 13)
+            for (int64_t t = 0, r = 0; t < row_tiles; ++t) {
+                const int64_t rows = (m - r) / (row_tiles - t);
+                const float* ahead = t == 0 && o + 2 * PN <= n ? w + (o + PN) * ws : nullptr;
+                panel_rows_of(rows, x + r * xs, xs, panel, k, y + r * ys + o, ys, cols, bias ? bias + o : nullptr,
+                              ahead, ws, std::make_integer_sequence<int, RB_PANEL>{});
+                r += rows;
+            }
         }
     }
 }
@@ -125,8 +275,12 @@ extern "C" {
 
 void neuron_linear(const float* x, int64_t m, int64_t xs, const float* w, int64_t n, int64_t k, int64_t ws,
                    const float* bias, float* y, int64_t ys, int threads) {
+    if (m >= PANEL_ROWS) {
+        panel_rows(x, m, xs, w, n, k, ws, bias, y, ys, threads);
+        return;
+    }
     if (m > 4) {
-        many_rows(x, m, xs, w, n, k, ws, bias, y, ys, threads);
+        tiled_rows(x, m, xs, w, n, k, ws, bias, y, ys, threads);
         return;
     }
     const int64_t tiles = (n + NB - 1) / NB;
