@@ -163,15 +163,31 @@ inline void widen_row(const T* src, int64_t D, float* dst) {
 template <typename TKV, int DT>
 constexpr bool IN_PLACE = std::is_same_v<TKV, float> || (DT != 0 && DT % (2 * VL) == 0);
 
+// The pool rows of consecutive positions from n0 on: one division for the first, then a walk along
+// the block table. A division per position (the block size is a run-time value) cost a decode
+// tile more than its scores.
+struct RowWalk {
+    const int32_t* table;
+    int64_t block_size, block, offset;
+    RowWalk(const Args& a, const int32_t* t, int64_t n0)
+        : table(t), block_size(a.block_size), block(n0 / a.block_size), offset(n0 % a.block_size) {}
+    int64_t next() {
+        const int64_t row = int64_t(table[block]) * block_size + offset;
+        if (++offset == block_size) {
+            offset = 0;
+            ++block;
+        }
+        return row;
+    }
+};
+
 // The pool rows of positions [n0, n0 + nn) of KV head h, where they lie.
 template <typename TKV, int DT>
 void pool_rows(const Args& a, const void* pool, const int32_t* table, int64_t h, int64_t n0, int nn,
                const TKV** rows) {
-    for (int n = 0; n < nn; ++n) {
-        const int64_t p = n0 + n;
-        const int64_t row = int64_t(table[p / a.block_size]) * a.block_size + p % a.block_size;
-        rows[n] = static_cast<const TKV*>(pool) + h * a.pool_stride_h + row * a.pool_stride_row;
-    }
+    RowWalk walk(a, table, n0);
+    for (int n = 0; n < nn; ++n)
+        rows[n] = static_cast<const TKV*>(pool) + h * a.pool_stride_h + walk.next() * a.pool_stride_row;
 }
 
 // K or V rows of positions [n0, n0 + nn) of KV head h as fp32 pointers: into the pool for fp32,
@@ -180,10 +196,9 @@ template <typename T, int DT>
 void load_rows(const Args& a, const void* pool, const int32_t* table, int64_t h, int64_t n0, int nn,
                float* buf, const float** rows) {
     const int64_t D = dim<DT>(a);
+    RowWalk walk(a, table, n0);
     for (int n = 0; n < nn; ++n) {
-        const int64_t p = n0 + n;
-        const int64_t row = int64_t(table[p / a.block_size]) * a.block_size + p % a.block_size;
-        const T* src = static_cast<const T*>(pool) + h * a.pool_stride_h + row * a.pool_stride_row;
+        const T* src = static_cast<const T*>(pool) + h * a.pool_stride_h + walk.next() * a.pool_stride_row;
         if constexpr (std::is_same_v<T, float>) {
             rows[n] = src;
         } else {
@@ -201,11 +216,10 @@ void load_rows(const Args& a, const void* pool, const int32_t* table, int64_t h,
 template <typename T, int DT>
 void prefetch_rows(const Args& a, const void* pool, const int32_t* table, int64_t h, int64_t n0, int nn) {
     const int64_t bytes = dim<DT>(a) * int64_t(sizeof(T));
+    RowWalk walk(a, table, n0);
     for (int n = 0; n < nn; ++n) {
-        const int64_t p = n0 + n;
-        const int64_t row = int64_t(table[p / a.block_size]) * a.block_size + p % a.block_size;
         const char* src = reinterpret_cast<const char*>(static_cast<const T*>(pool) + h * a.pool_stride_h +
-                                                        row * a.pool_stride_row);
+                                                        walk.next() * a.pool_stride_row);
         for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(src + off, 0, 3);
     }
 }
@@ -304,6 +318,20 @@ void scores(const Args& a, int64_t rows, int64_t group, int64_t first_pos, int64
     }
 }
 
+// block(std::integral_constant<int, left>{}, r0) for a count of rows 1 <= left <= R.
+template <int R, typename Block>
+inline void rows_block(int64_t left, int64_t r0, Block& block) {
+    if constexpr (R > 1) {
+        if (left == R) {
+            block(std::integral_constant<int, R>{}, r0);
+            return;
+        }
+        rows_block<R - 1>(left, r0, block);
+    } else {
+        block(std::integral_constant<int, 1>{}, r0);
+    }
+}
+
 // Online softmax: fold the tile's scores into each row's running max, sum and accumulator.
 template <int DT, typename TV>
 void accumulate(const Args& a, int64_t rows, int nn, const TV* const* vrows, Scratch& w) {
@@ -359,7 +387,10 @@ void accumulate(const Args& a, int64_t rows, int nn, const TV* const* vrows, Scr
         };
         int64_t r = 0;
         for (; r + RB <= rows; r += RB) block(std::integral_constant<int, RB>{}, r);
-        for (; r < rows; ++r) block(std::integral_constant<int, 1>{}, r);
+        // the rest in one block of their own count (a decode's GQA group of 3 under RB 4), so each
+        // value vector is loaded once for them and their accumulators' chains interleave
+        if constexpr (RB > 1)
+            if (r < rows) rows_block<RB - 1>(rows - r, r, block);
     } else {
         for (int64_t r = 0; r < rows; ++r) {
             float* acc = &w.acc[r * D];
