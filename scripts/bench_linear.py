@@ -1,11 +1,14 @@
-"""CPU fp32 linear layers by rows: neuron's small-batch kernel, oneDNN on the row-major weight (what
-runs), oneDNN on a packed copy (what ran before one copy of the weights) and F.linear.
+"""CPU fp32 linear layers by rows: neuron's kernel, oneDNN on the row-major weight (what runs above
+cpu_ops.MAX_LINEAR_ROWS), oneDNN on a packed copy (what ran before one copy of the weights) and
+F.linear.
 
     python scripts/bench_linear.py                       # the 191M model's weights, 1-512 rows
     python scripts/bench_linear.py --rows 8 16 --rounds 9
+    python scripts/bench_linear.py --model smollm2       # SmolLM2-135M's
 
 The weights are one layer of the 191M benchmark model (hidden 1024, intermediate 3072, 16 / 8
-heads of 128) and its LM head (32,000), random. Each round times every path once per shape, one
+heads of 128) and its LM head (32,000), or of SmolLM2-135M (hidden 576, intermediate 1536, 9 / 3
+heads of 64, 49,152 vocabulary), random. Each round times every path once per shape, one
 after the other, so that load from other processes falls on all of them alike; the figure is
 the best round, in milliseconds for the whole set and GFLOP/s. oneDNN sees steps of fewer than
 cpu_linear.PADDED_ROWS rows padded up to it, as the layers send them.
@@ -21,8 +24,12 @@ import torch.nn.functional as F
 
 from neuron.layers import cpu_linear, cpu_ops
 
-SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
-          "lm_head": (32000, 1024)}
+MODELS = {
+    "191m": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
+             "lm_head": (32000, 1024)},
+    "smollm2": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+                "lm_head": (49152, 576)},
+}
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -34,20 +41,22 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def paths(rows: int) -> dict:
     out = {"onednn": _onednn, "onednn packed": _onednn, "F.linear": F.linear}
-    if rows <= 16 and cpu_ops.library() is not None:
+    if rows <= cpu_ops.MAX_LINEAR_ROWS and cpu_ops.library() is not None:
         out = {"kernel": cpu_ops.linear, **out}
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 5, 8, 16, 32, 64, 512])
+    ap.add_argument("--model", choices=list(MODELS), default="191m")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 5, 8, 16, 32, 64, 128, 256, 512])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    weights = {name: torch.randn(shape, generator=gen) / 32 for name, shape in SHAPES.items()}
+    shapes = MODELS[args.model]
+    weights = {name: torch.randn(shape, generator=gen) / 32 for name, shape in shapes.items()}
     packed = {name: torch.ops.mkldnn._reorder_linear_weight(w, None) for name, w in weights.items()}
     print(f"{args.threads} threads; ms for the whole set (best of {args.rounds} rounds), GFLOP/s")
     for rows in args.rows:
@@ -58,7 +67,7 @@ def main() -> None:
             for path, fn in paths(rows).items():
                 ws = packed if path == "onednn packed" else weights
                 t0 = time.perf_counter()
-                for name in SHAPES:
+                for name in shapes:
                     fn(x[name], ws[name])
                 best[path] = min(best.get(path, float("inf")), time.perf_counter() - t0)
         print(f"rows {rows:4d}: " + "  ".join(f"{p} {t * 1e3:7.2f} ms {flops / t / 1e9:5.0f}" for p, t in best.items()),

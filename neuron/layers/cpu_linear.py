@@ -8,7 +8,7 @@ copy of its weights. A copy reordered once into oneDNN's blocked layout (`_reord
 an opaque tensor), which ran here before, was 5 % faster at 512 rows and 10-25 % at 32-64, but
 doubled every rank's resident memory after its first prefill ("One copy of the weights"). Up to
 cpu_ops.MAX_LINEAR_ROWS rows neuron's kernel is at least as fast as oneDNN on the row-major weight
-(10-15 % faster at 32-64 rows, docs/benchmarks.md). NEURON_NO_ONEDNN keeps F.linear (the layer's
+(up to a fifth faster at 16-64 rows on thin layers, docs/benchmarks.md). NEURON_NO_ONEDNN keeps F.linear (the layer's
 `Kernels`, as for the rest).
 """
 

@@ -6,8 +6,8 @@ sgemv, which on the benchmark machine read the 191M model's weights at about 17 
 twice as long again for two rows; the kernel here streams each weight once at 30 GB/s for up to
 four rows, and from five rows on reads it from the cache once per four rows of x. From 16 rows on,
 where the arithmetic binds, it transposes panels of the weight as it goes and multiplies them
-without sums across vector lanes, as fast as oneDNN on the same row-major weight at 512 rows and
-10-15 % faster at 32-64 (docs/benchmarks.md). Between the matrix products, each element-wise pass
+without sums across vector lanes: on the same row-major weight, level with oneDNN on the 191M
+model's shapes and up to a fifth faster on SmolLM2's at 16-64 rows (docs/benchmarks.md). Between the matrix products, each element-wise pass
 (RMSNorm, the residual add + RMSNorm, the per-head RMSNorm + rotary of queries and keys,
 silu(gate) * up) is one loop instead of several PyTorch operations and their temporaries.
 
@@ -27,9 +27,10 @@ import torch
 from neuron.utils import native
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-# the most rows the kernel takes: x's rows stay in the cache across the weight's panels up to here;
-# above it oneDNN (cpu_linear.py), which blocks over the rows too
-MAX_LINEAR_ROWS = 256
+# the most rows the kernel takes: up to here it is level with oneDNN on the 191M model's shapes and
+# ahead on SmolLM2's thinner ones; at 256 rows oneDNN was 7 % faster on the 191M model's
+# (scripts/bench_linear.py)
+MAX_LINEAR_ROWS = 128
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
