@@ -249,7 +249,7 @@ class Settings:
     no_cpu_ops: bool = _setting(bool, False, "run the CPU fp32 step's small-batch linear layers and element-wise "
                                 "passes (norms, rotary, SiLU) in PyTorch instead of neuron's C++ kernels")
     no_fused_layers: bool = _setting(bool, False, "run a CPU fp32 step's dense decoder layers one kernel call at a "
-                                     "time from Python instead of all of them in one C++ call (steps of up to 16 "
+                                     "time from Python instead of all of them in one C++ call (steps of up to 64 "
                                      "rows; the same numbers, less host time per layer)")
     no_quant_kernels: bool = _setting(bool, False, "multiply quantized weights by dequantizing them first (the "
                                       "reference) instead of through neuron's CPU kernel for them")
