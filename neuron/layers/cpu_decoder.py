@@ -4,8 +4,8 @@ A small model's decode step is host time: per layer a dozen ctypes calls into th
 (cpu_ops, the paged attention) and as many small torch operations, 200-300 microseconds of Python
 against a few of arithmetic. Here a plan of every layer's weights, shapes and scratch buffers is
 built once per model (`DecoderStack.build`), and a step of up to MAX_ROWS rows runs the whole
-layer loop in C, calling the same kernels with the same arguments as the Python
-layers, so the numbers are the same bit for bit. A projection's weight may be quantized (the
+layer loop in C, calling the same kernels with the same arguments as the Python layers, so the
+numbers are the same bit for bit. A projection's weight may be quantized (the
 kernel quantized.py calls for it, chosen once for the plan) or stacked from quantized parts of
 different layouts, as a GGUF file mixes them. At tp > 1 the sums of the row-parallel
 projections run there too, where the communicator's all-reduce has a C entry point (shared
@@ -40,9 +40,9 @@ _NORMS = ("input_norm", "q_norm", "k_norm", "post_norm")
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _KERNELS = ("linear", "rms_norm", "add_rms_norm", "norm_rope", "silu_mul", "attention", "all_reduce", "abort_word")
 _INPUT_OUT_OF_RANGE = 101  # csrc/cpu_decoder.cpp: a token id or position outside its table
-# The most rows a step run here may have: a decode batch of up to 64 sequences, where the Python
-# layers' host time is still a tenth of the step. The scratch holds that many rows of every
-# activation. A plan with a quantized projection takes at most quantized.MAX_KERNEL_ROWS, the rows
+# The most rows a step run here may have: a decode batch of up to 64 sequences (the offline
+# benchmarks' batch; the loop's host time is paid once a step instead of once a layer). The
+# scratch holds that many rows of every activation. A plan with a quantized projection takes at most quantized.MAX_KERNEL_ROWS, the rows
 # its kernels take in the Python layers too (more rows dequantize there).
 MAX_ROWS = 64
 _SCRATCH = ("h", "qkv", "q", "k", "attn", "o", "mid", "gate_up", "act", "down", "lora_u")

@@ -7,9 +7,10 @@ twice as long again for two rows; the kernel here streams each weight once at 30
 four rows, and from five rows on reads it from the cache once per four rows of x. From 16 rows on,
 where the arithmetic binds, it transposes panels of the weight as it goes and multiplies them
 without sums across vector lanes: on the same row-major weight, level with oneDNN on the 191M
-model's shapes and up to a fifth faster on SmolLM2's at 16-64 rows (docs/benchmarks.md). Between the matrix products, each element-wise pass
-(RMSNorm, the residual add + RMSNorm, the per-head RMSNorm + rotary of queries and keys,
-silu(gate) * up) is one loop instead of several PyTorch operations and their temporaries.
+model's shapes and up to a fifth faster on SmolLM2's at 16-64 rows (docs/benchmarks.md).
+Between the matrix products, each element-wise pass (RMSNorm, the residual add + RMSNorm, the
+per-head RMSNorm + rotary of queries and keys, silu(gate) * up) is one loop instead of several
+PyTorch operations and their temporaries.
 
 Built on first use (and by `./run install`) like the attention kernel (neuron.utils.native); where
 it cannot be built `takes()` is False, and where a model's `Kernels` turns them off

@@ -66,10 +66,10 @@ inline void weight_rows(const float* x, int64_t m, int64_t xs, const float* w, i
     for (; r < m; ++r) tile<NBT, 1>(x + r * xs, xs, w, ws, k, y + r * ys, ys, bias);
 }
 
-// More rows than the streaming tiles take, fewer than PANEL_ROWS: the weight is read from the cache once per
-// four rows of x, not from memory, so the tile is sized for the registers instead (RB x MNB accumulators, MNB
-// weight vectors and one of x: 31 of AVX-512's 32, 16 of AVX2's 16), and each weight tile meets
-// every row of x before the next tile is read.
+// More rows than the streaming tiles take, fewer than PANEL_ROWS: the weight is read from the cache
+// once per four rows of x, not from memory, so the tile is sized for the registers instead (RB x MNB
+// accumulators, MNB weight vectors and one of x: 31 of AVX-512's 32, 16 of AVX2's 16), and each
+// weight tile meets every row of x before the next tile is read.
 constexpr int MNB = VL == 16 ? 6 : 3;
 
 void tiled_rows(const float* x, int64_t m, int64_t xs, const float* w, int64_t n, int64_t k, int64_t ws,
@@ -103,7 +103,7 @@ constexpr int64_t PANEL_ROWS = 16;
 #if defined(__AVX512F__)
 constexpr int RB_PANEL = 14;  // 28 accumulators, two panel vectors and the broadcast: 31 of 32 registers
 #else
-constexpr int RB_PANEL = 6;   // 12 + 2 + 1 of AVX2's 16
+constexpr int RB_PANEL = 6;   // 12 + 2 + 1 of AVX2's 16 registers
 #endif
 constexpr int64_t PANEL_PREFETCH = 128;  // floats ahead along a weight row while copying it
 
