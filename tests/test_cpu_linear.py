@@ -45,7 +45,7 @@ def test_many_rows_match_f_linear_on_the_weight_itself(data, monkeypatch):
     owner = Owner()
     seen = _calls(monkeypatch)
     torch.testing.assert_close(cpu_linear.linear(owner, x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
-    assert [(rows, weight is w) for rows, weight in seen] == [(rows, True)]  # no packed copy of it
+    assert [(n, weight is w) for n, weight in seen] == [(rows, True)]  # no packed copy of it
     assert vars(owner) == {"kernels": owner.kernels}  # nor one kept on the layer
     strided = torch.randn(rows, 300)[:, :256]
     torch.testing.assert_close(cpu_linear.linear(owner, strided, w), F.linear(strided, w), atol=1e-4, rtol=1e-5)

@@ -102,8 +102,8 @@ def _same_steps(fused: ModelRunner, layered: ModelRunner) -> None:
     MAX_ROWS + 6 rows (the Python layers) and one of 40 (the C loop with dense projections, the
     Python layers with quantized ones); decode batches of 3, 1 and 2 across block boundaries: equal
     logits at every step and equal KV pools at the end."""
-    prompts = {0: [5, 17, 200, 3], 1: list(range(10, 16)), 2: [7] * 4, 3: list(range(30, 36 + cpu_decoder.MAX_ROWS)),
-               4: list(range(100, 140))}
+    prompts = {0: [5, 17, 200, 3], 1: list(range(10, 16)), 2: [7] * 4,
+               3: list(range(30, 36 + cpu_decoder.MAX_ROWS)), 4: list(range(100, 140))}
     steps = [[SeqStep(0, prompts[0], 0, _blocks(0), fresh=True)],
              [SeqStep(s, prompts[s], 0, _blocks(s), fresh=True) for s in (1, 2)],
              [SeqStep(3, prompts[3], 0, _blocks(3), fresh=True)],
