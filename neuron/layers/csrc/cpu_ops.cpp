@@ -26,7 +26,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <utility>
 #include <vector>
 
 namespace {
@@ -205,13 +204,6 @@ void panel_tile(const float* x, int64_t xs, const float* panel, int64_t k, float
     }
 }
 
-template <int... R>
-inline void panel_rows_of(int64_t rows, const float* x, int64_t xs, const float* panel, int64_t k, float* y,
-                          int64_t ys, int64_t cols, const float* bias, const float* ahead, int64_t ws,
-                          std::integer_sequence<int, R...>) {
-    ((rows == R + 1 ? (panel_tile<R + 1>(x, xs, panel, k, y, ys, cols, bias, ahead, ws), 0) : 0), ...);
-}
-
 void panel_rows(const float* x, int64_t m, int64_t xs, const float* w, int64_t n, int64_t k, int64_t ws,
                const float* bias, float* y, int64_t ys, int threads) {
     const int64_t panels = (n + PN - 1) / PN, row_tiles = (m + RB_PANEL - 1) / RB_PANEL;
@@ -228,8 +220,10 @@ void panel_rows(const float* x, int64_t m, int64_t xs, const float* w, int64_t n
             for (int64_t t = 0, r = 0; t < row_tiles; ++t) {
                 const int64_t rows = (m - r) / (row_tiles - t);
                 const float* ahead = t == 0 && o + 2 * PN <= n ? w + (o + PN) * ws : nullptr;
-                panel_rows_of(rows, x + r * xs, xs, panel, k, y + r * ys + o, ys, cols, bias ? bias + o : nullptr,
-                              ahead, ws, std::make_integer_sequence<int, RB_PANEL>{});
+                with_count<RB_PANEL>(rows, [&](auto rb) {
+                    panel_tile<decltype(rb)::value>(x + r * xs, xs, panel, k, y + r * ys + o, ys, cols,
+                                                    bias ? bias + o : nullptr, ahead, ws);
+                });
                 r += rows;
             }
         }

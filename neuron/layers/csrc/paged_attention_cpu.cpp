@@ -318,20 +318,6 @@ void scores(const Args& a, int64_t rows, int64_t group, int64_t first_pos, int64
     }
 }
 
-// block(std::integral_constant<int, left>{}, r0) for a count of rows 1 <= left <= R.
-template <int R, typename Block>
-inline void rows_block(int64_t left, int64_t r0, Block& block) {
-    if constexpr (R > 1) {
-        if (left == R) {
-            block(std::integral_constant<int, R>{}, r0);
-            return;
-        }
-        rows_block<R - 1>(left, r0, block);
-    } else {
-        block(std::integral_constant<int, 1>{}, r0);
-    }
-}
-
 // Online softmax: fold the tile's scores into each row's running max, sum and accumulator.
 template <int DT, typename TV>
 void accumulate(const Args& a, int64_t rows, int nn, const TV* const* vrows, Scratch& w) {
@@ -390,7 +376,7 @@ void accumulate(const Args& a, int64_t rows, int nn, const TV* const* vrows, Scr
         // the rest in one block of their own count (a decode's GQA group of 3 under RB 4), so each
         // value vector is loaded once for them and their accumulators' chains interleave
         if constexpr (RB > 1)
-            if (r < rows) rows_block<RB - 1>(rows - r, r, block);
+            if (r < rows) with_count<RB - 1>(rows - r, [&](auto rb) { block(rb, r); });
     } else {
         for (int64_t r = 0; r < rows; ++r) {
             float* acc = &w.acc[r * D];

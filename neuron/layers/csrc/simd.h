@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -44,6 +45,19 @@ inline float hsum(vecf v) {
     for (int l = 0; l < VL; ++l) s += v[l];
     return s;
 #endif
+}
+
+// f(std::integral_constant<int, n>{}) for a run-time count 1 <= n <= N: a loop over a tile of n
+// rows compiled for each count, so its accumulators stay in registers whatever n is.
+template <int N, typename F>
+inline void with_count(int64_t n, F&& f) {
+    if constexpr (N > 1) {
+        if (n < N) {
+            with_count<N - 1>(n, f);
+            return;
+        }
+    }
+    f(std::integral_constant<int, N>{});
 }
 
 // x rounded to bf16 as torch's .to(torch.bfloat16) rounds it: to nearest even, NaN to 0x7fc0.
