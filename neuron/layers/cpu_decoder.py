@@ -45,6 +45,7 @@ _INPUT_OUT_OF_RANGE = 101  # csrc/cpu_decoder.cpp: a token id or position outsid
 # scratch holds that many rows of every activation. A plan with a quantized projection takes at most quantized.MAX_KERNEL_ROWS, the rows
 # its kernels take in the Python layers too (more rows dequantize there).
 MAX_ROWS = 64
+_QUANTIZED_ROWS = min(MAX_ROWS, quantized.MAX_KERNEL_ROWS)
 _SCRATCH = ("h", "qkv", "q", "k", "attn", "o", "mid", "gate_up", "act", "down", "lora_u")
 
 
@@ -143,7 +144,7 @@ def _parts(kernels: Kernels, w, rows: int, inputs: int) -> list[_Part] | None:
     for q in pieces:
         if not isinstance(q, quantized.QuantizedWeight) or q.input_index is not None or q.shape[1] != inputs:
             return None
-        chosen = quantized.cpu_kernel(kernels, q, min(MAX_ROWS, quantized.MAX_KERNEL_ROWS))
+        chosen = quantized.cpu_kernel(kernels, q, _QUANTIZED_ROWS)
         if chosen is None:
             return None
         kernel, layout = chosen
@@ -154,7 +155,7 @@ def _parts(kernels: Kernels, w, rows: int, inputs: int) -> list[_Part] | None:
 def _rows_for(parts) -> int:
     """The most rows of a step these parts are multiplied for in the C loop (MAX_ROWS)."""
     quantized_part = any(p.layout for p in parts)
-    return min(MAX_ROWS, quantized.MAX_KERNEL_ROWS) if quantized_part else MAX_ROWS
+    return _QUANTIZED_ROWS if quantized_part else MAX_ROWS
 
 
 def _takes_layer(w: LayerWeights, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int) -> bool:
