@@ -42,8 +42,9 @@ _KERNELS = ("linear", "rms_norm", "add_rms_norm", "norm_rope", "silu_mul", "atte
 _INPUT_OUT_OF_RANGE = 101  # csrc/cpu_decoder.cpp: a token id or position outside its table
 # The most rows a step run here may have: a decode batch of up to 64 sequences (the offline
 # benchmarks' batch; the loop's host time is paid once a step instead of once a layer). The
-# scratch holds that many rows of every activation. A plan with a quantized projection takes at most quantized.MAX_KERNEL_ROWS, the rows
-# its kernels take in the Python layers too (more rows dequantize there).
+# scratch holds that many rows of every activation. A plan with a quantized projection takes at
+# most quantized.MAX_KERNEL_ROWS, the rows its kernels take in the Python layers too (more rows
+# dequantize there).
 MAX_ROWS = 64
 _QUANTIZED_ROWS = min(MAX_ROWS, quantized.MAX_KERNEL_ROWS)
 _SCRATCH = ("h", "qkv", "q", "k", "attn", "o", "mid", "gate_up", "act", "down", "lora_u")
