@@ -220,7 +220,7 @@ void prefetch_rows(const Args& a, const void* pool, const int32_t* table, int64_
     for (int n = 0; n < nn; ++n) {
         const char* src = reinterpret_cast<const char*>(static_cast<const T*>(pool) + h * a.pool_stride_h +
                                                         walk.next() * a.pool_stride_row);
-        for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(src + off, 0, 3);
+        for (int64_t off = 0; off < bytes; off += 64) prefetch_line(src + off);
     }
 }
 
@@ -583,22 +583,19 @@ void attend_item_blocked(const Args& a, const Item& it, Scratch& w) {
     const int64_t first_pos = a.kv_lens[it.b] - query_len + it.q0;
     const int64_t end = first_pos + it.nq;
     const int32_t* table = a.block_tables + it.b * a.table_stride;
-    prefetch_first<TKV, DT>(a, table, it.h, end);
     load_queries_transposed<TQ, DT>(a, it, group, rp, w.q.data());
     std::fill(w.acc.begin(), w.acc.begin() + rp * DT, 0.0f);
     std::fill(w.m.begin(), w.m.begin() + rp, NEG_INF);
     std::fill(w.l.begin(), w.l.begin() + rp, 0.0f);
+    // No prefetching here, unlike the per-row path: each tile serves up to 64 rows and a long
+    // prompt's keys are read again by each of its query tiles, so they are mostly in cache, and
+    // asking for the next tile only evicted (4,000-token prefill 6-10 % slower, measured).
     const float* krows[TILE_N];
     const float* vrows[TILE_N];
     for (int64_t n0 = 0; n0 < end; n0 += TILE_N) {
         const int nn = int(std::min<int64_t>(TILE_N, end - n0));
         load_rows<TKV, DT>(a, a.k_pool, table, it.h, n0, nn, w.k.data(), krows);
         load_rows<TKV, DT>(a, a.v_pool, table, it.h, n0, nn, w.v.data(), vrows);
-        if (n0 + TILE_N < end) {
-            const int next = int(std::min<int64_t>(TILE_N, end - n0 - TILE_N));
-            prefetch_rows<TKV, DT>(a, a.k_pool, table, it.h, n0 + TILE_N, next);
-            prefetch_rows<TKV, DT>(a, a.v_pool, table, it.h, n0 + TILE_N, next);
-        }
         block_scores<DT>(rp, group, first_pos, n0, nn, krows, w);
         block_softmax(rp, nn, w);
         block_values<DT>(round_up(rows, VALUE_ROWS), rp, nn, vrows, w);

@@ -25,6 +25,17 @@ constexpr int VL = 8;
 #endif
 typedef float vecf __attribute__((vector_size(VL * sizeof(float))));
 
+// Asks for the cache line at p, into every level. GCC's dead-code elimination drops a
+// __builtin_prefetch from a loop that does nothing else (the attention kernel's loops over a
+// tile's rows had lost every one), so on x86 the instruction is written out.
+inline void prefetch_line(const void* p) {
+#if defined(__x86_64__) || defined(__i386__)
+    asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+    __builtin_prefetch(p, 0, 3);
+#endif
+}
+
 inline vecf vload(const float* p) {
     vecf v;
     std::memcpy(&v, p, sizeof v);
