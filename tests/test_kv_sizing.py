@@ -115,3 +115,25 @@ def test_rank_0_of_a_cuda_target_leaves_room_for_its_draft(tmp_path, monkeypatch
         == kv_bytes_per_token(cfg.hf_config, 1, 4) * shard.block_size // 2
     assert shard.draft_bytes > 0.9 * draft_weights
     assert dataclasses.replace(on_gpu, kv_cache_bytes=GIB).shard_spec().draft_bytes == 0
+
+
+def test_a_cpu_pool_is_zero_and_not_resident_until_written():
+    """A CPU rank's pools are sized for max_num_seqs full-length sequences; allocating them must not
+    write (and so hold) all of it at start."""
+    from neuron.layers.kernels import Kernels
+    from neuron.models.kv_cache import PagedKVCache
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    before = resident()
+    cache = PagedKVCache(layers=4, num_blocks=4096, block_size=16, max_len=512, kv_heads=2, head_dim=128,
+                         dtype=torch.bfloat16, device=torch.device("cpu"), kernels=Kernels())
+    pools = cache.k + cache.v
+    assert sum(p.numel() * p.element_size() for p in pools) >= 256 << 20
+    assert resident() - before < 32 << 20
+    assert all(p.shape == (2, 4097 * 16, 128) and p.dtype == torch.bfloat16 for p in pools)
+    cache.k[3][1, -16:] = 1.5
+    assert cache.k[3][1, -17:].float().sum().item() == 1.5 * 16 * 128
+    assert not cache.v[0][:, :64].any()
