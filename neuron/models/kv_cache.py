@@ -33,7 +33,9 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Ten
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+    # private: a shared anonymous mapping (mmap's default) is backed by shmem, whose first touches cost more
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class PagedKVCache:
