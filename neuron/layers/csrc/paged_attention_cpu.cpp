@@ -209,10 +209,7 @@ void load_rows(const Args& a, const void* pool, const int32_t* table, int64_t h,
     }
 }
 
-// Ask for K or V rows of positions [n0, n0 + nn) of KV head h to be brought into cache while the
-// current tile computes: a block's rows are contiguous, but blocks lie anywhere in the pool, and
-// at each jump the hardware prefetcher starts over (the loads of the key rows were where the
-// decode step's time went).
+// Ask for K or V rows of positions [n0, n0 + nn) of KV head h to be brought into cache.
 template <typename T, int DT>
 void prefetch_rows(const Args& a, const void* pool, const int32_t* table, int64_t h, int64_t n0, int nn) {
     const int64_t bytes = dim<DT>(a) * int64_t(sizeof(T));
@@ -224,15 +221,51 @@ void prefetch_rows(const Args& a, const void* pool, const int32_t* table, int64_
     }
 }
 
-// The first tile's keys and values asked for before the queries are read: the tile loop fetches
-// each next tile while the current one computes, but nothing did so for the first, whose values
-// then missed the cache only after its scores were done (a decode step's short contexts are
-// mostly first tiles).
+// The first tile's keys and values asked for before the queries are read (a decode step's short
+// contexts are mostly first tiles); the tile loop asks for each next tile as it goes (Ahead).
 template <typename T, int DT>
 void prefetch_first(const Args& a, const int32_t* table, int64_t h, int64_t end) {
     const int nn = int(std::min<int64_t>(TILE_N, end));
     prefetch_rows<T, DT>(a, a.k_pool, table, h, 0, nn);
     prefetch_rows<T, DT>(a, a.v_pool, table, h, 0, nn);
+}
+
+// The next tile's K or V rows (of pool type T), asked for one row each time the current tile's
+// loops read one of theirs. A block's rows are contiguous but blocks lie anywhere in the pool, so
+// the hardware prefetcher starts over at each; asked for in one burst before the tile, the next
+// tile's 16 KiB (SmolLM2) came no sooner. Spread through the loops, SmolLM2's 64-row decode steps
+// of attention took 25.2-25.7 ms from memory against 28.8-30.4 (7.6-7.9 against 9-10 in cache).
+// Slots past the next tile's rows repeat its last one, or at the item's last tile a row of the
+// current one, so the loops ask without a test.
+template <typename T, int DT>
+struct Ahead {
+    static constexpr int64_t LINES = DT ? (DT * int64_t(sizeof(T)) + 63) / 64 : 0;  // 0: the head size at run time
+    const char* rows[TILE_N];
+    int64_t lines = LINES;
+    void fetch(int n) const {
+        if constexpr (LINES > 0) {
+            for (int l = 0; l < LINES; ++l) prefetch_line(rows[n] + 64 * l);
+        } else {
+            for (int64_t l = 0; l < lines; ++l) prefetch_line(rows[n] + 64 * l);
+        }
+    }
+};
+
+template <typename T, int DT>
+Ahead<T, DT> ahead_rows(const Args& a, const void* pool, const int32_t* table, int64_t h, int64_t n0, int64_t end,
+                        const void* current) {
+    Ahead<T, DT> next;
+    if constexpr (DT == 0) next.lines = (a.head_dim * int64_t(sizeof(T)) + 63) / 64;
+    const int count = int(std::clamp<int64_t>(end - n0, 0, TILE_N));
+    const char* row = static_cast<const char*>(current);
+    RowWalk walk(a, table, std::min(n0, end - 1));
+    for (int n = 0; n < count; ++n) {
+        row = reinterpret_cast<const char*>(static_cast<const T*>(pool) + h * a.pool_stride_h +
+                                            walk.next() * a.pool_stride_row);
+        next.rows[n] = row;
+    }
+    for (int n = count; n < TILE_N; ++n) next.rows[n] = row;
+    return next;
 }
 
 // The item's query rows (row = query * group + head in the group), widened and pre-scaled.
@@ -274,9 +307,9 @@ inline vecf key_sums(vecf* v) {
 }
 
 // Scores of every row against the tile's keys; a key past a row's own position is masked out.
-template <int DT, typename TK>
+template <int DT, typename TK, typename A>
 void scores(const Args& a, int64_t rows, int64_t group, int64_t first_pos, int64_t n0, int nn,
-            const TK* const* krows, Scratch& w) {
+            const TK* const* krows, const A& ahead, Scratch& w) {
     const int64_t D = dim<DT>(a);
     if constexpr (DT != 0 && DT % (2 * VL) == 0) {
         // a row's query held in registers against VL keys at a time, their sums reduced together
@@ -292,6 +325,7 @@ void scores(const Args& a, int64_t rows, int64_t group, int64_t first_pos, int64
                         continue;
                     }
                     const TK* k = krows[k0 + n];
+                    if (r == 0) ahead.fetch(k0 + n);
                     vecf s0 = q[0] * vload_kv(k), s1 = q[1] * vload_kv(k + VL);
                     for (int j = 2; j < NV; j += 2) {
                         s0 += q[j] * vload_kv(k + j * VL);
@@ -308,8 +342,10 @@ void scores(const Args& a, int64_t rows, int64_t group, int64_t first_pos, int64
             }
         }
     } else {
-        for (int n = 0; n < nn; ++n)
+        for (int n = 0; n < nn; ++n) {
+            ahead.fetch(n);
             for (int64_t r = 0; r < rows; ++r) w.s[r * TILE_N + n] = dot<DT>(&w.q[r * D], krows[n], D);
+        }
     }
     if (n0 + nn - 1 <= first_pos) return;  // every key of the tile is visible to every row
     for (int64_t r = 0; r < rows; ++r) {
@@ -319,8 +355,8 @@ void scores(const Args& a, int64_t rows, int64_t group, int64_t first_pos, int64
 }
 
 // Online softmax: fold the tile's scores into each row's running max, sum and accumulator.
-template <int DT, typename TV>
-void accumulate(const Args& a, int64_t rows, int nn, const TV* const* vrows, Scratch& w) {
+template <int DT, typename TV, typename A>
+void accumulate(const Args& a, int64_t rows, int nn, const TV* const* vrows, const A& ahead, Scratch& w) {
     const int64_t D = dim<DT>(a);
     // first each row's new maximum, its factor alpha and its probabilities (in s); a row for which
     // every key of the tile lies after its query keeps its state: alpha 1 and p 0 (its values are
@@ -360,6 +396,7 @@ void accumulate(const Args& a, int64_t rows, int nn, const TV* const* vrows, Scr
                     for (int j = 0; j < CH; ++j)
                         part[i][j] = vload(&w.acc[(r0 + i) * D + c + j * VL]) * w.alpha[r0 + i];
                 for (int n = 0; n < nn; ++n) {
+                    if (r0 == 0 && c == 0) ahead.fetch(n);
                     vecf v[CH];
                     for (int j = 0; j < CH; ++j) v[j] = vload_kv(vrows[n] + c + j * VL);
                     for (int i = 0; i < R; ++i) {
@@ -385,7 +422,10 @@ void accumulate(const Args& a, int64_t rows, int nn, const TV* const* vrows, Scr
 #pragma omp simd
                 for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
             }
-            for (int n = 0; n < nn; ++n) axpy<DT>(acc, w.s[r * TILE_N + n], vrows[n], D);
+            for (int n = 0; n < nn; ++n) {
+                if (r == 0) ahead.fetch(n);
+                axpy<DT>(acc, w.s[r * TILE_N + n], vrows[n], D);
+            }
         }
     }
 }
@@ -428,13 +468,10 @@ void attend_item(const Args& a, const Item& it, Scratch& w) {
             load_rows<TKV, DT>(a, a.k_pool, table, it.h, n0, nn, w.k.data(), krows);
             load_rows<TKV, DT>(a, a.v_pool, table, it.h, n0, nn, w.v.data(), vrows);
         }
-        if (n0 + TILE_N < end) {
-            const int next = int(std::min<int64_t>(TILE_N, end - n0 - TILE_N));
-            prefetch_rows<TKV, DT>(a, a.k_pool, table, it.h, n0 + TILE_N, next);
-            prefetch_rows<TKV, DT>(a, a.v_pool, table, it.h, n0 + TILE_N, next);
-        }
-        scores<DT>(a, rows, group, first_pos, n0, nn, krows, w);
-        accumulate<DT>(a, rows, nn, vrows, w);
+        scores<DT>(a, rows, group, first_pos, n0, nn, krows,
+                   ahead_rows<TKV, DT>(a, a.k_pool, table, it.h, n0 + TILE_N, end, krows[0]), w);
+        accumulate<DT>(a, rows, nn, vrows,
+                       ahead_rows<TKV, DT>(a, a.v_pool, table, it.h, n0 + TILE_N, end, vrows[0]), w);
     }
     store<TQ, DT>(a, it, group, w);
 }
