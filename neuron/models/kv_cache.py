@@ -26,7 +26,7 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Ten
     """A pool of zeros. On CPU it is an anonymous mapping, whose pages the operating system hands
     out zero-filled when first written, so a rank neither writes nor holds the cache it sizes for
     max_num_seqs full-length sequences before requests fill it: torch.zeros wrote all of it at
-    start, 18 GB for SmolLM2 at 6,200 positions x 64 sequences, in 25 s. The mapping is not advised
+    start, 18 GB for SmolLM2 at 6,200 positions x 64 sequences, in 27 s. The mapping is not advised
     for huge pages (numpy's zeros is, and its first touches ran 11 % slower over an offline run)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)

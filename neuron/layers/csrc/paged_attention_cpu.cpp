@@ -234,7 +234,8 @@ void prefetch_first(const Args& a, const int32_t* table, int64_t h, int64_t end)
 // loops read one of theirs. A block's rows are contiguous but blocks lie anywhere in the pool, so
 // the hardware prefetcher starts over at each; asked for in one burst before the tile, the next
 // tile's 16 KiB (SmolLM2) came no sooner. Spread through the loops, SmolLM2's 64-row decode steps
-// of attention took 25.2-25.7 ms from memory against 28.8-30.4 (7.6-7.9 against 9-10 in cache).
+// of attention took 25.2-26.2 ms from memory against 28.8-32.8; in cache, where the requests only
+// cost, 9-10.5 against 7.6-8.7.
 // Slots past the next tile's rows repeat its last one, or at the item's last tile a row of the
 // current one, so the loops ask without a test.
 template <typename T, int DT>
