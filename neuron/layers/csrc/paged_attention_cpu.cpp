@@ -209,64 +209,45 @@ void load_rows(const Args& a, const void* pool, const int32_t* table, int64_t h,
     }
 }
 
-// Ask for K or V rows of positions [n0, n0 + nn) of KV head h to be brought into cache.
-template <typename T, int DT>
-void prefetch_rows(const Args& a, const void* pool, const int32_t* table, int64_t h, int64_t n0, int nn) {
-    const int64_t bytes = dim<DT>(a) * int64_t(sizeof(T));
-    RowWalk walk(a, table, n0);
-    for (int n = 0; n < nn; ++n) {
-        const char* src = reinterpret_cast<const char*>(static_cast<const T*>(pool) + h * a.pool_stride_h +
-                                                        walk.next() * a.pool_stride_row);
-        for (int64_t off = 0; off < bytes; off += 64) prefetch_line(src + off);
-    }
-}
-
-// The first tile's keys and values asked for before the queries are read (a decode step's short
-// contexts are mostly first tiles); the tile loop asks for each next tile as it goes (Ahead).
-template <typename T, int DT>
-void prefetch_first(const Args& a, const int32_t* table, int64_t h, int64_t end) {
-    const int nn = int(std::min<int64_t>(TILE_N, end));
-    prefetch_rows<T, DT>(a, a.k_pool, table, h, 0, nn);
-    prefetch_rows<T, DT>(a, a.v_pool, table, h, 0, nn);
-}
-
-// The next tile's K or V rows (of pool type T), asked for one row each time the current tile's
-// loops read one of theirs. A block's rows are contiguous but blocks lie anywhere in the pool, so
-// the hardware prefetcher starts over at each; asked for in one burst before the tile, the next
+// K or V rows of positions [n0, n0 + TILE_N) of KV head h (pool type T), asked for into cache one
+// row at a time: the current tile's loops ask for one row of the next tile each time they read
+// one of theirs. A block's rows are contiguous but blocks lie anywhere in the pool, so the
+// hardware prefetcher starts over at each; asked for in one burst before the tile, the next
 // tile's 16 KiB (SmolLM2) came no sooner. Spread through the loops, SmolLM2's 64-row decode steps
 // of attention took 25.2-26.2 ms from memory against 28.8-32.8; in cache, where the requests only
-// cost, 9-10.5 against 7.6-8.7.
-// Slots past the next tile's rows repeat its last one, or at the item's last tile a row of the
-// current one, so the loops ask without a test.
+// cost, 9-10.5 against 7.6-8.7. Slots past the positions before `end` repeat the last row, or
+// `fallback` where there is none (the item's last tile), so the loops ask without a test.
 template <typename T, int DT>
 struct Ahead {
     static constexpr int64_t LINES = DT ? (DT * int64_t(sizeof(T)) + 63) / 64 : 0;  // 0: the head size at run time
-    const char* rows[TILE_N];
+    const T* rows[TILE_N];
     int64_t lines = LINES;
+    Ahead(const Args& a, const void* pool, const int32_t* table, int64_t h, int64_t n0, int64_t end,
+          const void* fallback) {
+        if constexpr (DT == 0) lines = (a.head_dim * int64_t(sizeof(T)) + 63) / 64;
+        const int count = int(std::clamp<int64_t>(end - n0, 0, TILE_N));
+        pool_rows<T, DT>(a, pool, table, h, n0, count, rows);
+        std::fill(rows + count, rows + TILE_N, count ? rows[count - 1] : static_cast<const T*>(fallback));
+    }
     void fetch(int n) const {
+        const char* row = reinterpret_cast<const char*>(rows[n]);
         if constexpr (LINES > 0) {
-            for (int l = 0; l < LINES; ++l) prefetch_line(rows[n] + 64 * l);
+            for (int l = 0; l < LINES; ++l) prefetch_line(row + 64 * l);
         } else {
-            for (int64_t l = 0; l < lines; ++l) prefetch_line(rows[n] + 64 * l);
+            for (int64_t l = 0; l < lines; ++l) prefetch_line(row + 64 * l);
         }
     }
 };
 
+// The first tile's keys and values asked for before the queries are read (a decode step's short
+// contexts are mostly first tiles); the tile loop asks for each next tile as it goes.
 template <typename T, int DT>
-Ahead<T, DT> ahead_rows(const Args& a, const void* pool, const int32_t* table, int64_t h, int64_t n0, int64_t end,
-                        const void* current) {
-    Ahead<T, DT> next;
-    if constexpr (DT == 0) next.lines = (a.head_dim * int64_t(sizeof(T)) + 63) / 64;
-    const int count = int(std::clamp<int64_t>(end - n0, 0, TILE_N));
-    const char* row = static_cast<const char*>(current);
-    RowWalk walk(a, table, std::min(n0, end - 1));
-    for (int n = 0; n < count; ++n) {
-        row = reinterpret_cast<const char*>(static_cast<const T*>(pool) + h * a.pool_stride_h +
-                                            walk.next() * a.pool_stride_row);
-        next.rows[n] = row;
+void prefetch_first(const Args& a, const int32_t* table, int64_t h, int64_t end) {
+    const Ahead<T, DT> k(a, a.k_pool, table, h, 0, end, nullptr), v(a, a.v_pool, table, h, 0, end, nullptr);
+    for (int n = 0, nn = int(std::min<int64_t>(TILE_N, end)); n < nn; ++n) {
+        k.fetch(n);
+        v.fetch(n);
     }
-    for (int n = count; n < TILE_N; ++n) next.rows[n] = row;
-    return next;
 }
 
 // The item's query rows (row = query * group + head in the group), widened and pre-scaled.
@@ -470,9 +451,9 @@ void attend_item(const Args& a, const Item& it, Scratch& w) {
             load_rows<TKV, DT>(a, a.v_pool, table, it.h, n0, nn, w.v.data(), vrows);
         }
         scores<DT>(a, rows, group, first_pos, n0, nn, krows,
-                   ahead_rows<TKV, DT>(a, a.k_pool, table, it.h, n0 + TILE_N, end, krows[0]), w);
-        accumulate<DT>(a, rows, nn, vrows,
-                       ahead_rows<TKV, DT>(a, a.v_pool, table, it.h, n0 + TILE_N, end, vrows[0]), w);
+                   Ahead<TKV, DT>(a, a.k_pool, table, it.h, n0 + TILE_N, end, krows[0]), w);
+        accumulate<DT>(a, rows, nn, vrows, Ahead<TKV, DT>(a, a.v_pool, table, it.h, n0 + TILE_N, end, vrows[0]),
+                       w);
     }
     store<TQ, DT>(a, it, group, w);
 }
