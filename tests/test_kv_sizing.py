@@ -137,3 +137,19 @@ def test_a_cpu_pool_is_zero_and_not_resident_until_written():
     cache.k[3][1, -16:] = 1.5
     assert cache.k[3][1, -17:].float().sum().item() == 1.5 * 16 * 128
     assert not cache.v[0][:, :64].any()
+
+
+def test_a_cpu_pool_the_host_cannot_map_names_its_size(monkeypatch):
+    import errno
+    import mmap
+
+    from neuron.executor.executor import resource_shortage
+    from neuron.models.kv_cache import zeroed_pool
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    with pytest.raises(OSError, match=r"cannot map 4194304 bytes for a KV cache pool of shape \(2, 4096, 128\)") as err:
+        zeroed_pool((2, 4096, 128), torch.float32, "cpu")
+    assert err.value.errno == errno.ENOMEM and resource_shortage(err.value) == "Cannot allocate memory"

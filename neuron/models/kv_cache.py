@@ -34,7 +34,11 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Ten
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     # private: a shared anonymous mapping (mmap's default) is backed by shmem, whose first touches cost more
-    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as exc:  # the errno stays, so a shortage is still told apart from other failures
+        raise OSError(exc.errno, f"cannot map {nbytes} bytes for a KV cache pool of shape {tuple(shape)}: "
+                                 f"{exc.strerror}") from exc
     return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
 
 
