@@ -215,19 +215,18 @@ void load_rows(const Args& a, const void* pool, const int32_t* table, int64_t h,
 // hardware prefetcher starts over at each; asked for in one burst before the tile, the next
 // tile's 16 KiB (SmolLM2) came no sooner. Spread through the loops, SmolLM2's 64-row decode steps
 // of attention took 25.2-26.2 ms from memory against 28.8-32.8; in cache, where the requests only
-// cost, 9-10.5 against 7.6-8.7. Slots past the positions before `end` repeat the last row, or
-// `fallback` where there is none (the item's last tile), so the loops ask without a test.
+// cost, 9-10.5 against 7.6-8.7. Slots past the positions before `end` repeat the last row, so the
+// loops ask without a test; an item's last tile asks for nothing (NoAhead).
 template <typename T, int DT>
 struct Ahead {
     static constexpr int64_t LINES = DT ? (DT * int64_t(sizeof(T)) + 63) / 64 : 0;  // 0: the head size at run time
     const T* rows[TILE_N];
     int64_t lines = LINES;
-    Ahead(const Args& a, const void* pool, const int32_t* table, int64_t h, int64_t n0, int64_t end,
-          const void* fallback) {
+    Ahead(const Args& a, const void* pool, const int32_t* table, int64_t h, int64_t n0, int64_t end) {  // n0 < end
         if constexpr (DT == 0) lines = (a.head_dim * int64_t(sizeof(T)) + 63) / 64;
-        const int count = int(std::clamp<int64_t>(end - n0, 0, TILE_N));
+        const int count = int(std::min<int64_t>(end - n0, TILE_N));
         pool_rows<T, DT>(a, pool, table, h, n0, count, rows);
-        std::fill(rows + count, rows + TILE_N, count ? rows[count - 1] : static_cast<const T*>(fallback));
+        std::fill(rows + count, rows + TILE_N, rows[count - 1]);
     }
     void fetch(int n) const {
         const char* row = reinterpret_cast<const char*>(rows[n]);
@@ -239,11 +238,15 @@ struct Ahead {
     }
 };
 
+struct NoAhead {
+    void fetch(int) const {}
+};
+
 // The first tile's keys and values asked for before the queries are read (a decode step's short
 // contexts are mostly first tiles); the tile loop asks for each next tile as it goes.
 template <typename T, int DT>
 void prefetch_first(const Args& a, const int32_t* table, int64_t h, int64_t end) {
-    const Ahead<T, DT> k(a, a.k_pool, table, h, 0, end, nullptr), v(a, a.v_pool, table, h, 0, end, nullptr);
+    const Ahead<T, DT> k(a, a.k_pool, table, h, 0, end), v(a, a.v_pool, table, h, 0, end);
     for (int n = 0, nn = int(std::min<int64_t>(TILE_N, end)); n < nn; ++n) {
         k.fetch(n);
         v.fetch(n);
@@ -450,10 +453,15 @@ void attend_item(const Args& a, const Item& it, Scratch& w) {
             load_rows<TKV, DT>(a, a.k_pool, table, it.h, n0, nn, w.k.data(), krows);
             load_rows<TKV, DT>(a, a.v_pool, table, it.h, n0, nn, w.v.data(), vrows);
         }
-        scores<DT>(a, rows, group, first_pos, n0, nn, krows,
-                   Ahead<TKV, DT>(a, a.k_pool, table, it.h, n0 + TILE_N, end, krows[0]), w);
-        accumulate<DT>(a, rows, nn, vrows, Ahead<TKV, DT>(a, a.v_pool, table, it.h, n0 + TILE_N, end, vrows[0]),
-                       w);
+        auto tile = [&](const auto& k_ahead, const auto& v_ahead) {
+            scores<DT>(a, rows, group, first_pos, n0, nn, krows, k_ahead, w);
+            accumulate<DT>(a, rows, nn, vrows, v_ahead, w);
+        };
+        if (n0 + TILE_N < end)
+            tile(Ahead<TKV, DT>(a, a.k_pool, table, it.h, n0 + TILE_N, end),
+                 Ahead<TKV, DT>(a, a.v_pool, table, it.h, n0 + TILE_N, end));
+        else
+            tile(NoAhead{}, NoAhead{});
     }
     store<TQ, DT>(a, it, group, w);
 }
