@@ -8,6 +8,7 @@
 #   bash scripts/gpu_checklist.sh                    # about 8 minutes
 #   BUDGET=300 BENCH=tp2 bash scripts/gpu_checklist.sh
 #   BENCH_RESERVE=200 bash scripts/gpu_checklist.sh  # the test phases leave 200 s for the bench
+#   SKIP="doctor kernels" FILES="test_lora test_gpu" bash scripts/gpu_checklist.sh  # what the last lease missed
 #
 # PYTHON (default python3) must have torch with CUDA and neuron's dependencies importable; on a machine
 # without a package index, scripts/gpu_wheels.sh makes the wheels to carry. A collection of every
@@ -19,6 +20,9 @@ LOGS=${LOGS:-gpu-checklist}
 BUDGET=${BUDGET:-480}   # seconds for the whole run
 BENCH=${BENCH-decode}  # the bench_gpu.py part(s) run last with what time is left; empty for none
 BENCH_RESERVE=${BENCH_RESERVE:-150}  # seconds the test phases leave for the bench (it needs about 2 minutes)
+SKIP=${SKIP:-}  # phase names not to run (collect, doctor, kernels, a test file's name)
+FILES=${FILES:-test_gpu test_sampling test_paged_kv test_moe test_quant_formats test_quantized test_structured_output \
+test_host test_lora}  # the files of `gpu` tests, each its own phase, in this order
 export PYTHONUNBUFFERED=1 NEURON_LOG_LEVEL=${NEURON_LOG_LEVEL:-WARNING} NEURON_TEST_INSTAFAIL=1
 mkdir -p "$LOGS"
 start=$(date +%s)
@@ -29,6 +33,7 @@ left_for_tests() { local room; room=$(left); [ -n "$BENCH" ] && room=$((room - B
 # phase NAME LIMIT COMMAND...: runs COMMAND under min(LIMIT, time left), logs it, prints its tail
 phase() {
     local name=$1 limit=$2; shift 2
+    case " $SKIP " in *" $name "*) echo "== $name: skipped (SKIP)"; return;; esac
     local room; room=$([ "$name" = bench ] && left || left_for_tests)
     [ "$limit" -gt "$room" ] && limit=$room
     if [ "$limit" -lt 15 ]; then echo "== $name: skipped, ${room}s left"; return; fi
@@ -53,8 +58,7 @@ phase doctor 120 "$PYTHON" -m neuron doctor
 # The compile matrix (every tile for sm_80..sm_120) needs no GPU and runs in CI; left out here.
 phase kernels 120 "${PYTEST[@]}" tests/test_norm_kernels.py tests/test_quant_kernels.py tests/test_paged_attention.py \
     tests/test_lora_kernels.py -k "not every_tile_the_runtime_picks and not every_supported_gpu"
-for file in test_gpu test_sampling test_paged_kv test_moe test_quant_formats test_quantized test_structured_output \
-    test_host test_lora; do
+for file in $FILES; do
     phase "$file" 200 "${PYTEST[@]}" -m gpu "tests/$file.py"
 done
 if [ -n "$BENCH" ]; then
