@@ -1,4 +1,5 @@
-"""CPU fp32 linear layers by rows: neuron's kernel, oneDNN on the row-major weight (what runs above
+"""CPU fp32 linear layers by rows: neuron's kernel on the weight held as panels (what the layers
+run), its kernel on the row-major weight, oneDNN on the row-major weight (what runs above
 cpu_ops.MAX_LINEAR_ROWS), oneDNN on a packed copy (what ran before one copy of the weights) and
 F.linear.
 
@@ -43,6 +44,8 @@ def paths(rows: int) -> dict:
     out = {"onednn": _onednn, "onednn packed": _onednn, "F.linear": F.linear}
     if rows <= cpu_ops.MAX_LINEAR_ROWS and cpu_ops.library() is not None:
         out = {"kernel": cpu_ops.linear, **out}
+    if cpu_ops.library() is not None:
+        out = {"panels": cpu_ops.panel_linear, **out}
     return out
 
 
@@ -58,6 +61,7 @@ def main() -> None:
     shapes = MODELS[args.model]
     weights = {name: torch.randn(shape, generator=gen) / 32 for name, shape in shapes.items()}
     packed = {name: torch.ops.mkldnn._reorder_linear_weight(w, None) for name, w in weights.items()}
+    panels = {name: cpu_ops.PanelWeight(w) for name, w in weights.items()} if cpu_ops.library() is not None else {}
     print(f"{args.threads} threads; ms for the whole set (best of {args.rounds} rounds), GFLOP/s")
     for rows in args.rows:
         x = {name: torch.randn(rows, w.shape[1], generator=gen) for name, w in weights.items()}
@@ -65,7 +69,7 @@ def main() -> None:
         best = {}
         for _ in range(args.rounds):
             for path, fn in paths(rows).items():
-                ws = packed if path == "onednn packed" else weights
+                ws = packed if path == "onednn packed" else panels if path == "panels" else weights
                 t0 = time.perf_counter()
                 for name in shapes:
                     fn(x[name], ws[name])

@@ -2,12 +2,19 @@
 their PyTorch references: fp32 to summation order, on shapes with vector tails and strided rows,
 on one thread and on several; the dispatch that routes CPU fp32 to them, and only that."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
+from checkpoints import build_checkpoint
 
+from neuron.distributed.comm import SingleRank
 from neuron.layers import cpu_linear, cpu_ops, norm
 from neuron.layers.kernels import Kernels
+from neuron.layers.tensor_parallel import ColumnParallelLinear
+from neuron.models import build_model
+from neuron.models.loader import CheckpointReader, safetensors_files
 
 pytestmark = pytest.mark.skipif(cpu_ops.library() is None, reason="the CPU kernels could not be built here")
 
@@ -49,6 +56,63 @@ def test_linear_reads_strided_rows():
     for rows in (3, 11, 40):  # the streaming tiles, the many-row ones and the panels
         x, w = wide[:rows, :200], big[10:40, :200]
         torch.testing.assert_close(cpu_ops.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+# (rows, out, in) for a weight held as panels (every fp32 CPU layer's): one row up to a prefill's
+# many; outputs that leave a partial panel, fewer inputs than a vector, a vector tail, rows that
+# split into tiles of several sizes, and enough work that the threads split the panels
+@pytest.mark.parametrize("m,n,k", [(1, 7, 5), (1, 1030, 1027), (2, 33, 100), (4, 4096, 1024), (13, 33, 100),
+                                   (14, 96, 64), (29, 65, 7), (64, 1030, 1027), (300, 200, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_weight_held_as_panels_multiplies_as_f_linear(m, n, k, bias):
+    gen = _gen(m * n + k + 7)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    held = cpu_ops.PanelWeight(w)
+    assert held.shape == (n, k) and torch.equal(held.dequantize(), w)
+    torch.testing.assert_close(cpu_ops.panel_linear(x, held, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def test_panels_read_strided_rows_of_x_and_their_own_rows():
+    gen = _gen(2)
+    wide = torch.randn(40, 300, generator=gen)
+    w = torch.randn(45, 200, generator=gen)
+    held = cpu_ops.PanelWeight(w)
+    for rows in (1, 11, 40):
+        x = wide[:rows, :200]
+        torch.testing.assert_close(cpu_ops.panel_linear(x, held), F.linear(x, w), atol=1e-4, rtol=1e-5)
+    ids = torch.tensor([0, 44, 31, 32, 7, 7])
+    assert torch.equal(held.rows(ids), w[ids]) and held.rows(ids, torch.bfloat16).dtype is torch.bfloat16
+    for outside in (45, -1):
+        with pytest.raises(IndexError, match="45 rows"):
+            held.rows(torch.tensor([3, outside]))
+
+
+def test_the_layers_hold_cpu_fp32_weights_as_panels_and_nothing_else():
+    gen = _gen(5)
+    w = torch.randn(40, 16, generator=gen)
+    layer = ColumnParallelLinear(w, ON)
+    assert isinstance(layer.weight, cpu_ops.PanelWeight) and torch.equal(layer.weight.dequantize(), w)
+    x = torch.randn(2, 3, 16, generator=gen)  # rows of any shape, as F.linear takes them
+    torch.testing.assert_close(layer(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert layer(x).shape == (2, 3, 40)
+    for kept in (ColumnParallelLinear(w, OFF).weight, ColumnParallelLinear(w.bfloat16(), ON).weight):
+        assert isinstance(kept, torch.Tensor)  # switched off, or not fp32: row-major, oneDNN's or F.linear's
+
+
+def test_a_tied_embedding_reads_the_heads_panels(tmp_path):
+    """The head and an embedding tied to it hold one copy, the head's panels, and the lookups read
+    the checkpoint's rows from it."""
+    path = build_checkpoint(tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    assert config["tie_word_embeddings"]
+    model = build_model(config, SingleRank(), torch.float32, torch.device("cpu"), ON)
+    with CheckpointReader(safetensors_files(path)) as r:
+        model.load(r)
+        table = r.read("model.embed_tokens.weight")
+    assert isinstance(model.lm_head.weight, cpu_ops.PanelWeight) and model.embed.weight is model.lm_head.weight
+    ids = torch.tensor([[0, 5, config["vocab_size"] - 1]])
+    assert torch.equal(model.embed(ids), table[ids])
 
 
 @pytest.mark.parametrize("rows,width", [(1, 64), (3, 1000), (70, 1024)])  # the last one runs on several threads

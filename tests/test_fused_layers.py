@@ -165,6 +165,11 @@ def _four_bit(w: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(codes=pack_nibbles(codes), k=k, bits=4, group=32, scale=scale, offset=-low, format="q4_1")
 
 
+def _dense(w) -> torch.Tensor:
+    """A layer's fp32 weight as a row-major tensor (the layers hold it as panels)."""
+    return w.dequantize() if isinstance(w, cpu_ops.PanelWeight) else w
+
+
 def _quantize(runner: ModelRunner, layout: str) -> ModelRunner:
     """Every projection, the head and the embedding int8; or, "mixed", q/k/v stacked from a 4-bit
     part (q) and an int8 one (k and v), gate/up, the head and the embedding 4-bit, the output and
@@ -172,6 +177,8 @@ def _quantize(runner: ModelRunner, layout: str) -> ModelRunner:
     a GGUF file holds them, which the C loop multiplies in one call each), the rest as "mixed"."""
     for layer in runner.model.layers:
         a, m = layer.attn, layer.mlp
+        for projection in (a.qkv, a.o_proj, m.gate_up, m.down):
+            projection.weight = _dense(projection.weight)
         if layout == "int8":
             a.qkv.weight, m.gate_up.weight = quantize_int8(a.qkv.weight), quantize_int8(m.gate_up.weight)
         elif layout == "mixed":
@@ -183,9 +190,9 @@ def _quantize(runner: ModelRunner, layout: str) -> ModelRunner:
             m.gate_up.weight = StackedWeight([_four_bit(w) for w in m.gate_up.weight.chunk(2)])
         a.o_proj.weight, m.down.weight = quantize_int8(a.o_proj.weight), quantize_int8(m.down.weight)
     head = runner.model.lm_head  # the output projection too: the C loop's head multiplies it as Python does
-    head.weight = quantize_int8(head.weight) if layout == "int8" else _four_bit(head.weight)
+    head.weight = quantize_int8(_dense(head.weight)) if layout == "int8" else _four_bit(_dense(head.weight))
     embed = runner.model.embed  # and the table the C loop reads the decode steps' rows from
-    embed.weight = quantize_int8(embed.weight) if layout == "int8" else _four_bit(embed.weight)
+    embed.weight = quantize_int8(_dense(embed.weight)) if layout == "int8" else _four_bit(_dense(embed.weight))
     return runner
 
 
@@ -272,8 +279,9 @@ def test_a_weight_no_kernel_takes_keeps_the_python_layers(tmp_path, fused_steps)
     path = build_checkpoint(tmp_path, seed=4)
     runner = _runner(path, FUSED)
     down = runner.model.layers[1].mlp.down
-    half = down.weight.shape[0] // 2
-    down.weight = StackedWeight([quantize_int8(down.weight[:half]), down.weight[half:].clone()])
+    dense = _dense(down.weight)
+    half = dense.shape[0] // 2
+    down.weight = StackedWeight([quantize_int8(dense[:half]), dense[half:].clone()])
     logits = runner.step([SeqStep(0, [5, 6, 7], 0, _blocks(0), fresh=True)]).logits
     assert logits.shape == (1, BASE["vocab_size"]) and torch.isfinite(logits).all()
     assert fused_steps == [] and runner.model._decoder_stack() is None

@@ -140,6 +140,9 @@ def _parts(kernels: Kernels, w, rows: int, inputs: int) -> list[_Part] | None:
     stacked part in fp32 (F.linear there), an input order of its own, a layout no kernel takes."""
     if isinstance(w, torch.Tensor):
         return [_Part(w.data_ptr(), None, None, rows)] if _fp32(w, rows, inputs) else None
+    if isinstance(w, cpu_ops.PanelWeight):
+        return [_Part(None, ctypes.addressof(w.layout), _address(cpu_ops.library().neuron_panel_linear), rows)] \
+            if w.shape == (rows, inputs) else None
     pieces = w.parts if isinstance(w, quantized.StackedWeight) else [w]
     parts = []
     for q in pieces:
@@ -155,7 +158,8 @@ def _parts(kernels: Kernels, w, rows: int, inputs: int) -> list[_Part] | None:
 
 def _rows_for(parts) -> int:
     """The most rows of a step these parts are multiplied for in the C loop (MAX_ROWS)."""
-    quantized_part = any(p.layout for p in parts)
+    panels = _address(cpu_ops.library().neuron_panel_linear)
+    quantized_part = any(p.layout and p.qlinear != panels for p in parts)
     return _QUANTIZED_ROWS if quantized_part else MAX_ROWS
 
 
@@ -294,6 +298,8 @@ class DecoderStack:
             if not _fp32(embed, embed.shape[0], hidden):
                 return False
             dense, layout, qrows = embed.data_ptr(), None, None
+        elif isinstance(embed, cpu_ops.PanelWeight) and embed.shape[1] == hidden:
+            dense, layout, qrows = None, ctypes.addressof(embed.layout), _address(cpu_ops.library().neuron_panel_rows)
         elif isinstance(embed, quantized.QuantizedWeight) and embed.shape[1] == hidden and embed.rows_layout():
             dense, layout, qrows = None, ctypes.addressof(embed.layout), _address(cpu_ops.library().neuron_qrows)
         else:

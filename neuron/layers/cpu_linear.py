@@ -1,4 +1,12 @@
-"""x W^T on CPU: neuron's kernel for decode batches, oneDNN for long prefills, both on one row-major weight.
+"""x W^T on CPU: neuron's kernel on weights held as panels (cpu_ops.PanelWeight) for every step; on a
+row-major weight, its kernel for decode batches and oneDNN for long prefills.
+
+An fp32 CPU weight is held as panels from load (`held`), its one copy: the kernel streams a panel as
+one run of memory, which at batch 1 read 38 GB/s on one core here against 28 for the row-major tile,
+and from 16 rows on it skips the transposing copy the row-major path makes of every panel as it goes;
+at 512 rows it was level with oneDNN on a packed copy and ahead of it on the row-major weight
+(scripts/bench_linear.py, docs/benchmarks.md). The rest of this note is the row-major path, which
+runs where the kernels are off (NEURON_NO_CPU_OPS) or not built:
 
 torch's F.linear hands a [rows, in] x [out, in]^T product to MKL's sgemm, which takes a generic code
 path on the benchmark machine's AMD CPU; oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`)
@@ -38,6 +46,12 @@ def linear(owner, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     quantized weight through its own kernel (quantized.py). `owner`, the layer, holds the model's
     `kernels`, which say which of these may run."""
     kernels = owner.kernels
+    if isinstance(weight, cpu_ops.PanelWeight):
+        rows = x.reshape(-1, x.shape[-1])
+        if cpu_ops.takes(rows) and (bias is None or cpu_ops.takes(bias)):
+            y = cpu_ops.panel_linear(rows, weight, bias)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.n)
+        return F.linear(x, weight.dequantize(x.dtype), bias)
     if not isinstance(weight, torch.Tensor):
         return quantized.linear(kernels, x, weight, bias)
     if kernels.cpu_ops and x.dim() == 2 and x.shape[0] <= cpu_ops.MAX_LINEAR_ROWS and cpu_ops.takes(x, weight) \
@@ -50,6 +64,12 @@ def linear(owner, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if padded > rows:
         x = torch.cat((x, x.new_zeros((padded - rows, x.shape[1]))))
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:rows]
+
+
+def held(weight: quantized.Weight, kernels) -> quantized.Weight:
+    """How a layer holds its weight: an fp32 CPU one as panels where the kernels run (a layer's
+    `kernels.cpu_ops`), anything else as it is."""
+    return cpu_ops.PanelWeight(weight) if kernels.cpu_ops and cpu_ops.holds_as_panels(weight) else weight
 
 
 def padded_rows(rows: int) -> int:

@@ -8,6 +8,8 @@ four rows, and from five rows on reads it from the cache once per four rows of x
 where the arithmetic binds, it transposes panels of the weight as it goes and multiplies them
 without sums across vector lanes: on the same row-major weight, level with oneDNN on the 191M
 model's shapes and up to a fifth faster on SmolLM2's at 16-64 rows (docs/benchmarks.md).
+The layers hold an fp32 weight as panels from load (`PanelWeight`), which the same panel tiles
+multiply without the copy, for any number of rows; `linear` is the row-major weight's kernel.
 Between the matrix products, each element-wise pass (RMSNorm, the residual add + RMSNorm, the
 per-head RMSNorm + rotary of queries and keys, silu(gate) * up) is one loop instead of several
 PyTorch operations and their temporaries.
@@ -45,8 +47,12 @@ _SIGNATURES = {
     "neuron_qlinear_int_stack": [_P, _I, _I, _P, _I, _P, _I, ctypes.c_int],  # cpu_decoder.py
     "neuron_qrows": [_P, _P, _I, _P, _I],  # quantized.py
     "neuron_greedy": [_P, _I, _I, _I, _P],
+    "neuron_panel_linear": [_P, _I, _I, _P, _P, _P, _I, ctypes.c_int],
+    "neuron_panel_width": [],
+    "neuron_panel_rows": [_P, _P, _I, _P, _I],
 }
-_RETURNS = {"neuron_qrows": ctypes.c_int, "neuron_qlinear_int_stack": ctypes.c_int}
+_RETURNS = {"neuron_qrows": ctypes.c_int, "neuron_qlinear_int_stack": ctypes.c_int, "neuron_panel_width": ctypes.c_int64,
+            "neuron_panel_rows": ctypes.c_int}
 
 
 @functools.cache
@@ -82,6 +88,78 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bias = None if bias is None else bias.contiguous()  # held until the call returns
     library().neuron_linear(x.data_ptr(), m, x.stride(0), weight.data_ptr(), n, k, weight.stride(0),
                             None if bias is None else bias.data_ptr(), y.data_ptr(), n, _threads())
+    return y
+
+
+class _PanelLayout(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+class PanelWeight:
+    """An fp32 CPU weight [n, k] held as the kernel reads it best: panels of `width` outputs, each
+    transposed to [k, width] and contiguous, `data[p, c, j] = W[p * width + j, c]` (the last panel
+    padded with zero outputs). A batch-1 product streams each panel as one run of memory, which the
+    hardware prefetcher follows at the speed of a single stream; a row-major weight is read as many
+    streams at once (a tile of rows), about a quarter slower on one core (docs/benchmarks.md). The
+    panels are the weight's one copy: `neuron_panel_linear` multiplies them for any number of rows,
+    and `rows` reads an embedding table tied to the head from them."""
+
+    __slots__ = ("data", "n", "layout")
+
+    def __init__(self, weight: torch.Tensor):
+        n, k = weight.shape
+        width = int(library().neuron_panel_width())
+        panels = -(-n // width)
+        padded = weight if panels * width == n else torch.cat((weight, weight.new_zeros(panels * width - n, k)))
+        self.data = padded.view(panels, width, k).transpose(1, 2).contiguous()
+        self.n = n
+        self.layout = _PanelLayout(self.data.data_ptr(), n, k)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.data.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.data]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W as a dense [n, k] tensor (a copy), as quantized weights give theirs."""
+        return self.data.transpose(1, 2).reshape(-1, self.data.shape[1])[: self.n].to(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` (int64, 1-D) of W, [len(ids), k]: the lookups of an embedding table tied to the head."""
+        ids = ids.contiguous()
+        out = torch.empty((ids.shape[0], self.data.shape[1]), dtype=torch.float32)
+        if library().neuron_panel_rows(ctypes.byref(self.layout), ids.data_ptr(), ids.shape[0], out.data_ptr(),
+                                       out.stride(0)) != 0:
+            raise IndexError(f"row index out of range for a table of {self.n} rows")
+        return out if dtype is torch.float32 else out.to(dtype)
+
+    def __repr__(self) -> str:
+        return f"PanelWeight(shape={self.shape}, width={self.data.shape[2]})"
+
+
+def holds_as_panels(weight) -> bool:
+    """Whether a layer's weight is one `PanelWeight` takes: a 2-D fp32 CPU tensor, the library built."""
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.is_cpu
+            and weight.dtype is torch.float32 and library() is not None)
+
+
+def panel_linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] (fp32, rows contiguous) times the panels' W transposed, plus bias [n]; any m."""
+    m = x.shape[0]
+    y = torch.empty((m, weight.n), dtype=torch.float32)
+    bias = None if bias is None else bias.contiguous()  # held until the call returns
+    library().neuron_panel_linear(x.data_ptr(), m, x.stride(0), ctypes.byref(weight.layout),
+                                  None if bias is None else bias.data_ptr(), y.data_ptr(), weight.n, _threads())
     return y
 
 

@@ -203,7 +203,7 @@ class StackedWeight:
         return torch.cat([p.dequantize(dtype) if isinstance(p, QuantizedWeight) else p.to(dtype) for p in self.parts])
 
 
-Weight = torch.Tensor | QuantizedWeight | StackedWeight
+Weight = torch.Tensor | QuantizedWeight | StackedWeight | cpu_ops.PanelWeight
 
 
 def stack(parts: list[torch.Tensor | QuantizedWeight], dtype: torch.dtype, device) -> QuantizedWeight | StackedWeight:

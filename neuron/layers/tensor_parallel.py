@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
 from neuron.layers import quantized
-from neuron.layers.cpu_linear import linear
+from neuron.layers.cpu_linear import held, linear
+from neuron.layers.cpu_ops import PanelWeight
 from neuron.layers.kernels import Kernels
 from neuron.layers.lora import LoraPool, LoraRows
 from neuron.layers.norm import rms_norm
@@ -103,7 +104,7 @@ class ColumnParallelLinear:
     """y = x W^T with W's rows (outputs) split across ranks; each rank keeps its output slice."""
 
     def __init__(self, weight: torch.Tensor, kernels: Kernels, bias: torch.Tensor | None = None):
-        self.weight = weight
+        self.weight = held(weight, kernels)
         self.kernels = kernels
         self.bias = bias
 
@@ -131,7 +132,7 @@ class RowParallelLinear:
     """y = sum_over_ranks(x_r W_r^T) + b with W's columns (inputs) split across ranks."""
 
     def __init__(self, weight: torch.Tensor, comm: Communicator, kernels: Kernels, bias: torch.Tensor | None = None):
-        self.weight = weight
+        self.weight = held(weight, kernels)
         self.bias = bias
         self.comm = comm
         self.kernels = kernels
@@ -200,7 +201,7 @@ class QKVParallelLinear:
     """q, k and v projections fused into one column-parallel matmul over this rank's heads."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, layout: HeadLayout, kernels: Kernels):
-        self.weight = weight
+        self.weight = held(weight, kernels)
         self.bias = bias
         self.layout = layout
         self.kernels = kernels
@@ -228,7 +229,7 @@ class MergedColumnParallelLinear:
 
     def __init__(self, weight: torch.Tensor, sizes: tuple[int, ...], kernels: Kernels,
                  bias: torch.Tensor | None = None):
-        self.weight = weight
+        self.weight = held(weight, kernels)
         self.sizes = sizes
         self.kernels = kernels
         self.bias = bias
@@ -299,7 +300,7 @@ class ParallelLMHead:
     """Vocabulary-parallel output projection; the full logits exist on rank 0 only."""
 
     def __init__(self, weight: Weight, vocab: int, comm: Communicator, kernels: Kernels):
-        self.weight = weight
+        self.weight = held(weight, kernels)
         self.vocab = vocab
         self.comm = comm
         self.kernels = kernels
@@ -308,8 +309,11 @@ class ParallelLMHead:
     def load(cls, r: Reader, name: str, vocab: int, shard: Shard, comm, dtype, device, kernels: Kernels,
              tied: VocabParallelEmbedding | None = None):
         """`tied`: the embedding whose rows (`name`'s, read alike) the head shares, held once."""
-        w = tied.weight if tied is not None else _vocab_rows(r, name, vocab, shard, dtype, device)[0]
-        return cls(r.head_weight(w), vocab, comm, kernels)
+        w = held(r.head_weight(tied.weight if tied is not None else _vocab_rows(r, name, vocab, shard, dtype, device)[0]),
+                 kernels)
+        if tied is not None and isinstance(w, PanelWeight):
+            tied.weight = w  # the embedding reads its rows from the head's panels: one copy
+        return cls(w, vocab, comm, kernels)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor | None:
         local = linear(self, h, self.weight)

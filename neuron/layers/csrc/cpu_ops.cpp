@@ -5,6 +5,10 @@
 // headers, called through ctypes with data pointers and row strides (every last dimension is
 // contiguous; the Python side checks). -O3 -march=native vectorises the loops for the machine.
 //
+// The layers hold an fp32 weight as panels from load (held_panels, neuron_panel_linear), which take
+// any number of rows. neuron_linear, below, multiplies a row-major weight (the layers' where they
+// hold one: the kernels switched off for them, a weight that is not fp32):
+//
 // linear: y[m, n] = x[m, k] W[n, k]^T (+ bias) for the rows of a decode step. Up to four rows it is
 // bound by reading W once from memory: tiles of NB weight rows are dotted with up to RB rows of x
 // at a time in vector accumulators, and the threads take contiguous ranges of weight rows, so each
@@ -92,9 +96,8 @@ void tiled_rows(const float* x, int64_t m, int64_t xs, const float* w, int64_t n
 // thread copies PN = 2 x VL weight rows at a time into a panel transposed to [k][PN] (vector
 // transposes, in L1/L2), and each output vector accumulates x[r][c] x panel[c] over c: RB rows of x
 // by PN outputs in 2 x RB accumulators, one broadcast of x and two panel loads per 2 x RB
-// multiply-adds, no sums across lanes. The copy costs about 4/m of the arithmetic (panels held
-// transposed from load on would save it: 11 % at 64 rows, 40 % at 16, measured in isolation).
-// The weight stays row-major, the one copy the model holds (cpu_linear.py). Each output is summed
+// multiply-adds, no sums across lanes. The copy costs about 4/m of the arithmetic; a weight held
+// as panels from load (held_panels, below: the layers' fp32 weights) skips it. Each output is summed
 // in input order, so it is not bit-equal to the tiles' sums below PANEL_ROWS rows.
 constexpr int PN = 2 * VL;
 // below this the copy costs more than the sums across lanes that it saves (docs/benchmarks.md)
@@ -230,6 +233,34 @@ void panel_rows(const float* x, int64_t m, int64_t xs, const float* w, int64_t n
     }
 }
 
+// An fp32 weight [n, k] held from load as panels of PN outputs (cpu_ops.PanelWeight):
+// data[p][c][j] = W[p * PN + j][c], the last panel's missing outputs zeros. Each thread streams whole
+// panels, each one contiguous run of memory, which the hardware prefetcher follows at the speed of
+// one stream (a row-major tile of 8 rows is 8 streams: 28 against 38 GB/s on one core here,
+// docs/benchmarks.md), and no panel is copied or transposed on the way.
+struct PanelLayout {
+    const float* data;
+    int64_t n, k;
+};
+
+void held_panels(const float* x, int64_t m, int64_t xs, const PanelLayout& w, const float* bias, float* y,
+                 int64_t ys, int threads) {
+    const int64_t n = w.n, k = w.k, panels = (n + PN - 1) / PN, row_tiles = (m + RB_PANEL - 1) / RB_PANEL;
+#pragma omp parallel for schedule(static) num_threads(threads) if (m * n * k >= MIN_PARALLEL_LINEAR)
+    for (int64_t p = 0; p < panels; ++p) {
+        const int64_t o = p * PN, cols = std::min<int64_t>(PN, n - o);
+        const float* panel = w.data + p * k * PN;
+        for (int64_t t = 0, r = 0; t < row_tiles; ++t) {
+            const int64_t rows = (m - r) / (row_tiles - t);
+            with_count<RB_PANEL>(rows, [&](auto rb) {
+                panel_tile<decltype(rb)::value>(x + r * xs, xs, panel, k, y + r * ys + o, ys, cols,
+                                                bias ? bias + o : nullptr, nullptr, 0);
+            });
+            r += rows;
+        }
+    }
+}
+
 // 1 / sqrt(mean(x^2) + eps) over one row.
 inline float inverse_rms(const float* __restrict x, int64_t width, float eps) {
     float squares = 0.0f;
@@ -289,6 +320,28 @@ void neuron_linear(const float* x, int64_t m, int64_t xs, const float* w, int64_
                 weight_rows<1>(x, m, xs, w + j * ws, ws, k, y + j, ys, bias ? bias + j : nullptr);
         }
     }
+}
+
+// y[m, n] = x[m, k] W^T (+ bias) for a weight held as panels, any number of rows; the signature of
+// neuron_qlinear, so the C decoder loop calls it as it calls a quantized part.
+void neuron_panel_linear(const float* x, int64_t m, int64_t xs, const PanelLayout* w, const float* bias, float* y,
+                         int64_t ys, int threads) {
+    held_panels(x, m, xs, *w, bias, y, ys, threads);
+}
+
+// The outputs of the panels' layout: PN floats a panel.
+int64_t neuron_panel_width() { return PN; }
+
+// Rows ids[0, m) of a weight held as panels, into out (row stride os): an embedding table tied to
+// the LM head. -1 for an id outside [0, n), as neuron_qrows.
+int neuron_panel_rows(const PanelLayout* w, const int64_t* ids, int64_t m, float* out, int64_t os) {
+    for (int64_t r = 0; r < m; ++r)
+        if (ids[r] < 0 || ids[r] >= w->n) return -1;
+    for (int64_t r = 0; r < m; ++r) {
+        const float* column = w->data + (ids[r] / PN) * w->k * PN + ids[r] % PN;
+        for (int64_t c = 0; c < w->k; ++c) out[r * os + c] = column[c * PN];
+    }
+    return 0;
 }
 
 // out = x / rms(x) * weight, row by row.
