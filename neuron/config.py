@@ -244,10 +244,11 @@ class Settings:
     kernels: str = _setting(str, "auto", "which fused CUDA kernels run: auto, each one that passed the start-up "
                             "self-check on this card (cached per card and versions); triton, all of them "
                             "unchecked; reference, none (PyTorch's operations)", choices=("auto", "triton", "reference"))
-    no_onednn: bool = _setting(bool, False, "run CPU fp32 linear layers of more rows than neuron's small-batch "
-                               "kernel takes through F.linear instead of oneDNN")
-    no_cpu_ops: bool = _setting(bool, False, "run the CPU fp32 step's small-batch linear layers and element-wise "
-                                "passes (norms, rotary, SiLU) in PyTorch instead of neuron's C++ kernels")
+    no_onednn: bool = _setting(bool, False, "with the CPU kernels off (NEURON_NO_CPU_OPS), run CPU fp32 linear "
+                               "layers of 5 rows and more through F.linear instead of oneDNN")
+    no_cpu_ops: bool = _setting(bool, False, "hold CPU fp32 weights row-major, not as panels, and run the step's "
+                                "linear layers (oneDNN from 5 rows) and element-wise passes (norms, rotary, SiLU) "
+                                "in PyTorch instead of neuron's C++ kernels")
     no_fused_layers: bool = _setting(bool, False, "run a CPU fp32 step's dense decoder layers one kernel call at a "
                                      "time from Python instead of all of them in one C++ call (steps of up to 64 "
                                      "rows; the same numbers, less host time per layer)")
