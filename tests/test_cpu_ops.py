@@ -73,6 +73,21 @@ def test_a_weight_held_as_panels_multiplies_as_f_linear(m, n, k, bias):
     torch.testing.assert_close(cpu_ops.panel_linear(x, held, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
 
 
+def test_a_row_through_panels_has_the_same_bits_in_any_batch():
+    """Each output is one sum in input order whatever tile its row lands in (one panel or two at a
+    time, 1 to 14 rows): a sequence's numbers do not depend on what else is in its step."""
+    gen = _gen(9)
+    w, b = torch.randn(1030, 1027, generator=gen), torch.randn(1030, generator=gen)
+    held, x = cpu_ops.PanelWeight(w), torch.randn(300, 1027, generator=gen)
+    alone = [cpu_ops.panel_linear(x[i:i + 1], held, b) for i in (0, 19, 299)]
+    for m in (2, 5, 7, 8, 9, 14, 20, 64, 300):
+        y = cpu_ops.panel_linear(x[:m], held, b)
+        assert torch.equal(y[:1], alone[0])
+        if m > 19:
+            assert torch.equal(y[19:20], alone[1])
+    assert torch.equal(cpu_ops.panel_linear(x, held, b)[299:], alone[2])
+
+
 def test_panels_read_strided_rows_of_x_and_their_own_rows():
     gen = _gen(2)
     wide = torch.randn(40, 300, generator=gen)
