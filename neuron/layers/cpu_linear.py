@@ -2,10 +2,10 @@
 row-major weight, its kernel for decode batches and oneDNN for long prefills.
 
 An fp32 CPU weight is held as panels from load (`held`), its one copy: the kernel streams a panel as
-one run of memory, which at batch 1 read 38 GB/s on one core here against 28 for the row-major tile,
-and from 16 rows on it skips the transposing copy the row-major path makes of every panel as it goes;
-at 512 rows it was level with oneDNN on a packed copy and ahead of it on the row-major weight
-(scripts/bench_linear.py, docs/benchmarks.md). The rest of this note is the row-major path, which
+one run of memory, which at batch 1 read 36-38 GB/s on one core here against 28-29 for the row-major
+tile, and from 16 rows on it skips the transposing copy the row-major path makes of every panel as it
+goes; from 4 rows to 512 it was ahead of oneDNN on a packed copy, and at 512 7 % ahead of oneDNN on
+the row-major weight (scripts/bench_linear.py, docs/benchmarks.md). The rest of this note is the row-major path, which
 runs where the kernels are off (NEURON_NO_CPU_OPS) or not built:
 
 torch's F.linear hands a [rows, in] x [out, in]^T product to MKL's sgemm, which takes a generic code

@@ -286,7 +286,7 @@ void pair_tile(const float* x, int64_t xs, const float* panel, int64_t k, float*
 // Below STREAM_ROWS rows a product is bound by reading the panels, each thread one run of memory at
 // a time. The hardware's prefetcher alone kept fewer lines in flight than the row-major tiles'
 // eight streams do where both cores read: at batch 1, 5-10 % slower than those tiles on two
-// threads (25 % faster on one). Asking for each panel 32 inputs (4 KiB) ahead made it 8-16 %
+// threads (25 % faster on one). Asking for each panel 32 inputs (4 KiB) ahead made it 7-19 %
 // faster than them on two threads too (docs/benchmarks.md).
 constexpr int64_t STREAM_ROWS = 8;
 constexpr int64_t STREAM_AHEAD = 32;
