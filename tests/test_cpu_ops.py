@@ -98,6 +98,10 @@ def test_panels_read_strided_rows_of_x_and_their_own_rows():
         torch.testing.assert_close(cpu_ops.panel_linear(x, held), F.linear(x, w), atol=1e-4, rtol=1e-5)
     ids = torch.tensor([0, 44, 31, 32, 7, 7])
     assert torch.equal(held.rows(ids), w[ids]) and held.rows(ids, torch.bfloat16).dtype is torch.bfloat16
+    assert torch.equal(held.rows(ids.int()), w[ids])
+    columns = torch.randn(200, 64, generator=gen).t()  # a weight whose rows are not contiguous
+    torch.testing.assert_close(cpu_ops.panel_linear(wide[:3, :200], cpu_ops.PanelWeight(columns)),
+                               F.linear(wide[:3, :200], columns), atol=1e-4, rtol=1e-5)
     for outside in (45, -1):
         with pytest.raises(IndexError, match="45 rows"):
             held.rows(torch.tensor([3, outside]))

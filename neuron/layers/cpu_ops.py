@@ -111,7 +111,7 @@ class PanelWeight:
         width = int(library().neuron_panel_width())
         panels = -(-n // width)
         padded = weight if panels * width == n else torch.cat((weight, weight.new_zeros(panels * width - n, k)))
-        self.data = padded.view(panels, width, k).transpose(1, 2).contiguous()
+        self.data = padded.reshape(panels, width, k).transpose(1, 2).contiguous()
         self.n = n
         self.layout = _PanelLayout(self.data.data_ptr(), n, k)
 
@@ -136,7 +136,7 @@ class PanelWeight:
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows `ids` (int64, 1-D) of W, [len(ids), k]: the lookups of an embedding table tied to the head."""
-        ids = ids.contiguous()
+        ids = ids.to(torch.int64).contiguous()
         out = torch.empty((ids.shape[0], self.data.shape[1]), dtype=torch.float32)
         if library().neuron_panel_rows(ctypes.byref(self.layout), ids.data_ptr(), ids.shape[0], out.data_ptr(),
                                        out.stride(0)) != 0:
