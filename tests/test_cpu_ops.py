@@ -73,6 +73,13 @@ def test_a_weight_held_as_panels_multiplies_as_f_linear(m, n, k, bias):
     torch.testing.assert_close(cpu_ops.panel_linear(x, held, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
 
 
+def test_panels_take_an_empty_step_and_an_empty_weight():
+    held = cpu_ops.PanelWeight(torch.randn(70, 40))
+    assert cpu_ops.panel_linear(torch.randn(0, 40), held).shape == (0, 70)
+    empty = cpu_ops.PanelWeight(torch.randn(0, 40))
+    assert empty.shape == (0, 40) and cpu_ops.panel_linear(torch.randn(3, 40), empty).shape == (3, 0)
+
+
 def test_a_row_through_panels_has_the_same_bits_in_any_batch():
     """Each output is one sum in input order whatever tile its row lands in (one panel or two at a
     time, 1 to 14 rows): a sequence's numbers do not depend on what else is in its step."""

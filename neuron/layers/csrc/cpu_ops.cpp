@@ -328,6 +328,7 @@ void panels_rows(const float* x, int64_t m, int64_t xs, const PanelLayout& w, in
 void held_panels(const float* x, int64_t m, int64_t xs, const PanelLayout& w, const float* bias, float* y,
                  int64_t ys, int threads) {
     const int64_t n = w.n, k = w.k, panels = (n + PN - 1) / PN;
+    if (m <= 0) return;  // the tiles take 1 row and more
     // units of two panels where there are rows enough, the last (a lone or partial panel) alone
     const int64_t per = m >= PAIR_ROWS ? 2 : 1, full = n / PN, units = (panels + per - 1) / per;
 #pragma omp parallel for schedule(static) num_threads(threads) if (m * n * k >= MIN_PARALLEL_LINEAR)
