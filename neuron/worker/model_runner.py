@@ -31,6 +31,7 @@ from neuron.multimodal.image import VisionSpec
 from neuron.rpc import protocol as p
 from neuron.step import SeqStep, VerifyShape
 from neuron.utils.lru import SizedLRU
+from neuron.utils.native_memory import release_free_heap
 from neuron.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from neuron.worker.failure import WorkerFailure, resolve_dtype, resolve_kv_dtype
 from neuron.worker.kv_pool import plan_kv_pool
@@ -84,6 +85,9 @@ class ModelRunner:
                 model.enable_lora(shard.max_loras, shard.max_lora_rank)
             if device.type == "cpu":
                 _load_cpu_kernels()
+                # the weights as read, which the layers copied into panels, went back to the C heap's
+                # free lists: give those pages back, or the rank holds up to a second copy's worth
+                release_free_heap()
             num_blocks = plan_kv_pool(model, shard, device, held_before, comm.rank)
             model.allocate(num_blocks, shard.block_size, shard.max_slots, shard.max_model_len)
             runner = cls(model, num_blocks, BlockTables(shard.max_slots, num_blocks, shard.block_size,
