@@ -67,9 +67,12 @@ def linear(owner, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def held(weight: quantized.Weight, kernels) -> quantized.Weight:
-    """How a layer holds its weight: an fp32 CPU one as panels where the kernels run (a layer's
-    `kernels.cpu_ops`), anything else as it is."""
-    return cpu_ops.PanelWeight(weight) if kernels.cpu_ops and cpu_ops.holds_as_panels(weight) else weight
+    """How a layer holds its weight: a 2-D fp32 CPU one as panels where the kernels run (a layer's
+    `kernels.cpu_ops`, the library built), anything else as it is."""
+    if (kernels.cpu_ops and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.is_cpu
+            and weight.dtype is torch.float32 and cpu_ops.library() is not None):
+        return cpu_ops.PanelWeight(weight)
+    return weight
 
 
 def padded_rows(rows: int) -> int:

@@ -147,12 +147,6 @@ class PanelWeight:
         return f"PanelWeight(shape={self.shape}, width={self.data.shape[2]})"
 
 
-def holds_as_panels(weight) -> bool:
-    """Whether a layer's weight is one `PanelWeight` takes: a 2-D fp32 CPU tensor, the library built."""
-    return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.is_cpu
-            and weight.dtype is torch.float32 and library() is not None)
-
-
 def panel_linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, k] (fp32, rows contiguous) times the panels' W transposed, plus bias [n]; any m."""
     m = x.shape[0]

@@ -309,11 +309,11 @@ class ParallelLMHead:
     def load(cls, r: Reader, name: str, vocab: int, shard: Shard, comm, dtype, device, kernels: Kernels,
              tied: VocabParallelEmbedding | None = None):
         """`tied`: the embedding whose rows (`name`'s, read alike) the head shares, held once."""
-        w = held(r.head_weight(tied.weight if tied is not None else _vocab_rows(r, name, vocab, shard, dtype, device)[0]),
-                 kernels)
-        if tied is not None and isinstance(w, PanelWeight):
-            tied.weight = w  # the embedding reads its rows from the head's panels: one copy
-        return cls(w, vocab, comm, kernels)
+        w = tied.weight if tied is not None else _vocab_rows(r, name, vocab, shard, dtype, device)[0]
+        head = cls(r.head_weight(w), vocab, comm, kernels)
+        if tied is not None and isinstance(head.weight, PanelWeight):
+            tied.weight = head.weight  # the embedding reads its rows from the head's panels: one copy
+        return head
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor | None:
         local = linear(self, h, self.weight)

@@ -5,7 +5,7 @@
 // headers, called through ctypes with data pointers and row strides (every last dimension is
 // contiguous; the Python side checks). -O3 -march=native vectorises the loops for the machine.
 //
-// The layers hold an fp32 weight as panels from load (held_panels, neuron_panel_linear), which take
+// The layers hold an fp32 weight as panels from load (neuron_panel_linear), which take
 // any number of rows. neuron_linear, below, multiplies a row-major weight (the layers' where they
 // hold one: the kernels switched off for them, a weight that is not fp32):
 //
@@ -97,7 +97,7 @@ void tiled_rows(const float* x, int64_t m, int64_t xs, const float* w, int64_t n
 // transposes, in L1/L2), and each output vector accumulates x[r][c] x panel[c] over c: RB rows of x
 // by PN outputs in 2 x RB accumulators, one broadcast of x and two panel loads per 2 x RB
 // multiply-adds, no sums across lanes. The copy costs about 4/m of the arithmetic; a weight held
-// as panels from load (held_panels, below: the layers' fp32 weights) skips it. Each output is summed
+// as panels from load (neuron_panel_linear: the layers' fp32 weights) skips it. Each output is summed
 // in input order, so it is not bit-equal to the tiles' sums below PANEL_ROWS rows.
 constexpr int PN = 2 * VL;
 // below this the copy costs more than the sums across lanes that it saves (docs/benchmarks.md)
@@ -213,9 +213,21 @@ void panel_tile(const float* x, int64_t xs, const float* panel, int64_t k, float
     }
 }
 
+// f(r, rb) for the rows [0, m) in tiles of near-equal size, at most RB rows each (64 rows in tiles
+// of 14: 12 + 13 + 13 + 13 + 13), rb the tile's row count as a compile-time constant.
+template <int RB, typename F>
+inline void row_tiles(int64_t m, F&& f) {
+    const int64_t tiles = (m + RB - 1) / RB;
+    for (int64_t t = 0, r = 0; t < tiles; ++t) {
+        const int64_t rows = (m - r) / (tiles - t);
+        with_count<RB>(rows, [&](auto rb) { f(r, rb); });
+        r += rows;
+    }
+}
+
 void panel_rows(const float* x, int64_t m, int64_t xs, const float* w, int64_t n, int64_t k, int64_t ws,
                const float* bias, float* y, int64_t ys, int threads) {
-    const int64_t panels = (n + PN - 1) / PN, row_tiles = (m + RB_PANEL - 1) / RB_PANEL;
+    const int64_t panels = (n + PN - 1) / PN;
 #pragma omp parallel num_threads(threads) if (m * n * k >= MIN_PARALLEL_LINEAR)
     {
         static thread_local std::vector<float> buffer;
@@ -225,16 +237,11 @@ void panel_rows(const float* x, int64_t m, int64_t xs, const float* w, int64_t n
         for (int64_t p = 0; p < panels; ++p) {
             const int64_t o = p * PN, cols = std::min<int64_t>(PN, n - o);
             pack_panel(w + o * ws, ws, cols, k, panel);
-            // the rows in tiles of near-equal size (64 rows: 12 + 13 + 13 + 13 + 13)
-            for (int64_t t = 0, r = 0; t < row_tiles; ++t) {
-                const int64_t rows = (m - r) / (row_tiles - t);
-                const float* ahead = t == 0 && o + 2 * PN <= n ? w + (o + PN) * ws : nullptr;
-                with_count<RB_PANEL>(rows, [&](auto rb) {
-                    panel_tile<decltype(rb)::value>(x + r * xs, xs, panel, k, y + r * ys + o, ys, cols,
-                                                    bias ? bias + o : nullptr, ahead, ws);
-                });
-                r += rows;
-            }
+            row_tiles<RB_PANEL>(m, [&](int64_t r, auto rb) {
+                const float* ahead = r == 0 && o + 2 * PN <= n ? w + (o + PN) * ws : nullptr;  // the first tile asks
+                panel_tile<decltype(rb)::value>(x + r * xs, xs, panel, k, y + r * ys + o, ys, cols,
+                                                bias ? bias + o : nullptr, ahead, ws);
+            });
         }
     }
 }
@@ -296,50 +303,23 @@ void panels_rows(const float* x, int64_t m, int64_t xs, const PanelLayout& w, in
                  const float* bias, float* y, int64_t ys) {
     const int64_t o = first * PN, k = w.k;
     const float* panel = w.data + first * k * PN;
+    const float* b = bias ? bias + o : nullptr;
     if (count == 2) {
-        const int64_t tiles = (m + RB_PAIR - 1) / RB_PAIR;
-        for (int64_t t = 0, r = 0; t < tiles; ++t) {
-            const int64_t rows = (m - r) / (tiles - t);
-            with_count<RB_PAIR>(rows, [&](auto rb) {
-                pair_tile<decltype(rb)::value>(x + r * xs, xs, panel, k, y + r * ys + o, ys, bias ? bias + o : nullptr);
-            });
-            r += rows;
-        }
+        row_tiles<RB_PAIR>(m, [&](int64_t r, auto rb) {
+            pair_tile<decltype(rb)::value>(x + r * xs, xs, panel, k, y + r * ys + o, ys, b);
+        });
         return;
     }
-    const int64_t cols = std::min<int64_t>(PN, w.n - o), tiles = (m + RB_PANEL - 1) / RB_PANEL;
+    const int64_t cols = std::min<int64_t>(PN, w.n - o);
     if (m < STREAM_ROWS) {
         with_count<STREAM_ROWS - 1>(m, [&](auto rb) {
-            panel_tile<decltype(rb)::value>(x, xs, panel, k, y + o, ys, cols, bias ? bias + o : nullptr, nullptr, 0,
-                                            panel + STREAM_AHEAD * PN);
+            panel_tile<decltype(rb)::value>(x, xs, panel, k, y + o, ys, cols, b, nullptr, 0, panel + STREAM_AHEAD * PN);
         });
         return;
     }
-    for (int64_t t = 0, r = 0; t < tiles; ++t) {
-        const int64_t rows = (m - r) / (tiles - t);
-        with_count<RB_PANEL>(rows, [&](auto rb) {
-            panel_tile<decltype(rb)::value>(x + r * xs, xs, panel, k, y + r * ys + o, ys, cols,
-                                            bias ? bias + o : nullptr, nullptr, 0);
-        });
-        r += rows;
-    }
-}
-
-void held_panels(const float* x, int64_t m, int64_t xs, const PanelLayout& w, const float* bias, float* y,
-                 int64_t ys, int threads) {
-    const int64_t n = w.n, k = w.k, panels = (n + PN - 1) / PN;
-    if (m <= 0) return;  // the tiles take 1 row and more
-    // units of two panels where there are rows enough, the last (a lone or partial panel) alone
-    const int64_t per = m >= PAIR_ROWS ? 2 : 1, full = n / PN, units = (panels + per - 1) / per;
-#pragma omp parallel for schedule(static) num_threads(threads) if (m * n * k >= MIN_PARALLEL_LINEAR)
-    for (int64_t u = 0; u < units; ++u) {
-        const int64_t first = u * per;
-        if (per == 2 && first + 2 <= full) {
-            panels_rows(x, m, xs, w, first, 2, bias, y, ys);
-        } else {
-            for (int64_t p = first; p < std::min(first + per, panels); ++p) panels_rows(x, m, xs, w, p, 1, bias, y, ys);
-        }
-    }
+    row_tiles<RB_PANEL>(m, [&](int64_t r, auto rb) {
+        panel_tile<decltype(rb)::value>(x + r * xs, xs, panel, k, y + r * ys + o, ys, cols, b, nullptr, 0);
+    });
 }
 
 // 1 / sqrt(mean(x^2) + eps) over one row.
@@ -405,9 +385,22 @@ void neuron_linear(const float* x, int64_t m, int64_t xs, const float* w, int64_
 
 // y[m, n] = x[m, k] W^T (+ bias) for a weight held as panels, any number of rows; the signature of
 // neuron_qlinear, so the C decoder loop calls it as it calls a quantized part.
-void neuron_panel_linear(const float* x, int64_t m, int64_t xs, const PanelLayout* w, const float* bias, float* y,
+void neuron_panel_linear(const float* x, int64_t m, int64_t xs, const PanelLayout* weight, const float* bias, float* y,
                          int64_t ys, int threads) {
-    held_panels(x, m, xs, *w, bias, y, ys, threads);
+    const PanelLayout& w = *weight;
+    const int64_t n = w.n, k = w.k, panels = (n + PN - 1) / PN;
+    if (m <= 0) return;  // the tiles take 1 row and more
+    // units of two panels where there are rows enough, the last (a lone or partial panel) alone
+    const int64_t per = m >= PAIR_ROWS ? 2 : 1, full = n / PN, units = (panels + per - 1) / per;
+#pragma omp parallel for schedule(static) num_threads(threads) if (m * n * k >= MIN_PARALLEL_LINEAR)
+    for (int64_t u = 0; u < units; ++u) {
+        const int64_t first = u * per;
+        if (per == 2 && first + 2 <= full) {
+            panels_rows(x, m, xs, w, first, 2, bias, y, ys);
+        } else {
+            for (int64_t p = first; p < std::min(first + per, panels); ++p) panels_rows(x, m, xs, w, p, 1, bias, y, ys);
+        }
+    }
 }
 
 // The outputs of the panels' layout: PN floats a panel.
