@@ -3,6 +3,7 @@ their PyTorch references: fp32 to summation order, on shapes with vector tails a
 on one thread and on several; the dispatch that routes CPU fp32 to them, and only that."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from neuron.layers.kernels import Kernels
 from neuron.layers.tensor_parallel import ColumnParallelLinear
 from neuron.models import build_model
 from neuron.models.loader import CheckpointReader, safetensors_files
+from neuron.utils import native_memory
 
 pytestmark = pytest.mark.skipif(cpu_ops.library() is None, reason="the CPU kernels could not be built here")
 
@@ -93,6 +95,35 @@ def test_a_row_through_panels_has_the_same_bits_in_any_batch():
         if m > 19:
             assert torch.equal(y[19:20], alone[1])
     assert torch.equal(cpu_ops.panel_linear(x, held, b)[299:], alone[2])
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the mappings' flags from Linux's /proc")
+def test_panels_lie_on_huge_pages_from_their_first_boundary():
+    """A weight of whole 2 MiB pages and a tail: the pages are advised for huge pages (smaps' `hg`),
+    the tail for small ones (`nh`), so a panel weight holds no more than its bytes; under 2 MiB it
+    is an ordinary tensor."""
+    huge = native_memory.HUGE_PAGE
+    w = torch.randn(1030, 1027)  # 4.2 MB: two huge pages and a tail
+    held = cpu_ops.PanelWeight(w)
+    start, nbytes = held.data.data_ptr(), held.data.numel() * 4
+    assert start % huge == 0 and torch.equal(held.dequantize(), w)
+    assert "hg" in _vm_flags(start) and "hg" in _vm_flags(start + huge)
+    assert "nh" in _vm_flags(start + nbytes // huge * huge) and "hg" not in _vm_flags(start + nbytes - 1)
+    small = native_memory.huge_page_tensor((1000, 100), torch.float32)
+    assert small.shape == (1000, 100) and "hg" not in _vm_flags(small.data_ptr())
 
 
 def test_panels_read_strided_rows_of_x_and_their_own_rows():

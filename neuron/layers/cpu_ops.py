@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from neuron.utils import native
+from neuron.utils.native_memory import huge_page_tensor
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 # the most rows the kernel takes: up to here it is level with oneDNN on the 191M model's shapes and
@@ -111,7 +112,8 @@ class PanelWeight:
         width = int(library().neuron_panel_width())
         panels = -(-n // width)
         padded = weight if panels * width == n else torch.cat((weight, weight.new_zeros(panels * width - n, k)))
-        self.data = padded.reshape(panels, width, k).transpose(1, 2).contiguous()
+        self.data = huge_page_tensor((panels, k, width), torch.float32)
+        self.data.copy_(padded.reshape(panels, width, k).transpose(1, 2))
         self.n = n
         self.layout = _PanelLayout(self.data.data_ptr(), n, k)
 
