@@ -97,6 +97,26 @@ def test_a_row_through_panels_has_the_same_bits_in_any_batch():
     assert torch.equal(cpu_ops.panel_linear(x, held, b)[299:], alone[2])
 
 
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_threads_share_units_of_panels_by_rows_with_the_same_bits(threads):
+    """From 8 rows each thread takes an equal share of the (unit of two panels) x rows: 9 units of
+    64 rows on 2 threads split the fifth unit's rows between them. Every thread count gives the
+    one-thread bits, and the product is right."""
+    gen = _gen(threads)
+    w, b = torch.randn(576, 1536, generator=gen), torch.randn(576, generator=gen)  # 9 units on AVX-512
+    held, x = cpu_ops.PanelWeight(w), torch.randn(64, 1536, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [cpu_ops.panel_linear(x[:m], held, b) for m in (8, 13, 64)]
+        torch.set_num_threads(threads)
+        for m, want in zip((8, 13, 64), one):
+            assert torch.equal(cpu_ops.panel_linear(x[:m], held, b), want)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(one[-1], F.linear(x, w, b), atol=1e-3, rtol=1e-4)
+
+
 def _vm_flags(address: int) -> list[str]:
     """The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps)."""
     inside = False

@@ -383,22 +383,48 @@ void neuron_linear(const float* x, int64_t m, int64_t xs, const float* w, int64_
     }
 }
 
+// Rows [r0, r0 + rows) of x times unit u of the panels: two panels where there are rows enough (per 2),
+// else one; the last unit (a lone or partial panel) goes one panel at a time.
+inline void panel_unit(const float* x, int64_t xs, const PanelLayout& w, int64_t u, int64_t per, int64_t r0,
+                       int64_t rows, const float* bias, float* y, int64_t ys) {
+    const int64_t first = u * per, panels = (w.n + PN - 1) / PN;
+    x += r0 * xs;
+    y += r0 * ys;
+    if (per == 2 && first + 2 <= w.n / PN) {
+        panels_rows(x, rows, xs, w, first, 2, bias, y, ys);
+    } else {
+        for (int64_t p = first; p < std::min(first + per, panels); ++p) panels_rows(x, rows, xs, w, p, 1, bias, y, ys);
+    }
+}
+
 // y[m, n] = x[m, k] W^T (+ bias) for a weight held as panels, any number of rows; the signature of
 // neuron_qlinear, so the C decoder loop calls it as it calls a quantized part.
+//
+// Where the arithmetic binds (two panels at a time), each thread takes an equal share of units x
+// rows, in that order: a weight of 9 units on two threads is 4.5 units each, the middle one's rows
+// split between them, where a split by whole units gave one thread 5 and the other 4 (SmolLM2's
+// o and down projections, a third of its layers' products, waited a ninth of their time at every
+// step of many rows). Each output is still one sum in input order, so a row's bits do not change.
+// Below that, each thread streams whole units: a unit read by both would cost its bytes twice.
 void neuron_panel_linear(const float* x, int64_t m, int64_t xs, const PanelLayout* weight, const float* bias, float* y,
                          int64_t ys, int threads) {
     const PanelLayout& w = *weight;
     const int64_t n = w.n, k = w.k, panels = (n + PN - 1) / PN;
     if (m <= 0) return;  // the tiles take 1 row and more
-    // units of two panels where there are rows enough, the last (a lone or partial panel) alone
-    const int64_t per = m >= PAIR_ROWS ? 2 : 1, full = n / PN, units = (panels + per - 1) / per;
-#pragma omp parallel for schedule(static) num_threads(threads) if (m * n * k >= MIN_PARALLEL_LINEAR)
-    for (int64_t u = 0; u < units; ++u) {
-        const int64_t first = u * per;
-        if (per == 2 && first + 2 <= full) {
-            panels_rows(x, m, xs, w, first, 2, bias, y, ys);
-        } else {
-            for (int64_t p = first; p < std::min(first + per, panels); ++p) panels_rows(x, m, xs, w, p, 1, bias, y, ys);
+    const int64_t per = m >= PAIR_ROWS ? 2 : 1, units = (panels + per - 1) / per;
+    const bool parallel = m * n * k >= MIN_PARALLEL_LINEAR;
+    if (per == 1 || !parallel) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+        for (int64_t u = 0; u < units; ++u) panel_unit(x, xs, w, u, per, 0, m, bias, y, ys);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t team = omp_get_num_threads(), t = omp_get_thread_num(), total = units * m;
+        for (int64_t at = total * t / team, end = total * (t + 1) / team; at < end;) {
+            const int64_t u = at / m, r0 = at % m, rows = std::min(m - r0, end - at);
+            panel_unit(x, xs, w, u, per, r0, rows, bias, y, ys);
+            at += rows;
         }
     }
 }
