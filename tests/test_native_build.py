@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from neuron.layers import cpu_attention
+from neuron.layers import cpu_attention, cpu_ops
 from neuron.layers.kernels import Kernels
 from neuron.layers.paged_attention import attend, build_metadata, paged_attention_reference
 from neuron.utils import native
@@ -166,6 +166,46 @@ def test_the_attention_kernel_keeps_its_prefetches():
     code = subprocess.run(["objdump", "-d", str(native.build(cpu_attention.SOURCE))], capture_output=True,
                           text=True, check=True).stdout
     assert code.count("prefetcht0") >= 4
+
+
+def _avx2_assembly(source: Path) -> str:
+    """`source` compiled as the library is, for a CPU without AVX-512, to assembly."""
+    flags = [f for f in native.FLAGS if f != "-shared"]
+    return subprocess.run([native.compiler(), *flags, "-mno-avx512f", "-S", "-o", "-", str(source)],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def _function(assembly: str, prefix: str) -> list[list[str]]:
+    """The basic blocks (lines from one label to the next) of the first function whose symbol
+    starts with `prefix`."""
+    lines = assembly.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(prefix) and line.endswith(":")), None)
+    assert start is not None, f"no function {prefix}... in the assembly"
+    end = next(i for i in range(start, len(lines)) if ".cfi_endproc" in lines[i])
+    blocks: list[list[str]] = [[]]
+    for line in lines[start:end]:
+        if line.startswith(".L") and line.endswith(":"):
+            blocks.append([])
+        blocks[-1].append(line)
+    return blocks
+
+
+@needs_compiler
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="reads x86 instructions")
+def test_an_avx2_build_keeps_its_hot_loops_in_vector_registers():
+    """Built without AVX-512 (16 vector registers), two loops once ran far below the FMA peak: the
+    panels' many-row tile kept its accumulators on the stack (the read-ahead's tests inside the loop
+    left no room), and the softmax's exponentials ran one lane at a time (GCC did not vectorise the
+    scalar 2^x's selects). Each is checked in the assembly: the tile's loop touches no stack slot,
+    and the blocked softmax converts whole vectors to integers."""
+    ops = _function(_avx2_assembly(cpu_ops.SOURCE), "_ZN12_GLOBAL__N_110panel_loopILi6ELb0ELb0E")
+    block = max(ops, key=lambda block: sum("vfmadd" in line for line in block))
+    loop = block[: next(i for i, line in enumerate(block) if line.startswith("\tj")) + 1]  # to its branch back
+    assert sum("vfmadd" in line for line in loop) == 12  # 6 rows x 2 vectors of the panel
+    assert not [line for line in loop if "(%rsp)" in line or "(%rbp)" in line]
+    attention = _function(_avx2_assembly(cpu_attention.SOURCE),
+                          "_ZN12_GLOBAL__N_119attend_item_blockedIffLi64E")
+    assert any("vcvttps2dq" in line and "%ymm" in line for block in attention for line in block)
 
 
 @pytest.fixture

@@ -242,7 +242,7 @@ def narrower_runs(tmp_path_factory):
                                  str(Path(__file__).parent / "test_cpu_ops.py"), "-k",
                                  "bound_of or rounded_activations or fp16_factors or rows_of or stacked or declined "
                                  "or 16_bit_pool or linear_matches or strided_rows or held_as_panels "
-                                 "or same_bits_in_any_batch"], env=env,
+                                 "or same_bits_in_any_batch or share_units"], env=env,
                                 cwd=Path(__file__).parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         runs[name] = (proc, root)
     yield runs

@@ -361,12 +361,12 @@ void accumulate(const Args& a, int64_t rows, int nn, const TV* const* vrows, con
         }
         const float m_new = std::max(w.m[r], tile_max);
         const float alpha = w.m[r] == NEG_INF ? 0.0f : exp2_neg(w.m[r] - m_new);
+        int n = 0;
+        for (; n + VL <= nn; n += VL) vstore(s + n, exp2_neg_v(vload(s + n) - m_new));
+        for (; n < nn; ++n) s[n] = exp2_neg(s[n] - m_new);
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int n = 0; n < nn; ++n) {
-            s[n] = exp2_neg(s[n] - m_new);
-            sum += s[n];
-        }
+        for (int j = 0; j < nn; ++j) sum += s[j];
         w.alpha[r] = alpha;
         w.l[r] = w.l[r] * alpha + sum;
         w.m[r] = m_new;
@@ -549,33 +549,28 @@ void block_scores(int64_t rp, int64_t group, int64_t first_pos, int64_t n0, int 
 // which each row's accumulator and sum shrink for the new maximum.
 inline void block_softmax(int64_t rp, int nn, Scratch& w) {
     float* __restrict s = w.s.data();
-    float* __restrict m = w.m.data();
-    float* __restrict l = w.l.data();
-    float* __restrict alpha = w.alpha.data();
-    float* __restrict shift = w.shift.data();
-#pragma omp simd
-    for (int64_t r = 0; r < rp; ++r) shift[r] = s[r];
-    for (int n = 1; n < nn; ++n) {
-#pragma omp simd
-        for (int64_t r = 0; r < rp; ++r) shift[r] = std::max(shift[r], s[n * rp + r]);
-    }
-#pragma omp simd
-    for (int64_t r = 0; r < rp; ++r) {
-        // a row that has seen no key yet (every one so far masked) keeps m = -inf and p = 0
-        const float m_new = std::max(m[r], shift[r]);
-        const bool none = m_new == NEG_INF;
-        alpha[r] = none ? 1.0f : exp2_neg(m[r] - m_new);
-        shift[r] = none ? 0.0f : m_new;
-        m[r] = m_new;
-        l[r] *= alpha[r];
-    }
-    for (int n = 0; n < nn; ++n) {
-#pragma omp simd
-        for (int64_t r = 0; r < rp; ++r) {
-            const float p = exp2_neg(s[n * rp + r] - shift[r]);
-            s[n * rp + r] = p;
-            l[r] += p;
+    const vecf neg_inf = vecf{} + NEG_INF, one = vecf{} + 1.0f;
+    for (int64_t r = 0; r < rp; r += VL) {  // rp: whole vectors of rows
+        vecf shift = vload(s + r);
+        for (int n = 1; n < nn; ++n) {
+            const vecf v = vload(s + n * rp + r);
+            shift = shift < v ? v : shift;
         }
+        // a row that has seen no key yet (every one so far masked) keeps m = -inf and p = 0
+        const vecf m = vload(&w.m[r]);
+        const vecf m_new = m < shift ? shift : m;
+        const auto none = m_new == neg_inf;
+        const vecf alpha = none ? one : exp2_neg_v(m - m_new);
+        shift = none ? vecf{} : m_new;
+        vstore(&w.alpha[r], alpha);
+        vstore(&w.m[r], m_new);
+        vecf l = vload(&w.l[r]) * alpha;
+        for (int n = 0; n < nn; ++n) {
+            const vecf p = exp2_neg_v(vload(s + n * rp + r) - shift);
+            vstore(s + n * rp + r, p);
+            l += p;
+        }
+        vstore(&w.l[r], l);
     }
 }
 
