@@ -105,7 +105,7 @@ inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; 
 // Per-thread scratch, sized at each call for its largest item (its rows padded to VL). The
 // blocked path keeps its queries transposed in q and its probabilities as s[key][row].
 struct Scratch {
-    std::vector<float> q, acc, k, v, s, m, l, alpha, shift, zero;
+    std::vector<float> q, acc, k, v, s, m, l, alpha, zero;
     void size_for(int64_t rows, int64_t dim) {
         rows = round_up(rows, VL);
         q.resize(rows * dim);
@@ -116,7 +116,6 @@ struct Scratch {
         m.resize(rows);
         l.resize(rows);
         alpha.resize(rows);
-        shift.resize(rows);
         zero.assign(dim, 0.0f);
     }
 };
