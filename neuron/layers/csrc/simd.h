@@ -79,6 +79,19 @@ inline uint16_t bf16_bits(float x) {
     return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// 2^f for f in [-0.5, 0.5], a float or a vector of them: the degree-6 polynomial of exp2_neg and
+// exp2_neg_v, one copy so that the two give the same bits.
+template <typename T>
+inline T exp2_fraction(T f) {
+    T p = T{} + 1.5353362e-4f;
+    p = p * f + 1.3398874e-3f;
+    p = p * f + 9.6184355e-3f;
+    p = p * f + 5.5503366e-2f;
+    p = p * f + 2.4022648e-1f;
+    p = p * f + 6.9314718e-1f;
+    return p * f + 1.0f;
+}
+
 // 2^x for x <= 0 (softmax exponents, already in base 2), vectorisable: split x into an integer n
 // and a fraction f in [-0.5, 0.5], a degree-6 polynomial for 2^f (relative error ~2e-7), and n
 // added to the float's exponent. Below -126 (a masked key's -inf included) the result is 0: a
@@ -88,13 +101,7 @@ inline float exp2_neg(float x_in) {
     const float x = std::max(x_in, -126.0f);
     float n = std::nearbyint(x);
     float f = x - n;
-    float p = 1.5353362e-4f;
-    p = p * f + 1.3398874e-3f;
-    p = p * f + 9.6184355e-3f;
-    p = p * f + 5.5503366e-2f;
-    p = p * f + 2.4022648e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
+    float p = exp2_fraction(f);
     int32_t bits;
     std::memcpy(&bits, &p, 4);
     bits += int32_t(n) << 23;
@@ -114,13 +121,7 @@ inline vecf exp2_neg_v(vecf x_in) {
     const vecf round = vecf{} + 12582912.0f;
     const vecf n = (x + round) - round;
     const vecf f = x - n;
-    vecf p = vecf{} + 1.5353362e-4f;
-    p = p * f + 1.3398874e-3f;
-    p = p * f + 9.6184355e-3f;
-    p = p * f + 5.5503366e-2f;
-    p = p * f + 2.4022648e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
+    const vecf p = exp2_fraction(f);
     const veci bits = reinterpret_cast<veci>(p) + (__builtin_convertvector(n, veci) << 23);
     return x_in < lowest ? vecf{} : reinterpret_cast<vecf>(bits);
 }
