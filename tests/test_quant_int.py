@@ -94,6 +94,41 @@ def test_integer_kernel_is_within_the_bound_of_dequantize_then_matmul(kind, k, r
     assert _nmse(quantized.linear(EXACT, x, w, bias), ref) <= 1e-12  # the exact kernel, for contrast
 
 
+# Row counts past the kernels' (MAX_KERNEL_ROWS): tiles of 6 rows with a ragged end, one thread's
+# share of units x rows ending inside a unit, a prefill chunk.
+MANY_ROWS = [33, 61, 200]
+
+
+@pytest.mark.parametrize("kind", ["int8", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS", "g128"])
+@pytest.mark.parametrize("rows", MANY_ROWS)
+def test_a_step_of_many_rows_dequantizes_panels_inside_the_product(kind, rows, monkeypatch):
+    """Past MAX_KERNEL_ROWS a quantized product runs `neuron_qlinear_panels`: W dequantized two panels
+    at a time as `neuron_qrows` dequantizes it, so the sums are dequantize-then-matmul's up to their
+    order, with fp16 factors or fp32 ones, a bias, 67 outputs (a unit and a ragged panel) and any
+    number of threads (each output is one sum in input order wherever its rows fall)."""
+    w = _weight(kind, OUTPUTS, 384 if kind == "g128" else 512)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, w.k, generator=g)
+    bias = torch.randn(OUTPUTS, generator=g) * 0.1
+    calls = []
+    lib = cpu_ops.library()
+    real = lib.neuron_qlinear_panels
+    monkeypatch.setattr(lib, "neuron_qlinear_panels", lambda *a: (calls.append(a[1]), real(*a))[1])
+    ref = torch.nn.functional.linear(x.double(), w.dequantize().double(), bias.double())
+    got = quantized.linear(INTEGER, x, w, bias)
+    assert calls == [rows], "the step did not take the panels' product"
+    assert got.shape == (rows, OUTPUTS) and _nmse(got, ref) <= 1e-12
+    exact = torch.nn.functional.linear(x, w.dequantize(), bias)
+    torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5)
+    if w.scale.dtype is torch.float16:
+        wide = dataclasses.replace(w, scale=w.scale.float(), offset=None if w.offset is None else w.offset.float())
+        assert torch.equal(quantized.linear(INTEGER, x, wide, bias), got)
+    for threads in (1, 3):
+        y = torch.empty_like(got)
+        real(x.data_ptr(), rows, x.stride(0), ctypes.byref(w.layout), bias.data_ptr(), y.data_ptr(), y.stride(0), threads)
+        assert torch.equal(y, got)
+
+
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_fp16_factors_are_kept_and_read_as_their_fp32_values(kind, rows):
@@ -242,7 +277,7 @@ def narrower_runs(tmp_path_factory):
                                  str(Path(__file__).parent / "test_cpu_ops.py"), "-k",
                                  "bound_of or rounded_activations or fp16_factors or rows_of or stacked or declined "
                                  "or 16_bit_pool or linear_matches or strided_rows or held_as_panels "
-                                 "or same_bits_in_any_batch or share_units"], env=env,
+                                 "or same_bits_in_any_batch or share_units or many_rows"], env=env,
                                 cwd=Path(__file__).parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         runs[name] = (proc, root)
     yield runs

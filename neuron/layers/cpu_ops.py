@@ -47,6 +47,7 @@ _SIGNATURES = {
     "neuron_qlinear_int": [_P, _I, _I, _P, _P, _P, _I, ctypes.c_int],  # quantized.py
     "neuron_qlinear_int_stack": [_P, _I, _I, _P, _I, _P, _I, ctypes.c_int],  # cpu_decoder.py
     "neuron_qrows": [_P, _P, _I, _P, _I],  # quantized.py
+    "neuron_qlinear_panels": [_P, _I, _I, _P, _P, _P, _I, ctypes.c_int],  # quantized.py
     "neuron_greedy": [_P, _I, _I, _I, _P],
     "neuron_panel_linear": [_P, _I, _I, _P, _P, _P, _I, ctypes.c_int],
     "neuron_panel_width": [],

@@ -21,10 +21,13 @@ A CPU step of up to MAX_KERNEL_ROWS rows multiplies through neuron's C++ kernels
 (csrc/qlinear_int.h), which rounds the activations to int8 per 32 inputs and multiplies integers
 (within a stated error of the reference, tests/test_quant_int.py); for FP8 codes, or everywhere
 with NEURON_QUANT_EXACT, `neuron_qlinear` (csrc/cpu_ops.cpp), which widens and scales each weight
-vector to fp32 as it streams past (the reference's sums up to their order). A CUDA step goes
-through the Triton kernel (triton_quant.py) once the start-up self-check passed it; every other
-case (more rows, NEURON_NO_QUANT_KERNELS, a kernel the self-check failed) dequantizes and
-multiplies, the reference the kernels are checked against.
+vector to fp32 as it streams past (the reference's sums up to their order). A CPU step of more
+rows (a prefill) runs `neuron_qlinear_panels`, which dequantizes W two panels of outputs at a time
+into a per-thread buffer and multiplies them there as fp32 weights are multiplied
+(`cpu_ops.PanelWeight`). A CUDA step goes through the Triton kernel (triton_quant.py) once the
+start-up self-check passed it; every other case (FP8 or gathered codes past MAX_KERNEL_ROWS,
+NEURON_NO_QUANT_KERNELS, a kernel the self-check failed) dequantizes and multiplies, the reference
+the kernels are checked against.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ from neuron.layers import cpu_ops
 from neuron.layers.kernels import Kernels
 from neuron.layers.paged_attention import HAS_TRITON
 
-# Rows of x up to which the kernel runs; above, dequantizing the weight once and handing the product
-# to the dense path costs less than the kernel's fp32 arithmetic (docs/benchmarks.md).
+# Rows of x up to which the kernel runs; above, the arithmetic binds and the weight is dequantized
+# into fp32 panels inside the product (`neuron_qlinear_panels`, docs/benchmarks.md).
 MAX_KERNEL_ROWS = 32
 MAX_PER_SUPER = 16  # csrc/cpu_ops.cpp's MAX_PER_SUPER
 
@@ -270,6 +273,16 @@ def _kernel_takes(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight, bias: t
     return _weight_takes(w) and cpu_ops.takes(x, *([bias] if bias is not None else []))
 
 
+def _panels_take(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> bool:
+    """Whether a step of more rows than the kernels take multiplies W by `neuron_qlinear_panels`
+    (dequantized two panels at a time inside the product, each thread into a buffer of its own),
+    rather than by dequantizing all of W and multiplying in torch: integer codes in a layout the
+    kernels take, in stored order (FP8 codes keep the reference)."""
+    if not (kernels.quant_kernels and kernels.cpu_ops) or x.dim() != 2 or x.shape[0] <= MAX_KERNEL_ROWS:
+        return False
+    return w.rows_layout() and cpu_ops.takes(x, *([bias] if bias is not None else []))
+
+
 def _weight_takes(w: QuantizedWeight) -> bool:
     """Whether the CPU kernels take W's layout: whole groups (of 16 inputs, 32 for 4-bit codes), a
     power-of-two number of groups per super-block that the kernel's buffer holds, fp32 factors or
@@ -341,6 +354,8 @@ def linear(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight | StackedWeight
     half = x.dtype in (torch.bfloat16, torch.float16) and x.is_cpu
     xk, bk = (x.float(), None if bias is None else bias.float()) if half else (x, bias)
     chosen = cpu_kernel(kernels, w, xk.shape[0]) if _kernel_takes(kernels, xk, w, bk) else None
+    if chosen is None and _panels_take(kernels, xk, w, bk):
+        chosen = cpu_ops.library().neuron_qlinear_panels, w.layout
     if chosen is not None:
         kernel, layout = chosen
         m = xk.shape[0]

@@ -818,6 +818,47 @@ void qlinear(const float* x, int64_t m, int64_t xs, const QuantizedWeight& w, co
     }
 }
 
+// Weight rows [o, o + outputs) of W (outputs <= 2 PN; integer codes) dequantized as neuron_qrows
+// dequantizes them, into panels[p][c][j] = W[o + p PN + j][c], rows past `outputs` zero: VL rows by
+// VL inputs at a time, widened and scaled a row's vector at a time, then transposed.
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+void dequantize_panels(const QuantizedWeight& w, int64_t o, int64_t outputs, float* panels) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    const int64_t k = w.k;
+    const int shift = __builtin_ctz(unsigned(w.per_super));
+    alignas(64) float block[VL * VL];
+    for (int64_t j0 = 0; j0 < 2 * PN; j0 += VL) {
+        float* panel = panels + (j0 / PN) * k * PN + j0 % PN;
+        for (int64_t c0 = 0; c0 < k; c0 += VL) {
+            const int64_t g = c0 / w.group, top = g >> shift;
+            for (int i = 0; i < VL; ++i) {
+                const int64_t row = o + j0 + i;
+                if (j0 + i >= outputs) {
+                    vstore(block + i * VL, vecf{});
+                    continue;
+                }
+                const uint8_t* codes = w.codes + row * w.code_stride;
+                // 4-bit: 32 inputs in 16 bytes, the first 16 in the low nibbles
+                const vecf q = w.bits != 4          ? widen_i8(codes + c0)
+                               : (c0 & 31) < 16 ? widen_u4<false>(codes + (c0 >> 5) * 16 + (c0 & 15))
+                                                : widen_u4<true>(codes + (c0 >> 5) * 16 + (c0 & 15));
+                const float s = group_factor(w.scale, w.half_factors, w.scale_stride, w.scale_sub,
+                                             w.scale_sub_stride, row, g, top);
+                vecf v = q * s;
+                if (w.offset)
+                    v = v - group_factor(w.offset, w.half_factors, w.offset_stride, w.offset_sub, w.offset_sub_stride,
+                                         row, g, top);
+                vstore(block + i * VL, v);
+            }
+            transpose_block(block, VL, panel + c0 * PN, PN);
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -876,6 +917,43 @@ int neuron_qrows(const QuantizedWeight* w, const int64_t* ids, int64_t m, float*
         }
     }
     return 0;
+}
+
+// A step of many rows (a prefill) times W: each thread dequantizes W two panels (2 PN weight rows)
+// at a time into a buffer of its own, laid out as neuron_panel_linear's panels, and multiplies every
+// row of its share into it there, while the buffer is in its cache. Dequantizing the whole weight
+// per call and handing it to torch's matmul cost a quantized model's prefill half the speed of the
+// same model in fp32. The weights are those of neuron_qrows (code x scale - offset, each rounded),
+// so the sums are dequantize-then-matmul's up to their order, as neuron_panel_linear's are.
+void neuron_qlinear_panels(const float* x, int64_t m, int64_t xs, const QuantizedWeight* weight, const float* bias,
+                           float* y, int64_t ys, int threads) {
+    const QuantizedWeight& w = *weight;
+    const int64_t n = w.n, k = w.k, units = (n + 2 * PN - 1) / (2 * PN);
+    if (m <= 0) return;
+#pragma omp parallel num_threads(threads) if (m * n * k >= MIN_PARALLEL_LINEAR)
+    {
+        static thread_local std::vector<float> buffer;
+        if (int64_t(buffer.size()) < 2 * PN * k) buffer.resize(2 * PN * k);
+        const int64_t team = omp_get_num_threads(), t = omp_get_thread_num(), total = units * m;
+        int64_t held = -1;  // the unit in the buffer
+        for (int64_t at = total * t / team, end = total * (t + 1) / team; at < end;) {
+            const int64_t u = at / m, r0 = at % m, rows = std::min(m - r0, end - at);
+            const int64_t o = u * 2 * PN, outputs = std::min<int64_t>(2 * PN, n - o);
+            if (u != held) {
+                dequantize_panels(w, o, outputs, buffer.data());
+                held = u;
+            }
+            const PanelLayout unit{buffer.data(), outputs, k};
+            const float* b = bias ? bias + o : nullptr;
+            if (outputs == 2 * PN && rows >= PAIR_ROWS) {  // as neuron_panel_linear pairs them (never on AVX2)
+                panels_rows(x + r0 * xs, rows, xs, unit, 0, 2, b, y + r0 * ys + o, ys);
+            } else {
+                for (int64_t p = 0; p * PN < outputs; ++p)
+                    panels_rows(x + r0 * xs, rows, xs, unit, p, 1, b, y + r0 * ys + o, ys);
+            }
+            at += rows;
+        }
+    }
 }
 
 }  // extern "C"
