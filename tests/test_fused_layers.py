@@ -19,7 +19,7 @@ from neuron.distributed.shm import CommFailure
 from neuron.layers import cpu_decoder, cpu_ops
 from neuron.layers.kernels import Kernels
 from neuron.layers.paged_attention import build_metadata
-from neuron.layers.quantized import QuantizedWeight, StackedWeight, pack_nibbles, quantize_int8
+from neuron.layers.quantized import QuantizedWeight, StackedWeight, pack_nibbles, quantize_fp8, quantize_int8
 from neuron.models import build_model
 from neuron.models.loader import CheckpointReader, safetensors_files
 from neuron.step import SeqStep
@@ -99,8 +99,8 @@ def _blocks(slot: int) -> list[int]:
 
 def _same_steps(fused: ModelRunner, layered: ModelRunner) -> None:
     """Prefill a lone prompt, then two more in one step (10 rows: the C loop), then one of
-    MAX_ROWS + 6 rows (the Python layers) and one of 40 (the C loop with dense projections, the
-    Python layers with quantized ones); decode batches of 3, 1 and 2 across block boundaries: equal
+    MAX_ROWS + 6 rows (the Python layers) and one of 40 (the C loop, quantized parts past the
+    kernels' 32 rows through the panels); decode batches of 3, 1 and 2 across block boundaries: equal
     logits at every step and equal KV pools at the end."""
     prompts = {0: [5, 17, 200, 3], 1: list(range(10, 16)), 2: [7] * 4,
                3: list(range(30, 36 + cpu_decoder.MAX_ROWS)), 4: list(range(100, 140))}
@@ -125,8 +125,9 @@ def _same_steps(fused: ModelRunner, layered: ModelRunner) -> None:
 # ids to their logits in C
 DECODES = [3, 3, 3, 1, 1, 1, 2, 2, 2, 3, 3, 3, 1, 1, 1]
 FUSED_STEPS = [4, 10, 40] + [(n, "tokens") for n in DECODES]
-# a plan with quantized projections takes steps of up to quantized.MAX_KERNEL_ROWS rows (32)
-QUANTIZED_STEPS = [4, 10] + [(n, "tokens") for n in DECODES]
+# a plan with quantized projections takes the 40-row step too: past quantized.MAX_KERNEL_ROWS its
+# parts go through neuron_qlinear_panels, as quantized.linear sends them
+QUANTIZED_STEPS = FUSED_STEPS
 
 
 def test_one_call_equals_the_python_layers(fused_checkpoint, fused_steps):
@@ -213,6 +214,16 @@ def test_quantized_projections_in_one_call_equal_the_python_layers(fused_checkpo
     assert [bool(w.gate_up.stack) for w in weights] == [not exact and layout == "4-bit parts"] * len(weights)
     _same_steps(fused, layered)
     assert fused_steps == QUANTIZED_STEPS
+
+
+def test_a_plan_takes_many_rows_where_the_panels_take_every_quantized_part():
+    """Steps of up to MAX_ROWS for integer codes (past 32 rows through neuron_qlinear_panels), of up
+    to the kernels' 32 where a part is FP8, whose codes the panels do not dequantize."""
+    w = torch.randn(64, 128)
+    four_bit = cpu_decoder._parts(FUSED, _four_bit(w), 64, 128)
+    assert [bool(p.many) for p in four_bit] == [True] and cpu_decoder._rows_for(four_bit) == cpu_decoder.MAX_ROWS
+    fp8 = cpu_decoder._parts(FUSED, quantize_fp8(w), 64, 128)
+    assert [bool(p.many) for p in fp8] == [False] and cpu_decoder._rows_for(four_bit + fp8) == 32
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

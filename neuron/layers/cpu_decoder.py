@@ -42,9 +42,10 @@ _KERNELS = ("linear", "rms_norm", "add_rms_norm", "norm_rope", "silu_mul", "atte
 _INPUT_OUT_OF_RANGE = 101  # csrc/cpu_decoder.cpp: a token id or position outside its table
 # The most rows a step run here may have: a decode batch of up to 64 sequences (the offline
 # benchmarks' batch; the loop's host time is paid once a step instead of once a layer). The
-# scratch holds that many rows of every activation. A plan with a quantized projection takes at
-# most quantized.MAX_KERNEL_ROWS, the rows its kernels take in the Python layers too (more rows
-# dequantize there).
+# scratch holds that many rows of every activation. A quantized part is multiplied by the kernel
+# the Python layer calls for it up to quantized.MAX_KERNEL_ROWS, and past them by
+# `neuron_qlinear_panels` where that takes it, as quantized.linear does; a plan with a quantized
+# part the panels do not take (FP8 codes) stops at MAX_KERNEL_ROWS.
 MAX_ROWS = 64
 _QUANTIZED_ROWS = min(MAX_ROWS, quantized.MAX_KERNEL_ROWS)
 _SCRATCH = ("h", "qkv", "q", "k", "attn", "o", "mid", "gate_up", "act", "down", "lora_u")
@@ -52,7 +53,7 @@ _SCRATCH = ("h", "qkv", "q", "k", "attn", "o", "mid", "gate_up", "act", "down", 
 
 class _Part(ctypes.Structure):
     _fields_ = [("dense", ctypes.c_void_p), ("layout", ctypes.c_void_p), ("qlinear", ctypes.c_void_p),
-                ("rows", ctypes.c_int64)]
+                ("rows", ctypes.c_int64), ("many", ctypes.c_void_p), ("few", ctypes.c_int64)]
 
 
 class _Projection(ctypes.Structure):
@@ -152,15 +153,17 @@ def _parts(kernels: Kernels, w, rows: int, inputs: int) -> list[_Part] | None:
         if chosen is None:
             return None
         kernel, layout = chosen
-        parts.append(_Part(None, ctypes.addressof(layout), _address(kernel), q.shape[0]))
+        many = _address(cpu_ops.library().neuron_qlinear_panels) if quantized.panels_take(kernels, q) else None
+        parts.append(_Part(None, ctypes.addressof(layout), _address(kernel), q.shape[0], many,
+                           quantized.MAX_KERNEL_ROWS))
     return parts if sum(p.rows for p in parts) == rows else None
 
 
 def _rows_for(parts) -> int:
     """The most rows of a step these parts are multiplied for in the C loop (MAX_ROWS)."""
     panels = _address(cpu_ops.library().neuron_panel_linear)
-    quantized_part = any(p.layout and p.qlinear != panels for p in parts)
-    return _QUANTIZED_ROWS if quantized_part else MAX_ROWS
+    limited = any(p.layout and p.qlinear != panels and not p.many for p in parts)
+    return _QUANTIZED_ROWS if limited else MAX_ROWS
 
 
 def _takes_layer(w: LayerWeights, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int) -> bool:

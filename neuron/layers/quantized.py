@@ -278,9 +278,14 @@ def _panels_take(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight, bias: to
     (dequantized two panels at a time inside the product, each thread into a buffer of its own),
     rather than by dequantizing all of W and multiplying in torch: integer codes in a layout the
     kernels take, in stored order (FP8 codes keep the reference)."""
-    if not (kernels.quant_kernels and kernels.cpu_ops) or x.dim() != 2 or x.shape[0] <= MAX_KERNEL_ROWS:
+    if x.dim() != 2 or x.shape[0] <= MAX_KERNEL_ROWS:
         return False
-    return w.rows_layout() and cpu_ops.takes(x, *([bias] if bias is not None else []))
+    return panels_take(kernels, w) and cpu_ops.takes(x, *([bias] if bias is not None else []))
+
+
+def panels_take(kernels: Kernels, w: QuantizedWeight) -> bool:
+    """Whether `neuron_qlinear_panels` multiplies W in a step of many rows (cpu_decoder.py asks too)."""
+    return kernels.quant_kernels and kernels.cpu_ops and w.rows_layout()
 
 
 def _weight_takes(w: QuantizedWeight) -> bool:

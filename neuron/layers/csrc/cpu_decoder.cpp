@@ -45,12 +45,14 @@ typedef int (*QStackFn)(const float*, int64_t, int64_t, const void* const*, int6
 }
 
 // One part of a projection's weight: `rows` outputs, fp32 [rows, in] (`dense`) or a quantized
-// layout multiplied by `qlinear`.
+// layout multiplied by `qlinear`, and by `many` (nullable) in a step of more than `few` rows.
 struct Part {
     const float* dense;
     const void* layout;
     QLinearFn qlinear;
     int64_t rows;
+    QLinearFn many;
+    int64_t few;
 };
 
 // A projection: its parts' outputs side by side, then the bias (nullable) where it is not summed
@@ -165,7 +167,9 @@ void project(const Plan& p, const Projection& j, const float* x, int64_t m, int6
     const float* bias = with_bias ? j.bias : nullptr;
     const bool single = j.count == 1;
     bool done = false;
-    if (j.stack && !single && j.count <= MAX_STACK) {
+    bool few = true;  // every part takes this step through `qlinear` (the stack's kernel)
+    for (int64_t i = 0; i < j.count; ++i) few = few && !(j.parts[i].many && m > j.parts[i].few);
+    if (j.stack && !single && j.count <= MAX_STACK && few) {
         const void* layouts[MAX_STACK];
         for (int64_t i = 0; i < j.count; ++i) layouts[i] = j.parts[i].layout;
         done = j.stack(x, m, k, layouts, j.count, y, n, th) == 0;
@@ -177,7 +181,7 @@ void project(const Plan& p, const Projection& j, const float* x, int64_t m, int6
         if (part.dense)
             p.linear(x, m, k, part.dense, part.rows, k, k, b, y + col, n, th);
         else
-            part.qlinear(x, m, k, part.layout, b, y + col, n, th);
+            (part.many && m > part.few ? part.many : part.qlinear)(x, m, k, part.layout, b, y + col, n, th);
         col += part.rows;
     }
     if (!single && bias)
