@@ -94,8 +94,8 @@ def test_integer_kernel_is_within_the_bound_of_dequantize_then_matmul(kind, k, r
     assert _nmse(quantized.linear(EXACT, x, w, bias), ref) <= 1e-12  # the exact kernel, for contrast
 
 
-# Row counts past the kernels' (MAX_KERNEL_ROWS): tiles of 6 rows with a ragged end, one thread's
-# share of units x rows ending inside a unit, a prefill chunk.
+# Row counts past the kernels' (MAX_KERNEL_ROWS, moved up to kernel_rows for K-quants): tiles of 6
+# rows with a ragged end, one thread's share of units x rows ending inside a unit, a prefill chunk.
 MANY_ROWS = [33, 61, 200]
 
 
@@ -107,6 +107,7 @@ def test_a_step_of_many_rows_dequantizes_panels_inside_the_product(kind, rows, m
     order, with fp16 factors or fp32 ones, a bias, 67 outputs (a unit and a ragged panel) and any
     number of threads (each output is one sum in input order wherever its rows fall)."""
     w = _weight(kind, OUTPUTS, 384 if kind == "g128" else 512)
+    rows += quantized.kernel_rows(INTEGER, w) - quantized.MAX_KERNEL_ROWS  # K-quants: past their own 128
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, w.k, generator=g)
     bias = torch.randn(OUTPUTS, generator=g) * 0.1
@@ -127,6 +128,30 @@ def test_a_step_of_many_rows_dequantizes_panels_inside_the_product(kind, rows, m
         y = torch.empty_like(got)
         real(x.data_ptr(), rows, x.stride(0), ctypes.byref(w.layout), bias.data_ptr(), y.data_ptr(), y.stride(0), threads)
         assert torch.equal(y, got)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q2_K"])
+def test_two_level_factors_keep_the_integer_kernel_up_to_its_own_rows(kind, monkeypatch):
+    """K-quants' dequantization into panels costs more than their integer products up to
+    MAX_KERNEL_ROWS_TWO_LEVEL rows (128), so steps up to there keep the integer kernel, within its
+    bound; past them, and at any row count under the exact setting, the panels take them."""
+    w = _weight(kind, OUTPUTS, 512)
+    lib = cpu_ops.library()
+    calls = []
+    for name in ("neuron_qlinear_int", "neuron_qlinear_panels", "neuron_qlinear"):
+        real = getattr(lib, name)
+        monkeypatch.setattr(lib, name, lambda *a, name=name, real=real: (calls.append((name, a[1])), real(*a))[1])
+    limit = quantized.MAX_KERNEL_ROWS_TWO_LEVEL
+    for kernels, rows, expected in ((INTEGER, 64, "neuron_qlinear_int"), (INTEGER, limit, "neuron_qlinear_int"),
+                                    (INTEGER, limit + 1, "neuron_qlinear_panels"),
+                                    (EXACT, 64, "neuron_qlinear_panels"), (EXACT, 32, "neuron_qlinear")):
+        x = torch.randn(rows, w.k, generator=torch.Generator().manual_seed(rows))
+        ref = torch.nn.functional.linear(x.double(), w.dequantize().double())
+        calls.clear()
+        got = quantized.linear(kernels, x, w)
+        assert calls == [(expected, rows)]
+        assert _nmse(got, ref) <= (NMSE_BOUND if expected == "neuron_qlinear_int" else 1e-12)
+    assert quantized.kernel_rows(INTEGER, _weight("Q4_1", OUTPUTS, 512)) == quantized.MAX_KERNEL_ROWS
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])

@@ -46,6 +46,11 @@ from neuron.layers.paged_attention import HAS_TRITON
 # Rows of x up to which the kernel runs; above, the arithmetic binds and the weight is dequantized
 # into fp32 panels inside the product (`neuron_qlinear_panels`, docs/benchmarks.md).
 MAX_KERNEL_ROWS = 32
+# The same for the integer kernel on two-level (K-quant) factors, whose dequantization into panels
+# costs more: a SmolLM2-shaped layer in Q4_K took 1.02 / 1.26 / 2.42 ms through the integer kernel
+# at 33 / 64 / 128 rows against 1.01-1.33 / 1.54-1.57 / 2.68 through the panels, level from 256 on
+# (docs/benchmarks.md). The panels stay exact, so a prefill's chunks keep them.
+MAX_KERNEL_ROWS_TWO_LEVEL = 128
 MAX_PER_SUPER = 16  # csrc/cpu_ops.cpp's MAX_PER_SUPER
 
 
@@ -268,9 +273,16 @@ class _Layout(ctypes.Structure):
 
 
 def _kernel_takes(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> bool:
-    if not (kernels.quant_kernels and kernels.cpu_ops) or x.dim() != 2 or x.shape[0] > MAX_KERNEL_ROWS:
+    if not (kernels.quant_kernels and kernels.cpu_ops) or x.dim() != 2 or x.shape[0] > kernel_rows(kernels, w):
         return False
     return _weight_takes(w) and cpu_ops.takes(x, *([bias] if bias is not None else []))
+
+
+def kernel_rows(kernels: Kernels, w: QuantizedWeight) -> int:
+    """The most rows of a step that W's CPU kernel (`cpu_kernel`) multiplies; past them, the panels
+    where they take W (`panels_take`), else the reference."""
+    two_level = w.scale_sub is not None and not kernels.quant_exact and _integer_takes(w, MAX_KERNEL_ROWS)
+    return MAX_KERNEL_ROWS_TWO_LEVEL if two_level else MAX_KERNEL_ROWS
 
 
 def _panels_take(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> bool:
@@ -278,7 +290,7 @@ def _panels_take(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight, bias: to
     (dequantized two panels at a time inside the product, each thread into a buffer of its own),
     rather than by dequantizing all of W and multiplying in torch: integer codes in a layout the
     kernels take, in stored order (FP8 codes keep the reference)."""
-    if x.dim() != 2 or x.shape[0] <= MAX_KERNEL_ROWS:
+    if x.dim() != 2 or x.shape[0] <= kernel_rows(kernels, w):
         return False
     return panels_take(kernels, w) and cpu_ops.takes(x, *([bias] if bias is not None else []))
 
@@ -306,11 +318,11 @@ def _weight_takes(w: QuantizedWeight) -> bool:
 
 
 def cpu_kernel(kernels: Kernels, w: QuantizedWeight, rows: int = 1):
-    """The CPU kernel that multiplies fp32 steps of up to `rows` rows (at most MAX_KERNEL_ROWS) by W
+    """The CPU kernel that multiplies fp32 steps of up to `rows` rows (at most `kernel_rows`) by W
     in its stored input order, and W's layout as that kernel reads it: `kernel(x, m, x_stride,
     byref(layout), bias, y, y_stride, threads)`. None where `kernels` rule the kernels out or they
     do not take W (its layout, or FP8 scales too large for the kernel's exponent shift)."""
-    if not (kernels.quant_kernels and kernels.cpu_ops) or rows > MAX_KERNEL_ROWS or not _weight_takes(w):
+    if not (kernels.quant_kernels and kernels.cpu_ops) or not _weight_takes(w) or rows > kernel_rows(kernels, w):
         return None
     if w.layout is None:
         # FP8 codes are scaled by scale x 2^120 in the kernel (csrc/cpu_ops.cpp), finite below 2^8
