@@ -97,61 +97,109 @@ def test_integer_kernel_is_within_the_bound_of_dequantize_then_matmul(kind, k, r
 # Row counts past the kernels' (MAX_KERNEL_ROWS, moved up to kernel_rows for K-quants): tiles of 6
 # rows with a ragged end, one thread's share of units x rows ending inside a unit, a prefill chunk.
 MANY_ROWS = [33, 61, 200]
+MANY_KINDS = ["int8", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS", "g128"]
 
 
-@pytest.mark.parametrize("kind", ["int8", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS", "g128"])
-@pytest.mark.parametrize("rows", MANY_ROWS)
-def test_a_step_of_many_rows_dequantizes_panels_inside_the_product(kind, rows, monkeypatch):
-    """Past MAX_KERNEL_ROWS a quantized product runs `neuron_qlinear_panels`: W dequantized two panels
-    at a time as `neuron_qrows` dequantizes it, so the sums are dequantize-then-matmul's up to their
-    order, with fp16 factors or fp32 ones, a bias, 67 outputs (a unit and a ragged panel) and any
-    number of threads (each output is one sum in input order wherever its rows fall)."""
+def _vnni_build() -> bool:
+    """Whether this run's build has the integer kernel for many rows: -march=native on a CPU with
+    AVX-512 VNNI (the narrower builds below, through NEURON_CXX, have none and take the panels)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.exists() and "avx512_vnni" in cpuinfo.read_text() and "NEURON_CXX" not in os.environ
+
+
+def _many(kind: str, rows: int, kernels: Kernels, monkeypatch):
+    """A weight of `kind`, x of `rows` rows past its kernel's (and a bias), and the calls of the
+    many-row kernels made by quantized.linear on them, counted."""
     w = _weight(kind, OUTPUTS, 384 if kind == "g128" else 512)
-    rows += quantized.kernel_rows(INTEGER, w) - quantized.MAX_KERNEL_ROWS  # K-quants: past their own 128
+    rows += quantized.kernel_rows(kernels, w) - quantized.MAX_KERNEL_ROWS  # K-quants: past their own 128
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, w.k, generator=g)
-    bias = torch.randn(OUTPUTS, generator=g) * 0.1
-    calls = []
-    lib = cpu_ops.library()
-    real = lib.neuron_qlinear_panels
-    monkeypatch.setattr(lib, "neuron_qlinear_panels", lambda *a: (calls.append(a[1]), real(*a))[1])
-    ref = torch.nn.functional.linear(x.double(), w.dequantize().double(), bias.double())
-    got = quantized.linear(INTEGER, x, w, bias)
-    assert calls == [rows], "the step did not take the panels' product"
-    assert got.shape == (rows, OUTPUTS) and _nmse(got, ref) <= 1e-12
-    exact = torch.nn.functional.linear(x, w.dequantize(), bias)
-    torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5)
-    if w.scale.dtype is torch.float16:
-        wide = dataclasses.replace(w, scale=w.scale.float(), offset=None if w.offset is None else w.offset.float())
-        assert torch.equal(quantized.linear(INTEGER, x, wide, bias), got)
+    x, bias = torch.randn(rows, w.k, generator=g), torch.randn(OUTPUTS, generator=g) * 0.1
+    calls, lib = [], cpu_ops.library()
+    for name in ("neuron_qlinear_panels", "neuron_qlinear_int_many"):
+        real = getattr(lib, name)
+        monkeypatch.setattr(lib, name, lambda *a, name=name, real=real: (calls.append((name, a[1])), real(*a))[1])
+    return w, x, bias, calls
+
+
+def _same_bits_on_other_teams(kernel, w, x, bias, got) -> None:
     for threads in (1, 3):
         y = torch.empty_like(got)
-        real(x.data_ptr(), rows, x.stride(0), ctypes.byref(w.layout), bias.data_ptr(), y.data_ptr(), y.stride(0), threads)
+        kernel(x.data_ptr(), x.shape[0], x.stride(0), ctypes.byref(w.layout), bias.data_ptr(), y.data_ptr(), y.stride(0),
+               threads)
         assert torch.equal(y, got)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q2_K"])
-def test_two_level_factors_keep_the_integer_kernel_up_to_its_own_rows(kind, monkeypatch):
-    """K-quants' dequantization into panels costs more than their integer products up to
-    MAX_KERNEL_ROWS_TWO_LEVEL rows (128), so steps up to there keep the integer kernel, within its
-    bound; past them, and at any row count under the exact setting, the panels take them."""
+@pytest.mark.parametrize("kind", MANY_KINDS)
+@pytest.mark.parametrize("rows", MANY_ROWS)
+def test_a_step_of_many_rows_dequantizes_panels_inside_the_product(kind, rows, monkeypatch):
+    """Past its kernel's rows, on the exact setting (and wherever the integer kernel for many rows
+    does not take W), a quantized product runs `neuron_qlinear_panels`: W dequantized two panels
+    at a time as `neuron_qrows` dequantizes it, so the sums are dequantize-then-matmul's up to their
+    order, with fp16 factors or fp32 ones, a bias, 67 outputs (a unit and a ragged panel) and any
+    number of threads (each output is one sum in input order wherever its rows fall)."""
+    w, x, bias, calls = _many(kind, rows, EXACT, monkeypatch)
+    ref = torch.nn.functional.linear(x.double(), w.dequantize().double(), bias.double())
+    got = quantized.linear(EXACT, x, w, bias)
+    assert calls == [("neuron_qlinear_panels", x.shape[0])], "the step did not take the panels' product"
+    assert got.shape == (x.shape[0], OUTPUTS) and _nmse(got, ref) <= 1e-12
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w.dequantize(), bias), rtol=1e-5, atol=1e-5)
+    if w.scale.dtype is torch.float16:
+        wide = dataclasses.replace(w, scale=w.scale.float(), offset=None if w.offset is None else w.offset.float())
+        assert torch.equal(quantized.linear(EXACT, x, wide, bias), got)
+    _same_bits_on_other_teams(cpu_ops.library().neuron_qlinear_panels, w, x, bias, got)
+
+
+@pytest.mark.parametrize("kind", MANY_KINDS)
+@pytest.mark.parametrize("rows", MANY_ROWS)
+def test_a_step_of_many_rows_multiplies_integers_where_the_build_has_vnni(kind, rows, monkeypatch):
+    """By default, past its kernel's rows, W in whole groups of 32 multiplies the rounded activations
+    in integers (`neuron_qlinear_int_many`, AVX-512 VNNI builds): within the integer kernels' bound
+    of dequantize-then-matmul, the same bits on any team and with fp16 or fp32 factors. Groups of
+    16 (Q6_K, Q3_K), and every build without VNNI, take the panels."""
+    w, x, bias, calls = _many(kind, rows, INTEGER, monkeypatch)
+    ref = torch.nn.functional.linear(x.double(), w.dequantize().double(), bias.double())
+    got = quantized.linear(INTEGER, x, w, bias)
+    assert w.many_int == (_vnni_build() and w.group % 32 == 0)
+    name = "neuron_qlinear_int_many" if w.many_int else "neuron_qlinear_panels"
+    assert calls == [(name, x.shape[0])]
+    assert _nmse(got, ref) <= (NMSE_BOUND if w.many_int else 1e-12)
+    if w.scale.dtype is torch.float16:
+        wide = dataclasses.replace(w, scale=w.scale.float(), offset=None if w.offset is None else w.offset.float())
+        assert torch.equal(quantized.linear(INTEGER, x, wide, bias), got)
+    _same_bits_on_other_teams(getattr(cpu_ops.library(), name), w, x, bias, got)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K"])
+def test_each_weight_changes_kernel_at_its_own_row_count(kind, monkeypatch):
+    """Where the integer kernel for many rows takes W (an AVX-512 VNNI build, groups of 32) it takes
+    every step past MAX_KERNEL_ROWS_BEFORE_MANY rows (8); elsewhere K-quants keep the decode kernel
+    up to MAX_KERNEL_ROWS_TWO_LEVEL (128), whose panels' dequantization costs more, and the rest up
+    to MAX_KERNEL_ROWS (32), then the panels. Under the exact setting: the exact kernel up to 32
+    rows, then the panels. Each within its bound."""
     w = _weight(kind, OUTPUTS, 512)
     lib = cpu_ops.library()
     calls = []
-    for name in ("neuron_qlinear_int", "neuron_qlinear_panels", "neuron_qlinear"):
+    for name in ("neuron_qlinear_int", "neuron_qlinear_panels", "neuron_qlinear", "neuron_qlinear_int_many"):
         real = getattr(lib, name)
         monkeypatch.setattr(lib, name, lambda *a, name=name, real=real: (calls.append((name, a[1])), real(*a))[1])
-    limit = quantized.MAX_KERNEL_ROWS_TWO_LEVEL
-    for kernels, rows, expected in ((INTEGER, 64, "neuron_qlinear_int"), (INTEGER, limit, "neuron_qlinear_int"),
-                                    (INTEGER, limit + 1, "neuron_qlinear_panels"),
-                                    (EXACT, 64, "neuron_qlinear_panels"), (EXACT, 32, "neuron_qlinear")):
+    many = _vnni_build() and w.group % 32 == 0
+    if many:
+        limit, past = quantized.MAX_KERNEL_ROWS_BEFORE_MANY, "neuron_qlinear_int_many"
+    elif w.scale_sub is not None:
+        limit, past = quantized.MAX_KERNEL_ROWS_TWO_LEVEL, "neuron_qlinear_panels"
+    else:
+        limit, past = quantized.MAX_KERNEL_ROWS, "neuron_qlinear_panels"
+    assert quantized.kernel_rows(INTEGER, w) == limit and quantized.kernel_rows(EXACT, w) == quantized.MAX_KERNEL_ROWS
+    exact_limit = quantized.MAX_KERNEL_ROWS
+    for kernels, rows, expected in ((INTEGER, limit, "neuron_qlinear_int"), (INTEGER, limit + 1, past),
+                                    (INTEGER, 200, past), (EXACT, exact_limit, "neuron_qlinear"),
+                                    (EXACT, exact_limit + 1, "neuron_qlinear_panels")):
         x = torch.randn(rows, w.k, generator=torch.Generator().manual_seed(rows))
         ref = torch.nn.functional.linear(x.double(), w.dequantize().double())
         calls.clear()
         got = quantized.linear(kernels, x, w)
         assert calls == [(expected, rows)]
-        assert _nmse(got, ref) <= (NMSE_BOUND if expected == "neuron_qlinear_int" else 1e-12)
-    assert quantized.kernel_rows(INTEGER, _weight("Q4_1", OUTPUTS, 512)) == quantized.MAX_KERNEL_ROWS
+        assert _nmse(got, ref) <= (NMSE_BOUND if "_int" in expected else 1e-12)
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
@@ -168,7 +216,7 @@ def test_fp16_factors_are_kept_and_read_as_their_fp32_values(kind, rows):
     wide = dataclasses.replace(w, scale=w.scale.float(), offset=None if w.offset is None else w.offset.float())
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     for kernels in (INTEGER, EXACT):
-        assert quantized.cpu_kernel(kernels, w, rows) is not None
+        assert quantized.cpu_kernel(kernels, w, min(rows, quantized.kernel_rows(kernels, w))) is not None
         assert torch.equal(quantized.linear(kernels, x, w), quantized.linear(kernels, x, wide))
 
 
@@ -239,7 +287,7 @@ def _stacked(parts: list[QuantizedWeight], x: torch.Tensor) -> tuple[int, torch.
     merged projection read as several weights): its answer and y, NaN where it wrote nothing."""
     rows, layouts = x.shape[0], []
     for w in parts:
-        kernel, layout = quantized.cpu_kernel(INTEGER, w, rows)
+        kernel, layout = quantized.cpu_kernel(INTEGER, w)
         assert kernel is cpu_ops.library().neuron_qlinear_int
         layouts.append(ctypes.addressof(layout))
     n = sum(w.shape[0] for w in parts)
@@ -265,7 +313,17 @@ def test_stacked_parts_in_one_call_equal_each_part_s_own_call(stack, rows):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     answer, y = _stacked(parts, x)
     assert answer == 0
-    assert torch.equal(y, torch.cat([quantized.linear(INTEGER, x, w) for w in parts], dim=-1))
+    assert torch.equal(y, torch.cat([_decode_kernel(x, w) for w in parts], dim=-1))
+
+
+def _decode_kernel(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x W^T through `neuron_qlinear_int` itself, at any row count (quantized.linear hands steps of
+    more rows to the kernel for many rows)."""
+    kernel, layout = quantized.cpu_kernel(INTEGER, w)
+    y = torch.empty((x.shape[0], w.shape[0]))
+    kernel(x.data_ptr(), x.shape[0], x.stride(0), ctypes.byref(layout), None, y.data_ptr(), y.stride(0),
+           torch.get_num_threads())
+    return y
 
 
 @pytest.mark.parametrize("kinds", [("Q4_K", "Q8_0"), ("Q4_K", "g128"), ("int8", "Q8_0")],
@@ -302,7 +360,7 @@ def narrower_runs(tmp_path_factory):
                                  str(Path(__file__).parent / "test_cpu_ops.py"), "-k",
                                  "bound_of or rounded_activations or fp16_factors or rows_of or stacked or declined "
                                  "or 16_bit_pool or linear_matches or strided_rows or held_as_panels "
-                                 "or same_bits_in_any_batch or share_units or many_rows"], env=env,
+                                 "or same_bits_in_any_batch or share_units or many_rows or own_row_count"], env=env,
                                 cwd=Path(__file__).parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         runs[name] = (proc, root)
     yield runs

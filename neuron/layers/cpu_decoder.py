@@ -149,11 +149,11 @@ def _parts(kernels: Kernels, w, rows: int, inputs: int) -> list[_Part] | None:
     for q in pieces:
         if not isinstance(q, quantized.QuantizedWeight) or q.input_index is not None or q.shape[1] != inputs:
             return None
-        chosen = quantized.cpu_kernel(kernels, q, _QUANTIZED_ROWS)
+        chosen = quantized.cpu_kernel(kernels, q)
         if chosen is None:
             return None
         kernel, layout = chosen
-        many = _address(cpu_ops.library().neuron_qlinear_panels) if quantized.panels_take(kernels, q) else None
+        many = _address(quantized.many_kernel(kernels, q)) if quantized.panels_take(kernels, q) else None
         parts.append(_Part(None, ctypes.addressof(layout), _address(kernel), q.shape[0], many,
                            quantized.kernel_rows(kernels, q)))
     return parts if sum(p.rows for p in parts) == rows else None

@@ -22,9 +22,11 @@ A CPU step of up to MAX_KERNEL_ROWS rows multiplies through neuron's C++ kernels
 (within a stated error of the reference, tests/test_quant_int.py); for FP8 codes, or everywhere
 with NEURON_QUANT_EXACT, `neuron_qlinear` (csrc/cpu_ops.cpp), which widens and scales each weight
 vector to fp32 as it streams past (the reference's sums up to their order). A CPU step of more
-rows (a prefill) runs `neuron_qlinear_panels`, which dequantizes W two panels of outputs at a time
-into a per-thread buffer and multiplies them there as fp32 weights are multiplied
-(`cpu_ops.PanelWeight`). A CUDA step goes through the Triton kernel (triton_quant.py) once the
+rows (`kernel_rows`: a prefill, a large decode batch) runs `many_kernel`: on AVX-512 VNNI builds
+`neuron_qlinear_int_many`, which repacks W a panel of 32 outputs at a time and multiplies the
+rounded activations in integer tiles (the same bound as the decode kernel), else
+`neuron_qlinear_panels`, which dequantizes W two panels of outputs at a time into a per-thread
+buffer and multiplies them there as fp32 weights are multiplied (`cpu_ops.PanelWeight`), exact. A CUDA step goes through the Triton kernel (triton_quant.py) once the
 start-up self-check passed it; every other case (FP8 or gathered codes past MAX_KERNEL_ROWS,
 NEURON_NO_QUANT_KERNELS, a kernel the self-check failed) dequantizes and multiplies, the reference
 the kernels are checked against.
@@ -51,6 +53,10 @@ MAX_KERNEL_ROWS = 32
 # at 33 / 64 / 128 rows against 1.01-1.33 / 1.54-1.57 / 2.68 through the panels, level from 256 on
 # (docs/benchmarks.md). The panels stay exact, so a prefill's chunks keep them.
 MAX_KERNEL_ROWS_TWO_LEVEL = 128
+# The same where the integer kernel for many rows takes W (`many_kernel`, AVX-512 VNNI builds): it
+# is level with the decode kernel at 8-10 rows and faster from there (a SmolLM2-shaped layer in
+# Q4_1 at 12 / 16 / 32 rows: 0.18 / 0.21 / 0.32 ms against 0.25 / 0.31 / 0.59, docs/benchmarks.md).
+MAX_KERNEL_ROWS_BEFORE_MANY = 8
 MAX_PER_SUPER = 16  # csrc/cpu_ops.cpp's MAX_PER_SUPER
 
 
@@ -73,6 +79,8 @@ class QuantizedWeight:
     inputs: int = 0  # the layer's input width where input_index is set
     # the kernel's view, made on first use; False where the kernel cannot take this weight
     layout: object = field(default=None, init=False, repr=False, compare=False)
+    # whether neuron_qlinear_int_many takes it (asked of the library once)
+    many_int: bool | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -279,10 +287,20 @@ def _kernel_takes(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight, bias: t
 
 
 def kernel_rows(kernels: Kernels, w: QuantizedWeight) -> int:
-    """The most rows of a step that W's CPU kernel (`cpu_kernel`) multiplies; past them, the panels
-    where they take W (`panels_take`), else the reference."""
-    two_level = w.scale_sub is not None and not kernels.quant_exact and _integer_takes(w, MAX_KERNEL_ROWS)
-    return MAX_KERNEL_ROWS_TWO_LEVEL if two_level else MAX_KERNEL_ROWS
+    """The most rows of a step that W's CPU kernel (`cpu_kernel`) multiplies; past them, the kernel
+    for many rows where one takes W (`panels_take`, `many_kernel`), else the reference."""
+    if kernels.quant_exact or not _integer_takes(w, MAX_KERNEL_ROWS):
+        return MAX_KERNEL_ROWS
+    if _many_int(w):
+        return MAX_KERNEL_ROWS_BEFORE_MANY
+    return MAX_KERNEL_ROWS_TWO_LEVEL if w.scale_sub is not None else MAX_KERNEL_ROWS
+
+
+def _many_int(w: QuantizedWeight) -> bool:
+    """Whether neuron_qlinear_int_many takes W (asked of the library once per weight)."""
+    if w.many_int is None:
+        w.many_int = w.rows_layout() and bool(cpu_ops.library().neuron_qlinear_int_many_takes(ctypes.byref(w.layout)))
+    return w.many_int
 
 
 def _panels_take(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> bool:
@@ -296,8 +314,18 @@ def _panels_take(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight, bias: to
 
 
 def panels_take(kernels: Kernels, w: QuantizedWeight) -> bool:
-    """Whether `neuron_qlinear_panels` multiplies W in a step of many rows (cpu_decoder.py asks too)."""
+    """Whether a CPU kernel multiplies W in a step of more rows than `kernel_rows` (`many_kernel`;
+    cpu_decoder.py asks too)."""
     return kernels.quant_kernels and kernels.cpu_ops and w.rows_layout()
+
+
+def many_kernel(kernels: Kernels, w: QuantizedWeight):
+    """The kernel for a step of more rows than `kernel_rows`, where `panels_take`: the activations
+    rounded to int8 and multiplied in integers (`neuron_qlinear_int_many`) where the library was
+    built with AVX-512 VNNI and W's groups are whole blocks of 32, unless NEURON_QUANT_EXACT; else
+    W dequantized into fp32 panels (`neuron_qlinear_panels`), exact."""
+    lib = cpu_ops.library()
+    return lib.neuron_qlinear_int_many if _many_int(w) and not kernels.quant_exact else lib.neuron_qlinear_panels
 
 
 def _weight_takes(w: QuantizedWeight) -> bool:
@@ -372,7 +400,7 @@ def linear(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight | StackedWeight
     xk, bk = (x.float(), None if bias is None else bias.float()) if half else (x, bias)
     chosen = cpu_kernel(kernels, w, xk.shape[0]) if _kernel_takes(kernels, xk, w, bk) else None
     if chosen is None and _panels_take(kernels, xk, w, bk):
-        chosen = cpu_ops.library().neuron_qlinear_panels, w.layout
+        chosen = many_kernel(kernels, w), w.layout
     if chosen is not None:
         kernel, layout = chosen
         m = xk.shape[0]

@@ -686,3 +686,203 @@ int neuron_qlinear_int_stack(const float* x, int64_t m, int64_t xs, const Quanti
 }
 
 }  // extern "C"
+
+// ---------------------------------------------------------------------------------------------
+// Steps of many rows (prefill chunks, large decode batches) with the activations rounded as above,
+// under AVX-512 VNNI: `neuron_qlinear_int_many`. The decode kernel streams each weight row past a
+// few rows of x; here the arithmetic binds, so each thread repacks one panel of MANY_PN outputs at a
+// time into a buffer of its own, [k / 4][MANY_PN][4 codes] as unsigned bytes (4-bit codes as they
+// are, int8 codes with 128 added) beside [groups][MANY_PN] scales and offsets, and multiplies its
+// share of rows into it while it is in cache: a tile of MANY_RB rows x MANY_PN outputs takes one
+// dpbusd per row, 16 outputs and 4 inputs (64 multiply-adds), where an fp32 FMA does 16. Each
+// block of 32 inputs is summed in integers, less 128 times the block's rounded x for int8 codes,
+// then converted and scaled once by its block's d and its group's scale; the offset is subtracted
+// per block as z times d times the block's rounded sum (the decode kernel's arithmetic, summed in
+// another order). Whole groups of 32 (no Q6_K, Q3_K, Q2_K: their groups of 16 take the panels).
+namespace {
+
+#if defined(NEURON_INT_VNNI)
+constexpr int MANY_PN = 32;
+constexpr int MANY_RB = 6;  // 12 integer and 12 float accumulators, two code registers, the broadcast
+
+struct ManyRows {  // x rounded: per row, k codes, and per block of 32 its d and its codes' sum
+    std::vector<int8_t> q;
+    std::vector<float> d;
+    std::vector<int32_t> sum;
+    int64_t blocks = 0;
+};
+
+struct ManyPanel {  // one panel of W repacked
+    std::vector<uint8_t> codes;
+    std::vector<float> scale, offset;
+};
+
+inline bool many_takes(const QuantizedWeight& w) {
+    return !w.fp8 && (w.bits == 4 || w.bits == 8) && w.group % 32 == 0 && w.k % w.group == 0 && w.k > 0;
+}
+
+// Weight rows [o, o + outputs) (outputs <= MANY_PN, the rest zero) into `p`.
+inline void repack_many(const QuantizedWeight& w, int64_t o, int64_t outputs, ManyPanel& p) {
+    const int64_t k = w.k, words = k / 4, groups = k / w.group;
+    const int shift = __builtin_ctz(unsigned(w.per_super));
+    p.codes.resize(size_t(k) * MANY_PN);
+    p.scale.assign(size_t(groups) * MANY_PN, 0.0f);
+    p.offset.assign(w.offset ? size_t(groups) * MANY_PN : 0, 0.0f);
+    static thread_local std::vector<uint32_t> rows;  // [MANY_PN][words]: each row's bytes in input order
+    rows.resize(size_t(MANY_PN) * words);
+    for (int64_t j = 0; j < MANY_PN; ++j) {
+        uint8_t* dst = reinterpret_cast<uint8_t*>(rows.data() + j * words);
+        if (j >= outputs) {
+            std::memset(dst, w.bits == 4 ? 0 : 0x80, size_t(k));  // code 0 either way
+            continue;
+        }
+        const int64_t row = o + j;
+        const uint8_t* codes = w.codes + row * w.code_stride;
+        if (w.bits == 4) {
+            for (int64_t b = 0; b < k; b += 32) {  // 32 inputs in 16 bytes, the first 16 in the low nibbles
+                const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + b / 2));
+                const __m128i low = _mm_set1_epi8(15);
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + b), _mm_and_si128(v, low));
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + b + 16), _mm_and_si128(_mm_srli_epi16(v, 4), low));
+            }
+        } else {
+            for (int64_t c = 0; c < k; ++c) dst[c] = uint8_t(codes[c] ^ 0x80);
+        }
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t top = g >> shift;
+            p.scale[g * MANY_PN + j] = group_factor(w.scale, w.half_factors, w.scale_stride, w.scale_sub,
+                                                    w.scale_sub_stride, row, g, top);
+            if (w.offset)
+                p.offset[g * MANY_PN + j] = group_factor(w.offset, w.half_factors, w.offset_stride, w.offset_sub,
+                                                         w.offset_sub_stride, row, g, top);
+        }
+    }
+    // words (four codes) transposed to [words][MANY_PN], 16 x 16 at a time
+    uint32_t* out = reinterpret_cast<uint32_t*>(p.codes.data());
+    int64_t c = 0;
+    for (; c + 16 <= words; c += 16)
+        for (int jj = 0; jj < MANY_PN; jj += 16)
+            transpose_block(reinterpret_cast<const float*>(rows.data() + jj * words + c), words,
+                            reinterpret_cast<float*>(out + c * MANY_PN + jj), MANY_PN);
+    for (; c < words; ++c)
+        for (int j = 0; j < MANY_PN; ++j) out[c * MANY_PN + j] = rows[j * words + c];
+}
+
+template <int RB>
+inline void many_tile(const ManyRows& x, int64_t r0, const QuantizedWeight& w, const ManyPanel& p, float* y,
+                      int64_t ys, int64_t cols, const float* bias) {
+    const int64_t k = w.k, blocks = k / 32, per_group = w.group / 32;
+    const bool signed_codes = w.bits != 4, offsets = w.offset != nullptr;
+    __m512 acc[RB][2];
+    for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+        __m512i isum[RB][2];
+        for (int r = 0; r < RB; ++r) {
+            const int32_t start = signed_codes ? -128 * x.sum[(r0 + r) * x.blocks + b] : 0;
+            isum[r][0] = isum[r][1] = _mm512_set1_epi32(start);
+        }
+        const uint8_t* wc = p.codes.data() + b * 8 * MANY_PN * 4;
+        for (int quad = 0; quad < 8; ++quad) {
+            const __m512i w0 = _mm512_loadu_si512(wc + quad * MANY_PN * 4);
+            const __m512i w1 = _mm512_loadu_si512(wc + quad * MANY_PN * 4 + 64);
+            for (int r = 0; r < RB; ++r) {
+                int32_t four;
+                std::memcpy(&four, x.q.data() + (r0 + r) * k + b * 32 + quad * 4, 4);
+                const __m512i xb = _mm512_set1_epi32(four);
+                isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], w0, xb);
+                isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], w1, xb);
+            }
+        }
+        const int64_t g = b / per_group;
+        const __m512 s0 = _mm512_loadu_ps(p.scale.data() + g * MANY_PN), s1 = _mm512_loadu_ps(p.scale.data() + g * MANY_PN + 16);
+        for (int r = 0; r < RB; ++r) {
+            const float d = x.d[(r0 + r) * x.blocks + b];
+            const __m512 dv = _mm512_set1_ps(d);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][0]), _mm512_mul_ps(s0, dv), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][1]), _mm512_mul_ps(s1, dv), acc[r][1]);
+        }
+        if (offsets) {
+            const __m512 z0 = _mm512_loadu_ps(p.offset.data() + g * MANY_PN);
+            const __m512 z1 = _mm512_loadu_ps(p.offset.data() + g * MANY_PN + 16);
+            for (int r = 0; r < RB; ++r) {
+                const int64_t at = (r0 + r) * x.blocks + b;
+                const __m512 xs = _mm512_set1_ps(x.d[at] * float(x.sum[at]));
+                acc[r][0] = _mm512_fnmadd_ps(z0, xs, acc[r][0]);
+                acc[r][1] = _mm512_fnmadd_ps(z1, xs, acc[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < RB; ++r) {
+        alignas(64) float out[MANY_PN];
+        _mm512_store_ps(out, acc[r][0]);
+        _mm512_store_ps(out + 16, acc[r][1]);
+        for (int64_t j = 0; j < cols; ++j) y[(r0 + r) * ys + j] = bias ? out[j] + bias[j] : out[j];
+    }
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// Whether neuron_qlinear_int_many takes W: built with AVX-512 VNNI, int8 or 4-bit codes in whole
+// groups of 32. quantized.py asks once per weight.
+int neuron_qlinear_int_many_takes(const QuantizedWeight* w) {
+#if defined(NEURON_INT_VNNI)
+    return many_takes(*w) ? 1 : 0;
+#else
+    (void)w;
+    return 0;
+#endif
+}
+
+// As neuron_qlinear_int, for steps of many rows, where neuron_qlinear_int_many_takes(w) (the caller
+// checks; elsewhere it does nothing).
+void neuron_qlinear_int_many(const float* x, int64_t m, int64_t xs, const QuantizedWeight* weight, const float* bias,
+                             float* y, int64_t ys, int threads) {
+#if defined(NEURON_INT_VNNI)
+    const QuantizedWeight& w = *weight;
+    if (m <= 0 || !many_takes(w)) return;
+    const int64_t k = w.k, n = w.n, panels = (n + MANY_PN - 1) / MANY_PN;
+    static thread_local ManyRows rounded;  // the calling thread's; the team reads it
+    rounded.blocks = k / 32;
+    rounded.q.resize(size_t(m) * k);
+    rounded.d.resize(size_t(m) * rounded.blocks);
+    rounded.sum.resize(size_t(m) * rounded.blocks);
+    ManyRows& a = rounded;
+    const bool parallel = m * n * k >= MIN_PARALLEL_LINEAR;
+#pragma omp parallel num_threads(threads) if (parallel)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t b = 0; b < a.blocks; ++b) {
+                int32_t halves[2];
+                a.d[r * a.blocks + b] = round_block(x + r * xs + b * 32, a.q.data() + r * k + b * 32, halves);
+                a.sum[r * a.blocks + b] = halves[0] + halves[1];
+            }
+        static thread_local ManyPanel panel;
+        const int64_t team = omp_get_num_threads(), t = omp_get_thread_num(), total = panels * m;
+        int64_t held = -1;
+        for (int64_t at = total * t / team, end = total * (t + 1) / team; at < end;) {
+            const int64_t u = at / m, r0 = at % m, rows = std::min(m - r0, end - at);
+            const int64_t o = u * MANY_PN, cols = std::min<int64_t>(MANY_PN, n - o);
+            if (u != held) {
+                repack_many(w, o, cols, panel);
+                held = u;
+            }
+            const float* b = bias ? bias + o : nullptr;
+            int64_t r = r0;
+            for (; r + MANY_RB <= r0 + rows; r += MANY_RB) many_tile<MANY_RB>(a, r, w, panel, y + o, ys, cols, b);
+            if (r < r0 + rows)
+                with_count<MANY_RB - 1>(r0 + rows - r, [&](auto rb) {
+                    many_tile<decltype(rb)::value>(a, r, w, panel, y + o, ys, cols, b);
+                });
+            at += rows;
+        }
+    }
+#else
+    (void)x, (void)m, (void)xs, (void)weight, (void)bias, (void)y, (void)ys, (void)threads;
+#endif
+}
+
+}  // extern "C"
