@@ -7,10 +7,12 @@ says) on the same GGUF files, "not installed" where it is missing.
     python scripts/bench_quant.py --checkpoint DIR --tokens 64 --repeats 3 --json-out out.json
     python scripts/bench_quant.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --exact --llama-cpp-python PY
     python scripts/bench_quant.py --only int8,Q8_0,Q4_K --exact   # the integer kernel against the exact one
+    python scripts/bench_quant.py --gguf FILE --prefill 2000 --llama-cpp-python PY   # long prompts too
 
 For each: weight bytes per rank (what the ranks report after loading), batch-1 decode tok/s (one
 sequence) and batch-16 decode tok/s (16 sequences at once), each the median of --repeats rounds, and
-the ratio to fp32. llama.cpp decodes each GGUF file once after every round of neuron's, and the
+the ratio to fp32; with --prefill N, also the prompt tok/s of one N-token prompt (its first token's
+time, llama.cpp's `eval` of the prompt), against llama.cpp's on the GGUF files. llama.cpp decodes each GGUF file once after every round of neuron's, and the
 ratio to it is the median of the rounds' own ratios: a shared VM's memory bandwidth drifts by a
 third over minutes, more than the engines differ. Greedy decoding ignores EOS so every run has the
 same length.
@@ -66,7 +68,21 @@ def decode_rate(llm, tokens: int, batch: int) -> float:
     return batch * (tokens - 1) / max(time.perf_counter() - start - prefill, 1e-9)
 
 
-def time_neuron(variants: dict, tokens: int, repeats: int, batch: int, each_round=None) -> dict:
+def long_prompt(length: int, seed: int = 0) -> list[int]:
+    return [(31 * j + 7 * seed + 7) % 997 + 3 for j in range(length)]
+
+
+def prefill_rate(llm, length: int, seed: int) -> float:
+    """Prompt tok/s of one `length`-token prompt, a new one each round (no prefix-cache hit): the
+    time to its first token."""
+    from neuron import SamplingParams
+
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": long_prompt(length, seed)}], SamplingParams(temperature=0.0, max_tokens=1))
+    return length / (time.perf_counter() - start)
+
+
+def time_neuron(variants: dict, tokens: int, repeats: int, batch: int, each_round=None, prefill: int = 0) -> dict:
     """Every variant loaded at once and measured in turn, round after round, so that a machine whose
     speed drifts (a shared VM) shifts all of them alike: per variant, rank 0's weight bytes, the
     median batch-1 and batch-`batch` decode tok/s, and each round's batch-1 figure. `each_round()`
@@ -77,23 +93,27 @@ def time_neuron(variants: dict, tokens: int, repeats: int, batch: int, each_roun
     for name, (model, kwargs) in variants.items():
         exact = kwargs.pop("exact", False)
         os.environ["NEURON_QUANT_EXACT"] = "1" if exact else "0"  # read when the model loads
-        llms[name] = LLM(model, device="cpu", max_num_seqs=batch, max_model_len=512, **kwargs)
+        llms[name] = LLM(model, device="cpu", max_num_seqs=batch, max_model_len=max(512, prefill + 16), **kwargs)
     os.environ.pop("NEURON_QUANT_EXACT")
     try:
         for llm in llms.values():  # warm-up
             llm.generate([{"prompt_token_ids": p} for p in prompts(batch)],
                          SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-        rates = {name: ([], []) for name in llms}
-        for _ in range(repeats):
+        rates = {name: ([], [], []) for name in llms}
+        for round_ in range(repeats):
             for name, llm in llms.items():
                 rates[name][0].append(decode_rate(llm, tokens, 1))
                 rates[name][1].append(decode_rate(llm, tokens, batch))
+                if prefill:
+                    rates[name][2].append(prefill_rate(llm, prefill, round_ + 1))
             if each_round is not None:
                 each_round()
         return {name: dict(weight_bytes=llm.engine.executor.weight_bytes[0],
                            batch1_tok_s=statistics.median(rates[name][0]),
                            batchN_tok_s=statistics.median(rates[name][1]), batch1_rounds=rates[name][0],
-                           batchN_rounds=rates[name][1])
+                           batchN_rounds=rates[name][1],
+                           **(dict(prefill_tok_s=statistics.median(rates[name][2]), prefill_rounds=rates[name][2])
+                              if prefill else {}))
                 for name, llm in llms.items()}
     finally:
         for llm in llms.values():
@@ -127,19 +147,46 @@ print(statistics.median(rates[1:]))
 """
 
 
-def time_llama_cpp(python: str, path: str, tokens: int, repeats: int, prompt: list[int] | None = None) -> float | None:
-    """llama.cpp's batch-1 decode tok/s on the same GGUF file after `prompt` (the 16-token one by
-    default); None where `python` lacks llama-cpp-python."""
+# llama.cpp's prompt tok/s: `eval` of the prompt from an empty context, the median of `repeats`
+# runs after one untimed.
+LLAMA_CPP_PREFILL = """
+import statistics, sys, time
+import llama_cpp
+path, repeats, threads, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), eval(sys.argv[4])
+llm = llama_cpp.Llama(model_path=path, n_ctx=len(prompt) + 16, n_threads=threads, n_threads_batch=threads,
+                      n_batch=512, verbose=False)
+rates = []
+for _ in range(repeats + 1):
+    llm.reset()
+    start = time.perf_counter()
+    llm.eval(prompt)
+    rates.append(len(prompt) / (time.perf_counter() - start))
+print(statistics.median(rates[1:]))
+"""
+
+
+def _run_llama_cpp(python: str, script: str, args: list[str]) -> float | None:
     import subprocess
 
-    args = [python, "-c", LLAMA_CPP, path, str(tokens), str(repeats), str(torch.get_num_threads()),
-            repr(prompt or prompts(1)[0])]
-    done = subprocess.run(args, capture_output=True, text=True)
+    done = subprocess.run([python, "-c", script, *args], capture_output=True, text=True)
     if done.returncode != 0:
         if "No module named 'llama_cpp'" in done.stderr:
             return None
         raise RuntimeError(f"llama.cpp run failed: {done.stderr[-2000:]}")
     return float(done.stdout.strip().splitlines()[-1])
+
+
+def time_llama_cpp_prefill(python: str, path: str, length: int, repeats: int) -> float | None:
+    """llama.cpp's prompt tok/s on the same GGUF file and prompt; None where `python` lacks it."""
+    return _run_llama_cpp(python, LLAMA_CPP_PREFILL,
+                          [path, str(repeats), str(torch.get_num_threads()), repr(long_prompt(length))])
+
+
+def time_llama_cpp(python: str, path: str, tokens: int, repeats: int, prompt: list[int] | None = None) -> float | None:
+    """llama.cpp's batch-1 decode tok/s on the same GGUF file after `prompt` (the 16-token one by
+    default); None where `python` lacks llama-cpp-python."""
+    return _run_llama_cpp(python, LLAMA_CPP, [path, str(tokens), str(repeats), str(torch.get_num_threads()),
+                                              repr(prompt or prompts(1)[0])])
 
 
 def _round_ratio(ours: list[float], theirs: list[float]) -> float:
@@ -161,6 +208,8 @@ def main() -> int:
     ap.add_argument("--exact", action="store_true",
                     help="also run each int8 and 4-bit variant on the exact fp32 kernel (NEURON_QUANT_EXACT=1), "
                     "as '<variant> exact', in the same rounds")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="also time one prompt of this many tokens (prompt tok/s), against llama.cpp's on the GGUF files")
     ap.add_argument("--json-out")
     args = ap.parse_args()
 
@@ -189,21 +238,29 @@ def main() -> int:
         # llama.cpp takes its turn on each file after every round of neuron's, so that the ratios
         # compare runs minutes apart at most, not one engine's rounds against the other's
         peers = {name: [] for name in gguf_files if name in wanted}
+        peer_prefills = {name: [] for name in peers}
 
         def llama_cpp_round() -> None:
             for name, rounds in peers.items():
                 if None in rounds:  # llama-cpp-python is not installed there
                     return
                 rounds.append(time_llama_cpp(args.llama_cpp_python, str(gguf_files[name]), args.tokens, 1))
+                if args.prefill and rounds[-1] is not None:
+                    peer_prefills[name].append(
+                        time_llama_cpp_prefill(args.llama_cpp_python, str(gguf_files[name]), args.prefill, 1))
 
         results = time_neuron({k: v for k, v in variants.items() if k in wanted}, args.tokens, args.repeats,
-                              args.batch, llama_cpp_round)
+                              args.batch, llama_cpp_round, args.prefill)
         for name, rounds in peers.items():
             r = results[name]
             r["llama_cpp_batch1_tok_s"] = None
             if rounds and None not in rounds:
                 r.update(llama_cpp_batch1_tok_s=statistics.median(rounds), llama_cpp_rounds=rounds,
                          vs_llama_cpp=_round_ratio(r["batch1_rounds"], rounds))
+                if args.prefill:
+                    theirs = peer_prefills[name]
+                    r.update(llama_cpp_prefill_tok_s=statistics.median(theirs), llama_cpp_prefill_rounds=theirs,
+                             prefill_vs_llama_cpp=_round_ratio(r["prefill_rounds"], theirs))
 
     base = results.get("fp32")
     bf16 = results.get("bf16")
@@ -218,6 +275,14 @@ def main() -> int:
         vs = f"{r['vs_llama_cpp']:.2f}" if "vs_llama_cpp" in r else "-"
         print(f"{name:8} {r['weight_bytes'] / 2**20:9.1f} {vs_bf16:>9} {r['batch1_tok_s']:9.1f} {x1:>7} "
               f"{r['batchN_tok_s']:10.1f} {xn:>7} {lc_text:>13} {vs:>12}")
+    if args.prefill:
+        print(f"\n{'variant':8} {f'prefill {args.prefill} tok/s':>20} {'x fp32':>7} {'llama.cpp':>10} {'x llama.cpp':>12}")
+        for name, r in results.items():
+            x = f"{_round_ratio(r['prefill_rounds'], base['prefill_rounds']):.2f}" if base else "-"
+            lc = r.get("llama_cpp_prefill_tok_s")
+            lc_text = "-" if name not in gguf_files else ("not installed" if lc is None else f"{lc:.1f}")
+            vs = f"{r['prefill_vs_llama_cpp']:.2f}" if "prefill_vs_llama_cpp" in r else "-"
+            print(f"{name:8} {r['prefill_tok_s']:20.1f} {x:>7} {lc_text:>10} {vs:>12}")
     print("\ntok/s: medians of the rounds; x fp32 and x llama.cpp: medians of each round's own ratio (llama.cpp's "
           "turn follows neuron's in every round)")
     print(f"\n{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
