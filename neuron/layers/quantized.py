@@ -22,7 +22,7 @@ A CPU step of up to MAX_KERNEL_ROWS rows multiplies through neuron's C++ kernels
 (within a stated error of the reference, tests/test_quant_int.py); for FP8 codes, or everywhere
 with NEURON_QUANT_EXACT, `neuron_qlinear` (csrc/cpu_ops.cpp), which widens and scales each weight
 vector to fp32 as it streams past (the reference's sums up to their order). A CPU step of more
-rows (`kernel_rows`: a prefill, a large decode batch) runs `many_kernel`: on AVX-512 VNNI builds
+rows (`kernel_rows`: a prefill, a large decode batch) runs `many_kernel`: on builds with AVX-512 VNNI or AVX-VNNI
 `neuron_qlinear_int_many`, which repacks W a panel of 32 outputs at a time and multiplies the
 rounded activations in integer tiles (the same bound as the decode kernel), else
 `neuron_qlinear_panels`, which dequantizes W two panels of outputs at a time into a per-thread
@@ -53,7 +53,7 @@ MAX_KERNEL_ROWS = 32
 # at 33 / 64 / 128 rows against 1.01-1.33 / 1.54-1.57 / 2.68 through the panels, level from 256 on
 # (docs/benchmarks.md). The panels stay exact, so a prefill's chunks keep them.
 MAX_KERNEL_ROWS_TWO_LEVEL = 128
-# The same where the integer kernel for many rows takes W (`many_kernel`, AVX-512 VNNI builds): it
+# The same where the integer kernel for many rows takes W (`many_kernel`, VNNI builds): it
 # is level with the decode kernel at 8-10 rows and faster from there (a SmolLM2-shaped layer in
 # Q4_1 at 12 / 16 / 32 rows: 0.18 / 0.21 / 0.32 ms against 0.25 / 0.31 / 0.59, docs/benchmarks.md).
 MAX_KERNEL_ROWS_BEFORE_MANY = 8
@@ -322,7 +322,7 @@ def panels_take(kernels: Kernels, w: QuantizedWeight) -> bool:
 def many_kernel(kernels: Kernels, w: QuantizedWeight):
     """The kernel for a step of more rows than `kernel_rows`, where `panels_take`: the activations
     rounded to int8 and multiplied in integers (`neuron_qlinear_int_many`) where the library was
-    built with AVX-512 VNNI and W's groups are whole blocks of 32, unless NEURON_QUANT_EXACT; else
+    built with AVX-512 VNNI or AVX-VNNI and W's groups are whole blocks of 32, unless NEURON_QUANT_EXACT; else
     W dequantized into fp32 panels (`neuron_qlinear_panels`), exact."""
     lib = cpu_ops.library()
     return lib.neuron_qlinear_int_many if _many_int(w) and not kernels.quant_exact else lib.neuron_qlinear_panels

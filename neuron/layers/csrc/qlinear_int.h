@@ -689,21 +689,61 @@ int neuron_qlinear_int_stack(const float* x, int64_t m, int64_t xs, const Quanti
 
 // ---------------------------------------------------------------------------------------------
 // Steps of many rows (prefill chunks, large decode batches) with the activations rounded as above,
-// under AVX-512 VNNI: `neuron_qlinear_int_many`. The decode kernel streams each weight row past a
-// few rows of x; here the arithmetic binds, so each thread repacks one panel of MANY_PN outputs at a
-// time into a buffer of its own, [k / 4][MANY_PN][4 codes] as unsigned bytes (4-bit codes as they
-// are, int8 codes with 128 added) beside [groups][MANY_PN] scales and offsets, and multiplies its
-// share of rows into it while it is in cache: a tile of MANY_RB rows x MANY_PN outputs takes one
-// dpbusd per row, 16 outputs and 4 inputs (64 multiply-adds), where an fp32 FMA does 16. Each
-// block of 32 inputs is summed in integers, less 128 times the block's rounded x for int8 codes,
-// then converted and scaled once by its block's d and its group's scale; the offset is subtracted
-// per block as z times d times the block's rounded sum (the decode kernel's arithmetic, summed in
-// another order). Whole groups of 32 (no Q6_K, Q3_K, Q2_K: their groups of 16 take the panels).
+// under AVX-512 VNNI or AVX-VNNI: `neuron_qlinear_int_many`. The decode kernel streams each weight
+// row past a few rows of x; here the arithmetic binds, so each thread repacks one panel of MANY_PN
+// outputs at a time into a buffer of its own, [k / 4][MANY_PN][4 codes] as unsigned bytes (4-bit
+// codes as they are, int8 codes with 128 added) beside [groups][MANY_PN] scales and offsets, and
+// multiplies its share of rows into it while it is in cache: a tile of MANY_RB rows x MANY_PN
+// outputs takes one dpbusd per row, register of outputs and 4 inputs (four multiply-adds a lane),
+// where an fp32 FMA does one. Each block of 32 inputs is summed in integers, less 128 times the
+// block's rounded x for int8 codes, then converted and scaled once by its block's d and its group's
+// scale; the offset is subtracted per block as z times d times the block's rounded sum (the decode
+// kernel's arithmetic, summed in another order). Whole groups of 32 (no Q6_K, Q3_K, Q2_K: their
+// groups of 16 take the panels).
 namespace {
 
+#if defined(NEURON_INT_VNNI) || (defined(NEURON_INT_AVX2) && defined(__AVXVNNI__))
+#define NEURON_INT_MANY 1
+// The registers of a tile: AVX-512's (16 lanes) or, with AVX-VNNI and no AVX-512 (Intel's cores
+// since Alder Lake, and any AVX-512 CPU's AVX2 build), AVX2's 8, whose 16 registers hold 3 rows.
 #if defined(NEURON_INT_VNNI)
-constexpr int MANY_PN = 32;
-constexpr int MANY_RB = 6;  // 12 integer and 12 float accumulators, two code registers, the broadcast
+struct ManyRegs {
+    static constexpr int LANES = 16, ROWS = 6;  // 12 integer and 12 float accumulators, 2 codes, the broadcast
+    typedef __m512i I;
+    typedef __m512 F;
+    static I load(const void* p) { return _mm512_loadu_si512(p); }
+    static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+    static I dot(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
+    static F floats(I v) { return _mm512_cvtepi32_ps(v); }
+    static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+    static F set1f(float v) { return _mm512_set1_ps(v); }
+    static F zero() { return _mm512_setzero_ps(); }
+    static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+    static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+    static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#else
+struct ManyRegs {
+    static constexpr int LANES = 8, ROWS = 3;  // 6 + 6 accumulators, 2 codes, the broadcast: 15 of 16
+    typedef __m256i I;
+    typedef __m256 F;
+    static I load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+    static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+    static I dot(I acc, I w, I x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
+    static F floats(I v) { return _mm256_cvtepi32_ps(v); }
+    static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+    static F set1f(float v) { return _mm256_set1_ps(v); }
+    static F zero() { return _mm256_setzero_ps(); }
+    static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+    static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+    static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+#endif
+constexpr int MANY_PN = 2 * ManyRegs::LANES;  // outputs of a panel: two registers of lanes
+constexpr int MANY_RB = ManyRegs::ROWS;
+static_assert(ManyRegs::LANES == VL, "a panel's words transpose in blocks of the build's vector width");
 
 struct ManyRows {  // x rounded: per row, k codes, and per block of 32 its d and its codes' sum
     std::vector<int8_t> q;
@@ -757,11 +797,11 @@ inline void repack_many(const QuantizedWeight& w, int64_t o, int64_t outputs, Ma
                                                          w.offset_sub_stride, row, g, top);
         }
     }
-    // words (four codes) transposed to [words][MANY_PN], 16 x 16 at a time
+    // words (four codes) transposed to [words][MANY_PN], VL x VL at a time
     uint32_t* out = reinterpret_cast<uint32_t*>(p.codes.data());
     int64_t c = 0;
-    for (; c + 16 <= words; c += 16)
-        for (int jj = 0; jj < MANY_PN; jj += 16)
+    for (; c + VL <= words; c += VL)
+        for (int jj = 0; jj < MANY_PN; jj += VL)
             transpose_block(reinterpret_cast<const float*>(rows.data() + jj * words + c), words,
                             reinterpret_cast<float*>(out + c * MANY_PN + jj), MANY_PN);
     for (; c < words; ++c)
@@ -771,51 +811,52 @@ inline void repack_many(const QuantizedWeight& w, int64_t o, int64_t outputs, Ma
 template <int RB>
 inline void many_tile(const ManyRows& x, int64_t r0, const QuantizedWeight& w, const ManyPanel& p, float* y,
                       int64_t ys, int64_t cols, const float* bias) {
+    using V = ManyRegs;
+    constexpr int L = V::LANES;
     const int64_t k = w.k, blocks = k / 32, per_group = w.group / 32;
     const bool signed_codes = w.bits != 4, offsets = w.offset != nullptr;
-    __m512 acc[RB][2];
-    for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    typename V::F acc[RB][2];
+    for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = V::zero();
     for (int64_t b = 0; b < blocks; ++b) {
-        __m512i isum[RB][2];
+        typename V::I isum[RB][2];
         for (int r = 0; r < RB; ++r) {
             const int32_t start = signed_codes ? -128 * x.sum[(r0 + r) * x.blocks + b] : 0;
-            isum[r][0] = isum[r][1] = _mm512_set1_epi32(start);
+            isum[r][0] = isum[r][1] = V::set1(start);
         }
         const uint8_t* wc = p.codes.data() + b * 8 * MANY_PN * 4;
         for (int quad = 0; quad < 8; ++quad) {
-            const __m512i w0 = _mm512_loadu_si512(wc + quad * MANY_PN * 4);
-            const __m512i w1 = _mm512_loadu_si512(wc + quad * MANY_PN * 4 + 64);
+            const typename V::I w0 = V::load(wc + quad * MANY_PN * 4);
+            const typename V::I w1 = V::load(wc + quad * MANY_PN * 4 + L * 4);
             for (int r = 0; r < RB; ++r) {
                 int32_t four;
                 std::memcpy(&four, x.q.data() + (r0 + r) * k + b * 32 + quad * 4, 4);
-                const __m512i xb = _mm512_set1_epi32(four);
-                isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], w0, xb);
-                isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], w1, xb);
+                const typename V::I xb = V::set1(four);
+                isum[r][0] = V::dot(isum[r][0], w0, xb);
+                isum[r][1] = V::dot(isum[r][1], w1, xb);
             }
         }
         const int64_t g = b / per_group;
-        const __m512 s0 = _mm512_loadu_ps(p.scale.data() + g * MANY_PN), s1 = _mm512_loadu_ps(p.scale.data() + g * MANY_PN + 16);
+        const typename V::F s0 = V::loadf(p.scale.data() + g * MANY_PN), s1 = V::loadf(p.scale.data() + g * MANY_PN + L);
         for (int r = 0; r < RB; ++r) {
-            const float d = x.d[(r0 + r) * x.blocks + b];
-            const __m512 dv = _mm512_set1_ps(d);
-            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][0]), _mm512_mul_ps(s0, dv), acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][1]), _mm512_mul_ps(s1, dv), acc[r][1]);
+            const typename V::F dv = V::set1f(x.d[(r0 + r) * x.blocks + b]);
+            acc[r][0] = V::fmadd(V::floats(isum[r][0]), V::mul(s0, dv), acc[r][0]);
+            acc[r][1] = V::fmadd(V::floats(isum[r][1]), V::mul(s1, dv), acc[r][1]);
         }
         if (offsets) {
-            const __m512 z0 = _mm512_loadu_ps(p.offset.data() + g * MANY_PN);
-            const __m512 z1 = _mm512_loadu_ps(p.offset.data() + g * MANY_PN + 16);
+            const typename V::F z0 = V::loadf(p.offset.data() + g * MANY_PN);
+            const typename V::F z1 = V::loadf(p.offset.data() + g * MANY_PN + L);
             for (int r = 0; r < RB; ++r) {
                 const int64_t at = (r0 + r) * x.blocks + b;
-                const __m512 xs = _mm512_set1_ps(x.d[at] * float(x.sum[at]));
-                acc[r][0] = _mm512_fnmadd_ps(z0, xs, acc[r][0]);
-                acc[r][1] = _mm512_fnmadd_ps(z1, xs, acc[r][1]);
+                const typename V::F xs = V::set1f(x.d[at] * float(x.sum[at]));
+                acc[r][0] = V::fnmadd(z0, xs, acc[r][0]);
+                acc[r][1] = V::fnmadd(z1, xs, acc[r][1]);
             }
         }
     }
     for (int r = 0; r < RB; ++r) {
-        alignas(64) float out[MANY_PN];
-        _mm512_store_ps(out, acc[r][0]);
-        _mm512_store_ps(out + 16, acc[r][1]);
+        float out[MANY_PN];
+        V::store(out, acc[r][0]);
+        V::store(out + L, acc[r][1]);
         for (int64_t j = 0; j < cols; ++j) y[(r0 + r) * ys + j] = bias ? out[j] + bias[j] : out[j];
     }
 }
@@ -825,10 +866,10 @@ inline void many_tile(const ManyRows& x, int64_t r0, const QuantizedWeight& w, c
 
 extern "C" {
 
-// Whether neuron_qlinear_int_many takes W: built with AVX-512 VNNI, int8 or 4-bit codes in whole
-// groups of 32. quantized.py asks once per weight.
+// Whether neuron_qlinear_int_many takes W: built with AVX-512 VNNI or AVX-VNNI, int8 or 4-bit codes
+// in whole groups of 32. quantized.py asks once per weight.
 int neuron_qlinear_int_many_takes(const QuantizedWeight* w) {
-#if defined(NEURON_INT_VNNI)
+#if defined(NEURON_INT_MANY)
     return many_takes(*w) ? 1 : 0;
 #else
     (void)w;
@@ -840,7 +881,7 @@ int neuron_qlinear_int_many_takes(const QuantizedWeight* w) {
 // checks; elsewhere it does nothing).
 void neuron_qlinear_int_many(const float* x, int64_t m, int64_t xs, const QuantizedWeight* weight, const float* bias,
                              float* y, int64_t ys, int threads) {
-#if defined(NEURON_INT_VNNI)
+#if defined(NEURON_INT_MANY)
     const QuantizedWeight& w = *weight;
     if (m <= 0 || !many_takes(w)) return;
     const int64_t k = w.k, n = w.n, panels = (n + MANY_PN - 1) / MANY_PN;
