@@ -209,7 +209,8 @@ def main() -> int:
                     help="also run each int8 and 4-bit variant on the exact fp32 kernel (NEURON_QUANT_EXACT=1), "
                     "as '<variant> exact', in the same rounds")
     ap.add_argument("--prefill", type=int, default=0,
-                    help="also time one prompt of this many tokens (prompt tok/s), against llama.cpp's on the GGUF files")
+                    help="also time one prompt of this many tokens (prompt tok/s), against llama.cpp's on the "
+                    "GGUF files")
     ap.add_argument("--json-out")
     args = ap.parse_args()
 
@@ -276,7 +277,8 @@ def main() -> int:
         print(f"{name:8} {r['weight_bytes'] / 2**20:9.1f} {vs_bf16:>9} {r['batch1_tok_s']:9.1f} {x1:>7} "
               f"{r['batchN_tok_s']:10.1f} {xn:>7} {lc_text:>13} {vs:>12}")
     if args.prefill:
-        print(f"\n{'variant':8} {f'prefill {args.prefill} tok/s':>20} {'x fp32':>7} {'llama.cpp':>10} {'x llama.cpp':>12}")
+        print(f"\n{'variant':8} {f'prefill {args.prefill} tok/s':>20} {'x fp32':>7} {'llama.cpp':>10} "
+              f"{'x llama.cpp':>12}")
         for name, r in results.items():
             x = f"{_round_ratio(r['prefill_rounds'], base['prefill_rounds']):.2f}" if base else "-"
             lc = r.get("llama_cpp_prefill_tok_s")

@@ -130,8 +130,8 @@ def _many(kind: str, rows: int, kernels: Kernels, monkeypatch):
 def _same_bits_on_other_teams(kernel, w, x, bias, got) -> None:
     for threads in (1, 3):
         y = torch.empty_like(got)
-        kernel(x.data_ptr(), x.shape[0], x.stride(0), ctypes.byref(w.layout), bias.data_ptr(), y.data_ptr(), y.stride(0),
-               threads)
+        kernel(x.data_ptr(), x.shape[0], x.stride(0), ctypes.byref(w.layout), bias.data_ptr(), y.data_ptr(),
+               y.stride(0), threads)
         assert torch.equal(y, got)
 
 

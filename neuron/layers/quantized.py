@@ -22,14 +22,14 @@ A CPU step of up to MAX_KERNEL_ROWS rows multiplies through neuron's C++ kernels
 (within a stated error of the reference, tests/test_quant_int.py); for FP8 codes, or everywhere
 with NEURON_QUANT_EXACT, `neuron_qlinear` (csrc/cpu_ops.cpp), which widens and scales each weight
 vector to fp32 as it streams past (the reference's sums up to their order). A CPU step of more
-rows (`kernel_rows`: a prefill, a large decode batch) runs `many_kernel`: on builds with AVX-512 VNNI or AVX-VNNI
-`neuron_qlinear_int_many`, which repacks W a panel of 32 outputs at a time and multiplies the
-rounded activations in integer tiles (the same bound as the decode kernel), else
-`neuron_qlinear_panels`, which dequantizes W two panels of outputs at a time into a per-thread
-buffer and multiplies them there as fp32 weights are multiplied (`cpu_ops.PanelWeight`), exact. A CUDA step goes through the Triton kernel (triton_quant.py) once the
-start-up self-check passed it; every other case (FP8 or gathered codes past MAX_KERNEL_ROWS,
-NEURON_NO_QUANT_KERNELS, a kernel the self-check failed) dequantizes and multiplies, the reference
-the kernels are checked against.
+rows (`kernel_rows`: a prefill, a large decode batch) runs `many_kernel`: on builds with AVX-512
+VNNI or AVX-VNNI `neuron_qlinear_int_many`, which repacks W a panel at a time and multiplies the
+rounded activations in integer tiles (the decode kernel's bound), else `neuron_qlinear_panels`,
+which dequantizes W two panels of outputs at a time into a per-thread buffer and multiplies them
+there as fp32 weights are multiplied (`cpu_ops.PanelWeight`), exact. A CUDA step goes through the
+Triton kernel (triton_quant.py) once the start-up self-check passed it; every other case (FP8 or
+gathered codes past MAX_KERNEL_ROWS, NEURON_NO_QUANT_KERNELS, a kernel the self-check failed)
+dequantizes and multiplies, the reference the kernels are checked against.
 """
 
 from __future__ import annotations
@@ -322,8 +322,8 @@ def panels_take(kernels: Kernels, w: QuantizedWeight) -> bool:
 def many_kernel(kernels: Kernels, w: QuantizedWeight):
     """The kernel for a step of more rows than `kernel_rows`, where `panels_take`: the activations
     rounded to int8 and multiplied in integers (`neuron_qlinear_int_many`) where the library was
-    built with AVX-512 VNNI or AVX-VNNI and W's groups are whole blocks of 32, unless NEURON_QUANT_EXACT; else
-    W dequantized into fp32 panels (`neuron_qlinear_panels`), exact."""
+    built with AVX-512 VNNI or AVX-VNNI and W's groups are whole blocks of 32, unless
+    NEURON_QUANT_EXACT; else W dequantized into fp32 panels (`neuron_qlinear_panels`), exact."""
     lib = cpu_ops.library()
     return lib.neuron_qlinear_int_many if _many_int(w) and not kernels.quant_exact else lib.neuron_qlinear_panels
 

@@ -836,7 +836,8 @@ inline void many_tile(const ManyRows& x, int64_t r0, const QuantizedWeight& w, c
             }
         }
         const int64_t g = b / per_group;
-        const typename V::F s0 = V::loadf(p.scale.data() + g * MANY_PN), s1 = V::loadf(p.scale.data() + g * MANY_PN + L);
+        const typename V::F s0 = V::loadf(p.scale.data() + g * MANY_PN);
+        const typename V::F s1 = V::loadf(p.scale.data() + g * MANY_PN + L);
         for (int r = 0; r < RB; ++r) {
             const typename V::F dv = V::set1f(x.d[(r0 + r) * x.blocks + b]);
             acc[r][0] = V::fmadd(V::floats(isum[r][0]), V::mul(s0, dv), acc[r][0]);
