@@ -216,9 +216,9 @@ def test_quantized_projections_in_one_call_equal_the_python_layers(fused_checkpo
     assert fused_steps == QUANTIZED_STEPS
 
 
-def test_a_plan_takes_many_rows_where_the_panels_take_every_quantized_part():
-    """Steps of up to MAX_ROWS for integer codes (past 32 rows through neuron_qlinear_panels), of up
-    to the kernels' 32 where a part is FP8, whose codes the panels do not dequantize."""
+def test_a_plan_takes_many_rows_where_a_many_row_kernel_takes_every_quantized_part():
+    """Steps of up to MAX_ROWS for integer codes (past their kernel's rows through the many-row
+    kernel), of up to the kernels' 32 where a part is FP8, which no many-row kernel takes."""
     w = torch.randn(64, 128)
     four_bit = cpu_decoder._parts(FUSED, _four_bit(w), 64, 128)
     assert [bool(p.many) for p in four_bit] == [True] and cpu_decoder._rows_for(four_bit) == cpu_decoder.MAX_ROWS

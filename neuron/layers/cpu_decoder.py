@@ -43,9 +43,9 @@ _INPUT_OUT_OF_RANGE = 101  # csrc/cpu_decoder.cpp: a token id or position outsid
 # The most rows a step run here may have: a decode batch of up to 64 sequences (the offline
 # benchmarks' batch; the loop's host time is paid once a step instead of once a layer). The
 # scratch holds that many rows of every activation. A quantized part is multiplied by the kernel
-# the Python layer calls for it up to quantized.kernel_rows, and past them by
-# `neuron_qlinear_panels` where that takes it, as quantized.linear does; a plan with a quantized
-# part the panels do not take (FP8 codes) stops at quantized.MAX_KERNEL_ROWS.
+# the Python layer calls for it up to quantized.kernel_rows, and past them by the kernel for many
+# rows (quantized.many_kernel) where one takes it, as quantized.linear does; a plan with a
+# quantized part none takes (FP8 codes) stops at quantized.MAX_KERNEL_ROWS.
 MAX_ROWS = 64
 _QUANTIZED_ROWS = min(MAX_ROWS, quantized.MAX_KERNEL_ROWS)
 _SCRATCH = ("h", "qkv", "q", "k", "attn", "o", "mid", "gate_up", "act", "down", "lora_u")
@@ -153,7 +153,7 @@ def _parts(kernels: Kernels, w, rows: int, inputs: int) -> list[_Part] | None:
         if chosen is None:
             return None
         kernel, layout = chosen
-        many = _address(quantized.many_kernel(kernels, q)) if quantized.panels_take(kernels, q) else None
+        many = _address(quantized.many_kernel(kernels, q)) if quantized.many_takes(kernels, q) else None
         parts.append(_Part(None, ctypes.addressof(layout), _address(kernel), q.shape[0], many,
                            quantized.kernel_rows(kernels, q)))
     return parts if sum(p.rows for p in parts) == rows else None

@@ -45,8 +45,8 @@ from neuron.layers import cpu_ops
 from neuron.layers.kernels import Kernels
 from neuron.layers.paged_attention import HAS_TRITON
 
-# Rows of x up to which the kernel runs; above, the arithmetic binds and the weight is dequantized
-# into fp32 panels inside the product (`neuron_qlinear_panels`, docs/benchmarks.md).
+# Rows of x up to which the kernel runs; above, the arithmetic binds and a kernel built for many rows
+# takes the step (`many_kernel`, docs/benchmarks.md).
 MAX_KERNEL_ROWS = 32
 # The same for the integer kernel on two-level (K-quant) factors, whose dequantization into panels
 # costs more: a SmolLM2-shaped layer in Q4_K took 1.02 / 1.26 / 2.42 ms through the integer kernel
@@ -288,7 +288,7 @@ def _kernel_takes(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight, bias: t
 
 def kernel_rows(kernels: Kernels, w: QuantizedWeight) -> int:
     """The most rows of a step that W's CPU kernel (`cpu_kernel`) multiplies; past them, the kernel
-    for many rows where one takes W (`panels_take`, `many_kernel`), else the reference."""
+    for many rows where one takes W (`many_takes`, `many_kernel`), else the reference."""
     if kernels.quant_exact or not _integer_takes(w, MAX_KERNEL_ROWS):
         return MAX_KERNEL_ROWS
     if _many_int(w):
@@ -303,24 +303,23 @@ def _many_int(w: QuantizedWeight) -> bool:
     return w.many_int
 
 
-def _panels_take(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> bool:
-    """Whether a step of more rows than the kernels take multiplies W by `neuron_qlinear_panels`
-    (dequantized two panels at a time inside the product, each thread into a buffer of its own),
-    rather than by dequantizing all of W and multiplying in torch: integer codes in a layout the
-    kernels take, in stored order (FP8 codes keep the reference)."""
+def _many_step(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> bool:
+    """Whether this step has more rows than W's kernel takes and `many_kernel` multiplies it, rather
+    than dequantizing all of W and multiplying in torch."""
     if x.dim() != 2 or x.shape[0] <= kernel_rows(kernels, w):
         return False
-    return panels_take(kernels, w) and cpu_ops.takes(x, *([bias] if bias is not None else []))
+    return many_takes(kernels, w) and cpu_ops.takes(x, *([bias] if bias is not None else []))
 
 
-def panels_take(kernels: Kernels, w: QuantizedWeight) -> bool:
-    """Whether a CPU kernel multiplies W in a step of more rows than `kernel_rows` (`many_kernel`;
-    cpu_decoder.py asks too)."""
+def many_takes(kernels: Kernels, w: QuantizedWeight) -> bool:
+    """Whether a CPU kernel multiplies W in a step of more rows than `kernel_rows` (`many_kernel`):
+    integer codes in a layout the kernels take, in stored order (FP8 codes keep the reference).
+    cpu_decoder.py asks too."""
     return kernels.quant_kernels and kernels.cpu_ops and w.rows_layout()
 
 
 def many_kernel(kernels: Kernels, w: QuantizedWeight):
-    """The kernel for a step of more rows than `kernel_rows`, where `panels_take`: the activations
+    """The kernel for a step of more rows than `kernel_rows`, where `many_takes`: the activations
     rounded to int8 and multiplied in integers (`neuron_qlinear_int_many`) where the library was
     built with AVX-512 VNNI or AVX-VNNI and W's groups are whole blocks of 32, unless
     NEURON_QUANT_EXACT; else W dequantized into fp32 panels (`neuron_qlinear_panels`), exact."""
@@ -399,7 +398,7 @@ def linear(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight | StackedWeight
     half = x.dtype in (torch.bfloat16, torch.float16) and x.is_cpu
     xk, bk = (x.float(), None if bias is None else bias.float()) if half else (x, bias)
     chosen = cpu_kernel(kernels, w, xk.shape[0]) if _kernel_takes(kernels, xk, w, bk) else None
-    if chosen is None and _panels_take(kernels, xk, w, bk):
+    if chosen is None and _many_step(kernels, xk, w, bk):
         chosen = many_kernel(kernels, w), w.layout
     if chosen is not None:
         kernel, layout = chosen
