@@ -103,14 +103,14 @@ MANY_KINDS = ["int8", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "I
 def _vnni_build() -> bool:
     """Whether this run's build has the integer kernel for many rows, from the compiler's own
     macros for -march=native (and the narrower builds' flags below, through NEURON_CXX): AVX-512
-    with VNNI, or AVX2 with AVX-VNNI and no AVX-512BW/VL (the decode kernel's widths)."""
+    (BW and VL, the decode kernel's width) with VNNI, or AVX2 with AVX-VNNI and no AVX-512."""
     macros = subprocess.run([native.compiler(), "-march=native", "-dM", "-E", "-x", "c++", "-"], input="",
                             capture_output=True, text=True, check=True).stdout
 
     def has(name: str) -> bool:
         return f"#define {name} " in macros
     avx512 = has("__AVX512BW__") and has("__AVX512VL__")
-    return (avx512 and has("__AVX512VNNI__")) or (not avx512 and has("__AVX2__") and has("__AVXVNNI__"))
+    return (avx512 and has("__AVX512VNNI__")) or (not has("__AVX512F__") and has("__AVX2__") and has("__AVXVNNI__"))
 
 
 def _many(kind: str, rows: int, kernels: Kernels, monkeypatch):

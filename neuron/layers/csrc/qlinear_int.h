@@ -702,7 +702,7 @@ int neuron_qlinear_int_stack(const float* x, int64_t m, int64_t xs, const Quanti
 // groups of 16 take the panels).
 namespace {
 
-#if defined(NEURON_INT_VNNI) || (defined(NEURON_INT_AVX2) && defined(__AVXVNNI__))
+#if defined(NEURON_INT_VNNI) || (defined(NEURON_INT_AVX2) && defined(__AVXVNNI__) && !defined(__AVX512F__))
 #define NEURON_INT_MANY 1
 // The registers of a tile: AVX-512's (16 lanes) or, with AVX-VNNI and no AVX-512 (Intel's cores
 // since Alder Lake, and any AVX-512 CPU's AVX2 build), AVX2's 8, whose 16 registers hold 3 rows.
