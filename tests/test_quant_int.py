@@ -120,11 +120,16 @@ def _many(kind: str, rows: int, kernels: Kernels, monkeypatch):
     rows += quantized.kernel_rows(kernels, w) - quantized.MAX_KERNEL_ROWS  # K-quants: past their own 128
     g = torch.Generator().manual_seed(rows)
     x, bias = torch.randn(rows, w.k, generator=g), torch.randn(OUTPUTS, generator=g) * 0.1
+    return w, x, bias, _counted(monkeypatch, "neuron_qlinear_panels", "neuron_qlinear_int_many")
+
+
+def _counted(monkeypatch, *names: str) -> list[tuple[str, int]]:
+    """The library's kernels `names`, each call counted as (name, rows) in the list returned."""
     calls, lib = [], cpu_ops.library()
-    for name in ("neuron_qlinear_panels", "neuron_qlinear_int_many"):
+    for name in names:
         real = getattr(lib, name)
         monkeypatch.setattr(lib, name, lambda *a, name=name, real=real: (calls.append((name, a[1])), real(*a))[1])
-    return w, x, bias, calls
+    return calls
 
 
 def _same_bits_on_other_teams(kernel, w, x, bias, got) -> None:
@@ -183,11 +188,8 @@ def test_each_weight_changes_kernel_at_its_own_row_count(kind, monkeypatch):
     to MAX_KERNEL_ROWS (32), then the panels. Under the exact setting: the exact kernel up to 32
     rows, then the panels. Each within its bound."""
     w = _weight(kind, OUTPUTS, 512)
-    lib = cpu_ops.library()
-    calls = []
-    for name in ("neuron_qlinear_int", "neuron_qlinear_panels", "neuron_qlinear", "neuron_qlinear_int_many"):
-        real = getattr(lib, name)
-        monkeypatch.setattr(lib, name, lambda *a, name=name, real=real: (calls.append((name, a[1])), real(*a))[1])
+    calls = _counted(monkeypatch, "neuron_qlinear_int", "neuron_qlinear_panels", "neuron_qlinear",
+                     "neuron_qlinear_int_many")
     many = _vnni_build() and w.group % 32 == 0
     if many:
         limit, past = quantized.MAX_KERNEL_ROWS_BEFORE_MANY, "neuron_qlinear_int_many"

@@ -229,6 +229,18 @@ void panel_tile(const float* x, int64_t xs, const float* panel, int64_t k, float
 
 // f(r, rb) for the rows [0, m) in tiles of near-equal size, at most RB rows each (64 rows in tiles
 // of 14: 12 + 13 + 13 + 13 + 13), rb the tile's row count as a compile-time constant.
+// Inside a parallel region: f(u, r0, rows) for this thread's equal share of units x rows of m
+// rows, in that order (a unit's rows may be split between two threads).
+template <typename F>
+inline void thread_share(int64_t units, int64_t m, F&& f) {
+    const int64_t team = omp_get_num_threads(), t = omp_get_thread_num(), total = units * m;
+    for (int64_t at = total * t / team, end = total * (t + 1) / team; at < end;) {
+        const int64_t u = at / m, r0 = at % m, rows = std::min(m - r0, end - at);
+        f(u, r0, rows);
+        at += rows;
+    }
+}
+
 template <int RB, typename F>
 inline void row_tiles(int64_t m, F&& f) {
     const int64_t tiles = (m + RB - 1) / RB;
@@ -433,14 +445,9 @@ void neuron_panel_linear(const float* x, int64_t m, int64_t xs, const PanelLayou
         return;
     }
 #pragma omp parallel num_threads(threads)
-    {
-        const int64_t team = omp_get_num_threads(), t = omp_get_thread_num(), total = units * m;
-        for (int64_t at = total * t / team, end = total * (t + 1) / team; at < end;) {
-            const int64_t u = at / m, r0 = at % m, rows = std::min(m - r0, end - at);
-            panel_unit(x, xs, w, u, per, r0, rows, bias, y, ys);
-            at += rows;
-        }
-    }
+    thread_share(units, m, [&](int64_t u, int64_t r0, int64_t rows) {
+        panel_unit(x, xs, w, u, per, r0, rows, bias, y, ys);
+    });
 }
 
 // The outputs of the panels' layout: PN floats a panel.
@@ -934,10 +941,8 @@ void neuron_qlinear_panels(const float* x, int64_t m, int64_t xs, const Quantize
     {
         static thread_local std::vector<float> buffer;
         if (int64_t(buffer.size()) < 2 * PN * k) buffer.resize(2 * PN * k);
-        const int64_t team = omp_get_num_threads(), t = omp_get_thread_num(), total = units * m;
         int64_t held = -1;  // the unit in the buffer
-        for (int64_t at = total * t / team, end = total * (t + 1) / team; at < end;) {
-            const int64_t u = at / m, r0 = at % m, rows = std::min(m - r0, end - at);
+        thread_share(units, m, [&](int64_t u, int64_t r0, int64_t rows) {
             const int64_t o = u * 2 * PN, outputs = std::min<int64_t>(2 * PN, n - o);
             if (u != held) {
                 dequantize_panels(w, o, outputs, buffer.data());
@@ -951,8 +956,7 @@ void neuron_qlinear_panels(const float* x, int64_t m, int64_t xs, const Quantize
                 for (int64_t p = 0; p * PN < outputs; ++p)
                     panels_rows(x + r0 * xs, rows, xs, unit, p, 1, b, y + r0 * ys + o, ys);
             }
-            at += rows;
-        }
+        });
     }
 }
 

@@ -903,24 +903,18 @@ void neuron_qlinear_int_many(const float* x, int64_t m, int64_t xs, const Quanti
                 a.sum[r * a.blocks + b] = halves[0] + halves[1];
             }
         static thread_local ManyPanel panel;
-        const int64_t team = omp_get_num_threads(), t = omp_get_thread_num(), total = panels * m;
-        int64_t held = -1;
-        for (int64_t at = total * t / team, end = total * (t + 1) / team; at < end;) {
-            const int64_t u = at / m, r0 = at % m, rows = std::min(m - r0, end - at);
+        int64_t held = -1;  // the panel in `panel`
+        thread_share(panels, m, [&](int64_t u, int64_t r0, int64_t rows) {
             const int64_t o = u * MANY_PN, cols = std::min<int64_t>(MANY_PN, n - o);
             if (u != held) {
                 repack_many(w, o, cols, panel);
                 held = u;
             }
             const float* b = bias ? bias + o : nullptr;
-            int64_t r = r0;
-            for (; r + MANY_RB <= r0 + rows; r += MANY_RB) many_tile<MANY_RB>(a, r, w, panel, y + o, ys, cols, b);
-            if (r < r0 + rows)
-                with_count<MANY_RB - 1>(r0 + rows - r, [&](auto rb) {
-                    many_tile<decltype(rb)::value>(a, r, w, panel, y + o, ys, cols, b);
-                });
-            at += rows;
-        }
+            row_tiles<MANY_RB>(rows, [&](int64_t r, auto rb) {
+                many_tile<decltype(rb)::value>(a, r0 + r, w, panel, y + o, ys, cols, b);
+            });
+        });
     }
 #else
     (void)x, (void)m, (void)xs, (void)weight, (void)bias, (void)y, (void)ys, (void)threads;
