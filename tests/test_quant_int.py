@@ -97,7 +97,7 @@ def test_integer_kernel_is_within_the_bound_of_dequantize_then_matmul(kind, k, r
 # Row counts past the kernels' (MAX_KERNEL_ROWS, moved up to kernel_rows for K-quants): tiles of 6
 # rows with a ragged end, one thread's share of units x rows ending inside a unit, a prefill chunk.
 MANY_ROWS = [33, 61, 200]
-MANY_KINDS = ["int8", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS", "g128"]
+MANY_KINDS = ["int8", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", "g128"]
 
 
 def _vnni_build() -> bool:
@@ -163,14 +163,15 @@ def test_a_step_of_many_rows_dequantizes_panels_inside_the_product(kind, rows, m
 @pytest.mark.parametrize("kind", MANY_KINDS)
 @pytest.mark.parametrize("rows", MANY_ROWS)
 def test_a_step_of_many_rows_multiplies_integers_where_the_build_has_vnni(kind, rows, monkeypatch):
-    """By default, past its kernel's rows, W in whole groups of 32 multiplies the rounded activations
-    in integers (`neuron_qlinear_int_many`, AVX-512 VNNI builds): within the integer kernels' bound
+    """By default, past its kernel's rows, W multiplies the rounded activations in integers
+    (`neuron_qlinear_int_many`, AVX-512 VNNI and AVX-VNNI builds): within the integer kernels' bound
     of dequantize-then-matmul, the same bits on any team and with fp16 or fp32 factors. Groups of
-    16 (Q6_K, Q3_K), and every build without VNNI, take the panels."""
+    16 (Q6_K, Q3_K, Q2_K, whose offsets meet each half block's own sum) are scaled per half block.
+    Every build without VNNI takes the panels."""
     w, x, bias, calls = _many(kind, rows, INTEGER, monkeypatch)
     ref = torch.nn.functional.linear(x.double(), w.dequantize().double(), bias.double())
     got = quantized.linear(INTEGER, x, w, bias)
-    assert w.many_int == (_vnni_build() and w.group % 32 == 0)
+    assert w.many_int == _vnni_build()
     name = "neuron_qlinear_int_many" if w.many_int else "neuron_qlinear_panels"
     assert calls == [(name, x.shape[0])]
     assert _nmse(got, ref) <= (NMSE_BOUND if w.many_int else 1e-12)
@@ -182,15 +183,15 @@ def test_a_step_of_many_rows_multiplies_integers_where_the_build_has_vnni(kind, 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K"])
 def test_each_weight_changes_kernel_at_its_own_row_count(kind, monkeypatch):
-    """Where the integer kernel for many rows takes W (an AVX-512 VNNI build, groups of 32) it takes
-    every step past MAX_KERNEL_ROWS_BEFORE_MANY rows (8); elsewhere K-quants keep the decode kernel
+    """Where the integer kernel for many rows takes W (a build with VNNI) it takes every step past
+    MAX_KERNEL_ROWS_BEFORE_MANY rows (8); elsewhere K-quants keep the decode kernel
     up to MAX_KERNEL_ROWS_TWO_LEVEL (128), whose panels' dequantization costs more, and the rest up
     to MAX_KERNEL_ROWS (32), then the panels. Under the exact setting: the exact kernel up to 32
     rows, then the panels. Each within its bound."""
     w = _weight(kind, OUTPUTS, 512)
     calls = _counted(monkeypatch, "neuron_qlinear_int", "neuron_qlinear_panels", "neuron_qlinear",
                      "neuron_qlinear_int_many")
-    many = _vnni_build() and w.group % 32 == 0
+    many = _vnni_build()
     if many:
         limit, past = quantized.MAX_KERNEL_ROWS_BEFORE_MANY, "neuron_qlinear_int_many"
     elif w.scale_sub is not None:

@@ -321,8 +321,9 @@ def many_takes(kernels: Kernels, w: QuantizedWeight) -> bool:
 def many_kernel(kernels: Kernels, w: QuantizedWeight):
     """The kernel for a step of more rows than `kernel_rows`, where `many_takes`: the activations
     rounded to int8 and multiplied in integers (`neuron_qlinear_int_many`) where the library was
-    built with AVX-512 VNNI or AVX-VNNI and W's groups are whole blocks of 32, unless
-    NEURON_QUANT_EXACT; else W dequantized into fp32 panels (`neuron_qlinear_panels`), exact."""
+    built with AVX-512 VNNI or AVX-VNNI and W is 4-bit codes in groups of 32 or int8 codes in
+    groups of 16 or more, unless NEURON_QUANT_EXACT; else W dequantized into fp32 panels
+    (`neuron_qlinear_panels`), exact."""
     lib = cpu_ops.library()
     return lib.neuron_qlinear_int_many if _many_int(w) and not kernels.quant_exact else lib.neuron_qlinear_panels
 

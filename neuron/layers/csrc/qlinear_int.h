@@ -698,8 +698,9 @@ int neuron_qlinear_int_stack(const float* x, int64_t m, int64_t xs, const Quanti
 // where an fp32 FMA does one. Each block of 32 inputs is summed in integers, less 128 times the
 // block's rounded x for int8 codes, then converted and scaled once by its block's d and its group's
 // scale; the offset is subtracted per block as z times d times the block's rounded sum (the decode
-// kernel's arithmetic, summed in another order). Whole groups of 32 (no Q6_K, Q3_K, Q2_K: their
-// groups of 16 take the panels).
+// kernel's arithmetic, summed in another order). Groups of 16 (Q6_K, Q3_K, Q2_K: int8 codes) are
+// summed and scaled per half block instead (SUB 16): the same integer products, with twice the
+// conversions and scalings, against each half's own sum of rounded x for the offsets.
 namespace {
 
 #if defined(NEURON_INT_VNNI) || (defined(NEURON_INT_AVX2) && defined(__AVXVNNI__) && !defined(__AVX512F__))
@@ -745,11 +746,11 @@ constexpr int MANY_PN = 2 * ManyRegs::LANES;  // outputs of a panel: two registe
 constexpr int MANY_RB = ManyRegs::ROWS;
 static_assert(ManyRegs::LANES == VL, "a panel's words transpose in blocks of the build's vector width");
 
-struct ManyRows {  // x rounded: per row, k codes, and per block of 32 its d and its codes' sum
+struct ManyRows {  // x rounded: per row, k codes, per block of 32 its d, per sub-block its codes' sum
     std::vector<int8_t> q;
     std::vector<float> d;
-    std::vector<int32_t> sum;
-    int64_t blocks = 0;
+    std::vector<int32_t> sum;  // [rows][subs]: per block of 32, or per half block where W's groups are 16
+    int64_t blocks = 0, subs = 0;
 };
 
 struct ManyPanel {  // one panel of W repacked
@@ -758,8 +759,12 @@ struct ManyPanel {  // one panel of W repacked
 };
 
 inline bool many_takes(const QuantizedWeight& w) {
-    return !w.fp8 && (w.bits == 4 || w.bits == 8) && w.group % 32 == 0 && w.k % w.group == 0 && w.k > 0;
+    return !w.fp8 && ((w.bits == 4 && w.group % 32 == 0) || (w.bits == 8 && w.group % 16 == 0)) &&
+           w.k % 32 == 0 && w.k % w.group == 0 && w.k > 0;
 }
+
+// Inputs summed in integers before a scaling: a block of 32, or half of one where W's groups are 16.
+inline int many_sub(const QuantizedWeight& w) { return w.group % 32 == 0 ? 32 : 16; }
 
 // Weight rows [o, o + outputs) (outputs <= MANY_PN, the rest zero) into `p`.
 inline void repack_many(const QuantizedWeight& w, int64_t o, int64_t outputs, ManyPanel& p) {
@@ -808,38 +813,38 @@ inline void repack_many(const QuantizedWeight& w, int64_t o, int64_t outputs, Ma
         for (int j = 0; j < MANY_PN; ++j) out[c * MANY_PN + j] = rows[j * words + c];
 }
 
-template <int RB>
+template <int RB, int SUB>
 inline void many_tile(const ManyRows& x, int64_t r0, const QuantizedWeight& w, const ManyPanel& p, float* y,
                       int64_t ys, int64_t cols, const float* bias) {
     using V = ManyRegs;
-    constexpr int L = V::LANES;
-    const int64_t k = w.k, blocks = k / 32, per_group = w.group / 32;
+    constexpr int L = V::LANES, QUADS = SUB / 4;
+    const int64_t k = w.k, subs = k / SUB, per_group = w.group / SUB;
     const bool signed_codes = w.bits != 4, offsets = w.offset != nullptr;
     typename V::F acc[RB][2];
     for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = V::zero();
-    for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t b = 0; b < subs; ++b) {
         typename V::I isum[RB][2];
         for (int r = 0; r < RB; ++r) {
-            const int32_t start = signed_codes ? -128 * x.sum[(r0 + r) * x.blocks + b] : 0;
+            const int32_t start = signed_codes ? -128 * x.sum[(r0 + r) * x.subs + b] : 0;
             isum[r][0] = isum[r][1] = V::set1(start);
         }
-        const uint8_t* wc = p.codes.data() + b * 8 * MANY_PN * 4;
-        for (int quad = 0; quad < 8; ++quad) {
+        const uint8_t* wc = p.codes.data() + b * QUADS * MANY_PN * 4;
+        for (int quad = 0; quad < QUADS; ++quad) {
             const typename V::I w0 = V::load(wc + quad * MANY_PN * 4);
             const typename V::I w1 = V::load(wc + quad * MANY_PN * 4 + L * 4);
             for (int r = 0; r < RB; ++r) {
                 int32_t four;
-                std::memcpy(&four, x.q.data() + (r0 + r) * k + b * 32 + quad * 4, 4);
+                std::memcpy(&four, x.q.data() + (r0 + r) * k + b * SUB + quad * 4, 4);
                 const typename V::I xb = V::set1(four);
                 isum[r][0] = V::dot(isum[r][0], w0, xb);
                 isum[r][1] = V::dot(isum[r][1], w1, xb);
             }
         }
-        const int64_t g = b / per_group;
+        const int64_t g = b / per_group, block = b * SUB / 32;
         const typename V::F s0 = V::loadf(p.scale.data() + g * MANY_PN);
         const typename V::F s1 = V::loadf(p.scale.data() + g * MANY_PN + L);
         for (int r = 0; r < RB; ++r) {
-            const typename V::F dv = V::set1f(x.d[(r0 + r) * x.blocks + b]);
+            const typename V::F dv = V::set1f(x.d[(r0 + r) * x.blocks + block]);
             acc[r][0] = V::fmadd(V::floats(isum[r][0]), V::mul(s0, dv), acc[r][0]);
             acc[r][1] = V::fmadd(V::floats(isum[r][1]), V::mul(s1, dv), acc[r][1]);
         }
@@ -847,8 +852,8 @@ inline void many_tile(const ManyRows& x, int64_t r0, const QuantizedWeight& w, c
             const typename V::F z0 = V::loadf(p.offset.data() + g * MANY_PN);
             const typename V::F z1 = V::loadf(p.offset.data() + g * MANY_PN + L);
             for (int r = 0; r < RB; ++r) {
-                const int64_t at = (r0 + r) * x.blocks + b;
-                const typename V::F xs = V::set1f(x.d[at] * float(x.sum[at]));
+                const float xs_value = x.d[(r0 + r) * x.blocks + block] * float(x.sum[(r0 + r) * x.subs + b]);
+                const typename V::F xs = V::set1f(xs_value);
                 acc[r][0] = V::fnmadd(z0, xs, acc[r][0]);
                 acc[r][1] = V::fnmadd(z1, xs, acc[r][1]);
             }
@@ -867,8 +872,8 @@ inline void many_tile(const ManyRows& x, int64_t r0, const QuantizedWeight& w, c
 
 extern "C" {
 
-// Whether neuron_qlinear_int_many takes W: built with AVX-512 VNNI or AVX-VNNI, int8 or 4-bit codes
-// in whole groups of 32. quantized.py asks once per weight.
+// Whether neuron_qlinear_int_many takes W: built with AVX-512 VNNI or AVX-VNNI, 4-bit codes in whole
+// groups of 32 or int8 codes in whole groups of 16. quantized.py asks once per weight.
 int neuron_qlinear_int_many_takes(const QuantizedWeight* w) {
 #if defined(NEURON_INT_MANY)
     return many_takes(*w) ? 1 : 0;
@@ -886,11 +891,13 @@ void neuron_qlinear_int_many(const float* x, int64_t m, int64_t xs, const Quanti
     const QuantizedWeight& w = *weight;
     if (m <= 0 || !many_takes(w)) return;
     const int64_t k = w.k, n = w.n, panels = (n + MANY_PN - 1) / MANY_PN;
+    const int sub = many_sub(w);
     static thread_local ManyRows rounded;  // the calling thread's; the team reads it
     rounded.blocks = k / 32;
+    rounded.subs = k / sub;
     rounded.q.resize(size_t(m) * k);
     rounded.d.resize(size_t(m) * rounded.blocks);
-    rounded.sum.resize(size_t(m) * rounded.blocks);
+    rounded.sum.resize(size_t(m) * rounded.subs);
     ManyRows& a = rounded;
     const bool parallel = m * n * k >= MIN_PARALLEL_LINEAR;
 #pragma omp parallel num_threads(threads) if (parallel)
@@ -900,7 +907,12 @@ void neuron_qlinear_int_many(const float* x, int64_t m, int64_t xs, const Quanti
             for (int64_t b = 0; b < a.blocks; ++b) {
                 int32_t halves[2];
                 a.d[r * a.blocks + b] = round_block(x + r * xs + b * 32, a.q.data() + r * k + b * 32, halves);
-                a.sum[r * a.blocks + b] = halves[0] + halves[1];
+                if (sub == 16) {
+                    a.sum[r * a.subs + 2 * b] = halves[0];
+                    a.sum[r * a.subs + 2 * b + 1] = halves[1];
+                } else {
+                    a.sum[r * a.subs + b] = halves[0] + halves[1];
+                }
             }
         static thread_local ManyPanel panel;
         int64_t held = -1;  // the panel in `panel`
@@ -912,7 +924,10 @@ void neuron_qlinear_int_many(const float* x, int64_t m, int64_t xs, const Quanti
             }
             const float* b = bias ? bias + o : nullptr;
             row_tiles<MANY_RB>(rows, [&](int64_t r, auto rb) {
-                many_tile<decltype(rb)::value>(a, r0 + r, w, panel, y + o, ys, cols, b);
+                if (sub == 16)
+                    many_tile<decltype(rb)::value, 16>(a, r0 + r, w, panel, y + o, ys, cols, b);
+                else
+                    many_tile<decltype(rb)::value, 32>(a, r0 + r, w, panel, y + o, ys, cols, b);
             });
         });
     }
