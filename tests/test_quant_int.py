@@ -100,17 +100,22 @@ MANY_ROWS = [33, 61, 200]
 MANY_KINDS = ["int8", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", "g128"]
 
 
-def _vnni_build() -> bool:
-    """Whether this run's build has the integer kernel for many rows, from the compiler's own
-    macros for -march=native (and the narrower builds' flags below, through NEURON_CXX): AVX-512
-    (BW and VL, the decode kernel's width) with VNNI, or AVX2 with AVX-VNNI and no AVX-512."""
+def _many_int_expected(w: QuantizedWeight) -> bool:
+    """Whether this run's build multiplies W in integers past its kernel rows, from the compiler's
+    own macros for -march=native (and the narrower builds' flags below, through NEURON_CXX): with
+    VNNI (AVX-512 BW and VL with VNNI, or AVX2 with AVX-VNNI and no AVX-512) 4-bit codes in groups
+    of 32 and int8 codes in groups of 16; without it (AVX-512 BW and VL, or AVX2 and no AVX-512) the
+    4-bit ones alone; nothing in a build without AVX2."""
     macros = subprocess.run([native.compiler(), "-march=native", "-dM", "-E", "-x", "c++", "-"], input="",
                             capture_output=True, text=True, check=True).stdout
 
     def has(name: str) -> bool:
         return f"#define {name} " in macros
     avx512 = has("__AVX512BW__") and has("__AVX512VL__")
-    return (avx512 and has("__AVX512VNNI__")) or (not has("__AVX512F__") and has("__AVX2__") and has("__AVXVNNI__"))
+    avx2 = not has("__AVX512F__") and has("__AVX2__")
+    if (avx512 and has("__AVX512VNNI__")) or (avx2 and has("__AVXVNNI__")):
+        return (w.bits == 4 and w.group % 32 == 0) or (w.bits == 8 and w.group % 16 == 0)
+    return (avx512 or avx2) and w.bits == 4 and w.group % 32 == 0
 
 
 def _many(kind: str, rows: int, kernels: Kernels, monkeypatch):
@@ -164,14 +169,14 @@ def test_a_step_of_many_rows_dequantizes_panels_inside_the_product(kind, rows, m
 @pytest.mark.parametrize("rows", MANY_ROWS)
 def test_a_step_of_many_rows_multiplies_integers_where_the_build_has_vnni(kind, rows, monkeypatch):
     """By default, past its kernel's rows, W multiplies the rounded activations in integers
-    (`neuron_qlinear_int_many`, AVX-512 VNNI and AVX-VNNI builds): within the integer kernels' bound
-    of dequantize-then-matmul, the same bits on any team and with fp16 or fp32 factors. Groups of
-    16 (Q6_K, Q3_K, Q2_K, whose offsets meet each half block's own sum) are scaled per half block.
-    Every build without VNNI takes the panels."""
+    (`neuron_qlinear_int_many`) where the build takes its codes (`_many_int_expected`): within the
+    integer kernels' bound of dequantize-then-matmul, the same bits on any team and with fp16 or
+    fp32 factors. Groups of 16 (Q6_K, Q3_K, Q2_K, whose offsets meet each half block's own sum) are
+    scaled per half block. The rest take the panels."""
     w, x, bias, calls = _many(kind, rows, INTEGER, monkeypatch)
     ref = torch.nn.functional.linear(x.double(), w.dequantize().double(), bias.double())
     got = quantized.linear(INTEGER, x, w, bias)
-    assert w.many_int == _vnni_build()
+    assert w.many_int == _many_int_expected(w)
     name = "neuron_qlinear_int_many" if w.many_int else "neuron_qlinear_panels"
     assert calls == [(name, x.shape[0])]
     assert _nmse(got, ref) <= (NMSE_BOUND if w.many_int else 1e-12)
@@ -183,15 +188,15 @@ def test_a_step_of_many_rows_multiplies_integers_where_the_build_has_vnni(kind, 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K"])
 def test_each_weight_changes_kernel_at_its_own_row_count(kind, monkeypatch):
-    """Where the integer kernel for many rows takes W (a build with VNNI) it takes every step past
-    MAX_KERNEL_ROWS_BEFORE_MANY rows (8); elsewhere K-quants keep the decode kernel
+    """Where the integer kernel for many rows takes W (`_many_int_expected`) it takes every step
+    past MAX_KERNEL_ROWS_BEFORE_MANY rows (8); elsewhere K-quants keep the decode kernel
     up to MAX_KERNEL_ROWS_TWO_LEVEL (128), whose panels' dequantization costs more, and the rest up
     to MAX_KERNEL_ROWS (32), then the panels. Under the exact setting: the exact kernel up to 32
     rows, then the panels. Each within its bound."""
     w = _weight(kind, OUTPUTS, 512)
     calls = _counted(monkeypatch, "neuron_qlinear_int", "neuron_qlinear_panels", "neuron_qlinear",
                      "neuron_qlinear_int_many")
-    many = _vnni_build()
+    many = _many_int_expected(w)
     if many:
         limit, past = quantized.MAX_KERNEL_ROWS_BEFORE_MANY, "neuron_qlinear_int_many"
     elif w.scale_sub is not None:
@@ -349,8 +354,9 @@ def test_parts_that_differ_are_declined_untouched(kinds):
 # The build picks its code by -march=native; each of these flags takes away part of what an AVX-512
 # VNNI machine has, so the other paths (maddubs, 256 bits, plain C++, fp16 factors widened without
 # F16C) are checked on it too: through a compiler wrapper named by NEURON_CXX and a kernel cache of
-# its own. The three runs (a build and the checks each, mostly one core's work) start together.
-NARROWER = {"avx512-without-vnni": "-mno-avx512vnni", "avx2": "-mno-avx512f", "scalar": "-mno-avx"}
+# its own. The four runs (a build and the checks each, mostly one core's work) start together.
+NARROWER = {"avx512-without-vnni": "-mno-avx512vnni", "avx2": "-mno-avx512f",
+            "avx2-without-vnni": "-mno-avx512f -mno-avxvnni", "scalar": "-mno-avx"}
 
 
 @pytest.fixture(scope="module")

@@ -22,9 +22,10 @@ A CPU step of up to MAX_KERNEL_ROWS rows multiplies through neuron's C++ kernels
 (within a stated error of the reference, tests/test_quant_int.py); for FP8 codes, or everywhere
 with NEURON_QUANT_EXACT, `neuron_qlinear` (csrc/cpu_ops.cpp), which widens and scales each weight
 vector to fp32 as it streams past (the reference's sums up to their order). A CPU step of more
-rows (`kernel_rows`: a prefill, a large decode batch) runs `many_kernel`: on builds with AVX-512
-VNNI or AVX-VNNI `neuron_qlinear_int_many`, which repacks W a panel at a time and multiplies the
-rounded activations in integer tiles (the decode kernel's bound), else `neuron_qlinear_panels`,
+rows (`kernel_rows`: a prefill, a large decode batch) runs `many_kernel`: where the build takes W's
+codes `neuron_qlinear_int_many`, which repacks W a panel at a time and multiplies the rounded
+activations in integer tiles (the decode kernel's bound; 4-bit codes with AVX-512 or AVX2, int8
+codes too with VNNI; AVX2 without VNNI runs the decode kernel itself), else `neuron_qlinear_panels`,
 which dequantizes W two panels of outputs at a time into a per-thread buffer and multiplies them
 there as fp32 weights are multiplied (`cpu_ops.PanelWeight`), exact. A CUDA step goes through the
 Triton kernel (triton_quant.py) once the start-up self-check passed it; every other case (FP8 or
@@ -53,7 +54,7 @@ MAX_KERNEL_ROWS = 32
 # at 33 / 64 / 128 rows against 1.01-1.33 / 1.54-1.57 / 2.68 through the panels, level from 256 on
 # (docs/benchmarks.md). The panels stay exact, so a prefill's chunks keep them.
 MAX_KERNEL_ROWS_TWO_LEVEL = 128
-# The same where the integer kernel for many rows takes W (`many_kernel`, VNNI builds): it
+# The same where the integer kernel for many rows takes W (`many_kernel`): it
 # is level with the decode kernel at 8-10 rows and faster from there (a SmolLM2-shaped layer in
 # Q4_1 at 12 / 16 / 32 rows: 0.18 / 0.21 / 0.32 ms against 0.25 / 0.31 / 0.59, docs/benchmarks.md).
 MAX_KERNEL_ROWS_BEFORE_MANY = 8
@@ -320,9 +321,9 @@ def many_takes(kernels: Kernels, w: QuantizedWeight) -> bool:
 
 def many_kernel(kernels: Kernels, w: QuantizedWeight):
     """The kernel for a step of more rows than `kernel_rows`, where `many_takes`: the activations
-    rounded to int8 and multiplied in integers (`neuron_qlinear_int_many`) where the library was
-    built with AVX-512 VNNI or AVX-VNNI and W is 4-bit codes in groups of 32 or int8 codes in
-    groups of 16 or more, unless NEURON_QUANT_EXACT; else W dequantized into fp32 panels
+    rounded to int8 and multiplied in integers (`neuron_qlinear_int_many`) where the library takes
+    W's codes (4-bit codes in groups of 32 in AVX-512 and AVX2 builds; int8 codes in groups of 16 or
+    more in those with VNNI), unless NEURON_QUANT_EXACT; else W dequantized into fp32 panels
     (`neuron_qlinear_panels`), exact."""
     lib = cpu_ops.library()
     return lib.neuron_qlinear_int_many if _many_int(w) and not kernels.quant_exact else lib.neuron_qlinear_panels

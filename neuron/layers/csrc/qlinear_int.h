@@ -688,8 +688,8 @@ int neuron_qlinear_int_stack(const float* x, int64_t m, int64_t xs, const Quanti
 }  // extern "C"
 
 // ---------------------------------------------------------------------------------------------
-// Steps of many rows (prefill chunks, large decode batches) with the activations rounded as above,
-// under AVX-512 VNNI or AVX-VNNI: `neuron_qlinear_int_many`. The decode kernel streams each weight
+// Steps of many rows (prefill chunks, large decode batches) with the activations rounded as above:
+// `neuron_qlinear_int_many`, under AVX-512 or AVX-VNNI (see ManyRegs). The decode kernel streams each weight
 // row past a few rows of x; here the arithmetic binds, so each thread repacks one panel of MANY_PN
 // outputs at a time into a buffer of its own, [k / 4][MANY_PN][4 codes] as unsigned bytes (4-bit
 // codes as they are, int8 codes with 128 added) beside [groups][MANY_PN] scales and offsets, and
@@ -703,18 +703,29 @@ int neuron_qlinear_int_stack(const float* x, int64_t m, int64_t xs, const Quanti
 // conversions and scalings, against each half's own sum of rounded x for the offsets.
 namespace {
 
-#if defined(NEURON_INT_VNNI) || (defined(NEURON_INT_AVX2) && defined(__AVXVNNI__) && !defined(__AVX512F__))
+// The registers of a tile: AVX-512's (16 lanes, 6 rows) or, with AVX-VNNI and no AVX-512 (Intel's
+// cores since Alder Lake, and any AVX-512 CPU's AVX2 build), AVX2's (8 lanes, 3 rows in 16
+// registers). `dot` is one dpbusd under VNNI. AVX-512 without VNNI (Skylake-SP) takes 4-bit codes
+// only: maddubs sums each pair of code x activation products into 16 bits (at most 2 x 15 x 127),
+// a block's eight steps are added in 16 bits (at most 30,480) and one madd widens them; int8 codes
+// would saturate maddubs and keep the panels. AVX2 without VNNI has no tile of its own: the same
+// 4-bit tile at that width was no faster than the decode kernel, which beats the panels there at
+// every row count (one SmolLM2-shaped layer, 512 rows: Q4_K 14.6 against 20.0 ms), so its 4-bit
+// steps of many rows go through the decode kernel (NEURON_INT_MANY_DECODE).
+#if defined(NEURON_INT_AVX512)
 #define NEURON_INT_MANY 1
-// The registers of a tile: AVX-512's (16 lanes) or, with AVX-VNNI and no AVX-512 (Intel's cores
-// since Alder Lake, and any AVX-512 CPU's AVX2 build), AVX2's 8, whose 16 registers hold 3 rows.
-#if defined(NEURON_INT_VNNI)
 struct ManyRegs {
     static constexpr int LANES = 16, ROWS = 6;  // 12 integer and 12 float accumulators, 2 codes, the broadcast
+    static constexpr bool VNNI_DOT = VNNI;
     typedef __m512i I;
     typedef __m512 F;
     static I load(const void* p) { return _mm512_loadu_si512(p); }
     static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+#if defined(NEURON_INT_VNNI)
     static I dot(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
+#endif
+    static I pairs(I acc16, I w, I x) { return _mm512_add_epi16(acc16, _mm512_maddubs_epi16(w, x)); }
+    static I widen(I acc16) { return _mm512_madd_epi16(acc16, _mm512_set1_epi16(1)); }
     static F floats(I v) { return _mm512_cvtepi32_ps(v); }
     static F loadf(const float* p) { return _mm512_loadu_ps(p); }
     static F set1f(float v) { return _mm512_set1_ps(v); }
@@ -724,9 +735,11 @@ struct ManyRegs {
     static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
     static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
 };
-#else
+#elif defined(NEURON_INT_AVX2) && defined(__AVXVNNI__) && !defined(__AVX512F__)
+#define NEURON_INT_MANY 1
 struct ManyRegs {
     static constexpr int LANES = 8, ROWS = 3;  // 6 + 6 accumulators, 2 codes, the broadcast: 15 of 16
+    static constexpr bool VNNI_DOT = true;
     typedef __m256i I;
     typedef __m256 F;
     static I load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
@@ -741,7 +754,18 @@ struct ManyRegs {
     static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
     static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
+#elif defined(NEURON_INT_AVX2) && !defined(__AVX512F__)
+#define NEURON_INT_MANY_DECODE 1
 #endif
+
+// Whether W's codes take the integer path for many rows: 4-bit codes in groups of 32, and with VNNI
+// int8 codes in groups of 16 or more.
+inline bool many_codes(const QuantizedWeight& w, bool vnni) {
+    const bool codes = w.bits == 4 ? w.group % 32 == 0 : vnni && w.bits == 8 && w.group % 16 == 0;
+    return !w.fp8 && codes && w.k % 32 == 0 && w.k % w.group == 0 && w.k > 0;
+}
+
+#if defined(NEURON_INT_MANY)
 constexpr int MANY_PN = 2 * ManyRegs::LANES;  // outputs of a panel: two registers of lanes
 constexpr int MANY_RB = ManyRegs::ROWS;
 static_assert(ManyRegs::LANES == VL, "a panel's words transpose in blocks of the build's vector width");
@@ -758,10 +782,7 @@ struct ManyPanel {  // one panel of W repacked
     std::vector<float> scale, offset;
 };
 
-inline bool many_takes(const QuantizedWeight& w) {
-    return !w.fp8 && ((w.bits == 4 && w.group % 32 == 0) || (w.bits == 8 && w.group % 16 == 0)) &&
-           w.k % 32 == 0 && w.k % w.group == 0 && w.k > 0;
-}
+inline bool many_takes(const QuantizedWeight& w) { return many_codes(w, ManyRegs::VNNI_DOT); }
 
 // Inputs summed in integers before a scaling: a block of 32, or half of one where W's groups are 16.
 inline int many_sub(const QuantizedWeight& w) { return w.group % 32 == 0 ? 32 : 16; }
@@ -813,10 +834,10 @@ inline void repack_many(const QuantizedWeight& w, int64_t o, int64_t outputs, Ma
         for (int j = 0; j < MANY_PN; ++j) out[c * MANY_PN + j] = rows[j * words + c];
 }
 
-template <int RB, int SUB>
+// (V a parameter, so that only the branch for the build's kind of dot is made)
+template <int RB, int SUB, typename V = ManyRegs>
 inline void many_tile(const ManyRows& x, int64_t r0, const QuantizedWeight& w, const ManyPanel& p, float* y,
                       int64_t ys, int64_t cols, const float* bias) {
-    using V = ManyRegs;
     constexpr int L = V::LANES, QUADS = SUB / 4;
     const int64_t k = w.k, subs = k / SUB, per_group = w.group / SUB;
     const bool signed_codes = w.bits != 4, offsets = w.offset != nullptr;
@@ -829,15 +850,33 @@ inline void many_tile(const ManyRows& x, int64_t r0, const QuantizedWeight& w, c
             isum[r][0] = isum[r][1] = V::set1(start);
         }
         const uint8_t* wc = p.codes.data() + b * QUADS * MANY_PN * 4;
-        for (int quad = 0; quad < QUADS; ++quad) {
-            const typename V::I w0 = V::load(wc + quad * MANY_PN * 4);
-            const typename V::I w1 = V::load(wc + quad * MANY_PN * 4 + L * 4);
+        if constexpr (V::VNNI_DOT) {
+            for (int quad = 0; quad < QUADS; ++quad) {
+                const typename V::I w0 = V::load(wc + quad * MANY_PN * 4);
+                const typename V::I w1 = V::load(wc + quad * MANY_PN * 4 + L * 4);
+                for (int r = 0; r < RB; ++r) {
+                    int32_t four;
+                    std::memcpy(&four, x.q.data() + (r0 + r) * k + b * SUB + quad * 4, 4);
+                    const typename V::I xb = V::set1(four);
+                    isum[r][0] = V::dot(isum[r][0], w0, xb);
+                    isum[r][1] = V::dot(isum[r][1], w1, xb);
+                }
+            }
+        } else {  // 4-bit codes: the block's pairs summed in 16 bits, then widened once (start 0)
+            for (int quad = 0; quad < QUADS; ++quad) {
+                const typename V::I w0 = V::load(wc + quad * MANY_PN * 4);
+                const typename V::I w1 = V::load(wc + quad * MANY_PN * 4 + L * 4);
+                for (int r = 0; r < RB; ++r) {
+                    int32_t four;
+                    std::memcpy(&four, x.q.data() + (r0 + r) * k + b * SUB + quad * 4, 4);
+                    const typename V::I xb = V::set1(four);
+                    isum[r][0] = V::pairs(isum[r][0], w0, xb);
+                    isum[r][1] = V::pairs(isum[r][1], w1, xb);
+                }
+            }
             for (int r = 0; r < RB; ++r) {
-                int32_t four;
-                std::memcpy(&four, x.q.data() + (r0 + r) * k + b * SUB + quad * 4, 4);
-                const typename V::I xb = V::set1(four);
-                isum[r][0] = V::dot(isum[r][0], w0, xb);
-                isum[r][1] = V::dot(isum[r][1], w1, xb);
+                isum[r][0] = V::widen(isum[r][0]);
+                isum[r][1] = V::widen(isum[r][1]);
             }
         }
         const int64_t g = b / per_group, block = b * SUB / 32;
@@ -872,11 +911,14 @@ inline void many_tile(const ManyRows& x, int64_t r0, const QuantizedWeight& w, c
 
 extern "C" {
 
-// Whether neuron_qlinear_int_many takes W: built with AVX-512 VNNI or AVX-VNNI, 4-bit codes in whole
-// groups of 32 or int8 codes in whole groups of 16. quantized.py asks once per weight.
+// Whether neuron_qlinear_int_many takes W: 4-bit codes in whole groups of 32 in builds with AVX-512
+// or AVX2, and int8 codes in whole groups of 16 in those with VNNI (AVX-512 VNNI or AVX-VNNI).
+// quantized.py asks once per weight.
 int neuron_qlinear_int_many_takes(const QuantizedWeight* w) {
 #if defined(NEURON_INT_MANY)
     return many_takes(*w) ? 1 : 0;
+#elif defined(NEURON_INT_MANY_DECODE)
+    return many_codes(*w, false) ? 1 : 0;
 #else
     (void)w;
     return 0;
@@ -931,6 +973,8 @@ void neuron_qlinear_int_many(const float* x, int64_t m, int64_t xs, const Quanti
             });
         });
     }
+#elif defined(NEURON_INT_MANY_DECODE)
+    if (m > 0 && many_codes(*weight, false)) neuron_qlinear_int(x, m, xs, weight, bias, y, ys, threads);
 #else
     (void)x, (void)m, (void)xs, (void)weight, (void)bias, (void)y, (void)ys, (void)threads;
 #endif
