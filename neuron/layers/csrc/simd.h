@@ -114,7 +114,18 @@ inline float exp2_neg(float x_in) {
 // selects and bit copies into masks (every AVX2 build: its softmax ran one lane at a time, a
 // quarter of a prefill's attention). The rounding adds and removes 1.5 x 2^23, which leaves no
 // fraction bits for |x| <= 126: nearbyint's result, ties to even.
+//
+// With AVX-512 the rounding is one roundscale and the exponent's addition one scalef (p x 2^n, the
+// same value as adding n to p's exponent wherever the result is normal, which is every unmasked
+// lane: n = -126 only where f >= 0, so p >= 1): 10 vector operations against 15, the same bits.
 inline vecf exp2_neg_v(vecf x_in) {
+#if defined(__AVX512F__)
+    const __m512 x = reinterpret_cast<__m512>(x_in);
+    const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);  // x >= -126, or NaN
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vecf p = exp2_fraction(x_in - reinterpret_cast<vecf>(n));
+    return reinterpret_cast<vecf>(_mm512_maskz_scalef_ps(kept, reinterpret_cast<__m512>(p), n));
+#else
     typedef int32_t veci __attribute__((vector_size(VL * sizeof(int32_t))));
     const vecf lowest = vecf{} - 126.0f;
     const vecf x = x_in < lowest ? lowest : x_in;
@@ -124,6 +135,7 @@ inline vecf exp2_neg_v(vecf x_in) {
     const vecf p = exp2_fraction(f);
     const veci bits = reinterpret_cast<veci>(p) + (__builtin_convertvector(n, veci) << 23);
     return x_in < lowest ? vecf{} : reinterpret_cast<vecf>(bits);
+#endif
 }
 
 }  // namespace
