@@ -12,10 +12,10 @@ says) on the same GGUF files, "not installed" where it is missing.
 For each: weight bytes per rank (what the ranks report after loading), batch-1 decode tok/s (one
 sequence) and batch-16 decode tok/s (16 sequences at once), each the median of --repeats rounds, and
 the ratio to fp32; with --prefill N, also the prompt tok/s of one N-token prompt (its first token's
-time, llama.cpp's `eval` of the prompt), against llama.cpp's on the GGUF files. llama.cpp decodes each GGUF file once after every round of neuron's, and the
-ratio to it is the median of the rounds' own ratios: a shared VM's memory bandwidth drifts by a
-third over minutes, more than the engines differ. Greedy decoding ignores EOS so every run has the
-same length.
+time, llama.cpp's `eval` of the prompt), against llama.cpp's on the GGUF files. llama.cpp decodes
+each GGUF file once after every round of neuron's, and the ratio to it is the median of the rounds'
+own ratios: a shared VM's memory bandwidth drifts by a third over minutes, more than the engines
+differ. Greedy decoding ignores EOS so every run has the same length.
 """
 
 from __future__ import annotations

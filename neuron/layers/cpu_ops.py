@@ -55,7 +55,8 @@ _SIGNATURES = {
     "neuron_panel_width": [],
     "neuron_panel_rows": [_P, _P, _I, _P, _I],
 }
-_RETURNS = {"neuron_qrows": ctypes.c_int, "neuron_qlinear_int_many_takes": ctypes.c_int, "neuron_qlinear_int_stack": ctypes.c_int, "neuron_panel_width": ctypes.c_int64,
+_RETURNS = {"neuron_qrows": ctypes.c_int, "neuron_qlinear_int_many_takes": ctypes.c_int,
+            "neuron_qlinear_int_stack": ctypes.c_int, "neuron_panel_width": ctypes.c_int64,
             "neuron_panel_rows": ctypes.c_int}
 
 

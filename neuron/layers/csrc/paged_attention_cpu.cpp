@@ -453,9 +453,7 @@ inline int64_t item_end(const Args& a, const Item& it) {
 template <typename TQ, typename TKV, int DT>
 void attend_item(const Args& a, const Item& it, const Item* next, Scratch& w) {
     const int64_t D = dim<DT>(a), group = a.heads / a.kv_heads, rows = it.nq * group;
-    const int64_t query_len = a.query_start[it.b + 1] - a.query_start[it.b];
-    const int64_t first_pos = a.kv_lens[it.b] - query_len + it.q0;  // the tile's first query's position
-    const int64_t end = first_pos + it.nq;  // keys past the tile's last query are never seen
+    const int64_t end = item_end(a, it), first_pos = end - it.nq;  // the tile's first query's position
     const int32_t* table = a.block_tables + it.b * a.table_stride;
     prefetch_first<TKV, DT>(a, table, it.h, end);
     load_queries<TQ, DT>(a, it, group, w.q.data());
@@ -629,9 +627,7 @@ void block_values(int64_t rows, int64_t rp, int nn, const float** vrows, Scratch
 template <typename TQ, typename TKV, int DT>
 void attend_item_blocked(const Args& a, const Item& it, Scratch& w) {
     const int64_t group = a.heads / a.kv_heads, rows = it.nq * group, rp = round_up(rows, VL);
-    const int64_t query_len = a.query_start[it.b + 1] - a.query_start[it.b];
-    const int64_t first_pos = a.kv_lens[it.b] - query_len + it.q0;
-    const int64_t end = first_pos + it.nq;
+    const int64_t end = item_end(a, it), first_pos = end - it.nq;
     const int32_t* table = a.block_tables + it.b * a.table_stride;
     load_queries_transposed<TQ, DT>(a, it, group, rp, w.q.data());
     std::fill(w.acc.begin(), w.acc.begin() + rp * DT, 0.0f);

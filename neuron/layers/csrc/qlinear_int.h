@@ -850,35 +850,27 @@ inline void many_tile(const ManyRows& x, int64_t r0, const QuantizedWeight& w, c
             isum[r][0] = isum[r][1] = V::set1(start);
         }
         const uint8_t* wc = p.codes.data() + b * QUADS * MANY_PN * 4;
-        if constexpr (V::VNNI_DOT) {
-            for (int quad = 0; quad < QUADS; ++quad) {
-                const typename V::I w0 = V::load(wc + quad * MANY_PN * 4);
-                const typename V::I w1 = V::load(wc + quad * MANY_PN * 4 + L * 4);
-                for (int r = 0; r < RB; ++r) {
-                    int32_t four;
-                    std::memcpy(&four, x.q.data() + (r0 + r) * k + b * SUB + quad * 4, 4);
-                    const typename V::I xb = V::set1(four);
+        for (int quad = 0; quad < QUADS; ++quad) {
+            const typename V::I w0 = V::load(wc + quad * MANY_PN * 4);
+            const typename V::I w1 = V::load(wc + quad * MANY_PN * 4 + L * 4);
+            for (int r = 0; r < RB; ++r) {
+                int32_t four;
+                std::memcpy(&four, x.q.data() + (r0 + r) * k + b * SUB + quad * 4, 4);
+                const typename V::I xb = V::set1(four);
+                if constexpr (V::VNNI_DOT) {
                     isum[r][0] = V::dot(isum[r][0], w0, xb);
                     isum[r][1] = V::dot(isum[r][1], w1, xb);
-                }
-            }
-        } else {  // 4-bit codes: the block's pairs summed in 16 bits, then widened once (start 0)
-            for (int quad = 0; quad < QUADS; ++quad) {
-                const typename V::I w0 = V::load(wc + quad * MANY_PN * 4);
-                const typename V::I w1 = V::load(wc + quad * MANY_PN * 4 + L * 4);
-                for (int r = 0; r < RB; ++r) {
-                    int32_t four;
-                    std::memcpy(&four, x.q.data() + (r0 + r) * k + b * SUB + quad * 4, 4);
-                    const typename V::I xb = V::set1(four);
+                } else {  // 4-bit codes: the block's pairs summed in 16 bits (start 0), widened below
                     isum[r][0] = V::pairs(isum[r][0], w0, xb);
                     isum[r][1] = V::pairs(isum[r][1], w1, xb);
                 }
             }
+        }
+        if constexpr (!V::VNNI_DOT)
             for (int r = 0; r < RB; ++r) {
                 isum[r][0] = V::widen(isum[r][0]);
                 isum[r][1] = V::widen(isum[r][1]);
             }
-        }
         const int64_t g = b / per_group, block = b * SUB / 32;
         const typename V::F s0 = V::loadf(p.scale.data() + g * MANY_PN);
         const typename V::F s1 = V::loadf(p.scale.data() + g * MANY_PN + L);
