@@ -156,6 +156,44 @@ def test_an_embedding_row_out_of_range_is_refused_by_the_one_call(fused_checkpoi
     assert stack.run_tokens(torch.tensor([7]), torch.tensor([4]), batch.paged).shape == (1, runner.model.config.vocab_size)
 
 
+class _Rows:
+    """A layer's MLP that records how many rows each call brings."""
+
+    def __init__(self, mlp):
+        self.mlp, self.rows = mlp, []
+
+    def __call__(self, x, *args):
+        self.rows.append(x.shape[0])
+        return self.mlp(x, *args)
+
+
+def test_the_last_layer_runs_the_rows_the_head_reads_alone(fused_checkpoint, monkeypatch):
+    """Past storing its keys and values, a step's last layer runs only the rows whose logits are
+    returned (each sequence's last token, a speculative step's last few): the first layer sees
+    every row, the last one those, in the Python layers and in the C loop alike. The logits are
+    those of running every row within float rounding, and the KV blocks are the same bit for bit."""
+    pruned, full = _runner(fused_checkpoint, LAYERED), _runner(fused_checkpoint, LAYERED)
+    fused = _runner(fused_checkpoint, FUSED)
+    first, last = _Rows(pruned.model.layers[0].mlp), _Rows(pruned.model.layers[-1].mlp)
+    pruned.model.layers[0].mlp, pruned.model.layers[-1].mlp = first, last
+    steps = [[SeqStep(0, list(range(20, 33)), 0, _blocks(0), fresh=True),
+              SeqStep(1, [5, 17, 200, 3, 9], 0, _blocks(1), fresh=True)],
+             [SeqStep(0, [40], 13), SeqStep(2, list(range(50, 61)), 0, _blocks(2), fresh=True)],
+             [SeqStep(1, [7, 8, 9, 10], 5, logits=3), SeqStep(2, [61, 62], 11, logits=2)],
+             [SeqStep(3, list(range(60, 60 + cpu_decoder.MAX_ROWS + 6)), 0, _blocks(3), fresh=True)]]
+    for seqs in steps:
+        with monkeypatch.context() as m:  # every row through every layer
+            m.setattr("neuron.models.base.kept_rows", lambda batch: None)
+            expected = full.step(seqs).logits
+        got, in_c = pruned.step(seqs).logits, fused.step(seqs).logits
+        assert torch.equal(got, in_c)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert first.rows == [18, 12, 6, cpu_decoder.MAX_ROWS + 6]
+    assert last.rows == [2, 2, 5, 1]
+    for a, b in zip(pruned.model.cache.k + pruned.model.cache.v, full.model.cache.k + full.model.cache.v):
+        assert torch.equal(a, b)
+
+
 def _four_bit(w: torch.Tensor) -> QuantizedWeight:
     """W in 4-bit codes with a scale and an offset per 32 inputs (Q4_1's arithmetic)."""
     n, k = w.shape

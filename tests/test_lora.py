@@ -79,8 +79,8 @@ def test_qwen3_mixed_batch_matches_peft(qwen3_lora, tp, small_prefill_chunks, mo
     ran = {"c": 0, "python": 0}  # steps with adapters through the C++ loop, and those it left to Python
     run = cpu_decoder.DecoderStack.run
 
-    def counted(self, x, cos, sin, meta, lora_slots=None, with_logits=False):
-        out = run(self, x, cos, sin, meta, lora_slots, with_logits)
+    def counted(self, x, cos, sin, meta, lora_slots=None, with_logits=False, **kept):
+        out = run(self, x, cos, sin, meta, lora_slots, with_logits, **kept)
         if lora_slots is not None:
             ran["c" if out is not None else "python"] += 1
         return out

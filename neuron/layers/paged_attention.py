@@ -99,6 +99,17 @@ def build_step(block_tables: list[list[int]] | np.ndarray, offsets: list[int], q
     return meta, (tokens.long() if token_ids is not None else None), where.long()
 
 
+def last_queries(meta: PagedAttentionMetadata, counts: list[int], rows: torch.Tensor) -> PagedAttentionMetadata:
+    """The step's metadata with each sequence's last `counts[i]` queries alone (`rows`: their places
+    in the flat batch, in order). Its keys are the step's: those queries keep their positions, the
+    last ones of each sequence."""
+    starts = np.zeros(len(counts) + 1, dtype=np.int32)
+    np.cumsum(counts, out=starts[1:])
+    return PagedAttentionMetadata(torch.from_numpy(starts).to(meta.query_start.device), meta.kv_lens,
+                                  meta.block_tables, meta.slot_mapping[rows], meta.block_size, max(counts),
+                                  meta.max_kv_len)
+
+
 def _padded_tables(block_tables: list[list[int]] | np.ndarray, width: int) -> np.ndarray:
     """[B, width] int32, width the blocks the longest sequence uses: columns past it are never read,
     so they need not cross to the device."""

@@ -7,7 +7,7 @@ import torch
 from neuron.errors import ConfigError
 from neuron.layers import quantized
 from neuron.models import pooling, prompt_logprobs
-from neuron.models.inputs import StepBatch
+from neuron.models.inputs import KeptRows, StepBatch, kept_rows
 
 
 class CausalLM:
@@ -48,17 +48,21 @@ class CausalLM:
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
         """The layers, norm and head over input embeddings `x` at `positions`."""
-        x = self.run_layers(x, batch, self.rotary.tables(positions))
+        kept = kept_rows(batch)
+        x = self.run_layers(x, batch, self.rotary.tables(positions), kept)
         if batch.prompt_topk is not None:
             batch.prompt_out = prompt_logprobs.compute(self, x, batch)
         if batch.pool is not None and self.comm.rank == 0:
             batch.pool_out = pooling.compute(self, x, batch)
-        last = x if batch.all_decode else x[batch.last_index]
+        last = x if batch.all_decode or kept is not None else x[batch.last_index]
         logits = self.lm_head(self.norm(last))
         return None if logits is None else logits.float()
 
-    def run_layers(self, x: torch.Tensor, batch: StepBatch, rope: tuple) -> torch.Tensor:
-        """The decoder layers, one after the other."""
-        for layer in self.layers:
-            x = layer(x, batch, rope, self.cache)
+    def run_layers(self, x: torch.Tensor, batch: StepBatch, rope: tuple, kept: KeptRows | None = None
+                   ) -> torch.Tensor:
+        """The decoder layers, one after the other; with `kept`, the last one runs those rows alone
+        past storing its keys and values, and its output is theirs."""
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch, rope, self.cache, kept if i == last else None)
         return x

@@ -11,7 +11,7 @@ import torch
 
 from neuron.errors import NeuronError
 from neuron.layers.lora import LoraRows
-from neuron.layers.paged_attention import PagedAttentionMetadata
+from neuron.layers.paged_attention import PagedAttentionMetadata, last_queries
 
 
 class StepRejected(NeuronError):
@@ -52,3 +52,28 @@ class StepResult:
     logits: Any
     prompt: dict[int, Any] = field(default_factory=dict)
     pooled: dict[int, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class KeptRows:
+    """The rows of a step that the head reads (each sequence's last token, a speculative step's
+    last few), where nothing else reads the last layer's output. That layer stores every row's key
+    and value, then runs attention, the output projection and the MLP for these rows alone: in a
+    prefill chunk of 512 tokens the rest is a layer's worth of arithmetic thrown away."""
+
+    index: torch.Tensor  # their places in the flat batch, in order
+    paged: PagedAttentionMetadata  # the step's attention metadata for their queries alone
+
+
+def kept_rows(batch: StepBatch) -> KeptRows | None:
+    """The rows the last layer need run, or None where it runs them all: a decode step (every row
+    is read), a step whose every row's hidden state is read (prompt logprobs, pooling), one with
+    LoRA adapters (their rows are the batch's), or attention that does not read blocks in place."""
+    if (batch.all_decode or batch.paged is None or batch.prompt_topk is not None or batch.pool is not None
+            or batch.lora is not None or batch.last_index is None):
+        return None
+    if batch.last_index.shape[0] >= sum(batch.lengths):
+        return None
+    counts = [1] * len(batch.lengths) if batch.logit_counts is None else \
+        [min(c, n) for c, n in zip(batch.logit_counts, batch.lengths)]
+    return KeptRows(batch.last_index, last_queries(batch.paged, counts, batch.last_index))

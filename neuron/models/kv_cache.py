@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from neuron.layers.kernels import Kernels
 from neuron.layers.paged_attention import attend
-from neuron.models.inputs import StepBatch
+from neuron.models.inputs import KeptRows, StepBatch
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
@@ -85,9 +85,12 @@ class PagedKVCache:
         self.k[layer].index_copy_(1, batch.write_rows, k.transpose(0, 1).to(dtype))
         self.v[layer].index_copy_(1, batch.write_rows, v.transpose(0, 1).to(dtype))
 
-    def attend(self, layer: int, batch: StepBatch, q: torch.Tensor) -> torch.Tensor:
-        """Causal attention of this step's queries ([T, heads, head_dim]) over each sequence's blocks."""
+    def attend(self, layer: int, batch: StepBatch, q: torch.Tensor, kept: KeptRows | None = None) -> torch.Tensor:
+        """Causal attention of this step's queries ([T, heads, head_dim]) over each sequence's blocks;
+        with `kept`, of those rows' queries alone ([len(kept.index), heads, head_dim])."""
         k_pool, v_pool = self.k[layer], self.v[layer]
+        if kept is not None:
+            return attend(self.kernels, q, k_pool, v_pool, kept.paged)
         if batch.paged is not None:
             return attend(self.kernels, q, k_pool, v_pool, batch.paged)
         if batch.all_decode:

@@ -31,7 +31,7 @@ from neuron.layers.tensor_parallel import (
     VocabParallelEmbedding,
 )
 from neuron.models.base import CausalLM
-from neuron.models.inputs import StepBatch
+from neuron.models.inputs import KeptRows, StepBatch
 from neuron.models.kv_cache import PagedKVCache
 from neuron.models.lora import PeftAdapter
 
@@ -104,7 +104,10 @@ class Attention:
         self.q_norm, self.k_norm = q_norm, k_norm
         self.heads, self.kv_heads, self.head_dim = layout.local_heads, layout.local_kv_heads, layout.head_dim
 
-    def __call__(self, h: torch.Tensor, batch: StepBatch, rope: tuple, cache: PagedKVCache) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, batch: StepBatch, rope: tuple, cache: PagedKVCache,
+                 kept: KeptRows | None = None) -> torch.Tensor:
+        """The attention block's output for every row, or for the `kept` rows alone (every row's key
+        and value stored all the same)."""
         t = h.shape[0]
         q, k, v = self.qkv(h, batch.lora)
         q, k = q.view(t, self.heads, self.head_dim), k.view(t, self.kv_heads, self.head_dim)
@@ -114,7 +117,9 @@ class Attention:
             q = norm_rope(self.q_norm.kernels, q, self.q_norm.weight, self.q_norm.eps, *rope)
             k = norm_rope(self.k_norm.kernels, k, self.k_norm.weight, self.k_norm.eps, *rope)
         cache.write(self.layer, batch, k, v.view(t, self.kv_heads, self.head_dim))
-        return self.o_proj(cache.attend(self.layer, batch, q).reshape(t, -1), batch.lora)
+        if kept is not None:
+            q = q[kept.index]
+        return self.o_proj(cache.attend(self.layer, batch, q, kept).reshape(q.shape[0], -1), batch.lora)
 
 
 class MLP:
@@ -134,9 +139,11 @@ class DecoderLayer:
         self.attn, self.mlp = attn, mlp
         self.input_norm, self.post_norm = input_norm, post_norm
 
-    def __call__(self, x, batch: StepBatch, rope: tuple, cache: PagedKVCache) -> torch.Tensor:
+    def __call__(self, x, batch: StepBatch, rope: tuple, cache: PagedKVCache, kept: KeptRows | None = None
+                 ) -> torch.Tensor:
         post = self.post_norm
-        x, h = add_rms_norm(post.kernels, x, self.attn(self.input_norm(x), batch, rope, cache), post.weight, post.eps)
+        a = self.attn(self.input_norm(x), batch, rope, cache, kept)
+        x, h = add_rms_norm(post.kernels, x if kept is None else x[kept.index], a, post.weight, post.eps)
         # a mixture-of-experts block takes no adapter (models/lora.py refuses one that targets it)
         return x + (self.mlp(h) if batch.lora is None or type(self.mlp) is not MLP else self.mlp(h, batch.lora))
 
@@ -258,12 +265,15 @@ class Qwen3ForCausalLM(CausalLM):
                                                       _lora_rows(batch), with_logits=True)
         return super().run(x, positions, batch) if logits is None else logits
 
-    def run_layers(self, x: torch.Tensor, batch: StepBatch, rope: tuple) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, batch: StepBatch, rope: tuple, kept: KeptRows | None = None
+                   ) -> torch.Tensor:
         """Every layer in one C++ call where the plan takes the model and the step takes the plan
         (CPU fp32, dense layers, a small step: cpu_decoder.py), else one layer after the other."""
         stack = self._decoder_stack()
-        out = None if stack is None else stack.run(x, *rope, batch.paged, _lora_rows(batch))
-        return super().run_layers(x, batch, rope) if out is None else out
+        out = None if stack is None else stack.run(x, *rope, batch.paged, _lora_rows(batch),
+                                                   kept=None if kept is None else kept.paged,
+                                                   kept_rows=None if kept is None else kept.index)
+        return super().run_layers(x, batch, rope, kept) if out is None else out
 
     def _logits_stack(self, batch: StepBatch) -> cpu_decoder.DecoderStack | None:
         """The plan, where the step may end in its call with every row's logits: a decode step (each

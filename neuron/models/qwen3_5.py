@@ -35,7 +35,7 @@ from neuron.layers.tensor_parallel import (
 from neuron.models import MULTIMODAL_MODEL_TYPES
 from neuron.models.base import CausalLM
 from neuron.models.gated_deltanet import CHUNK, DeltaNetHeads, DeltaNetState, GatedDeltaNet
-from neuron.models.inputs import StepBatch, StepRejected
+from neuron.models.inputs import KeptRows, StepBatch, StepRejected
 from neuron.models.kv_cache import PagedKVCache
 from neuron.models.qwen3 import MLP
 from neuron.models.qwen3_5_images import SlotImages
@@ -205,15 +205,19 @@ class GatedAttention:
     def tensors(self) -> list[torch.Tensor]:
         return [self.qkv.weight, self.o_proj.weight]
 
-    def __call__(self, h: torch.Tensor, batch: StepBatch, rope: tuple, cache: PagedKVCache) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, batch: StepBatch, rope: tuple, cache: PagedKVCache,
+                 kept: KeptRows | None = None) -> torch.Tensor:
+        """The block's output for every row, or for the `kept` rows alone (every key and value stored)."""
         t, d = h.shape[0], self.head_dim
         qg, k, v = self.qkv(h).split(self.sizes, dim=-1)
         q, gate = qg.view(t, self.heads, 2 * d).split(d, dim=-1)
         q = apply_partial_rotary(self.q_norm(q), *rope)
         k = apply_partial_rotary(self.k_norm(k.view(t, self.kv_heads, d)), *rope)
         cache.write(self.layer, batch, k, v.view(t, self.kv_heads, d))
-        o = cache.attend(self.layer, batch, q) * torch.sigmoid(gate)
-        return self.o_proj(o.reshape(t, -1))
+        if kept is not None:
+            q, gate = q[kept.index], gate[kept.index]
+        o = cache.attend(self.layer, batch, q, kept) * torch.sigmoid(gate)
+        return self.o_proj(o.reshape(q.shape[0], -1))
 
 
 class HybridCache:
@@ -292,10 +296,15 @@ class DecoderLayer:
         self.input_norm, self.post_norm = input_norm, post_norm
         self.linear = isinstance(mixer, GatedDeltaNet)
 
-    def __call__(self, x: torch.Tensor, batch: StepBatch, rope: tuple, cache: HybridCache) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, batch: StepBatch, rope: tuple, cache: HybridCache,
+                 kept: KeptRows | None = None) -> torch.Tensor:
         h = self.input_norm(x)
-        h = self.mixer(h, cache.linear) if self.linear else self.mixer(h, batch, rope, cache.kv)
-        x = x + h
+        if self.linear:  # the recurrent state takes every row
+            h = self.mixer(h, cache.linear)
+            h = h if kept is None else h[kept.index]
+        else:
+            h = self.mixer(h, batch, rope, cache.kv, kept)
+        x = (x if kept is None else x[kept.index]) + h
         return x + self.mlp(self.post_norm(x))
 
 

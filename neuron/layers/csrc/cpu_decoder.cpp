@@ -130,6 +130,12 @@ struct Step {
     float* logits;  // [rows, head_rows]: every row's logits through the plan's head; null: out alone
     // [rows] each: with the plan's inputs, x and cos/sin are made here from these (x, cos, sin unused)
     const int64_t *token_ids, *positions;
+    // The rows the head reads (ascending, kept_rows of them; null: every row) and their queries'
+    // starts per sequence ([num_seqs + 1]): past storing its keys and values, the last layer runs
+    // these rows alone, and `out` holds their outputs in its first kept_rows rows.
+    const int64_t* kept;
+    int64_t kept_rows;
+    const int32_t* kept_query_start;
 };
 
 namespace {
@@ -287,7 +293,8 @@ void write_kv(const Plan& p, const Step& s, const LayerWeights& w, int64_t qkv_w
 extern "C" int neuron_decoder_layers(const Plan* plan, const Step* step) {
     const Plan& p = *plan;
     const Step& s = *step;
-    const int64_t m = s.rows, H = p.hidden, D = p.head_dim, I = p.inter;
+    const int64_t H = p.hidden, D = p.head_dim, I = p.inter;
+    int64_t m = s.rows;
     const int64_t qw = p.heads * D, kw = p.kv_heads * D, qkvw = qw + 2 * kw;
     const int th = int(s.threads);
     PagedAttentionArgs a{p.attn, p.q, nullptr, nullptr, s.block_tables, s.query_start, s.kv_lens, s.num_seqs,
@@ -307,6 +314,15 @@ extern "C" int neuron_decoder_layers(const Plan* plan, const Step* step) {
         p.norm_rope(p.qkv, m, p.heads, qkvw, D, D, w.q_norm, p.eps, cos, sin, D, p.q, qw, D, th);
         p.norm_rope(p.qkv + qw, m, p.kv_heads, qkvw, D, D, w.k_norm, p.eps, cos, sin, D, p.k, kw, D, th);
         write_kv(p, s, w, qkvw);
+        if (s.kept && l == p.num_layers - 1) {  // the head's rows alone from here, gathered in place
+            for (int64_t j = 0; j < s.kept_rows; ++j) {
+                std::memmove(p.q + j * qw, p.q + s.kept[j] * qw, size_t(qw) * sizeof(float));
+                std::memmove(s.out + j * H, x + s.kept[j] * H, size_t(H) * sizeof(float));
+            }
+            x = s.out;
+            m = s.kept_rows;
+            a.query_start = s.kept_query_start;
+        }
         a.k_pool = w.k_pool;
         a.v_pool = w.v_pool;
         if (p.attention(&a, 0, int(p.kv_dtype), th)) return ATTENTION_REFUSED;
