@@ -73,22 +73,26 @@ def _check_mixed(base, adapters, tp: int, device: str = "cpu", **llm) -> None:
 def test_qwen3_mixed_batch_matches_peft(qwen3_lora, tp, small_prefill_chunks, monkeypatch):
     """Three adapters (attention and MLP, rsLoRA, q/v only) and the base model in one batch, one
     KV head replicated across ranks at tp 2 and 4: each equals transformers + PEFT. Its steps (of
-    up to 16 rows) run the decoder layers in one C++ call, adapters included."""
+    up to 16 rows) run the decoder layers in one C++ call, adapters included, the prompts' steps
+    with their last layer for the rows the head reads alone (each with its adapter)."""
     from neuron.layers import cpu_decoder
 
-    ran = {"c": 0, "python": 0}  # steps with adapters through the C++ loop, and those it left to Python
+    # steps with adapters through the C++ loop, those it left to Python, and those whose last layer
+    # ran the kept rows alone
+    ran = {"c": 0, "python": 0, "kept": 0}
     run = cpu_decoder.DecoderStack.run
 
     def counted(self, x, cos, sin, meta, lora_slots=None, with_logits=False, **kept):
         out = run(self, x, cos, sin, meta, lora_slots, with_logits, **kept)
         if lora_slots is not None:
             ran["c" if out is not None else "python"] += 1
+            ran["kept"] += out is not None and kept.get("kept_lora") is not None
         return out
 
     monkeypatch.setattr(cpu_decoder.DecoderStack, "run", counted)
     _check_mixed(*qwen3_lora, tp)
     if tp == 1:  # rank 0 runs in this process
-        assert ran["c"] > 0 and ran["python"] == 0, ran
+        assert ran["c"] > 0 and ran["python"] == 0 and ran["kept"] > 0, ran
 
 
 def test_python_layers_apply_adapters_alone(qwen3_lora, monkeypatch):

@@ -94,7 +94,8 @@ class _Step(ctypes.Structure):
                 + [(name, ctypes.c_int64) for name in ("num_seqs", "table_stride", "block_size")]
                 + [("segment", ctypes.c_void_p), ("threads", ctypes.c_int64), ("lora_slots", ctypes.c_void_p),
                    ("logits", ctypes.c_void_p), ("token_ids", ctypes.c_void_p), ("positions", ctypes.c_void_p),
-                   ("kept", ctypes.c_void_p), ("kept_rows", ctypes.c_int64), ("kept_query_start", ctypes.c_void_p)])
+                   ("kept", ctypes.c_void_p), ("kept_rows", ctypes.c_int64), ("kept_query_start", ctypes.c_void_p),
+                   ("kept_lora_slots", ctypes.c_void_p)])
 
 
 @functools.cache
@@ -319,25 +320,29 @@ class DecoderStack:
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PagedAttentionMetadata | None,
             lora_slots: torch.Tensor | None = None, with_logits: bool = False,
-            kept: PagedAttentionMetadata | None = None, kept_rows: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Every layer over the step's hidden states x ([rows, hidden]) with the step's rotary
-        tables and attention metadata, and each row's LoRA slot (`lora_slots`, int64 [rows], -1 for
-        the base model; None: no adapters); with `with_logits`, every row's logits [rows, vocab]
-        through the head (`attach_head`) instead of the last layer's output. With `kept_rows`
-        (ascending int64 row indices) and `kept` (the metadata of their queries alone), the last
-        layer runs those rows alone past storing its keys and values, and the output is theirs
-        (models/inputs.py, KeptRows). None where the step is not one the C loop takes (more rows
-        than the scratch holds, no paged metadata, x not fp32 rows, adapters the plan lacks, no
-        head): the caller runs the layers."""
+            kept: PagedAttentionMetadata | None = None, kept_rows: torch.Tensor | None = None,
+            kept_lora: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Every layer over the step's hidden states x ([rows, hidden]) with the step's rotary tables
+        and attention metadata, and each row's LoRA slot (`lora_slots`, int64 [rows], -1 for the base
+        model; None: no adapters); with `with_logits`, every row's logits [rows, vocab] through the head
+        (`attach_head`) instead of the last layer's output. With `kept_rows` (ascending int64 row
+        indices), `kept` (the metadata of their queries alone) and, with adapters, `kept_lora` (their
+        LoRA slots), the last layer runs those rows alone past storing its keys and values, and the
+        output is theirs (models/inputs.py, KeptRows). None where the step is not one the C loop takes
+        (more rows than the scratch holds, no paged metadata, x not fp32 rows, adapters the plan lacks,
+        no head): the caller runs the layers."""
         rows = x.shape[0]
         if (x.dim() != 2 or not x.is_cpu or x.dtype is not torch.float32 or not x.is_contiguous()
                 or cos.numel() != sin.numel() or cos.numel() != rows * self.plan.head_dim):
             return None
-        if kept_rows is not None and (with_logits or lora_slots is not None or kept_rows.dtype is not torch.int64
-                                      or not kept_rows.is_contiguous() or kept.query_start.dtype is not torch.int32):
+        if kept_rows is not None and (with_logits or kept_rows.dtype is not torch.int64 or not kept_rows.is_contiguous()
+                                      or kept.query_start.dtype is not torch.int32
+                                      or (lora_slots is None) != (kept_lora is None)
+                                      or kept_lora is not None and (kept_lora.dtype is not torch.int64
+                                                                    or kept_lora.shape != kept_rows.shape)):
             return None
         cos, sin = cos.contiguous(), sin.contiguous()
-        out = self._call(rows, meta, lora_slots, with_logits, (x, cos, sin), kept=(kept, kept_rows))
+        out = self._call(rows, meta, lora_slots, with_logits, (x, cos, sin), kept=(kept, kept_rows, kept_lora))
         return out if out is None or kept_rows is None else out[: kept_rows.shape[0]]
 
     def run_tokens(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata | None,
@@ -353,7 +358,7 @@ class DecoderStack:
 
     def _call(self, rows: int, meta: PagedAttentionMetadata | None, lora_slots: torch.Tensor | None,
               with_logits: bool, hidden: tuple | None, tokens: tuple | None = None,
-              kept: tuple = (None, None)) -> torch.Tensor | None:
+              kept: tuple = (None, None, None)) -> torch.Tensor | None:
         if (with_logits and not self.plan.head_rows) or meta is None or rows > self.max_rows:
             return None
         if lora_slots is not None and (not self.scratch["lora_u"].shape[1] or lora_slots.dtype is not torch.int64
@@ -376,11 +381,12 @@ class DecoderStack:
                      lens.data_ptr(), lens.shape[0], tables.stride(0), meta.block_size,
                      None if reduce is None else reduce.segment, torch.get_num_threads(), _ptr(lora_slots),
                      _ptr(logits), ids, positions)
-        kept_meta, kept_rows = kept
+        kept_meta, kept_rows, kept_lora = kept
         if kept_rows is not None:
-            starts = kept_meta.query_start.contiguous()
+            starts, slots = kept_meta.query_start.contiguous(), None if kept_lora is None else kept_lora.contiguous()
             step.kept, step.kept_rows, step.kept_query_start = kept_rows.data_ptr(), kept_rows.shape[0], \
                 starts.data_ptr()
+            step.kept_lora_slots = _ptr(slots)
         status = library().neuron_decoder_layers(ctypes.byref(self.plan), ctypes.byref(step))
         if status != 0:
             if reduce is not None:

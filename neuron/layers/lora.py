@@ -55,6 +55,8 @@ class LoraRows:
     dest: torch.Tensor | None = None
     group: int = 0
     starts: torch.Tensor | None = None  # where each adapter's rows begin in `dest`, and its end ([U + 1])
+    seq_slots: list[int] | None = None  # each sequence's slot and the pool's slot count, as built
+    pool_slots: int = 0
 
     @classmethod
     def build(cls, seq_slots: list[int], lengths: list[int], pool_slots: int, device) -> LoraRows | None:
@@ -68,7 +70,7 @@ class LoraRows:
         per_row = torch.tensor([s for s, n in zip(seq_slots, lengths) for _ in range(n)], dtype=torch.long) \
             if torch.device(device).type == "cpu" else None
         if len(used) == 1 and min(seq_slots) >= 0:
-            return cls(slots, all_slots, per_row, single=used[0])
+            return cls(slots, all_slots, per_row, single=used[0], seq_slots=seq_slots, pool_slots=pool_slots)
         starts = [0]
         for n in lengths:
             starts.append(starts[-1] + n)
@@ -85,7 +87,13 @@ class LoraRows:
             starts.append(starts[-1] + len(rows[s]))
         as_index = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
         return cls(slots, all_slots, per_row, None, as_index(take),
-                   None if len(keep) == len(take) else as_index(keep), as_index(dest), group, as_index(starts))
+                   None if len(keep) == len(take) else as_index(keep), as_index(dest), group, as_index(starts),
+                   seq_slots, pool_slots)
+
+    def last_rows(self, counts: list[int]) -> LoraRows | None:
+        """The same sequences' adapters for each one's last `counts[i]` rows alone (the rows a
+        step's last layer runs: models/inputs.py, KeptRows)."""
+        return LoraRows.build(self.seq_slots, counts, self.pool_slots, self.slots.device)
 
 
 class LoraPool:

@@ -63,17 +63,19 @@ class KeptRows:
 
     index: torch.Tensor  # their places in the flat batch, in order
     paged: PagedAttentionMetadata  # the step's attention metadata for their queries alone
+    lora: LoraRows | None = None  # the adapter each of them runs (the step's `lora` for these rows)
 
 
 def kept_rows(batch: StepBatch) -> KeptRows | None:
     """The rows the last layer need run, or None where it runs them all: a decode step (every row
-    is read), a step whose every row's hidden state is read (prompt logprobs, pooling), one with
-    LoRA adapters (their rows are the batch's), or attention that does not read blocks in place."""
+    is read), a step whose every row's hidden state is read (prompt logprobs, pooling), or
+    attention that does not read blocks in place."""
     if (batch.all_decode or batch.paged is None or batch.prompt_topk is not None or batch.pool is not None
-            or batch.lora is not None or batch.last_index is None):
+            or batch.last_index is None):
         return None
     if batch.last_index.shape[0] >= sum(batch.lengths):
         return None
     counts = [1] * len(batch.lengths) if batch.logit_counts is None else \
         [min(c, n) for c, n in zip(batch.logit_counts, batch.lengths)]
-    return KeptRows(batch.last_index, last_queries(batch.paged, counts, batch.last_index))
+    return KeptRows(batch.last_index, last_queries(batch.paged, counts, batch.last_index),
+                    None if batch.lora is None else batch.lora.last_rows(counts))

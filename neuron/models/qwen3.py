@@ -117,9 +117,10 @@ class Attention:
             q = norm_rope(self.q_norm.kernels, q, self.q_norm.weight, self.q_norm.eps, *rope)
             k = norm_rope(self.k_norm.kernels, k, self.k_norm.weight, self.k_norm.eps, *rope)
         cache.write(self.layer, batch, k, v.view(t, self.kv_heads, self.head_dim))
-        if kept is not None:
-            q = q[kept.index]
-        return self.o_proj(cache.attend(self.layer, batch, q, kept).reshape(q.shape[0], -1), batch.lora)
+        if kept is None:
+            return self.o_proj(cache.attend(self.layer, batch, q).reshape(t, -1), batch.lora)
+        q = q[kept.index]
+        return self.o_proj(cache.attend(self.layer, batch, q, kept).reshape(q.shape[0], -1), kept.lora)
 
 
 class MLP:
@@ -144,8 +145,9 @@ class DecoderLayer:
         post = self.post_norm
         a = self.attn(self.input_norm(x), batch, rope, cache, kept)
         x, h = add_rms_norm(post.kernels, x if kept is None else x[kept.index], a, post.weight, post.eps)
+        lora = batch.lora if kept is None else kept.lora
         # a mixture-of-experts block takes no adapter (models/lora.py refuses one that targets it)
-        return x + (self.mlp(h) if batch.lora is None or type(self.mlp) is not MLP else self.mlp(h, batch.lora))
+        return x + (self.mlp(h) if lora is None or type(self.mlp) is not MLP else self.mlp(h, lora))
 
 
 def _lora_rows(batch: StepBatch) -> torch.Tensor | None:
@@ -272,7 +274,9 @@ class Qwen3ForCausalLM(CausalLM):
         stack = self._decoder_stack()
         out = None if stack is None else stack.run(x, *rope, batch.paged, _lora_rows(batch),
                                                    kept=None if kept is None else kept.paged,
-                                                   kept_rows=None if kept is None else kept.index)
+                                                   kept_rows=None if kept is None else kept.index,
+                                                   kept_lora=None if kept is None or kept.lora is None
+                                                   else kept.lora.per_row)
         return super().run_layers(x, batch, rope, kept) if out is None else out
 
     def _logits_stack(self, batch: StepBatch) -> cpu_decoder.DecoderStack | None:

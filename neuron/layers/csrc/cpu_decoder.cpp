@@ -136,6 +136,7 @@ struct Step {
     const int64_t* kept;
     int64_t kept_rows;
     const int32_t* kept_query_start;
+    const int64_t* kept_lora_slots;  // [kept_rows]: their LoRA pool slots (with lora_slots)
 };
 
 namespace {
@@ -212,10 +213,10 @@ float dot(const float* a, const float* b, int64_t k) {
 // parallel region: u = A x for every row and rank, then each row adds u_j times row j of B^T,
 // by blocks of outputs. A step that mixes many adapters has runs of a row or two; a pair of kernel
 // calls per run (two parallel regions on a rank-16 matrix each) cost more than the products.
-void add_lora(const Step& s, const Lora& l, const float* x, int64_t k, float* y, int64_t n, float* u, int th) {
-    if (!s.lora_slots || !l.a) return;
-    const int64_t rows = s.rows, w = l.width;
-    const int64_t* slots = s.lora_slots;
+void add_lora(int64_t rows, const int64_t* slots, const Lora& l, const float* x, int64_t k, float* y, int64_t n,
+              float* u, int th) {
+    if (!slots || !l.a) return;
+    const int64_t w = l.width;
     if (std::all_of(slots, slots + rows, [](int64_t slot) { return slot < 0; })) return;
     constexpr int64_t BLOCK = 512;  // outputs per item: a row's block of y stays in L1 across j
     // a decode step's one or two rows are a few hundred thousand multiply-adds: waking the other
@@ -295,6 +296,7 @@ extern "C" int neuron_decoder_layers(const Plan* plan, const Step* step) {
     const Step& s = *step;
     const int64_t H = p.hidden, D = p.head_dim, I = p.inter;
     int64_t m = s.rows;
+    const int64_t* lora = s.lora_slots;  // each of the m rows' LoRA slot
     const int64_t qw = p.heads * D, kw = p.kv_heads * D, qkvw = qw + 2 * kw;
     const int th = int(s.threads);
     PagedAttentionArgs a{p.attn, p.q, nullptr, nullptr, s.block_tables, s.query_start, s.kv_lens, s.num_seqs,
@@ -310,7 +312,7 @@ extern "C" int neuron_decoder_layers(const Plan* plan, const Step* step) {
         const LayerWeights& w = p.layers[l];
         p.rms_norm(x, m, H, H, w.input_norm, p.eps, p.h, H, th);
         project(p, w.qkv, p.h, m, H, p.qkv, qkvw, true, th);
-        add_lora(s, w.qkv_lora, p.h, H, p.qkv, qkvw, p.lora_u, th);
+        add_lora(m, lora, w.qkv_lora, p.h, H, p.qkv, qkvw, p.lora_u, th);
         p.norm_rope(p.qkv, m, p.heads, qkvw, D, D, w.q_norm, p.eps, cos, sin, D, p.q, qw, D, th);
         p.norm_rope(p.qkv + qw, m, p.kv_heads, qkvw, D, D, w.k_norm, p.eps, cos, sin, D, p.k, kw, D, th);
         write_kv(p, s, w, qkvw);
@@ -321,20 +323,21 @@ extern "C" int neuron_decoder_layers(const Plan* plan, const Step* step) {
             }
             x = s.out;
             m = s.kept_rows;
+            lora = s.lora_slots ? s.kept_lora_slots : nullptr;
             a.query_start = s.kept_query_start;
         }
         a.k_pool = w.k_pool;
         a.v_pool = w.v_pool;
         if (p.attention(&a, 0, int(p.kv_dtype), th)) return ATTENTION_REFUSED;
         project(p, w.o, p.attn, m, qw, p.o, H, false, th);
-        add_lora(s, w.o_lora, p.attn, qw, p.o, H, p.lora_u, th);
+        add_lora(m, lora, w.o_lora, p.attn, qw, p.o, H, p.lora_u, th);
         if (const int status = reduce(p, s, p.o, m * H, w.o.bias, H)) return status;
         p.add_rms_norm(x, H, p.o, H, m, H, w.post_norm, p.eps, p.mid, H, p.h, H, th);
         project(p, w.gate_up, p.h, m, H, p.gate_up, 2 * I, true, th);
-        add_lora(s, w.gate_up_lora, p.h, H, p.gate_up, 2 * I, p.lora_u, th);
+        add_lora(m, lora, w.gate_up_lora, p.h, H, p.gate_up, 2 * I, p.lora_u, th);
         p.silu_mul(p.gate_up, 2 * I, p.gate_up + I, 2 * I, m, I, p.act, I, th);
         project(p, w.down, p.act, m, I, p.down, H, false, th);
-        add_lora(s, w.down_lora, p.act, I, p.down, H, p.lora_u, th);
+        add_lora(m, lora, w.down_lora, p.act, I, p.down, H, p.lora_u, th);
         if (const int status = reduce(p, s, p.down, m * H, w.down.bias, H)) return status;
         for (int64_t i = 0; i < m * H; ++i) s.out[i] = p.mid[i] + p.down[i];
         x = s.out;
