@@ -89,10 +89,9 @@ class PagedKVCache:
         """Causal attention of this step's queries ([T, heads, head_dim]) over each sequence's blocks;
         with `kept`, of those rows' queries alone ([len(kept.index), heads, head_dim])."""
         k_pool, v_pool = self.k[layer], self.v[layer]
-        if kept is not None:
-            return attend(self.kernels, q, k_pool, v_pool, kept.paged)
-        if batch.paged is not None:
-            return attend(self.kernels, q, k_pool, v_pool, batch.paged)
+        paged = batch.paged if kept is None else kept.paged
+        if paged is not None:
+            return attend(self.kernels, q, k_pool, v_pool, paged)
         if batch.all_decode:
             rows = batch.read_rows[0]
             k, v = _gather(k_pool, rows).to(q.dtype), _gather(v_pool, rows).to(q.dtype)

@@ -117,10 +117,10 @@ class Attention:
             q = norm_rope(self.q_norm.kernels, q, self.q_norm.weight, self.q_norm.eps, *rope)
             k = norm_rope(self.k_norm.kernels, k, self.k_norm.weight, self.k_norm.eps, *rope)
         cache.write(self.layer, batch, k, v.view(t, self.kv_heads, self.head_dim))
-        if kept is None:
-            return self.o_proj(cache.attend(self.layer, batch, q).reshape(t, -1), batch.lora)
-        q = q[kept.index]
-        return self.o_proj(cache.attend(self.layer, batch, q, kept).reshape(q.shape[0], -1), kept.lora)
+        lora = batch.lora
+        if kept is not None:
+            q, lora = q[kept.index], kept.lora
+        return self.o_proj(cache.attend(self.layer, batch, q, kept).reshape(q.shape[0], -1), lora)
 
 
 class MLP:
