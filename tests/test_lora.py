@@ -82,11 +82,11 @@ def test_qwen3_mixed_batch_matches_peft(qwen3_lora, tp, small_prefill_chunks, mo
     ran = {"c": 0, "python": 0, "kept": 0}
     run = cpu_decoder.DecoderStack.run
 
-    def counted(self, x, cos, sin, meta, lora_slots=None, with_logits=False, **kept):
-        out = run(self, x, cos, sin, meta, lora_slots, with_logits, **kept)
+    def counted(self, x, cos, sin, meta, lora_slots=None, with_logits=False, kept=None):
+        out = run(self, x, cos, sin, meta, lora_slots, with_logits, kept)
         if lora_slots is not None:
             ran["c" if out is not None else "python"] += 1
-            ran["kept"] += out is not None and kept.get("kept_lora") is not None
+            ran["kept"] += out is not None and kept is not None and kept.lora is not None
         return out
 
     monkeypatch.setattr(cpu_decoder.DecoderStack, "run", counted)

@@ -29,6 +29,7 @@ import torch
 
 from neuron.distributed.comm import Communicator
 from neuron.layers import cpu_attention, cpu_ops, quantized
+from neuron.layers.kept import KeptRows
 from neuron.layers.kernels import Kernels
 from neuron.layers.lora import LoraPool
 from neuron.layers.paged_attention import PagedAttentionMetadata
@@ -320,30 +321,28 @@ class DecoderStack:
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PagedAttentionMetadata | None,
             lora_slots: torch.Tensor | None = None, with_logits: bool = False,
-            kept: PagedAttentionMetadata | None = None, kept_rows: torch.Tensor | None = None,
-            kept_lora: torch.Tensor | None = None) -> torch.Tensor | None:
+            kept: KeptRows | None = None) -> torch.Tensor | None:
         """Every layer over the step's hidden states x ([rows, hidden]) with the step's rotary tables
         and attention metadata, and each row's LoRA slot (`lora_slots`, int64 [rows], -1 for the base
         model; None: no adapters); with `with_logits`, every row's logits [rows, vocab] through the head
-        (`attach_head`) instead of the last layer's output. With `kept_rows` (ascending int64 row
-        indices), `kept` (the metadata of their queries alone) and, with adapters, `kept_lora` (their
-        LoRA slots), the last layer runs those rows alone past storing its keys and values, and the
-        output is theirs (models/inputs.py, KeptRows). None where the step is not one the C loop takes
-        (more rows than the scratch holds, no paged metadata, x not fp32 rows, adapters the plan lacks,
-        no head): the caller runs the layers."""
+        (`attach_head`) instead of the last layer's output. With `kept`, the last layer runs those rows
+        alone past storing its keys and values, and the output is theirs. None where the step is not
+        one the C loop takes (more rows than the scratch holds, no paged metadata, x not fp32 rows,
+        adapters the plan lacks, no head): the caller runs the layers."""
         rows = x.shape[0]
         if (x.dim() != 2 or not x.is_cpu or x.dtype is not torch.float32 or not x.is_contiguous()
                 or cos.numel() != sin.numel() or cos.numel() != rows * self.plan.head_dim):
             return None
-        if kept_rows is not None and (with_logits or kept_rows.dtype is not torch.int64 or not kept_rows.is_contiguous()
-                                      or kept.query_start.dtype is not torch.int32
-                                      or (lora_slots is None) != (kept_lora is None)
-                                      or kept_lora is not None and (kept_lora.dtype is not torch.int64
-                                                                    or kept_lora.shape != kept_rows.shape)):
+        kept_lora = None if kept is None or kept.lora is None else kept.lora.per_row
+        if kept is not None and (with_logits or kept.index.dtype is not torch.int64 or not kept.index.is_contiguous()
+                                 or kept.paged.query_start.dtype is not torch.int32
+                                 or (lora_slots is None) != (kept_lora is None)
+                                 or kept_lora is not None and (kept_lora.dtype is not torch.int64
+                                                               or kept_lora.shape != kept.index.shape)):
             return None
         cos, sin = cos.contiguous(), sin.contiguous()
-        out = self._call(rows, meta, lora_slots, with_logits, (x, cos, sin), kept=(kept, kept_rows, kept_lora))
-        return out if out is None or kept_rows is None else out[: kept_rows.shape[0]]
+        out = self._call(rows, meta, lora_slots, with_logits, (x, cos, sin), kept=kept)
+        return out if out is None or kept is None else out[: kept.index.shape[0]]
 
     def run_tokens(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata | None,
                    lora_slots: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -358,7 +357,7 @@ class DecoderStack:
 
     def _call(self, rows: int, meta: PagedAttentionMetadata | None, lora_slots: torch.Tensor | None,
               with_logits: bool, hidden: tuple | None, tokens: tuple | None = None,
-              kept: tuple = (None, None, None)) -> torch.Tensor | None:
+              kept: KeptRows | None = None) -> torch.Tensor | None:
         if (with_logits and not self.plan.head_rows) or meta is None or rows > self.max_rows:
             return None
         if lora_slots is not None and (not self.scratch["lora_u"].shape[1] or lora_slots.dtype is not torch.int64
@@ -381,10 +380,10 @@ class DecoderStack:
                      lens.data_ptr(), lens.shape[0], tables.stride(0), meta.block_size,
                      None if reduce is None else reduce.segment, torch.get_num_threads(), _ptr(lora_slots),
                      _ptr(logits), ids, positions)
-        kept_meta, kept_rows, kept_lora = kept
-        if kept_rows is not None:
-            starts, slots = kept_meta.query_start.contiguous(), None if kept_lora is None else kept_lora.contiguous()
-            step.kept, step.kept_rows, step.kept_query_start = kept_rows.data_ptr(), kept_rows.shape[0], \
+        if kept is not None:
+            starts = kept.paged.query_start.contiguous()
+            slots = None if kept.lora is None else kept.lora.per_row.contiguous()
+            step.kept, step.kept_rows, step.kept_query_start = kept.index.data_ptr(), kept.index.shape[0], \
                 starts.data_ptr()
             step.kept_lora_slots = _ptr(slots)
         status = library().neuron_decoder_layers(ctypes.byref(self.plan), ctypes.byref(step))

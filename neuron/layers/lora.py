@@ -92,7 +92,7 @@ class LoraRows:
 
     def last_rows(self, counts: list[int]) -> LoraRows | None:
         """The same sequences' adapters for each one's last `counts[i]` rows alone (the rows a
-        step's last layer runs: models/inputs.py, KeptRows)."""
+        step's last layer runs: layers/kept.py, KeptRows)."""
         return LoraRows.build(self.seq_slots, counts, self.pool_slots, self.slots.device)
 
 

@@ -272,11 +272,7 @@ class Qwen3ForCausalLM(CausalLM):
         """Every layer in one C++ call where the plan takes the model and the step takes the plan
         (CPU fp32, dense layers, a small step: cpu_decoder.py), else one layer after the other."""
         stack = self._decoder_stack()
-        out = None if stack is None else stack.run(x, *rope, batch.paged, _lora_rows(batch),
-                                                   kept=None if kept is None else kept.paged,
-                                                   kept_rows=None if kept is None else kept.index,
-                                                   kept_lora=None if kept is None or kept.lora is None
-                                                   else kept.lora.per_row)
+        out = None if stack is None else stack.run(x, *rope, batch.paged, _lora_rows(batch), kept=kept)
         return super().run_layers(x, batch, rope, kept) if out is None else out
 
     def _logits_stack(self, batch: StepBatch) -> cpu_decoder.DecoderStack | None:
