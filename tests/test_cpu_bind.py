@@ -1,5 +1,6 @@
 """Each CPU rank's cores (`--cpu-bind`, neuron/executor/cpu_bind.py): the plan for auto, nobind and
-explicit lists, refusals in one line, and real ranks bound to their cores once they step."""
+explicit lists, refusals in one line, real ranks bound to their cores once they step, and ranks that
+outnumber the cores waiting asleep with a thread per core."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from neuron.errors import ConfigError
 from neuron.executor import cpu_bind
+from neuron.worker.worker import cpu_threads
 
 
 def test_lists_read_and_write_as_vllm_writes_them():
@@ -50,6 +52,18 @@ def test_explicit_lists_are_refused_naming_what_is_wrong(spec, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
         cpu_bind.plan(spec, 2, [0, 1, 2, 3])
     assert cpu_bind.plan("0,2|1,3", 2, [0, 1, 2, 3]) == [[0, 2], [1, 3]]
+
+
+def test_ranks_that_outnumber_the_cores_wait_asleep_with_a_thread_per_core():
+    assert cpu_bind.worker_env(3, [0, 1], environ={}) == {"OMP_WAIT_POLICY": "passive"}
+    assert cpu_bind.worker_env(2, [0, 1], environ={}) == {}  # a core each: bound, one thread, spinning
+    assert cpu_bind.worker_env(3, [0, 1], environ={"OMP_WAIT_POLICY": "active"}) == {}  # the user's choice stands
+    assert cpu_threads(3, 2, "passive") == 2
+    assert cpu_threads(3, 2, " PASSIVE ") == 2
+    assert cpu_threads(3, 2, None) == 1  # rank 0: the leader's OpenMP spins, so one thread
+    assert cpu_threads(3, 2, "active") == 1
+    assert cpu_threads(2, 8, "passive") == 4  # enough cores: each rank its part, whatever the policy
+    assert cpu_threads(3, 8, None) == 2
 
 
 def _allowed(pid: int, tid: int | None = None) -> list[int]:
@@ -94,3 +108,28 @@ def test_each_rank_steps_on_its_own_cores(odd_checkpoint, caplog):
     assert seen["rebuilt"] == expected[0]
     assert seen["after"] == usable  # closing gives the thread the cores it had before it was first bound
     assert f"CPU ranks bound to cores: {cpu_bind.describe(expected)}" in caplog.text
+
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) >= 4, reason="four ranks outnumber the cores only below four cores")
+def test_worker_ranks_that_outnumber_the_cores_wait_asleep(odd_checkpoint, monkeypatch, caplog):
+    import logging
+
+    from neuron import LLM, SamplingParams
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("NEURON_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    prompt = [{"prompt_token_ids": [1, 2, 3, 4, 5]}]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    with caplog.at_level(logging.INFO, logger="neuron.executor"):
+        with LLM(str(odd_checkpoint), tensor_parallel_size=4, device="cpu", dtype="float32", max_model_len=64) as llm:
+            got = llm.generate(prompt, greedy)[0].outputs[0].token_ids
+            workers = llm.engine.executor.pool.workers
+            environs = [Path(f"/proc/{w.proc.pid}/environ").read_bytes().split(b"\0") for w in workers]
+    assert len(environs) == 3 and all(b"OMP_WAIT_POLICY=passive" in e for e in environs)
+    assert "OMP_WAIT_POLICY" not in os.environ  # the leader's own environment is left alone
+    assert f"4 CPU ranks share {cores} cores" in caplog.text
+    with LLM(str(odd_checkpoint), tensor_parallel_size=1, device="cpu", dtype="float32", max_model_len=64) as llm:
+        assert llm.generate(prompt, greedy)[0].outputs[0].token_ids == got

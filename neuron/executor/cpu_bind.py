@@ -12,6 +12,13 @@ cores keeps its threads and its memory in one place.
 - one list per rank, split by `|`: `0-3|4-7`, `0,2|1,3`. Each rank needs at least one core, the lists
   must not overlap, and every core must be one this process may use.
 
+Where the ranks outnumber the cores (nothing bound), their threads take turns on the cores, and a
+rank that waits at a collective while another still has work leaves its core idle unless that one
+runs on it: the worker ranks' OpenMP threads wait asleep (`OMP_WAIT_POLICY=passive`, `worker_env`)
+and each runs a thread per core (worker.set_cpu_threads), so the cores the waiting ranks leave go to
+those still working. Rank 0 keeps one thread: it runs in the leader's process, whose OpenMP runtime
+read its wait policy when torch was imported.
+
 The topology is read from /sys/devices/system/node; where it is missing the host is one node.
 The plan travels to every rank in `init` (protocol.Init.cpu_bind); each binds the thread that runs its
 steps (and so the OpenMP threads it starts) to its list.
@@ -114,3 +121,15 @@ def describe(runs: list[list[int]]) -> str:
     if not any(runs):
         return "not bound"
     return ", ".join(f"rank {r}: {format_cpu_list(cpus) if cpus else 'any'}" for r, cpus in enumerate(runs))
+
+
+WAIT_POLICY = "OMP_WAIT_POLICY"
+
+
+def worker_env(tp: int, usable: list[int] | None = None, environ=os.environ) -> dict[str, str]:
+    """What the worker ranks' environment adds where the `tp` ranks of one host outnumber the cores
+    this process may use: passive OpenMP waits, unless the environment already chooses a policy."""
+    usable = usable_cpus() if usable is None else usable
+    if len(usable) >= tp or WAIT_POLICY in environ:
+        return {}
+    return {WAIT_POLICY: "passive"}

@@ -37,14 +37,23 @@ from neuron.worker.model_runner import ModelRunner
 
 log = logging.getLogger("neuron.worker")
 
+def cpu_threads(world_size: int, cores: int, wait_policy: str | None) -> int:
+    """A CPU rank's threads where NEURON_NUM_THREADS does not say: its part of the cores the ranks
+    share; where the ranks outnumber the cores, one, or a thread per core if its OpenMP threads wait
+    asleep (executor/cpu_bind.py, worker_env): spinning threads of several ranks on each core would
+    take the cores from each other."""
+    if cores >= world_size:
+        return cores // world_size
+    return cores if (wait_policy or "").strip().lower() == "passive" else 1
+
+
 def set_cpu_threads(world_size: int) -> None:
-    """Ranks on one machine share its cores: give each its part instead of oversubscribing."""
+    """Ranks on one machine share its cores: give each its part (`cpu_threads`)."""
     threads = settings().num_threads
-    if threads is not None:
-        torch.set_num_threads(threads)
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // world_size))
+    if threads is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = cpu_threads(world_size, cores, os.environ.get("OMP_WAIT_POLICY"))
+    torch.set_num_threads(threads)
 
 
 class Worker:
