@@ -110,7 +110,6 @@ def test_each_rank_steps_on_its_own_cores(odd_checkpoint, caplog):
     assert f"CPU ranks bound to cores: {cpu_bind.describe(expected)}" in caplog.text
 
 
-
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) >= 4, reason="four ranks outnumber the cores only below four cores")
 def test_worker_ranks_that_outnumber_the_cores_wait_asleep(odd_checkpoint, monkeypatch, caplog):

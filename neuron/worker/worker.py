@@ -37,6 +37,7 @@ from neuron.worker.model_runner import ModelRunner
 
 log = logging.getLogger("neuron.worker")
 
+
 def cpu_threads(world_size: int, cores: int, wait_policy: str | None) -> int:
     """A CPU rank's threads where NEURON_NUM_THREADS does not say: its part of the cores the ranks
     share; where the ranks outnumber the cores, one, or a thread per core if its OpenMP threads wait
