@@ -189,8 +189,9 @@ class Settings:
         "stored without it",
         choices=("int8", "fp8"),
         unset="weights as the checkpoint stores them")
-    num_threads: int | None = _setting(int, None, "torch threads per CPU rank", lo=1,
-                                       unset="cores / tp (fewer cores than ranks: one per core, rank 0 one)")
+    num_threads: int | None = _setting(
+        int, None, "torch threads per CPU rank", lo=1,
+        unset="cores / tp (fewer cores than ranks: one per core, 1 for steps of <= 8 rows, rank 0 one)")
     cache_dir: str | None = _setting(str, None, "where the embedded default model and the CPU kernels are built",
                                      unset="$XDG_CACHE_HOME/neuron, else ~/.cache/neuron")
     cxx: str | None = _setting(str, None, "C++ compiler that builds the CPU kernels, once per machine",

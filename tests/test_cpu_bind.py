@@ -66,6 +66,34 @@ def test_ranks_that_outnumber_the_cores_wait_asleep_with_a_thread_per_core():
     assert cpu_threads(3, 8, None) == 2
 
 
+def test_a_rank_that_waits_asleep_runs_steps_of_few_rows_on_one_thread(monkeypatch):
+    import torch
+
+    from neuron.layers import cpu_ops
+    from neuron.worker import worker
+
+    monkeypatch.setattr(cpu_ops, "_alone_rows", 0)  # restored after the test, as this process's threads are
+    monkeypatch.delenv("NEURON_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+        worker.set_cpu_threads(2)  # a rank's part of enough cores: every step on them
+        assert torch.get_num_threads() == 2 and cpu_ops.threads_for(1) == 2
+
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+        worker.set_cpu_threads(3)  # spinning: one thread for every step
+        assert torch.get_num_threads() == 1 and cpu_ops.threads_for(worker.ALONE_ROWS + 1) == 1
+
+        monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+        worker.set_cpu_threads(3)  # asleep: a thread per core, steps of few rows alone
+        assert torch.get_num_threads() == 2
+        assert cpu_ops.threads_for(1) == cpu_ops.threads_for(worker.ALONE_ROWS) == 1
+        assert cpu_ops.threads_for(worker.ALONE_ROWS + 1) == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def _allowed(pid: int, tid: int | None = None) -> list[int]:
     status = Path(f"/proc/{pid}/task/{tid}/status" if tid else f"/proc/{pid}/status").read_text()
     line = next(line for line in status.splitlines() if line.startswith("Cpus_allowed_list:"))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from neuron.layers import cpu_ops
 from neuron.utils import native
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
@@ -66,7 +67,7 @@ def paged_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
                  block_size, tables.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                  k_pool.stride(0), k_pool.stride(1), scale * math.log2(math.e))
     status = library().neuron_paged_attention(ctypes.byref(args), DTYPES[q.dtype], DTYPES[k_pool.dtype],
-                                              torch.get_num_threads())
+                                              cpu_ops.threads_for(q.shape[0]))
     if status != 0:
         raise ValueError(f"the CPU attention kernel refused queries of {q.dtype} over a {k_pool.dtype} pool "
                          f"(status {status})")

@@ -378,7 +378,7 @@ class DecoderStack:
         ids, positions = (None, None) if tokens is None else (t.data_ptr() for t in tokens)
         step = _Step(x, out.data_ptr(), rows, cos, sin, write_rows.data_ptr(), tables.data_ptr(), starts.data_ptr(),
                      lens.data_ptr(), lens.shape[0], tables.stride(0), meta.block_size,
-                     None if reduce is None else reduce.segment, torch.get_num_threads(), _ptr(lora_slots),
+                     None if reduce is None else reduce.segment, cpu_ops.threads_for(rows), _ptr(lora_slots),
                      _ptr(logits), ids, positions)
         if kept is not None:
             starts = kept.paged.query_start.contiguous()

@@ -81,8 +81,22 @@ def takes(*tensors: torch.Tensor) -> bool:
     return library() is not None
 
 
-def _threads() -> int:
-    return torch.get_num_threads()
+_alone_rows = 0  # kernels of at most this many rows run on one thread (`few_rows_alone`); 0: none
+
+
+def few_rows_alone(rows: int) -> None:
+    """From now on, run the CPU kernels of a step of at most `rows` rows on one thread (0: every
+    kernel on torch's count). For a rank whose OpenMP threads wait asleep because the ranks on its
+    host outnumber the cores (worker.set_cpu_threads): each parallel region then wakes a sleeping
+    thread, which costs a step of few rows more than the second thread gains it (docs/benchmarks.md,
+    "Issue 35, sixteenth session")."""
+    global _alone_rows
+    _alone_rows = rows
+
+
+def threads_for(rows: int) -> int:
+    """The threads a CPU kernel over `rows` rows runs on: torch's count, or one (`few_rows_alone`)."""
+    return 1 if rows <= _alone_rows else torch.get_num_threads()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,7 +106,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty((m, n), dtype=x.dtype)
     bias = None if bias is None else bias.contiguous()  # held until the call returns
     library().neuron_linear(x.data_ptr(), m, x.stride(0), weight.data_ptr(), n, k, weight.stride(0),
-                            None if bias is None else bias.data_ptr(), y.data_ptr(), n, _threads())
+                            None if bias is None else bias.data_ptr(), y.data_ptr(), n, threads_for(m))
     return y
 
 
@@ -159,7 +173,7 @@ def panel_linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None
     y = torch.empty((m, weight.n), dtype=torch.float32)
     bias = None if bias is None else bias.contiguous()  # held until the call returns
     library().neuron_panel_linear(x.data_ptr(), m, x.stride(0), ctypes.byref(weight.layout),
-                                  None if bias is None else bias.data_ptr(), y.data_ptr(), weight.n, _threads())
+                                  None if bias is None else bias.data_ptr(), y.data_ptr(), weight.n, threads_for(m))
     return y
 
 
@@ -178,7 +192,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x.reshape(-1, width)
     out = torch.empty(rows.shape, dtype=x.dtype)
     library().neuron_rms_norm(rows.data_ptr(), rows.shape[0], rows.stride(0), width, weight.data_ptr(), eps,
-                              out.data_ptr(), width, _threads())
+                              out.data_ptr(), width, threads_for(rows.shape[0]))
     return out.view(x.shape)
 
 
@@ -188,7 +202,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     total = torch.empty((rows, width), dtype=x.dtype)
     out = torch.empty_like(total)
     library().neuron_add_rms_norm(x.data_ptr(), x.stride(0), delta.data_ptr(), delta.stride(0), rows, width,
-                                  weight.data_ptr(), eps, total.data_ptr(), width, out.data_ptr(), width, _threads())
+                                  weight.data_ptr(), eps, total.data_ptr(), width, out.data_ptr(), width,
+                                  threads_for(rows))
     return total, out
 
 
@@ -203,7 +218,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     library().neuron_norm_rope(x.data_ptr(), tokens, heads, x.stride(0), x.stride(1), head_dim,
                                None if weight is None else weight.data_ptr(),
                                eps, cos.data_ptr(), sin.data_ptr(), cos.stride(0), out.data_ptr(), heads * head_dim,
-                               head_dim, _threads())
+                               head_dim, threads_for(tokens))
     return out
 
 
@@ -211,7 +226,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     rows, width = gate.shape
     out = torch.empty((rows, width), dtype=gate.dtype)
     library().neuron_silu_mul(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), rows, width,
-                              out.data_ptr(), width, _threads())
+                              out.data_ptr(), width, threads_for(rows))
     return out
 
 

@@ -407,7 +407,7 @@ def linear(kernels: Kernels, x: torch.Tensor, w: QuantizedWeight | StackedWeight
         m = xk.shape[0]
         y = torch.empty((m, w.codes.shape[0]), dtype=torch.float32)
         kernel(xk.data_ptr(), m, xk.stride(0), ctypes.byref(layout), None if bk is None else bk.data_ptr(),
-               y.data_ptr(), y.stride(0), torch.get_num_threads())
+               y.data_ptr(), y.stride(0), cpu_ops.threads_for(m))
         return y.to(x.dtype) if half else y
     if x.is_cuda and x.dim() == 2 and HAS_TRITON and kernels.triton("quant_linear"):
         return linear_triton(x, w, bias)

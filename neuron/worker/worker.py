@@ -28,6 +28,7 @@ from neuron.distributed.comm import (
 from neuron.distributed.nccl_join import NcclJoin
 from neuron.distributed.net import address_towards, interface_of
 from neuron.distributed.shm import ShmCommunicator
+from neuron.layers import cpu_ops
 from neuron.layers.kernel_check import Widths, self_check
 from neuron.layers.paged_attention import HAS_TRITON
 from neuron.rpc import protocol as p
@@ -48,12 +49,20 @@ def cpu_threads(world_size: int, cores: int, wait_policy: str | None) -> int:
     return cores if (wait_policy or "").strip().lower() == "passive" else 1
 
 
+# Where a rank's threads wait asleep beside other ranks', its steps of at most this many rows run on
+# one thread (cpu_ops.few_rows_alone): SmolLM2 at tp 3 on two cores gained 4-11 % at one and four
+# sequences, was level at eight and sixteen, and lost 4-12 % at 64 (docs/benchmarks.md).
+ALONE_ROWS = 8
+
+
 def set_cpu_threads(world_size: int) -> None:
     """Ranks on one machine share its cores: give each its part (`cpu_threads`)."""
     threads = settings().num_threads
     if threads is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         threads = cpu_threads(world_size, cores, os.environ.get("OMP_WAIT_POLICY"))
+        if threads > 1 and cores < world_size:  # more ranks than cores, each a thread per core: asleep
+            cpu_ops.few_rows_alone(ALONE_ROWS)
     torch.set_num_threads(threads)
 
 
