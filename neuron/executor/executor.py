@@ -129,8 +129,10 @@ class Executor:
         self.failed_kernels: dict[str, str] = {}  # fused kernels on their references, on every rank
         self.num_kv_blocks = 0
         self._worker_cmd, self._env = self._launched(worker_cmd), dict(env or {})
-        waits = cpu_bind.worker_env(cfg.tp) if one_host_cpus and cfg.tp > 1 else {}
-        self._env, self._shared_cores = {**waits, **self._env}, bool(waits)  # ranks outnumber the cores
+        usable = cpu_bind.usable_cpus()
+        waits = cpu_bind.worker_env(cfg.tp, usable) if one_host_cpus and cfg.tp > 1 else {}
+        # the cores the ranks share where they outnumber them (0: they do not)
+        self._env, self._shared_cores = {**waits, **self._env}, len(usable) if waits else 0
         self._listener = None  # ranks that dial in (rpc/dial_in.py): listening while a start awaits them
         if self.placement.remote and cfg.worker_launcher == DIAL_IN:
             s = settings()
@@ -283,7 +285,7 @@ class Executor:
         if self._shared_cores:
             log.info("model `%s`: %d CPU ranks share %d cores: the worker ranks' threads wait asleep "
                      "(OMP_WAIT_POLICY=passive), a thread per core each", self.cfg.name or self.cfg.model_id,
-                     self.cfg.tp, len(cpu_bind.usable_cpus()))
+                     self.cfg.tp, self._shared_cores)
         self._run(lambda seq: p.Init(seq=seq, backend=self.backend, comm_id=comm_id, timeout_s=timeout,
                                      cpu_bind=self.cpu_bind, shm_slot_bytes=self._largest_all_reduce()),
                   timeout + _JOIN_MARGIN_S)
