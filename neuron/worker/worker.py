@@ -50,7 +50,7 @@ def cpu_threads(world_size: int, cores: int, wait_policy: str | None) -> int:
 
 
 # Where a rank's threads wait asleep beside other ranks', its steps of at most this many rows run on
-# one thread (cpu_ops.few_rows_alone): SmolLM2 at tp 3 on two cores gained 4-11 % at one and four
+# one thread (cpu_ops.few_rows_alone): SmolLM2 at tp 3 on two cores gained 3-13 % at one to four
 # sequences, was level at eight and sixteen, and lost 4-12 % at 64 (docs/benchmarks.md).
 ALONE_ROWS = 8
 
