@@ -16,6 +16,7 @@ from neuron.layers.kernels import Kernels
 from neuron.layers.paged_attention import (
     attend,
     build_metadata,
+    last_queries,
     paged_attention_reference,
     paged_attention_triton,
     write_kv,
@@ -167,6 +168,40 @@ def test_kernel_rejects_heads_that_do_not_split_over_kv_heads(kernel):
     q, k_pool, v_pool, meta = make_step(**DECODE)
     with pytest.raises(ValueError, match="do not split evenly"):
         kernel(q[:, :7], k_pool, v_pool, meta, 0.125)
+
+
+def kept_step(counts, **step):
+    """MIXED's step, and its metadata for each sequence's last `counts[b]` queries alone
+    (`last_queries`, what a prompt step's last layer attends with), with those rows' places."""
+    q, k_pool, v_pool, meta = make_step(**MIXED, **step)
+    ends = meta.query_start.tolist()[1:]
+    rows = torch.tensor([row for end, count in zip(ends, counts) for row in range(end - count, end)], device=q.device)
+    return q, k_pool, v_pool, meta, last_queries(meta, counts, rows), rows
+
+
+ONE_EACH, SOME, ALL = [1, 1, 1, 1, 1], [3, 2, 1, 1, 1], MIXED["query_lens"]
+
+
+@pytest.mark.parametrize("path, counts", [("triton", ONE_EACH), ("triton", SOME), ("triton", ALL),
+                                          ("split", ONE_EACH),  # the split decode takes one query a sequence
+                                          ("cpu", ONE_EACH), ("cpu", SOME), ("cpu", ALL)])
+def test_kept_rows_attend_as_in_the_whole_step(path, counts, request):
+    """Each sequence's last queries alone over the step's keys (a prompt step's last layer, which
+    runs the rows the head reads) equal those rows of the whole step's attention, through the Triton
+    kernel, its split decode and the CPU kernel."""
+    run = request.getfixturevalue("cpu_kernel" if path == "cpu" else "kernel")
+    if path == "split":
+        from neuron.layers.paged_attention import paged_attention_split
+
+        def run(*args):
+            return paged_attention_split(*args, 4)
+    device = "cpu" if path == "cpu" else DEVICE
+    q, k_pool, v_pool, meta, kept, rows = kept_step(counts, heads=8, kv_heads=2, device=device)
+    scale = q.shape[-1] ** -0.5
+    expected = paged_attention_reference(q, k_pool, v_pool, meta, scale)[rows]
+    out = run(q[rows].contiguous(), k_pool, v_pool, kept, scale)
+    assert kept.max_query_len == max(counts) and out.shape == expected.shape
+    assert (out - expected).abs().max().item() <= TOLERANCE[torch.float32]
 
 
 COMPILE = textwrap.dedent("""
