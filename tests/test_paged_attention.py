@@ -2,6 +2,7 @@
 Triton kernel against the reference. Without a GPU the kernel runs in Triton's interpreter on CPU
 tensors; with one it compiles and runs on CUDA."""
 
+import functools
 import json
 import textwrap
 
@@ -193,8 +194,7 @@ def test_kept_rows_attend_as_in_the_whole_step(path, counts, request):
     if path == "split":
         from neuron.layers.paged_attention import paged_attention_split
 
-        def run(*args):
-            return paged_attention_split(*args, 4)
+        run = functools.partial(paged_attention_split, splits=4)
     device = "cpu" if path == "cpu" else DEVICE
     q, k_pool, v_pool, meta, kept, rows = kept_step(counts, heads=8, kv_heads=2, device=device)
     scale = q.shape[-1] ** -0.5
