@@ -121,7 +121,8 @@ class Executor:
         self.devices = list(cfg.devices) if cfg.devices else rank_devices(cfg.device, cfg.tp, self.placement)
         self.backend = choose_backend(self.devices, self.placement.hosts, cfg.cpu_all_reduce)
         one_host_cpus = all(d == "cpu" for d in self.devices) and not self.placement.remote
-        self.cpu_bind = cpu_bind.plan(cfg.cpu_bind, cfg.tp) if one_host_cpus and cfg.tp > 1 else []
+        usable = cpu_bind.usable_cpus()  # this process's cores: the binding's, and the count the ranks may share
+        self.cpu_bind = cpu_bind.plan(cfg.cpu_bind, cfg.tp, usable) if one_host_cpus and cfg.tp > 1 else []
         self.shard = msgspec.structs.replace(cfg.shard, kv_cache_bytes=self._plan_host_memory())  # before any worker
         self.weight_bytes: list[int] = []  # per rank, as each reported at load; kv_bytes, resident_bytes alike
         self.kv_bytes: list[int] = []
@@ -129,7 +130,6 @@ class Executor:
         self.failed_kernels: dict[str, str] = {}  # fused kernels on their references, on every rank
         self.num_kv_blocks = 0
         self._worker_cmd, self._env = self._launched(worker_cmd), dict(env or {})
-        usable = cpu_bind.usable_cpus()
         waits = cpu_bind.worker_env(cfg.tp, usable) if one_host_cpus and cfg.tp > 1 else {}
         # the cores the ranks share where they outnumber them (0: they do not)
         self._env, self._shared_cores = {**waits, **self._env}, len(usable) if waits else 0
