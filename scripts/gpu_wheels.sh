@@ -13,7 +13,7 @@ VENV_PY=${VENV_PY:-.venv/bin/python}
 PACKAGES="msgspec starlette uvicorn gguf llguidance pytest-asyncio openai httpx2 httpcore2 truststore jiter distro
   pydantic pydantic-core annotated-types typing-inspection sniffio jsonschema jsonschema-specifications referencing
   rpds-py compressed-tensors loguru anthropic docstring-parser opentelemetry-api importlib-metadata ollama
-  openai-agents griffelib mcp mcp-types sse-starlette pyjwt python-multipart websockets"
+  openai-agents griffelib mcp mcp-types sse-starlette pyjwt python-multipart websockets cryptography cffi pycparser"
 mkdir -p "$DIR"
 pins=()
 for name in $PACKAGES; do
