@@ -31,6 +31,7 @@ import re
 from pathlib import Path
 
 from neuron.errors import ConfigError
+from neuron.utils.openmp import WAIT_POLICY, usable_cpus
 
 NODES = Path("/sys/devices/system/node")
 
@@ -58,10 +59,6 @@ def format_cpu_list(cpus: list[int]) -> str:
         else:
             runs.append([cpu, cpu])
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
-def usable_cpus() -> list[int]:
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 def numa_nodes(usable: list[int], root: Path = NODES) -> list[list[int]]:
@@ -121,9 +118,6 @@ def describe(runs: list[list[int]]) -> str:
     if not any(runs):
         return "not bound"
     return ", ".join(f"rank {r}: {format_cpu_list(cpus) if cpus else 'any'}" for r, cpus in enumerate(runs))
-
-
-WAIT_POLICY = "OMP_WAIT_POLICY"
 
 
 def worker_env(tp: int, usable: list[int] | None = None, environ=os.environ) -> dict[str, str]:

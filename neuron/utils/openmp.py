@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+WAIT_POLICY = "OMP_WAIT_POLICY"  # how a runtime's idle threads wait: spinning (active) or asleep (passive)
 _OMP_PAUSE_HARD = 2  # omp_pause_resource_t: the pool's threads end, as opposed to sleeping
 _RUNTIMES = ("libgomp.so.1", "libomp.so", "libomp.dylib", "libiomp5.so")
 
@@ -46,6 +47,11 @@ def _pause() -> Callable[[int], int] | None:
         fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
         return fn
     return None
+
+
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity, where the platform has one)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 def release_pool() -> bool:

@@ -33,6 +33,7 @@ from neuron.layers.kernel_check import Widths, self_check
 from neuron.layers.paged_attention import HAS_TRITON
 from neuron.rpc import protocol as p
 from neuron.utils import procfs
+from neuron.utils.openmp import WAIT_POLICY, usable_cpus
 from neuron.worker.failure import WorkerFailure, resolve_dtype
 from neuron.worker.model_runner import ModelRunner
 
@@ -59,8 +60,8 @@ def set_cpu_threads(world_size: int) -> None:
     """Ranks on one machine share its cores: give each its part (`cpu_threads`)."""
     threads = settings().num_threads
     if threads is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = cpu_threads(world_size, cores, os.environ.get("OMP_WAIT_POLICY"))
+        cores = len(usable_cpus())
+        threads = cpu_threads(world_size, cores, os.environ.get(WAIT_POLICY))
         if threads > 1 and cores < world_size:  # more ranks than cores, each a thread per core: asleep
             cpu_ops.few_rows_alone(ALONE_ROWS)
     torch.set_num_threads(threads)

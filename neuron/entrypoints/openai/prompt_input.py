@@ -9,7 +9,6 @@ time, with the GIL released (Tokenizer.encode), so the event loop keeps answerin
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -17,12 +16,13 @@ from typing import TypeVar
 import anyio
 
 from neuron.entrypoints.openai.api_errors import APIError
+from neuron.utils.openmp import usable_cpus
 
 T = TypeVar("T")
 
 # Threads that tokenize, render templates and decode images at once; more requests wait their turn.
 # Half the cores, so a burst of large prompts leaves the engine thread and the event loop room to run.
-TOKENIZE_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 2))
+TOKENIZE_THREADS = max(1, min(4, len(usable_cpus()) // 2))
 
 
 # Grammars compiled at once. A compile can take a second and much memory, so it has places of its
