@@ -40,6 +40,7 @@ from neuron.rpc import protocol as p
 from neuron.rpc.dial_in import Listener, cluster_token
 from neuron.step import SeqStep
 from neuron.utils import procfs
+from neuron.utils.openmp import usable_cpus
 from neuron.worker.failure import resolve_dtype, resolve_kv_dtype
 from neuron.worker.step_input import blocks_for
 from neuron.worker.worker import Worker
@@ -121,7 +122,7 @@ class Executor:
         self.devices = list(cfg.devices) if cfg.devices else rank_devices(cfg.device, cfg.tp, self.placement)
         self.backend = choose_backend(self.devices, self.placement.hosts, cfg.cpu_all_reduce)
         one_host_cpus = all(d == "cpu" for d in self.devices) and not self.placement.remote
-        usable = cpu_bind.usable_cpus()  # this process's cores: the binding's, and the count the ranks may share
+        usable = usable_cpus()  # this process's cores: the binding's, and the count the ranks may share
         self.cpu_bind = cpu_bind.plan(cfg.cpu_bind, cfg.tp, usable) if one_host_cpus and cfg.tp > 1 else []
         self.shard = msgspec.structs.replace(cfg.shard, kv_cache_bytes=self._plan_host_memory())  # before any worker
         self.weight_bytes: list[int] = []  # per rank, as each reported at load; kv_bytes, resident_bytes alike
