@@ -19,6 +19,7 @@ from neuron.layers.paged_attention import (
     build_metadata,
     last_queries,
     paged_attention_reference,
+    paged_attention_split,
     paged_attention_triton,
     write_kv,
 )
@@ -192,8 +193,6 @@ def test_kept_rows_attend_as_in_the_whole_step(path, counts, request):
     kernel, its split decode and the CPU kernel."""
     run = request.getfixturevalue("cpu_kernel" if path == "cpu" else "kernel")
     if path == "split":
-        from neuron.layers.paged_attention import paged_attention_split
-
         run = functools.partial(paged_attention_split, splits=4)
     device = "cpu" if path == "cpu" else DEVICE
     q, k_pool, v_pool, meta, kept, rows = kept_step(counts, heads=8, kv_heads=2, device=device)
@@ -242,16 +241,12 @@ LONG_DECODE = dict(offsets=[300, 3, 150, 517], query_lens=[1, 1, 1, 1], shared=(
 @pytest.mark.parametrize("layout", ["group1", "group4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_split_decode_matches_the_reference(kernel, splits, layout, dtype):
-    from neuron.layers.paged_attention import paged_attention_split
-
     heads, kv_heads = {"group1": (4, 4), "group4": (8, 2)}[layout]
     q, k_pool, v_pool, meta = make_step(**LONG_DECODE, heads=heads, kv_heads=kv_heads, dtype=dtype)
     assert_kernel_matches(lambda *a: paged_attention_split(*a, splits), q, k_pool, v_pool, meta)
 
 
 def test_split_decode_refuses_a_prefill_step(kernel):
-    from neuron.layers.paged_attention import paged_attention_split
-
     q, k_pool, v_pool, meta = make_step(**MIXED)
     with pytest.raises(ValueError, match="decode steps"):
         paged_attention_split(q, k_pool, v_pool, meta, 0.125, 2)
