@@ -46,6 +46,7 @@ _SIGNATURES = {
     "neuron_qlinear": [_P, _I, _I, _P, _P, _P, _I, ctypes.c_int],  # quantized.py
     "neuron_qlinear_int": [_P, _I, _I, _P, _P, _P, _I, ctypes.c_int],  # quantized.py
     "neuron_qlinear_int_stack": [_P, _I, _I, _P, _I, _P, _I, ctypes.c_int],  # cpu_decoder.py
+    "neuron_qlinear_int_block": [_P, _I],  # quantized.py
     "neuron_qrows": [_P, _P, _I, _P, _I],  # quantized.py
     "neuron_qlinear_panels": [_P, _I, _I, _P, _P, _P, _I, ctypes.c_int],  # quantized.py
     "neuron_qlinear_int_many": [_P, _I, _I, _P, _P, _P, _I, ctypes.c_int],  # quantized.py
@@ -56,8 +57,8 @@ _SIGNATURES = {
     "neuron_panel_rows": [_P, _P, _I, _P, _I],
 }
 _RETURNS = {"neuron_qrows": ctypes.c_int, "neuron_qlinear_int_many_takes": ctypes.c_int,
-            "neuron_qlinear_int_stack": ctypes.c_int, "neuron_panel_width": ctypes.c_int64,
-            "neuron_panel_rows": ctypes.c_int}
+            "neuron_qlinear_int_stack": ctypes.c_int, "neuron_qlinear_int_block": ctypes.c_int,
+            "neuron_panel_width": ctypes.c_int64, "neuron_panel_rows": ctypes.c_int}
 
 
 @functools.cache

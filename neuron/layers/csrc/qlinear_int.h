@@ -36,7 +36,8 @@
 // activations are zeros under a scale of 0.
 //
 // The result differs from dequantize-then-matmul by the activations' rounding (a relative error of
-// 2e-5 to 4e-5 in the mean square, tests/test_quant_int.py), as llama.cpp's products do.
+// 2e-5 to 4e-5 in the mean square, tests/test_quant_int.py), as llama.cpp's products do. Two-level
+// 4-bit codes at a few rows round them per 256 inputs instead, in builds without VNNI (below).
 #pragma once
 
 #include <deque>
@@ -148,21 +149,37 @@ inline LaneFloats fmul(LaneFloats a, LaneFloats b) { return _mm512_mul_ps(a, b);
 inline float lane_sum(LaneFloats v) { return _mm512_reduce_add_ps(v); }
 // p[idx[l]] for each lane (idx < LANES).
 inline LaneFloats spread(LaneInts idx, const float* p) { return _mm512_permutexvar_ps(idx, _mm512_loadu_ps(p)); }
-// One block of XBLOCK activations rounded to int8 into q (to nearest, ties to even: |x| / d is at
-// most 127 plus a rounding error, so never 128), the sums of its two halves of 16 into `halves`;
-// returns the block's scale d.
-inline float round_block(const float* xb, int8_t* q, int32_t halves[2]) {
+inline LaneFloats splat(float v) { return _mm512_set1_ps(v); }
+inline LaneFloats fnmadd(LaneFloats a, LaneFloats b, LaneFloats c) { return _mm512_fnmadd_ps(a, b, c); }
+inline LaneInts add_ints(LaneInts a, LaneInts b) { return _mm512_add_epi32(a, b); }
+inline LaneInts low_quad(__m128i v) { return _mm512_zextsi128_si512(v); }  // the other lanes 0
+// Eight int8 values widened to int16, in every 128 bits of a register (for shuffle_bytes).
+inline Bytes words_in_quads(const int8_t* p) {
+    return _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)p)));
+}
+// Byte i of the result: byte ctl[i] of v's 128 bits that hold i.
+inline Bytes shuffle_bytes(Bytes v, Bytes ctl) { return _mm512_shuffle_epi8(v, ctl); }
+// As idot4 without VNNI, each lane's two pairs times the lane's int16 in `by` (maddubs, then madd).
+inline LaneInts idot4_by(Bytes lo, Bytes hi, Bytes xlo, Bytes xhi, Bytes by) {
+    return _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(lo, xlo), _mm512_maddubs_epi16(hi, xhi)), by);
+}
+// The largest |x| of one block of XBLOCK activations.
+inline float block_amax(const float* xb) {
     const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+}
+// One block of XBLOCK activations times `inv` (127 over the largest |x| of a block that holds it)
+// rounded to int8 into q (to nearest, ties to even: never past 127 but by a rounding error, so never
+// 128), the sums of its two halves of 16 into `halves`.
+inline void round_with(const float* xb, float inv, int8_t* q, int32_t halves[2]) {
+    const __m512 by = _mm512_set1_ps(inv);
     constexpr int NEAREST = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    const __m512i qa = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, inv), NEAREST);
-    const __m512i qb = _mm512_cvt_roundps_epi32(_mm512_mul_ps(b, inv), NEAREST);
+    const __m512i qa = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb), by), NEAREST);
+    const __m512i qb = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16), by), NEAREST);
     _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8(qa));
     _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtsepi32_epi8(qb));
     halves[0] = _mm512_reduce_add_epi32(qa);
     halves[1] = _mm512_reduce_add_epi32(qb);
-    return amax / 127.0f;
 }
 #elif defined(NEURON_INT_AVX2)
 inline Bytes load_x(const int8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
@@ -197,30 +214,41 @@ inline float lane_sum(LaneFloats v) {
     return _mm_cvtss_f32(s);
 }
 inline LaneFloats spread(LaneInts idx, const float* p) { return _mm256_permutevar8x32_ps(_mm256_loadu_ps(p), idx); }
+inline LaneFloats splat(float v) { return _mm256_set1_ps(v); }
+inline LaneFloats fnmadd(LaneFloats a, LaneFloats b, LaneFloats c) { return _mm256_fnmadd_ps(a, b, c); }
+inline LaneInts add_ints(LaneInts a, LaneInts b) { return _mm256_add_epi32(a, b); }
+inline LaneInts low_quad(__m128i v) { return _mm256_zextsi128_si256(v); }
+inline Bytes words_in_quads(const int8_t* p) {
+    return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)p)));
+}
+inline Bytes shuffle_bytes(Bytes v, Bytes ctl) { return _mm256_shuffle_epi8(v, ctl); }
+inline LaneInts idot4_by(Bytes lo, Bytes hi, Bytes xlo, Bytes xhi, Bytes by) {
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)), by);
+}
 inline int32_t int_sum(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
     return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
 }
-inline float round_block(const float* xb, int8_t* q, int32_t halves[2]) {
-    __m256 v[4];
+inline float block_amax(const float* xb) {
     __m256 m = _mm256_setzero_ps();
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int i = 0; i < 4; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i] = _mm256_loadu_ps(xb + 8 * i)));
+    for (int i = 0; i < 4; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * i)));
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+inline void round_with(const float* xb, float inv, int8_t* q, int32_t halves[2]) {
+    const __m256 by = _mm256_set1_ps(inv);
     __m256i n[4];
     for (int i = 0; i < 4; ++i)
-        n[i] = _mm256_cvtps_epi32(
-            _mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        n[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), by),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     // packs interleave the 128-bit halves: the last permute puts the four eights back in order
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
     _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
     halves[0] = int_sum(_mm256_add_epi32(n[0], n[1]));
     halves[1] = int_sum(_mm256_add_epi32(n[2], n[3]));
-    return amax / 127.0f;
 }
 #else
 inline Bytes load_x(const int8_t* p) {
@@ -273,19 +301,28 @@ inline LaneFloats spread(LaneInts idx, const float* p) {
     for (int l = 0; l < LANES; ++l) v[l] = p[idx[l]];
     return v;
 }
-inline float round_block(const float* xb, int8_t* q, int32_t halves[2]) {
+inline float block_amax(const float* xb) {
     float amax = 0.0f;
     for (int t = 0; t < XBLOCK; ++t) amax = std::max(amax, std::fabs(xb[t]));
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    return amax;
+}
+inline void round_with(const float* xb, float inv, int8_t* q, int32_t halves[2]) {
     halves[0] = halves[1] = 0;
     for (int t = 0; t < XBLOCK; ++t) {
         // the default rounding: to nearest, ties to even (NaN clamped, not converted)
         q[t] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(xb[t] * inv))));
         halves[t / 16] += q[t];
     }
-    return amax / 127.0f;
 }
 #endif
+
+// One block of XBLOCK activations rounded to int8 into q under its own scale d = max|x| / 127, the
+// sums of its two halves of 16 into `halves`; returns d.
+inline float round_block(const float* xb, int8_t* q, int32_t halves[2]) {
+    const float amax = block_amax(xb);
+    round_with(xb, amax > 0.0f ? 127.0f / amax : 0.0f, q, halves);
+    return amax / 127.0f;
+}
 
 // x's rows rounded for one call, in the kernel's chunk order, and what the weights' groups need.
 struct RoundedRows {
@@ -335,6 +372,13 @@ struct Ahead {
     int64_t lines;
     int per_step;
 };
+
+// The codes of the tile at o + PREFETCH_ROWS (none past W's end), a tile's worth of registers a step.
+inline Ahead ahead_of(const QuantizedWeight& w, int64_t o, int tile) {
+    const int64_t row = o + PREFETCH_ROWS;
+    return Ahead{reinterpret_cast<const char*>(w.codes + row * w.code_stride),
+                 row + tile <= w.n ? tile * w.code_stride / 64 : 0, std::max(1, tile * REG_BYTES / 64)};
+}
 
 // y[r][o + j] for RB rows of x from r0 and NBT weight rows from o, before scales per row, offsets
 // and bias, in lanes still to be summed. `gs` holds each weight row's group scales (PLAIN: unused).
@@ -484,9 +528,7 @@ inline void irows(const RoundedRows& a, int64_t m, const QuantizedWeight& w, int
                               zs + j * gstride);
         }
     }
-    const int64_t ahead_row = o + PREFETCH_ROWS;
-    Ahead ahead{reinterpret_cast<const char*>(w.codes + ahead_row * w.code_stride),
-                ahead_row + tile <= w.n ? tile * w.code_stride / 64 : 0, std::max(1, tile * REG_BYTES / 64)};
+    Ahead ahead = ahead_of(w, o, tile);
     auto finish = [&](auto rb, int64_t r0) {
         constexpr int RB = decltype(rb)::value;
         LaneFloats acc[RB][NBT];
@@ -513,6 +555,7 @@ struct RoundingBuffers {
     std::vector<int8_t> q;
     std::vector<float> d, sum;
     std::vector<int32_t> corr;
+    std::vector<int16_t> gsum;  // the two-level path's
 };
 
 // Each chunk's first group and each lane's group less that one: the same for every call on rows of
@@ -550,46 +593,60 @@ struct StackPart {
 };
 constexpr int64_t MAX_STACK = 8;
 
-// The product of TILE-row tiles of every part, after the rows of x up to `rounded` were rounded by
-// the caller; `round(r)` rounds row r. The parts' tiles are one loop, shared out in one parallel
-// region. `bias`: a single part's (a stack's is added by the caller).
-template <int BITS, bool PLAIN, int TILE, class Round>
-void multiply(const RoundedRows& a, int64_t m, int64_t rounded, const StackPart* parts, int64_t count,
-              const float* bias, float* y, int64_t ys, int threads, const Round& round) {
+// TILE-row tiles of every part shared out in one parallel region, after the rows of x up to `rounded`
+// were rounded by the caller (`round(r)` rounds row r in the team): `prepare()` once per thread,
+// then `rows(w, o, width, y_of_part)` per tile, a width of TILE (or 1, for each row of a ragged end).
+template <int TILE, class Round, class Prepare, class Rows>
+void share_tiles(int64_t m, int64_t rounded, const StackPart* parts, int64_t count, float* y, int threads,
+                 const Round& round, const Prepare& prepare, const Rows& rows) {
     int64_t first[MAX_STACK + 1] = {0}, work = 0;  // each part's first tile
     for (int64_t p = 0; p < count; ++p) {
         first[p + 1] = first[p] + (parts[p].w->n + TILE - 1) / TILE;
         work += m * parts[p].w->n * parts[p].w->k;
     }
     const int64_t tiles = first[count];
-    const bool offsets = parts[0].w->offset;  // the parts agree (neuron_qlinear_int_stack checks)
-    // a chunk's spread reads up to LANES scales from its first group, dot_lanes sum_stride offsets
-    const int64_t gstride = a.sum_stride + LANES;
 #pragma omp parallel num_threads(threads) if (work >= MIN_PARALLEL_LINEAR)
     {
         if (rounded < m) {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < m; ++r) round(r);
         }
-        // each thread's factors for its tile, kept from call to call; zeros past the groups
-        static thread_local std::vector<float> gs, zs;
-        gs.assign(PLAIN ? 0 : TILE * gstride, 0.0f);
-        zs.assign(offsets && !PLAIN ? TILE * gstride : 0, 0.0f);
+        prepare();
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; ++t) {
             int64_t p = 0;
             while (t >= first[p + 1]) ++p;
             const QuantizedWeight& w = *parts[p].w;
             float* yp = y + parts[p].col;
-            const int64_t o = (t - first[p]) * TILE, n = w.n;
-            if (o + TILE <= n) {
-                irows<TILE, BITS, PLAIN>(a, m, w, o, yp, ys, bias, gs.data(), zs.data(), gstride, TILE);
+            const int64_t o = (t - first[p]) * TILE;
+            if (o + TILE <= w.n) {
+                rows(w, o, std::integral_constant<int, TILE>{}, yp);
             } else {
-                for (int64_t j = o; j < n; ++j)
-                    irows<1, BITS, PLAIN>(a, m, w, j, yp, ys, bias, gs.data(), zs.data(), gstride, TILE);
+                for (int64_t j = o; j < w.n; ++j) rows(w, j, std::integral_constant<int, 1>{}, yp);
             }
         }
     }
+}
+
+// The product of TILE-row tiles of every part (share_tiles), each thread's group factors for its
+// tile kept from call to call in buffers of its own, zeros past the groups. `bias`: a single part's
+// (a stack's is added by the caller).
+template <int BITS, bool PLAIN, int TILE, class Round>
+void multiply(const RoundedRows& a, int64_t m, int64_t rounded, const StackPart* parts, int64_t count,
+              const float* bias, float* y, int64_t ys, int threads, const Round& round) {
+    const bool offsets = parts[0].w->offset;  // the parts agree (neuron_qlinear_int_stack checks)
+    // a chunk's spread reads up to LANES scales from its first group, dot_lanes sum_stride offsets
+    const int64_t gstride = a.sum_stride + LANES;
+    static thread_local std::vector<float> gs, zs;  // (each thread of the team sees its own)
+    share_tiles<TILE>(
+        m, rounded, parts, count, y, threads, round,
+        [&] {
+            gs.assign(PLAIN ? 0 : TILE * gstride, 0.0f);
+            zs.assign(offsets && !PLAIN ? TILE * gstride : 0, 0.0f);
+        },
+        [&](const QuantizedWeight& w, int64_t o, auto width, float* yp) {
+            irows<decltype(width)::value, BITS, PLAIN>(a, m, w, o, yp, ys, bias, gs.data(), zs.data(), gstride, TILE);
+        });
 }
 
 // x times the parts side by side, x rounded once for all of them (they share k, the groups and
@@ -626,17 +683,178 @@ void qlinear_int(const float* x, int64_t m, int64_t xs, const StackPart* parts, 
     multiply<BITS, PLAIN, INB>(a, m, rounded, parts, count, bias, y, ys, threads, round);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Two-level 4-bit weights (GGUF's Q4_K) at a few rows, in builds without VNNI. Their groups of 32
+// have int8 sub-scales (and sub-offsets), eight under one float. With the activations rounded under
+// one scale per SUPER (256) inputs rather than per 32, as llama.cpp's Q8_K rounds them, the
+// sub-scales multiply in integers: madd takes each lane's sub-scale where the path above takes ones,
+// the lanes sum a super-block in 32 bits, and their conversion and scaling (the super-block's float
+// times x's scale) come once per 256 inputs. The path above pays a conversion, a multiply of the
+// block's and the group's scales and an FMA per register, and makes every weight row's group factors.
+// The offsets (float x sub-offset per group) meet each group's integer sum of the rounded x, a madd
+// per super-block. Bounds: a lane's pairs add to at most 2 x 2 x 15 x 127 = 7,620 in 16 bits, times
+// a sub-scale of at most 128 in magnitude, two to a lane: under 2^21 a register, and four registers
+// (two with AVX-512) to a super-block. The cost is the rounding: its error follows the largest |x|
+// of 256 inputs, not of 32 (tests/test_quant_int.py states the bound). With VNNI, dpbusd adds four
+// products straight into 32 bits, with no 16-bit step for the sub-scale, and the path is not built.
+#if !defined(NEURON_INT_VNNI) && (defined(NEURON_INT_AVX512) || defined(NEURON_INT_AVX2))
+#define NEURON_INT_SUPER 1
+#endif
+constexpr int SUPER = 256;  // inputs under one activation scale on the two-level path
+constexpr int SUPER_GROUPS = SUPER / XBLOCK;
+constexpr int SUPER_ROWS = 4;  // rows of x it takes fewer of (from four on, the WIDE_INB tiles above)
+
+inline bool super_layout(const QuantizedWeight& w) {
+#if defined(NEURON_INT_SUPER)
+    return w.bits == 4 && w.group == XBLOCK && w.per_super == SUPER_GROUPS && w.scale_sub && w.k % SUPER == 0 &&
+           (!w.offset || w.offset_sub);
+#else
+    (void)w;
+    return false;
+#endif
+}
+
+#if defined(NEURON_INT_SUPER)
+// x's rows rounded for the two-level path.
+struct SuperRows {
+    int64_t k;
+    const int8_t* q;       // [m][k] in the 4-bit chunk order
+    const float* d;        // [m][k / SUPER]: each super-block's scale
+    const int16_t* gsum;   // [m][k / XBLOCK]: each group's sum of the rounded x (at most 32 x 127)
+};
+
+inline void round_row_super(const float* x, int64_t k, int8_t* q, float* d, int16_t* gsum) {
+    constexpr int C = CHUNK<4>;
+    for (int64_t s = 0; s < k / SUPER; ++s) {
+        const float* xs = x + s * SUPER;
+        float amax = 0.0f;
+        for (int b = 0; b < SUPER_GROUPS; ++b) amax = std::max(amax, block_amax(xs + b * XBLOCK));
+        d[s] = amax / 127.0f;
+        for (int b = 0; b < SUPER_GROUPS; ++b) {
+            int8_t rounded[XBLOCK];
+            int32_t halves[2];
+            round_with(xs + b * XBLOCK, amax > 0.0f ? 127.0f / amax : 0.0f, rounded, halves);
+            const int64_t at = s * SUPER + b * XBLOCK;
+            int8_t* qc = q + at / C * C;
+            std::memcpy(qc + chunk_pos<4>(at % C), rounded, 16);
+            std::memcpy(qc + chunk_pos<4>(at % C + 16), rounded + 16, 16);
+            gsum[s * SUPER_GROUPS + b] = int16_t(halves[0] + halves[1]);
+        }
+    }
+}
+
+// For each register of codes in a super-block, the bytes that shuffle_bytes takes to put each lane's
+// group's sub-scale (one of the eight words_in_quads widened) in both 16-bit halves of the lane.
+struct SubShuffles {
+    alignas(64) int8_t at[SUPER / CHUNK<4>][REG_BYTES];
+    SubShuffles() {
+        for (int c = 0; c < SUPER / CHUNK<4>; ++c)
+            for (int b = 0; b < REG_BYTES; ++b)
+                at[c][b] = int8_t(2 * ((c * CHUNK<4> + pos_input<4>(b / 4 * 4)) / XBLOCK) + b % 2);
+    }
+};
+const SubShuffles sub_shuffles;
+
+// A row's top-level floats (scales or offsets) at p, n of them.
+inline void tops_of(const QuantizedWeight& w, const void* p, int64_t n, float* out) {
+    if (w.half_factors)
+        group_factors(static_cast<const _Float16*>(p), nullptr, n, 1, out);
+    else
+        group_factors(static_cast<const float*>(p), nullptr, n, 1, out);
+}
+
+// y[r][o + j] for every row of x (fewer than SUPER_ROWS) and NBT weight rows from o, plus bias.
+// `tops`: room for 2 x NBT x the super-blocks (the rows' scales, then their offsets).
+template <int NBT>
+inline void super_rows(const SuperRows& a, int64_t m, const QuantizedWeight& w, int64_t o, float* y, int64_t ys,
+                       const float* bias, float* tops, Ahead ahead) {
+    constexpr int C = CHUNK<4>, PER = SUPER / C;  // registers of codes a super-block
+    const int64_t supers = w.k / SUPER, fbytes = w.half_factors ? 2 : 4;
+    float* mins = tops + NBT * supers;
+    const uint8_t* rows[NBT];
+    const int8_t* subs[NBT];
+    const int8_t* msubs[NBT];
+    for (int j = 0; j < NBT; ++j) {
+        const int64_t row = o + j;
+        rows[j] = w.codes + row * w.code_stride;
+        subs[j] = w.scale_sub + row * w.scale_sub_stride;
+        tops_of(w, static_cast<const char*>(w.scale) + row * w.scale_stride * fbytes, supers, tops + j * supers);
+        if (w.offset) {
+            msubs[j] = w.offset_sub + row * w.offset_sub_stride;
+            tops_of(w, static_cast<const char*>(w.offset) + row * w.offset_stride * fbytes, supers, mins + j * supers);
+        }
+    }
+    int64_t line = 0;
+    for (int64_t r = 0; r < m; ++r) {
+        const int8_t* xq = a.q + r * a.k;
+        const float* xd = a.d + r * supers;
+        const int16_t* xg = a.gsum + r * supers * SUPER_GROUPS;
+        LaneFloats acc[NBT];
+        for (int j = 0; j < NBT; ++j) acc[j] = LaneFloats{};
+        for (int64_t s = 0; s < supers; ++s) {
+            for (int p = 0; p < ahead.per_step * PER; ++p)
+                if (line < ahead.lines) __builtin_prefetch(ahead.next + 64 * line++, 0, 3);
+            for (int j = 0; j < NBT; ++j) {
+                const Bytes by = words_in_quads(subs[j] + s * SUPER_GROUPS);
+                LaneInts sum{};
+                for (int c = 0; c < PER; ++c) {
+                    const int64_t at = s * PER + c;
+                    Bytes lo, hi;
+                    nibbles(load_codes<false>(rows[j] + at * REG_BYTES, 0), lo, hi);
+                    sum = add_ints(sum, idot4_by(lo, hi, load_x(xq + at * C), load_x(xq + at * C + REG_BYTES),
+                                                 shuffle_bytes(by, load_x(sub_shuffles.at[c]))));
+                }
+                acc[j] = fmadd(to_floats(sum), splat(xd[s] * tops[j * supers + s]), acc[j]);
+                if (w.offset) {  // four lanes of two groups' sub-offset x their sums of x
+                    const __m128i m8 = _mm_loadl_epi64((const __m128i*)(msubs[j] + s * SUPER_GROUPS));
+                    const __m128i sums = _mm_loadu_si128((const __m128i*)(xg + s * SUPER_GROUPS));
+                    const __m128i pairs = _mm_madd_epi16(_mm_cvtepi8_epi16(m8), sums);
+                    acc[j] = fnmadd(to_floats(low_quad(pairs)), splat(xd[s] * mins[j * supers + s]), acc[j]);
+                }
+            }
+        }
+        for (int j = 0; j < NBT; ++j) {
+            const float v = lane_sum(acc[j]);
+            y[r * ys + o + j] = bias ? v + bias[o + j] : v;
+        }
+    }
+}
+
+void qlinear_super(const float* x, int64_t m, int64_t xs, const StackPart* parts, int64_t count, const float* bias,
+                   float* y, int64_t ys, int threads) {
+    const int64_t k = parts[0].w->k, supers = k / SUPER;
+    static thread_local RoundingBuffers buf;
+    buf.q.resize(m * k);
+    buf.d.resize(m * supers);
+    buf.gsum.resize(m * supers * SUPER_GROUPS);
+    const SuperRows a{k, buf.q.data(), buf.d.data(), buf.gsum.data()};
+    auto round = [&](int64_t r) {
+        round_row_super(x + r * xs, k, const_cast<int8_t*>(a.q) + r * k, const_cast<float*>(a.d) + r * supers,
+                        const_cast<int16_t*>(a.gsum) + r * supers * SUPER_GROUPS);
+    };
+    const int64_t rounded = m * k <= MIN_PARALLEL_ROUNDING ? m : 0;  // as qlinear_int
+    for (int64_t r = 0; r < rounded; ++r) round(r);
+    static thread_local std::vector<float> tops;
+    share_tiles<INB>(
+        m, rounded, parts, count, y, threads, round, [&] { tops.resize(2 * INB * supers); },
+        [&](const QuantizedWeight& w, int64_t o, auto width, float* yp) {
+            super_rows<decltype(width)::value>(a, m, w, o, yp, ys, bias, tops.data(), ahead_of(w, o, INB));
+        });
+}
+#endif
+
 inline bool plain_layout(const QuantizedWeight& w) { return w.group == w.k && !w.offset && !w.scale_sub; }
 
 // Which of the kernel's variants multiplies `count` parts, or -1 where they need different ones or
-// different roundings of x: 0 4-bit codes, 1 int8 with one scale per row, 2 int8 with groups.
+// different roundings of x: 0 4-bit codes, 1 int8 with one scale per row, 2 int8 with groups, 3 two-level
+// 4-bit codes (the two-level path at fewer than SUPER_ROWS rows, 0's above).
 inline int variant(const StackPart* parts, int64_t count) {
     const QuantizedWeight& w = *parts[0].w;
-    const int v = w.bits == 4 ? 0 : plain_layout(w) ? 1 : 2;
+    const int v = w.bits == 4 ? (super_layout(w) ? 3 : 0) : plain_layout(w) ? 1 : 2;
     for (int64_t p = 1; p < count; ++p) {
         const QuantizedWeight& o = *parts[p].w;
         if (o.bits != w.bits || o.fp8 || o.k != w.k || o.group != w.group || !o.offset != !w.offset ||
-            plain_layout(o) != plain_layout(w))
+            plain_layout(o) != plain_layout(w) || super_layout(o) != super_layout(w))
             return -1;
     }
     return w.fp8 ? -1 : v;
@@ -644,7 +862,10 @@ inline int variant(const StackPart* parts, int64_t count) {
 
 void qlinear_int_parts(const float* x, int64_t m, int64_t xs, const StackPart* parts, int64_t count,
                        const float* bias, float* y, int64_t ys, int threads, int v) {
-    if (v == 0)
+#if defined(NEURON_INT_SUPER)
+    if (v == 3 && m < SUPER_ROWS) return qlinear_super(x, m, xs, parts, count, bias, y, ys, threads);
+#endif
+    if (v == 0 || v == 3)
         qlinear_int<4, false>(x, m, xs, parts, count, bias, y, ys, threads);
     else if (v == 1)
         qlinear_int<8, true>(x, m, xs, parts, count, bias, y, ys, threads);
@@ -662,6 +883,12 @@ void neuron_qlinear_int(const float* x, int64_t m, int64_t xs, const QuantizedWe
                         int64_t ys, int threads) {
     const StackPart part{w, 0};
     qlinear_int_parts(x, m, xs, &part, 1, bias, y, ys, threads, variant(&part, 1));
+}
+
+// The inputs under one activation scale where neuron_qlinear_int multiplies `rows` rows by W: SUPER on
+// the two-level path, else XBLOCK (the tests round x as the kernel does).
+int neuron_qlinear_int_block(const QuantizedWeight* w, int64_t rows) {
+    return super_layout(*w) && rows < SUPER_ROWS ? SUPER : XBLOCK;
 }
 
 // y [m, sum of the parts' n] = x times `count` weights side by side, each as neuron_qlinear_int
