@@ -291,6 +291,7 @@ inline LaneInts idot8(const Bytes& w, const Bytes& x, LaneInts) {
 inline LaneFloats to_floats(LaneInts v) { return __builtin_convertvector(v, LaneFloats); }
 inline LaneFloats fmadd(LaneFloats a, LaneFloats b, LaneFloats c) { return a * b + c; }
 inline LaneFloats fmul(LaneFloats a, LaneFloats b) { return a * b; }
+inline LaneFloats splat(float v) { return LaneFloats{} + v; }
 inline float lane_sum(LaneFloats v) {
     float s = 0.0f;
     for (int l = 0; l < LANES; ++l) s += v[l];
@@ -330,6 +331,7 @@ struct RoundedRows {
     int64_t sum_stride;  // groups rounded up to whole LANES, the rest zeros (whole vectors in dot_lanes)
     const int8_t* q;      // [m][chunks * CHUNK], zero past k
     const float* d;       // [m][chunks * LANES]: each lane's block scale, in LANE_UNIT
+    const float* bd;      // [m][chunks * CHUNK / XBLOCK]: each block's scale
     const int32_t* corr;  // [m][chunks * LANES]: -128 * the sum of each lane's four q (VNNI, int8 codes)
     const float* sum;     // [m][sum_stride]: the rounded x summed over each weight group (offsets), or null
     const int32_t* lane_group;  // [chunks * LANES]: each lane's group, less the chunk's first
@@ -338,8 +340,8 @@ struct RoundedRows {
 
 // Row r of x into `rows`' buffers (the caller sized them).
 template <int BITS>
-inline void round_row(const float* x, int64_t k, int64_t group, int8_t* q, float* d, int32_t* corr, float* sum,
-                      int64_t sum_stride, int64_t chunks) {
+inline void round_row(const float* x, int64_t k, int64_t group, int8_t* q, float* d, float* bd, int32_t* corr,
+                      float* sum, int64_t sum_stride, int64_t chunks) {
     constexpr int C = CHUNK<BITS>;
     if (sum) std::fill(sum, sum + sum_stride, 0.0f);
     int64_t g = 0, left = group;  // the group of the half-block at hand, and its inputs from there on
@@ -350,7 +352,7 @@ inline void round_row(const float* x, int64_t k, int64_t group, int8_t* q, float
             const int64_t at = c * C + b * XBLOCK;
             int8_t rounded[XBLOCK] = {};  // the tail chunk's missing blocks: zeros under a scale of 0
             int32_t halves[2];
-            block_d[b] = at < k ? round_block(x + at, rounded, halves) : 0.0f;
+            bd[c * (C / XBLOCK) + b] = block_d[b] = at < k ? round_block(x + at, rounded, halves) : 0.0f;
             // a block's two halves of 16 sit apart in the 4-bit order (chunk_pos)
             std::memcpy(qc + chunk_pos<BITS>(b * XBLOCK), rounded, 16);
             std::memcpy(qc + chunk_pos<BITS>(b * XBLOCK + 16), rounded + 16, 16);
@@ -381,8 +383,12 @@ inline Ahead ahead_of(const QuantizedWeight& w, int64_t o, int tile) {
 }
 
 // y[r][o + j] for RB rows of x from r0 and NBT weight rows from o, before scales per row, offsets
-// and bias, in lanes still to be summed. `gs` holds each weight row's group scales (PLAIN: unused).
-template <int NBT, int RB, int BITS, bool PLAIN>
+// and bias, in lanes still to be summed. `gs` holds each weight row's group scales (PLAIN: unused);
+// ONE: int8 codes whose groups are a register's inputs (Q8_0 with AVX2) at one row of x, x's block
+// scale already in them (irows), so that a register takes one scale, broadcast, and its product one
+// FMA (the spread's load and permute and the product with x's lane scales gone: 8 instructions a
+// register and weight row rather than 10).
+template <int NBT, int RB, int BITS, bool PLAIN, bool ONE>
 inline void itile(const RoundedRows& a, int64_t r0, const QuantizedWeight& w, int64_t o, const float* gs,
                   int64_t gstride, LaneFloats acc[RB][NBT], Ahead ahead) {
     constexpr int C = CHUNK<BITS>;
@@ -423,6 +429,10 @@ inline void itile(const RoundedRows& a, int64_t r0, const QuantizedWeight& w, in
             const Bytes codes = load_codes<TAIL>(rows[j] + c * REG_BYTES, tail_bytes);
             Bytes lo, hi;
             if constexpr (BITS == 4) nibbles(codes, lo, hi);
+            if constexpr (ONE) {  // the chunk's one scale, x's block scale in it
+                acc[0][j] = fmadd(to_floats(idot8(codes, x8[0], c8[0])), splat(gs[j * gstride + c]), acc[0][j]);
+                continue;
+            }
             LaneFloats sw{};
             if constexpr (!PLAIN) sw = spread(idx, gs + j * gstride + g0);
             for (int r = 0; r < RB; ++r) {
@@ -500,7 +510,7 @@ inline void group_factors(const QuantizedWeight& w, const void* tops, const int8
 
 // NBT weight rows from o against every row of x: the group scales (and offsets) of those rows made
 // once into `gs` and `zs`, then the x rows RB at a time. `tile`: the rows of a whole tile (prefetches).
-template <int NBT, int BITS, bool PLAIN>
+template <int NBT, int BITS, bool PLAIN, bool ONE>
 inline void irows(const RoundedRows& a, int64_t m, const QuantizedWeight& w, int64_t o, float* y, int64_t ys,
                   const float* bias, float* gs, float* zs, int64_t gstride, int tile) {
     const int64_t groups = a.groups;
@@ -522,6 +532,11 @@ inline void irows(const RoundedRows& a, int64_t m, const QuantizedWeight& w, int
             const int64_t row = o + j;
             group_factors(w, scales + row * w.scale_stride * fbytes,
                           w.scale_sub ? w.scale_sub + row * w.scale_sub_stride : nullptr, groups, gs + j * gstride);
+            if constexpr (ONE) {
+                float* g = gs + j * gstride;
+#pragma omp simd
+                for (int64_t i = 0; i < groups; ++i) g[i] *= a.bd[i];
+            }
             if (w.offset)
                 group_factors(w, offsets + row * w.offset_stride * fbytes,
                               w.offset_sub ? w.offset_sub + row * w.offset_sub_stride : nullptr, groups,
@@ -532,7 +547,7 @@ inline void irows(const RoundedRows& a, int64_t m, const QuantizedWeight& w, int
     auto finish = [&](auto rb, int64_t r0) {
         constexpr int RB = decltype(rb)::value;
         LaneFloats acc[RB][NBT];
-        itile<NBT, RB, BITS, PLAIN>(a, r0, w, o, gs, gstride, acc, ahead);
+        itile<NBT, RB, BITS, PLAIN, ONE>(a, r0, w, o, gs, gstride, acc, ahead);
         ahead.lines = 0;  // fetched once
         for (int r = 0; r < RB; ++r)
             for (int j = 0; j < NBT; ++j) {
@@ -553,7 +568,7 @@ inline void irows(const RoundedRows& a, int64_t m, const QuantizedWeight& w, int
 // Buffers reused from call to call by the calling thread (the team writes into them).
 struct RoundingBuffers {
     std::vector<int8_t> q;
-    std::vector<float> d, sum;
+    std::vector<float> d, bd, sum;
     std::vector<int32_t> corr;
     std::vector<int16_t> gsum;  // the two-level path's
 };
@@ -631,7 +646,7 @@ void share_tiles(int64_t m, int64_t rounded, const StackPart* parts, int64_t cou
 // The product of TILE-row tiles of every part (share_tiles), each thread's group factors for its
 // tile kept from call to call in buffers of its own, zeros past the groups. `bias`: a single part's
 // (a stack's is added by the caller).
-template <int BITS, bool PLAIN, int TILE, class Round>
+template <int BITS, bool PLAIN, int TILE, bool ONE, class Round>
 void multiply(const RoundedRows& a, int64_t m, int64_t rounded, const StackPart* parts, int64_t count,
               const float* bias, float* y, int64_t ys, int threads, const Round& round) {
     const bool offsets = parts[0].w->offset;  // the parts agree (neuron_qlinear_int_stack checks)
@@ -645,7 +660,8 @@ void multiply(const RoundedRows& a, int64_t m, int64_t rounded, const StackPart*
             zs.assign(offsets && !PLAIN ? TILE * gstride : 0, 0.0f);
         },
         [&](const QuantizedWeight& w, int64_t o, auto width, float* yp) {
-            irows<decltype(width)::value, BITS, PLAIN>(a, m, w, o, yp, ys, bias, gs.data(), zs.data(), gstride, TILE);
+            irows<decltype(width)::value, BITS, PLAIN, ONE>(a, m, w, o, yp, ys, bias, gs.data(), zs.data(), gstride,
+                                                            TILE);
         });
 }
 
@@ -662,14 +678,17 @@ void qlinear_int(const float* x, int64_t m, int64_t xs, const StackPart* parts, 
     const bool corr = VNNI && BITS == 8, sums = w.offset && !PLAIN;
     buf.q.resize(m * chunks * C);
     buf.d.resize(m * chunks * LANES);
+    buf.bd.resize(m * chunks * (C / XBLOCK));
     buf.corr.resize(corr ? m * chunks * LANES : 0);
     buf.sum.resize(sums ? m * sum_stride : 0);
     const LaneGroups& lanes = lane_groups<BITS>(w.k, w.group);
-    const RoundedRows a{chunks, groups, sum_stride, buf.q.data(), buf.d.data(), corr ? buf.corr.data() : nullptr,
-                        sums ? buf.sum.data() : nullptr, lanes.lane.data(), lanes.first.data()};
+    const RoundedRows a{chunks, groups, sum_stride, buf.q.data(), buf.d.data(), buf.bd.data(),
+                        corr ? buf.corr.data() : nullptr, sums ? buf.sum.data() : nullptr, lanes.lane.data(),
+                        lanes.first.data()};
     auto round = [&](int64_t r) {
         round_row<BITS>(x + r * xs, w.k, w.group, const_cast<int8_t*>(a.q) + r * chunks * C,
                         const_cast<float*>(a.d) + r * chunks * LANES,
+                        const_cast<float*>(a.bd) + r * chunks * (C / XBLOCK),
                         corr ? const_cast<int32_t*>(a.corr) + r * chunks * LANES : nullptr,
                         sums ? const_cast<float*>(a.sum) + r * sum_stride : nullptr, sum_stride, chunks);
     };
@@ -679,8 +698,12 @@ void qlinear_int(const float* x, int64_t m, int64_t xs, const StackPart* parts, 
     const int64_t rounded = m * w.k <= MIN_PARALLEL_ROUNDING ? m : 0;
     for (int64_t r = 0; r < rounded; ++r) round(r);
     if constexpr (BITS == 4)
-        if (m >= 4) return multiply<BITS, PLAIN, WIDE_INB>(a, m, rounded, parts, count, bias, y, ys, threads, round);
-    multiply<BITS, PLAIN, INB>(a, m, rounded, parts, count, bias, y, ys, threads, round);
+        if (m >= 4)
+            return multiply<BITS, PLAIN, WIDE_INB, false>(a, m, rounded, parts, count, bias, y, ys, threads, round);
+    if constexpr (BITS == 8 && !PLAIN)
+        if (m == 1 && w.group == C)  // (itile's ONE)
+            return multiply<BITS, PLAIN, INB, true>(a, m, rounded, parts, count, bias, y, ys, threads, round);
+    multiply<BITS, PLAIN, INB, false>(a, m, rounded, parts, count, bias, y, ys, threads, round);
 }
 
 // ---------------------------------------------------------------------------------------------
