@@ -258,7 +258,7 @@ class Settings:
                                       "reference) instead of through neuron's CPU kernel for them")
     quant_exact: bool = _setting(bool, False, "multiply int8 and 4-bit quantized weights on CPU in fp32, equal to "
                                  "dequantize-then-matmul, instead of rounding the activations to int8 per 32 "
-                                 "inputs (per 256 for Q4_K at a few rows, without VNNI) and multiplying "
+                                 "inputs (per 256 for K-quants at a few rows, without VNNI) and multiplying "
                                  "integers (faster, a relative error of 2e-5 to 9e-5 in the mean square)")
     no_cuda_graphs: bool = _setting(bool, False, "run decode steps eagerly instead of replaying them from CUDA "
                                     "graphs (graphs need CUDA, attention=paged, one rank per GPU or tp 1, "

@@ -18,8 +18,8 @@ multiplies.
 
 A CPU step of up to MAX_KERNEL_ROWS rows multiplies through neuron's C++ kernels, which read 1 or
 0.5 bytes per weight instead of 4: for int8 and 4-bit codes by default `neuron_qlinear_int`
-(csrc/qlinear_int.h), which rounds the activations to int8 per 32 inputs (per 256 for Q4_K's
-two-level scales at a few rows, in builds without VNNI) and multiplies integers (within a stated
+(csrc/qlinear_int.h), which rounds the activations to int8 per 32 inputs (per 256 for the
+K-quants' two-level scales at a few rows, in builds without VNNI) and multiplies integers (within a stated
 error of the reference, tests/test_quant_int.py); for FP8 codes, or everywhere
 with NEURON_QUANT_EXACT, `neuron_qlinear` (csrc/cpu_ops.cpp), which widens and scales each weight
 vector to fp32 as it streams past (the reference's sums up to their order). A CPU step of more

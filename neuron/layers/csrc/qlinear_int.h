@@ -37,7 +37,7 @@
 //
 // The result differs from dequantize-then-matmul by the activations' rounding (a relative error of
 // 2e-5 to 4e-5 in the mean square, tests/test_quant_int.py), as llama.cpp's products do. Two-level
-// 4-bit codes at a few rows round them per 256 inputs instead, in builds without VNNI (below).
+// factors at a few rows round them per 256 inputs instead, in builds without VNNI (below).
 #pragma once
 
 #include <deque>
@@ -152,7 +152,6 @@ inline LaneFloats spread(LaneInts idx, const float* p) { return _mm512_permutexv
 inline LaneFloats splat(float v) { return _mm512_set1_ps(v); }
 inline LaneFloats fnmadd(LaneFloats a, LaneFloats b, LaneFloats c) { return _mm512_fnmadd_ps(a, b, c); }
 inline LaneInts add_ints(LaneInts a, LaneInts b) { return _mm512_add_epi32(a, b); }
-inline LaneInts low_quad(__m128i v) { return _mm512_zextsi128_si512(v); }  // the other lanes 0
 // Eight int8 values widened to int16, in every 128 bits of a register (for shuffle_bytes).
 inline Bytes words_in_quads(const int8_t* p) {
     return _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)p)));
@@ -162,6 +161,21 @@ inline Bytes shuffle_bytes(Bytes v, Bytes ctl) { return _mm512_shuffle_epi8(v, c
 // As idot4 without VNNI, each lane's two pairs times the lane's int16 in `by` (maddubs, then madd).
 inline LaneInts idot4_by(Bytes lo, Bytes hi, Bytes xlo, Bytes xhi, Bytes by) {
     return _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(lo, xlo), _mm512_maddubs_epi16(hi, xhi)), by);
+}
+// As idot8 without VNNI, each lane's two pairs times the lane's int16 in `by`.
+inline LaneInts idot8_by(Bytes w, Bytes x, Bytes by) {
+    const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), signed_x), by);
+}
+// N (8 or 16) int8 sub-offsets times N int16 sums, in pairs into the first N / 2 lanes (the rest 0).
+template <int N>
+inline LaneInts group_dot(const int8_t* m, const int16_t* g) {
+    if constexpr (N == 8)
+        return _mm512_zextsi128_si512(
+            _mm_madd_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)m)), _mm_loadu_si128((const __m128i*)g)));
+    else
+        return _mm512_zextsi256_si512(_mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)m)),
+                                                        _mm256_loadu_si256((const __m256i*)g)));
 }
 // The largest |x| of one block of XBLOCK activations.
 inline float block_amax(const float* xb) {
@@ -217,13 +231,24 @@ inline LaneFloats spread(LaneInts idx, const float* p) { return _mm256_permuteva
 inline LaneFloats splat(float v) { return _mm256_set1_ps(v); }
 inline LaneFloats fnmadd(LaneFloats a, LaneFloats b, LaneFloats c) { return _mm256_fnmadd_ps(a, b, c); }
 inline LaneInts add_ints(LaneInts a, LaneInts b) { return _mm256_add_epi32(a, b); }
-inline LaneInts low_quad(__m128i v) { return _mm256_zextsi128_si256(v); }
 inline Bytes words_in_quads(const int8_t* p) {
     return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)p)));
 }
 inline Bytes shuffle_bytes(Bytes v, Bytes ctl) { return _mm256_shuffle_epi8(v, ctl); }
 inline LaneInts idot4_by(Bytes lo, Bytes hi, Bytes xlo, Bytes xhi, Bytes by) {
     return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)), by);
+}
+inline LaneInts idot8_by(Bytes w, Bytes x, Bytes by) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), by);
+}
+template <int N>
+inline LaneInts group_dot(const int8_t* m, const int16_t* g) {
+    if constexpr (N == 8)
+        return _mm256_zextsi128_si256(
+            _mm_madd_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)m)), _mm_loadu_si128((const __m128i*)g)));
+    else
+        return _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)m)),
+                                 _mm256_loadu_si256((const __m256i*)g));
 }
 inline int32_t int_sum(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -382,13 +407,19 @@ inline Ahead ahead_of(const QuantizedWeight& w, int64_t o, int tile) {
                  row + tile <= w.n ? tile * w.code_stride / 64 : 0, std::max(1, tile * REG_BYTES / 64)};
 }
 
+// Where x's block scales go (at one row of x and groups of XBLOCK inputs, they are folded into each
+// weight row's group scales as irows makes them, so that a register's product is one FMA by the
+// spread scales rather than also a load of x's lane scales and a multiply):
+constexpr int UNFOLDED = 0;  // multiplied in per register
+constexpr int FOLDED = 1;
+constexpr int FOLDED_ONE = 2;  // folded, int8 codes whose groups are a register's inputs (Q8_0 with
+                               // AVX2): one scale a register, broadcast (8 instructions a register and
+                               // weight row rather than 10)
+
 // y[r][o + j] for RB rows of x from r0 and NBT weight rows from o, before scales per row, offsets
-// and bias, in lanes still to be summed. `gs` holds each weight row's group scales (PLAIN: unused);
-// ONE: int8 codes whose groups are a register's inputs (Q8_0 with AVX2) at one row of x, x's block
-// scale already in them (irows), so that a register takes one scale, broadcast, and its product one
-// FMA (the spread's load and permute and the product with x's lane scales gone: 8 instructions a
-// register and weight row rather than 10).
-template <int NBT, int RB, int BITS, bool PLAIN, bool ONE>
+// and bias, in lanes still to be summed. `gs` holds each weight row's group scales (PLAIN: unused),
+// and x's block scales too unless UNFOLDED (folded only where RB is 1).
+template <int NBT, int RB, int BITS, bool PLAIN, int FOLD>
 inline void itile(const RoundedRows& a, int64_t r0, const QuantizedWeight& w, int64_t o, const float* gs,
                   int64_t gstride, LaneFloats acc[RB][NBT], Ahead ahead) {
     constexpr int C = CHUNK<BITS>;
@@ -429,7 +460,7 @@ inline void itile(const RoundedRows& a, int64_t r0, const QuantizedWeight& w, in
             const Bytes codes = load_codes<TAIL>(rows[j] + c * REG_BYTES, tail_bytes);
             Bytes lo, hi;
             if constexpr (BITS == 4) nibbles(codes, lo, hi);
-            if constexpr (ONE) {  // the chunk's one scale, x's block scale in it
+            if constexpr (FOLD == FOLDED_ONE) {
                 acc[0][j] = fmadd(to_floats(idot8(codes, x8[0], c8[0])), splat(gs[j * gstride + c]), acc[0][j]);
                 continue;
             }
@@ -442,7 +473,10 @@ inline void itile(const RoundedRows& a, int64_t r0, const QuantizedWeight& w, in
                     s = idot4(lo, hi, load_x(xq[r]), load_x(xq[r] + REG_BYTES)), d = load_floats(xd[r]);
                 else
                     s = idot8(codes, x8[r], c8[r]), d = d8[r];
-                acc[r][j] = fmadd(to_floats(s), PLAIN ? d : fmul(d, sw), acc[r][j]);
+                if constexpr (FOLD == FOLDED)
+                    acc[r][j] = fmadd(to_floats(s), sw, acc[r][j]);
+                else
+                    acc[r][j] = fmadd(to_floats(s), PLAIN ? d : fmul(d, sw), acc[r][j]);
             }
         }
     };
@@ -510,7 +544,15 @@ inline void group_factors(const QuantizedWeight& w, const void* tops, const int8
 
 // NBT weight rows from o against every row of x: the group scales (and offsets) of those rows made
 // once into `gs` and `zs`, then the x rows RB at a time. `tile`: the rows of a whole tile (prefetches).
-template <int NBT, int BITS, bool PLAIN, bool ONE>
+// A weight row's group scales (groups of XBLOCK inputs) times the block scales of x's one row, in
+// the lanes' unit.
+template <int BITS>
+inline void fold_block_scales(float* g, const float* bd, int64_t groups) {
+#pragma omp simd
+    for (int64_t i = 0; i < groups; ++i) g[i] *= bd[i] * LANE_UNIT<BITS>;
+}
+
+template <int NBT, int BITS, bool PLAIN, int FOLD>
 inline void irows(const RoundedRows& a, int64_t m, const QuantizedWeight& w, int64_t o, float* y, int64_t ys,
                   const float* bias, float* gs, float* zs, int64_t gstride, int tile) {
     const int64_t groups = a.groups;
@@ -532,11 +574,7 @@ inline void irows(const RoundedRows& a, int64_t m, const QuantizedWeight& w, int
             const int64_t row = o + j;
             group_factors(w, scales + row * w.scale_stride * fbytes,
                           w.scale_sub ? w.scale_sub + row * w.scale_sub_stride : nullptr, groups, gs + j * gstride);
-            if constexpr (ONE) {
-                float* g = gs + j * gstride;
-#pragma omp simd
-                for (int64_t i = 0; i < groups; ++i) g[i] *= a.bd[i];
-            }
+            if constexpr (FOLD != UNFOLDED) fold_block_scales<BITS>(gs + j * gstride, a.bd, groups);
             if (w.offset)
                 group_factors(w, offsets + row * w.offset_stride * fbytes,
                               w.offset_sub ? w.offset_sub + row * w.offset_sub_stride : nullptr, groups,
@@ -547,7 +585,7 @@ inline void irows(const RoundedRows& a, int64_t m, const QuantizedWeight& w, int
     auto finish = [&](auto rb, int64_t r0) {
         constexpr int RB = decltype(rb)::value;
         LaneFloats acc[RB][NBT];
-        itile<NBT, RB, BITS, PLAIN, ONE>(a, r0, w, o, gs, gstride, acc, ahead);
+        itile<NBT, RB, BITS, PLAIN, FOLD>(a, r0, w, o, gs, gstride, acc, ahead);
         ahead.lines = 0;  // fetched once
         for (int r = 0; r < RB; ++r)
             for (int j = 0; j < NBT; ++j) {
@@ -646,7 +684,7 @@ void share_tiles(int64_t m, int64_t rounded, const StackPart* parts, int64_t cou
 // The product of TILE-row tiles of every part (share_tiles), each thread's group factors for its
 // tile kept from call to call in buffers of its own, zeros past the groups. `bias`: a single part's
 // (a stack's is added by the caller).
-template <int BITS, bool PLAIN, int TILE, bool ONE, class Round>
+template <int BITS, bool PLAIN, int TILE, int FOLD, class Round>
 void multiply(const RoundedRows& a, int64_t m, int64_t rounded, const StackPart* parts, int64_t count,
               const float* bias, float* y, int64_t ys, int threads, const Round& round) {
     const bool offsets = parts[0].w->offset;  // the parts agree (neuron_qlinear_int_stack checks)
@@ -660,7 +698,7 @@ void multiply(const RoundedRows& a, int64_t m, int64_t rounded, const StackPart*
             zs.assign(offsets && !PLAIN ? TILE * gstride : 0, 0.0f);
         },
         [&](const QuantizedWeight& w, int64_t o, auto width, float* yp) {
-            irows<decltype(width)::value, BITS, PLAIN, ONE>(a, m, w, o, yp, ys, bias, gs.data(), zs.data(), gstride,
+            irows<decltype(width)::value, BITS, PLAIN, FOLD>(a, m, w, o, yp, ys, bias, gs.data(), zs.data(), gstride,
                                                             TILE);
         });
 }
@@ -699,37 +737,43 @@ void qlinear_int(const float* x, int64_t m, int64_t xs, const StackPart* parts, 
     for (int64_t r = 0; r < rounded; ++r) round(r);
     if constexpr (BITS == 4)
         if (m >= 4)
-            return multiply<BITS, PLAIN, WIDE_INB, false>(a, m, rounded, parts, count, bias, y, ys, threads, round);
-    if constexpr (BITS == 8 && !PLAIN)
-        if (m == 1 && w.group == C)  // (itile's ONE)
-            return multiply<BITS, PLAIN, INB, true>(a, m, rounded, parts, count, bias, y, ys, threads, round);
-    multiply<BITS, PLAIN, INB, false>(a, m, rounded, parts, count, bias, y, ys, threads, round);
+            return multiply<BITS, PLAIN, WIDE_INB, UNFOLDED>(a, m, rounded, parts, count, bias, y, ys, threads, round);
+    if constexpr (!PLAIN)
+        if (m == 1 && w.group == XBLOCK) {
+            if (BITS == 8 && w.group == C)
+                return multiply<BITS, PLAIN, INB, FOLDED_ONE>(a, m, rounded, parts, count, bias, y, ys, threads, round);
+            return multiply<BITS, PLAIN, INB, FOLDED>(a, m, rounded, parts, count, bias, y, ys, threads, round);
+        }
+    multiply<BITS, PLAIN, INB, UNFOLDED>(a, m, rounded, parts, count, bias, y, ys, threads, round);
 }
 
 // ---------------------------------------------------------------------------------------------
-// Two-level 4-bit weights (GGUF's Q4_K) at a few rows, in builds without VNNI. Their groups of 32
-// have int8 sub-scales (and sub-offsets), eight under one float. With the activations rounded under
-// one scale per SUPER (256) inputs rather than per 32, as llama.cpp's Q8_K rounds them, the
-// sub-scales multiply in integers: madd takes each lane's sub-scale where the path above takes ones,
-// the lanes sum a super-block in 32 bits, and their conversion and scaling (the super-block's float
-// times x's scale) come once per 256 inputs. The path above pays a conversion, a multiply of the
-// block's and the group's scales and an FMA per register, and makes every weight row's group factors.
-// The offsets (float x sub-offset per group) meet each group's integer sum of the rounded x, a madd
-// per super-block. Bounds: a lane's pairs add to at most 2 x 2 x 15 x 127 = 7,620 in 16 bits, times
-// a sub-scale of at most 128 in magnitude, two to a lane: under 2^21 a register, and four registers
-// (two with AVX-512) to a super-block. The cost is the rounding: its error follows the largest |x|
-// of 256 inputs, not of 32 (tests/test_quant_int.py states the bound). With VNNI, dpbusd adds four
-// products straight into 32 bits, with no 16-bit step for the sub-scale, and the path is not built.
+// Two-level weights (GGUF's K-quants and IQ4_XS) at a few rows, in builds without VNNI. Their groups
+// of 16 or 32 have int8 sub-scales (and sub-offsets) under one float per 256 inputs. With the
+// activations rounded under one scale per SUPER (256) inputs rather than per 32, as llama.cpp's Q8_K
+// rounds them, the sub-scales multiply in integers: madd takes each lane's sub-scale where the path
+// above takes ones, the lanes sum a super-block in 32 bits, and their conversion and scaling (the
+// super-block's float times x's scale) come once per 256 inputs. The path above pays a conversion, a
+// multiply of the block's and the group's scales and an FMA per register, and makes every weight
+// row's group factors. The offsets (float x sub-offset per group) meet each group's integer sum of
+// the rounded x, a madd per super-block. Bounds: a lane's pairs add to at most 2 x 2 x 15 x 127 =
+// 7,620 (4-bit codes) or 2 x 128 x 127 = 32,512 (int8) in 16 bits, times a sub-scale of at most 128
+// in magnitude, two to a lane: under 2^24 a register, and at most eight registers to a super-block.
+// The cost is the rounding: its error follows the largest |x| of 256 inputs, not of 32
+// (tests/test_quant_int.py states the bound). With VNNI, dpbusd adds four products straight into 32
+// bits, with no 16-bit step for the sub-scale, and the path is not built.
 #if !defined(NEURON_INT_VNNI) && (defined(NEURON_INT_AVX512) || defined(NEURON_INT_AVX2))
 #define NEURON_INT_SUPER 1
 #endif
 constexpr int SUPER = 256;  // inputs under one activation scale on the two-level path
-constexpr int SUPER_GROUPS = SUPER / XBLOCK;
 constexpr int SUPER_ROWS = 4;  // rows of x it takes fewer of (from four on, the WIDE_INB tiles above)
 
+// 4-bit codes in groups of 32, int8 codes in groups of 16 or 32, sub-factors under a float per SUPER
+// inputs, in whole super-blocks.
 inline bool super_layout(const QuantizedWeight& w) {
 #if defined(NEURON_INT_SUPER)
-    return w.bits == 4 && w.group == XBLOCK && w.per_super == SUPER_GROUPS && w.scale_sub && w.k % SUPER == 0 &&
+    const bool groups = w.bits == 4 ? w.group == 32 : w.group == 16 || w.group == 32;
+    return groups && !w.fp8 && w.group * w.per_super == SUPER && w.scale_sub && w.k % SUPER == 0 &&
            (!w.offset || w.offset_sub);
 #else
     (void)w;
@@ -741,42 +785,52 @@ inline bool super_layout(const QuantizedWeight& w) {
 // x's rows rounded for the two-level path.
 struct SuperRows {
     int64_t k;
-    const int8_t* q;       // [m][k] in the 4-bit chunk order
+    const int8_t* q;       // [m][k] in the chunk order of the codes' width
     const float* d;        // [m][k / SUPER]: each super-block's scale
-    const int16_t* gsum;   // [m][k / XBLOCK]: each group's sum of the rounded x (at most 32 x 127)
+    const int16_t* gsum;   // [m][k / group]: each group's sum of the rounded x (at most 32 x 127)
 };
 
+template <int BITS, int GROUP>
 inline void round_row_super(const float* x, int64_t k, int8_t* q, float* d, int16_t* gsum) {
-    constexpr int C = CHUNK<4>;
+    constexpr int C = CHUNK<BITS>, BLOCKS = SUPER / XBLOCK;
     for (int64_t s = 0; s < k / SUPER; ++s) {
         const float* xs = x + s * SUPER;
         float amax = 0.0f;
-        for (int b = 0; b < SUPER_GROUPS; ++b) amax = std::max(amax, block_amax(xs + b * XBLOCK));
+        for (int b = 0; b < BLOCKS; ++b) amax = std::max(amax, block_amax(xs + b * XBLOCK));
         d[s] = amax / 127.0f;
-        for (int b = 0; b < SUPER_GROUPS; ++b) {
+        for (int b = 0; b < BLOCKS; ++b) {
             int8_t rounded[XBLOCK];
             int32_t halves[2];
             round_with(xs + b * XBLOCK, amax > 0.0f ? 127.0f / amax : 0.0f, rounded, halves);
             const int64_t at = s * SUPER + b * XBLOCK;
             int8_t* qc = q + at / C * C;
-            std::memcpy(qc + chunk_pos<4>(at % C), rounded, 16);
-            std::memcpy(qc + chunk_pos<4>(at % C + 16), rounded + 16, 16);
-            gsum[s * SUPER_GROUPS + b] = int16_t(halves[0] + halves[1]);
+            std::memcpy(qc + chunk_pos<BITS>(at % C), rounded, 16);
+            std::memcpy(qc + chunk_pos<BITS>(at % C + 16), rounded + 16, 16);
+            if constexpr (GROUP == 16) {
+                gsum[2 * (at / XBLOCK)] = int16_t(halves[0]);
+                gsum[2 * (at / XBLOCK) + 1] = int16_t(halves[1]);
+            } else {
+                gsum[at / XBLOCK] = int16_t(halves[0] + halves[1]);
+            }
         }
     }
 }
 
 // For each register of codes in a super-block, the bytes that shuffle_bytes takes to put each lane's
-// group's sub-scale (one of the eight words_in_quads widened) in both 16-bit halves of the lane.
+// group's sub-scale in both 16-bit halves of the lane, from the eight sub-scales (words_in_quads) of
+// the register's eighth of the super-block's groups.
+template <int BITS, int GROUP>
 struct SubShuffles {
-    alignas(64) int8_t at[SUPER / CHUNK<4>][REG_BYTES];
+    static constexpr int REGS = SUPER / CHUNK<BITS>;
+    alignas(64) int8_t at[REGS][REG_BYTES];
     SubShuffles() {
-        for (int c = 0; c < SUPER / CHUNK<4>; ++c)
+        for (int c = 0; c < REGS; ++c)
             for (int b = 0; b < REG_BYTES; ++b)
-                at[c][b] = int8_t(2 * ((c * CHUNK<4> + pos_input<4>(b / 4 * 4)) / XBLOCK) + b % 2);
+                at[c][b] = int8_t(2 * ((c * CHUNK<BITS> + pos_input<BITS>(b / 4 * 4)) / GROUP % 8) + b % 2);
     }
 };
-const SubShuffles sub_shuffles;
+template <int BITS, int GROUP>
+const SubShuffles<BITS, GROUP> sub_shuffles;
 
 // A row's top-level floats (scales or offsets) at p, n of them.
 inline void tops_of(const QuantizedWeight& w, const void* p, int64_t n, float* out) {
@@ -788,10 +842,11 @@ inline void tops_of(const QuantizedWeight& w, const void* p, int64_t n, float* o
 
 // y[r][o + j] for every row of x (fewer than SUPER_ROWS) and NBT weight rows from o, plus bias.
 // `tops`: room for 2 x NBT x the super-blocks (the rows' scales, then their offsets).
-template <int NBT>
+template <int NBT, int BITS, int GROUP>
 inline void super_rows(const SuperRows& a, int64_t m, const QuantizedWeight& w, int64_t o, float* y, int64_t ys,
                        const float* bias, float* tops, Ahead ahead) {
-    constexpr int C = CHUNK<4>, PER = SUPER / C;  // registers of codes a super-block
+    constexpr int C = CHUNK<BITS>, PER = SUPER / C;  // registers of codes a super-block
+    constexpr int GROUPS = SUPER / GROUP, PER_WORDS = 8 * GROUP / C;  // registers a load of sub-scales serves
     const int64_t supers = w.k / SUPER, fbytes = w.half_factors ? 2 : 4;
     float* mins = tops + NBT * supers;
     const uint8_t* rows[NBT];
@@ -807,33 +862,38 @@ inline void super_rows(const SuperRows& a, int64_t m, const QuantizedWeight& w, 
             tops_of(w, static_cast<const char*>(w.offset) + row * w.offset_stride * fbytes, supers, mins + j * supers);
         }
     }
+    const auto& shuffles = sub_shuffles<BITS, GROUP>;
     int64_t line = 0;
     for (int64_t r = 0; r < m; ++r) {
         const int8_t* xq = a.q + r * a.k;
         const float* xd = a.d + r * supers;
-        const int16_t* xg = a.gsum + r * supers * SUPER_GROUPS;
+        const int16_t* xg = a.gsum + r * supers * GROUPS;
         LaneFloats acc[NBT];
         for (int j = 0; j < NBT; ++j) acc[j] = LaneFloats{};
         for (int64_t s = 0; s < supers; ++s) {
             for (int p = 0; p < ahead.per_step * PER; ++p)
                 if (line < ahead.lines) __builtin_prefetch(ahead.next + 64 * line++, 0, 3);
             for (int j = 0; j < NBT; ++j) {
-                const Bytes by = words_in_quads(subs[j] + s * SUPER_GROUPS);
+                Bytes by;
                 LaneInts sum{};
                 for (int c = 0; c < PER; ++c) {
+                    if (c % PER_WORDS == 0) by = words_in_quads(subs[j] + s * GROUPS + c / PER_WORDS * 8);
                     const int64_t at = s * PER + c;
-                    Bytes lo, hi;
-                    nibbles(load_codes<false>(rows[j] + at * REG_BYTES, 0), lo, hi);
-                    sum = add_ints(sum, idot4_by(lo, hi, load_x(xq + at * C), load_x(xq + at * C + REG_BYTES),
-                                                 shuffle_bytes(by, load_x(sub_shuffles.at[c]))));
+                    const Bytes codes = load_codes<false>(rows[j] + at * REG_BYTES, 0);
+                    const Bytes scales = shuffle_bytes(by, load_x(shuffles.at[c]));
+                    if constexpr (BITS == 4) {
+                        Bytes lo, hi;
+                        nibbles(codes, lo, hi);
+                        sum = add_ints(sum, idot4_by(lo, hi, load_x(xq + at * C), load_x(xq + at * C + REG_BYTES),
+                                                     scales));
+                    } else {
+                        sum = add_ints(sum, idot8_by(codes, load_x(xq + at * C), scales));
+                    }
                 }
                 acc[j] = fmadd(to_floats(sum), splat(xd[s] * tops[j * supers + s]), acc[j]);
-                if (w.offset) {  // four lanes of two groups' sub-offset x their sums of x
-                    const __m128i m8 = _mm_loadl_epi64((const __m128i*)(msubs[j] + s * SUPER_GROUPS));
-                    const __m128i sums = _mm_loadu_si128((const __m128i*)(xg + s * SUPER_GROUPS));
-                    const __m128i pairs = _mm_madd_epi16(_mm_cvtepi8_epi16(m8), sums);
-                    acc[j] = fnmadd(to_floats(low_quad(pairs)), splat(xd[s] * mins[j * supers + s]), acc[j]);
-                }
+                if (w.offset)  // each group's sub-offset times its sum of x, in pairs of groups a lane
+                    acc[j] = fnmadd(to_floats(group_dot<GROUPS>(msubs[j] + s * GROUPS, xg + s * GROUPS)),
+                                    splat(xd[s] * mins[j * supers + s]), acc[j]);
             }
         }
         for (int j = 0; j < NBT; ++j) {
@@ -843,17 +903,19 @@ inline void super_rows(const SuperRows& a, int64_t m, const QuantizedWeight& w, 
     }
 }
 
+template <int BITS, int GROUP>
 void qlinear_super(const float* x, int64_t m, int64_t xs, const StackPart* parts, int64_t count, const float* bias,
                    float* y, int64_t ys, int threads) {
     const int64_t k = parts[0].w->k, supers = k / SUPER;
     static thread_local RoundingBuffers buf;
     buf.q.resize(m * k);
     buf.d.resize(m * supers);
-    buf.gsum.resize(m * supers * SUPER_GROUPS);
+    buf.gsum.resize(m * (k / GROUP));
     const SuperRows a{k, buf.q.data(), buf.d.data(), buf.gsum.data()};
     auto round = [&](int64_t r) {
-        round_row_super(x + r * xs, k, const_cast<int8_t*>(a.q) + r * k, const_cast<float*>(a.d) + r * supers,
-                        const_cast<int16_t*>(a.gsum) + r * supers * SUPER_GROUPS);
+        round_row_super<BITS, GROUP>(x + r * xs, k, const_cast<int8_t*>(a.q) + r * k,
+                                     const_cast<float*>(a.d) + r * supers,
+                                     const_cast<int16_t*>(a.gsum) + r * (k / GROUP));
     };
     const int64_t rounded = m * k <= MIN_PARALLEL_ROUNDING ? m : 0;  // as qlinear_int
     for (int64_t r = 0; r < rounded; ++r) round(r);
@@ -861,7 +923,8 @@ void qlinear_super(const float* x, int64_t m, int64_t xs, const StackPart* parts
     share_tiles<INB>(
         m, rounded, parts, count, y, threads, round, [&] { tops.resize(2 * INB * supers); },
         [&](const QuantizedWeight& w, int64_t o, auto width, float* yp) {
-            super_rows<decltype(width)::value>(a, m, w, o, yp, ys, bias, tops.data(), ahead_of(w, o, INB));
+            super_rows<decltype(width)::value, BITS, GROUP>(a, m, w, o, yp, ys, bias, tops.data(),
+                                                             ahead_of(w, o, INB));
         });
 }
 #endif
@@ -869,11 +932,15 @@ void qlinear_super(const float* x, int64_t m, int64_t xs, const StackPart* parts
 inline bool plain_layout(const QuantizedWeight& w) { return w.group == w.k && !w.offset && !w.scale_sub; }
 
 // Which of the kernel's variants multiplies `count` parts, or -1 where they need different ones or
-// different roundings of x: 0 4-bit codes, 1 int8 with one scale per row, 2 int8 with groups, 3 two-level
-// 4-bit codes (the two-level path at fewer than SUPER_ROWS rows, 0's above).
+// different roundings of x: 0 4-bit codes, 1 int8 with one scale per row, 2 int8 with groups; where
+// super_layout, at fewer than SUPER_ROWS rows the two-level path (above them 0's and 2's): 3 4-bit
+// codes, 4 int8 in groups of 16, 5 int8 in groups of 32.
 inline int variant(const StackPart* parts, int64_t count) {
     const QuantizedWeight& w = *parts[0].w;
-    const int v = w.bits == 4 ? (super_layout(w) ? 3 : 0) : plain_layout(w) ? 1 : 2;
+    const int v = w.bits == 4         ? (super_layout(w) ? 3 : 0)
+                  : plain_layout(w)   ? 1
+                  : super_layout(w)   ? (w.group == 16 ? 4 : 5)
+                                      : 2;
     for (int64_t p = 1; p < count; ++p) {
         const QuantizedWeight& o = *parts[p].w;
         if (o.bits != w.bits || o.fp8 || o.k != w.k || o.group != w.group || !o.offset != !w.offset ||
@@ -886,7 +953,11 @@ inline int variant(const StackPart* parts, int64_t count) {
 void qlinear_int_parts(const float* x, int64_t m, int64_t xs, const StackPart* parts, int64_t count,
                        const float* bias, float* y, int64_t ys, int threads, int v) {
 #if defined(NEURON_INT_SUPER)
-    if (v == 3 && m < SUPER_ROWS) return qlinear_super(x, m, xs, parts, count, bias, y, ys, threads);
+    if (v >= 3 && m < SUPER_ROWS) {
+        if (v == 3) return qlinear_super<4, 32>(x, m, xs, parts, count, bias, y, ys, threads);
+        if (v == 4) return qlinear_super<8, 16>(x, m, xs, parts, count, bias, y, ys, threads);
+        return qlinear_super<8, 32>(x, m, xs, parts, count, bias, y, ys, threads);
+    }
 #endif
     if (v == 0 || v == 3)
         qlinear_int<4, false>(x, m, xs, parts, count, bias, y, ys, threads);
