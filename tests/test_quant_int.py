@@ -1,6 +1,6 @@
 """The integer path of the CPU quantized kernel (`neuron_qlinear_int`, csrc/qlinear_int.h): the
-activations rounded to int8 per 32 inputs (per 256 for two-level 4-bit codes at a few rows, in
-builds without VNNI), so not equal to dequantize-then-matmul but within a stated normalized mean
+activations rounded to int8 per 32 inputs (per 256 for the K-quants' two-level factors at a few
+rows, in builds without VNNI), so not equal to dequantize-then-matmul but within a stated normalized mean
 squared error of it, NMSE = sum((y - ref)^2) / sum(ref^2) (as llama.cpp's
 backend tests measure theirs); and greedy decoding that picks the same tokens as the exact fp32
 kernel (NEURON_QUANT_EXACT=1)."""

@@ -152,10 +152,10 @@ inline LaneFloats spread(LaneInts idx, const float* p) { return _mm512_permutexv
 inline LaneFloats splat(float v) { return _mm512_set1_ps(v); }
 inline LaneFloats fnmadd(LaneFloats a, LaneFloats b, LaneFloats c) { return _mm512_fnmadd_ps(a, b, c); }
 inline LaneInts add_ints(LaneInts a, LaneInts b) { return _mm512_add_epi32(a, b); }
-// Eight int8 values widened to int16, in every 128 bits of a register (for shuffle_bytes).
-inline Bytes words_in_quads(const int8_t* p) {
-    return _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)p)));
-}
+// 128 bits in every 128 bits of a register; 128 or 256 bits in a register's first, the rest zeros.
+inline Bytes in_quads(__m128i v) { return _mm512_broadcast_i32x4(v); }
+inline LaneInts zero_extended(__m128i v) { return _mm512_zextsi128_si512(v); }
+inline LaneInts zero_extended(__m256i v) { return _mm512_zextsi256_si512(v); }
 // Byte i of the result: byte ctl[i] of v's 128 bits that hold i.
 inline Bytes shuffle_bytes(Bytes v, Bytes ctl) { return _mm512_shuffle_epi8(v, ctl); }
 // As idot4 without VNNI, each lane's two pairs times the lane's int16 in `by` (maddubs, then madd).
@@ -166,16 +166,6 @@ inline LaneInts idot4_by(Bytes lo, Bytes hi, Bytes xlo, Bytes xhi, Bytes by) {
 inline LaneInts idot8_by(Bytes w, Bytes x, Bytes by) {
     const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
     return _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), signed_x), by);
-}
-// N (8 or 16) int8 sub-offsets times N int16 sums, in pairs into the first N / 2 lanes (the rest 0).
-template <int N>
-inline LaneInts group_dot(const int8_t* m, const int16_t* g) {
-    if constexpr (N == 8)
-        return _mm512_zextsi128_si512(
-            _mm_madd_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)m)), _mm_loadu_si128((const __m128i*)g)));
-    else
-        return _mm512_zextsi256_si512(_mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)m)),
-                                                        _mm256_loadu_si256((const __m256i*)g)));
 }
 // The largest |x| of one block of XBLOCK activations.
 inline float block_amax(const float* xb) {
@@ -231,24 +221,15 @@ inline LaneFloats spread(LaneInts idx, const float* p) { return _mm256_permuteva
 inline LaneFloats splat(float v) { return _mm256_set1_ps(v); }
 inline LaneFloats fnmadd(LaneFloats a, LaneFloats b, LaneFloats c) { return _mm256_fnmadd_ps(a, b, c); }
 inline LaneInts add_ints(LaneInts a, LaneInts b) { return _mm256_add_epi32(a, b); }
-inline Bytes words_in_quads(const int8_t* p) {
-    return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)p)));
-}
+inline Bytes in_quads(__m128i v) { return _mm256_broadcastsi128_si256(v); }
+inline LaneInts zero_extended(__m128i v) { return _mm256_zextsi128_si256(v); }
+inline LaneInts zero_extended(__m256i v) { return v; }
 inline Bytes shuffle_bytes(Bytes v, Bytes ctl) { return _mm256_shuffle_epi8(v, ctl); }
 inline LaneInts idot4_by(Bytes lo, Bytes hi, Bytes xlo, Bytes xhi, Bytes by) {
     return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)), by);
 }
 inline LaneInts idot8_by(Bytes w, Bytes x, Bytes by) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), by);
-}
-template <int N>
-inline LaneInts group_dot(const int8_t* m, const int16_t* g) {
-    if constexpr (N == 8)
-        return _mm256_zextsi128_si256(
-            _mm_madd_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)m)), _mm_loadu_si128((const __m128i*)g)));
-    else
-        return _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)m)),
-                                 _mm256_loadu_si256((const __m256i*)g));
 }
 inline int32_t int_sum(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -534,16 +515,15 @@ inline void group_factors(const T* top, const int8_t* sub, int64_t groups, int p
     for (int64_t i = 0; i < groups; ++i) out[i] = widen_half(top[i / per_super]) * (sub ? float(sub[i]) : 1.0f);
 }
 
-// The same for a row of `w`'s scales (or offsets) at `tops`, fp32 or fp16.
-inline void group_factors(const QuantizedWeight& w, const void* tops, const int8_t* sub, int64_t groups, float* out) {
+// The same for a row of `w`'s scales (or offsets) at `tops`, fp32 or fp16 (per_super 1: the tops alone).
+inline void group_factors(const QuantizedWeight& w, const void* tops, const int8_t* sub, int64_t groups, int per_super,
+                          float* out) {
     if (w.half_factors)
-        group_factors(static_cast<const _Float16*>(tops), sub, groups, w.per_super, out);
+        group_factors(static_cast<const _Float16*>(tops), sub, groups, per_super, out);
     else
-        group_factors(static_cast<const float*>(tops), sub, groups, w.per_super, out);
+        group_factors(static_cast<const float*>(tops), sub, groups, per_super, out);
 }
 
-// NBT weight rows from o against every row of x: the group scales (and offsets) of those rows made
-// once into `gs` and `zs`, then the x rows RB at a time. `tile`: the rows of a whole tile (prefetches).
 // A weight row's group scales (groups of XBLOCK inputs) times the block scales of x's one row, in
 // the lanes' unit.
 template <int BITS>
@@ -552,6 +532,8 @@ inline void fold_block_scales(float* g, const float* bd, int64_t groups) {
     for (int64_t i = 0; i < groups; ++i) g[i] *= bd[i] * LANE_UNIT<BITS>;
 }
 
+// NBT weight rows from o against every row of x: the group scales (and offsets) of those rows made
+// once into `gs` and `zs`, then the x rows RB at a time. `tile`: the rows of a whole tile (prefetches).
 template <int NBT, int BITS, bool PLAIN, int FOLD>
 inline void irows(const RoundedRows& a, int64_t m, const QuantizedWeight& w, int64_t o, float* y, int64_t ys,
                   const float* bias, float* gs, float* zs, int64_t gstride, int tile) {
@@ -573,11 +555,12 @@ inline void irows(const RoundedRows& a, int64_t m, const QuantizedWeight& w, int
         for (int j = 0; j < NBT; ++j) {
             const int64_t row = o + j;
             group_factors(w, scales + row * w.scale_stride * fbytes,
-                          w.scale_sub ? w.scale_sub + row * w.scale_sub_stride : nullptr, groups, gs + j * gstride);
+                          w.scale_sub ? w.scale_sub + row * w.scale_sub_stride : nullptr, groups, w.per_super,
+                          gs + j * gstride);
             if constexpr (FOLD != UNFOLDED) fold_block_scales<BITS>(gs + j * gstride, a.bd, groups);
             if (w.offset)
                 group_factors(w, offsets + row * w.offset_stride * fbytes,
-                              w.offset_sub ? w.offset_sub + row * w.offset_sub_stride : nullptr, groups,
+                              w.offset_sub ? w.offset_sub + row * w.offset_sub_stride : nullptr, groups, w.per_super,
                               zs + j * gstride);
         }
     }
@@ -798,10 +781,11 @@ inline void round_row_super(const float* x, int64_t k, int8_t* q, float* d, int1
         float amax = 0.0f;
         for (int b = 0; b < BLOCKS; ++b) amax = std::max(amax, block_amax(xs + b * XBLOCK));
         d[s] = amax / 127.0f;
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         for (int b = 0; b < BLOCKS; ++b) {
             int8_t rounded[XBLOCK];
             int32_t halves[2];
-            round_with(xs + b * XBLOCK, amax > 0.0f ? 127.0f / amax : 0.0f, rounded, halves);
+            round_with(xs + b * XBLOCK, inv, rounded, halves);
             const int64_t at = s * SUPER + b * XBLOCK;
             int8_t* qc = q + at / C * C;
             std::memcpy(qc + chunk_pos<BITS>(at % C), rounded, 16);
@@ -818,7 +802,7 @@ inline void round_row_super(const float* x, int64_t k, int8_t* q, float* d, int1
 
 // For each register of codes in a super-block, the bytes that shuffle_bytes takes to put each lane's
 // group's sub-scale in both 16-bit halves of the lane, from the eight sub-scales (words_in_quads) of
-// the register's eighth of the super-block's groups.
+// the run of eight groups that holds the register's.
 template <int BITS, int GROUP>
 struct SubShuffles {
     static constexpr int REGS = SUPER / CHUNK<BITS>;
@@ -832,12 +816,18 @@ struct SubShuffles {
 template <int BITS, int GROUP>
 const SubShuffles<BITS, GROUP> sub_shuffles;
 
-// A row's top-level floats (scales or offsets) at p, n of them.
-inline void tops_of(const QuantizedWeight& w, const void* p, int64_t n, float* out) {
-    if (w.half_factors)
-        group_factors(static_cast<const _Float16*>(p), nullptr, n, 1, out);
+// Eight int8 values widened to int16, in every 128 bits of a register (for shuffle_bytes).
+inline Bytes words_in_quads(const int8_t* p) { return in_quads(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)p))); }
+
+// N (8 or 16) int8 sub-offsets times N int16 sums, in pairs into the first N / 2 lanes (the rest 0).
+template <int N>
+inline LaneInts group_dot(const int8_t* m, const int16_t* g) {
+    if constexpr (N == 8)
+        return zero_extended(
+            _mm_madd_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)m)), _mm_loadu_si128((const __m128i*)g)));
     else
-        group_factors(static_cast<const float*>(p), nullptr, n, 1, out);
+        return zero_extended(_mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)m)),
+                                               _mm256_loadu_si256((const __m256i*)g)));
 }
 
 // y[r][o + j] for every row of x (fewer than SUPER_ROWS) and NBT weight rows from o, plus bias.
@@ -856,10 +846,12 @@ inline void super_rows(const SuperRows& a, int64_t m, const QuantizedWeight& w, 
         const int64_t row = o + j;
         rows[j] = w.codes + row * w.code_stride;
         subs[j] = w.scale_sub + row * w.scale_sub_stride;
-        tops_of(w, static_cast<const char*>(w.scale) + row * w.scale_stride * fbytes, supers, tops + j * supers);
+        group_factors(w, static_cast<const char*>(w.scale) + row * w.scale_stride * fbytes, nullptr, supers, 1,
+                      tops + j * supers);
         if (w.offset) {
             msubs[j] = w.offset_sub + row * w.offset_sub_stride;
-            tops_of(w, static_cast<const char*>(w.offset) + row * w.offset_stride * fbytes, supers, mins + j * supers);
+            group_factors(w, static_cast<const char*>(w.offset) + row * w.offset_stride * fbytes, nullptr, supers, 1,
+                          mins + j * supers);
         }
     }
     const auto& shuffles = sub_shuffles<BITS, GROUP>;
