@@ -183,7 +183,8 @@ void pack_panel(const float* w, int64_t ws, int64_t rows, int64_t k, float* pane
 template <int RB, bool AHEAD, bool STREAM>
 void panel_loop(const float* x, int64_t xs, const float* panel, int64_t k, float* y, int64_t ys, int64_t cols,
                 const float* bias, const float* ahead, int64_t ws, const float* stream) {
-    vecf acc[RB][2] = {};
+    vecf acc[RB][2];
+    for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = vecf{};
     for (int64_t c = 0; c < k; ++c) {
         if constexpr (STREAM) {
             prefetch_line(stream + c * PN);
@@ -202,6 +203,18 @@ void panel_loop(const float* x, int64_t xs, const float* panel, int64_t k, float
             acc[r][0] += xv * p0;
             acc[r][1] += xv * p1;
         }
+    }
+    if (cols == PN) {  // a whole panel: straight from the registers (a copy of a run-time length is a call)
+        for (int r = 0; r < RB; ++r) {
+            vecf lo = acc[r][0], hi = acc[r][1];
+            if (bias) {
+                lo += vload(bias);
+                hi += vload(bias + VL);
+            }
+            vstore(y + r * ys, lo);
+            vstore(y + r * ys + VL, hi);
+        }
+        return;
     }
     for (int r = 0; r < RB; ++r) {
         float out[PN];
@@ -432,6 +445,10 @@ inline void panel_unit(const float* x, int64_t xs, const PanelLayout& w, int64_t
 // o and down projections, a third of its layers' products, waited a ninth of their time at every
 // step of many rows). Each output is still one sum in input order, so a row's bits do not change.
 // Below that, each thread streams whole units: a unit read by both would cost its bytes twice.
+// Where one panel at a time is bound by the arithmetic too (AVX2 builds, from STREAM_ROWS rows),
+// the threads take whole units as they come free: an equal count each left one thread waiting at
+// the product's end for the other, whichever ran slower (SmolLM2's prefill steps on a 2-core VM:
+// the leader's thread spent 4.6 % of its time in OpenMP's barrier, then 0.7 %).
 void neuron_panel_linear(const float* x, int64_t m, int64_t xs, const PanelLayout* weight, const float* bias, float* y,
                          int64_t ys, int threads) {
     const PanelLayout& w = *weight;
@@ -439,6 +456,11 @@ void neuron_panel_linear(const float* x, int64_t m, int64_t xs, const PanelLayou
     if (m <= 0) return;  // the tiles take 1 row and more
     const int64_t per = m >= PAIR_ROWS ? 2 : 1, units = (panels + per - 1) / per;
     const bool parallel = m * n * k >= MIN_PARALLEL_LINEAR;
+    if (per == 1 && parallel && m >= STREAM_ROWS) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+        for (int64_t u = 0; u < units; ++u) panel_unit(x, xs, w, u, per, 0, m, bias, y, ys);
+        return;
+    }
     if (per == 1 || !parallel) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
         for (int64_t u = 0; u < units; ++u) panel_unit(x, xs, w, u, per, 0, m, bias, y, ys);
