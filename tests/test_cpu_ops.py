@@ -3,6 +3,7 @@ their PyTorch references: fp32 to summation order, on shapes with vector tails a
 on one thread and on several; the dispatch that routes CPU fp32 to them, and only that."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -229,17 +230,17 @@ def test_silu_mul_as_halves_of_a_merged_projection(rows, width):
     torch.testing.assert_close(cpu_ops.silu_mul(gate, up), norm.silu_mul_reference(gate, up))
 
 
-
 def test_silu_mul_gives_the_same_bits_a_register_at_a_time_and_one_by_one():
     """Whole registers take the vector 2^x and a row's last few values the scalar one: a value's
-    result must not depend on where in its row it falls."""
+    result must not depend on where in its row it falls (saturated, zero and infinite gates too)."""
     gen = _gen(7)
     merged = torch.randn(4, 2 * 67, generator=gen) * 30  # 67: whole registers and a tail at any width
-    merged[0, :8] = torch.tensor([100.0, -100.0, 0.0, -0.0, 88.0, -88.0, 1e-30, -1e-30])
+    merged[0, :10] = torch.tensor([100.0, -100.0, 0.0, -0.0, 88.0, -88.0, 1e-30, -1e-30, math.inf, -math.inf])
     gate, up = merged.split(67, dim=-1)
     whole = cpu_ops.silu_mul(gate, up)
     one_by_one = torch.cat([cpu_ops.silu_mul(gate[:, i:i + 1], up[:, i:i + 1]) for i in range(67)], dim=1)
     assert torch.equal(whole.view(torch.int32), one_by_one.view(torch.int32))
+
 
 def test_the_layers_route_cpu_fp32_through_the_kernels(monkeypatch):
     called = []

@@ -555,7 +555,7 @@ void neuron_norm_rope(const float* x, int64_t tokens, int64_t heads, int64_t xs_
 // out = silu(gate) * up = gate * sigmoid(gate) * up, sigmoid from e = exp(-|gate|) so that it
 // never overflows: 1 / (1 + e) for gate >= 0, e / (1 + e) below. A register at a time through
 // exp2_neg_v (GCC left the scalar form's loop unvectorised in AVX2 builds: 8 % of a prefill step
-// there), the tail through exp2_neg: the same operations, so the same bits.
+// there), the tail through exp2_neg: the same operations, so the same bits (a NaN gate's NaN aside).
 void neuron_silu_mul(const float* gate, int64_t gs, const float* up, int64_t us, int64_t rows, int64_t width,
                      float* out, int64_t os, int threads) {
     constexpr float LOG2E = 1.4426950408889634f;
@@ -566,8 +566,10 @@ void neuron_silu_mul(const float* gate, int64_t gs, const float* up, int64_t us,
         float* __restrict o = out + r * os;
         int64_t i = 0;
         for (; i + VL <= width; i += VL) {
+            typedef int32_t veci __attribute__((vector_size(VL * sizeof(int32_t))));
             const vecf gv = vload(g + i);
-            const vecf e = exp2_neg_v((gv < 0.0f ? gv : -gv) * LOG2E);
+            const vecf magnitude = reinterpret_cast<vecf>(reinterpret_cast<veci>(gv) & 0x7fffffff);  // fabs
+            const vecf e = exp2_neg_v(-magnitude * LOG2E);
             const vecf sigmoid = (gv >= 0.0f ? vecf{} + 1.0f : e) / (1.0f + e);
             vstore(o + i, gv * sigmoid * vload(u + i));
         }
