@@ -183,7 +183,7 @@ void pack_panel(const float* w, int64_t ws, int64_t rows, int64_t k, float* pane
 template <int RB, bool AHEAD, bool STREAM>
 void panel_loop(const float* x, int64_t xs, const float* panel, int64_t k, float* y, int64_t ys, int64_t cols,
                 const float* bias, const float* ahead, int64_t ws, const float* stream) {
-    vecf acc[RB][2];
+    vecf acc[RB][2];  // zeroed lane by lane: `= {}` had GCC memset a copy of them on the stack at every call
     for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = vecf{};
     for (int64_t c = 0; c < k; ++c) {
         if constexpr (STREAM) {
@@ -566,7 +566,6 @@ void neuron_silu_mul(const float* gate, int64_t gs, const float* up, int64_t us,
         float* __restrict o = out + r * os;
         int64_t i = 0;
         for (; i + VL <= width; i += VL) {
-            typedef int32_t veci __attribute__((vector_size(VL * sizeof(int32_t))));
             const vecf gv = vload(g + i);
             const vecf magnitude = reinterpret_cast<vecf>(reinterpret_cast<veci>(gv) & 0x7fffffff);  // fabs
             const vecf e = exp2_neg_v(-magnitude * LOG2E);

@@ -24,6 +24,7 @@ constexpr int VL = 16;
 constexpr int VL = 8;
 #endif
 typedef float vecf __attribute__((vector_size(VL * sizeof(float))));
+typedef int32_t veci __attribute__((vector_size(VL * sizeof(int32_t))));  // the same lanes' bits as int32
 
 // Asks for the cache line at p, into every level. GCC's dead-code elimination drops a
 // __builtin_prefetch from a loop that does nothing else (the attention kernel's loops over a
@@ -126,7 +127,6 @@ inline vecf exp2_neg_v(vecf x_in) {
     const vecf p = exp2_fraction(x_in - reinterpret_cast<vecf>(n));
     return reinterpret_cast<vecf>(_mm512_maskz_scalef_ps(kept, reinterpret_cast<__m512>(p), n));
 #else
-    typedef int32_t veci __attribute__((vector_size(VL * sizeof(int32_t))));
     const vecf lowest = vecf{} - 126.0f;
     const vecf x = x_in < lowest ? lowest : x_in;
     const vecf round = vecf{} + 12582912.0f;
