@@ -9,6 +9,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -134,26 +135,28 @@ def test_no_compiler_on_path_is_reported(monkeypatch):
 def test_a_cpu_rank_builds_its_kernels_while_loading_not_in_its_first_step(cache, tiny_checkpoint):
     """With an empty kernel cache (a machine's first run, or a fresh NEURON_CACHE_DIR) the build
     takes seconds: it happens in load_shard, before any step, whose deadline would otherwise count
-    it (a rank once missed a 3 s step deadline compiling there)."""
+    it (a rank once missed a 3 s step deadline compiling there). That includes the decoder loop's
+    library, which the first step's plan asks for."""
     from checkpoints import shard_spec
 
-    from neuron.layers import cpu_ops
+    from neuron.layers import cpu_decoder, cpu_ops
     from neuron.rpc import protocol as p
     from neuron.worker.worker import Worker
 
-    cpu_attention.library.cache_clear()
-    cpu_ops.library.cache_clear()
+    kernels = (cpu_attention, cpu_ops, cpu_decoder)
+    for kernel in kernels:
+        kernel.library.cache_clear()
     rank = Worker(0, 1)
     try:
         rank.execute(p.LoadShard(seq=1, model_id="m", shard=shard_spec(tiny_checkpoint, max_num_seqs=1,
                                                                        max_model_len=32, max_num_batched_tokens=32)))
-        assert cpu_attention.library.cache_info().currsize == cpu_ops.library.cache_info().currsize == 1
+        assert [kernel.library.cache_info().currsize for kernel in kernels] == [1, 1, 1]
         built = sorted(f.name.split("-")[0] for f in (cache / "kernels").glob("*.so"))
-        assert built == ["cpu_ops", "paged_attention_cpu"]
+        assert built == ["cpu_decoder", "cpu_ops", "paged_attention_cpu"]
     finally:
         rank.close()
-        cpu_attention.library.cache_clear()
-        cpu_ops.library.cache_clear()
+        for kernel in kernels:
+            kernel.library.cache_clear()
 
 
 @needs_compiler
@@ -168,11 +171,17 @@ def test_the_attention_kernel_keeps_its_prefetches():
     assert code.count("prefetcht0") >= 4
 
 
-def _avx2_assembly(source: Path) -> str:
-    """`source` compiled as the library is, for a CPU without AVX-512, to assembly."""
+def _avx2_assembly(*sources: Path) -> list[str]:
+    """Each source compiled as the library is, for a CPU without AVX-512, to assembly; the
+    compilers run side by side."""
     flags = [f for f in native.FLAGS if f != "-shared"]
-    return subprocess.run([native.compiler(), *flags, "-mno-avx512f", "-S", "-o", "-", str(source)],
-                          capture_output=True, text=True, check=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [Path(tmp) / f"{i}.s" for i in range(len(sources))]
+        procs = [subprocess.Popen([native.compiler(), *flags, "-mno-avx512f", "-S", "-o", str(out), str(source)],
+                                  stderr=subprocess.PIPE, text=True) for source, out in zip(sources, outs)]
+        errors = [proc.communicate(timeout=native.BUILD_TIMEOUT_S)[1] for proc in procs]
+        assert [proc.returncode for proc in procs] == [0] * len(procs), errors
+        return [out.read_text() for out in outs]
 
 
 def _function(assembly: str, prefix: str) -> list[list[str]]:
@@ -198,13 +207,13 @@ def test_an_avx2_build_keeps_its_hot_loops_in_vector_registers():
     left no room), and the softmax's exponentials ran one lane at a time (GCC did not vectorise the
     scalar 2^x's selects). Each is checked in the assembly: the tile's loop touches no stack slot,
     and the blocked softmax converts whole vectors to integers."""
-    ops = _function(_avx2_assembly(cpu_ops.SOURCE), "_ZN12_GLOBAL__N_110panel_loopILi6ELb0ELb0E")
+    ops_code, attention_code = _avx2_assembly(cpu_ops.SOURCE, cpu_attention.SOURCE)
+    ops = _function(ops_code, "_ZN12_GLOBAL__N_110panel_loopILi6ELb0ELb0E")
     block = max(ops, key=lambda block: sum("vfmadd" in line for line in block))
     loop = block[: next(i for i, line in enumerate(block) if line.startswith("\tj")) + 1]  # to its branch back
     assert sum("vfmadd" in line for line in loop) == 12  # 6 rows x 2 vectors of the panel
     assert not [line for line in loop if "(%rsp)" in line or "(%rbp)" in line]
-    attention = _function(_avx2_assembly(cpu_attention.SOURCE),
-                          "_ZN12_GLOBAL__N_119attend_item_blockedIffLi64E")
+    attention = _function(attention_code, "_ZN12_GLOBAL__N_119attend_item_blockedIffLi64E")
     assert any("vcvttps2dq" in line and "%ymm" in line for block in attention for line in block)
 
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from neuron.config import settings
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError, UnsupportedModel
-from neuron.layers import cpu_attention, cpu_ops
+from neuron.layers import cpu_attention, cpu_decoder, cpu_ops
 from neuron.layers.kernels import Kernels
 from neuron.layers.lora import LoraRows
 from neuron.models import build_model, text_config
@@ -69,6 +70,7 @@ class ModelRunner:
         KV pool, capture graphs."""
         # what this process held on the device before (another model a host serves): not this model's
         held_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        cpu_kernels = _CpuKernels() if device.type == "cpu" else None
         try:
             dtype = resolve_dtype(shard.dtype, str(device))
             config = json.loads(shard.config_json)
@@ -83,8 +85,8 @@ class ModelRunner:
                 if not hasattr(model, "enable_lora"):
                     raise ConfigError(f"LoRA adapters are not supported for model_type {config.get('model_type')!r}")
                 model.enable_lora(shard.max_loras, shard.max_lora_rank)
-            if device.type == "cpu":
-                _load_cpu_kernels()
+            if cpu_kernels is not None:
+                cpu_kernels.wait()
                 # the weights as read, which the layers copied into panels, went back to the C heap's
                 # free lists: give those pages back, or the rank holds up to a second copy's worth
                 release_free_heap()
@@ -99,6 +101,9 @@ class ModelRunner:
             raise WorkerFailure(p.ErrorKind.UNSUPPORTED_ARCH, str(exc)) from exc
         except (ConfigError, ValueError, OSError) as exc:
             raise WorkerFailure(p.ErrorKind.LOAD_FAILED, str(exc)) from exc
+        finally:
+            if cpu_kernels is not None:
+                cpu_kernels.close()
         return runner
 
     def capture_graphs(self, max_batch: int, verify: VerifyShape = VerifyShape()) -> None:
@@ -193,12 +198,23 @@ class ModelRunner:
         self.model = None
 
 
-def _load_cpu_kernels() -> None:
-    """Build (on a machine's first run, or with a fresh NEURON_CACHE_DIR: seconds) and load the CPU
-    kernels now, while the shard loads, rather than inside the first step, which the step deadline
-    bounds."""
-    cpu_attention.library()
-    cpu_ops.library()
+class _CpuKernels:
+    """The CPU kernels built (on a machine's first run, or with a fresh NEURON_CACHE_DIR: seconds)
+    and loaded while the shard loads, rather than inside the first step, which the step deadline
+    bounds. Each build is a compiler process of its own, so they run side by side and beside the
+    checkpoint's reading: the wait is the longest one's (20 s on a 2-core AVX2 VM, where one after
+    the other took 37 s)."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(3, thread_name_prefix="cpu-kernels")
+        self._loading = [self._pool.submit(kernel.library) for kernel in (cpu_ops, cpu_attention, cpu_decoder)]
+
+    def wait(self) -> None:
+        for loading in self._loading:
+            loading.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
 
 
 def _graphs_wanted(model, device: torch.device, comm: Communicator) -> bool:
