@@ -68,15 +68,25 @@ def _assert_same(a, b) -> None:
             assert lx.keys() == ly.keys() and max(abs(lx[t] - ly[t]) for t in lx) < 1e-4
 
 
+@pytest.fixture(scope="module")
+def plain_runs() -> dict:
+    """Outputs without speculation by (tp, temperature, seed, penalty), each run once for the module."""
+    return {}
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("temperature,seed,penalty", [(0.0, None, 1.0), (0.02, 11, 1.0), (0.9, 12, 1.1)])
-def test_output_equals_decoding_without_speculation(repetitive, draft, method, tp, temperature, seed, penalty):
+def test_output_equals_decoding_without_speculation(repetitive, draft, plain_runs, method, tp, temperature, seed,
+                                                   penalty):
     """Greedy, and seeded sampling (with a repetition penalty, which counts the tokens kept before
     each position): the same tokens and logprobs with and without speculation, for each proposer."""
     params = SamplingParams(temperature=temperature, seed=seed, max_tokens=40, logprobs=2, ignore_eos=True,
                             repetition_penalty=penalty)
-    plain, _ = _run(repetitive, params, tp=tp)
+    key = (tp, temperature, seed, penalty)  # the three proposers compare with one run without speculation
+    if key not in plain_runs:
+        plain_runs[key] = _run(repetitive, params, tp=tp)[0]
+    plain = plain_runs[key]
     spec, (proposed, accepted, drafts) = _run(repetitive, params, _spec(method, draft), tp=tp)
     assert proposed > 0 and drafts > 0 and accepted <= proposed
     if penalty == 1.0:
