@@ -121,25 +121,32 @@ MANY_KINDS = ["int8", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q
 
 
 @functools.cache
-def _build_has(name: str) -> bool:
-    """Whether the compiler defines `name` for -march=native (and the narrower builds' flags below,
-    through NEURON_CXX): what this run's build of the kernels was made with."""
+def _build_isa() -> tuple[str | None, bool]:
+    """The integer kernels' width in this run's build, and whether it has VNNI: ("avx512", VNNI) with
+    AVX-512 BW and VL, ("avx2", AVX-VNNI) with AVX2 and no AVX-512, (None, False) below AVX2; from the
+    macros the compiler defines for -march=native (and the narrower builds' flags below, through
+    NEURON_CXX), as the build of the kernels sees them."""
     macros = subprocess.run([native.compiler(), "-march=native", "-dM", "-E", "-x", "c++", "-"], input="",
                             capture_output=True, text=True, check=True).stdout
-    return f"#define {name} " in macros
+
+    def has(name: str) -> bool:
+        return f"#define {name} " in macros
+
+    if has("__AVX512BW__") and has("__AVX512VL__"):
+        return "avx512", has("__AVX512VNNI__")
+    if has("__AVX2__") and not has("__AVX512F__"):
+        return "avx2", has("__AVXVNNI__")
+    return None, False
 
 
 def _many_int_expected(w: QuantizedWeight) -> bool:
-    """Whether this run's build multiplies W in integers past its kernel rows: with VNNI (AVX-512 BW
-    and VL with VNNI, or AVX2 with AVX-VNNI and no AVX-512) 4-bit codes in groups of 32 and int8
-    codes in groups of 16; without it (AVX-512 BW and VL, or AVX2 and no AVX-512) the 4-bit ones
-    alone; nothing in a build without AVX2."""
-    has = _build_has
-    avx512 = has("__AVX512BW__") and has("__AVX512VL__")
-    avx2 = not has("__AVX512F__") and has("__AVX2__")
-    if (avx512 and has("__AVX512VNNI__")) or (avx2 and has("__AVXVNNI__")):
+    """Whether this run's build multiplies W in integers past its kernel rows: with VNNI 4-bit codes
+    in groups of 32 and int8 codes in groups of 16; without it the 4-bit ones alone; nothing in a
+    build without AVX2."""
+    width, vnni = _build_isa()
+    if width is not None and vnni:
         return (w.bits == 4 and w.group % 32 == 0) or (w.bits == 8 and w.group % 16 == 0)
-    return (avx512 or avx2) and w.bits == 4 and w.group % 32 == 0
+    return width is not None and w.bits == 4 and w.group % 32 == 0
 
 
 def _many(kind: str, rows: int, kernels: Kernels, monkeypatch):
@@ -326,8 +333,8 @@ def _super_expected(w: QuantizedWeight, rows: int) -> bool:
     """Whether this run's build rounds x per 256 inputs for W at `rows` rows: two-level factors over
     256 inputs (the K-quants, IQ4_XS) in groups of 32 (4-bit codes) or 16 and 32 (int8 codes), at
     fewer than 4 rows, in builds with AVX-512 BW and VL but not VNNI, or AVX2 without them."""
-    avx512 = _build_has("__AVX512BW__") and _build_has("__AVX512VL__")
-    built = (avx512 and not _build_has("__AVX512VNNI__")) or (not avx512 and _build_has("__AVX2__"))
+    width, vnni = _build_isa()
+    built = width is not None and not vnni
     groups = w.group == 32 if w.bits == 4 else w.group in (16, 32)
     return (built and groups and w.scale_sub is not None and w.group * w.per_super == 256
             and (w.offset is None or w.offset_sub is not None) and rows < 4)
