@@ -6,6 +6,7 @@ the proposers and config on their own."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from checkpoints import build_checkpoint, truncated_copy
@@ -16,7 +17,7 @@ from neuron.engine.sampling_params import GuidedDecodingParams
 from neuron.engine.spec_decode import SpeculativeConfig
 from neuron.engine.spec_decode.acceptance import Acceptance
 from neuron.engine.spec_decode.ngram import ngram_proposal
-from neuron.engine.spec_decode.suffix import ROOT, OutputCache, SuffixIndex, propose_from_text
+from neuron.engine.spec_decode.suffix import CATCH_UP_VISITS, ROOT, OutputCache, SuffixIndex, propose_from_text
 from neuron.errors import ConfigError
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -299,6 +300,35 @@ def _outputs(n: int, length: int = 2000) -> list[list[int]]:
 
     rng = random.Random(0)
     return [[rng.randrange(32000) for _ in range(length)] for _ in range(n)]
+
+
+def test_a_finished_output_is_indexed_a_part_between_steps():
+    """A finished output waits and is indexed at most CATCH_UP_VISITS node visits (depth a token) a
+    call, so no step stalls for a long output; once done the index is the one a single add builds."""
+    text = _outputs(1, 2000)[0]
+    now, later = OutputCache(depth=24, max_texts=10), OutputCache(depth=24, max_texts=10)
+    now.add(text)
+    later.add_later(text)
+    assert later.index.num_nodes == 1 and not later.texts  # nothing indexed until a catch-up
+    done, calls = 0, 0
+    while later.adding is not None or later.waiting:
+        later.catch_up(CATCH_UP_VISITS)
+        indexed = len(text) if later.adding is None else later.adding[1]
+        assert 0 < indexed - done <= CATCH_UP_VISITS // 24
+        done, calls = indexed, calls + 1
+    assert calls == -(-len(text) // (CATCH_UP_VISITS // 24))
+    assert list(later.texts[0]) == text and later.index.num_nodes == now.index.num_nodes
+    assert later.index.count == now.index.count and later.index.propose(text[:40], 3, 0.1, 1.0)[0] == text[40:43]
+
+
+def test_at_most_max_texts_wait_and_the_oldest_is_dropped():
+    cache = OutputCache(depth=4, max_texts=3)
+    for i in range(5):
+        cache.add_later([i, i + 1, i + 2])
+    assert [list(t) for t in cache.waiting] == [[2, 3, 4], [3, 4, 5], [4, 5, 6]]
+    assert cache.waiting_bytes == sum(map(sys.getsizeof, cache.waiting))
+    cache.catch_up(None)
+    assert [list(t) for t in cache.texts] == [[2, 3, 4], [3, 4, 5], [4, 5, 6]] and cache.waiting_bytes == 0
 
 
 def test_the_shared_index_counts_its_bytes():

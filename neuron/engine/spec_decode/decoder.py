@@ -44,6 +44,10 @@ class SpecDecoder:
         as its acceptance earns and the step's budget and the free blocks hold (the scheduler
         reserves them). None in a step that will prefill, or of more than disable_by_batch_size
         decoding sequences: such a step is bound by compute already."""
+        try:
+            self.proposer.between_steps()
+        except Exception as exc:  # noqa: BLE001 - what it learns from outputs is lost, not the step
+            log.warning("the proposer's work between steps failed (%s: %s)", type(exc).__name__, exc, exc_info=exc)
         seqs = scheduler.decoding()
         for seq in seqs:
             seq.draft_token_ids = []

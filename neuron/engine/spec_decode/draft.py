@@ -155,6 +155,9 @@ class DraftProposer:
     def finished(self, seq) -> None:
         pass
 
+    def between_steps(self) -> None:
+        pass
+
     def close(self) -> None:
         if self.executor is not None:
             self.executor.shutdown()

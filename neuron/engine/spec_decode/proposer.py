@@ -10,7 +10,8 @@ if TYPE_CHECKING:
 
 class Proposer(Protocol):
     """`propose(seqs, ks)`: up to ks[i] tokens for seqs[i]; `start(num_blocks, target_weight_bytes)`:
-    the target's pool is new; `finished(seq)`: a sequence ended with its output whole; `close()`;
+    the target's pool is new; `finished(seq)`: a sequence ended with its output whole;
+    `between_steps()`: once after each step's sampling, for work spread over steps; `close()`;
     `cost`: target steps one proposed token costs."""
 
     cost: float
@@ -20,6 +21,8 @@ class Proposer(Protocol):
     def start(self, num_blocks: int, target_weight_bytes: int) -> None: ...
 
     def finished(self, seq: Sequence) -> None: ...
+
+    def between_steps(self) -> None: ...
 
     def close(self) -> None: ...
 
@@ -33,6 +36,9 @@ class Lookup:
         pass
 
     def finished(self, seq) -> None:
+        pass
+
+    def between_steps(self) -> None:
         pass
 
     def close(self) -> None:
