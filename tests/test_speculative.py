@@ -321,6 +321,33 @@ def test_a_finished_output_is_indexed_a_part_between_steps():
     assert later.index.count == now.index.count and later.index.propose(text[:40], 3, 0.1, 1.0)[0] == text[40:43]
 
 
+def test_an_output_forgotten_for_room_is_forgotten_a_part_between_steps(monkeypatch):
+    """A cache of one text: the next output forgets the first, both a part a call, together at most
+    CATCH_UP_VISITS node visits a call; the index then holds the second alone, as if only it came."""
+    first, second = _outputs(2, 2000)
+    cache, alone = OutputCache(depth=24, max_texts=1), OutputCache(depth=24, max_texts=1)
+    alone.add(second)
+    cache.add(first)
+    walked = []
+    for name in ("add_part", "remove_part"):
+        real = getattr(SuffixIndex, name)
+
+        def counted(index, tokens, start, stop, ends, real=real):
+            walked[-1] += stop - start
+            return real(index, tokens, start, stop, ends)
+
+        monkeypatch.setattr(SuffixIndex, name, counted)
+    cache.add_later(second)
+    while cache.waiting or cache.adding is not None or cache.forgetting is not None:
+        walked.append(0)
+        cache.catch_up(CATCH_UP_VISITS)
+        assert 0 < walked[-1] <= CATCH_UP_VISITS // 24
+    assert sum(walked) == 2 * 2000
+    assert [list(t) for t in cache.texts] == [second] and cache.index.num_nodes == alone.index.num_nodes
+    assert cache.index.propose(second[:40], 3, 0.1, 1.0)[0] == second[40:43]
+    assert cache.index.propose(first[:40], 3, 0.1, 1.0)[0] == []
+
+
 def test_at_most_max_texts_wait_and_the_oldest_is_dropped():
     cache = OutputCache(depth=4, max_texts=3)
     for i in range(5):

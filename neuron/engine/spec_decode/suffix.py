@@ -115,9 +115,13 @@ class SuffixIndex:
     def remove(self, tokens) -> None:
         """Forget a text added before: its spans' counts fall, and the nodes that reach 0 are freed
         (the children of such a node reach 0 at the next token, so none is left behind)."""
+        self.remove_part(tokens, 0, len(tokens), [])
+
+    def remove_part(self, tokens, start: int, stop: int, ends: list[int]) -> list[int]:
+        """`remove` for tokens[start:stop], as `add_part` adds. Until the rest is removed nothing may
+        be added: a node freed here keeps its children for the next token's walk."""
         limit, count = self.depth - 1, self.count
-        ends: list[int] = []
-        for t in tokens:
+        for t in tokens[start:stop]:
             grown = []
             for parent in [ROOT, *ends[:limit]]:
                 node = self.find(parent, t)
@@ -126,6 +130,7 @@ class SuffixIndex:
                     self._unlink(parent, node)
                 grown.append(node)
             ends = grown
+        return ends
 
     def find(self, parent: int, t: int) -> int:
         """`parent`'s child by token `t`; -1 where it has none."""
@@ -248,10 +253,12 @@ class OutputCache:
     Indexing costs `depth` node visits a token (17 microseconds a token at depth 24 on a 2-core
     VM: 135 ms for an 8,000-token output), so the engine queues a finished output (`add_later`)
     and indexes the queue a part at a time between steps (`catch_up`), rather than stalling every
-    stream at once. At most `max_texts` texts, and an eighth of `max_bytes`, wait; past that the
-    oldest waiting is dropped (it would be the first forgotten)."""
+    stream at once; forgetting a text costs as much and is spread the same way. At most `max_texts`
+    texts, and an eighth of `max_bytes`, wait; past that the oldest waiting is dropped (it would be
+    the first forgotten)."""
 
-    __slots__ = ("index", "texts", "max_texts", "max_bytes", "text_bytes", "waiting", "waiting_bytes", "adding")
+    __slots__ = ("index", "texts", "max_texts", "max_bytes", "text_bytes", "waiting", "waiting_bytes", "adding",
+                 "forgetting")
 
     def __init__(self, depth: int, max_texts: int, max_bytes: int | None = None):
         self.index = SuffixIndex(depth)
@@ -261,7 +268,9 @@ class OutputCache:
         self.text_bytes = 0
         self.waiting: deque[array] = deque()  # queued by add_later, not indexed yet
         self.waiting_bytes = 0
-        self.adding: tuple[array, int, list[int]] | None = None  # the text half indexed: where, and its ends
+        # the text half indexed, and the one half forgotten: where each stands, and its spans' ends there
+        self.adding: tuple[array, int, list[int]] | None = None
+        self.forgetting: tuple[array, int, list[int]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -285,49 +294,57 @@ class OutputCache:
             self.waiting_bytes -= sys.getsizeof(self.waiting.popleft())
 
     def catch_up(self, visits: int | None) -> None:
-        """Index the texts that wait, oldest first, for about `visits` node visits (`depth` a token,
-        at least one token; None: all of them). A text may be left half indexed for the next call."""
-        tokens = None if visits is None else max(1, visits // self.index.depth)  # to index in this call
-        while self.adding is not None or self.waiting:
-            if tokens == 0:
-                return
-            if self.adding is None:
-                text = self.waiting.popleft()
-                self.waiting_bytes -= sys.getsizeof(text)
-                if self._make_room(text):
-                    self.adding = (text, 0, [])
+        """Index the texts that wait, oldest first, forgetting the oldest indexed ones for room, for
+        about `visits` node visits (`depth` a token added or forgotten, at least one token; None:
+        all of it). A text may be left half indexed, or half forgotten, for the next call."""
+        tokens = None if visits is None else max(1, visits // self.index.depth)  # to walk in this call
+        while tokens != 0:
+            if self.forgetting is not None:
+                text, start, ends = self.forgetting
+                stop = len(text) if tokens is None else min(len(text), start + tokens)
+                ends = self.index.remove_part(text, start, stop, ends)
+                self.forgetting = (text, stop, ends) if stop < len(text) else None
+            elif len(self.texts) > self.max_texts or (self.max_bytes is not None and self.nbytes > self.max_bytes):
+                self._forget_oldest()
                 continue
-            text, start, ends = self.adding
-            stop = len(text) if tokens is None else min(len(text), start + tokens)
-            ends = self.index.add_part(text, start, stop, ends)
+            elif self.adding is not None:
+                text, start, ends = self.adding
+                stop = len(text) if tokens is None else min(len(text), start + tokens)
+                ends = self.index.add_part(text, start, stop, ends)
+                self.adding = (text, stop, ends) if stop < len(text) else None
+                if self.adding is None:
+                    self.texts.append(text)
+                    self.text_bytes += sys.getsizeof(text)
+            elif self.waiting:
+                text = self.waiting[0]
+                need = len(text) * self.index.depth  # the most nodes it can add
+                if self.index.reserve(need, self.node_budget):
+                    self.waiting.popleft()
+                    self.waiting_bytes -= sys.getsizeof(text)
+                    self.adding = (text, 0, [])
+                elif self.texts:
+                    self._forget_oldest()  # for room
+                else:  # it would not fit alone
+                    self.waiting.popleft()
+                    self.waiting_bytes -= sys.getsizeof(text)
+                continue
+            else:
+                return
             if tokens is not None:
                 tokens -= stop - start
-            if stop < len(text):
-                self.adding = (text, stop, ends)
-                continue
-            self.adding = None
-            self.texts.append(text)
-            self.text_bytes += sys.getsizeof(text)
-            while len(self.texts) > self.max_texts or (self.max_bytes is not None and self.nbytes > self.max_bytes):
-                self._forget_oldest()
 
-    def _make_room(self, text: array) -> bool:
-        """Room in the node arrays for every node `text` can add, forgetting the oldest texts for it;
-        False where it would not fit alone."""
-        need = len(text) * self.index.depth  # the most nodes it can add
-        # The node arrays never shrink, so they get a fixed share: were they to fill the bound, the
-        # rest (sorted children, texts) could grow only by forgetting texts whose nodes free no bytes.
-        node_budget = None if self.max_bytes is None else self.max_bytes * 7 // 8
-        while not self.index.reserve(need, node_budget):
-            if not self.texts:
-                return False
-            self._forget_oldest()
-        return True
+    @property
+    def node_budget(self) -> int | None:
+        """The node arrays' share of max_bytes. They never shrink, so they get a fixed share: were
+        they to fill the bound, the rest (sorted children, texts) could grow only by forgetting texts
+        whose nodes free no bytes."""
+        return None if self.max_bytes is None else self.max_bytes * 7 // 8
 
     def _forget_oldest(self) -> None:
+        """Start forgetting the oldest indexed text (catch_up removes its spans)."""
         text = self.texts.popleft()
-        self.index.remove(text)
         self.text_bytes -= sys.getsizeof(text)
+        self.forgetting = (text, 0, [])
 
 
 def propose_from_text(tokens: list[int], k: int, depth: int, min_prob: float,
