@@ -304,8 +304,9 @@ class OutputCache:
                 stop = len(text) if tokens is None else min(len(text), start + tokens)
                 ends = self.index.remove_part(text, start, stop, ends)
                 self.forgetting = (text, stop, ends) if stop < len(text) else None
-            elif len(self.texts) > self.max_texts or (self.max_bytes is not None and self.nbytes > self.max_bytes):
-                self._forget_oldest()
+            elif self.texts and (len(self.texts) > self.max_texts
+                                 or (self.max_bytes is not None and self.nbytes > self.max_bytes)):
+                self._forget_oldest()  # (a text half indexed is one of the texts once whole)
                 continue
             elif self.adding is not None:
                 text, start, ends = self.adding
