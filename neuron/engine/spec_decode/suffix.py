@@ -112,14 +112,11 @@ class SuffixIndex:
             ends = grown
         return ends
 
-    def remove(self, tokens) -> None:
-        """Forget a text added before: its spans' counts fall, and the nodes that reach 0 are freed
-        (the children of such a node reach 0 at the next token, so none is left behind)."""
-        self.remove_part(tokens, 0, len(tokens), [])
-
     def remove_part(self, tokens, start: int, stop: int, ends: list[int]) -> list[int]:
-        """`remove` for tokens[start:stop], as `add_part` adds. Until the rest is removed nothing may
-        be added: a node freed here keeps its children for the next token's walk."""
+        """Forget tokens[start:stop] of a text added before, as `add_part` adds them: their spans'
+        counts fall, and the nodes that reach 0 are freed (the children of such a node reach 0 at the
+        next token, so none is left behind). Until the rest is removed nothing may be added: a node
+        freed here keeps its children for the next token's walk."""
         limit, count = self.depth - 1, self.count
         for t in tokens[start:stop]:
             grown = []
@@ -291,7 +288,7 @@ class OutputCache:
         self.waiting_bytes += sys.getsizeof(text)
         limit = None if self.max_bytes is None else self.max_bytes // 8
         while len(self.waiting) > self.max_texts or (limit is not None and self.waiting_bytes > limit):
-            self.waiting_bytes -= sys.getsizeof(self.waiting.popleft())
+            self._pop_waiting()
 
     def catch_up(self, visits: int | None) -> None:
         """Index the texts that wait, oldest first, forgetting the oldest indexed ones for room, for
@@ -317,17 +314,13 @@ class OutputCache:
                     self.texts.append(text)
                     self.text_bytes += sys.getsizeof(text)
             elif self.waiting:
-                text = self.waiting[0]
-                need = len(text) * self.index.depth  # the most nodes it can add
+                need = len(self.waiting[0]) * self.index.depth  # the most nodes it can add
                 if self.index.reserve(need, self.node_budget):
-                    self.waiting.popleft()
-                    self.waiting_bytes -= sys.getsizeof(text)
-                    self.adding = (text, 0, [])
+                    self.adding = (self._pop_waiting(), 0, [])
                 elif self.texts:
                     self._forget_oldest()  # for room
                 else:  # it would not fit alone
-                    self.waiting.popleft()
-                    self.waiting_bytes -= sys.getsizeof(text)
+                    self._pop_waiting()
                 continue
             else:
                 return
@@ -340,6 +333,11 @@ class OutputCache:
         they to fill the bound, the rest (sorted children, texts) could grow only by forgetting texts
         whose nodes free no bytes."""
         return None if self.max_bytes is None else self.max_bytes * 7 // 8
+
+    def _pop_waiting(self) -> array:
+        text = self.waiting.popleft()
+        self.waiting_bytes -= sys.getsizeof(text)
+        return text
 
     def _forget_oldest(self) -> None:
         """Start forgetting the oldest indexed text (catch_up removes its spans)."""
