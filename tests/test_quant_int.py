@@ -121,13 +121,18 @@ MANY_KINDS = ["int8", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q
 
 
 @functools.cache
+def _macros(flags: str = "") -> str:
+    """The macros the compiler defines for -march=native and `flags` (and, in the narrower builds'
+    runs below, their own flag, through NEURON_CXX): the ISA the kernels' build sees."""
+    return subprocess.run([native.compiler(), "-march=native", *flags.split(), "-dM", "-E", "-x", "c++", "-"],
+                          input="", capture_output=True, text=True, check=True).stdout
+
+
+@functools.cache
 def _build_isa() -> tuple[str | None, bool]:
     """The integer kernels' width in this run's build, and whether it has VNNI: ("avx512", VNNI) with
-    AVX-512 BW and VL, ("avx2", AVX-VNNI) with AVX2 and no AVX-512, (None, False) below AVX2; from the
-    macros the compiler defines for -march=native (and the narrower builds' flags below, through
-    NEURON_CXX), as the build of the kernels sees them."""
-    macros = subprocess.run([native.compiler(), "-march=native", "-dM", "-E", "-x", "c++", "-"], input="",
-                            capture_output=True, text=True, check=True).stdout
+    AVX-512 BW and VL, ("avx2", AVX-VNNI) with AVX2 and no AVX-512, (None, False) below AVX2."""
+    macros = _macros()
 
     def has(name: str) -> bool:
         return f"#define {name} " in macros
@@ -418,13 +423,10 @@ NARROWER = {"avx512-without-vnni": "-mno-avx512vnni", "avx2": "-mno-avx512f",
 def _same_build_as() -> dict[str, str]:
     """Each narrower build whose predefined macros (the ISA the kernels compile for) equal the native
     build's or an earlier one's, and which that is."""
-    def macros(flag: str) -> str:
-        return subprocess.run([native.compiler(), "-march=native", *flag.split(), "-dM", "-E", "-x", "c++", "-"],
-                              input="", capture_output=True, text=True, check=True).stdout
-    seen = {macros(""): "the native build"}
+    seen = {_macros(): "the native build"}
     same = {}
     for name, flag in NARROWER.items():
-        defined = macros(flag)
+        defined = _macros(flag)
         if defined in seen:
             same[name] = seen[defined]
         else:
