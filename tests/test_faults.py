@@ -116,11 +116,13 @@ def test_failure_mid_step_from_another_thread(engine):
 
 def test_the_ranks_sum_through_shared_memory_and_no_fault_leaves_a_segment(engine):
     """Run after the faults above (each killed or froze a rank mid-step and the ranks were rebuilt):
-    the ranks all-reduce through the shared segment, and none of the segments is left under /dev/shm."""
+    the ranks all-reduce through the shared segment, and none of the segments is left under /dev/shm.
+    Rank 0 runs in this process and names each segment it creates by its pid (other test processes
+    may hold their own meanwhile)."""
     from pathlib import Path
 
     from neuron.distributed.shm import PREFIX
 
     assert engine.executor.backend == "shm"
     assert engine.executor.rank0.comm.backend == "shm"
-    assert sorted(p.name for p in Path("/dev/shm").glob(PREFIX + "*")) == []
+    assert sorted(p.name for p in Path("/dev/shm").glob(f"{PREFIX}{os.getpid()}-*")) == []

@@ -39,6 +39,19 @@ def test_without_a_command_it_prints_its_usage():
     assert "./run serve --tp 2" in out.stdout and "./run test" in out.stdout
 
 
+def test_the_suite_runs_as_two_processes_on_two_cores_and_as_one_beside_a_gpu(tmp_path):
+    def processes(setup: str, env: dict[str, str] | None = None) -> str:
+        out = _functions(setup + "\ntest_processes", tmp_path, env={"NEURON_TEST_PROCESSES": "", **(env or {})})
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert processes("getconf() { echo 2; }") == "2"
+    assert processes("getconf() { echo 64; }") == "2"
+    assert processes("getconf() { echo 1; }") == "0"
+    assert processes("getconf() { echo 8; }; has_gpu() { true; }") == "0"  # its tests measure the device's memory
+    assert processes("getconf() { echo 8; }", env={"NEURON_TEST_PROCESSES": "5"}) == "5"
+
+
 @pytest.mark.slow
 def test_the_second_call_installs_nothing():
     first = _run("install")  # installs only if this environment was not made by ./run

@@ -70,8 +70,12 @@ def _sums(comm) -> dict:
             x = _parts(comm.rank, dtype, n)
             comm.all_reduce(x)
             out[str(dtype), n] = x.view(torch.uint8).numpy().tobytes()  # a tensor would cross as a shared fd
-    # rank 0 unlinked the name before its first sum, which every rank has waited for by now
-    out["segments"] = sorted(p.name for p in shm.SHM_DIR.glob(shm.PREFIX + "*"))
+    # rank 0 unlinked the name before its first sum, which every rank has waited for by now; its name
+    # carries rank 0's pid (other test processes may hold segments of their own meanwhile)
+    pids = torch.zeros(comm.world_size, dtype=torch.int64)
+    pids[comm.rank] = os.getpid()
+    comm.all_reduce(pids)
+    out["segments"] = sorted(p.name for p in shm.SHM_DIR.glob(f"{shm.PREFIX}{int(pids[0])}-*"))
     return out
 
 
