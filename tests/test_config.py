@@ -23,7 +23,7 @@ from neuron.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 # Variables that belong to the test harness, not to neuron.
-HARNESS_ONLY = {"NEURON_MOCK_SCRIPT", "NEURON_TEST_INSTAFAIL"}
+HARNESS_ONLY = {"NEURON_MOCK_SCRIPT", "NEURON_TEST_INSTAFAIL", "NEURON_TEST_PROCESSES"}  # read by tests or ./run
 # EngineConfig fields and the settings they default to.
 ENGINE_FIELDS = {"model": "model", "tp": "tp", "device": "device", "dtype": "dtype", "max_model_len": "max_model_len",
                  "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
