@@ -375,12 +375,12 @@ def test_cpu_kernel_half_precision(cpu_kernel, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("step", [DECODE, MIXED], ids=["decode", "mixed"])
-@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("head_dim", [64, 80, 36])
 def test_cpu_kernel_fp32_queries_over_a_16_bit_pool(cpu_kernel, dtype, step, head_dim):
     """An fp32 model's 16-bit KV cache (kv_cache_dtype): fp32 queries and output over bf16 or fp16
     pools, the stored values widened exactly, so the same numbers, bit for bit, as over those
     values held in fp32 (the blocked prefill path and the per-row one, a constant-size head and
-    not); through `attend` too. 16-bit queries over another type's pool are not taken."""
+    not, and one whose rows end past the last whole vector); through `attend` too. 16-bit queries over another type's pool are not taken."""
     q, k_pool, v_pool, meta = make_step(**step, head_dim=head_dim, device="cpu")
     narrow_k, narrow_v = k_pool.to(dtype), v_pool.to(dtype)
     scale = head_dim ** -0.5

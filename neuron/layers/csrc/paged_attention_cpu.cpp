@@ -157,9 +157,11 @@ inline vecf vload_kv(const bf16* p) {
 // scalar loop alone converted one value per call.
 template <typename T>
 inline void widen_row(const T* src, int64_t D, float* dst) {
-    int64_t d = 0;
-    for (; d + VL <= D; d += VL) vstore(dst + d, vload_kv(src + d));
-    for (; d < D; ++d) dst[d] = widen(src[d]);
+    // The tail from a bound computed once: continuing the vector loop's index, GCC warned of overflow
+    // in a tail it could not see was empty at constant head sizes.
+    const int64_t whole = D - D % VL;
+    for (int64_t d = 0; d < whole; d += VL) vstore(dst + d, vload_kv(src + d));
+    for (int64_t d = whole; d < D; ++d) dst[d] = widen(src[d]);
 }
 
 // Whether the per-row path reads the pool's rows in place (widened in registers): fp32 always, a
