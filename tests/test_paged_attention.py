@@ -380,7 +380,8 @@ def test_cpu_kernel_fp32_queries_over_a_16_bit_pool(cpu_kernel, dtype, step, hea
     """An fp32 model's 16-bit KV cache (kv_cache_dtype): fp32 queries and output over bf16 or fp16
     pools, the stored values widened exactly, so the same numbers, bit for bit, as over those
     values held in fp32 (the blocked prefill path and the per-row one, a constant-size head and
-    not, and one whose rows end past the last whole vector); through `attend` too. 16-bit queries over another type's pool are not taken."""
+    not, and one whose rows end past the last whole vector); through `attend` too. 16-bit queries
+    over another type's pool are not taken."""
     q, k_pool, v_pool, meta = make_step(**step, head_dim=head_dim, device="cpu")
     narrow_k, narrow_v = k_pool.to(dtype), v_pool.to(dtype)
     scale = head_dim ** -0.5
