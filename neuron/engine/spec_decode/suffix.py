@@ -297,19 +297,14 @@ class OutputCache:
         tokens = None if visits is None else max(1, visits // self.index.depth)  # to walk in this call
         while tokens != 0:
             if self.forgetting is not None:
-                text, start, ends = self.forgetting
-                stop = len(text) if tokens is None else min(len(text), start + tokens)
-                ends = self.index.remove_part(text, start, stop, ends)
-                self.forgetting = (text, stop, ends) if stop < len(text) else None
+                self.forgetting, walked = _walk(self.forgetting, self.index.remove_part, tokens)
             elif self.texts and (len(self.texts) > self.max_texts
                                  or (self.max_bytes is not None and self.nbytes > self.max_bytes)):
                 self._forget_oldest()  # (a text half indexed is one of the texts once whole)
                 continue
             elif self.adding is not None:
-                text, start, ends = self.adding
-                stop = len(text) if tokens is None else min(len(text), start + tokens)
-                ends = self.index.add_part(text, start, stop, ends)
-                self.adding = (text, stop, ends) if stop < len(text) else None
+                text = self.adding[0]
+                self.adding, walked = _walk(self.adding, self.index.add_part, tokens)
                 if self.adding is None:
                     self.texts.append(text)
                     self.text_bytes += sys.getsizeof(text)
@@ -325,7 +320,7 @@ class OutputCache:
             else:
                 return
             if tokens is not None:
-                tokens -= stop - start
+                tokens -= walked
 
     @property
     def node_budget(self) -> int | None:
@@ -344,6 +339,16 @@ class OutputCache:
         text = self.texts.popleft()
         self.text_bytes -= sys.getsizeof(text)
         self.forgetting = (text, 0, [])
+
+
+def _walk(part: tuple[array, int, list[int]], walk, tokens: int | None) -> tuple[tuple | None, int]:
+    """A text half indexed or half forgotten, (text, where it stands, its spans' ends there), walked on
+    by `walk` (`SuffixIndex.add_part` or `remove_part`) for `tokens` tokens (None: to its end): what
+    is left of it (None once whole), and the tokens walked."""
+    text, start, ends = part
+    stop = len(text) if tokens is None else min(len(text), start + tokens)
+    ends = walk(text, start, stop, ends)
+    return ((text, stop, ends) if stop < len(text) else None), stop - start
 
 
 def propose_from_text(tokens: list[int], k: int, depth: int, min_prob: float,
