@@ -502,14 +502,23 @@ void attend_item(const Args& a, const Item& it, const Item* next, Scratch& w) {
 // rows where they lie in the pool (no copy for fp32). The scores come out as s[n][r], so the
 // online softmax's max, exponentials and sums run down the tile's keys with the rows along the
 // lanes. P V broadcasts p[n][r] against value rows (head_dim along the lanes) into a block of
-// VALUE_ROWS rows x VALUE_VECS vectors of the output held in registers. Only the tiles that
-// reach past the item's first query (the diagonal) are masked.
+// VALUE_ROWS rows x VALUE_VECS vectors of the output held in registers; AVX2 builds keep the
+// output transposed instead (VALUES_BY_ROWS). Only the tiles that reach past the item's first
+// query (the diagonal) are masked.
+//
+// AVX2 has 16 vector registers, and its blocks of 2 x 4 left 8 accumulators, as many as its two
+// FMA units keep in flight at their latency, with GCC folding each query load into every FMA that
+// reads it (12 loads per 8 FMAs). Blocks of 3 row vectors x 4 keys or elements (12 accumulators, the
+// row vectors kept in registers) took a 512-query chunk's attention from 44-50 to 54-67 GFLOP/s on one
+// core here, the same bits (docs/benchmarks.md, twenty-second session).
 
-constexpr int SCORE_VECS = 2;                 // row vectors of a score block
+constexpr int SCORE_VECS = VL == 16 ? 2 : 3;  // row vectors of a score block
 constexpr int SCORE_KEYS = VL == 16 ? 8 : 4;  // its keys: SCORE_VECS x SCORE_KEYS accumulators
 constexpr int VALUE_ROWS = 4;                 // rows of a P V block
 constexpr int VALUE_VECS = VL == 16 ? 4 : 2;  // its vectors of head_dim: VALUE_ROWS x VALUE_VECS accumulators
 static_assert(BLOCK_KEYS % SCORE_KEYS == 0 && VL % VALUE_ROWS == 0, "blocks tile the key tile and the padded rows");
+constexpr bool VALUES_BY_ROWS = VL == 8;     // P V with the output transposed (value_block)
+constexpr int VALUE_DIMS = 4;                 // its elements of head_dim: SCORE_VECS x VALUE_DIMS accumulators
 template <int DT>  // head sizes the blocked path takes: known at compile time, whole P V blocks
 constexpr bool BLOCKABLE = DT != 0 && DT % (VALUE_VECS * VL) == 0;
 // An item of fewer rows takes the per-row path: where the two cross on AVX-512 (rows padded to 16),
@@ -531,6 +540,12 @@ void load_queries_transposed(const Args& a, const Item& it, int64_t group, int64
     }
 }
 
+// A vector GCC must hold in a register rather than read again from memory into each FMA that uses
+// it (AVX2 builds; AVX-512 ones broadcast from memory and keep their code as measured).
+inline void in_register(vecf& v) {
+    if constexpr (VL == 8) asm("" : "+x"(v));
+}
+
 // Scores of RV x VL rows (qt, row stride rp) against SCORE_KEYS key rows k, into s[n * rp + r].
 template <int DT, int RV>
 inline void score_block(const float* __restrict qt, int64_t rp, const float* const* k, float* __restrict s) {
@@ -538,7 +553,10 @@ inline void score_block(const float* __restrict qt, int64_t rp, const float* con
     for (int d = 0; d < DT; ++d) {
         vecf q[RV];
 #pragma GCC unroll 4
-        for (int j = 0; j < RV; ++j) q[j] = vload(qt + d * rp + j * VL);
+        for (int j = 0; j < RV; ++j) {
+            q[j] = vload(qt + d * rp + j * VL);
+            in_register(q[j]);
+        }
 #pragma GCC unroll 8
         for (int n = 0; n < SCORE_KEYS; ++n) {
             const float kd = k[n][d];
@@ -560,6 +578,8 @@ void block_scores(int64_t rp, int64_t group, int64_t first_pos, int64_t n0, int 
         float* s = &w.s[k0 * rp];
         int64_t r = 0;
         for (; r + SCORE_VECS * VL <= rp; r += SCORE_VECS * VL) score_block<DT, SCORE_VECS>(&w.q[r], rp, k, s + r);
+        if constexpr (SCORE_VECS > 2)
+            for (; r + 2 * VL <= rp; r += 2 * VL) score_block<DT, 2>(&w.q[r], rp, k, s + r);
         for (; r < rp; r += VL) score_block<DT, 1>(&w.q[r], rp, k, s + r);
     }
     if (n0 + nn - 1 <= first_pos) return;  // every key of the tile is visible to every row
@@ -626,6 +646,64 @@ void block_values(int64_t rows, int64_t rp, int nn, const float** vrows, Scratch
     }
 }
 
+// The same into the output held transposed, acc[d * rp + r] (VALUES_BY_ROWS): RV row vectors x
+// VALUE_DIMS elements from elements d0 on, from RV loads of p and VALUE_DIMS broadcasts of v per key,
+// the rows along the lanes as in score_block. Each output is the same sum in the same order.
+template <int RV>
+inline void value_block(const float* __restrict s, int64_t rp, int nn, const float* const* v, int d0,
+                        const float* alpha, float* __restrict acc) {
+    vecf o[VALUE_DIMS][RV];
+    for (int j = 0; j < RV; ++j) {
+        const vecf shrink = vload(alpha + j * VL);
+        for (int e = 0; e < VALUE_DIMS; ++e) o[e][j] = vload(acc + (d0 + e) * rp + j * VL) * shrink;
+    }
+    for (int n = 0; n < nn; ++n) {
+        vecf p[RV];
+#pragma GCC unroll 4
+        for (int j = 0; j < RV; ++j) {
+            p[j] = vload(s + n * rp + j * VL);
+            in_register(p[j]);
+        }
+        const float* vn = v[n] + d0;
+#pragma GCC unroll 4
+        for (int e = 0; e < VALUE_DIMS; ++e) {
+            const float ve = vn[e];
+#pragma GCC unroll 4
+            for (int j = 0; j < RV; ++j) o[e][j] += ve * p[j];
+        }
+    }
+    for (int e = 0; e < VALUE_DIMS; ++e)
+        for (int j = 0; j < RV; ++j) vstore(acc + (d0 + e) * rp + j * VL, o[e][j]);
+}
+
+template <int DT, int RV>
+inline void value_blocks(int64_t r, int64_t rp, int nn, const float** vrows, Scratch& w) {
+    for (int d0 = 0; d0 < DT; d0 += VALUE_DIMS) value_block<RV>(&w.s[r], rp, nn, vrows, d0, &w.alpha[r], &w.acc[r]);
+}
+
+// acc as block_values, held transposed, for every padded row.
+template <int DT>
+void block_values_by_rows(int64_t rp, int nn, const float** vrows, Scratch& w) {
+    int64_t r = 0;
+    for (; r + SCORE_VECS * VL <= rp; r += SCORE_VECS * VL) value_blocks<DT, SCORE_VECS>(r, rp, nn, vrows, w);
+    for (; r + 2 * VL <= rp; r += 2 * VL) value_blocks<DT, 2>(r, rp, nn, vrows, w);
+    for (; r < rp; r += VL) value_blocks<DT, 1>(r, rp, nn, vrows, w);
+}
+
+// The item's rows from the transposed output, acc[d * rp + r], as `store`.
+template <typename T, int DT>
+void store_by_rows(const Args& a, const Item& it, int64_t group, int64_t rp, const Scratch& w) {
+    const int64_t first = a.query_start[it.b] + it.q0;
+    for (int64_t qi = 0; qi < it.nq; ++qi) {
+        for (int64_t g = 0; g < group; ++g) {
+            const int64_t r = qi * group + g;
+            T* dst = static_cast<T*>(a.out) + (first + qi) * a.out_stride_t + (it.h * group + g) * a.out_stride_h;
+            const float inv = 1.0f / w.l[r];
+            for (int64_t d = 0; d < DT; ++d) narrow(w.acc[d * rp + r] * inv, &dst[d]);
+        }
+    }
+}
+
 template <typename TQ, typename TKV, int DT>
 void attend_item_blocked(const Args& a, const Item& it, Scratch& w) {
     const int64_t group = a.heads / a.kv_heads, rows = it.nq * group, rp = round_up(rows, VL);
@@ -646,9 +724,15 @@ void attend_item_blocked(const Args& a, const Item& it, Scratch& w) {
         load_rows<TKV, DT>(a, a.v_pool, table, it.h, n0, nn, w.v.data(), vrows);
         block_scores<DT>(rp, group, first_pos, n0, nn, krows, w);
         block_softmax(rp, nn, w);
-        block_values<DT>(round_up(rows, VALUE_ROWS), rp, nn, vrows, w);
+        if constexpr (VALUES_BY_ROWS)
+            block_values_by_rows<DT>(rp, nn, vrows, w);
+        else
+            block_values<DT>(round_up(rows, VALUE_ROWS), rp, nn, vrows, w);
     }
-    store<TQ, DT>(a, it, group, w);
+    if constexpr (VALUES_BY_ROWS)
+        store_by_rows<TQ, DT>(a, it, group, rp, w);
+    else
+        store<TQ, DT>(a, it, group, w);
 }
 
 // Work items, the longest queries first so that dynamic scheduling ends with the short ones. A
