@@ -51,6 +51,18 @@ def test_stop_token_ids_and_max_tokens(tp2_llm):
     assert cut.token_ids == ref[: ref.index(stop_at) + 1]
 
 
+def test_a_call_without_sampling_params_samples_with_generation_config(tp2_llm, monkeypatch):
+    """As vLLM's LLM: the checkpoint's generation_config.json (the default model's: temperature 0.6,
+    top_k 20, top_p 0.95) over SamplingParams' own defaults."""
+    defaults = tp2_llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.max_tokens) == (0.6, 20, 0.95, 16)
+    seen = []
+    add = tp2_llm.engine.add_request
+    monkeypatch.setattr(tp2_llm.engine, "add_request", lambda *a, **kw: seen.append(a[2]) or add(*a, **kw))
+    tp2_llm.generate("Hello")
+    assert [(p.temperature, p.top_k, p.top_p) for p in seen] == [(0.6, 20, 0.95)]
+
+
 def test_stop_string_ends_text_before_it(tp2_llm):
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     full = tp2_llm.generate("In the", greedy)[0].outputs[0].text

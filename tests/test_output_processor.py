@@ -49,17 +49,65 @@ def test_stop_string_cuts_text_and_holds_back_its_prefix(tokenizer):
     assert processor.sequence("r1") is None  # a finished request is no longer tracked
 
 
-def test_eos_is_not_output_and_stop_token_is(tokenizer):
+def text(updates: list[Update]) -> str:
+    return "".join(u.text for u in updates)
+
+
+def test_eos_and_stop_tokens_are_not_output_unless_asked(tokenizer):
+    """As vLLM: the EOS or stop token that ends a sequence adds no text, unless
+    include_stop_str_in_output (then a stop token's text stays; an EOS's is special, skipped)."""
     eos = tokenizer.eos_token_id
     ids = tokenizer.encode("Hello world")
     processor = OutputProcessor(tokenizer, [eos], MAX_MODEL_LEN)
     updates = feed(processor, admitted(processor, tokenizer), [*ids, eos])
-    assert "".join(u.text for u in updates) == "Hello world"
+    assert text(updates) == "Hello world"
     assert (updates[-1].finish_reason, updates[-1].stop_reason, updates[-1].num_output_tokens) == ("stop", None, 6)
-    seq = admitted(processor, tokenizer, stop_token_ids=[ids[1]])
-    updates = feed(processor, seq, ids)
-    assert "".join(u.text for u in updates) == "Hell"
+    updates = feed(processor, admitted(processor, tokenizer, stop_token_ids=[ids[1]]), ids)
+    assert text(updates) == "H"
     assert (updates[-1].finish_reason, updates[-1].stop_reason) == ("stop", ids[1])
+    updates = feed(processor, admitted(processor, tokenizer, stop_token_ids=[ids[1]], include_stop_str_in_output=True),
+                   ids)
+    assert text(updates) == "Hell" and updates[-1].stop_reason == ids[1]
+    updates = feed(processor, admitted(processor, tokenizer, include_stop_str_in_output=True), [*ids, eos])
+    assert text(updates) == "Hello world" and updates[-1].finish_reason == "stop"
+
+
+def test_a_stop_string_the_last_allowed_token_completes_ends_the_text_there(tokenizer):
+    """The length limit does not hide a stop string its last token completes: the text is cut
+    before it and the request stops on it, as vLLM finds them."""
+    processor = OutputProcessor(tokenizer, [tokenizer.eos_token_id], MAX_MODEL_LEN)
+    ids = tokenizer.encode(TEXT)  # H|ell|o| wor|ld|,| st|o|p| he|re|.
+    updates = feed(processor, admitted(processor, tokenizer, max_tokens=9, stop=["top"]), ids)
+    assert len(updates) == 9 and text(updates) == "Hello world, s"
+    assert (updates[-1].finish_reason, updates[-1].stop_reason) == ("stop", "top")
+    updates = feed(processor, admitted(processor, tokenizer, max_tokens=8, stop=["top"]), ids)
+    assert text(updates) == "Hello world, sto" and updates[-1].finish_reason == "length"
+
+
+def test_min_tokens_text_never_ends_in_a_stop_string(tokenizer):
+    """A stop string that ends within the first min_tokens tokens' text is passed over (the text keeps
+    it), one that ends later stops it even where it begins earlier, and nothing shown is taken back."""
+    processor = OutputProcessor(tokenizer, [tokenizer.eos_token_id], MAX_MODEL_LEN)
+    ids = tokenizer.encode(TEXT)  # H|ell|o| wor|ld|,| st|o|p| he|re|.
+    updates = feed(processor, admitted(processor, tokenizer, min_tokens=3, stop=["ell", "."]), ids)
+    assert text(updates) == "Hello world, stop here" and updates[-1].stop_reason == "."
+    updates = feed(processor, admitted(processor, tokenizer, min_tokens=7, stop=["sto"]), ids)
+    assert text(updates) == "Hello world, " and updates[-1].stop_reason == "sto"  # " st" is token 7, "o" 8
+    updates = feed(processor, admitted(processor, tokenizer, min_tokens=8, stop=["sto", " The"]), ids)
+    assert text(updates) == "Hello world, stop here." and updates[-1].stop_reason == " The"
+    updates = feed(processor, admitted(processor, tokenizer, max_tokens=14, min_tokens=14, stop=["e"]), ids)
+    assert text(updates) == TEXT and updates[-1].finish_reason == "length"
+
+
+def test_the_stop_string_that_ends_first_wins_and_can_stay_in_the_text(tokenizer):
+    processor = OutputProcessor(tokenizer, [tokenizer.eos_token_id], MAX_MODEL_LEN)
+    ids = tokenizer.encode(TEXT)
+    updates = feed(processor, admitted(processor, tokenizer, stop=[" world", "wo"]), ids)
+    assert text(updates) == "Hello " and updates[-1].stop_reason == "wo"  # it ends before " world" does
+    updates = feed(processor, admitted(processor, tokenizer, stop=["stop", "."], include_stop_str_in_output=True), ids)
+    assert text(updates) == "Hello world, stop" and updates[-1].stop_reason == "stop"
+    # nothing held back where the stop string stays: each token's text goes out with it
+    assert [u.text for u in updates][:3] == ["H", "ell", "o"]
 
 
 def test_min_tokens_defers_eos_and_length_ends(tokenizer):

@@ -45,6 +45,7 @@ class _Tracked:
     stop: list[str] = field(default_factory=list)
     text: str = ""  # decoded output, stop strings not yet cut
     emitted: int = 0  # characters of `text` already reported
+    searched: int = 0  # characters of `text` no stop string may end within: searched already, or min_tokens' own
     prompt_sent: bool = False  # its prompt logprobs went out with an earlier update
 
 
@@ -75,10 +76,13 @@ class OutputProcessor:
         tr = self._tracked[seq.request_id]
         reason, stop_reason = self._stop_check(seq, token)
         if tr.detok is not None:
-            if not (reason == "stop" and stop_reason is None and token in self.eos_token_ids):
-                tr.text += tr.detok.push(token)  # the EOS token that stops a sequence is not output
-            if reason is None and tr.stop:
-                reason, stop_reason = self._stop_strings(tr)
+            stopping_token = reason == "stop" and (stop_reason is not None or token in self.eos_token_ids)
+            if not stopping_token or seq.params.include_stop_str_in_output:
+                tr.text += tr.detok.push(token)  # an EOS or stop token that ends a sequence is not output
+            if reason != "stop" and tr.stop:  # a stop string the last token allowed completes still counts
+                found, stop = self._stop_strings(tr)
+                if found is not None:
+                    reason, stop_reason = found, stop
             if reason is not None and not isinstance(stop_reason, str):
                 tr.text += tr.detok.flush()
         lps = None if logprobs is None else [logprobs]
@@ -115,19 +119,31 @@ class OutputProcessor:
 
     @staticmethod
     def _stop_strings(tr: _Tracked) -> tuple[str | None, str | None]:
-        if len(tr.seq.output_token_ids) < tr.seq.params.min_tokens:
+        """The first stop string that ends in the text decoded since the last search, as vLLM finds
+        them: none ends within the text of the first min_tokens tokens (one may begin there). The
+        text is cut before it, or after it with include_stop_str_in_output."""
+        p = tr.seq.params
+        if len(tr.seq.output_token_ids) <= p.min_tokens:
+            tr.searched = len(tr.text)
             return None, None
-        start = max(0, tr.emitted - max(len(s) for s in tr.stop))
+        found = None
         for stop in tr.stop:
-            at = tr.text.find(stop, start)
-            if at != -1:
-                tr.text = tr.text[:at]
-                return "stop", stop
-        return None, None
+            at = tr.text.find(stop, max(0, tr.searched - len(stop) + 1))
+            if at != -1 and (found is None or at + len(stop) < found[0] + len(found[1])):
+                found = at, stop
+        tr.searched = len(tr.text)
+        if found is None:
+            return None, None
+        at, stop = found
+        tr.text = tr.text[: at + len(stop) if p.include_stop_str_in_output else at]
+        return "stop", stop
 
     @staticmethod
     def _held_back(tr: _Tracked) -> int:
-        """Characters kept back while they might still begin a stop string."""
+        """Characters kept back while they might still begin a stop string (none where a stop string
+        found stays in the text)."""
+        if tr.seq.params.include_stop_str_in_output:
+            return 0
         return max((len(s) for s in tr.stop), default=1) - 1
 
     def _partial(self, tr: _Tracked, tokens, logprobs) -> Update:

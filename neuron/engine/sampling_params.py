@@ -72,6 +72,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the prompt tokens' own logprobs and this many top-k at each
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # a stop string, EOS or stop token that ends the text stays in it
     # Structured output: what the text must match. The server hands the engine the grammar it
     # what the output must match; compiled when the request is added, unless the caller compiled it
     # already (off the event loop) and adds it with the request, beside these params

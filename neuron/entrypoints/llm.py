@@ -132,6 +132,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling params samples with: the checkpoint's generation_config.json
+        (temperature, top_p, top_k, repetition_penalty) over SamplingParams' own defaults, as vLLM."""
+        return SamplingParams(**self.engine.model.default_sampling())
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -144,7 +149,7 @@ class LLM:
         an adapter is loaded the first time a request names it."""
         if isinstance(prompts, (str, dict)) or (len(prompts) and _is_id(prompts[0])):  # one prompt of ids
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")

@@ -36,6 +36,7 @@ class SamplingRequest(Struct, kw_only=True):
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     n: int | None = None
     best_of: int | None = None  # OpenAI's completions field; vLLM takes it on chat too
     logit_bias: dict[str, float] | None = None

@@ -157,7 +157,7 @@ def sampling_params(req: SamplingRequest, defaults: dict, *, max_tokens: int | N
             n=1 if req.n is None else req.n, best_of=req.best_of,
             seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens,
+            skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
         )
     except InvalidParams as exc:
         param = renames.get(exc.param, exc.param)
