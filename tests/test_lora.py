@@ -488,7 +488,8 @@ def test_a_model_without_adapters_refuses_them(default_tokenizer, served_lora):
 def test_ollamas_clients_name_adapters_as_models(served_lora):
     """Through Ollama's API an adapter is a model: /api/tags and /api/ps list it with its base as
     parent_model, /api/show describes it, `NAME:latest` reaches it, a raw generate gives the
-    adapter's greedy tokens (PEFT's), and keep_alive 0 unloads the adapter once it is idle."""
+    adapter's greedy tokens (PEFT's), and keep_alive 0 takes the adapter's weights off the ranks
+    once it is idle (it leaves /api/ps) while it stays served, its next request loading them again."""
     from server_harness import LiveServer, ollama_client, real_engine, wait_until
 
     base, adapters = served_lora
@@ -513,12 +514,23 @@ def test_ollamas_clients_name_adapters_as_models(served_lora):
         expected = reference_lora_greedy(base, adapters["sql"], prompt, NEW_TOKENS)[0]
         assert out.response == server.engine.tokenizer.decode(expected, skip_special_tokens=False)
 
-        def listed() -> set[str]:
-            return {m.model for m in client.list().models}
+        def running() -> set[str]:
+            return {m.model for m in client.ps().models}
 
+        loras = server.engine.engine.loras
+        chat_id = loras.adapters["chat"].lora_id
         client.generate(model="chat", prompt=text, raw=True, keep_alive=0, options={"num_predict": 1})
-        wait_until(lambda: "chat" not in listed(), 30, "keep_alive 0 did not unload the idle adapter")
-        assert listed() == {"base", "sql"}  # the other adapter, which has no keep_alive, stays
+        wait_until(lambda: "chat" not in running(), 30, "keep_alive 0 did not rest the idle adapter's weights")
+        assert running() == {"base", "sql"}  # the other adapter, which has no keep_alive, stays
+        assert "chat" not in loras.resident() and loras.adapters["chat"].lora_id != chat_id
+        # one client's keep_alive never takes the adapter from the others: it stays served, and its
+        # next request loads its weights again
+        assert {m.model for m in client.list().models} == {"base", "sql", "chat"}
+        again = client.generate(model="chat", prompt=text, raw=True,
+                                options={"temperature": 0, "num_predict": NEW_TOKENS})
+        expected = reference_lora_greedy(base, adapters["chat"], prompt, NEW_TOKENS)[0]
+        assert again.response == server.engine.tokenizer.decode(expected, skip_special_tokens=False)
+        assert "chat" in running() and "chat" in loras.resident()
 
 
 def test_host_copies_are_bounded_by_bytes_least_recently_used_out():

@@ -190,3 +190,38 @@ def test_a_request_whose_adapter_finds_no_slot_waits_and_swaps_in_lru(monkeypatc
     assert c.lora_slot == 0 and slots.resident() == ["z", "y"]
     slots.fill(ranks)
     assert loaded[2:] == [(0, "/adapters/z")]
+
+
+def test_a_resting_adapter_leaves_the_ranks_only_while_no_request_uses_it(monkeypatch):
+    """`rest` (a request's keep_alive ran out) drops an adapter's weights from the ranks at the next
+    step unless a sequence holds its slot then; it stays served, comes back as a new loading (its
+    prefix-cache keys change), and its next request loads it again from its folder."""
+    from neuron.engine import lora
+
+    monkeypatch.setattr(lora.PeftAdapter, "open", staticmethod(lambda path, base, rank: SimpleNamespace(rank=4)))
+    slots = lora.LoraSlots(2, 8, {"hidden_size": 64})
+    x = slots.register("x", "/adapters/x")
+    loaded, forgotten = [], []
+    ranks = SimpleNamespace(load_lora=lambda slot, lora_id, path: loaded.append((slot, lora_id, path)),
+                            forget_lora=forgotten.append)
+    a = seq([1, 2], "a")
+    a.lora = x
+    assert slots.acquire(a)
+    slots.fill(ranks)
+    first = x.lora_id
+    slots.rest("x")
+    slots.forget(ranks)  # a still runs on it: it stays, and the rest is dropped
+    assert forgotten == [] and slots.resident() == ["x"] and not slots.rests and not x.resting
+    slots.release(a)
+    slots.rest("x")
+    slots.rest("x")
+    slots.rest("unknown")
+    slots.forget(ranks)
+    assert forgotten == [first] and slots.resident() == [] and x.resting and x.lora_id != first
+    assert slots.adapters == {"x": x} and not slots.forgets
+    b = seq([3, 4], "b")
+    b.lora = x
+    assert slots.acquire(b) and not x.resting
+    slots.fill(ranks)
+    assert loaded[-1] == (b.lora_slot, x.lora_id, "/adapters/x") and x.cache_key(None) != lora.Adapter(
+        "x", "/adapters/x", 4, first).cache_key(None)

@@ -164,6 +164,14 @@ class AsyncEngine(EngineClient):
             self._fail_streams(f"{why}; the request was cancelled", failure_kind)
         return left
 
+    def rest_lora(self, name: str) -> None:
+        """The ranks drop LoRA adapter `name`'s weights at the next step unless a request uses it
+        then; it stays served (`LoraSlots.rest`)."""
+        loras = self._loaded().loras
+        if loras is not None:
+            loras.rest(name)
+            self._wake.set()
+
     async def unload_lora(self, name: str, drain_s: float) -> int:
         """Stop serving LoRA adapter `name`: its new requests are refused at once, those in flight
         get up to `drain_s` to finish and the rest end with an error (failure kind `unloaded`); the

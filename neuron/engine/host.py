@@ -270,6 +270,7 @@ class ModelHost:
         self._reaper: asyncio.Task | None = None
         self._stopping = False
         self.adapter_idle: dict[str, list[float]] = {}  # LoRA adapters with a keep_alive: [seconds, last use]
+        self.adapter_rest: dict[str, list[float]] = {}  # the same for a request's keep_alive (`rest_adapter`)
 
     @classmethod
     def of_engine(cls, engine: AsyncEngine, **kwargs) -> "ModelHost":
@@ -324,8 +325,9 @@ class ModelHost:
         request waits up to load_timeout_s, then gets the engine in whatever state it is in: the
         handlers answer 503 with Retry-After for one still loading)."""
         if name not in self.models and (base := self.adapter_base(name)) is not None:
-            if name in self.adapter_idle:
-                self.adapter_idle[name][1] = time.monotonic()
+            for idle in (self.adapter_idle, self.adapter_rest):
+                if name in idle:
+                    idle[name][1] = time.monotonic()
             return AdapterEngine(await self.engine_for(base.name), name)
         m = self.model(name)
         m.last_used = time.monotonic()
@@ -380,6 +382,23 @@ class ModelHost:
         else:
             self.adapter_idle[name] = [keep_alive_s, time.monotonic()]
 
+    def rest_adapter(self, name: str, keep_alive_s: float | None) -> None:
+        """A request's keep_alive for LoRA adapter `name` (Ollama's): once idle that long from now, its
+        weights leave the ranks (`LoraSlots.rest`) and its next request loads them again (None: they
+        stay). The adapter stays served: one client's request never takes it from the others, as a
+        request's keep_alive never unloads a model loaded at start-up for good."""
+        if keep_alive_s is None:
+            self.adapter_rest.pop(name, None)
+        else:
+            self.adapter_rest[name] = [keep_alive_s, time.monotonic()]
+
+    def adapter_resting(self, name: str) -> bool:
+        """Whether adapter `name`'s weights left the ranks while it was idle and no request has loaded
+        them since."""
+        m = self.adapter_base(name)
+        adapter = m.engine.engine.loras.adapters.get(name) if m is not None else None
+        return adapter is not None and adapter.resting
+
     def _lora_base(self, base: str | None) -> HostedModel:
         """Model `base`, or the one model with LoRA enabled; it must be loaded."""
         lora = [m for m in self.models.values() if _serves_lora(m) or m.spec.engine.enable_lora]
@@ -400,6 +419,7 @@ class ModelHost:
         if m is None:
             raise UnknownModel(f"no LoRA adapter named `{name}` is loaded")
         self.adapter_idle.pop(name, None)
+        self.adapter_rest.pop(name, None)
         cancelled = await m.engine.unload_lora(name, drain_s)
         log.info("LoRA adapter `%s` unloaded from `%s` (%d request(s) cancelled)", name, m.name, cancelled)
         return cancelled
@@ -561,18 +581,26 @@ class ModelHost:
             await self._reap_adapters(now)
 
     async def _reap_adapters(self, now: float) -> None:
-        """Unload each LoRA adapter idle past its keep_alive (one with requests in flight is not idle)."""
-        for name, idle in list(self.adapter_idle.items()):
-            m = self.adapter_base(name)
-            if m is None:
-                self.adapter_idle.pop(name, None)
-                continue
-            if any(stream.lora == name for stream in m.engine.open_streams):
-                idle[1] = now
-            elif now - idle[1] >= max(idle[0], _MIN_IDLE_S):
-                log.info("LoRA adapter `%s` idle for %.0f s (keep_alive %g s): unloading", name, now - idle[1],
-                         idle[0])
-                await self.unload_lora(name)
+        """Unload each LoRA adapter idle past its keep_alive, and rest the weights of each idle past a
+        request's (one with requests in flight is not idle)."""
+        for idle, resting in ((self.adapter_idle, False), (self.adapter_rest, True)):
+            for name, (keep_s, since) in list(idle.items()):
+                m = self.adapter_base(name)
+                if m is None:
+                    idle.pop(name, None)
+                elif any(stream.lora == name for stream in m.engine.open_streams):
+                    idle[name][1] = now
+                elif now - since < max(keep_s, _MIN_IDLE_S):
+                    continue
+                elif resting:
+                    log.info("LoRA adapter `%s` idle for %.0f s (a request's keep_alive %g s): its weights leave "
+                             "the ranks until its next request", name, now - since, keep_s)
+                    idle.pop(name, None)
+                    m.engine.rest_lora(name)
+                else:
+                    log.info("LoRA adapter `%s` idle for %.0f s (keep_alive %g s): unloading", name, now - since,
+                             keep_s)
+                    await self.unload_lora(name)
 
     # ---- shutdown ----
 

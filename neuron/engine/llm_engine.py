@@ -140,8 +140,9 @@ class LLMEngine:
     # ---- the loop (engine thread only) ----
 
     def has_unfinished(self) -> bool:
-        """Requests to run, or unloaded LoRA adapters for the ranks to forget."""
-        return self.scheduler.has_work() or not self._inbox.empty() or bool(self.loras and self.loras.forgets)
+        """Requests to run, or LoRA adapters (unloaded or resting) for the ranks to forget."""
+        return (self.scheduler.has_work() or not self._inbox.empty()
+                or bool(self.loras and (self.loras.forgets or self.loras.rests)))
 
     def num_running(self) -> int:
         return len(self.scheduler.running)

@@ -47,6 +47,7 @@ class Adapter:
     rank: int
     lora_id: int
     int_id: int | None = None  # the offline API's LoRARequest.lora_int_id
+    resting: bool = False  # its weights left the ranks (`LoraSlots.rest`) and no request has loaded them since
 
     def cache_key(self, salt: bytes | None) -> bytes:
         """What the adapter's requests start their prefix-cache hash chains from: its loading's number
@@ -69,6 +70,7 @@ class LoraSlots:
         self.recent: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))  # LRU first
         self.loads: list[tuple[int, Adapter]] = []  # slots to fill before the next step runs
         self.forgets: list[Adapter] = []  # removed adapters the ranks still hold
+        self.rests: list[Adapter] = []  # served adapters whose weights the ranks are to drop while idle
 
     # ---- registry (the engine's caller) ----
 
@@ -102,6 +104,14 @@ class LoraSlots:
         self.forgets.append(adapter)
         return adapter
 
+    def rest(self, name: str) -> None:
+        """Adapter `name` stays served, but the ranks drop its weights (its slots and host memory)
+        at the next step if no sequence uses it then; its next request loads them again from its
+        folder, as a first one does (any thread). An adapter in use by then keeps them."""
+        adapter = self.adapters.get(name)
+        if adapter is not None and adapter not in self.rests:
+            self.rests.append(adapter)
+
     # ---- slots (the scheduler) ----
 
     def acquire(self, seq) -> bool:
@@ -120,6 +130,7 @@ class LoraSlots:
                 return False
             self.holder[slot] = adapter
             self.loads.append((slot, adapter))
+            adapter.resting = False
         self.users[slot] += 1
         self.recent.move_to_end(slot)
         seq.lora_slot = slot
@@ -133,8 +144,18 @@ class LoraSlots:
         self.users[slot] -= 1
 
     def forget(self, executor) -> None:
-        """Tell the ranks to drop the removed adapters no running sequence reads any more (the
-        engine, at the start of a step)."""
+        """Tell the ranks to drop the removed adapters no running sequence reads any more, and the
+        weights of the resting ones none uses (the engine, at the start of a step)."""
+        rests, self.rests = self.rests, []
+        for adapter in rests:
+            slots = [i for i, held in enumerate(self.holder) if held is adapter]
+            if self.adapters.get(adapter.name) is not adapter or any(self.users[i] for i in slots):
+                continue  # removed (forgotten below), or in use again: it stays
+            executor.forget_lora(adapter.lora_id)
+            adapter.resting = True
+            adapter.lora_id = next(_IDS)  # back from its folder as a new loading (its prefix-cache keys too)
+            for i in slots:
+                self.holder[i] = None
         for adapter in list(self.forgets):
             slots = [i for i, held in enumerate(self.holder) if held is adapter]
             if any(self.users[i] for i in slots):

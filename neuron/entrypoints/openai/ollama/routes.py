@@ -155,8 +155,8 @@ class _Ollama:
         m = host.models.get(name)
         if m is not None:
             m.keep_for(m.spec.keep_alive_s if keep is SPEC_KEEP_ALIVE else keep)
-        elif keep is not SPEC_KEEP_ALIVE:  # a LoRA adapter: how long it stays once idle
-            host.keep_adapter(name, keep)
+        elif keep is not SPEC_KEEP_ALIVE:  # a LoRA adapter: how long its weights stay on the ranks once idle
+            host.rest_adapter(name, keep)
         return name, engine, load_s
 
     def _loaded(self, name: str, engine: AsyncEngine, field: str) -> Response:
@@ -201,7 +201,7 @@ class _Ollama:
         loaded = [running(m, started) for m in host.models.values() if m.engine is not None and m.engine.loaded]
         by_name = {c["name"]: c for c in loaded}
         for name, base, path in host.adapters():
-            if base in by_name:
+            if base in by_name and not host.adapter_resting(name):
                 adapter = adapter_card(name, host.models[base], path, started)
                 loaded.append({**by_name[base], **{k: adapter[k] for k in ("name", "model", "digest", "details")}})
         return JSONResponse({"models": loaded})
