@@ -197,11 +197,15 @@ def test_the_key_as_x_api_key_or_a_bearer_token(real_server):
 
 # ---- a scripted engine: what the model writes is known ----
 
+# Text on both sides of a call, after the reasoning.
+INTERLEAVED = ["<think>", "r1", "</think>", "\n\n", "Hello", " world", "<tool_call>",
+               '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', "</tool_call>", "\n", "After", " text."]
 REASONED_CALL = ["<think>", "\nThe user wants", " the weather.\n", "</think>", "\n\n", "<tool_call>",
                  '\n{"name": "get_weather", ', '"arguments": {"city": "Paris"}}', "\n", "</tool_call>"]
 SCRIPTS = {
     "assistant\n<think>\n\n</think>\n\n": ["No thinking."],  # thinking disabled: the template closed it
     "weather?": REASONED_CALL,
+    "interleave": INTERLEAVED,
     "ponder": ["<think>", "\nHmm", ".\n", "</think>", "\n\n", "Forty", "-two."],
     "explode": ["Hello", ERROR],
     "slowly": [0.6, "late", " answer"],
@@ -253,6 +257,21 @@ def test_reasoning_and_a_tool_call_come_as_blocks(stub_server, stream):
     assert (thinking.type, thinking.thinking) == ("thinking", "\nThe user wants the weather.\n")
     assert (call.type, call.name, call.input, call.id[:6]) == ("tool_use", "get_weather", {"city": "Paris"}, "toolu_")
     assert out.stop_reason == "tool_use" and out.usage.output_tokens == len(REASONED_CALL)
+
+
+def test_blocks_come_in_the_order_the_model_wrote_them(stub_server):
+    """Streamed or not, the same blocks: text before a call and text after it stay apart, in place."""
+    api = anthropic_client(stub_server)
+    request = say("interleave", tools=TOOLS)
+    want = [("thinking", "r1"), ("text", "Hello world"), ("tool_use", ("get_weather", {"city": "Paris"})),
+            ("text", "After text.")]
+    out = api.messages.create(**request)
+    assert (shown(out.content), out.stop_reason) == (want, "tool_use")
+    raw = list(api.messages.create(stream=True, **request))
+    assert [e.content_block.type for e in raw if e.type == "content_block_start"] == [kind for kind, _ in want]
+    with api.messages.stream(**request) as helper:
+        final = helper.get_final_message()
+    assert (shown(final.content), final.stop_reason) == (want, "tool_use")
 
 
 def test_tool_choice_none_leaves_the_call_as_text(stub_server):
@@ -363,7 +382,12 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
      "tool_choice.name"),
     (json.dumps(say("x", thinking={"type": "enabled", "budget_tokens": 64})).encode(), 400,
      "invalid_request_error", "budget_tokens: must be less than max_tokens (64)"),
-    (json.dumps(say("x", max_tokens=0)).encode(), 400, "invalid_request_error", "max_tokens must be >= 1"),
+    (json.dumps(say("x", max_tokens=0)).encode(), 400, "invalid_request_error", "max_tokens: must be >= 1, got 0"),
+    (json.dumps(say("x", max_tokens=-5)).encode(), 400, "invalid_request_error", "max_tokens: must be >= 1, got -5"),
+    (json.dumps(say("x", stop_sequences=[""])).encode(), 400, "invalid_request_error",
+     "stop_sequences must be a list of non-empty strings"),
+    (json.dumps(say("x", output_config={"format": {"type": "json_schema", "schema": {"type": "nope"}}})).encode(),
+     400, "invalid_request_error", "output_config.format.schema cannot be compiled"),
     (json.dumps({**say("x"), "model": "claude-opus"}).encode(), 404, "not_found_error", "`claude-opus`"),
 ])
 def test_bad_input_gets_anthropics_error_shape(stub_server, body, status, kind, words):

@@ -181,6 +181,10 @@ def test_format_holds_the_reply_to_json_or_a_schema(ollama_server):
     jsonschema.validate(json.loads("".join(p.response for p in parts)), schema)
     any_json = c.chat(MODEL, HI, format="json", options={"temperature": 0, "num_predict": 3})
     assert any_json.message.content.startswith("{")
+    colours = {"enum": ["red", "green", "blue"]}  # raw: the prompt as it is, the format held all the same
+    raw = c.generate(MODEL, "My favourite colour is", raw=True, format=colours, options={"temperature": 0.8, "seed": 3,
+                                                                                        "num_predict": 20})
+    assert json.loads(raw.response) in colours["enum"] and raw.done_reason == "stop"
 
 
 # ---- tools, tool results and think (a scripted model, behind an API key) ----
@@ -372,6 +376,12 @@ BAD = [
     ("/api/generate", {"model": MODEL, "prompt": "hi", "template": "{{ .Prompt }}"}, 400, "template"),
     ("/api/generate", {"model": MODEL, "prompt": "hi", "context": [1, 2]}, 400, "context"),
     ("/api/generate", {"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ("/api/generate", {"model": MODEL, "prompt": "hi", "raw": True, "logprobs": True, "top_logprobs": -1}, 400,
+     "top_logprobs must be in [0, 20]"),
+    ("/api/generate", {"model": MODEL, "prompt": "hi", "raw": True, "format": {"type": "nope"}}, 400,
+     "format cannot be compiled"),
+    ("/api/generate", {"model": MODEL, "prompt": "hi", "raw": True, "options": {"stop": [""]}}, 400,
+     "options.stop must be a list of non-empty strings"),
 ]
 
 

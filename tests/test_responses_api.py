@@ -381,45 +381,60 @@ def test_input_items_become_chat_turns():
 
 # ---- errors: OpenAI's shape, never a 500 ----
 
+# A tool_choice the Responses API does not take, told in its own shape (not the chat path's).
+RESPONSES_TOOL_CHOICE = 'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}'
 
-@pytest.mark.parametrize("body, status, param", [
-    ({"input": "x"}, 400, "model"),
-    ({"model": MODEL, "input": 5}, 400, "input"),
-    ({"model": MODEL}, 400, "input"),
-    ({"model": MODEL, "input": []}, 400, "input"),
-    ({"model": MODEL, "input": [{"type": "item_reference", "id": "x"}]}, 400, "input[0].type"),
+
+@pytest.mark.parametrize("body, status, param, words", [
+    ({"input": "x"}, 400, "model", "you must provide a model parameter"),
+    ({"model": MODEL, "input": 5}, 400, "input", "Expected `str | array | null`, got `int`"),
+    ({"model": MODEL}, 400, "input", "input must be a string or a non-empty list of items"),
+    ({"model": MODEL, "input": []}, 400, "input", "input must be a string or a non-empty list of items"),
+    ({"model": MODEL, "input": [{"type": "item_reference", "id": "x"}]}, 400, "input[0].type",
+     "input[0].type 'item_reference' is not supported"),
     ({"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, 400,
-     "input[0].content[0]"),
+     "input[0].content[0]", "input[0].content[0] must be an input_text, output_text or input_image part"),
     ({"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
-     400, "input[0].content[0]"),
+     400, "input[0].content[0]", "this model does not accept images"),
     ({"model": MODEL, "input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, 400,
-     "input[0].arguments"),
-    ({"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
-    ({"model": MODEL, "input": "x", "tools": [{"type": "function", "parameters": {}}]}, 400, "tools[0].name"),
-    ({"model": MODEL, "input": "x", "tool_choice": {"type": "web_search_preview"}}, 400, "tool_choice"),
-    ({"model": MODEL, "input": "x", "tool_choice": "required"}, 400, "tool_choice"),
+     "input[0].arguments", "input[0].arguments must be a string"),
+    ({"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}, 400, "tools[0].type",
+     "tools[0] is of type 'web_search'; neuron serves function tools only"),
+    ({"model": MODEL, "input": "x", "tools": [{"type": "function", "parameters": {}}]}, 400, "tools[0].name",
+     "tools[0].name must be the function's name"),
+    ({"model": MODEL, "input": "x", "tool_choice": {"type": "web_search_preview"}}, 400, "tool_choice",
+     RESPONSES_TOOL_CHOICE),
+    ({"model": MODEL, "input": "x", "tools": [WEATHER_TOOL], "tool_choice": "bogus"}, 400, "tool_choice",
+     RESPONSES_TOOL_CHOICE),
+    ({"model": MODEL, "input": "x", "tool_choice": "required"}, 400, "tool_choice",
+     "tool_choice 'required' needs tools"),
     ({"model": MODEL, "input": "x", "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "name": "nope"}},
-     400, "tool_choice"),
-    ({"model": MODEL, "input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
-    ({"model": MODEL, "input": "x", "temperature": "hot"}, 400, "temperature"),
-    ({"model": MODEL, "input": "x", "reasoning": {"effort": "huge"}}, 400, "reasoning.effort"),
-    ({"model": MODEL, "input": "x", "text": {"format": {"type": "yaml"}}}, 400, "text.format.type"),
+     400, "tool_choice", "tool_choice names the function 'nope', which is not among the tools"),
+    ({"model": MODEL, "input": "x", "max_output_tokens": 0}, 400, "max_output_tokens",
+     "max_output_tokens must be >= 1 or null, got 0"),
+    ({"model": MODEL, "input": "x", "temperature": "hot"}, 400, "temperature", "got `str` - at `$.temperature`"),
+    ({"model": MODEL, "input": "x", "reasoning": {"effort": "huge"}}, 400, "reasoning.effort",
+     "Invalid enum value 'huge'"),
+    ({"model": MODEL, "input": "x", "text": {"format": {"type": "yaml"}}}, 400, "text.format.type",
+     "text.format.type must be text, json_object or json_schema, got 'yaml'"),
     ({"model": MODEL, "input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, 400,
-     "text.format.schema"),
+     "text.format.schema", "text.format of type json_schema needs schema"),
     ({"model": MODEL, "input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {
-        "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}}, 400, "text.format.schema"),
-    ({"model": MODEL, "input": "x", "background": True}, 400, "background"),
-    ({"model": MODEL, "input": "x", "conversation": "conv_1"}, 400, "conversation"),
-    ({"model": MODEL, "input": "x", "truncation": "auto"}, 400, "truncation"),
-    ({"model": MODEL, "input": "x", "previous_response_id": "resp_never"}, 404, "previous_response_id"),
-    ({"model": "gpt-5", "input": "x"}, 404, "model"),
-    ({"model": MODEL, "input": "word " * 9000}, 400, "input"),
+        "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}}, 400, "text.format.schema",
+     "text.format.schema cannot be compiled"),
+    ({"model": MODEL, "input": "x", "background": True}, 400, "background", "background responses are not supported"),
+    ({"model": MODEL, "input": "x", "conversation": "conv_1"}, 400, "conversation", "conversations are not supported"),
+    ({"model": MODEL, "input": "x", "truncation": "auto"}, 400, "truncation", 'truncation "auto" is not supported'),
+    ({"model": MODEL, "input": "x", "previous_response_id": "resp_never"}, 404, "previous_response_id",
+     "Previous response with id 'resp_never' not found"),
+    ({"model": "gpt-5", "input": "x"}, 404, "model", "the model `gpt-5` does not exist"),
+    ({"model": MODEL, "input": "word " * 9000}, 400, "input", "maximum context length is 1024 tokens"),
 ])
-def test_bad_requests_get_openai_errors(model_server, body, status, param):
+def test_bad_requests_get_openai_errors(model_server, body, status, param, words):
     r = _post(model_server, body)
     assert r.status_code == status, r.text
     error = r.json()["error"]
-    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and words in error["message"], error
 
 
 RESPONSES_FIELDS = ["input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",

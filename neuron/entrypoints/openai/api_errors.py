@@ -42,6 +42,23 @@ def unsupported(param: str, message: str) -> APIError:
     return APIError(400, message, param=param, code="unsupported_parameter")
 
 
+def renamed(exc: APIError, names: dict[str, str], param_only: tuple[str, ...] = ()) -> APIError:
+    """`exc`, raised by the chat path for a request translated from another API, naming that API's
+    fields: `names` maps the chat path's fields to the request's. The longest that the param is or
+    begins (`stop` holds for `stop[0]`, not `stop_token_ids`) renames the param and, unless it is in
+    `param_only`, its first mention in the message (where the chat path's errors name the field;
+    a later one may be the client's own text)."""
+    param = exc.param or ""
+    found = [c for c in names if param == c or param.startswith((c + ".", c + "["))]
+    if not found:
+        return exc
+    chat_name = max(found, key=len)
+    exc.param = names[chat_name] + param[len(chat_name):]
+    if chat_name not in param_only:
+        exc.message = exc.message.replace(chat_name, names[chat_name], 1)
+    return exc
+
+
 def unavailable(message: str, code: str, retry_after_s: int | None = None) -> APIError:
     headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
     return APIError(503, message, type="server_error", code=code, headers=headers)

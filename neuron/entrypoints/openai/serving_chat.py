@@ -184,10 +184,11 @@ async def open_chat(engine: AsyncEngine, req: ChatCompletionRequest, limiters: L
                           param="messages")
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    if getattr(req, max_name) == 0:  # only /v1/completions scores a prompt without generating (echo)
-        raise bad_request(f"{max_name} must be >= 1 or null, got 0", param=max_name)
+    max_tokens = getattr(req, max_name)
+    if max_tokens is not None and max_tokens < 1:  # only /v1/completions scores a prompt without generating (echo)
+        raise bad_request(f"{max_name} must be >= 1 or null, got {max_tokens}", param=max_name)
     tools = _tool_format(req, engine.tokenizer)
-    params = sampling_params(req, engine.default_sampling(), max_tokens=getattr(req, max_name), logprobs=top_logprobs,
+    params = sampling_params(req, engine.default_sampling(), max_tokens=max_tokens, logprobs=top_logprobs,
                              renames={"logprobs": "top_logprobs", "max_tokens": max_name})
     if tools == "mistral":  # its calls open with a special token, which the parser must see
         params.skip_special_tokens = False

@@ -3,7 +3,8 @@
 A thin translation onto the chat path: the request becomes a chat completion request (system
 blocks a system turn, tool_result blocks tool turns, tools functions, `thinking` the template's
 `enable_thinking`), which serving_chat checks, renders and queues as it does its own; the reply's
-reasoning, text and tool calls, parsed there, come back as thinking, text and tool_use blocks.
+reasoning, text and tool calls, parsed there, come back as thinking, text and tool_use blocks, in
+the order the model wrote them; the chat path's errors are told in the Messages request's names.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from starlette.responses import Response
 
 from neuron.engine.async_engine import AsyncEngine
 from neuron.engine.output_processor import Update
-from neuron.entrypoints.openai.api_errors import APIError, bad_request, unsupported
+from neuron.entrypoints.openai.api_errors import APIError, bad_request, renamed, unsupported
 from neuron.entrypoints.openai.api_types import ChatCompletionRequest, ToolCall, UsageInfo
 from neuron.entrypoints.openai.chat_utils import template_content_chars
-from neuron.entrypoints.openai.common import Samples, check_model, check_ready, encoded, stream_events
+from neuron.entrypoints.openai.common import Samples, check_model, check_ready, encoded, stream_error, stream_events
 from neuron.entrypoints.openai.messages_types import (
+    ContentBlock,
     ContentBlockDelta,
     ContentBlockStart,
     ContentBlockStop,
@@ -45,7 +47,7 @@ from neuron.entrypoints.openai.messages_types import (
 )
 from neuron.entrypoints.openai.prompt_input import Limiters, check_prompt_chars, off_loop
 from neuron.entrypoints.openai.response_parser import Parsed
-from neuron.entrypoints.openai.serving_chat import ChatRequestContext, ChoiceState, open_chat, read_sample, render_chat
+from neuron.entrypoints.openai.serving_chat import ChatRequestContext, ChoiceState, open_chat, render_chat
 from neuron.entrypoints.openai.streaming import EventStreamResponse, json_unless_disconnected
 
 # ---- errors ----
@@ -91,6 +93,10 @@ _REFUSED_BLOCKS = {
     "web_search_tool_result": "server tools are not supported: neuron runs no tools itself",
     "container_upload": "container_upload blocks are not supported: neuron runs no code",
 }
+# The chat path's names for what a Messages request calls otherwise, in the errors it raises.
+_RENAMES = {"stop": "stop_sequences", "response_format": "output_config.format",
+            "response_format.json_schema.schema": "output_config.format.schema", "chat_template_kwargs": "thinking",
+            "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
 
 
 def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
@@ -105,6 +111,8 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     fields = dict(model=req.model, messages=_system(req.system) + _turns(req.messages), tools=tools,
                   tool_choice=choice, parallel_tool_calls=parallel, chat_template_kwargs=switch)
     if generates:
+        if req.max_tokens < 1:  # only /v1/completions takes 0 (it scores a prompt without generating)
+            raise bad_request(f"max_tokens: must be >= 1, got {req.max_tokens}", param="max_tokens")
         _check_metadata(req.metadata)
         fields.update(max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,
                       top_p=req.top_p, top_k=req.top_k, seed=req.seed, stream=req.stream, cache_salt=req.cache_salt,
@@ -339,16 +347,16 @@ def _stop(update: Update, called: bool) -> tuple[str | None, str | None]:
     return "end_turn", None
 
 
-def _tool_use_block(call: ToolCall) -> ToolUseBlock | TextBlock:
-    """A parsed call as a tool_use block. A named call the grammar left unfinished (max_tokens)
-    has no input to parse: its text comes back as text, so nothing is lost."""
+def _tool_use_block(block: ToolUseBlock, arguments: str) -> ToolUseBlock | TextBlock:
+    """A tool_use block with its input parsed. A named call the grammar left unfinished
+    (max_tokens) has no input to parse: its text comes back as text, so nothing is lost."""
     try:
-        args = json.loads(call.function.arguments)
+        args = json.loads(arguments)
     except json.JSONDecodeError:
         args = None
     if not isinstance(args, dict):
-        return TextBlock(call.function.arguments)
-    return ToolUseBlock(_tool_use_id(call), call.function.name, args)
+        return TextBlock(arguments)
+    return ToolUseBlock(block.id, block.name, args)
 
 
 def _tool_use_id(call: ToolCall) -> str:
@@ -357,21 +365,28 @@ def _tool_use_id(call: ToolCall) -> str:
 
 async def create_message(request: Request, engine: AsyncEngine, req: MessagesRequest, keepalive_s: float,
                          limiters: Limiters, cache_salt: str | None = None) -> Response:
-    ctx, samples = await open_chat(engine, chat_request(req), limiters, cache_salt, id_prefix="msg")
+    try:
+        ctx, samples = await open_chat(engine, chat_request(req), limiters, cache_salt, id_prefix="msg")
+    except APIError as exc:
+        raise renamed(exc, _RENAMES) from None
     if req.stream:
         return EventStreamResponse(_events(ctx, samples, keepalive_s), on_close=samples.close)
     return await json_unless_disconnected(request, samples, _collect(ctx, samples))
 
 
 async def _collect(ctx: ChatRequestContext, samples: Samples) -> bytes:
-    out = await read_sample(ctx, samples.streams[0])
-    calls = out.state.tool_calls(out.parsed)
-    blocks = [ThinkingBlock(out.parsed.reasoning)] if out.parsed.reasoning else []
-    blocks += [TextBlock(out.parsed.content)] if out.parsed.content else []
-    blocks += [_tool_use_block(call) for call in calls]
-    reason, sequence = _stop(out.last, bool(calls))
+    """The whole reply: the blocks built as the stream builds them, so both have the same blocks
+    in the same order."""
+    [stream] = samples.streams
+    blocks = _Blocks(ChoiceState(ctx), streaming=False)
+    async for update in stream:
+        if update.finish_reason == "error":
+            raise stream_error(stream, update.error)
+        blocks.update(update)
+    reason, sequence = _stop(blocks.last, blocks.state.num_tool_calls > 0)
     usage = samples.usage([0])
-    message = Message(ctx.id, ctx.model, blocks, reason, sequence, Usage(usage.prompt_tokens, usage.completion_tokens))
+    message = Message(ctx.id, ctx.model, blocks.content(), reason, sequence,
+                      Usage(usage.prompt_tokens, usage.completion_tokens))
     return await encoded(message)
 
 
@@ -381,64 +396,96 @@ def _event(event) -> bytes:
 
 
 class _Blocks:
-    """The content blocks of a streamed reply: the one open, and the events that open, extend and
-    close them as parsed output arrives (reasoning, then text, then tool calls, in each piece)."""
+    """A reply's content blocks in the order the model wrote them, built as its parsed output
+    arrives (reasoning, then text, then tool calls, in each piece), and, when streaming, the
+    events that open, extend and close them."""
 
-    def __init__(self, state: ChoiceState):
+    def __init__(self, state: ChoiceState, streaming: bool):
         self.state = state
-        self.index = -1
-        self.open: str | None = None  # the open block's type
+        self.blocks: list[ContentBlock] = []
+        self.last: Update | None = None  # the update that ended the reply
+        self._inputs: dict[int, str] = {}  # each tool_use block's input as written so far, by its index
+        self._open: str | None = None  # the open block's type
+        self._events: list[bytes] | None = [] if streaming else None
 
-    def feed(self, parsed: Parsed) -> list[bytes]:
-        out = []
-        if parsed.reasoning:
-            out += self._extend(ThinkingBlock(""), ThinkingDelta(parsed.reasoning))
-        if parsed.arguments:  # more of the call the open tool_use block holds
-            out.append(_event(ContentBlockDelta(self.index, InputJsonDelta(parsed.arguments))))
-        if parsed.content:
-            out += self._extend(TextBlock(""), TextDelta(parsed.content))
-        for call in self.state.tool_calls(parsed):
-            out += self._start(ToolUseBlock(_tool_use_id(call), call.function.name, {}))
-            if call.function.arguments:
-                out.append(_event(ContentBlockDelta(self.index, InputJsonDelta(call.function.arguments))))
+    def update(self, update: Update) -> None:
+        """One update's text, parsed; the last also ends the parse and closes the open block."""
+        parsed = self.state.parser.feed(update.text)
+        if update.finished:
+            parsed.extend(self.state.parser.finish())
+        self._feed(parsed)
+        if update.finished:
+            self._close()
+            self.last = update
+
+    def take(self) -> list[bytes]:
+        """The events since the last take."""
+        out, self._events = self._events, []
         return out
 
-    def close(self) -> list[bytes]:
-        if self.open is None:
-            return []
-        self.open = None
-        return [_event(ContentBlockStop(self.index))]
+    def content(self) -> list[ContentBlock]:
+        """The finished blocks, each tool_use block with its input."""
+        return [_tool_use_block(block, self._inputs[i]) if i in self._inputs else block
+                for i, block in enumerate(self.blocks)]
 
-    def _extend(self, empty, delta) -> list[bytes]:
-        kind = empty.__struct_config__.tag
-        out = [] if self.open == kind else self._start(empty)
-        return out + [_event(ContentBlockDelta(self.index, delta))]
+    def _feed(self, parsed: Parsed) -> None:
+        if parsed.reasoning:
+            self._extend(ThinkingBlock(""), ThinkingDelta(parsed.reasoning))
+        if parsed.arguments:  # more of the call the open tool_use block holds
+            self._input(parsed.arguments)
+        if parsed.content:
+            self._extend(TextBlock(""), TextDelta(parsed.content))
+        for call in self.state.tool_calls(parsed):
+            self._start(ToolUseBlock(_tool_use_id(call), call.function.name, {}))
+            self._inputs[len(self.blocks) - 1] = ""
+            if call.function.arguments:
+                self._input(call.function.arguments)
 
-    def _start(self, block) -> list[bytes]:
-        out = self.close()
-        self.index += 1
-        self.open = block.__struct_config__.tag
-        return out + [_event(ContentBlockStart(self.index, block))]
+    def _extend(self, empty: ThinkingBlock | TextBlock, delta: ThinkingDelta | TextDelta) -> None:
+        if self._open != empty.__struct_config__.tag:
+            self._start(empty)
+        block = self.blocks[-1]
+        if isinstance(block, TextBlock):
+            block.text += delta.text
+        else:
+            block.thinking += delta.thinking
+        self._emit(ContentBlockDelta(len(self.blocks) - 1, delta))
+
+    def _input(self, text: str) -> None:
+        """More of the open tool_use block's input."""
+        index = len(self.blocks) - 1
+        if self._open == "tool_use":
+            self._inputs[index] += text
+            self._emit(ContentBlockDelta(index, InputJsonDelta(text)))
+
+    def _start(self, block: ContentBlock) -> None:
+        self._close()
+        self.blocks.append(block)
+        self._open = block.__struct_config__.tag
+        self._emit(ContentBlockStart(len(self.blocks) - 1, block))
+
+    def _close(self) -> None:
+        if self._open is not None:
+            self._open = None
+            self._emit(ContentBlockStop(len(self.blocks) - 1))
+
+    def _emit(self, event) -> None:
+        if self._events is not None:
+            self._events.append(_event(event))
 
 
 async def _events(ctx: ChatRequestContext, samples: Samples, keepalive_s: float) -> AsyncIterator[bytes]:
     """message_start and a ping, the blocks' events as the reply comes, then message_delta (the
     stop reason and the output tokens) and message_stop; a ping whenever `keepalive_s` passes with
     nothing to say, and an `error` event if generation fails."""
-    state = ChoiceState(ctx)
-    blocks = _Blocks(state)
-    last: list[Update] = []
+    blocks = _Blocks(ChoiceState(ctx), streaming=True)
 
     async def chunks(k: int, update: Update) -> list[bytes]:
-        parsed = state.parser.feed(update.text)
-        if update.finished:
-            parsed.extend(state.parser.finish())
-            last.append(update)
-        out = blocks.feed(parsed)
-        return out + blocks.close() if update.finished else out
+        blocks.update(update)
+        return blocks.take()
 
     def ending(usage: UsageInfo) -> bytes:
-        reason, sequence = _stop(last[0], state.num_tool_calls > 0)
+        reason, sequence = _stop(blocks.last, blocks.state.num_tool_calls > 0)
         return (_event(MessageDelta(StopDelta(reason, sequence), OutputUsage(usage.completion_tokens)))
                 + _event(MessageStop()))
 

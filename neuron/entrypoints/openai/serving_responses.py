@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from neuron.engine.async_engine import AsyncEngine
 from neuron.engine.llm_engine import Update
-from neuron.entrypoints.openai.api_errors import APIError, bad_request, unsupported
+from neuron.entrypoints.openai.api_errors import APIError, bad_request, renamed, unsupported
 from neuron.entrypoints.openai.api_types import ChatCompletionRequest
 from neuron.entrypoints.openai.common import Samples, encoded, now, stream_error
 from neuron.entrypoints.openai.prompt_input import Limiters
@@ -62,11 +62,13 @@ _REFUSED_FIELDS = {
     "top_logprobs": "top_logprobs is not supported on /v1/responses; use /v1/chat/completions for logprobs",
 }
 _TEXT_PARTS = ("input_text", "output_text", "text")
+_TOOL_CHOICES = ("none", "auto", "required")
 # Efforts that turn the template's thinking off; any other turns it on.
 _NO_THINKING = ("none", "minimal")
 # The chat path's names for what a Responses request calls otherwise, in the errors it raises.
-_RENAMES = (("max_completion_tokens", "max_output_tokens"), ("response_format.json_schema.schema", "text.format.schema"),
-            ("response_format", "text.format"), ("messages", "input"))
+# "messages" is also an ordinary word in the chat path's errors, so only its param is renamed.
+_RENAMES = {"max_completion_tokens": "max_output_tokens", "response_format.json_schema.schema": "text.format.schema",
+            "response_format": "text.format", "messages": "input"}
 
 
 def _id(prefix: str) -> str:
@@ -214,9 +216,9 @@ def _chat_tools(tools: list[dict] | None) -> list[dict] | None:
 
 
 def _chat_tool_choice(choice: str | dict | None) -> str | dict | None:
-    if choice is None or isinstance(choice, str):
-        return choice  # auto, none and required mean the same; anything else the chat path refuses
-    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+    if choice is None or choice in _TOOL_CHOICES:
+        return choice  # they mean the same on the chat path
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
     raise unsupported("tool_choice", 'tool_choice must be "none", "auto", "required" or {"type": "function", '
                                      '"name": ...}; neuron serves function tools only')
@@ -253,17 +255,6 @@ def _chat_request(req: ResponsesRequest, messages: list[dict]) -> ChatCompletion
         tools=_chat_tools(req.tools), tool_choice=_chat_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls, response_format=_response_format(req),
         chat_template_kwargs=thinking)
-
-
-def _renamed(exc: APIError) -> APIError:
-    """An error of the chat path, speaking of the Responses request's fields."""
-    for chat_name, name in _RENAMES:
-        if exc.param is not None and exc.param.startswith(chat_name):
-            exc.param = name + exc.param[len(chat_name):]
-            if chat_name != "messages":  # "messages" is also an ordinary word in the chat path's errors
-                exc.message = exc.message.replace(chat_name, name)
-            break
-    return exc
 
 
 # ---- the output ----
@@ -437,7 +428,7 @@ async def create_response(request: Request, engine: AsyncEngine, req: ResponsesR
     try:
         ctx, samples = await open_chat(engine, _chat_request(req, messages), limiters, cache_salt, "resp")
     except APIError as exc:
-        raise _renamed(exc) from None
+        raise renamed(exc, _RENAMES, param_only=("messages",)) from None
     run = _Run(req, ctx, samples, engine, history + turn)
     if req.stream:
         return EventStreamResponse(_events(run, keepalive_s, store), on_close=samples.close)

@@ -41,9 +41,10 @@ from neuron.entrypoints.openai.ollama.reply import PlainText, RawLogprobs, Reply
 from neuron.entrypoints.openai.ollama.translate import (
     chat_request,
     check_generate,
+    in_ollama_names,
     opened,
     prompt_messages,
-    renamed,
+    response_format,
     sampling_fields,
 )
 from neuron.entrypoints.openai.prompt_input import Limiters
@@ -127,20 +128,20 @@ class _Ollama:
             raise bad_request("images need the chat template, which raw leaves out; send raw false", param="images")
         if req.think:
             raise bad_request("think needs the chat template, which raw leaves out; send raw false", param="think")
-        fields = sampling_fields(req)
-        completion = CompletionRequest(model=name, prompt=req.prompt, **fields)
+        completion = CompletionRequest(model=name, prompt=req.prompt, response_format=response_format(req.format),
+                                       **sampling_fields(req))
         check_model(completion, engine.model_name)
         check_ready(engine)
         top = (req.top_logprobs or 0) if req.logprobs else None
         try:
             params = sampling_params(completion, engine.default_sampling(), max_tokens=completion.max_tokens,
-                                     logprobs=top, renames={})
+                                     logprobs=top, renames={"logprobs": "top_logprobs"})
             grammar = await compile_guided(engine, completion, self.served.limiters.grammar)
             ids = await prompt_ids(engine, req.prompt, self.served.limiters.tokenize)
             samples = open_samples(engine, new_id("cmpl"), [ids], params, "prompt", grammar=grammar,
                                    cache_salt=self.served.salt(request, completion))
         except APIError as exc:
-            raise renamed(exc) from None
+            raise in_ollama_names(exc) from None
         return samples, Reply(name, "response", PlainText(), RawLogprobs(engine.tokenizer, top), started, load_s)
 
     async def _model(self, req: OllamaRequest) -> tuple[str, AsyncEngine, float]:

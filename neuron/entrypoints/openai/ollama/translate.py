@@ -8,7 +8,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from neuron.engine.async_engine import AsyncEngine
-from neuron.entrypoints.openai.api_errors import APIError, bad_request, unsupported
+from neuron.entrypoints.openai.api_errors import APIError, bad_request, renamed, unsupported
 from neuron.entrypoints.openai.api_types import ChatCompletionRequest
 from neuron.entrypoints.openai.common import check_ready
 from neuron.entrypoints.openai.ollama.protocol import OllamaGenerateRequest, OllamaRequest, Options
@@ -55,7 +55,7 @@ def chat_request(name: str, req: OllamaRequest, engine: AsyncEngine,
     kwargs = _think(req, engine)
     return ChatCompletionRequest(
         model=name, messages=[_message(m, i) for i, m in enumerate(messages or req.messages)], tools=tools,
-        logprobs=req.logprobs, top_logprobs=req.top_logprobs, response_format=_format(req.format),
+        logprobs=req.logprobs, top_logprobs=req.top_logprobs, response_format=response_format(req.format),
         chat_template_kwargs=kwargs, **sampling_fields(req))
 
 
@@ -102,7 +102,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
     return out
 
 
-def _format(fmt: str | dict | None) -> dict | None:
+def response_format(fmt: str | dict | None) -> dict | None:
     """`format`: "json" (any JSON object) or a JSON schema, as the chat path's response_format."""
     if fmt is None or fmt == "":
         return None
@@ -157,13 +157,9 @@ async def opened(opening: Awaitable):
     try:
         return await opening
     except APIError as exc:
-        raise renamed(exc) from None
+        raise in_ollama_names(exc) from None
 
 
-def renamed(exc: APIError) -> APIError:
-    name = _OLLAMA_NAMES.get(exc.param or "")
-    if name is None:
-        return exc
-    exc.message = exc.message.replace(exc.param, name, 1)
-    exc.param = name
-    return exc
+def in_ollama_names(exc: APIError) -> APIError:
+    """An error of the chat or completions path, naming the Ollama request's fields."""
+    return renamed(exc, _OLLAMA_NAMES)
