@@ -505,3 +505,27 @@ def test_the_ollama_client_against_neuron_serve_tp_2():
         assert [m.model for m in c.list().models] == [MODEL]
         [running] = c.ps().models
         assert running.model == MODEL and running.context_length == 512
+
+
+def test_quantization_level_names_the_dtype_auto_resolves_to():
+    """`dtype: auto` (the default) is float32 on a CPU and bfloat16 on CUDA: F32 or BF16, not AUTO,
+    loaded or not."""
+    from types import SimpleNamespace
+
+    from neuron.entrypoints.openai.ollama import models
+
+    spec = SimpleNamespace(dtype="auto", quantization=None, model="m", device="cpu", devices=None)
+    cfg = SimpleNamespace(device="cpu", spec=spec, model_type="qwen3", gguf=None, quantization=None)
+    loaded = SimpleNamespace(engine=SimpleNamespace(loaded=True, engine=SimpleNamespace(model=cfg)),
+                             spec=SimpleNamespace(engine=spec))
+    assert models._details(loaded)["quantization_level"] == "F32"
+    cfg.device = "cuda:0"
+    assert models._details(loaded)["quantization_level"] == "BF16"
+    waiting = SimpleNamespace(engine=None, spec=SimpleNamespace(engine=replace_ns(spec, devices=["cuda:1"])))
+    assert models._details(waiting)["quantization_level"] == "BF16"
+    quantized = SimpleNamespace(engine=None, spec=SimpleNamespace(engine=replace_ns(spec, quantization="int8")))
+    assert models._details(quantized)["quantization_level"] == "INT8"
+
+
+def replace_ns(ns, **changes):
+    return type(ns)(**{**vars(ns), **changes})

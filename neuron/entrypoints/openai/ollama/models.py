@@ -10,9 +10,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from neuron.engine.engine_config import default_device
 from neuron.engine.host import HostedModel, ModelHost
 from neuron.entrypoints.openai.api_errors import bad_request
 from neuron.entrypoints.openai.response_parser import THINK_CLOSE, THINK_OPEN, tool_format
+from neuron.worker.failure import resolve_dtype
 
 _FOREVER = "2318-01-01T00:00:00Z"  # expires_at of a model that stays loaded, as Ollama writes it
 
@@ -71,13 +73,22 @@ def _details(m: HostedModel) -> dict:
     spec = cfg.spec if cfg is not None else m.spec.engine
     family = cfg.model_type if cfg is not None else ""
     gguf = cfg.gguf is not None if cfg is not None else str(spec.model).endswith(".gguf")
-    level = (cfg.quantization if cfg is not None else None) or spec.quantization or spec.dtype
+    level = (cfg.quantization if cfg is not None else None) or spec.quantization or _dtype(cfg, spec)
     return {"parent_model": "", "format": "gguf" if gguf else "safetensors", "family": family,
             "families": [family] if family else None, "parameter_size": "",
             "quantization_level": _LEVELS.get(level, str(level or "").upper())}
 
 
 _LEVELS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # Ollama's names of the dense dtypes
+
+
+def _dtype(cfg, spec) -> str:
+    """The dtype the weights are held in, `auto` resolved for the model's device (or the one it will
+    load on)."""
+    if spec.dtype not in ("auto", *_LEVELS):
+        return spec.dtype
+    device = cfg.device if cfg is not None else (spec.devices or [spec.device or default_device()])[0]
+    return str(resolve_dtype(spec.dtype, device)).removeprefix("torch.")
 
 
 def _modified_at(m: HostedModel, started: float) -> str:
