@@ -468,6 +468,70 @@ def test_a_failing_proposer_costs_only_the_speculation(repetitive, draft, monkey
     _assert_same(outs, plain)
 
 
+def test_a_proposal_failing_for_one_sequence_costs_only_its_own(repetitive, draft, monkeypatch):
+    """A proposer that fails whenever one request is among those it proposes for: the others are
+    proposed for again alone and keep speculating, the failing one rests between its retries, and
+    every output is as without speculation."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain, _ = _run(repetitive, params)
+    with LLM(str(repetitive), device="cpu", dtype="float32", speculative_config=_spec("draft", draft)) as llm:
+        spec, proposer = llm.engine.spec, llm.engine.spec.proposer
+        propose, proposed_to, failed_alone = proposer.propose, set(), []
+
+        def failing_for_the_first(seqs, ks):
+            if any(seq.prompt_token_ids == PROMPTS[0] for seq in seqs):
+                failed_alone.append(len(seqs) == 1)
+                raise RuntimeError("draft step failed")
+            made = propose(seqs, ks)
+            proposed_to.update(PROMPTS.index(seq.prompt_token_ids) for seq, tokens in zip(seqs, made) if tokens)
+            return made
+
+        monkeypatch.setattr(proposer, "propose", failing_for_the_first)
+        outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+        assert proposed_to == {1, 2, 3} and spec.counts.accepted > 0
+        # in the batch, then alone: at its first step, and after each rest of 8 steps
+        assert failed_alone == [False, True] * 3 and spec.failures == 6
+    _assert_same(outs, plain)
+
+
+def test_sequences_that_share_cached_blocks_are_drafted_for(repetitive, draft, monkeypatch):
+    """Two samples each of two prompts with three blocks in common: the four sequences share those
+    blocks in the prefix cache, and a draft step may write a block for one sequence only. The
+    draft writes them once and the others start after them: every sequence is proposed tokens,
+    nothing fails, and the outputs are those without speculation."""
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    prefix = list(range(10, 22))  # three blocks of 4
+    prompts = [{"prompt_token_ids": prefix + [12, 13]}, {"prompt_token_ids": prefix + [20, 3, 5]}]
+
+    def outputs(llm) -> list:
+        return [o for r in llm.generate(prompts, params) for o in r.outputs]
+
+    with LLM(str(repetitive), device="cpu", dtype="float32", block_size=4) as llm:
+        plain = outputs(llm)
+    with LLM(str(repetitive), device="cpu", dtype="float32", block_size=4,
+             speculative_config=_spec("draft", draft)) as llm:
+        spec, proposer = llm.engine.spec, llm.engine.spec.proposer
+        propose, step = proposer.propose, proposer.executor.step
+        proposed_to, fresh_offsets = set(), []
+
+        def recording_propose(seqs, ks):
+            made = propose(seqs, ks)
+            proposed_to.update(id(seq) for seq, tokens in zip(seqs, made) if tokens)
+            return made
+
+        def recording_step(steps):
+            fresh_offsets.extend(s.offset for s in steps if s.fresh)
+            return step(steps)
+
+        monkeypatch.setattr(proposer, "propose", recording_propose)
+        monkeypatch.setattr(proposer.executor, "step", recording_step)
+        outs = outputs(llm)
+        assert spec.failures == 0
+        assert len(proposed_to) == 4 and spec.counts.accepted > 0
+        assert sorted(fresh_offsets) == [0, 12, 12, 12]  # one draft wrote the shared blocks
+    _assert_same(outs, plain)
+
+
 def test_a_draft_with_another_vocabulary_is_refused(repetitive, tmp_path):
     other = build_checkpoint(tmp_path / "other", vocab_size=256)
     from neuron.engine.engine_config import EngineConfig

@@ -62,3 +62,7 @@ class Acceptance:
     def record(self, proposed: int, accepted: int) -> None:
         if proposed:
             self.rate = 0.7 * self.rate + 0.3 * accepted / proposed
+
+    def rest(self) -> None:
+        """Its proposals failed: none for a while, then one now and then, as after none were taken."""
+        self.rate = 0.0

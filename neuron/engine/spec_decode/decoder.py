@@ -34,6 +34,7 @@ class SpecDecoder:
         self.max_model_len = target.max_model_len
         self.proposer = make_proposer(cfg, target)
         self.counts = Counts()
+        self.failures = 0  # proposals that failed since start (the first is logged with its traceback)
 
     def start(self, num_blocks: int, target_weight_bytes: int) -> None:
         """The target's ranks are up with a pool of `num_blocks` (at start, and after a rebuild)."""
@@ -62,19 +63,36 @@ class SpecDecoder:
         wanted = [i for i, k in enumerate(ks) if k]
         if not wanted:
             return
-        try:
-            made = self.proposer.propose([seqs[i] for i in wanted], [ks[i] for i in wanted])
-        except Exception as exc:  # noqa: BLE001 - a failed proposal costs the speculation, not the step
-            log.warning("speculative proposals failed (%s: %s); decoding without them this step",
-                        type(exc).__name__, exc, exc_info=exc)
-            for i in wanted:
-                seqs[i].draft_state = None  # a draft starts over where it may have written half
-            return
+        made = self._proposals([seqs[i] for i in wanted], [ks[i] for i in wanted])
         for i, proposal in zip(wanted, made):
             proposal = list(proposal[: ks[i]])
             if seqs[i].grammar is not None:  # what the grammar refuses would be refused by its mask
                 proposal = proposal[: seqs[i].grammar.valid_prefix(proposal)]
             seqs[i].draft_token_ids = proposal
+
+    def _proposals(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        """The proposer's proposals; where it fails for several sequences, each one's alone, so a
+        failure costs only the speculation of the sequences it fails for, and one that fails alone
+        rests (as after proposals nobody took) instead of failing every step."""
+        try:
+            return self.proposer.propose(seqs, ks)
+        except Exception as exc:  # noqa: BLE001 - a failed proposal costs the speculation, not the step
+            self._failed(exc, seqs)
+        if len(seqs) > 1:
+            return [self._proposals([seq], [k])[0] for seq, k in zip(seqs, ks)]
+        seqs[0].acceptance.rest()
+        return [[]]
+
+    def _failed(self, exc: Exception, seqs: list[Sequence]) -> None:
+        """Log a failed proposal: the first with its traceback, later ones in a line with their count."""
+        self.failures += 1
+        ids = ", ".join(repr(seq.request_id) for seq in seqs)
+        if self.failures == 1:
+            log.warning("speculative proposals failed for requests %s (%s: %s)", ids, type(exc).__name__, exc,
+                        exc_info=exc)
+        else:
+            log.warning("speculative proposals failed for requests %s (%s: %s; %d failures since start)",
+                        ids, type(exc).__name__, exc, self.failures)
 
     def _length(self, seq: Sequence) -> int:
         """How many tokens a decoding sequence may have proposed: as many as its acceptance earns,
