@@ -30,6 +30,13 @@ def reference_prompt_logprobs(path, prompt: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits[0].float(), -1)
 
 
+def reference_ranks(row: torch.Tensor, token: int) -> range:
+    """The ranks `token` may take in `row` (transformers' logprobs at a position): one more than the
+    tokens more likely, give or take those within float error of it."""
+    own = row[token]
+    return range(int((row > own + 1e-4).sum()) + 1, int((row > own - 1e-4).sum()) + 1)
+
+
 def check_against_reference(path, prompt: list[int], got: list, top: int) -> None:
     ref = reference_prompt_logprobs(path, prompt)
     assert len(got) == len(prompt) and got[0] is None
@@ -65,6 +72,21 @@ def test_max_tokens_zero_scores_the_prompt_only(odd_checkpoint, monkeypatch):
         assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
         check_against_reference(odd_checkpoint, PROMPTS[0], out.prompt_logprobs, 0)
         assert all(len(e) == 1 for e in out.prompt_logprobs[1:])  # top 0: the prompt's own token only
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_prompt_token_ranks_equal_transformers(odd_checkpoint, tp, monkeypatch):
+    """Each prompt token's rank is its rank in the whole vocabulary (vLLM's Logprob.rank), not among
+    the top-k: from the chunks' rows and from the rows that end a chunk alike, the vocabulary split
+    across ranks at tp 2."""
+    monkeypatch.setenv("NEURON_PREFILL_CHUNK_TOKENS", "16")
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    with LLM(str(odd_checkpoint), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
+        out = llm.generate({"prompt_token_ids": PROMPTS[0]}, params)[0]
+    ref = reference_prompt_logprobs(odd_checkpoint, PROMPTS[0])
+    assert len(out.prompt_token_ranks) == len(PROMPTS[0]) and out.prompt_token_ranks[0] is None
+    for pos in range(1, len(PROMPTS[0])):
+        assert out.prompt_token_ranks[pos] in reference_ranks(ref[pos - 1], PROMPTS[0][pos]), pos
 
 
 # ---- over HTTP, as evaluation harnesses send it ----
@@ -114,6 +136,21 @@ def test_vllm_prompt_logprobs_field(odd_server, odd_checkpoint):
         assert {v["rank"] for v in got[pos].values()} >= {1, 2}
     bad = httpx.post(f"{odd_server.base_url}/completions", json={**body, "prompt_logprobs": -1}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_vllm_prompt_logprobs_ranks_count_the_whole_vocabulary(odd_server, odd_checkpoint):
+    """vLLM's `prompt_logprobs` ranks: the prompt's own token's in the whole vocabulary, the top-k's
+    1..k, at every position of a prompt that spans prefill chunks."""
+    body = {"model": "odd", "prompt": PROMPTS[0], "prompt_logprobs": 2, "max_tokens": 0, "temperature": 0.0}
+    r = httpx.post(f"{odd_server.base_url}/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["prompt_logprobs"]
+    ref = reference_prompt_logprobs(odd_checkpoint, PROMPTS[0])
+    for pos in range(1, len(PROMPTS[0])):
+        row, own = ref[pos - 1], PROMPTS[0][pos]
+        assert got[pos][str(own)]["rank"] in reference_ranks(row, own), pos
+        best = row.topk(2).indices.tolist()
+        assert [got[pos][str(t)]["rank"] for t in best] == [1, 2], pos
 
 
 def test_echo_continues_after_the_prompt(clients_server_default):

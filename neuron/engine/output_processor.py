@@ -32,8 +32,10 @@ class Update:
     # Whose fault an error is: "invalid_request" (the request's own constraints left no token to
     # sample), "internal_error" (a bug or unusable model output); None: a failing rank.
     failure_kind: str | None = None
-    # The prompt's logprobs (first entry None), on the request's first update, when asked for.
+    # The prompt's logprobs (first entry None), on the request's first update, when asked for, and
+    # its tokens' ranks in the vocabulary (1: the most likely; first None).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ranks: list[int | None] | None = None
     # An embedding request's pooled vector (engine/pooling.py), on its final update.
     embedding: list[float] | None = None
 
@@ -151,9 +153,10 @@ class OutputProcessor:
         delta = tr.text[tr.emitted : safe]
         tr.emitted = safe
         seq = tr.seq
+        prompt_logprobs, ranks = self._prompt_logprobs(tr)
         return Update(seq.request_id, tokens, delta, logprobs, False,
                       num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids),
-                      prompt_logprobs=self._prompt_logprobs(tr))
+                      prompt_logprobs=prompt_logprobs, prompt_token_ranks=ranks)
 
     def _final(self, tr: _Tracked, reason: str | None, stop_reason: int | str | None, tokens=None, logprobs=None,
                error: str | None = None) -> Update:
@@ -161,17 +164,18 @@ class OutputProcessor:
         delta = tr.text[tr.emitted :]
         tr.emitted = len(tr.text)
         self._tracked.pop(seq.request_id, None)
+        prompt_logprobs, ranks = self._prompt_logprobs(tr)
         return Update(seq.request_id, tokens or [], delta, logprobs, True, reason, stop_reason,
                       error, len(seq.prompt_token_ids), len(seq.output_token_ids),
-                      prompt_logprobs=self._prompt_logprobs(tr))
+                      prompt_logprobs=prompt_logprobs, prompt_token_ranks=ranks)
 
     @staticmethod
-    def _prompt_logprobs(tr: _Tracked) -> list[dict[int, float] | None] | None:
-        """The prompt's logprobs, once: on the first update after its prefill."""
+    def _prompt_logprobs(tr: _Tracked) -> tuple[list | None, list | None]:
+        """The prompt's logprobs and its tokens' ranks, once: on the first update after its prefill."""
         if tr.prompt_sent or tr.seq.prompt_logprobs is None:
-            return None
+            return None, None
         tr.prompt_sent = True
-        return tr.seq.prompt_logprobs
+        return tr.seq.prompt_logprobs, tr.seq.prompt_token_ranks
 
 
 __all__ = ["OutputProcessor", "Update"]

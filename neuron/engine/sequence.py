@@ -45,6 +45,7 @@ class Sequence:
     images: list = field(default_factory=list)  # ImageInputs filling the prompt's placeholders, in order
     grammar: GrammarMatcher | None = None  # structured output: where its text is in the grammar it must match
     prompt_logprobs: list[dict[int, float] | None] | None = None  # one per prompt token computed so far, if asked
+    prompt_token_ranks: list[int | None] | None = None  # alongside: each prompt token's rank in the vocabulary
     # speculative decoding (engine/spec_decode): the tokens proposed for its next step, its
     # proposals' recent acceptance, and a draft model's progress through it in its slot
     draft_token_ids: list[int] = field(default_factory=list)

@@ -47,6 +47,8 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     prompt_logprobs: list[dict[int, float] | None] | None = None  # SamplingParams.prompt_logprobs
+    # with them: each prompt token's rank in the vocabulary (1: the most likely; vLLM's Logprob.rank)
+    prompt_token_ranks: list[int | None] | None = None
 
 
 @dataclass(slots=True)
@@ -301,7 +303,7 @@ class LLM:
             out, i = routes[u.request_id]
             _apply(out.outputs[i], u)
             if u.prompt_logprobs is not None and out.prompt_logprobs is None:
-                out.prompt_logprobs = u.prompt_logprobs
+                out.prompt_logprobs, out.prompt_token_ranks = u.prompt_logprobs, u.prompt_token_ranks
             if u.finished:
                 out.finished = all(c.finish_reason is not None for c in out.outputs)
 

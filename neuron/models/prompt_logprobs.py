@@ -17,10 +17,12 @@ ROWS_PER_PASS = 64
 
 @dataclass(slots=True)
 class PromptChunkLogprobs:
-    """For each token but the first of a sequence's chunk: its logprob given what precedes it, and
-    the `k` most likely tokens at that position with their logprobs (rank 0 only, on the CPU)."""
+    """For each token but the first of a sequence's chunk: its logprob given what precedes it, its
+    rank in the vocabulary there (1: the most likely), and the `k` most likely tokens at that
+    position with their logprobs (rank 0 only, on the CPU)."""
 
     token_logprobs: torch.Tensor  # [n - 1]
+    token_ranks: torch.Tensor  # [n - 1]
     top_ids: torch.Tensor  # [n - 1, k]
     top_logprobs: torch.Tensor  # [n - 1, k]
 
@@ -41,18 +43,27 @@ def compute(model, x: torch.Tensor, batch) -> dict[int, PromptChunkLogprobs]:
 
 def _sequence(model, rows: torch.Tensor, targets: torch.Tensor, k: int) -> PromptChunkLogprobs | None:
     """Row j predicts token j + 1; the chunk's last row is the step's last-token logits, left to the engine."""
-    token_lp, top_ids, top_lp = [], [], []
+    token_lp, token_rank, top_ids, top_lp = [], [], [], []
     for a in range(0, len(targets), ROWS_PER_PASS):
         b = min(a + ROWS_PER_PASS, len(targets))
         logits = model.lm_head(model.norm(rows[a:b]))
         if logits is None:
             continue
         lp = torch.log_softmax(logits.float(), dim=-1)
-        token_lp.append(lp.gather(1, targets[a:b, None]).squeeze(1))
+        own = lp.gather(1, targets[a:b, None])
+        token_lp.append(own.squeeze(1))
+        token_rank.append(rank_in_vocab(lp, own))
         values, ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
         top_ids.append(ids)
         top_lp.append(values)
     if not token_lp:
         return None
     # to the host once per tensor for the whole chunk, not once per pass
-    return PromptChunkLogprobs(*(torch.cat(parts).cpu() for parts in (token_lp, top_ids, top_lp)))
+    return PromptChunkLogprobs(*(torch.cat(parts).cpu() for parts in (token_lp, token_rank, top_ids, top_lp)))
+
+
+def rank_in_vocab(lp: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """Each row's rank of the logprob `own` ([rows, 1]) among the row's whole vocabulary `lp`: how
+    many are greater, plus one (vLLM's `Logprob.rank`, ties sharing the better rank). Rank 0's rows
+    hold every rank's share of the vocabulary, the LM head having gathered them."""
+    return (lp > own).sum(dim=-1) + 1

@@ -5,6 +5,7 @@ harnesses (lm-eval's local-completions) score a prompt this way with max_tokens 
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import replace
 
 from neuron.engine.sampling_params import InvalidParams, SamplingParams
@@ -37,14 +38,19 @@ def echo_logprobs(renderer: LogprobRenderer, prompt_ids: list[int],
 
 
 def vllm_prompt_logprobs(renderer: LogprobRenderer, prompt_ids: list[int],
-                         prompt_logprobs: list[dict[int, float] | None]) -> list[dict[str, dict] | None]:
+                         prompt_logprobs: list[dict[int, float] | None],
+                         prompt_token_ranks: list[int | None]) -> list[dict[str, dict] | None]:
     """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id: {logprob,
-    rank, decoded_token}} with rank 1 the most likely."""
+    rank, decoded_token}}, rank the token's in the whole vocabulary (1: the most likely). The
+    prompt's own token comes with its rank; a top-k token's is one more than the entry's logprobs
+    greater than its own, since every token more likely than a top-k one is in the top-k too."""
     out: list[dict[str, dict] | None] = [None]
-    for entry in prompt_logprobs[1:]:
-        ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)
-        out.append({str(t): {"logprob": clamp_logprob(v), "rank": r + 1, "decoded_token": renderer.token(t)}
-                    for r, (t, v) in enumerate(ranked)})
+    for own, entry, own_rank in zip(prompt_ids[1:], prompt_logprobs[1:], prompt_token_ranks[1:]):
+        ascending = sorted(entry.values())
+        out.append({str(t): {"logprob": clamp_logprob(v),
+                             "rank": own_rank if t == own else len(ascending) - bisect_right(ascending, v) + 1,
+                             "decoded_token": renderer.token(t)}
+                    for t, v in entry.items()})
     return out
 
 

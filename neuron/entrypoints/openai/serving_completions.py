@@ -120,7 +120,8 @@ class _Context:
     def prompt_logprobs(self, k: int, update: Update) -> list | None:
         if self.req.prompt_logprobs is None or update.prompt_logprobs is None:
             return None
-        return vllm_prompt_logprobs(self.renders[k], self.ids[k // self.per_prompt], update.prompt_logprobs)
+        return vllm_prompt_logprobs(self.renders[k], self.ids[k // self.per_prompt], update.prompt_logprobs,
+                                    update.prompt_token_ranks)
 
 
 def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
