@@ -541,9 +541,14 @@ void load_queries_transposed(const Args& a, const Item& it, int64_t group, int64
 }
 
 // A vector GCC must hold in a register rather than read again from memory into each FMA that uses
-// it (AVX2 builds; AVX-512 ones broadcast from memory and keep their code as measured).
+// it (AVX2 builds; AVX-512 ones broadcast from memory and keep their code as measured, and builds
+// without AVX have no register of a vector's width).
 inline void in_register(vecf& v) {
-    if constexpr (VL == 8) asm("" : "+x"(v));
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    asm("" : "+x"(v));
+#else
+    (void)v;
+#endif
 }
 
 // Scores of RV x VL rows (qt, row stride rp) against SCORE_KEYS key rows k, into s[n * rp + r].
