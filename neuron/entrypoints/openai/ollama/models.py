@@ -85,7 +85,7 @@ _LEVELS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # Ollama's n
 def _dtype(cfg, spec) -> str:
     """The dtype the weights are held in, `auto` resolved for the model's device (or the one it will
     load on)."""
-    if spec.dtype not in ("auto", *_LEVELS):
+    if spec.dtype != "auto":
         return spec.dtype
     device = cfg.device if cfg is not None else (spec.devices or [spec.device or default_device()])[0]
     return str(resolve_dtype(spec.dtype, device)).removeprefix("torch.")
