@@ -371,15 +371,18 @@ class WorkerPool:
             except BaseException as exc:  # noqa: BLE001 - re-raised after the drain
                 local_error = exc
         replies = []
-        if watched is not None and self._watchdog.fired(watched):
-            deadline += _DRAIN_GRACE_S  # ranks freed by the watchdog still owe their error reply
+        if watched is not None:
+            # Rank 0's part is done, so no rank waits on it inside a collective: the replies' own
+            # deadline bounds the rest. Left armed, the watchdog raced that deadline and could kill
+            # a rank that was only late, which the step's timeout error leaves alive.
+            self._watchdog.disarm()
+            if self._watchdog.fired(watched):
+                deadline += _DRAIN_GRACE_S  # ranks freed by the watchdog still owe their error reply
         for w in sent:
             try:
                 replies.append(w.expect(seq, deadline))
             except WorkerError as exc:
                 errors.append(exc)
-        if watched is not None:
-            self._watchdog.disarm()
         lost = [e for e in errors if e.kind in ("timeout", "worker_exited")]
         if lost:  # a rank gone or stuck is the cause; rank 0's collective error is its echo
             raise min(lost, key=lambda e: e.rank)
