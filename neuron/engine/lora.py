@@ -146,8 +146,8 @@ class LoraSlots:
     def forget(self, executor) -> None:
         """Tell the ranks to drop the removed adapters no running sequence reads any more, and the
         weights of the resting ones none uses (the engine, at the start of a step)."""
-        rests, self.rests = self.rests, []
-        for adapter in rests:
+        while self.rests:  # popped one at a time: `rest` may append from another thread meanwhile
+            adapter = self.rests.pop(0)
             slots = [i for i, held in enumerate(self.holder) if held is adapter]
             if self.adapters.get(adapter.name) is not adapter or any(self.users[i] for i in slots):
                 continue  # removed (forgotten below), or in use again: it stays
