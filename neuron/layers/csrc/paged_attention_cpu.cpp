@@ -432,15 +432,19 @@ void accumulate(const Args& a, int64_t rows, int nn, const TV* const* vrows, con
     }
 }
 
-template <typename T, int DT>
-void store(const Args& a, const Item& it, int64_t group, const Scratch& w) {
+// The item's rows out of the accumulators: row r's element d at acc[r * D + d], or at acc[d * rp + r]
+// where they are held TRANSPOSED (VALUES_BY_ROWS; rp the padded rows).
+template <typename T, int DT, bool TRANSPOSED = false>
+void store(const Args& a, const Item& it, int64_t group, const Scratch& w, int64_t rp = 0) {
     const int64_t D = dim<DT>(a), first = a.query_start[it.b] + it.q0;
+    const int64_t row_stride = TRANSPOSED ? 1 : D, dim_stride = TRANSPOSED ? rp : 1;
     for (int64_t qi = 0; qi < it.nq; ++qi) {
         for (int64_t g = 0; g < group; ++g) {
             const int64_t r = qi * group + g;
             T* dst = static_cast<T*>(a.out) + (first + qi) * a.out_stride_t + (it.h * group + g) * a.out_stride_h;
             const float inv = 1.0f / w.l[r];  // every row sees at least its own position, so l > 0
-            for (int64_t d = 0; d < D; ++d) narrow(w.acc[r * D + d] * inv, &dst[d]);
+            const float* acc = &w.acc[r * row_stride];
+            for (int64_t d = 0; d < D; ++d) narrow(acc[d * dim_stride] * inv, &dst[d]);
         }
     }
 }
@@ -695,20 +699,6 @@ void block_values_by_rows(int64_t rp, int nn, const float** vrows, Scratch& w) {
     for (; r < rp; r += VL) value_blocks<DT, 1>(r, rp, nn, vrows, w);
 }
 
-// The item's rows from the transposed output, acc[d * rp + r], as `store`.
-template <typename T, int DT>
-void store_by_rows(const Args& a, const Item& it, int64_t group, int64_t rp, const Scratch& w) {
-    const int64_t first = a.query_start[it.b] + it.q0;
-    for (int64_t qi = 0; qi < it.nq; ++qi) {
-        for (int64_t g = 0; g < group; ++g) {
-            const int64_t r = qi * group + g;
-            T* dst = static_cast<T*>(a.out) + (first + qi) * a.out_stride_t + (it.h * group + g) * a.out_stride_h;
-            const float inv = 1.0f / w.l[r];
-            for (int64_t d = 0; d < DT; ++d) narrow(w.acc[d * rp + r] * inv, &dst[d]);
-        }
-    }
-}
-
 template <typename TQ, typename TKV, int DT>
 void attend_item_blocked(const Args& a, const Item& it, Scratch& w) {
     const int64_t group = a.heads / a.kv_heads, rows = it.nq * group, rp = round_up(rows, VL);
@@ -735,7 +725,7 @@ void attend_item_blocked(const Args& a, const Item& it, Scratch& w) {
             block_values<DT>(round_up(rows, VALUE_ROWS), rp, nn, vrows, w);
     }
     if constexpr (VALUES_BY_ROWS)
-        store_by_rows<TQ, DT>(a, it, group, rp, w);
+        store<TQ, DT, true>(a, it, group, w, rp);
     else
         store<TQ, DT>(a, it, group, w);
 }
