@@ -64,9 +64,11 @@ def test_drain_finishes_short_requests_and_cancels_long_ones(default_tokenizer):
         clients = [threading.Thread(target=stream, args=(chat, body("quick"), results, "quick")),
                    threading.Thread(target=stream, args=(chat, body("endless"), results, "endless stream")),
                    threading.Thread(target=post, args=(chat, body("endless"), results, "endless"))]
+        stub.gate.clear()  # all three in flight together: under load "quick" could end before the others open
         for t in clients:
             t.start()
         wait_until(lambda: len(s.engine.open_streams) == 3, 10)
+        stub.gate.set()
         started = time.monotonic()
         s.begin_shutdown()
         wait_until(lambda: httpx.get(f"{s.url}/health").status_code == 503, 10)
