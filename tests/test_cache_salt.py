@@ -227,6 +227,29 @@ def test_api_key_salts_each_request_with_its_key(stub_servers):
     assert _salts(server, "key-one", path="/chat/completions", messages=messages) == [k1]
 
 
+def test_api_key_isolation_keeps_stored_responses_apart(stub_servers):
+    """A stored response is seen (read, continued, deleted) only with the key that made it."""
+    url = stub_servers["api-key"].base_url + "/responses"
+
+    def key(k: str | None) -> dict:
+        return {"authorization": f"Bearer {k}"} if k else {}
+
+    made = httpx.post(url, json={"model": "stub", "input": "Hello"}, headers=key("key-one"), timeout=30)
+    assert made.status_code == 200, made.text
+    rid = made.json()["id"]
+    for other in ("key-two", None):
+        assert httpx.get(f"{url}/{rid}", headers=key(other)).status_code == 404
+        r = httpx.post(url, json={"model": "stub", "input": "Hi", "previous_response_id": rid}, headers=key(other),
+                       timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "previous_response_not_found"
+        assert httpx.delete(f"{url}/{rid}", headers=key(other)).status_code == 404
+    assert httpx.get(f"{url}/{rid}", headers=key("key-one")).json()["id"] == rid
+    r = httpx.post(url, json={"model": "stub", "input": "Hi", "previous_response_id": rid}, headers=key("key-one"),
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    assert httpx.delete(f"{url}/{rid}", headers=key("key-one")).status_code == 200
+
+
 def test_salt_gives_each_unsalted_request_a_salt_of_its_own(stub_servers):
     server = stub_servers["salt"]
     [a], [b] = _salts(server), _salts(server)

@@ -342,16 +342,24 @@ def test_the_least_recently_used_is_evicted(model_server):
 def test_the_store_is_bounded_by_bytes_too():
     store = ResponseStore(max_count=10, max_bytes=100)
     for i in range(3):
-        assert store.put(f"r{i}", StoredResponse(b"x" * 20, b"y" * 10))
-    store.get("r0")  # the least recently used is now r1, then r2
-    assert store.put("r3", StoredResponse(b"x" * 40, b""))  # 130 bytes: r1 leaves
+        assert store.put("", f"r{i}", StoredResponse(b"x" * 20, b"y" * 10))
+    store.get("", "r0")  # the least recently used is now r1, then r2
+    assert store.put("", "r3", StoredResponse(b"x" * 40, b""))  # 130 bytes: r1 leaves
     assert (len(store), store.bytes) == (3, 100)
-    assert store.put("r4", StoredResponse(b"x" * 20, b""))  # 120 bytes: r2 leaves
-    assert [store.get(k) is not None for k in ("r0", "r1", "r2", "r3", "r4")] == [True, False, False, True, True]
-    assert not store.put("big", StoredResponse(b"x" * 101, b""))  # alone over the bound: not kept, nothing evicted
-    assert (len(store), store.bytes) == (3, 90) and store.get("big") is None
-    assert store.delete("r0") and not store.delete("r0") and store.bytes == 60
-    assert not ResponseStore(max_count=0, max_bytes=100).put("r", StoredResponse(b"x", b""))
+    assert store.put("", "r4", StoredResponse(b"x" * 20, b""))  # 120 bytes: r2 leaves
+    assert [store.get("", k) is not None for k in ("r0", "r1", "r2", "r3", "r4")] == [True, False, False, True, True]
+    assert not store.put("", "big", StoredResponse(b"x" * 101, b""))  # alone over the bound: not kept, nothing evicted
+    assert (len(store), store.bytes) == (3, 90) and store.get("", "big") is None
+    assert store.delete("", "r0") and not store.delete("", "r0") and store.bytes == 60
+    assert not ResponseStore(max_count=0, max_bytes=100).put("", "r", StoredResponse(b"x", b""))
+
+
+def test_an_owner_sees_only_its_own_responses():
+    store = ResponseStore(max_count=10, max_bytes=100)
+    assert store.put("a", "r", StoredResponse(b"a", b""))
+    assert store.get("b", "r") is None and not store.delete("b", "r")
+    assert store.put("b", "r", StoredResponse(b"b", b""))  # the same id under another owner is another entry
+    assert store.get("a", "r").body == b"a" and store.get("b", "r").body == b"b"
 
 
 # ---- input items ----

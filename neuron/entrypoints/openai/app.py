@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import re
@@ -43,7 +44,7 @@ from neuron.entrypoints.openai.messages_types import CountTokensRequest, Message
 from neuron.entrypoints.openai.ollama import Served, ollama_error, ollama_routes
 from neuron.entrypoints.openai.prompt_input import Limiters
 from neuron.entrypoints.openai.request_body import read_body, require_json
-from neuron.entrypoints.openai.response_store import ResponseStore
+from neuron.entrypoints.openai.response_store import OwnedResponses, ResponseStore
 from neuron.entrypoints.openai.responses_types import ResponsesRequest
 from neuron.entrypoints.openai.serving_chat import create_chat_completion
 from neuron.entrypoints.openai.serving_completions import create_completion
@@ -279,14 +280,22 @@ class _Api:
         engine = await self._engine(req.model)
         check_serves(engine, GENERATE)
         return await create_response(request, engine, req, self.cfg.keepalive_s, self.limiters,
-                                     self.responses_store, self._salt(request, req))
+                                     self._responses(request), self._salt(request, req))
 
     async def retrieve_response(self, request: Request) -> Response:
         stream = request.query_params.get("stream", "false").lower() not in ("false", "0")
-        return await retrieve_response(self.responses_store, request.path_params["response_id"], stream)
+        return await retrieve_response(self._responses(request), request.path_params["response_id"], stream)
 
     async def delete_response(self, request: Request) -> Response:
-        return await delete_response(self.responses_store, request.path_params["response_id"])
+        return await delete_response(self._responses(request), request.path_params["response_id"])
+
+    def _responses(self, request: Request) -> OwnedResponses:
+        """The stored responses this request may see: under --prefix-cache-isolation api-key, those
+        made with the key it presented; otherwise all."""
+        owner = ""
+        if self.cfg.prefix_cache_isolation == "api-key":
+            owner = hashlib.sha256(_presented_key(request).encode()).hexdigest()
+        return OwnedResponses(self.responses_store, owner)
 
     async def _engine(self, name: str | None) -> AsyncEngine:
         """The engine of the model a request names (loading an on-demand one); 400 without a name,
@@ -300,14 +309,8 @@ class _Api:
 
     def _salt(self, request: Request,
               req: SamplingRequest | MessagesRequest | EmbeddingRequest | ResponsesRequest) -> str | None:
-        """The request's cache salt under this server's isolation. The key it presented: the bearer
-        token, else the x-api-key header, else the Authorization header as sent ("" without any:
-        keyless requests share)."""
-        token = _bearer(request)
-        if token is None:
-            token = request.headers.get("x-api-key")
-        presented = token if token is not None else request.headers.get("authorization", "")
-        return request_salt(req, self.cfg.prefix_cache_isolation, presented)
+        """The request's cache salt under this server's isolation."""
+        return request_salt(req, self.cfg.prefix_cache_isolation, _presented_key(request))
 
     async def tokenize(self, request: Request) -> Response:
         req = await self._decode(request, TokenizeRequest)
@@ -359,6 +362,15 @@ def _model_health(m: HostedModel) -> dict:
     if m.engine is not None and m.engine.loaded and (memory := m.engine.memory()):
         out["memory"] = memory  # per rank: weight, KV cache and resident bytes
     return out
+
+
+def _presented_key(request: Request) -> str:
+    """The key a request presented: the bearer token, else the x-api-key header, else the
+    Authorization header as sent ("" without any: keyless requests share)."""
+    token = _bearer(request)
+    if token is None:
+        token = request.headers.get("x-api-key")
+    return token if token is not None else request.headers.get("authorization", "")
 
 
 def _bearer(request: Request) -> str | None:

@@ -25,7 +25,7 @@ from neuron.entrypoints.openai.api_types import ChatCompletionRequest
 from neuron.entrypoints.openai.common import Samples, encoded, now, stream_error
 from neuron.entrypoints.openai.prompt_input import Limiters
 from neuron.entrypoints.openai.response_parser import Parsed, ParsedToolCall
-from neuron.entrypoints.openai.response_store import ResponseStore, StoredResponse
+from neuron.entrypoints.openai.response_store import OwnedResponses, StoredResponse
 from neuron.entrypoints.openai.responses_types import (
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
@@ -419,7 +419,7 @@ def _assistant_turn(items: list[OutputItem]) -> dict:
 
 
 async def create_response(request: Request, engine: AsyncEngine, req: ResponsesRequest, keepalive_s: float,
-                          limiters: Limiters, store: ResponseStore, cache_salt: str | None = None) -> Response:
+                          limiters: Limiters, store: OwnedResponses, cache_salt: str | None = None) -> Response:
     _refuse_unsupported(req)
     history = previous_conversation(store, req.previous_response_id)
     turn = input_messages(req.input, vision=engine.vision is not None)
@@ -435,7 +435,7 @@ async def create_response(request: Request, engine: AsyncEngine, req: ResponsesR
     return await json_unless_disconnected(request, samples, _collect(run, store))
 
 
-def previous_conversation(store: ResponseStore, response_id: str | None) -> list[dict]:
+def previous_conversation(store: OwnedResponses, response_id: str | None) -> list[dict]:
     """The conversation a stored response ends (without its instructions, as OpenAI continues
     one); a 404 in OpenAI's shape for an id never stored or evicted since."""
     if response_id is None:
@@ -448,7 +448,7 @@ def previous_conversation(store: ResponseStore, response_id: str | None) -> list
     return msgspec.json.decode(entry.history)
 
 
-async def _collect(run: _Run, store: ResponseStore) -> bytes:
+async def _collect(run: _Run, store: OwnedResponses) -> bytes:
     [stream] = run.samples.streams
     async for update in stream:
         if update.finish_reason == "error":
@@ -460,7 +460,7 @@ async def _collect(run: _Run, store: ResponseStore) -> bytes:
     return body
 
 
-async def _events(run: _Run, keepalive_s: float, store: ResponseStore) -> AsyncIterator[bytes]:
+async def _events(run: _Run, keepalive_s: float, store: OwnedResponses) -> AsyncIterator[bytes]:
     """response.created and .in_progress, then each batch of updates' events in one write, a
     keep-alive comment whenever `keepalive_s` passes with nothing, and the end: response.completed
     or .incomplete, or an error event and response.failed when the generation fails."""
@@ -497,7 +497,7 @@ def _failed(run: _Run, error: APIError) -> bytes:
     return run.output.take()
 
 
-async def retrieve_response(store: ResponseStore, response_id: str, stream: bool) -> Response:
+async def retrieve_response(store: OwnedResponses, response_id: str, stream: bool) -> Response:
     if stream:
         raise unsupported("stream", "a stored response is returned whole; streaming it again is not supported")
     entry = store.get(response_id)
@@ -506,7 +506,7 @@ async def retrieve_response(store: ResponseStore, response_id: str, stream: bool
     return Response(entry.body, media_type="application/json")
 
 
-async def delete_response(store: ResponseStore, response_id: str) -> Response:
+async def delete_response(store: OwnedResponses, response_id: str) -> Response:
     if not store.delete(response_id):
         raise _not_found(response_id)
     return Response(msgspec.json.encode(DeletedResponse(response_id)), media_type="application/json")
