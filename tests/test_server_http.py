@@ -71,6 +71,36 @@ def test_reasoning_and_tool_call(stub_server):
     assert json.loads(call.function.arguments) == {"city": "Paris"}
 
 
+DUPLICATE = TOOLS + [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("path, body, param, says", [
+    ("/v1/chat/completions", chat("weather?", tools=[{"type": "function", "name": "f"}]), "tools[0]",
+     'tools[0] must be {"type": "function"'),
+    ("/v1/chat/completions", chat("weather?", tools=[{"type": "function", "function": {"name": "f", "parameters": 3}}],
+                                  tool_choice="none"), "tools[0].function.parameters", "must be a JSON schema object"),
+    ("/v1/chat/completions", chat("weather?", tools=DUPLICATE), "tools[1]", "as tools[0] is"),
+    ("/tokenize", chat("weather?", tools=[{"name": "get_weather"}]), "tools[0]", 'tools[0] must be {"type": "function"'),
+    ("/tokenize", chat("weather?", tools=[{"type": "function", "function": {"name": "f", "description": 5}}]),
+     "tools[0].function.description", "must be a string"),
+    ("/api/chat", chat("weather?", tools=[{"function": {"parameters": {}}}]), "tools[0]", "tools[0] must be"),
+    ("/v1/messages", {"model": "stub", "max_tokens": 5, "messages": [{"role": "user", "content": "weather?"}],
+                      "tools": [{"name": "f", "input_schema": {}}, {"name": "f", "input_schema": {}}]},
+     "tools[1]", "as tools[0] is"),
+    ("/v1/responses", {"model": "stub", "input": "weather?", "tools": [{"type": "function", "name": "f"}] * 2},
+     "tools[1]", "as tools[0] is"),
+])
+def test_a_malformed_or_repeated_tool_is_a_400_naming_it(stub_server, path, body, param, says):
+    """Every route that renders tools checks them first, whoever decides on calling them."""
+    r = httpx.post(stub_server.url + path, json=body, headers=auth(), timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    if path == "/api/chat":  # Ollama's errors are a message alone
+        assert says in error, error
+    else:
+        assert says in error["message"] and error.get("param", param) == param, error
+
+
 def test_streamed_reasoning_and_tool_call(stub_server):
     chunks = list(client(stub_server, KEY).chat.completions.create(
         model="stub", messages=[{"role": "user", "content": "weather?"}], tools=TOOLS, stream=True))

@@ -127,7 +127,7 @@ def _tool_grammar(req, tokenizer) -> str:
     "required" with parallel calls allowed, one or more. tags: each `<tool_call>\\n{...}\\n</tool_call>`;
     json: `{"name", "parameters"}` objects separated by `;`; mistral: `[TOOL_CALLS]` and a list;
     none (a model without a format): the arguments alone, or a list of `{"name", "parameters"}`."""
-    tools = _functions(req.tools)
+    tools = function_tools(req.tools)
     name = named_tool(req)
     if name is not None:
         if name not in tools:
@@ -174,18 +174,26 @@ def _tag(tag: str, tokenizer) -> str:
     return f"<[{token_id}]>" if token_id is not None else json.dumps(tag)
 
 
-def _functions(tools: list) -> dict[str, dict]:
-    """Each function's name and parameter schema (no parameters: any object)."""
-    out = {}
+def function_tools(tools: list) -> dict[str, dict]:
+    """Each function's name and parameter schema (no parameters: any object); a tool not of
+    OpenAI's function shape, or a name used twice, is a 400 naming the tool."""
+    out: dict[str, dict] = {}
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str) or not name or tool.get("type", "function") != "function":
             raise bad_request(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": '
                               '...}}', param=f"tools[{i}]")
+        if not isinstance(fn.get("description", ""), str | None):
+            raise bad_request(f"tools[{i}].function.description must be a string",
+                              param=f"tools[{i}].function.description")
         params = fn.get("parameters", {"type": "object"})
         if not isinstance(params, dict):
             raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object",
                               param=f"tools[{i}].function.parameters")
+        if name in out:
+            first = next(j for j, t in enumerate(tools) if t["function"]["name"] == name)
+            raise bad_request(f"tools[{i}] is named {name!r}, as tools[{first}] is: each tool needs a name of its own",
+                              param=f"tools[{i}]")
         out[name] = params
     return out

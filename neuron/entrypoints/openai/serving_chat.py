@@ -47,7 +47,7 @@ from neuron.entrypoints.openai.common import (
     stream_error,
     stream_events,
 )
-from neuron.entrypoints.openai.guided import compile_guided, named_tool
+from neuron.entrypoints.openai.guided import compile_guided, function_tools, named_tool
 from neuron.entrypoints.openai.logprobs import LogprobRenderer
 from neuron.entrypoints.openai.prompt_input import Limiters, check_prompt_chars, off_loop
 from neuron.entrypoints.openai.response_parser import (
@@ -137,6 +137,8 @@ def _check(req: ChatCompletionRequest) -> None:
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
                           param="chat_template_kwargs")
+    if req.tools:
+        function_tools(req.tools)
 
 
 def render_chat(engine: AsyncEngine, req: ChatCompletionRequest) -> tuple[str, list[int], list[ImageInput]]:

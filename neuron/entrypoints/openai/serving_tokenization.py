@@ -16,6 +16,7 @@ from neuron.entrypoints.openai.api_errors import bad_request
 from neuron.entrypoints.openai.api_types import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from neuron.entrypoints.openai.chat_utils import normalise_messages
 from neuron.entrypoints.openai.common import check_ready
+from neuron.entrypoints.openai.guided import function_tools
 from neuron.entrypoints.openai.prompt_input import off_loop
 
 # Set by the server itself when it renders the template.
@@ -30,6 +31,8 @@ async def tokenize(engine: AsyncEngine, req: TokenizeRequest, limiter: anyio.Cap
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
                           param="chat_template_kwargs")
+    if req.tools:
+        function_tools(req.tools)
     ids = await off_loop(limiter, _token_ids, engine, req)
     strs = [engine.tokenizer.id_to_token(t) or "" for t in ids] if req.return_token_strs else None
     return _json(TokenizeResponse(ids, len(ids), engine.max_model_len, strs))
