@@ -322,6 +322,16 @@ def test_a_failure_mid_stream_is_an_error_event(stub_server):
     assert r.status_code == 503 and r.json()["error"]["type"] == "api_error" and r.headers["retry-after"]
 
 
+def test_unknown_methods_and_paths_answer_in_anthropics_shape(stub_server):
+    r = httpx.get(f"{stub_server.url}/v1/messages")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error",
+                                                   "message": "GET /v1/messages: Method Not Allowed"}}
+    r = httpx.post(f"{stub_server.url}/v1/messages/batches", json={})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert httpx.get(f"{stub_server.url}/v1/messagesx").json()["error"]["code"] == "not_found"  # OpenAI's beside it
+
+
 def test_a_client_leaving_mid_stream_frees_its_place(stub_server, stub):
     with httpx.stream("POST", f"{stub_server.url}/v1/messages", json=say("drip", stream=True), timeout=10) as r:
         lines = r.iter_lines()

@@ -143,10 +143,17 @@ def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
-    """Unknown routes and methods, in the same envelope as everything else."""
+    """Unknown routes and methods, in the envelope of the API the path belongs to: Ollama's under
+    /api/, Anthropic's under /v1/messages, OpenAI's elsewhere."""
     kind = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None
-    error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=kind)
-    return ollama_error(error) if request.url.path.startswith("/api/") else error.response()
+    error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=kind,
+                     headers=exc.headers)
+    path = request.url.path
+    if path.startswith("/api/"):
+        return ollama_error(error)
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return error_response(error)
+    return error.response()
 
 
 class _Api:
