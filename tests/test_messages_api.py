@@ -91,7 +91,7 @@ def test_a_reply_equals_the_same_chat_completion(real_server):
     out = api.messages.create(**request)
     twin = chat_twin(real_server, [{"role": "system", "content": "Be brief."}, *ASK], max_tokens=12,
                      extra_body={"chat_template_kwargs": {"enable_thinking": False}}, **SAMPLED)
-    assert (out.type, out.role, out.model, out.id[:4]) == ("message", "assistant", MODEL, "msg-")
+    assert (out.type, out.role, out.model, out.id[:4]) == ("message", "assistant", MODEL, "msg_")
     assert [(b.type, b.text) for b in out.content] == [("text", twin.choices[0].message.content)]
     assert (out.usage.input_tokens, out.usage.output_tokens) == (twin.usage.prompt_tokens, 12)
     assert twin.usage.completion_tokens == 12 and out.stop_reason == "max_tokens" and out.stop_sequence is None
@@ -99,7 +99,7 @@ def test_a_reply_equals_the_same_chat_completion(real_server):
     raw = list(api.messages.create(stream=True, **request))
     assert collapsed(raw_kinds(raw)) == ["message_start", "content_block_start:text", "content_block_delta:text_delta",
                                          "content_block_stop", "message_delta", "message_stop"]
-    assert raw[0].message.usage.input_tokens == out.usage.input_tokens
+    assert raw[0].message.usage.input_tokens == out.usage.input_tokens and raw[0].message.id.startswith("msg_")
     assert "".join(e.delta.text for e in raw if e.type == "content_block_delta") == out.content[0].text
     assert (raw[-2].delta.stop_reason, raw[-2].usage.output_tokens) == ("max_tokens", 12)
     with api.messages.stream(**request) as stream:

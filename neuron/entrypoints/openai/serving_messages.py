@@ -265,6 +265,11 @@ def _tool_result(block: dict, where: str) -> dict:
     return {"role": "tool", "tool_call_id": call_id, "content": content}
 
 
+def _message_id(ctx: ChatRequestContext) -> str:
+    """msg_<hex>, as Anthropic's ids read; the engine's logs name the request msg-<hex>."""
+    return ctx.id.replace("-", "_", 1)
+
+
 def _tools(tools: list | None) -> list[dict] | None:
     """Client tools as functions; a server tool (one with a `type` of Anthropic's) is a 400."""
     if not tools:
@@ -385,7 +390,7 @@ async def _collect(ctx: ChatRequestContext, samples: Samples) -> bytes:
         blocks.update(update)
     reason, sequence = _stop(blocks.last, blocks.state.num_tool_calls > 0)
     usage = samples.usage([0])
-    message = Message(ctx.id, ctx.model, blocks.content(), reason, sequence,
+    message = Message(_message_id(ctx), ctx.model, blocks.content(), reason, sequence,
                       Usage(usage.prompt_tokens, usage.completion_tokens))
     return await encoded(message)
 
@@ -489,7 +494,7 @@ async def _events(ctx: ChatRequestContext, samples: Samples, keepalive_s: float)
         return (_event(MessageDelta(StopDelta(reason, sequence), OutputUsage(usage.completion_tokens)))
                 + _event(MessageStop()))
 
-    start = Message(ctx.id, ctx.model, [], None, None, Usage(samples.prompt_lens[0], 0))
+    start = Message(_message_id(ctx), ctx.model, [], None, None, Usage(samples.prompt_lens[0], 0))
     opening = [_event(MessageStart(start)), _event(Ping())]
     async for event in stream_events(samples, keepalive_s, chunks, ending, opening, keepalive=_event(Ping()),
                                      error_event=_error_event, done=b""):
