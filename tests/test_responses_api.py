@@ -238,8 +238,8 @@ def test_reasoning_and_function_call_items(stub_server):
     assert reasoning.content[0].text == "\nThe user wants the weather.\n"
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
     assert out.status == "completed" and out.output_text == ""
-    # one token a piece: the reasoning is written by the first three
-    assert (out.usage.output_tokens, out.usage.output_tokens_details.reasoning_tokens) == (len(WEATHER), 3)
+    # one token a piece: the reasoning is written by the first four, <think> to </think>
+    assert (out.usage.output_tokens, out.usage.output_tokens_details.reasoning_tokens) == (len(WEATHER), 4)
     assert out.tools[0].name == "get_weather" and out.tool_choice == "auto"
 
 

@@ -179,6 +179,11 @@ class OutputParser:
         thinks = tokenizer.token_to_id(THINK_OPEN) is not None and tokenizer.token_to_id(THINK_CLOSE) is not None
         return cls(reasoning=thinks, in_reasoning=thinks and prompt_opens_reasoning(prompt), tools=tools)
 
+    @property
+    def in_reasoning(self) -> bool:
+        """Inside `<think>`: what comes next is reasoning, up to and with the closing tag."""
+        return self._mode == "reasoning"
+
     def feed(self, text: str) -> Parsed:
         self._buf += text
         return self._drain(final=False)
@@ -305,6 +310,8 @@ class ForcedCallParser:
     short by max_tokens) is content, so nothing is lost; a named call is returned as far as it got,
     as vLLM returns it.
     """
+
+    in_reasoning = False  # a forced call has no reasoning
 
     def __init__(self, name: str | None):
         self._name = name

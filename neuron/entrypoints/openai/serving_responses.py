@@ -370,11 +370,12 @@ class _Run:
             user=req.user)
 
     def update(self, update: Update) -> None:
+        reasoning = self.parser.in_reasoning  # this update's tokens continue <think>
         parsed = self.parser.feed(update.text)
         if update.finished:
             parsed.extend(self.parser.finish())
         self.tokens += len(update.token_ids)
-        if parsed.reasoning:  # the tokens up to the last that brought reasoning
+        if parsed.reasoning or reasoning:  # the tokens up to the last of the reasoning, its tags included
             self.reasoning_tokens = self.tokens
         self.output.feed(parsed)
         if update.finished:
