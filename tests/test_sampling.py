@@ -208,6 +208,13 @@ def test_min_p_drops_tokens_below_the_fraction_of_the_best():
     assert _draws(300, min_p=0.6) == {0, 1}
 
 
+def test_top_p_is_relative_to_the_min_p_survivors():
+    # min_p 0.3 leaves 0.4, 0.3 and 0.2 (0.9 in all); top_p 0.75 of that is 0.675, which the 0.7
+    # ahead of token 2 is not below, so it goes too (of the whole, 0.75 would have kept it).
+    assert _draws(300, min_p=0.3, top_p=0.75) == {0, 1}
+    assert _draws(300, min_p=0.3, top_p=0.8) == {0, 1, 2}
+
+
 # ---- penalties ----------------------------------------------------------------------------------
 
 
@@ -396,16 +403,17 @@ _CHI2_CRITICAL = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46}
 
 
 def _expected(params: dict) -> torch.Tensor:
-    """What `params` ask for over _P, in float64 and from their definitions: temperature, then
-    top_k, top_p relative to the top_k survivors, and min_p relative to the best token."""
+    """What `params` ask for over _P, in float64 and from their definitions (vLLM's order):
+    temperature, then min_p relative to the best token, top_k, and top_p relative to the
+    survivors of both."""
     p = _P ** (1 / params.get("temperature", 1.0))
     p = p / p.sum()
+    if "min_p" in params:
+        p[p < params["min_p"] * p.max()] = 0
     if params.get("top_k", 0) > 0:
         p[params["top_k"]:] = 0
     if "top_p" in params:
         p[(p.cumsum(0) - p) >= params["top_p"] * p.sum()] = 0
-    if "min_p" in params:
-        p[p < params["min_p"] * p.max()] = 0
     return p / p.sum()
 
 
@@ -413,7 +421,7 @@ def _expected(params: dict) -> torch.Tensor:
     # Every row has a top_k: the batch ranks only its best max(k) tokens.
     [{"top_k": 4}, {"top_k": 2, "temperature": 2.0}, {"top_k": 5, "top_p": 0.6}, {"top_k": 6, "min_p": 0.45}],
     # Some row has none: the batch sorts the whole vocabulary.
-    [{}, {"top_p": 0.6}, {"min_p": 0.45, "temperature": 0.7}, {"top_k": 3}],
+    [{}, {"top_p": 0.6}, {"min_p": 0.45, "temperature": 0.7}, {"top_k": 3}, {"min_p": 0.3, "top_p": 0.7}],
     # No top_k or top_p: the batch draws over the vocabulary in order.
     [{}, {"min_p": 0.45}, {"temperature": 0.5}],
 ], ids=["top_k", "sorted", "vocabulary"])

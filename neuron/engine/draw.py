@@ -1,7 +1,7 @@
 """The draw: one token per row from the distribution its sampling parameters leave.
 
-softmax(logits / temperature), then top_k, top_p and min_p zero the tokens they drop, then one
-draw per row. On CPU the unseeded rows draw by inverse transform (one uniform number per row); on
+softmax(logits / temperature), then min_p, top_k and top_p zero the tokens they drop (top_p's
+nucleus is of what the other two leave, as in vLLM), then one draw per row. On CPU the unseeded rows draw by inverse transform (one uniform number per row); on
 CUDA, and for a row with its own seeded generator everywhere, by `torch.multinomial`'s race of
 probabilities against exponential noise, so a seed gives the same tokens in any batch.
 """
@@ -69,9 +69,10 @@ def race(probs: torch.Tensor, ids: torch.Tensor | None, noise: torch.Tensor) -> 
 def filtered_probs(
     x: torch.Tensor, params: list[SamplingParams]
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The distribution each row draws from: softmax(x / temperature), with the tokens that top_k,
-    top_p and min_p drop set to zero. Returns it, the token of each column (None: the vocabulary
-    in order) and the rows that have a distribution at all.
+    """The distribution each row draws from: softmax(x / temperature), with the tokens that min_p,
+    top_k and top_p drop set to zero (top_p's nucleus is of the min_p and top_k survivors).
+    Returns it, the token of each column (None: the vocabulary in order) and the rows that have a
+    distribution at all.
 
     With top_k or top_p the columns are the candidates ranked best first, only the best max(k)
     when every row has a top_k: the draw then spares the rest of the vocabulary. The filters only
@@ -93,10 +94,10 @@ def filtered_probs(
         probs, ids = probs.topk(max(ks), dim=-1)
     elif min(ks) < vocab or any(p.top_p < 1 for p in params):
         probs, ids = probs.sort(dim=-1, descending=True)
+    if any(p.min_p > 0 for p in params):  # the best token is among the columns, so its floor is the same
+        probs = _min_p(probs, params)
     if ids is not None:
         probs = _top_k_top_p(probs, ks, params)
-    if any(p.min_p > 0 for p in params):
-        probs = _min_p(probs, params)
     return probs, ids, ok
 
 
@@ -111,7 +112,7 @@ def _top_k_top_p(ranked: torch.Tensor, ks: list[int], params: list[SamplingParam
 
 
 def _top_p_ranked(ranked: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Nucleus filter on probabilities sorted high to low, relative to the top_k survivors."""
+    """Nucleus filter on probabilities sorted high to low, relative to the min_p and top_k survivors."""
     cumulative = ranked.cumsum(dim=-1)
     mass_before = cumulative - ranked
     top_ps = to_device([p.top_p for p in params], ranked.device, ranked.dtype)
