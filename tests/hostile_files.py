@@ -323,7 +323,27 @@ def config_cases(root: Path, hf_dir: Path) -> list[Case]:
                      ("rms_norm_eps", -1e-6), ("tie_word_embeddings", "yes"), ("eos_token_id", 1 << 40),
                      ("eos_token_id", [1, "x"])]:
         cases.append(field_case(key, bad))
-    return cases
+    return cases + generation_cases(root, hf_dir)
+
+
+def generation_cases(root: Path, hf_dir: Path) -> list[Case]:
+    """generation_config.json: the sampling defaults and stop ids every request would meet."""
+    d = root / "gen"
+
+    def gen(name: str, names: str, body) -> Case:
+        path = _copy(hf_dir, d / name)
+        (path / "generation_config.json").write_text(json.dumps(body))
+        return Case(f"generation-{name}", str(path), names)
+
+    return [gen("a-list", "generation_config.json", [0.7]),
+            gen("temperature-text", "temperature", {"temperature": "hot"}),
+            gen("temperature-negative", "temperature", {"temperature": -1}),
+            gen("top-p-zero", "top_p", {"top_p": 0}),
+            gen("top-k-fraction", "top_k", {"top_k": 1.5}),
+            gen("min-p-two", "min_p", {"min_p": 2}),
+            gen("penalty-tiny", "repetition_penalty", {"repetition_penalty": 1e-9}),
+            gen("max-new-tokens-zero", "max_new_tokens", {"max_new_tokens": 0}),
+            gen("eos-outside", "eos_token_id", {"eos_token_id": [1, 1 << 40]})]
 
 
 # ---- quantized safetensors checkpoints ----

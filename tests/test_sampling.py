@@ -614,3 +614,31 @@ def test_inverse_cdf_keeps_a_tiny_probability_after_a_large_one(monkeypatch):
     total = probs.double().sum().item()
     monkeypatch.setattr(torch, "rand_like", lambda t: torch.full_like(t, (0.5 + 0.5e-9) / total))
     assert draw.inverse_cdf(probs, None).tolist() == [1]
+
+
+# ---- generation_config.json's defaults ----
+
+
+def test_generation_config_defaults_are_sampling_params_fields():
+    from neuron.engine.model_config import sampling_defaults
+
+    generation = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.05,
+                  "repetition_penalty": 1.1, "max_new_tokens": 64, "eos_token_id": [1, 2], "top_a": None}
+    defaults = sampling_defaults(generation)
+    assert defaults == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.1,
+                        "max_tokens": 64}
+    assert SamplingParams(**defaults).max_tokens == 64
+    assert sampling_defaults({"temperature": None}) == {}
+
+
+def test_generation_config_max_new_tokens_applies_where_a_request_is_silent():
+    from neuron.entrypoints.openai.api_types import ChatCompletionRequest
+    from neuron.entrypoints.openai.common import sampling_params
+
+    req = ChatCompletionRequest(messages=[])
+    defaults = {"max_tokens": 5, "min_p": 0.1}
+    silent = sampling_params(req, defaults, max_tokens=None, logprobs=None, renames={})
+    assert (silent.max_tokens, silent.min_p) == (5, 0.1)
+    asked = sampling_params(ChatCompletionRequest(messages=[], min_p=0.0), defaults, max_tokens=50, logprobs=None,
+                            renames={})
+    assert (asked.max_tokens, asked.min_p) == (50, 0.0)  # what a request says wins, beyond the default too

@@ -23,6 +23,7 @@ from pathlib import Path
 from neuron.config import MAX_MODEL_LEN_CAP, parse_bytes
 from neuron.engine.engine_config import EngineConfig, default_device
 from neuron.engine.pooling import EMBED, GENERATE, PoolingConfig
+from neuron.engine.sampling_params import REPETITION_PENALTY_RANGE
 from neuron.engine.spec_decode.config import SpeculativeConfig
 from neuron.engine.tokenizer import Tokenizer
 from neuron.errors import ConfigError
@@ -79,9 +80,9 @@ class ModelConfig:
         return self.hf_config["model_type"]
 
     def default_sampling(self) -> dict:
-        """Sampling defaults from generation_config.json, applied where a request is silent."""
-        g = self.generation_config
-        return {k: g[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty") if k in g}
+        """Sampling defaults from generation_config.json, applied where a request is silent (as
+        SamplingParams' fields: its max_new_tokens is max_tokens)."""
+        return sampling_defaults(self.generation_config)
 
     @property
     def hidden_size(self) -> int:
@@ -168,6 +169,7 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
     phases("building the tokenizer")
     tokenizer, tokenizer_dir = _tokenizer(spec, model_dir, gguf)
     generation = _generation_config(tokenizer_dir)
+    _check_generation(generation, vocab)
     speculative = _speculative(spec, config)
     _check_lora(spec, config)
     tasks, pooling = _tasks(spec.task, model_dir)
@@ -318,6 +320,25 @@ def _tokenizer(spec: EngineConfig, model_dir: Path, gguf: Path | None) -> tuple[
 def _generation_config(folder: Path | None) -> dict:
     path = folder / "generation_config.json" if folder is not None else None
     return read_json(path) if path is not None and path.is_file() else {}
+
+
+def sampling_defaults(generation: dict) -> dict:
+    """generation_config.json's sampling fields, as vLLM applies them, named as SamplingParams'
+    (max_new_tokens is max_tokens; null ones left out). ConfigError for a value of the wrong type
+    or out of range, which every request would otherwise meet."""
+    f = Fields(generation, "generation_config.json")
+    lo, hi = REPETITION_PENALTY_RANGE
+    values = {"temperature": f.float("temperature", 0, 1e6), "top_p": f.float("top_p", 0, 1, above=True),
+              "top_k": f.int("top_k", -1, 1 << 31), "min_p": f.float("min_p", 0, 1),
+              "repetition_penalty": f.float("repetition_penalty", lo, hi),
+              "max_tokens": f.int("max_new_tokens", 1, 1 << 31)}
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _check_generation(generation: dict, vocab: int) -> None:
+    """What a request would otherwise meet, checked at load: the sampling defaults and the stop ids."""
+    sampling_defaults(generation)
+    Fields(generation, "generation_config.json").token_ids("eos_token_id", vocab)
 
 
 def _eos_ids(config: dict, generation: dict, tokenizer: Tokenizer | None) -> tuple[int, ...]:

@@ -26,6 +26,9 @@ _GREEDY_BELOW = 1e-5
 
 # torch.Generator.manual_seed accepts exactly this range.
 SEED_RANGE = (-(2**63), 2**64 - 1)
+# A repetition penalty this far from 1 means nothing more than greedy does, while smaller ones
+# overflow float32 logits into NaN probabilities: the server and generation_config.json keep to it.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 

@@ -136,7 +136,8 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a call without sampling params samples with: the checkpoint's generation_config.json
-        (temperature, top_p, top_k, repetition_penalty) over SamplingParams' own defaults, as vLLM."""
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens) over
+        SamplingParams' own defaults, as vLLM."""
         return SamplingParams(**self.engine.model.default_sampling())
 
     def generate(

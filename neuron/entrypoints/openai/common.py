@@ -19,7 +19,7 @@ from neuron.engine.input_processor import check_cache_salt
 from neuron.engine.llm_engine import RequestError, Update
 from neuron.engine.parallel_sampling import num_samples, ranked, sample_id, sample_params
 from neuron.engine.pooling import GENERATE
-from neuron.engine.sampling_params import InvalidParams, SamplingParams
+from neuron.engine.sampling_params import REPETITION_PENALTY_RANGE, InvalidParams, SamplingParams
 from neuron.engine.structured_output import CompiledGrammar
 from neuron.entrypoints.openai.api_errors import (
     APIError,
@@ -134,20 +134,16 @@ def stream_error(stream: RequestStream, error: str | None) -> APIError:
     return generation_failed(error)
 
 
-# A penalty this far from 1 means nothing more than greedy does, while smaller ones overflow float32
-# logits into NaN probabilities, which no request should be able to cause.
-_REPETITION_PENALTY_RANGE = (0.01, 100.0)
-
-
 def sampling_params(req: SamplingRequest, defaults: dict, *, max_tokens: int | None, logprobs: int | None,
                     renames: dict[str, str]) -> SamplingParams:
-    """Request values, else generation_config's, else OpenAI's; bad values become a 400 naming the field."""
+    """Request values, else generation_config's, else OpenAI's; bad values become a 400 naming the
+    field. `max_tokens` None (the request is silent) takes generation_config's max_new_tokens."""
 
     def pick(name):
         value = getattr(req, name)
         return value if value is not None else defaults.get(name, _OPENAI_DEFAULTS[name])
 
-    lo, hi = _REPETITION_PENALTY_RANGE
+    lo, hi = REPETITION_PENALTY_RANGE
     if req.repetition_penalty is not None and not lo <= req.repetition_penalty <= hi:
         raise bad_request(f"repetition_penalty must be in [{lo}, {hi}], got {req.repetition_penalty!r}",
                           param="repetition_penalty")
@@ -155,7 +151,8 @@ def sampling_params(req: SamplingRequest, defaults: dict, *, max_tokens: int | N
         return SamplingParams(
             **{name: pick(name) for name in _OPENAI_DEFAULTS},
             n=1 if req.n is None else req.n, best_of=req.best_of,
-            seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
+            seed=req.seed, max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens,
+            min_tokens=req.min_tokens, stop=req.stop,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
         )

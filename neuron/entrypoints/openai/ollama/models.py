@@ -186,7 +186,7 @@ def show_body(m: HostedModel, started: float) -> dict:
     return body
 
 
-_PARAMETER_NAMES = {"repetition_penalty": "repeat_penalty"}
+_PARAMETER_NAMES = {"repetition_penalty": "repeat_penalty", "max_tokens": "num_predict"}
 _ARCH_INFO = {"hidden_size": "embedding_length", "num_hidden_layers": "block_count",
               "intermediate_size": "feed_forward_length", "num_attention_heads": "attention.head_count",
               "num_key_value_heads": "attention.head_count_kv", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
