@@ -270,7 +270,7 @@ class ModelHost:
         self._reaper: asyncio.Task | None = None
         self._stopping = False
         self.adapter_idle: dict[str, list[float]] = {}  # LoRA adapters with a keep_alive: [seconds, last use]
-        self.adapter_rest: dict[str, list[float]] = {}  # the same for a request's keep_alive (`rest_adapter`)
+        self.adapter_rest: dict[str, list[float]] = {}  # the same for a request's keep_alive (`keep_adapter` with rest)
 
     @classmethod
     def of_engine(cls, engine: AsyncEngine, **kwargs) -> "ModelHost":
@@ -375,22 +375,17 @@ class ModelHost:
         log.info("LoRA adapter `%s` loaded on `%s` from %r", name, m.name, path)
         return m
 
-    def keep_adapter(self, name: str, keep_alive_s: float | None) -> None:
-        """LoRA adapter `name` unloaded once idle for `keep_alive_s` from now (None: kept)."""
+    def keep_adapter(self, name: str, keep_alive_s: float | None, rest: bool = False) -> None:
+        """LoRA adapter `name` unloaded once idle for `keep_alive_s` from now (None: kept). With
+        `rest`, a request's keep_alive (Ollama's): once idle that long, only its weights leave the
+        ranks (`LoraSlots.rest`) and its next request loads them again. The adapter stays served:
+        one client's request never takes it from the others, as a request's keep_alive never
+        unloads a model loaded at start-up for good."""
+        timers = self.adapter_rest if rest else self.adapter_idle
         if keep_alive_s is None:
-            self.adapter_idle.pop(name, None)
+            timers.pop(name, None)
         else:
-            self.adapter_idle[name] = [keep_alive_s, time.monotonic()]
-
-    def rest_adapter(self, name: str, keep_alive_s: float | None) -> None:
-        """A request's keep_alive for LoRA adapter `name` (Ollama's): once idle that long from now, its
-        weights leave the ranks (`LoraSlots.rest`) and its next request loads them again (None: they
-        stay). The adapter stays served: one client's request never takes it from the others, as a
-        request's keep_alive never unloads a model loaded at start-up for good."""
-        if keep_alive_s is None:
-            self.adapter_rest.pop(name, None)
-        else:
-            self.adapter_rest[name] = [keep_alive_s, time.monotonic()]
+            timers[name] = [keep_alive_s, time.monotonic()]
 
     def adapter_resting(self, name: str) -> bool:
         """Whether adapter `name`'s weights left the ranks while it was idle and no request has loaded

@@ -157,7 +157,7 @@ class _Ollama:
         if m is not None:
             m.keep_for(m.spec.keep_alive_s if keep is SPEC_KEEP_ALIVE else keep)
         elif keep is not SPEC_KEEP_ALIVE:  # a LoRA adapter: how long its weights stay on the ranks once idle
-            host.rest_adapter(name, keep)
+            host.keep_adapter(name, keep, rest=True)
         return name, engine, load_s
 
     def _loaded(self, name: str, engine: AsyncEngine, field: str) -> Response:
