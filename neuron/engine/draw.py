@@ -1,9 +1,10 @@
 """The draw: one token per row from the distribution its sampling parameters leave.
 
 softmax(logits / temperature), then min_p, top_k and top_p zero the tokens they drop (top_p's
-nucleus is of what the other two leave, as in vLLM), then one draw per row. On CPU the unseeded rows draw by inverse transform (one uniform number per row); on
-CUDA, and for a row with its own seeded generator everywhere, by `torch.multinomial`'s race of
-probabilities against exponential noise, so a seed gives the same tokens in any batch.
+nucleus is of what the other two leave, as in vLLM), then one draw per row. On CPU the unseeded
+rows draw by inverse transform (one uniform number per row); on CUDA, and for a row with its own
+seeded generator everywhere, by `torch.multinomial`'s race of probabilities against exponential
+noise, so a seed gives the same tokens in any batch.
 """
 
 from __future__ import annotations
