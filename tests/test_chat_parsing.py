@@ -91,6 +91,21 @@ def test_several_tool_calls_and_surrounding_text():
     assert json.loads(out.tool_calls[1].arguments) == {}
 
 
+def test_pieces_keep_the_order_the_model_wrote():
+    """Text written after a call in the same feed opens a piece of its own (the merged view joins it
+    to the text before, which the chat route's separate fields cannot tell apart anyway)."""
+    second = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    text = f"<think>hm</think>\n\nBefore.\n{CALL}\nBetween.\n{second}\nAfter."
+    parser = OutputParser(reasoning=True, tools="tags")
+    pieces = parser.feed_in_order(text) + parser.finish_in_order()
+    shown = [(p.reasoning, p.content, [c.name for c in p.tool_calls]) for p in pieces if p]
+    assert shown == [("hm", "Before.", ["get_weather"]), ("", "Between.", ["get_time"]), ("", "After.", [])]
+    assert parse(text, tools="tags").content == "Before.Between.After."
+    forced = ForcedCallParser(None)
+    pieces = forced.feed_in_order('[{"name": "a", "parameters": {}}, {"oops": 1}') + forced.finish_in_order()
+    assert [(p.content, [c.name for c in p.tool_calls]) for p in pieces if p] == [("", ["a"]), ('{"oops": 1}', [])]
+
+
 def test_invalid_tool_json_stays_content():
     bad = "<tool_call>\n{not json}\n</tool_call>"
     out = parse(f"before {bad} after", tools="tags")

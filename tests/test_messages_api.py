@@ -200,12 +200,15 @@ def test_the_key_as_x_api_key_or_a_bearer_token(real_server):
 # Text on both sides of a call, after the reasoning.
 INTERLEAVED = ["<think>", "r1", "</think>", "\n\n", "Hello", " world", "<tool_call>",
                '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', "</tool_call>", "\n", "After", " text."]
+# the same with one update carrying text, the call and the text after it (a speculative step's tokens)
+AT_ONCE = INTERLEAVED[:4] + ["".join(INTERLEAVED[4:])]
 REASONED_CALL = ["<think>", "\nThe user wants", " the weather.\n", "</think>", "\n\n", "<tool_call>",
                  '\n{"name": "get_weather", ', '"arguments": {"city": "Paris"}}', "\n", "</tool_call>"]
 SCRIPTS = {
     "assistant\n<think>\n\n</think>\n\n": ["No thinking."],  # thinking disabled: the template closed it
     "weather?": REASONED_CALL,
     "interleave": INTERLEAVED,
+    "all at once": AT_ONCE,
     "ponder": ["<think>", "\nHmm", ".\n", "</think>", "\n\n", "Forty", "-two."],
     "explode": ["Hello", ERROR],
     "slowly": [0.6, "late", " answer"],
@@ -259,10 +262,12 @@ def test_reasoning_and_a_tool_call_come_as_blocks(stub_server, stream):
     assert out.stop_reason == "tool_use" and out.usage.output_tokens == len(REASONED_CALL)
 
 
-def test_blocks_come_in_the_order_the_model_wrote_them(stub_server):
-    """Streamed or not, the same blocks: text before a call and text after it stay apart, in place."""
+@pytest.mark.parametrize("script", ["interleave", "all at once"])
+def test_blocks_come_in_the_order_the_model_wrote_them(stub_server, script):
+    """Streamed or not, the same blocks: text before a call and text after it stay apart, in place,
+    whether they come a token at a time or in one update."""
     api = anthropic_client(stub_server)
-    request = say("interleave", tools=TOOLS)
+    request = say(script, tools=TOOLS)
     want = [("thinking", "r1"), ("text", "Hello world"), ("tool_use", ("get_weather", {"city": "Paris"})),
             ("text", "After text.")]
     out = api.messages.create(**request)

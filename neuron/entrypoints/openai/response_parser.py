@@ -85,6 +85,14 @@ class Parsed:
         self.tool_calls += other.tool_calls
 
 
+def merged(pieces: list[Parsed]) -> Parsed:
+    """The pieces as one: their content and their calls each joined."""
+    out = pieces[0]
+    for piece in pieces[1:]:
+        out.extend(piece)
+    return out
+
+
 def parse_tool_call(body: str) -> ParsedToolCall | None:
     """The JSON between the tool-call tags, or None when it is not a well-formed call."""
     try:
@@ -171,6 +179,7 @@ class OutputParser:
         self._ws = ""  # trailing content whitespace, dropped if a tool call follows
         self._after_tool = False
         self._content_began = False  # json: a call is a reply that opens with `{`
+        self._pieces = [Parsed()]  # what the drain under way has found, in order
 
     @classmethod
     def for_chat(cls, tokenizer: Tokenizer, prompt: str, *, tools: str | None) -> "OutputParser":
@@ -185,30 +194,39 @@ class OutputParser:
         return self._mode == "reasoning"
 
     def feed(self, text: str) -> Parsed:
+        """What `text` completes, content and calls each joined (the order between them lost)."""
+        return merged(self.feed_in_order(text))
+
+    def finish(self) -> Parsed:
+        return merged(self.finish_in_order())
+
+    def feed_in_order(self, text: str) -> list[Parsed]:
+        """What `text` completes as pieces in the order the model wrote them: a piece's tool calls
+        come after its reasoning and content, and content written after them opens the next piece."""
         self._buf += text
         return self._drain(final=False)
 
-    def finish(self) -> Parsed:
-        out = self._drain(final=True)
+    def finish_in_order(self) -> list[Parsed]:
+        pieces = self._drain(final=True)
         if self._buf:  # an unterminated tool call, or a lone tag prefix: plain text after all
-            self._content(out, self._buf)
+            self._content(self._buf)
             self._buf = ""
         if not self._after_tool:
-            out.content += self._ws
+            self._pieces[-1].content += self._ws
         self._ws = ""
-        return out
+        return pieces
 
-    def _drain(self, final: bool) -> Parsed:
-        out = Parsed()
+    def _drain(self, final: bool) -> list[Parsed]:
+        self._pieces = [Parsed()]
         step = {"start": self._start, "reasoning": self._reasoning, "after_think": self._after_think,
                 "content": self._plain, "tool": self._tool_call, "tail": self._tail}
-        while step[self._mode](out, final):
+        while step[self._mode](final):
             pass
-        return out
+        return self._pieces
 
     # Each step consumes what it can from the buffer; True means "the mode changed, go again".
 
-    def _start(self, out: Parsed, final: bool) -> bool:
+    def _start(self, final: bool) -> bool:
         head = self._buf.lstrip()
         if head.startswith(THINK_OPEN):
             self._buf, self._mode = head[len(THINK_OPEN):], "reasoning"
@@ -218,18 +236,18 @@ class OutputParser:
         self._mode = "content"
         return True
 
-    def _reasoning(self, out: Parsed, final: bool) -> bool:
+    def _reasoning(self, final: bool) -> bool:
         at = self._buf.find(THINK_CLOSE)
         if at != -1:
-            out.reasoning += self._buf[:at]
+            self._pieces[-1].reasoning += self._buf[:at]
             self._buf, self._mode = self._buf[at + len(THINK_CLOSE):], "after_think"
             return True
         keep = 0 if final else _partial_tag(self._buf, THINK_CLOSE)
-        out.reasoning += self._buf[: len(self._buf) - keep]
+        self._pieces[-1].reasoning += self._buf[: len(self._buf) - keep]
         self._buf = self._buf[len(self._buf) - keep:]
         return False
 
-    def _after_think(self, out: Parsed, final: bool) -> bool:
+    def _after_think(self, final: bool) -> bool:
         # The blank lines after </think> separate it from the answer; they are not the answer.
         self._buf = self._buf.lstrip()
         if not self._buf and not final:
@@ -237,7 +255,7 @@ class OutputParser:
         self._mode = "content"
         return True
 
-    def _plain(self, out: Parsed, final: bool) -> bool:
+    def _plain(self, final: bool) -> bool:
         if self._tools == "json" and not self._content_began:
             head = self._buf.lstrip()
             if not head:
@@ -249,15 +267,15 @@ class OutputParser:
         if self._opener is not None:
             at = self._buf.find(self._opener)
             if at != -1:
-                self._content(out, self._buf[:at])
+                self._content(self._buf[:at])
                 self._buf, self._mode = self._buf[at:], "tool" if self._tools == "tags" else "tail"
                 return True
         keep = _partial_tag(self._buf, self._opener) if self._opener is not None and not final else 0
-        self._content(out, self._buf[: len(self._buf) - keep])
+        self._content(self._buf[: len(self._buf) - keep])
         self._buf = self._buf[len(self._buf) - keep:]
         return False
 
-    def _tool_call(self, out: Parsed, final: bool) -> bool:
+    def _tool_call(self, final: bool) -> bool:
         at = self._buf.find(TOOL_CLOSE, len(TOOL_OPEN))
         if at == -1:
             return False  # wait for the close tag; finish() turns an unclosed block into text
@@ -265,36 +283,38 @@ class OutputParser:
         self._mode = "content"
         call = parse_tool_call(raw[len(TOOL_OPEN): -len(TOOL_CLOSE)])
         if call is None:
-            self._content(out, raw)
+            self._content(raw)
         else:
-            out.tool_calls.append(call)
+            self._pieces[-1].tool_calls.append(call)
             self._ws, self._after_tool = "", True
         return True
 
-    def _tail(self, out: Parsed, final: bool) -> bool:
+    def _tail(self, final: bool) -> bool:
         """A reply's calls that end with it (json, mistral): parsed whole once the reply is over."""
         if not final:
             return False
         parse = parse_json_calls if self._tools == "json" else parse_mistral_calls
         calls = parse(self._buf)
         if calls is None:
-            self._content(out, self._buf)
+            self._content(self._buf)
         else:
-            out.tool_calls += calls
+            self._pieces[-1].tool_calls += calls
             self._ws, self._after_tool = "", True
         self._buf, self._mode = "", "content"
         return False
 
-    def _content(self, out: Parsed, text: str) -> None:
+    def _content(self, text: str) -> None:
         if not self._tools:
-            out.content += text
+            self._pieces[-1].content += text
             return
         # Whitespace touching a tool call is layout between calls, so it is held until we know.
         if self._after_tool:
             text = text.lstrip()
         body = text.rstrip()
         if body:
-            out.content += self._ws + body
+            if self._pieces[-1].tool_calls:  # text after this piece's calls: the next piece
+                self._pieces.append(Parsed())
+            self._pieces[-1].content += self._ws + body
             self._ws, self._after_tool = text[len(body):], False
         else:
             self._ws += text
@@ -320,10 +340,16 @@ class ForcedCallParser:
         self._decoder = json.JSONDecoder()
 
     def feed(self, text: str) -> Parsed:
-        return self._named(text, final=False) if self._name is not None else self._listed(text, final=False)
+        return merged(self.feed_in_order(text))
 
     def finish(self) -> Parsed:
-        return self._named("", final=True) if self._name is not None else self._listed("", final=True)
+        return merged(self.finish_in_order())
+
+    def feed_in_order(self, text: str) -> list[Parsed]:
+        return [self._named(text, final=False)] if self._name is not None else self._listed(text, final=False)
+
+    def finish_in_order(self) -> list[Parsed]:
+        return [self._named("", final=True)] if self._name is not None else self._listed("", final=True)
 
     def _named(self, text: str, final: bool) -> Parsed:
         if self._opened:
@@ -333,8 +359,14 @@ class ForcedCallParser:
         self._opened = True
         return Parsed(tool_calls=[ParsedToolCall(self._name, text)])
 
-    def _listed(self, text: str, final: bool) -> Parsed:
-        out = Parsed()
+    def _listed(self, text: str, final: bool) -> list[Parsed]:
+        pieces = [Parsed()]
+
+        def content(text: str) -> None:
+            if pieces[-1].tool_calls:  # text after the piece's calls: the next piece
+                pieces.append(Parsed())
+            pieces[-1].content += text
+
         self._buf += text
         while True:
             self._buf = self._buf.lstrip(" \t\n[,]")  # the list around the calls
@@ -346,11 +378,11 @@ class ForcedCallParser:
                 break
             call = _call(obj)
             if call is None:
-                out.content += self._buf[:end]
+                content(self._buf[:end])
             else:
-                out.tool_calls.append(call)
+                pieces[-1].tool_calls.append(call)
             self._buf = self._buf[end:]
-        if final:
-            out.content += self._buf
+        if final and self._buf:
+            content(self._buf)
             self._buf = ""
-        return out
+        return pieces

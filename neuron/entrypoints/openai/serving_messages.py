@@ -415,10 +415,11 @@ class _Blocks:
 
     def update(self, update: Update) -> None:
         """One update's text, parsed; the last also ends the parse and closes the open block."""
-        parsed = self.state.parser.feed(update.text)
+        pieces = self.state.parser.feed_in_order(update.text)
         if update.finished:
-            parsed.extend(self.state.parser.finish())
-        self._feed(parsed)
+            pieces += self.state.parser.finish_in_order()
+        for piece in pieces:
+            self._feed(piece)
         if update.finished:
             self._close()
             self.last = update

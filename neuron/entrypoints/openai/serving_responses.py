@@ -371,13 +371,14 @@ class _Run:
 
     def update(self, update: Update) -> None:
         reasoning = self.parser.in_reasoning  # this update's tokens continue <think>
-        parsed = self.parser.feed(update.text)
+        pieces = self.parser.feed_in_order(update.text)
         if update.finished:
-            parsed.extend(self.parser.finish())
+            pieces += self.parser.finish_in_order()
         self.tokens += len(update.token_ids)
-        if parsed.reasoning or reasoning:  # the tokens up to the last of the reasoning, its tags included
+        if reasoning or any(piece.reasoning for piece in pieces):  # up to the last reasoning token, tags included
             self.reasoning_tokens = self.tokens
-        self.output.feed(parsed)
+        for piece in pieces:
+            self.output.feed(piece)
         if update.finished:
             self.finish_reason = update.finish_reason
             self.output.finish(complete=update.finish_reason != "length")
