@@ -202,6 +202,36 @@ def test_top_p_is_relative_to_the_top_k_survivors():
     assert _draws(200, top_k=2, top_p=0.6) == {0, 1}
 
 
+def test_allowed_token_ids_are_the_only_draws():
+    assert _draws(200, allowed_token_ids=[1, 3]) == {1, 3}
+    assert _draws(50, allowed_token_ids=[3], temperature=0) == {3}
+
+
+def test_logit_bias_moves_greedy_and_draws_but_not_the_logprobs():
+    biased = sample(_FOUR, [_sampler(vocab=4, temperature=0, logit_bias={2: 1.0}, logprobs=1)])
+    assert biased.token_ids == [2]  # log 0.2 + 1 > log 0.4
+    assert biased.logprobs[0][2] == pytest.approx(math.log(0.2), abs=1e-6)  # reported from the raw logits
+    assert _draws(200, logit_bias={0: -100.0, 1: -100.0}) == {2, 3}
+    # added before the penalties, as vLLM: the repetition penalty divides the biased logit
+    s = _sampler(vocab=4, temperature=0, logit_bias={1: 2.0}, repetition_penalty=4.0)
+    s.append(1)
+    assert sample(_row(1.0, 1.1, 0.0, 0.0), [s]).token_ids == [0]  # (1.1 + 2) / 4 < 1
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"logit_bias": {1: 101}}, "in [-100, 100]"),
+    ({"logit_bias": {1: float("nan")}}, "in [-100, 100]"),
+    ({"logit_bias": {"1": 1.0}}, "token id"),
+    ({"logit_bias": [1]}, "must map"),
+    ({"allowed_token_ids": []}, "non-empty"),
+    ({"allowed_token_ids": [1.5]}, "token id"),
+])
+def test_bad_logit_bias_and_allowed_token_ids_are_refused(kw, says):
+    with pytest.raises(InvalidParams) as e:
+        SamplingParams(**kw)
+    assert e.value.param == next(iter(kw)) and says in str(e.value)
+
+
 def test_min_p_drops_tokens_below_the_fraction_of_the_best():
     # Floor 0.3 * 0.4 = 0.12: token 3 (0.1) goes, token 2 (0.2) stays.
     assert _draws(300, min_p=0.3) == {0, 1, 2}

@@ -60,6 +60,29 @@ def test_chat_completion(default_server):
     assert out.usage.total_tokens == out.usage.prompt_tokens + 8
 
 
+def test_logit_bias_and_allowed_token_ids(default_server):
+    """OpenAI's logit_bias (its keys token ids as strings, a bias past 100 clamped to it, as vLLM
+    does) and vLLM's allowed_token_ids steer what is sampled; a token outside the vocabulary is a 400."""
+    body = {"model": "neuron-default", "prompt": [5, 17, 200], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "logprobs": 1, "return_tokens_as_token_ids": True}
+    plain = httpx.post(f"{default_server.base_url}/completions", json=body).json()["choices"][0]
+    first = int(plain["logprobs"]["tokens"][0].removeprefix("token_id:"))
+    forced = httpx.post(f"{default_server.base_url}/completions",
+                        json={**body, "logit_bias": {"42": 500, str(first): -100}}).json()["choices"][0]
+    assert forced["logprobs"]["tokens"] == ["token_id:42"] * 4
+    assert forced["logprobs"]["token_logprobs"][0] < plain["logprobs"]["token_logprobs"][0]  # the raw logprob
+    allowed = httpx.post(f"{default_server.base_url}/chat/completions", json={
+        "model": "neuron-default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6,
+        "temperature": 1.0, "seed": 3, "ignore_eos": True, "allowed_token_ids": [7, 9],
+        "logprobs": True, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    assert {t["token"] for t in allowed["logprobs"]["content"]} <= {"token_id:7", "token_id:9"}
+    for extra, param in (({"logit_bias": {"1000000": 1}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+                         ({"allowed_token_ids": [-1]}, "allowed_token_ids"), ({"allowed_token_ids": []},
+                                                                               "allowed_token_ids")):
+        r = httpx.post(f"{default_server.base_url}/completions", json={**body, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+
+
 def test_completion_text_prompt(default_server, default_tokenizer):
     out = client(default_server).completions.create(model="neuron-default", prompt="The morning train",
                                                     max_tokens=5, temperature=0, extra_body={"ignore_eos": True})

@@ -114,8 +114,20 @@ class InputProcessor:
     def _check_samplable(self, params: SamplingParams) -> None:
         """Refuse constraints that leave the first token nothing to be. Until min_tokens tokens exist
         the sampler masks every EOS id (ignore_eos or not) and every stop_token_id; nothing else a
-        request sets can empty a distribution (top_k, top_p and min_p keep the most likely token)."""
+        request sets can empty a distribution (top_k, top_p and min_p keep the most likely token)
+        but allowed_token_ids, when min_tokens masks them all. logit_bias and allowed_token_ids
+        name tokens of the vocabulary."""
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = next((t for t in getattr(params, name) or () if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise RequestError(f"{name} holds token id {bad}, outside the vocabulary (0..{self.vocab_size - 1})",
+                                   param=name)
         stops = params.stop_token_ids or ()
+        if params.allowed_token_ids is not None and params.min_tokens > 0:
+            if set(params.allowed_token_ids) <= {*stops, *self.eos_token_ids}:
+                raise RequestError(f"min_tokens ({params.min_tokens}) blocks EOS and stop_token_ids, and every one of "
+                                   "allowed_token_ids is one of them, so no token could be sampled",
+                                   param="allowed_token_ids")
         if params.min_tokens == 0 or len(stops) + len(self.eos_token_ids) < self.vocab_size:
             return
         masked = {t for t in (*stops, *self.eos_token_ids) if 0 <= t < self.vocab_size}

@@ -1,7 +1,8 @@
 """Choosing the next token of every sequence in a batched step, from rank-0 logits.
 
-Order of operations (vLLM / Hugging Face): min_tokens masks EOS and stop ids, then the
-repetition, frequency and presence penalties, then the structured-output grammar's mask, then
+Order of operations (vLLM's): allowed_token_ids masks every other token, min_tokens masks EOS
+and stop ids, logit_bias is added, then the repetition, frequency and presence penalties, then the
+structured-output grammar's mask, then
 greedy argmax or temperature, top_k, top_p, min_p and a draw (draw.py): the unseeded rows of the batch
 together from the global generator, a seeded row from its own. Logprobs are always those of the
 raw logits.
@@ -32,7 +33,8 @@ from neuron.utils.device import to_device
 class SequenceSampler:
     """What one generated sequence needs at each step: its params, penalty counts, generator."""
 
-    __slots__ = ("params", "vocab_size", "output_token_ids", "generator", "_prompt_mask", "_counts")
+    __slots__ = ("params", "vocab_size", "output_token_ids", "generator", "_prompt_mask", "_counts", "_blocked",
+                 "_bias_ids", "_bias")
 
     def __init__(
         self,
@@ -56,6 +58,14 @@ class SequenceSampler:
             self._prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             ids = [t for t in prompt_token_ids if 0 <= t < vocab_size]
             self._prompt_mask[to_device(ids, device, torch.long)] = True
+        self._blocked: torch.Tensor | None = None  # the tokens allowed_token_ids leaves out
+        if params.allowed_token_ids is not None:
+            self._blocked = torch.ones(vocab_size, dtype=torch.bool, device=device)
+            self._blocked[to_device(params.allowed_token_ids, device, torch.long)] = False
+        self._bias_ids = self._bias = None
+        if params.logit_bias:
+            self._bias_ids = to_device(list(params.logit_bias), device, torch.long)
+            self._bias = to_device(list(params.logit_bias.values()), device, torch.float32)
 
     def _seeded_generator(self, device: str | torch.device) -> torch.Generator | None:
         # Unseeded sequences draw from the global RNG; a seeded one owns its stream, so its
@@ -75,7 +85,7 @@ class SequenceSampler:
 
     @property
     def adjusts_logits(self) -> bool:
-        return self.params.penalised or self.below_min_tokens
+        return self.params.penalised or self.params.biased or self.below_min_tokens
 
     @property
     def plain_greedy(self) -> bool:
@@ -83,9 +93,14 @@ class SequenceSampler:
         return self.params.greedy and self.params.logprobs is None and not self.adjusts_logits
 
     def adjust(self, row: torch.Tensor, eos_token_ids: Sequence[int]) -> None:
-        """Apply min_tokens and the penalties to this sequence's row of logits, in place."""
+        """Apply allowed_token_ids, min_tokens, logit_bias and the penalties to this sequence's row
+        of logits, in place."""
+        if self._blocked is not None:
+            row.masked_fill_(self._blocked, float("-inf"))
         if self.below_min_tokens:
             self._block_stops(row, eos_token_ids)
+        if self._bias is not None:
+            row.index_add_(0, self._bias_ids, self._bias.to(row.dtype))
         if self._prompt_mask is not None:
             seen = self._prompt_mask | (self._counts > 0)
             penalty = self.params.repetition_penalty
@@ -196,6 +211,9 @@ def _why(raw_row: torch.Tensor, sampler: SequenceSampler, constrained: bool = Fa
     if constrained:
         return SampleFailure("no token can be sampled: the structured output's grammar allows no token that the "
                              "model and min_tokens (which blocks EOS and stop_token_ids) leave", True)
+    if sampler.params.allowed_token_ids is not None:
+        return SampleFailure("no token can be sampled: the model and min_tokens (which blocks EOS and "
+                             "stop_token_ids) leave none of allowed_token_ids", True)
     if sampler.below_min_tokens:
         return SampleFailure(f"no token can be sampled: min_tokens ({sampler.params.min_tokens}) blocks EOS and "
                              "stop_token_ids, and the model allows no other token", True)

@@ -20,6 +20,8 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024  # per stop string
 MAX_STOP_TOKEN_IDS = 4096
+MAX_TOKEN_LIST = 1 << 19  # logit_bias and allowed_token_ids: as many as the largest vocabulary
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: 100 already decides a draw; the server clamps to it, as vLLM
 
 # Dividing by a temperature this small overflows float32; the result would be argmax anyway.
 _GREEDY_BELOW = 1e-5
@@ -76,9 +78,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the prompt tokens' own logprobs and this many top-k at each
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # a stop string, EOS or stop token that ends the text stays in it
-    # Structured output: what the text must match. The server hands the engine the grammar it
-    # what the output must match; compiled when the request is added, unless the caller compiled it
-    # already (off the event loop) and adds it with the request, beside these params
+    logit_bias: dict[int, float] | None = None  # added to these tokens' logits before the penalties
+    allowed_token_ids: list[int] | None = None  # the only tokens that may be sampled
+    # Structured output: what the output must match; compiled when the request is added, unless the
+    # caller compiled it already (off the event loop) and adds it with the request, beside these params
     guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
@@ -87,6 +90,7 @@ class SamplingParams:
         self._check_stop_sizes()  # before anything walks the lists
         if self.stop_token_ids is not None:
             self.stop_token_ids = token_ids(self.stop_token_ids, "stop_token_ids")
+        self._check_token_lists()
         self._check_sampling()
         self._check_penalties()
         self._check_lengths()
@@ -95,6 +99,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_BELOW or self.top_k == 1
+
+    @property
+    def biased(self) -> bool:
+        """Whether logit_bias or allowed_token_ids change the logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def penalised(self) -> bool:
@@ -144,6 +153,28 @@ class SamplingParams:
                 got = f"{count} ids" if count is not None else _shown(self.stop_token_ids)
                 raise InvalidParams("stop_token_ids", f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} "
                                                       f"token ids, got {got}")
+
+    def _check_token_lists(self) -> None:
+        """logit_bias as {token id: finite bias}, allowed_token_ids as a non-empty list of ids, both
+        bounded (the vocabulary is checked when the request is added)."""
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            if not isinstance(bias, dict) or len(bias) > MAX_TOKEN_LIST:
+                raise InvalidParams("logit_bias", f"logit_bias must map at most {MAX_TOKEN_LIST} token ids to "
+                                                  f"biases, got {_shown(bias)}")
+            ids = token_ids(list(bias), "logit_bias")
+            values = list(bias.values())
+            lo, hi = LOGIT_BIAS_RANGE
+            if not all(isinstance(v, int | float) and not isinstance(v, bool) and lo <= v <= hi for v in values):
+                raise InvalidParams("logit_bias", f"logit_bias's biases must be numbers in [{lo:g}, {hi:g}], got "
+                                                  f"{_shown(bias)}")
+            self.logit_bias = {t: float(v) for t, v in zip(ids, values)}
+        if self.allowed_token_ids is not None:
+            allowed = self.allowed_token_ids
+            if not hasattr(allowed, "__len__") or not 0 < len(allowed) <= MAX_TOKEN_LIST:
+                raise InvalidParams("allowed_token_ids", f"allowed_token_ids must be a non-empty list of at most "
+                                                         f"{MAX_TOKEN_LIST} token ids, got {_shown(allowed)}")
+            self.allowed_token_ids = token_ids(allowed, "allowed_token_ids")
 
     def _check_outputs(self) -> None:
         if self.stop is not None:

@@ -19,7 +19,7 @@ from neuron.engine.input_processor import check_cache_salt
 from neuron.engine.llm_engine import RequestError, Update
 from neuron.engine.parallel_sampling import num_samples, ranked, sample_id, sample_params
 from neuron.engine.pooling import GENERATE
-from neuron.engine.sampling_params import REPETITION_PENALTY_RANGE, InvalidParams, SamplingParams
+from neuron.engine.sampling_params import LOGIT_BIAS_RANGE, REPETITION_PENALTY_RANGE, InvalidParams, SamplingParams
 from neuron.engine.structured_output import CompiledGrammar
 from neuron.entrypoints.openai.api_errors import (
     APIError,
@@ -71,8 +71,22 @@ def check_common(req: SamplingRequest) -> None:
     if req.stream and req.best_of is not None and req.best_of > n:
         raise unsupported("best_of", "best_of > n cannot be streamed: which samples are the best is known only "
                                      "when all have finished")
-    if req.logit_bias:
-        raise unsupported("logit_bias", "logit_bias is not supported")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as the JSON object's keys) as SamplingParams takes it, each
+    bias clamped to [-100, 100] as vLLM clamps it."""
+    if not bias:
+        return None
+    lo, hi = LOGIT_BIAS_RANGE
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias's keys must be token ids, got {key!r:.40}", param="logit_bias") from None
+        out[token] = min(hi, max(lo, value))
+    return out
 
 
 def request_salt(req: SamplingRequest | EmbeddingRequest, isolation: str, presented_key: str) -> str | None:
@@ -155,6 +169,7 @@ def sampling_params(req: SamplingRequest, defaults: dict, *, max_tokens: int | N
             min_tokens=req.min_tokens, stop=req.stop,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
+            logit_bias=_logit_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids,
         )
     except InvalidParams as exc:
         param = renames.get(exc.param, exc.param)
