@@ -101,6 +101,41 @@ def test_chat(tp2_llm):
     assert len(out[0].outputs[0].token_ids) == 5 and out[0].outputs[0].finish_reason == "length"
 
 
+def test_chat_takes_vllms_arguments(tp2_llm):
+    """vLLM's chat arguments: chat_template_kwargs reach the template, continue_final_message
+    continues the last message, chat_template replaces the checkpoint's, use_tqdm a bar of the
+    caller's; priority other than 0 is refused, since scheduling is first come, first served."""
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    hello = [{"role": "user", "content": "Hello there"}]
+    off = tp2_llm.chat(hello, params, chat_template_kwargs={"enable_thinking": False})[0].prompt
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    started = hello + [{"role": "assistant", "content": "General Kenobi, "}]
+    out = tp2_llm.chat(started, params, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nGeneral Kenobi, ")  # no <|im_end|>
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        tp2_llm.chat(started, params, continue_final_message=True)
+    plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert tp2_llm.chat(hello, params, chat_template=plain)[0].prompt == "user: Hello there\n"
+    bars = []
+
+    class Bar:
+        def __init__(self, total, desc):
+            self.total, self.n = total, 0
+            bars.append(self)
+
+        def update(self, k):
+            self.n += k
+
+        def close(self):
+            pass
+
+    tp2_llm.generate(["a", "b", "c"], params, use_tqdm=Bar)
+    assert [(b.total, b.n) for b in bars] == [(3, 3)]
+    assert len(tp2_llm.generate("a", params, use_tqdm=False, priority=0)) == 1
+    with pytest.raises(ValueError, match="priority scheduling is not supported"):
+        tp2_llm.generate("a", params, priority=1)
+
+
 @pytest.mark.slow
 def test_workers_exit_with_the_interpreter(tmp_path):
     """Forgetting shutdown() must not leave workers behind."""

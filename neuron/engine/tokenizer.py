@@ -190,12 +190,14 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        chat_template: str | None = None,
         **template_kwargs,
     ) -> str:
-        """The prompt for `messages`, rendered as transformers' apply_chat_template(tokenize=False) would."""
+        """The prompt for `messages`, rendered as transformers' apply_chat_template(tokenize=False)
+        would: by `chat_template` where given (Jinja source), else the tokenizer's own."""
         messages = _normalise_messages(messages)
-        template = self._templates.get("tool_use") if tools else None
-        template = template or self.chat_template
+        template = self._templates.get("tool_use") if tools and chat_template is None else None
+        template = chat_template or template or self.chat_template
         if template is None:
             return _chatml(messages, add_generation_prompt)
         context = {"documents": None, **self._named_tokens, **template_kwargs}

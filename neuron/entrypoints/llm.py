@@ -13,10 +13,11 @@ import atexit
 import base64
 import io
 import itertools
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from neuron.engine.input_processor import check_cache_salt
 from neuron.engine.llm_engine import EngineConfig, LLMEngine, Update, encode_prompt
@@ -145,13 +146,19 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched together; outputs in prompt order, each with
         `n` samples (`outputs[i].index == i`; see parallel_sampling for seeds and best_of).
         `lora_request`: the LoRA adapter every prompt runs, or one per prompt (None: the base model);
-        an adapter is loaded the first time a request names it."""
+        an adapter is loaded the first time a request names it. `use_tqdm`: a progress bar over the
+        prompts on a terminal (a callable makes the bar, as in vLLM); `priority`: only 0, the
+        scheduling being first come, first served."""
         if isinstance(prompts, (str, dict)) or (len(prompts) and _is_id(prompts[0])):  # one prompt of ids
             prompts = [prompts]
+        _check_priority(priority, len(prompts))
         params = sampling_params or self.get_default_sampling_params()
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
@@ -166,7 +173,7 @@ class LLM:
         routes: dict[str, tuple[RequestOutput, int]] = {}
         outputs = [self._add(prompt, children, routes, lora) for prompt, children, lora in zip(tokenized, samples,
                                                                                                adapters)]
-        self._run(routes)
+        self._run(routes, use_tqdm)
         for out, p in zip(outputs, params_list):
             _keep_best(out, p)
         return outputs
@@ -200,10 +207,11 @@ class LLM:
         self._drain(set(outputs), take, "embedding")
         return list(outputs.values())
 
-    def _drain(self, pending: set[str], take: Callable[[Update], None], what: str) -> None:
+    def _drain(self, pending: set[str], take: Callable[[Update], None], what: str,
+               finished: Callable[[], None] = lambda: None) -> None:
         """Step until each of these requests has its final update, handing each of their updates to
-        `take`. A failed one raises, after the others were aborted and drained, so none keeps running
-        unseen in the engine."""
+        `take` (and calling `finished` as each ends). A failed one raises, after the others were
+        aborted and drained, so none keeps running unseen in the engine."""
         failure = None
         while pending:
             for u in self.engine.step():
@@ -213,6 +221,7 @@ class LLM:
                 if not u.finished:
                     continue
                 pending.discard(u.request_id)
+                finished()
                 if u.error and failure is None:
                     failure = u.error
                     for rid in pending:
@@ -245,19 +254,34 @@ class LLM:
             routes[sid] = (out, i)
         return out
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             **template_kwargs) -> list[RequestOutput]:
-        """Chat turns through the checkpoint's template. Content may be a list of parts: text
-        (`{"type": "text", "text": ...}`) and, for vision models, images (`{"type": "image_url",
-        "image_url": {"url": "data:..."}}` or `{"type": "image", "image": <PIL image>}`)."""
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool | Callable[..., Any] = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, **template_kwargs) -> list[RequestOutput]:
+        """Chat turns through the checkpoint's template (or `chat_template`), with vLLM's arguments.
+        Content may be a list of parts: text (`{"type": "text", "text": ...}`) and, for vision
+        models, images (`{"type": "image_url", "image_url": {"url": "data:..."}}` or `{"type":
+        "image", "image": <PIL image>}`). `continue_final_message`: the reply continues the last
+        (assistant) message rather than opening a turn of its own. `chat_template_kwargs` (and any
+        other keyword) reach the template, as `enable_thinking` for Qwen3."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message, so it needs "
+                             "add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self._need_tokenizer()
+        kwargs = {**template_kwargs, **(chat_template_kwargs or {})}
         prompts = []
         for conversation in conversations:
             shaped, images = chat_images(conversation)
-            text = tok.apply_chat_template(shaped, add_generation_prompt=True, **template_kwargs)
+            text = tok.apply_chat_template(shaped, add_generation_prompt=add_generation_prompt, tools=tools,
+                                           chat_template=chat_template, **kwargs)
+            if continue_final_message:
+                text = _continued(text, shaped)
             prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, lora_request, use_tqdm=use_tqdm)
 
     def _tokenize(self, prompt: PromptType) -> _Prompt:
         """One prompt: a string, token ids, or a dict of vLLM's keys (`prompt` or `prompt_token_ids`,
@@ -298,8 +322,10 @@ class LLM:
             raise NeuronError("this checkpoint has no tokenizer.json")
         return self.engine.tokenizer
 
-    def _run(self, routes: dict[str, tuple[RequestOutput, int]]) -> None:
-        """Step until every sample of this call finished (see _drain)."""
+    def _run(self, routes: dict[str, tuple[RequestOutput, int]], use_tqdm: bool | Callable[..., Any] = False) -> None:
+        """Step until every sample of this call finished (see _drain), a bar counting the prompts."""
+        bar = _progress_bar(use_tqdm, len({id(out) for out, _ in routes.values()}))
+
         def take(u: Update) -> None:
             out, i = routes[u.request_id]
             _apply(out.outputs[i], u)
@@ -307,8 +333,14 @@ class LLM:
                 out.prompt_logprobs, out.prompt_token_ranks = u.prompt_logprobs, u.prompt_token_ranks
             if u.finished:
                 out.finished = all(c.finish_reason is not None for c in out.outputs)
+                if out.finished and bar is not None:
+                    bar.update(1)
 
-        self._drain(set(routes), take, "generation")
+        try:
+            self._drain(set(routes), take, "generation")
+        finally:
+            if bar is not None:
+                bar.close()
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -319,6 +351,43 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+
+
+def _continued(text: str, messages: list[dict]) -> str:
+    """The rendered chat cut right after its last message's text, which the reply then continues
+    (what transformers and vLLM do with continue_final_message)."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, list):  # parts: the last text part is where the message ends
+        content = next((p.get("text") for p in reversed(content) if isinstance(p, dict) and p.get("type") == "text"),
+                       None)
+    if not isinstance(content, str) or not content.strip() or content.strip() not in text:
+        raise ValueError("continue_final_message needs a last message whose text the chat template renders")
+    at = text.rindex(content.strip())
+    kept = content.lstrip()  # its trailing spaces too, where the template kept them
+    return text[: at + (len(kept) if text[at: at + len(kept)] == kept else len(content.strip()))]
+
+
+def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int):
+    """vLLM's `use_tqdm`: True, a tqdm bar where stderr is a terminal; a callable, the bar it makes."""
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="Processed prompts")
+    if not use_tqdm or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", unit="prompt", file=sys.stderr)
+
+
+def _check_priority(priority: int | Sequence[int] | None, n: int) -> None:
+    """vLLM's `priority`, where its scheduling is first come, first served: 0 for every prompt."""
+    if priority is None:
+        return
+    values = [priority] * n if isinstance(priority, int) else list(priority)
+    if len(values) != n:
+        raise ValueError(f"{n} prompts but {len(values)} priorities")
+    if any(v != 0 for v in values):
+        raise ValueError("priority scheduling is not supported: requests run first come, first served "
+                         "(leave priority out, or 0)")
 
 
 def _is_id(value) -> bool:
