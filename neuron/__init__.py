@@ -12,6 +12,7 @@ _LAZY = {
     "LLM": "neuron.entrypoints.llm",
     "RequestOutput": "neuron.entrypoints.llm",
     "CompletionOutput": "neuron.entrypoints.llm",
+    "Logprob": "neuron.entrypoints.llm",
     "SamplingParams": "neuron.engine.sampling_params",
     "GuidedDecodingParams": "neuron.engine.sampling_params",
     "PoolingParams": "neuron.engine.pooling",
@@ -30,4 +31,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLM", "SamplingParams", "GuidedDecodingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
-           "EmbeddingRequestOutput", "__version__"]
+           "Logprob", "EmbeddingRequestOutput", "__version__"]

@@ -136,6 +136,33 @@ def test_chat_takes_vllms_arguments(tp2_llm):
         tp2_llm.generate("a", params, priority=1)
 
 
+def test_logprobs_are_vllms_logprob_objects(tp2_llm):
+    """Each entry a Logprob: still the float it was, with `.logprob`, `.rank` in the vocabulary
+    (the sampled token's found by the engine over every token) and `.decoded_token`."""
+    from neuron import Logprob
+
+    tok = tp2_llm.get_tokenizer()
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    out = tp2_llm.generate("The quick brown fox", params)[0]
+    sampled_ranks = []
+    for token, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
+        assert all(isinstance(lp, Logprob) and lp.logprob == lp for lp in entry.values())
+        assert all(lp.decoded_token == tok.decode([t], skip_special_tokens=False) for t, lp in entry.items())
+        top = sorted((t for t in entry if t != token or entry[t].rank <= 3), key=lambda t: -entry[t])
+        assert [entry[t].rank for t in top][:3] == [1, 2, 3]
+        first = entry[token]
+        assert first.rank == 1 + sum(v > first for v in entry.values()) or first.rank > 3
+        sampled_ranks.append(first.rank)
+    assert max(sampled_ranks) > 1  # the draws are not all greedy, so the ranks say something
+    for pos, entry in enumerate(out.prompt_logprobs):
+        if entry is None:
+            continue
+        first = next(iter(entry.values()))
+        assert isinstance(first, Logprob) and first.rank == out.prompt_token_ranks[pos]
+    greedy = tp2_llm.generate("The quick brown fox", SamplingParams(temperature=0.0, max_tokens=4, logprobs=1))[0]
+    assert all(entry[t].rank == 1 for t, entry in zip(greedy.outputs[0].token_ids, greedy.outputs[0].logprobs))
+
+
 @pytest.mark.slow
 def test_workers_exit_with_the_interpreter(tmp_path):
     """Forgetting shutdown() must not leave workers behind."""

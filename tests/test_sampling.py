@@ -587,8 +587,9 @@ def test_a_step_moves_its_results_to_the_host_once(monkeypatch, batch):
     logits = torch.randn(len(samplers), V, generator=torch.Generator().manual_seed(5))
     calls = _transfers(monkeypatch)
     result = sample(logits, samplers, eos_token_ids=[EOS], allowed=allowed)
-    # One call: the chosen ids alone, or with the logprob rows' chosen logprob, top ids and values.
-    assert calls == ([1] if batch == "greedy" else [4])
+    # One call: the chosen ids alone, or with the logprob rows' chosen logprob, top ids and values,
+    # and the chosen token's rank.
+    assert calls == ([1] if batch == "greedy" else [5])
     assert -1 not in result.token_ids and not result.failed
     if batch.startswith("mixed"):
         assert result.token_ids[5] not in (EOS, 8)  # min_tokens

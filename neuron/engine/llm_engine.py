@@ -235,15 +235,16 @@ class LLMEngine:
             log.warning("sampling a batch of %d failed (%s: %s); sampling each sequence alone",
                         len(ready), type(exc).__name__, exc)
             return [self._sample_alone(s, logits[i : i + 1]) for i, s in enumerate(ready)]
-        return [self._advance_or_fail(s, token, lp, result.failed.get(i))
-                for i, (s, token, lp) in enumerate(zip(ready, result.token_ids, result.logprobs))]
+        return [self._advance_or_fail(s, token, lp, result.failed.get(i), rank)
+                for i, (s, token, lp, rank) in enumerate(zip(ready, result.token_ids, result.logprobs, result.ranks,
+                                                              strict=True))]
 
     def _sample_alone(self, s: Scheduled, row: torch.Tensor) -> Update:
         try:
             result = sample(row, [s.seq.sampler], self.model.eos_token_ids, self._allowed([s]))
         except Exception as exc:  # noqa: BLE001 - contained: this sequence alone ends
             return self._fail([s.seq], _internal("sampling", exc), "internal_error", exc)[0]
-        return self._advance_or_fail(s, result.token_ids[0], result.logprobs[0], result.failed.get(0))
+        return self._advance_or_fail(s, result.token_ids[0], result.logprobs[0], result.failed.get(0), result.ranks[0])
 
     def _allowed(self, ready: list[Scheduled]) -> TokenBitmask | None:
         """The grammar masks of the sequences with structured output, one call for the batch."""
@@ -252,7 +253,7 @@ class LLMEngine:
         return self.structured.allowed_tokens([s.seq.grammar for s in ready])
 
     def _advance_or_fail(self, s: Scheduled, token: int, logprobs: dict[int, float] | None,
-                         failure: SampleFailure | None) -> Update:
+                         failure: SampleFailure | None, rank: int | None = None) -> Update:
         if failure is not None:
             kind = "invalid_request" if failure.by_request else "internal_error"
             return self._fail([s.seq], failure.message, kind)[0]
@@ -260,7 +261,7 @@ class LLMEngine:
         try:
             if not self.scheduler.advance(seq, token):  # a grammar past its limits, mid-way
                 return self._fail([seq], f"structured output failed: {seq.grammar.error}", "invalid_request")[0]
-            update = self.outputs.process(seq, token, logprobs)
+            update = self.outputs.process(seq, token, logprobs, rank)
         except Exception as exc:  # noqa: BLE001 - contained: this sequence alone ends
             return self._fail([seq], _internal("processing the output", exc), "internal_error", exc)[0]
         if update.finished:

@@ -38,6 +38,8 @@ class Update:
     prompt_token_ranks: list[int | None] | None = None
     # An embedding request's pooled vector (engine/pooling.py), on its final update.
     embedding: list[float] | None = None
+    # With logprobs: each token's rank in the vocabulary (1: the most likely; vLLM's Logprob.rank)
+    token_ranks: list[int | None] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -72,7 +74,8 @@ class OutputProcessor:
         tr = self._tracked.get(request_id)
         return None if tr is None else tr.seq
 
-    def process(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> Update:
+    def process(self, seq: Sequence, token: int, logprobs: dict[int, float] | None,
+                rank: int | None = None) -> Update:
         """The update for `token`, just appended to `seq`'s output. A finished update carries the
         finish and stop reasons the scheduler retires the sequence with."""
         tr = self._tracked[seq.request_id]
@@ -88,9 +91,11 @@ class OutputProcessor:
             if reason is not None and not isinstance(stop_reason, str):
                 tr.text += tr.detok.flush()
         lps = None if logprobs is None else [logprobs]
-        if reason is None:
-            return self._partial(tr, [token], lps)
-        return self._final(tr, reason, stop_reason, [token], lps)
+        update = self._partial(tr, [token], lps) if reason is None else self._final(tr, reason, stop_reason, [token],
+                                                                                     lps)
+        if logprobs is not None:
+            update.token_ranks = [rank]
+        return update
 
     def end(self, seq: Sequence, error: str | None = None, failure_kind: str | None = None) -> Update:
         """The final update of a request the scheduler retired from outside (aborted, failed, or

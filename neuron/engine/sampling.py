@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -132,7 +132,10 @@ class SampleResult:
     token_ids: list[int]  # -1 for a failed row
     # Per row: None unless its params ask for logprobs; else the sampled id first, then the top ids.
     logprobs: list[dict[int, float] | None]
-    failed: dict[int, SampleFailure] = field(default_factory=dict)  # by row
+    failed: dict[int, SampleFailure]  # by row
+    # Per row: None unless its params ask for logprobs; else the sampled token's rank in the
+    # vocabulary (1: the most likely)
+    ranks: list[int | None]
 
 
 def sample(
@@ -148,13 +151,16 @@ def sample(
     if allowed is None and all(s.plain_greedy for s in samplers):
         (token_ids,) = _to_host(_greedy(logits))
         failed = _failures(logits, token_ids, samplers)
-        return SampleResult(token_ids, [None] * len(samplers), failed)
+        return SampleResult(token_ids, [None] * len(samplers), failed, [None] * len(samplers))
     raw = logits.float()  # rank 0's logits are float32 already, and then this is `logits` itself
     chosen = _choose(_adjusted(raw, samplers, eos_token_ids, allowed), samplers)
     rows = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
     token_ids, *reported = _to_host(chosen, *_logprob_tensors(raw, chosen, rows, samplers))
     failed = _failures(raw, token_ids, samplers, allowed.rows if allowed is not None else ())
-    return SampleResult(token_ids, _logprobs(rows, reported, token_ids, samplers, failed), failed)
+    ranks: list[int | None] = [None] * len(samplers)
+    for j, i in enumerate(rows):
+        ranks[i] = reported[-1][j]
+    return SampleResult(token_ids, _logprobs(rows, reported, token_ids, samplers, failed), failed, ranks)
 
 
 def _to_host(*tensors: torch.Tensor) -> list[list]:
@@ -255,8 +261,9 @@ def _draw(x: torch.Tensor, samplers: list[SequenceSampler]) -> torch.Tensor:
 def _logprob_tensors(
     raw: torch.Tensor, chosen: torch.Tensor, rows: list[int], samplers: list[SequenceSampler]
 ) -> tuple[torch.Tensor, ...]:
-    """For `rows`, on the device: the chosen token's logprob, then the top k ids and logprobs
-    (k the largest any row asks for). A failed row's (chosen -1) are computed and dropped later."""
+    """For `rows`, on the device: the chosen token's logprob, the top k ids and logprobs (k the
+    largest any row asks for), and the chosen token's rank. A failed row's (chosen -1) are computed
+    and dropped later."""
     if not rows:
         return ()
     if len(rows) != len(samplers):
@@ -265,7 +272,8 @@ def _logprob_tensors(
     lp = torch.log_softmax(raw, dim=-1)
     top_vals, top_ids = lp.topk(max(samplers[i].params.logprobs for i in rows), dim=-1)
     chosen_lp = lp.gather(-1, chosen.clamp(min=0)[:, None]).squeeze(-1)
-    return chosen_lp, top_ids, top_vals
+    rank = (lp > chosen_lp[:, None]).sum(dim=-1) + 1
+    return chosen_lp, top_ids, top_vals, rank
 
 
 def _logprobs(
@@ -276,7 +284,7 @@ def _logprobs(
     out: list[dict[int, float] | None] = [None] * len(samplers)
     if not rows:
         return out
-    chosen_lp, top_ids, top_vals = reported
+    chosen_lp, top_ids, top_vals, _ = reported
     for j, i in enumerate(rows):
         if i in failed:
             continue

@@ -29,13 +29,36 @@ from neuron.errors import NeuronError
 from neuron.multimodal.image import ImageInput
 
 
+class Logprob(float):
+    """A token's logprob as vLLM gives it: the value itself (a float, as these entries always
+    were), with `logprob`, `rank` (its place in the vocabulary, 1 the most likely) and
+    `decoded_token` (its text alone; None without a tokenizer)."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> "Logprob":
+        out = super().__new__(cls, logprob)
+        out.rank, out.decoded_token = rank, decoded_token
+        return out
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self):
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
 
@@ -47,7 +70,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # SamplingParams.prompt_logprobs
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # SamplingParams.prompt_logprobs
     # with them: each prompt token's rank in the vocabulary (1: the most likely; vLLM's Logprob.rank)
     prompt_token_ranks: list[int | None] | None = None
 
@@ -326,11 +349,15 @@ class LLM:
         """Step until every sample of this call finished (see _drain), a bar counting the prompts."""
         bar = _progress_bar(use_tqdm, len({id(out) for out, _ in routes.values()}))
 
+        decode = self._token_text
+
         def take(u: Update) -> None:
             out, i = routes[u.request_id]
-            _apply(out.outputs[i], u)
+            _apply(out.outputs[i], u, decode)
             if u.prompt_logprobs is not None and out.prompt_logprobs is None:
-                out.prompt_logprobs, out.prompt_token_ranks = u.prompt_logprobs, u.prompt_token_ranks
+                out.prompt_logprobs = [None if e is None else _logprobs(e, rank, decode)
+                                       for e, rank in zip(u.prompt_logprobs, u.prompt_token_ranks)]
+                out.prompt_token_ranks = u.prompt_token_ranks
             if u.finished:
                 out.finished = all(c.finish_reason is not None for c in out.outputs)
                 if out.finished and bar is not None:
@@ -341,6 +368,11 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+
+    def _token_text(self, token: int) -> str | None:
+        """A token's text alone, as a logprob entry names it."""
+        tok = self.engine.tokenizer
+        return None if tok is None else tok.decode([token], skip_special_tokens=False)
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -395,15 +427,29 @@ def _is_id(value) -> bool:
     return hasattr(value, "__index__") and not isinstance(value, (list, tuple, dict, str))
 
 
-def _apply(c: CompletionOutput, u: Update) -> None:
+def _apply(c: CompletionOutput, u: Update, decode: Callable[[int], str | None]) -> None:
     c.token_ids.extend(u.token_ids)
     c.text += u.text
     if u.logprobs is not None:
-        c.logprobs.extend(u.logprobs)
+        ranks = u.token_ranks or [None] * len(u.logprobs)
+        c.logprobs.extend(_logprobs(entry, rank, decode) for entry, rank in zip(u.logprobs, ranks))
     if u.finished:
         c.finish_reason, c.stop_reason = u.finish_reason, u.stop_reason
         if c.logprobs:
             c.cumulative_logprob = cumulative_logprob(c.token_ids, c.logprobs)
+
+
+def _logprobs(entry: dict[int, float], first_rank: int | None,
+              decode: Callable[[int], str | None]) -> dict[int, Logprob]:
+    """One position's entry as vLLM's Logprob objects. The first id (the sampled or prompt token)
+    has the rank the engine found in the whole vocabulary; the others are the top ones, each
+    ranked by the entries above it (every token above one of the top k is among them)."""
+    values = list(entry.values())
+    out = {}
+    for k, (token, value) in enumerate(entry.items()):
+        rank = first_rank if k == 0 else 1 + sum(v > value for v in values)
+        out[token] = Logprob(value, rank, decode(token))
+    return out
 
 
 def _keep_best(out: RequestOutput, params: SamplingParams) -> None:
