@@ -230,11 +230,10 @@ class LLM:
         self._drain(set(outputs), take, "embedding")
         return list(outputs.values())
 
-    def _drain(self, pending: set[str], take: Callable[[Update], None], what: str,
-               finished: Callable[[], None] = lambda: None) -> None:
+    def _drain(self, pending: set[str], take: Callable[[Update], None], what: str) -> None:
         """Step until each of these requests has its final update, handing each of their updates to
-        `take` (and calling `finished` as each ends). A failed one raises, after the others were
-        aborted and drained, so none keeps running unseen in the engine."""
+        `take`. A failed one raises, after the others were aborted and drained, so none keeps running
+        unseen in the engine."""
         failure = None
         while pending:
             for u in self.engine.step():
@@ -244,7 +243,6 @@ class LLM:
                 if not u.finished:
                     continue
                 pending.discard(u.request_id)
-                finished()
                 if u.error and failure is None:
                     failure = u.error
                     for rid in pending:
