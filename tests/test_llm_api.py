@@ -136,6 +136,19 @@ def test_chat_takes_vllms_arguments(tp2_llm):
         tp2_llm.generate("a", params, priority=1)
 
 
+def test_bad_words_are_not_written(tp2_llm):
+    tok = tp2_llm.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    plain = tp2_llm.generate("The quick brown fox", params)[0].outputs[0]
+    word = tok.decode(plain.token_ids[:1]).strip()
+    assert word  # the default model's first token here is a word, so the test says something
+    banned = tp2_llm.generate("The quick brown fox", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                                    bad_words=[word]))[0].outputs[0]
+    assert banned.token_ids[0] != plain.token_ids[0]
+    assert not any(ids == banned.token_ids[i:i + len(ids)] for ids in (tok.encode(word), tok.encode(" " + word))
+                   for i in range(len(banned.token_ids)))
+
+
 def test_logprobs_are_vllms_logprob_objects(tp2_llm):
     """Each entry a Logprob: still the float it was, with `.logprob`, `.rank` in the vocabulary
     (the sampled token's found by the engine over every token) and `.decoded_token`."""

@@ -218,7 +218,27 @@ def test_logit_bias_moves_greedy_and_draws_but_not_the_logprobs():
     assert sample(_row(1.0, 1.1, 0.0, 0.0), [s]).token_ids == [0]  # (1.1 + 2) / 4 < 1
 
 
+def test_bad_words_ban_the_token_that_would_complete_one():
+    s = SequenceSampler(SamplingParams(temperature=0, bad_words=["x"]), [], 4, "cpu", [[0], [2, 1]])
+    row = _row(3.0, 2.0, 1.0, 0.0)
+    assert sample(row, [s]).token_ids == [1]  # 0 is a bad word alone
+    s.append(2)
+    assert sample(row, [s]).token_ids == [2]  # after 2, 1 would complete [2, 1]
+    s.append(3)
+    assert sample(row, [s]).token_ids == [1]
+
+
+def test_bad_words_cover_both_forms_of_a_word(default_tokenizer):
+    from neuron.engine.sampling import bad_words_token_ids
+
+    forms = bad_words_token_ids(default_tokenizer, ["hello", " world"])
+    assert default_tokenizer.encode("hello") in forms and default_tokenizer.encode(" hello") in forms
+    assert default_tokenizer.encode("world") in forms and default_tokenizer.encode(" world") in forms
+
+
 @pytest.mark.parametrize("kw, says", [
+    ({"bad_words": [" "]}, "non-blank"),
+    ({"bad_words": "word"}, "a list"),
     ({"logit_bias": {1: 101}}, "in [-100, 100]"),
     ({"logit_bias": {1: float("nan")}}, "in [-100, 100]"),
     ({"logit_bias": {"1": 1.0}}, "token id"),

@@ -78,7 +78,8 @@ def test_logit_bias_and_allowed_token_ids(default_server):
     assert {t["token"] for t in allowed["logprobs"]["content"]} <= {"token_id:7", "token_id:9"}
     for extra, param in (({"logit_bias": {"1000000": 1}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
                          ({"allowed_token_ids": [-1]}, "allowed_token_ids"), ({"allowed_token_ids": []},
-                                                                               "allowed_token_ids")):
+                                                                               "allowed_token_ids"),
+                         ({"bad_words": [" "]}, "bad_words")):
         r = httpx.post(f"{default_server.base_url}/completions", json={**body, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
 

@@ -23,7 +23,7 @@ from neuron.engine.lora import Adapter, LoraSlots
 from neuron.engine.model_config import ModelConfig, resolve_model_config
 from neuron.engine.output_processor import OutputProcessor, Update
 from neuron.engine.pooling import PoolingParams
-from neuron.engine.sampling import SampleFailure, SequenceSampler, TokenBitmask, sample
+from neuron.engine.sampling import SampleFailure, SequenceSampler, TokenBitmask, bad_words_token_ids, sample
 from neuron.engine.sampling_params import SamplingParams
 from neuron.engine.scheduler import Scheduled, Scheduler
 from neuron.engine.sequence import Sequence
@@ -128,7 +128,12 @@ class LLMEngine:
         else:
             pooled = pooled_by = None
             max_tokens, matcher = self.inputs.admit(prompt_token_ids, params, images, grammar)
-        sampler = SequenceSampler(params, prompt_token_ids, self.vocab_size, self.executor.devices[0])
+        bad = None
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise RequestError("bad_words needs the model's tokenizer, which it has not", param="bad_words")
+            bad = bad_words_token_ids(self.tokenizer, params.bad_words)
+        sampler = SequenceSampler(params, prompt_token_ids, self.vocab_size, self.executor.devices[0], bad)
         salt = salt_key(cache_salt) if adapter is None else adapter.cache_key(salt_key(cache_salt))
         seq = Sequence(request_id, list(prompt_token_ids), params, sampler, max_tokens, images=list(images or []),
                        grammar=matcher, cache_salt=salt, pooling=pooled_by, pooled=pooled, lora=adapter)

@@ -1,7 +1,8 @@
 """Choosing the next token of every sequence in a batched step, from rank-0 logits.
 
-Order of operations (vLLM's): allowed_token_ids masks every other token, min_tokens masks EOS
-and stop ids, logit_bias is added, then the repetition, frequency and presence penalties, then the
+Order of operations (vLLM's): allowed_token_ids masks every other token, bad_words the last
+token of each bad word the output has begun, min_tokens masks EOS and stop ids, logit_bias is
+added, then the repetition, frequency and presence penalties, then the
 structured-output grammar's mask, then
 greedy argmax or temperature, top_k, top_p, min_p and a draw (draw.py): the unseeded rows of the batch
 together from the global generator, a seeded row from its own. Logprobs are always those of the
@@ -34,7 +35,7 @@ class SequenceSampler:
     """What one generated sequence needs at each step: its params, penalty counts, generator."""
 
     __slots__ = ("params", "vocab_size", "output_token_ids", "generator", "_prompt_mask", "_counts", "_blocked",
-                 "_bias_ids", "_bias")
+                 "_bias_ids", "_bias", "_bad")
 
     def __init__(
         self,
@@ -42,7 +43,9 @@ class SequenceSampler:
         prompt_token_ids: list[int],
         vocab_size: int,
         device: str | torch.device = "cpu",
+        bad_words: list[list[int]] | None = None,
     ):
+        """`bad_words`: the token ids of each of params.bad_words' forms (`bad_words_token_ids`)."""
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.params = params
@@ -63,6 +66,7 @@ class SequenceSampler:
             self._blocked = torch.ones(vocab_size, dtype=torch.bool, device=device)
             self._blocked[to_device(params.allowed_token_ids, device, torch.long)] = False
         self._bias_ids = self._bias = None
+        self._bad = [ids for ids in bad_words or () if ids and all(0 <= t < vocab_size for t in ids)] or None
         if params.logit_bias:
             self._bias_ids = to_device(list(params.logit_bias), device, torch.long)
             self._bias = to_device(list(params.logit_bias.values()), device, torch.float32)
@@ -97,6 +101,11 @@ class SequenceSampler:
         of logits, in place."""
         if self._blocked is not None:
             row.masked_fill_(self._blocked, float("-inf"))
+        if self._bad is not None:
+            out = self.output_token_ids
+            banned = [ids[-1] for ids in self._bad if len(ids) == 1 or out[len(out) - len(ids) + 1:] == ids[:-1]]
+            if banned:
+                row.index_fill_(0, to_device(banned, row.device, torch.long), float("-inf"))
         if self.below_min_tokens:
             self._block_stops(row, eos_token_ids)
         if self._bias is not None:
@@ -116,6 +125,18 @@ class SequenceSampler:
         ids = [t for t in ids if 0 <= t < row.shape[-1]]
         if ids:
             row.index_fill_(0, to_device(ids, row.device, torch.long), float("-inf"))
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids as the output would hold it: alone and after a space (vLLM bans
+    both forms)."""
+    out: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
 
 
 @dataclass(slots=True, frozen=True)

@@ -80,6 +80,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # a stop string, EOS or stop token that ends the text stays in it
     logit_bias: dict[int, float] | None = None  # added to these tokens' logits before the penalties
     allowed_token_ids: list[int] | None = None  # the only tokens that may be sampled
+    bad_words: list[str] | None = None  # words never written (each tokenized with and without a leading space)
     # Structured output: what the output must match; compiled when the request is added, unless the
     # caller compiled it already (off the event loop) and adds it with the request, beside these params
     guided_decoding: GuidedDecodingParams | None = None
@@ -102,8 +103,8 @@ class SamplingParams:
 
     @property
     def biased(self) -> bool:
-        """Whether logit_bias or allowed_token_ids change the logits."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None
+        """Whether logit_bias, allowed_token_ids or bad_words change the logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
 
     @property
     def penalised(self) -> bool:
@@ -177,6 +178,12 @@ class SamplingParams:
             self.allowed_token_ids = token_ids(allowed, "allowed_token_ids")
 
     def _check_outputs(self) -> None:
+        if self.bad_words is not None:
+            words_ok = (isinstance(self.bad_words, (list, tuple)) and len(self.bad_words) <= MAX_STOP_STRINGS
+                        and all(isinstance(w, str) and 0 < len(w.strip()) and len(w) <= MAX_STOP_CHARS
+                                for w in self.bad_words))
+            _check(words_ok, "bad_words", f"a list of at most {MAX_STOP_STRINGS} words (non-blank strings of at most "
+                                          f"{MAX_STOP_CHARS} characters)", _shown(self.bad_words))
         if self.stop is not None:
             stop_ok = all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop)
             _check(stop_ok, "stop", f"a list of non-empty strings of at most {MAX_STOP_CHARS} characters",

@@ -41,6 +41,7 @@ class SamplingRequest(Struct, kw_only=True):
     best_of: int | None = None  # OpenAI's completions field; vLLM takes it on chat too
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens that may be sampled
+    bad_words: list[str] | None = None  # vLLM's: words never written
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_tokens_as_token_ids: bool = False
