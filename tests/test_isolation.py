@@ -95,11 +95,11 @@ def _fail_processing(engine, monkeypatch, prompt: list[int], at: int, running: l
     requests were running then."""
     process = engine.outputs.process
 
-    def faulty(seq, token, logprobs):
+    def faulty(seq, token, *rest):
         if seq.prompt_token_ids == prompt and len(seq.output_token_ids) == at:
             running.append(sorted(s.request_id for s in engine.scheduler.running))
             raise RuntimeError("detokenizer exploded")
-        return process(seq, token, logprobs)
+        return process(seq, token, *rest)
 
     monkeypatch.setattr(engine.outputs, "process", faulty)
 
