@@ -91,8 +91,10 @@ class OutputProcessor:
             if reason is not None and not isinstance(stop_reason, str):
                 tr.text += tr.detok.flush()
         lps = None if logprobs is None else [logprobs]
-        update = self._partial(tr, [token], lps) if reason is None else self._final(tr, reason, stop_reason, [token],
-                                                                                     lps)
+        if reason is None:
+            update = self._partial(tr, [token], lps)
+        else:
+            update = self._final(tr, reason, stop_reason, [token], lps)
         if logprobs is not None:
             update.token_ranks = [rank]
         return update

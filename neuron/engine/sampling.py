@@ -65,8 +65,8 @@ class SequenceSampler:
         if params.allowed_token_ids is not None:
             self._blocked = torch.ones(vocab_size, dtype=torch.bool, device=device)
             self._blocked[to_device(params.allowed_token_ids, device, torch.long)] = False
-        self._bias_ids = self._bias = None
         self._bad = [ids for ids in bad_words or () if ids and all(0 <= t < vocab_size for t in ids)] or None
+        self._bias_ids = self._bias = None
         if params.logit_bias:
             self._bias_ids = to_device(list(params.logit_bias), device, torch.long)
             self._bias = to_device(list(params.logit_bias.values()), device, torch.float32)
@@ -97,8 +97,8 @@ class SequenceSampler:
         return self.params.greedy and self.params.logprobs is None and not self.adjusts_logits
 
     def adjust(self, row: torch.Tensor, eos_token_ids: Sequence[int]) -> None:
-        """Apply allowed_token_ids, min_tokens, logit_bias and the penalties to this sequence's row
-        of logits, in place."""
+        """Apply allowed_token_ids, bad_words, min_tokens, logit_bias and the penalties to this
+        sequence's row of logits, in place."""
         if self._blocked is not None:
             row.masked_fill_(self._blocked, float("-inf"))
         if self._bad is not None:

@@ -156,8 +156,8 @@ class SamplingParams:
                                                       f"token ids, got {got}")
 
     def _check_token_lists(self) -> None:
-        """logit_bias as {token id: finite bias}, allowed_token_ids as a non-empty list of ids, both
-        bounded (the vocabulary is checked when the request is added)."""
+        """logit_bias as {token id: bias in LOGIT_BIAS_RANGE}, allowed_token_ids as a non-empty list
+        of ids, both bounded (the vocabulary is checked when the request is added)."""
         if self.logit_bias is not None:
             bias = self.logit_bias
             if not isinstance(bias, dict) or len(bias) > MAX_TOKEN_LIST:

@@ -93,6 +93,13 @@ def merged(pieces: list[Parsed]) -> Parsed:
     return out
 
 
+def _append_content(pieces: list[Parsed], text: str) -> None:
+    """`text` at the end of `pieces`: text after the last piece's calls opens the next piece."""
+    if pieces[-1].tool_calls:
+        pieces.append(Parsed())
+    pieces[-1].content += text
+
+
 def parse_tool_call(body: str) -> ParsedToolCall | None:
     """The JSON between the tool-call tags, or None when it is not a well-formed call."""
     try:
@@ -312,9 +319,7 @@ class OutputParser:
             text = text.lstrip()
         body = text.rstrip()
         if body:
-            if self._pieces[-1].tool_calls:  # text after this piece's calls: the next piece
-                self._pieces.append(Parsed())
-            self._pieces[-1].content += self._ws + body
+            _append_content(self._pieces, self._ws + body)
             self._ws, self._after_tool = text[len(body):], False
         else:
             self._ws += text
@@ -361,12 +366,6 @@ class ForcedCallParser:
 
     def _listed(self, text: str, final: bool) -> list[Parsed]:
         pieces = [Parsed()]
-
-        def content(text: str) -> None:
-            if pieces[-1].tool_calls:  # text after the piece's calls: the next piece
-                pieces.append(Parsed())
-            pieces[-1].content += text
-
         self._buf += text
         while True:
             self._buf = self._buf.lstrip(" \t\n[,]")  # the list around the calls
@@ -378,11 +377,11 @@ class ForcedCallParser:
                 break
             call = _call(obj)
             if call is None:
-                content(self._buf[:end])
+                _append_content(pieces, self._buf[:end])
             else:
                 pieces[-1].tool_calls.append(call)
             self._buf = self._buf[end:]
         if final and self._buf:
-            content(self._buf)
+            _append_content(pieces, self._buf)
             self._buf = ""
         return pieces
