@@ -130,6 +130,14 @@ def test_single_and_batched_embeddings_equal_transformers(last_token_llm, last_t
         _close(out.outputs.embedding, ref)
 
 
+def test_embed_takes_truncate_prompt_tokens(last_token_llm, last_token_checkpoint):
+    [cut] = last_token_llm.embed({"prompt_token_ids": PROMPTS[2]}, truncate_prompt_tokens=9)
+    assert cut.prompt_token_ids == PROMPTS[2][-9:]
+    _close(cut.outputs.embedding, reference_embeddings(last_token_checkpoint, [PROMPTS[2][-9:]])[0])
+    [same] = last_token_llm.embed({"prompt_token_ids": PROMPTS[2]}, PoolingParams(truncate_prompt_tokens=9))
+    assert same.outputs.embedding == cut.outputs.embedding
+
+
 def test_a_cached_prefix_still_gives_the_right_vector(last_token_llm, last_token_checkpoint):
     engine = last_token_llm.engine
     prefix = [(11 * i + 1) % 250 for i in range(48)]  # three full 16-token blocks
@@ -263,6 +271,25 @@ def test_token_id_inputs_and_dimensions(embed_server, last_token_checkpoint):
     for d, ref in zip(cut.data, full):
         assert len(d.embedding) == 8
         _close(d.embedding, torch.nn.functional.normalize(ref[:8], dim=0))
+
+
+def test_truncate_prompt_tokens_embeds_each_inputs_last_tokens(embed_server, last_token_checkpoint):
+    """vLLM's truncate_prompt_tokens: an input longer than the context is embedded by its last tokens."""
+    c = client(embed_server)
+    long = [(5 * i + 1) % 250 for i in range(300)]  # more than the server's 256
+    want = reference_embeddings(last_token_checkpoint, [long[-40:], PROMPTS[1]])
+    out = c.embeddings.create(model="embedder", input=[long, PROMPTS[1]], encoding_format="float",
+                              extra_body={"truncate_prompt_tokens": 40})
+    for d, ref in zip(out.data, want):
+        _close(d.embedding, ref)
+    assert out.usage.prompt_tokens == 40 + len(PROMPTS[1])
+    whole = c.embeddings.create(model="embedder", input=long, encoding_format="float",
+                                extra_body={"truncate_prompt_tokens": -1})  # as much as the context holds
+    _close(whole.data[0].embedding, reference_embeddings(last_token_checkpoint, [long[-256:]])[0])
+    _refused(lambda: c.embeddings.create(model="embedder", input="x", extra_body={"truncate_prompt_tokens": 0}),
+             400, "truncate_prompt_tokens", "truncate_prompt_tokens must be -1, an integer >= 1, or null")
+    _refused(lambda: c.embeddings.create(model="embedder", input="x", extra_body={"truncate_prompt_tokens": 257}),
+             400, "truncate_prompt_tokens", "greater than this model's context (256 tokens)")
 
 
 def _refused(call, status: int, param: str | None, message: str, code: str | None = None) -> None:

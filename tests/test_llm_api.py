@@ -101,6 +101,22 @@ def test_chat(tp2_llm):
     assert len(out[0].outputs[0].token_ids) == 5 and out[0].outputs[0].finish_reason == "length"
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tp2_llm):
+    """vLLM's SamplingParams.truncate_prompt_tokens: a prompt longer than the context runs on its
+    last tokens, as those alone would; out of range is refused before anything is queued."""
+    ids = [(7 * i + 11) % 500 + 10 for i in range(300)]  # past the LLM's 256
+    greedy = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
+    cut, alone = tp2_llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": ids[-50:]}],
+                                  [SamplingParams(truncate_prompt_tokens=50, **greedy), SamplingParams(**greedy)])
+    assert cut.prompt_token_ids == ids[-50:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    short = tp2_llm.generate({"prompt_token_ids": ids[:10]}, SamplingParams(truncate_prompt_tokens=50, **greedy))
+    assert short[0].prompt_token_ids == ids[:10]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1, an integer >= 1, or null"):
+        SamplingParams(truncate_prompt_tokens=0)
+    with pytest.raises(RequestError, match=r"greater than this model's context \(256 tokens\)"):
+        tp2_llm.generate({"prompt_token_ids": ids}, SamplingParams(truncate_prompt_tokens=257))
+
+
 def test_chat_takes_vllms_arguments(tp2_llm):
     """vLLM's chat arguments: chat_template_kwargs reach the template, continue_final_message
     continues the last message, chat_template replaces the checkpoint's, use_tqdm a bar of the
@@ -112,7 +128,7 @@ def test_chat_takes_vllms_arguments(tp2_llm):
     started = hello + [{"role": "assistant", "content": "General Kenobi, "}]
     out = tp2_llm.chat(started, params, add_generation_prompt=False, continue_final_message=True)[0]
     assert out.prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nGeneral Kenobi, ")  # no <|im_end|>
-    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+    with pytest.raises(ValueError, match="needs add_generation_prompt false"):
         tp2_llm.chat(started, params, continue_final_message=True)
     plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     assert tp2_llm.chat(hello, params, chat_template=plain)[0].prompt == "user: Hello there\n"

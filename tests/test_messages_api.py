@@ -109,6 +109,38 @@ def test_a_reply_equals_the_same_chat_completion(real_server):
     assert final.stop_reason == "max_tokens"
 
 
+def test_a_final_assistant_message_is_a_prefill_the_reply_continues(real_server, default_tokenizer):
+    """Anthropic's prefill: the reply goes on from the final assistant message's text, and leaves
+    it out; the same tokens as vLLM's continue_final_message on the chat route, whose echo puts the
+    prefill back. An empty final assistant message is a reply of its own."""
+    api = anthropic_client(real_server, KEY)
+    prefill = "The weather in Paris is"
+    messages = [*ASK, {"role": "assistant", "content": prefill}]
+    request = dict(model=MODEL, max_tokens=8, messages=messages, thinking=NO_THINKING, extra_body=SAMPLED)
+    out = api.messages.create(**request)
+    twin = chat_twin(real_server, messages, max_tokens=8, **SAMPLED,
+                     extra_body={"chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": False,
+                                 "continue_final_message": True, "echo": True})
+    text = out.content[0].text
+    assert twin.choices[0].message.content == prefill + text and not text.startswith(prefill)
+    prompt = default_tokenizer.apply_chat_template(messages, add_generation_prompt=False, enable_thinking=False)
+    continued = prompt[: prompt.rindex(prefill) + len(prefill)]
+    assert out.usage.input_tokens == twin.usage.prompt_tokens == len(default_tokenizer.encode(continued))
+    counted = api.messages.count_tokens(model=MODEL, messages=messages, thinking=NO_THINKING)
+    assert counted.input_tokens == out.usage.input_tokens
+    with api.messages.stream(**request) as stream:
+        assert "".join(stream.text_stream) == text
+    chunks = list(client(real_server, KEY).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, stream=True, **SAMPLED,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": False,
+                    "continue_final_message": True, "echo": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == prefill + text
+
+    empty = api.messages.create(**{**request, "messages": [*ASK, {"role": "assistant", "content": ""}]})
+    plain = api.messages.create(**{**request, "messages": ASK})
+    assert shown(empty.content) == shown(plain.content)
+
+
 def test_stop_sequences(real_server):
     api = anthropic_client(real_server, KEY)
     request = dict(model=MODEL, max_tokens=16, messages=ASK, thinking=NO_THINKING, extra_body=SAMPLED)
@@ -389,8 +421,11 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
      "invalid_request_error", "a block of type 'video' is not supported in a user message"),
     (json.dumps({**say("x"), "messages": [{"role": "user", "content": [IMAGE]}]}).encode(), 400,
      "invalid_request_error", "does not accept images"),
-    (json.dumps({**say("x"), "messages": [*ASK, {"role": "assistant", "content": "The"}]}).encode(), 400,
-     "invalid_request_error", "a final assistant message (a prefill"),
+    (json.dumps({**say("x"), "messages": [*ASK, {"role": "assistant", "content": "The "}]}).encode(), 400,
+     "invalid_request_error", "final assistant content cannot end with trailing whitespace"),
+    (json.dumps({**say("x"), "messages": [*ASK, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}]}]}).encode(), 400,
+     "invalid_request_error", "messages[1]: a final assistant message (a prefill) takes text blocks only"),
     (json.dumps(say("x", tools=[{"type": "web_search_20250305", "name": "web_search"}])).encode(), 400,
      "invalid_request_error", "the server tool 'web_search_20250305' is not supported"),
     (json.dumps(say("x", tools=TOOLS, tool_choice={"type": "tool"})).encode(), 400, "invalid_request_error",

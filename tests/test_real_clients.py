@@ -168,6 +168,52 @@ def test_tokenize_and_detokenize_round_trip(clients_server, default_tokenizer):
     assert (bad.status_code, bad.json()["error"]["param"]) == (400, "tokens")
 
 
+def test_a_chat_continues_its_final_message_as_vllm_does(clients_server, default_tokenizer):
+    """vLLM's add_generation_prompt and continue_final_message on /v1/chat/completions and /tokenize:
+    the prompt ends inside the last message; both at once is a 400 naming the field."""
+    started = [{"role": "user", "content": "Name a river."}, {"role": "assistant", "content": "The river"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = httpx.post(f"{clients_server.url}/tokenize", json={"model": MODEL, "messages": started, **flags}).json()
+    rendered = default_tokenizer.apply_chat_template(started, add_generation_prompt=False)
+    assert ids["tokens"] == default_tokenizer.encode(rendered[: rendered.rindex("The river") + len("The river")])
+    out = client(clients_server).chat.completions.create(model=MODEL, messages=started, max_tokens=1,
+                                                         extra_body=flags)
+    assert out.usage.prompt_tokens == ids["count"]
+    bare = httpx.post(f"{clients_server.url}/tokenize",
+                      json={"model": MODEL, "messages": started, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == default_tokenizer.encode(rendered) and bare["count"] > ids["count"]
+    both = httpx.post(f"{clients_server.url}/v1/chat/completions",
+                      json={"model": MODEL, "messages": started, "continue_final_message": True, "max_tokens": 1})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    empty = httpx.post(f"{clients_server.url}/v1/chat/completions", json={
+        "model": MODEL, "messages": [*started[:1], {"role": "assistant", "content": ""}], "max_tokens": 1, **flags})
+    assert empty.status_code == 400
+    assert "continue_final_message needs a last message" in empty.json()["error"]["message"]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(clients_server, default_tokenizer):
+    """vLLM's truncate_prompt_tokens on completions and chat: a prompt longer than the context runs
+    on its last tokens, the same tokens as sending those alone; echo shows what the model read."""
+    ids = [(7 * i + 11) % 500 + 10 for i in range(MAX_MODEL_LEN + 200)]
+    c = client(clients_server)
+    cut = c.completions.create(model=MODEL, prompt=ids, echo=True, **_as_ids(
+        temperature=0.0, max_tokens=4, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 100}))
+    alone = c.completions.create(model=MODEL, prompt=ids[-100:], **_as_ids(**GREEDY))
+    assert _sampled_ids(cut.choices[0])[-4:] == _sampled_ids(alone.choices[0])
+    assert cut.usage.prompt_tokens == 100 and cut.choices[0].text.startswith(default_tokenizer.decode(ids[-100:]))
+    text = " ".join(["river"] * (MAX_MODEL_LEN * 2))
+    words = c.completions.create(model=MODEL, prompt=text, max_tokens=1, extra_body={"truncate_prompt_tokens": 50})
+    assert words.usage.prompt_tokens == 50
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=1,
+                                     extra_body={"truncate_prompt_tokens": 64})
+    assert chat.usage.prompt_tokens == 64
+    for keep, says in ((0, "must be -1, an integer >= 1, or null"), (MAX_MODEL_LEN + 1, "greater than this model's")):
+        r = httpx.post(f"{clients_server.url}/v1/completions",
+                       json={"model": MODEL, "prompt": "hi", "truncate_prompt_tokens": keep})
+        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_tokenize_needs_a_tokenizer(odd_checkpoint):
     with LiveServer(real_engine(str(odd_checkpoint), 1, name="odd")) as server:
         server.wait_ready()

@@ -102,6 +102,11 @@ class EngineClient:
         """Refuse a request that cannot run (RequestError); its max_tokens clamped to the context."""
         return self._loaded().inputs.validate(prompt_token_ids, params, images)
 
+    def truncated(self, prompt_token_ids: list[int], keep: int | None,
+                  images: list[ImageInput] | None = None) -> list[int]:
+        """The prompt's last `keep` tokens, vLLM's truncate_prompt_tokens (RequestError where it cannot)."""
+        return self._loaded().inputs.truncated(prompt_token_ids, keep, images)
+
     def check_images(self, uris: list, placeholders: int | None = None) -> list[ImageInput]:
         """Size, bound and decode a request's images (ImageError). CPU-heavy."""
         return self._loaded().inputs.check_images(uris, placeholders)

@@ -64,6 +64,24 @@ class InputProcessor:
     dtype: str
     ranks_on_device: int = 1  # ranks that run their own vision tower in that device's memory
 
+    def truncated(self, prompt_token_ids: list[int], keep: int | None,
+                  images: list[ImageInput] | None = None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the
+        context holds; None: all). A count beyond the context is refused, as is a cut through a
+        prompt with images (their placeholders must stay whole)."""
+        if keep is None:
+            return prompt_token_ids
+        if keep > self.max_model_len:
+            raise RequestError(f"truncate_prompt_tokens ({keep}) is greater than this model's context "
+                               f"({self.max_model_len} tokens)", param="truncate_prompt_tokens")
+        keep = self.max_model_len if keep == -1 else keep
+        if len(prompt_token_ids) <= keep:
+            return prompt_token_ids
+        if images:
+            raise RequestError(f"truncate_prompt_tokens ({keep}) would cut this prompt of {len(prompt_token_ids)} "
+                               "tokens, and a prompt with images is not cut", param="truncate_prompt_tokens")
+        return prompt_token_ids[len(prompt_token_ids) - keep:]
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  images: list[ImageInput] | None = None) -> int:
         """Refuse a request that cannot run; return its max_tokens clamped to the context."""

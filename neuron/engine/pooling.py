@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from neuron.engine.sampling_params import check_truncation
+
 GENERATE, EMBED = "generate", "embed"  # the tasks a model is served for (`--task`)
 
 
@@ -43,9 +45,14 @@ class PoolingConfig:
 @dataclass(frozen=True, slots=True)
 class PoolingParams:
     """An embedding request's parameters (vLLM's name), where SamplingParams would make it a
-    generation: `dimensions` keeps the vector's first values (Matryoshka)."""
+    generation: `dimensions` keeps the vector's first values (Matryoshka); `truncate_prompt_tokens`
+    the input's last tokens, as SamplingParams'."""
 
     dimensions: int | None = None
+    truncate_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        check_truncation(self.truncate_prompt_tokens)
 
 
 @dataclass(slots=True)

@@ -81,6 +81,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # added to these tokens' logits before the penalties
     allowed_token_ids: list[int] | None = None  # the only tokens that may be sampled
     bad_words: list[str] | None = None  # words never written (each tokenized with and without a leading space)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last this many tokens (-1: the context's worth)
     # Structured output: what the output must match; compiled when the request is added, unless the
     # caller compiled it already (off the event loop) and adds it with the request, beside these params
     guided_decoding: GuidedDecodingParams | None = None
@@ -136,6 +137,7 @@ class SamplingParams:
 
     def _check_lengths(self) -> None:
         _check(self.min_tokens >= 0, "min_tokens", ">= 0", self.min_tokens)
+        check_truncation(self.truncate_prompt_tokens)
         if self.max_tokens is None:
             return
         # 0: score the prompt only (prompt_logprobs, echo) and end after its prefill
@@ -197,6 +199,13 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             allowed = f"in [0, {MAX_LOGPROBS}] or null"
             _check(0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs", allowed, self.prompt_logprobs)
+
+
+def check_truncation(keep) -> None:
+    """vLLM's truncate_prompt_tokens: None (the whole prompt), -1 (as much as the context holds),
+    or a count >= 1."""
+    ok = keep is None or (isinstance(keep, int) and not isinstance(keep, bool) and (keep == -1 or keep >= 1))
+    _check(ok, "truncate_prompt_tokens", "-1, an integer >= 1, or null", keep)
 
 
 def token_ids(values, param: str) -> list[int]:

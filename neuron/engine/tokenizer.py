@@ -189,17 +189,30 @@ class Tokenizer:
         messages: list[dict],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template: str | None = None,
         **template_kwargs,
     ) -> str:
         """The prompt for `messages`, rendered as transformers' apply_chat_template(tokenize=False)
-        would: by `chat_template` where given (Jinja source), else the tokenizer's own."""
+        would: by `chat_template` where given (Jinja source), else the tokenizer's own.
+        `continue_final_message`: the prompt ends right after the last message's text, which the
+        reply then continues (a prefill; transformers' and vLLM's meaning); it excludes
+        `add_generation_prompt`."""
+        if continue_final_message and add_generation_prompt:
+            raise TokenizerError("continue_final_message continues the last message, so it needs "
+                                 "add_generation_prompt false")
         messages = _normalise_messages(messages)
         template = self._templates.get("tool_use") if tools and chat_template is None else None
         template = chat_template or template or self.chat_template
         if template is None:
-            return _chatml(messages, add_generation_prompt)
+            text = _chatml(messages, add_generation_prompt)
+        else:
+            text = self._render(template, messages, tools, add_generation_prompt, template_kwargs)
+        return _continued(text, messages) if continue_final_message else text
+
+    def _render(self, template: str, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool,
+                template_kwargs: dict) -> str:
         context = {"documents": None, **self._named_tokens, **template_kwargs}
         context |= {"messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt}
         try:
@@ -336,6 +349,22 @@ def _text_of(content) -> str:
     if isinstance(content, list):
         return "\n".join(p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text")
     return ""
+
+
+def _continued(text: str, messages: list[dict]) -> str:
+    """The rendered chat cut right after its last message's text (what transformers and vLLM do
+    with continue_final_message). The text is found from the end: the template may have added its
+    end-of-turn, and trimmed the text's outer spaces."""
+    content = messages[-1].get("content")
+    if isinstance(content, list):  # parts: the last text part is where the message ends
+        content = next((p.get("text") for p in reversed(content) if isinstance(p, dict) and p.get("type") == "text"),
+                       None)
+    stripped = content.strip() if isinstance(content, str) else ""
+    if not stripped or stripped not in text:
+        raise TokenizerError("continue_final_message needs a last message whose text the chat template renders")
+    at = text.rindex(stripped)
+    kept = content.lstrip()  # its trailing spaces too, where the template kept them
+    return text[: at + (len(kept) if text[at: at + len(kept)] == kept else len(stripped))]
 
 
 def _chatml(messages: list[dict], add_generation_prompt: bool) -> str:

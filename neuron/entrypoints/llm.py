@@ -16,7 +16,7 @@ import itertools
 import sys
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from neuron.engine.input_processor import check_cache_salt
@@ -186,7 +186,9 @@ class LLM:
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        tokenized = [self._tokenize(prompt) for prompt in prompts]  # refuses the whole call before queueing any
+        # every prompt checked before any is queued
+        tokenized = [self._truncated(self._tokenize(prompt), p.truncate_prompt_tokens)
+                     for prompt, p in zip(prompts, params_list)]
         adapters = self._adapters(lora_request, len(prompts))
         samples = [sample_params(p) for p in params_list]
         for prompt, children in zip(tokenized, samples):
@@ -202,16 +204,20 @@ class LLM:
         return outputs
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
-              pooling_params: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
+              pooling_params: PoolingParams | None = None, *,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding (a model served with task embed, or generate,embed), batched
         together, in prompt order. `pooling_params.dimensions`: keep the first this many values
-        (Matryoshka), normalized again where the model normalizes."""
+        (Matryoshka), normalized again where the model normalizes. `truncate_prompt_tokens` (or the
+        pooling params'): embed each prompt's last this many tokens (-1: as many as the context holds)."""
         if self.engine.model.pooling is None:
             raise NeuronError("this model does not embed: load it with task=\"embed\" (or \"generate,embed\")")
         params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
         if isinstance(prompts, (str, dict)) or (len(prompts) and _is_id(prompts[0])):  # one prompt of ids
             prompts = [prompts]
-        tokenized = [self._tokenize(prompt) for prompt in prompts]
+        tokenized = [self._truncated(self._tokenize(prompt), params.truncate_prompt_tokens) for prompt in prompts]
         for prompt in tokenized:
             if prompt.images:
                 raise ValueError("embeddings take text or token ids, not images")
@@ -288,19 +294,15 @@ class LLM:
         "image", "image": <PIL image>}`). `continue_final_message`: the reply continues the last
         (assistant) message rather than opening a turn of its own. `chat_template_kwargs` (and any
         other keyword) reach the template, as `enable_thinking` for Qwen3."""
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message continues the last message, so it needs "
-                             "add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self._need_tokenizer()
         kwargs = {**template_kwargs, **(chat_template_kwargs or {})}
         prompts = []
         for conversation in conversations:
             shaped, images = chat_images(conversation)
-            text = tok.apply_chat_template(shaped, add_generation_prompt=add_generation_prompt, tools=tools,
+            text = tok.apply_chat_template(shaped, add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, tools=tools,
                                            chat_template=chat_template, **kwargs)
-            if continue_final_message:
-                text = _continued(text, shaped)
             prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
         return self.generate(prompts, sampling_params, lora_request, use_tqdm=use_tqdm)
 
@@ -326,6 +328,11 @@ class LLM:
         if images:
             ids = self.engine.inputs.expand_images(ids, images)
         return _Prompt(text, ids, images, salt)
+
+    def _truncated(self, prompt: _Prompt, keep: int | None) -> _Prompt:
+        """The prompt cut to its last `keep` tokens (truncate_prompt_tokens); its text stays as given."""
+        ids = self.engine.inputs.truncated(prompt.ids, keep, prompt.images)
+        return prompt if ids is prompt.ids else replace(prompt, ids=ids)
 
     def _images(self, data: dict | None) -> list[ImageInput]:
         """`multi_modal_data={"image": ...}`: one image or a list, each a base64 `data:` URI or a
@@ -381,20 +388,6 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-
-
-def _continued(text: str, messages: list[dict]) -> str:
-    """The rendered chat cut right after its last message's text, which the reply then continues
-    (what transformers and vLLM do with continue_final_message)."""
-    content = messages[-1].get("content") if messages else None
-    if isinstance(content, list):  # parts: the last text part is where the message ends
-        content = next((p.get("text") for p in reversed(content) if isinstance(p, dict) and p.get("type") == "text"),
-                       None)
-    if not isinstance(content, str) or not content.strip() or content.strip() not in text:
-        raise ValueError("continue_final_message needs a last message whose text the chat template renders")
-    at = text.rindex(content.strip())
-    kept = content.lstrip()  # its trailing spaces too, where the template kept them
-    return text[: at + (len(kept) if text[at: at + len(kept)] == kept else len(content.strip()))]
 
 
 def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int):

@@ -54,6 +54,7 @@ class SamplingRequest(Struct, kw_only=True):
     # vLLM's: requests share cached prompt prefixes only with requests of the same salt (checked and
     # combined with the server's --prefix-cache-isolation in common.request_salt)
     cache_salt: str | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last this many tokens (-1: all that fit)
 
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True):
@@ -65,6 +66,11 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # None: true, as OpenAI has it
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the template's turn for the reply, or the reply continuing the last (assistant) message,
+    # whose text `echo` puts before the reply's
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):
@@ -235,6 +241,7 @@ class TokenizeRequest(Struct, kw_only=True):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool = False
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -270,6 +277,7 @@ class EmbeddingRequest(Struct, kw_only=True):
     dimensions: int | None = None
     user: str | None = None  # OpenAI's end-user id: accepted, not used
     cache_salt: str | None = None  # as on completions: which requests may share cached prefixes
+    truncate_prompt_tokens: int | None = None  # as on completions: embed each input's last this many tokens
 
 
 class EmbeddingData(Struct):

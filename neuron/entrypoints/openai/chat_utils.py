@@ -53,6 +53,15 @@ def template_content_chars(messages: list[dict]) -> int:
     return total
 
 
+def message_text(content) -> str:
+    """A message's text: a string as it is, text parts joined by newlines (as `_content` joins them)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
 def _content(content, where: str, images: list[str] | None) -> str | list[dict] | None:
     """A string, null, or a list of parts. Text parts alone are joined by newlines (templates expect
     a string); with images the list stays, as `{"type": "text"}` and `{"type": "image"}` parts,

@@ -170,10 +170,22 @@ def sampling_params(req: SamplingRequest, defaults: dict, *, max_tokens: int | N
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=_logit_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
     except InvalidParams as exc:
         param = renames.get(exc.param, exc.param)
         raise bad_request(str(exc).replace(exc.param, param, 1), param=param) from None
+
+
+def truncated(engine: AsyncEngine, prompt_ids: list[int], keep: int | None,
+              images: list[ImageInput] | None = None) -> list[int]:
+    """The prompt's last `keep` tokens (truncate_prompt_tokens), or a 400 naming the field."""
+    if keep is None:
+        return prompt_ids
+    try:
+        return engine.truncated(prompt_ids, keep, images)
+    except RequestError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
 
 
 def open_stream(engine: AsyncEngine, request_id: str, prompt_ids: list[int], params: SamplingParams,

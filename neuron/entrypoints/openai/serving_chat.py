@@ -31,7 +31,7 @@ from neuron.entrypoints.openai.api_types import (
     ToolCall,
     UsageInfo,
 )
-from neuron.entrypoints.openai.chat_utils import normalise_messages, template_content_chars
+from neuron.entrypoints.openai.chat_utils import message_text, normalise_messages, template_content_chars
 from neuron.entrypoints.openai.common import (
     Samples,
     check_common,
@@ -46,6 +46,7 @@ from neuron.entrypoints.openai.common import (
     sse,
     stream_error,
     stream_events,
+    truncated,
 )
 from neuron.entrypoints.openai.guided import compile_guided, function_tools, named_tool
 from neuron.entrypoints.openai.logprobs import LogprobRenderer
@@ -70,6 +71,7 @@ class ChatRequestContext:
         """`tools`: the format the reply's tool calls come in (TOOL_FORMATS, or GRAMMAR_CALLS); None
         when it offers none."""
         self.req = req
+        self.echo = echoed(req)
         self.tools = tools
         self.id = new_id(id_prefix)
         self.created = now()
@@ -107,7 +109,16 @@ class ChoiceState:
 
 
 # Set by the server itself when it renders the template.
-_TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt"})
+_TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message"})
+
+
+def echoed(req: ChatCompletionRequest) -> str:
+    """vLLM's `echo`: the last message's text, put before the reply's where that message is the
+    reply's role (an assistant's: the reply continues it, or follows it); "" otherwise."""
+    last = req.messages[-1] if req.echo and req.messages else None
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        return ""
+    return message_text(last.get("content"))
 
 
 def _uses_tools(req: ChatCompletionRequest) -> bool:
@@ -133,6 +144,9 @@ def _check(req: ChatCompletionRequest) -> None:
     check_common(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request("continue_final_message continues the last message, so it needs add_generation_prompt "
+                          "false", param="continue_final_message")
     reserved = _TEMPLATE_ARGS & set(req.chat_template_kwargs or ())
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
@@ -144,21 +158,25 @@ def _check(req: ChatCompletionRequest) -> None:
 def render_chat(engine: AsyncEngine, req: ChatCompletionRequest) -> tuple[str, list[int], list[ImageInput]]:
     """The prompt and its token ids, each image placeholder expanded to the image's tokens. Images
     are decoded and checked here (CPU work, so off the event loop), before any device work. The
-    rendered prompt is bounded by its length before it is tokenized."""
+    rendered prompt is bounded by its length before it is tokenized, unless the request cuts it
+    to fit (truncate_prompt_tokens: its last tokens are kept)."""
     messages, uris = normalise_messages(req.messages, vision=engine.vision is not None)
     tools = req.tools if _uses_tools(req) else None
     try:
-        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
+        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                   continue_final_message=req.continue_final_message, tools=tools,
                                                    **(req.chat_template_kwargs or {}))
     except TokenizerError as exc:
         raise bad_request(str(exc), param="messages") from None
-    check_prompt_chars(engine, len(prompt), "messages")
+    keep = req.truncate_prompt_tokens
+    if keep is None:
+        check_prompt_chars(engine, len(prompt), "messages")
     ids = engine.tokenizer.encode(prompt)
     if not uris:
-        return prompt, ids, []
+        return prompt, truncated(engine, ids, keep), []
     try:
         images = engine.check_images(uris, ids.count(engine.vision.image_token_id))
-        return prompt, engine.expand_images(ids, images), images
+        return prompt, truncated(engine, engine.expand_images(ids, images), keep, images), images
     except ImageError as exc:
         kind = "server_error" if exc.status >= 500 else "invalid_request_error"
         raise APIError(exc.status, str(exc), type=kind, code=exc.code, param="messages") from None
@@ -196,7 +214,8 @@ async def open_chat(engine: AsyncEngine, req: ChatCompletionRequest, limiters: L
         params.skip_special_tokens = False
     check_sequences(engine, 1, params)  # before compiling or rendering anything
     grammar = await compile_guided(engine, req, limiters.grammar)
-    check_prompt_chars(engine, template_content_chars(req.messages), "messages")  # at once, before the template
+    if params.truncate_prompt_tokens is None:  # at once, before the template
+        check_prompt_chars(engine, template_content_chars(req.messages), "messages")
     prompt, prompt_ids, images = await off_loop(limiters.tokenize, render_chat, engine, req)
     ctx = ChatRequestContext(req, engine.model_name, engine.tokenizer, prompt, top_logprobs, tools, id_prefix)
     samples = open_samples(engine, ctx.id, [prompt_ids], params, "messages", images, grammar, cache_salt)
@@ -232,7 +251,7 @@ async def read_sample(ctx: ChatRequestContext, stream: RequestStream) -> _Sample
 def _choice(ctx: ChatRequestContext, index: int, out: _Sample) -> ChatChoice:
     parsed = out.parsed
     calls = out.state.tool_calls(parsed)
-    content = parsed.content if parsed.content or not (calls or parsed.reasoning) else None
+    content = ctx.echo + parsed.content if ctx.echo or parsed.content or not (calls or parsed.reasoning) else None
     message = ChatMessage("assistant", content, parsed.reasoning or None, calls or None)
     return ChatChoice(index, message, ChatLogprobs(out.logprobs) if ctx.top_logprobs is not None else None,
                       out.state.finish_reason(out.last.finish_reason), out.last.stop_reason)
@@ -278,6 +297,8 @@ async def _events(ctx: ChatRequestContext, samples: Samples, keepalive_s: float)
     each choice opens with its role, then chunks of all choices interleave as they come."""
     states = [ChoiceState(ctx) for _ in samples.streams]
     opening = [_chunk(ctx, ChatChunkChoice(i, DeltaMessage(role="assistant", content=""))) for i in range(len(states))]
+    if ctx.echo:
+        opening += [_chunk(ctx, ChatChunkChoice(i, DeltaMessage(content=ctx.echo))) for i in range(len(states))]
 
     async def chunks(k: int, update: Update) -> list[bytes]:
         return _update_chunks(ctx, states[k], k, update)

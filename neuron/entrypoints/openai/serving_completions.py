@@ -37,6 +37,7 @@ from neuron.entrypoints.openai.common import (
     sse,
     stream_error,
     stream_events,
+    truncated,
 )
 from neuron.entrypoints.openai.echo import echo_logprobs, prompt_topk, vllm_prompt_logprobs, with_prompt_logprobs
 from neuron.entrypoints.openai.guided import compile_guided
@@ -63,12 +64,15 @@ def _prompt_list(prompt) -> list:
                       "either", param="prompt")
 
 
-async def prompt_ids(engine: AsyncEngine, prompt, limiter: anyio.CapacityLimiter) -> list[int]:
-    """One prompt's token ids; text is bounded by its length, then tokenized off the event loop."""
-    check_prompt_ids(engine, prompt, "prompt")
+async def prompt_ids(engine: AsyncEngine, prompt, limiter: anyio.CapacityLimiter, bounded: bool = True) -> list[int]:
+    """One prompt's token ids; text is bounded by its length (unless the request truncates it to
+    fit: `bounded` false), then tokenized off the event loop."""
+    if bounded:
+        check_prompt_ids(engine, prompt, "prompt")
     if isinstance(prompt, list):
         return prompt
-    check_prompt_chars(engine, len(prompt), "prompt")
+    if bounded:
+        check_prompt_chars(engine, len(prompt), "prompt")
     try:
         return await off_loop(limiter, engine.encode_prompt, prompt)
     except RequestError as exc:
@@ -144,7 +148,11 @@ async def create_completion(request: Request, engine: AsyncEngine, req: Completi
     params = with_prompt_logprobs(params, prompt_topk(req))
     check_sequences(engine, len(prompts), params)  # before compiling or tokenizing anything
     grammar = await compile_guided(engine, req, limiters.grammar)
-    ids = [await prompt_ids(engine, prompt, limiters.tokenize) for prompt in prompts]
+    keep = params.truncate_prompt_tokens
+    whole = [await prompt_ids(engine, prompt, limiters.tokenize, keep is None) for prompt in prompts]
+    ids = [truncated(engine, w, keep) for w in whole]
+    # a cut prompt is echoed as the tokens the model read
+    prompts = [p if len(i) == len(w) else i for p, w, i in zip(prompts, whole, ids)]
     ctx = _Context(req, engine.model_name, engine.tokenizer, prompts, ids)
     samples = open_samples(engine, ctx.id, ids, params, "prompt", grammar=grammar, cache_salt=cache_salt)
     ctx.per_prompt = samples.per_prompt

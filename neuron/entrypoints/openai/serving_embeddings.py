@@ -21,9 +21,10 @@ from neuron.engine.async_engine import AsyncEngine, RequestStream
 from neuron.engine.llm_engine import RequestError
 from neuron.engine.pooling import EMBED, PoolingParams
 from neuron.engine.request_stream import wait_any
+from neuron.engine.sampling_params import InvalidParams
 from neuron.entrypoints.openai.api_errors import bad_request
 from neuron.entrypoints.openai.api_types import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
-from neuron.entrypoints.openai.common import admitted, check_serves, encoded, new_id, now, stream_error
+from neuron.entrypoints.openai.common import admitted, check_serves, encoded, new_id, now, stream_error, truncated
 from neuron.entrypoints.openai.prompt_input import check_prompt_chars, off_loop
 from neuron.entrypoints.openai.streaming import json_unless_disconnected
 
@@ -43,8 +44,12 @@ async def create_embedding(request: Request, engine: AsyncEngine, req: Embedding
     if req.dimensions is not None and not 0 < req.dimensions <= engine.hidden_size:
         raise bad_request(f"dimensions must be in 1..{engine.hidden_size} (this model's embedding size), got "
                           f"{req.dimensions}", param="dimensions")
-    ids = await _token_ids(engine, inputs, limiter)
-    batch = _Batch(engine, new_id("embd"), ids, PoolingParams(req.dimensions), cache_salt)
+    try:
+        params = PoolingParams(req.dimensions, req.truncate_prompt_tokens)
+    except InvalidParams as exc:
+        raise bad_request(str(exc), param=exc.param) from None
+    ids = await _token_ids(engine, inputs, limiter, params.truncate_prompt_tokens)
+    batch = _Batch(engine, new_id("embd"), ids, params, cache_salt)
     return await json_unless_disconnected(request, batch, _respond(engine, req, batch))
 
 
@@ -71,17 +76,21 @@ def _is_ids(value) -> bool:
                                                            for t in value)
 
 
-async def _token_ids(engine: AsyncEngine, inputs: list, limiter: anyio.CapacityLimiter) -> list[list[int]]:
+async def _token_ids(engine: AsyncEngine, inputs: list, limiter: anyio.CapacityLimiter,
+                     keep: int | None) -> list[list[int]]:
     """Each input's token ids (text bounded by its length, then tokenized off the event loop, as a
-    completion's prompt is), each checked against the model's length and vocabulary."""
+    completion's prompt is; `keep`, truncate_prompt_tokens, cuts each to its last tokens instead),
+    each checked against the model's length and vocabulary."""
     out = []
     for value in inputs:
         if isinstance(value, str):
-            check_prompt_chars(engine, len(value), "input")
+            if keep is None:
+                check_prompt_chars(engine, len(value), "input")
             try:
                 value = await off_loop(limiter, engine.encode_prompt, value)
             except RequestError as exc:
                 raise bad_request(str(exc), param="input") from None
+        value = truncated(engine, value, keep)
         try:
             engine.validate_embedding(value)
         except RequestError as exc:

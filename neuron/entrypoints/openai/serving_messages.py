@@ -108,8 +108,10 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     choice, parallel = _tool_choice(req.tool_choice, tools)
     generates = isinstance(req, MessagesRequest)  # not a count_tokens request
     switch = _thinking(req.thinking, req.max_tokens if generates else None)
-    fields = dict(model=req.model, messages=_system(req.system) + _turns(req.messages), tools=tools,
-                  tool_choice=choice, parallel_tool_calls=parallel, chat_template_kwargs=switch)
+    turns, prefill = _turns(req.messages)
+    fields = dict(model=req.model, messages=_system(req.system) + turns, tools=tools, tool_choice=choice,
+                  parallel_tool_calls=parallel, chat_template_kwargs=switch, add_generation_prompt=not prefill,
+                  continue_final_message=prefill)
     if generates:
         if req.max_tokens < 1:  # only /v1/completions takes 0 (it scores a prompt without generating)
             raise bad_request(f"max_tokens: must be >= 1, got {req.max_tokens}", param="max_tokens")
@@ -141,15 +143,23 @@ def _system(system) -> list[dict]:
     return [{"role": "system", "content": "\n".join(texts)}] if texts else []
 
 
-def _turns(messages: list) -> list[dict]:
+def _turns(messages: list) -> tuple[list[dict], bool]:
+    """The chat turns, and whether the reply continues the last of them: a final assistant message
+    is a prefill, whose text the reply goes on from (and leaves out, as Anthropic's does)."""
     if not messages:
         raise bad_request("messages: at least one message is required", param="messages")
     out = [turn for i, m in enumerate(messages) for turn in _message(m, i)]
-    last = messages[-1]
-    if isinstance(last, dict) and last.get("role") == "assistant":
-        raise bad_request(f"messages[{len(messages) - 1}]: a final assistant message (a prefill for the reply to "
-                          "continue) is not supported; end with a user message", param="messages")
-    return out
+    if out[-1]["role"] != "assistant":
+        return out, False
+    where = f"messages[{len(messages) - 1}]"
+    last = out[-1]
+    if last.get("tool_calls") or last.get("reasoning_content"):
+        raise bad_request(f"{where}: a final assistant message (a prefill) takes text blocks only", param=where)
+    if not last["content"]:  # an empty prefill: the reply opens its own turn
+        return out[:-1], False
+    if last["content"] != last["content"].rstrip():
+        raise bad_request(f"{where}: final assistant content cannot end with trailing whitespace", param=where)
+    return out, True
 
 
 def _message(m, i: int) -> list[dict]:

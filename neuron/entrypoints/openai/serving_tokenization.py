@@ -20,7 +20,7 @@ from neuron.entrypoints.openai.guided import function_tools
 from neuron.entrypoints.openai.prompt_input import off_loop
 
 # Set by the server itself when it renders the template.
-_TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt"})
+_TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message"})
 
 
 async def tokenize(engine: AsyncEngine, req: TokenizeRequest, limiter: anyio.CapacityLimiter) -> Response:
@@ -46,6 +46,7 @@ def _token_ids(engine, req: TokenizeRequest) -> list[int]:
             raise bad_request("/tokenize counts text only; leave the images out of the messages", param="messages")
         try:
             text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                     continue_final_message=req.continue_final_message,
                                                      tools=req.tools, **(req.chat_template_kwargs or {}))
         except TokenizerError as exc:
             raise bad_request(str(exc), param="messages") from None
