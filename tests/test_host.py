@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import os
@@ -472,3 +473,57 @@ def test_two_models_share_one_gpu_each_with_its_fraction_and_an_unload_gives_it_
         after = torch.cuda.mem_get_info(0)[0]
         assert abs(after - before) <= 0.01 * total, (before, after)
         assert greedy(server, "a", PROMPTS[0]) == expected
+
+
+# ---- keep_alive's loop ----
+
+
+class _IdleEngine:
+    """What the keep_alive loop reads of a loaded engine; `stop` fails where asked."""
+
+    def __init__(self, fail_stop: bool = False):
+        from neuron.engine.async_engine import EngineState
+
+        self.state, self.open_streams, self.error, self.fail_stop = EngineState.READY, [], None, fail_stop
+        self.metrics = type("M", (), {"forget": lambda self: None})()
+        self.stopped = False
+
+    def start(self) -> None:
+        pass
+
+    async def drain(self, grace_s: float, **kw) -> int:
+        return 0
+
+    def stop(self) -> None:
+        self.stopped = True
+        if self.fail_stop:
+            raise RuntimeError("a rank would not die")
+
+
+async def test_the_keep_alive_loop_outlives_a_model_whose_stop_fails(monkeypatch, caplog):
+    """A model whose engine fails to stop is let go and logged; the loop goes on and unloads the
+    next idle model, and the memory ledger forgets both."""
+    from neuron.engine import host as host_module
+
+    monkeypatch.setattr(host_module, "_REAP_INTERVAL_S", 0.05)
+    monkeypatch.setattr(host_module, "_MIN_IDLE_S", 0.05)
+    host = ModelHost([spec("a", "/m", load="on_demand", keep_alive=0), spec("b", "/m", load="on_demand",
+                                                                             keep_alive=0)], defaults=DEFAULTS)
+    engines = {"a": _IdleEngine(fail_stop=True), "b": _IdleEngine()}
+    for name, engine in engines.items():
+        host.models[name].engine = engine
+        host.ledger.held[name] = {"cpu": 1 << 20}
+    host.models["a"].last_used -= 1  # the older: unloaded first
+    host.start()
+    try:
+        for _ in range(100):
+            if all(m.engine is None for m in host.models.values()):
+                break
+            await asyncio.sleep(0.05)
+        assert engines["a"].stopped and engines["b"].stopped
+        assert [m.status for m in host.models.values()] == ["available", "available"]
+        assert host.ledger.held == {} and not host._reaper.done()
+        assert "model `a` did not stop cleanly" in caplog.text
+    finally:
+        host._stopping = True
+        host._reaper.cancel()

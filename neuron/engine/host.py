@@ -432,15 +432,21 @@ class ModelHost:
             return m
         await asyncio.wait({task})
         if m.engine is None:
-            self.models.pop(spec.name, None)  # a refused load leaves nothing behind
-            raise task.exception() or HostError(m.error or "the load failed")
-        await self._until_loaded(m.engine, None)
-        if m.engine.state is not EngineState.READY:
-            error = m.engine.error
+            self._forget(m)  # a refused load leaves nothing behind
+            raise task.exception() or HostError(m.error or f"model `{spec.name}` was unloaded while it loaded")
+        engine = m.engine
+        await self._until_loaded(engine, None)
+        if engine.state is not EngineState.READY and m.engine is engine:
+            error = engine.error
             await self._unload(m, 0.0, forget=True)  # nor does a failed one: its workers are gone, its memory back
-            self.models.pop(spec.name, None)
+            self._forget(m)
             raise HostError(f"model `{spec.name}` failed to load: {error}")
         return m
+
+    def _forget(self, m: HostedModel) -> None:
+        """Take `m` off the map, unless the name is another model's by now (unloaded and loaded again)."""
+        if self.models.get(m.name) is m:
+            del self.models[m.name]
 
     async def unload(self, name: str, drain_s: float = 0.0) -> None:
         """Unload a model: new requests for it are refused at once, those in flight get up to
@@ -465,9 +471,12 @@ class ModelHost:
                 await asyncio.sleep(0.05)  # resolving or waiting its turn: no engine to stop yet
             engine, m.engine = m.engine, None
             if engine is not None:
-                await engine.drain(drain_s, why=f"model `{m.name}` is being unloaded", failure_kind="unloaded")
-                await asyncio.to_thread(engine.stop)
-                engine.metrics.forget()
+                try:
+                    await engine.drain(drain_s, why=f"model `{m.name}` is being unloaded", failure_kind="unloaded")
+                    await asyncio.to_thread(engine.stop)
+                    engine.metrics.forget()
+                except Exception:  # the engine is let go all the same: the model must not stay half unloaded
+                    log.exception("model `%s` did not stop cleanly", m.name)
             m.model = None
             self.ledger.release(m.name)
             gc.collect()
@@ -477,7 +486,7 @@ class ModelHost:
             m.unloading, m.loading, m.error = False, None, None
             m.devices = []
             if forget and not self._stopping and m.spec.load != "on_demand":
-                self.models.pop(m.name, None)
+                self._forget(m)
 
     def describe(self) -> dict[str, dict]:
         return {name: m.describe() for name, m in self.models.items()}
@@ -572,8 +581,8 @@ class ModelHost:
                 if now - m.last_used >= max(m.keep_alive_s, _MIN_IDLE_S):
                     log.info("model `%s` idle for %.0f s (keep_alive %g s): unloading", m.name,
                              now - m.last_used, m.keep_alive_s)
-                    await self._unload(m, 0.0, forget=False)
-            await self._reap_adapters(now)
+                    await _logged(self._unload(m, 0.0, forget=False), f"unloading idle model `{m.name}`")
+            await _logged(self._reap_adapters(now), "unloading idle LoRA adapters")
 
     async def _reap_adapters(self, now: float) -> None:
         """Unload each LoRA adapter idle past its keep_alive, and rest the weights of each idle past a
@@ -613,6 +622,14 @@ class ModelHost:
         for m in list(self.models.values()):
             if m.engine is not None:
                 m.engine.stop()
+
+
+async def _logged(work, what: str) -> None:
+    """Await `work`; a failure is logged, so the keep_alive loop goes on watching every other model."""
+    try:
+        await work
+    except Exception:
+        log.exception("%s failed", what)
 
 
 def _serves_lora(m: HostedModel) -> bool:
