@@ -66,6 +66,7 @@ class ModelConfig:
     vocab_size: int
     tokenizer: Tokenizer | None
     generation_config: dict
+    sampling: dict  # generation_config.json's sampling defaults, checked at load (sampling_defaults)
     eos_token_ids: tuple[int, ...]
     vision: VisionSpec | None
     speculative: SpeculativeConfig | None
@@ -82,7 +83,7 @@ class ModelConfig:
     def default_sampling(self) -> dict:
         """Sampling defaults from generation_config.json, applied where a request is silent (as
         SamplingParams' fields: its max_new_tokens is max_tokens)."""
-        return sampling_defaults(self.generation_config)
+        return dict(self.sampling)
 
     @property
     def hidden_size(self) -> int:
@@ -169,7 +170,7 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
     phases("building the tokenizer")
     tokenizer, tokenizer_dir = _tokenizer(spec, model_dir, gguf)
     generation = _generation_config(tokenizer_dir)
-    _check_generation(generation, vocab)
+    sampling = _check_generation(generation, vocab)
     speculative = _speculative(spec, config)
     _check_lora(spec, config)
     tasks, pooling = _tasks(spec.task, model_dir)
@@ -182,7 +183,7 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
         stored_format=stored,
         quantization=spec.quantization or _stored_label(gguf, stored),
         max_model_len=_max_model_len(spec, config), vocab_size=vocab, tokenizer=tokenizer,
-        generation_config=generation, eos_token_ids=_eos_ids(config, generation, tokenizer),
+        generation_config=generation, sampling=sampling, eos_token_ids=_eos_ids(config, generation, tokenizer),
         vision=_vision(config, model_dir), speculative=speculative, prefix_caching=_prefix_caching(spec, config),
         step_tokens=spec.max_num_batched_tokens or max(spec.prefill_chunk_tokens, spec.max_num_seqs),
         kv_cache_bytes=0 if spec.kv_cache_memory is None else parse_bytes(spec.kv_cache_memory, "kv_cache_memory"),
@@ -335,10 +336,11 @@ def sampling_defaults(generation: dict) -> dict:
     return {k: v for k, v in values.items() if v is not None}
 
 
-def _check_generation(generation: dict, vocab: int) -> None:
-    """What a request would otherwise meet, checked at load: the sampling defaults and the stop ids."""
-    sampling_defaults(generation)
+def _check_generation(generation: dict, vocab: int) -> dict:
+    """What a request would otherwise meet, checked at load: the stop ids, and the sampling
+    defaults, which it returns."""
     Fields(generation, "generation_config.json").token_ids("eos_token_id", vocab)
+    return sampling_defaults(generation)
 
 
 def _eos_ids(config: dict, generation: dict, tokenizer: Tokenizer | None) -> tuple[int, ...]:
