@@ -12,6 +12,7 @@ import openai
 import pytest
 from server_harness import ERROR, LiveServer, ScriptedEngine, ServeProcess, client, scripted_engine, wait_until
 
+import neuron
 from neuron.entrypoints.openai.app import ServerConfig
 from neuron.errors import ConfigError
 
@@ -165,6 +166,17 @@ def test_api_key(stub_server):
     assert [m.id for m in client(stub_server, KEY).models.list().data] == ["stub"]
     assert httpx.get(f"{stub_server.url}/health").status_code == 200
     assert httpx.get(f"{stub_server.url}/metrics").status_code == 200
+
+
+def test_one_models_card_and_the_version(stub_server):
+    """OpenAI's models.retrieve (GET /v1/models/{model}) behind the key, and vLLM's GET /version."""
+    card = client(stub_server, KEY).models.retrieve("stub")
+    assert (card.id, card.object, card.owned_by) == ("stub", "model", "neuron")
+    with pytest.raises(openai.NotFoundError) as err:
+        client(stub_server, KEY).models.retrieve("org/other")
+    assert err.value.body["code"] == "model_not_found" and "`org/other` does not exist" in err.value.body["message"]
+    assert httpx.get(f"{stub_server.url}/v1/models/stub").status_code == 401
+    assert httpx.get(f"{stub_server.url}/version").json() == {"version": neuron.__version__}
 
 
 def test_body_limit(stub_server):

@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+import neuron
 from neuron.config import check, from_settings
 from neuron.engine.async_engine import AsyncEngine, EngineState
 from neuron.engine.host import HostedModel, HostError, ModelHost
@@ -105,6 +106,8 @@ def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
         Route("/v1/models", api.endpoint("models", api.models), methods=["GET"]),
+        Route("/v1/models/{model:path}", api.endpoint("models", api.model_card), methods=["GET"]),
+        Route("/version", api.version, methods=["GET"]),
         Route("/v1/chat/completions", api.endpoint("chat", api.chat), methods=["POST"]),
         Route("/v1/completions", api.endpoint("completions", api.completions), methods=["POST"]),
         Route("/v1/embeddings", api.endpoint("embeddings", api.embeddings), methods=["POST"]),
@@ -241,6 +244,23 @@ class _Api:
     async def models(self, request: Request) -> Response:
         """Every model the server knows, with its state; a server of one model answers 503 while it
         is not ready, as before there were several."""
+        return Response(msgspec.json.encode(ModelList(self._cards())), media_type="application/json")
+
+    async def model_card(self, request: Request) -> Response:
+        """GET /v1/models/{model}: one model's card (OpenAI's `models.retrieve`), 404 naming those served."""
+        name = request.path_params["model"]
+        card = next((c for c in self._cards() if c.id == name), None)
+        if card is None:
+            served = ", ".join(f"`{c.id}`" for c in self._cards()) or "no model"
+            raise APIError(404, f"the model `{name[:256]}` does not exist; this server serves {served}", param="model",
+                           code="model_not_found")
+        return Response(msgspec.json.encode(card), media_type="application/json")
+
+    async def version(self, request: Request) -> Response:
+        """GET /version, as vLLM answers it: the server's version."""
+        return JSONResponse({"version": neuron.__version__})
+
+    def _cards(self) -> list[ModelCard]:
         single = self.host.single
         if single is not None and self.cfg.admin_key is None:
             check_ready(single.engine)
@@ -251,7 +271,7 @@ class _Api:
         described = {card.id: card for card in cards}
         cards += [ModelCard(name, self.started, described[base].max_model_len, described[base].quantization,
                             parent=base, root=path) for name, base, path in self.host.adapters()]
-        return Response(msgspec.json.encode(ModelList(cards)), media_type="application/json")
+        return cards
 
     async def chat(self, request: Request) -> Response:
         req = await self._decode(request, ChatCompletionRequest)
