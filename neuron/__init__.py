@@ -18,6 +18,7 @@ _LAZY = {
     "PoolingParams": "neuron.engine.pooling",
     "EmbeddingRequestOutput": "neuron.entrypoints.llm",
     "LoRARequest": "neuron.engine.lora",
+    "BeamSearchParams": "neuron.engine.beam_search",
 }
 
 
@@ -31,4 +32,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLM", "SamplingParams", "GuidedDecodingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
-           "Logprob", "EmbeddingRequestOutput", "__version__"]
+           "Logprob", "EmbeddingRequestOutput", "BeamSearchParams",
+           "__version__"]

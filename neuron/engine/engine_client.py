@@ -107,6 +107,11 @@ class EngineClient:
         """The prompt's last `keep` tokens, vLLM's truncate_prompt_tokens (RequestError where it cannot)."""
         return self._loaded().inputs.truncated(prompt_token_ids, keep, images)
 
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every token that ends a sequence (generation_config.json's and the tokenizer's)."""
+        return self._loaded().inputs.eos_token_ids
+
     def check_images(self, uris: list, placeholders: int | None = None) -> list[ImageInput]:
         """Size, bound and decode a request's images (ImageError). CPU-heavy."""
         return self._loaded().inputs.check_images(uris, placeholders)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
+from neuron.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from neuron.engine.input_processor import check_cache_salt
 from neuron.engine.llm_engine import EngineConfig, LLMEngine, Update, encode_prompt
 from neuron.engine.lora import LoRARequest
@@ -202,6 +203,49 @@ class LLM:
         for out, p in zip(outputs, params_list):
             _keep_best(out, p)
         return outputs
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
+                    use_tqdm: bool | Callable[..., Any] = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search (engine/beam_search.py): each prompt's `params.beam_width` best beams,
+        best first, each with its tokens (the prompt's and its own), text, cumulative logprob and
+        finish reason. Every prompt's beams step together, one token a step."""
+        if isinstance(prompts, (str, dict)) or (len(prompts) and _is_id(prompts[0])):  # one prompt of ids
+            prompts = [prompts]
+        tokenized = [self._tokenize(prompt) for prompt in prompts]
+        if any(p.images for p in tokenized):
+            raise ValueError("beam search takes text or token prompts, not images")
+        adapters = self._adapters(lora_request, len(prompts))
+        step = params.step_params()
+        for prompt in tokenized:
+            self.engine.inputs.validate(prompt.ids, step)
+        searches = [BeamSearch(p.ids, params, self.engine.inputs.eos_token_ids, self.engine.inputs.max_model_len)
+                    for p in tokenized]
+        bar = _progress_bar(use_tqdm, params.max_tokens)
+        try:
+            while live := [k for k, s in enumerate(searches) if not s.done]:
+                # every live beam of every prompt, with its prompt's salt and adapter
+                beams = [(k, beam) for k in live for beam in searches[k].beams]
+                prompts_now = [{"prompt_token_ids": beam.tokens} | _salted(tokenized[k].cache_salt)
+                               for k, beam in beams]
+                loras = [adapters[k] for k, _ in beams] if any(adapters) else None
+                outs = self.generate(prompts_now, step, loras, use_tqdm=False)
+                for k in live:
+                    searches[k].advance([{t: float(lp) for t, lp in out.outputs[0].logprobs[0].items()}
+                                         for (owner, _), out in zip(beams, outs) if owner == k])
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        tok = self.engine.tokenizer
+        results = []
+        for s in searches:
+            best = s.best()
+            for beam in best:
+                beam.text = tok.decode(s.output_ids(beam)) if tok is not None else None
+            results.append(BeamSearchOutput(best))
+        return results
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | None = None, *,
@@ -388,6 +432,10 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+
+
+def _salted(salt: str | None) -> dict:
+    return {"cache_salt": salt} if salt else {}
 
 
 def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int):

@@ -55,6 +55,9 @@ class SamplingRequest(Struct, kw_only=True):
     # combined with the server's --prefix-cache-isolation in common.request_salt)
     cache_salt: str | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last this many tokens (-1: all that fit)
+    # vLLM's beam search (entrypoints/openai/beam.py): the n best of n beams
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True):

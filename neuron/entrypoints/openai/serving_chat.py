@@ -31,6 +31,7 @@ from neuron.entrypoints.openai.api_types import (
     ToolCall,
     UsageInfo,
 )
+from neuron.entrypoints.openai.beam import BeamRun, beam_params, best_beams, check_beams, run_beams
 from neuron.entrypoints.openai.chat_utils import message_text, normalise_messages, template_content_chars
 from neuron.entrypoints.openai.common import (
     Samples,
@@ -186,10 +187,48 @@ async def create_chat_completion(request: Request, engine: AsyncEngine, req: Cha
                                  keepalive_s: float, limiters: Limiters, cache_salt: str | None = None) -> Response:
     """`limiters` bound how many chats are rendered and tokenized, and grammars compiled, at once;
     `cache_salt` is the request's, as the server's isolation makes it (common.request_salt)."""
+    if req.use_beam_search:
+        return await _beam_chat(request, engine, req, limiters, cache_salt)
     ctx, samples = await open_chat(engine, req, limiters, cache_salt)
     if req.stream:
         return EventStreamResponse(_events(ctx, samples, keepalive_s), on_close=samples.close)
     return await json_unless_disconnected(request, samples, _collect(ctx, samples))
+
+
+async def _beam_chat(request: Request, engine: AsyncEngine, req: ChatCompletionRequest, limiters: Limiters,
+                     cache_salt: str | None) -> Response:
+    """use_beam_search: the n best beams, each reply parsed as a chat's (reasoning apart)."""
+    check_model(req, engine.model_name)
+    _check(req)
+    check_ready(engine)
+    if engine.tokenizer is None:
+        raise bad_request("this model has no tokenizer, so it cannot chat", param="messages")
+    max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = getattr(req, max_name)
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"{max_name} must be >= 1 or null, got {max_tokens}", param=max_name)
+    params = beam_params(req, max_tokens or engine.default_sampling().get("max_tokens") or engine.max_model_len)
+    check_beams(engine, 1, params)
+    if req.truncate_prompt_tokens is None:
+        check_prompt_chars(engine, template_content_chars(req.messages), "messages")
+    prompt, ids, images = await off_loop(limiters.tokenize, render_chat, engine, req)
+    if images:
+        raise bad_request("use_beam_search takes text messages, not images", param="messages")
+    ctx, run = ChatRequestContext(req, engine.model_name, engine.tokenizer, prompt, None, None), BeamRun()
+
+    async def collect() -> bytes:
+        beams, usage = best_beams(engine, await run_beams(engine, ctx.id, [ids], params, run, cache_salt, "messages"))
+        choices = []
+        for i, (beam, text) in enumerate(beams):
+            parser = OutputParser.for_chat(engine.tokenizer, prompt, tools=None)
+            parsed = parser.feed(text)
+            parsed.extend(parser.finish())
+            content = ctx.echo + parsed.content if ctx.echo or parsed.content or not parsed.reasoning else None
+            message = ChatMessage("assistant", content, parsed.reasoning or None, None)
+            choices.append(ChatChoice(i, message, None, beam.finish_reason, beam.stop_reason))
+        return await encoded(ChatCompletionResponse(ctx.id, ctx.created, ctx.model, choices, usage))
+
+    return await json_unless_disconnected(request, run, collect())
 
 
 async def open_chat(engine: AsyncEngine, req: ChatCompletionRequest, limiters: Limiters,

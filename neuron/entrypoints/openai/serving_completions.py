@@ -23,6 +23,7 @@ from neuron.entrypoints.openai.api_types import (
     CompletionResponse,
     UsageInfo,
 )
+from neuron.entrypoints.openai.beam import BeamRun, beam_params, best_beams, check_beams, run_beams
 from neuron.entrypoints.openai.common import (
     Samples,
     check_common,
@@ -144,6 +145,8 @@ async def create_completion(request: Request, engine: AsyncEngine, req: Completi
     check_ready(engine)
     prompts = _prompt_list(req.prompt)
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    if req.use_beam_search:
+        return await _beam_completion(request, engine, req, prompts, max_tokens, limiters, cache_salt)
     params = sampling_params(req, engine.default_sampling(), max_tokens=max_tokens, logprobs=req.logprobs, renames={})
     params = with_prompt_logprobs(params, prompt_topk(req))
     check_sequences(engine, len(prompts), params)  # before compiling or tokenizing anything
@@ -159,6 +162,24 @@ async def create_completion(request: Request, engine: AsyncEngine, req: Completi
     if req.stream:
         return EventStreamResponse(_events(ctx, samples, keepalive_s), on_close=samples.close)
     return await json_unless_disconnected(request, samples, _collect(ctx, samples))
+
+
+async def _beam_completion(request: Request, engine: AsyncEngine, req: CompletionRequest, prompts: list,
+                           max_tokens: int, limiters: Limiters, cache_salt: str | None) -> Response:
+    """use_beam_search: the n best beams of each prompt, choice p * n + i the i-th best of prompt p."""
+    params = beam_params(req, max_tokens)
+    check_beams(engine, len(prompts), params)
+    keep = req.truncate_prompt_tokens
+    ids = [truncated(engine, await prompt_ids(engine, p, limiters.tokenize, keep is None), keep) for p in prompts]
+    request_id, run = new_id("cmpl"), BeamRun()
+
+    async def collect() -> bytes:
+        beams, usage = best_beams(engine, await run_beams(engine, request_id, ids, params, run, cache_salt, "prompt"))
+        choices = [CompletionChoice(i, text, None, beam.finish_reason, beam.stop_reason)
+                   for i, (beam, text) in enumerate(beams)]
+        return await encoded(CompletionResponse(request_id, now(), engine.model_name, choices, usage))
+
+    return await json_unless_disconnected(request, run, collect())
 
 
 @dataclass(slots=True)
