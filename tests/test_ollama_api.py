@@ -113,6 +113,20 @@ def test_chat_gives_the_openai_chats_tokens_and_counts(ollama_server):
     assert out.total_duration >= out.prompt_eval_duration + out.eval_duration > 0 and out.load_duration >= 0
 
 
+def test_a_final_assistant_message_is_continued_as_ollama_does(ollama_server):
+    """Ollama continues a chat's last assistant message (a prefill): the same tokens as vLLM's
+    continue_final_message on the OpenAI route, the reply without the prefill."""
+    started = [*HI, {"role": "assistant", "content": "Rivers are"}]
+    out = ollama_client(ollama_server).chat(MODEL, started, options=GREEDY)
+    want = client(ollama_server).chat.completions.create(
+        model=MODEL, messages=started, temperature=0, max_tokens=6,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert out.message.content == want.choices[0].message.content
+    assert out.prompt_eval_count == want.usage.prompt_tokens
+    fresh = client(ollama_server).chat.completions.create(model=MODEL, messages=started, temperature=0, max_tokens=6)
+    assert fresh.usage.prompt_tokens > out.prompt_eval_count  # a new turn would have opened after it
+
+
 def test_a_streamed_chat_is_ndjson_ending_with_the_counts(ollama_server):
     whole = ollama_client(ollama_server).chat(MODEL, HI, options=GREEDY, logprobs=True)
     parts = lines(ollama_server, "/api/chat", {"model": MODEL, "messages": HI, "options": GREEDY, "logprobs": True})

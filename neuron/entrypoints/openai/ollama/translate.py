@@ -10,6 +10,7 @@ from typing import Any
 from neuron.engine.async_engine import AsyncEngine
 from neuron.entrypoints.openai.api_errors import APIError, bad_request, renamed, unsupported
 from neuron.entrypoints.openai.api_types import ChatCompletionRequest
+from neuron.entrypoints.openai.chat_utils import message_text
 from neuron.entrypoints.openai.common import check_ready
 from neuron.entrypoints.openai.ollama.protocol import OllamaGenerateRequest, OllamaRequest, Options
 from neuron.entrypoints.openai.response_parser import THINK_CLOSE, THINK_OPEN, tool_format
@@ -46,17 +47,26 @@ def prompt_messages(req: OllamaGenerateRequest) -> list[dict]:
 def chat_request(name: str, req: OllamaRequest, engine: AsyncEngine,
                  messages: list | None = None) -> ChatCompletionRequest:
     """The chat path's request for an Ollama chat (or templated generate): the same messages, tools,
-    sampling, structured output and reasoning switch, in its names."""
+    sampling, structured output and reasoning switch, in its names. A final assistant message of
+    text is continued, as Ollama does: the reply goes on from it (a prefill)."""
     check_ready(engine)
     tools = getattr(req, "tools", None) or None
     if tools and engine.tokenizer is not None and tool_format(engine.tokenizer) is None:
         raise bad_request("this model's chat template shows no tool-call format neuron reads (Qwen's <tool_call> "
                           "tags, Llama 3.1's JSON or Mistral's [TOOL_CALLS]), so it cannot take tools", param="tools")
     kwargs = _think(req, engine)
+    turns = [_message(m, i) for i, m in enumerate(messages or req.messages)]
+    prefill = bool(turns) and _continues(turns[-1])
     return ChatCompletionRequest(
-        model=name, messages=[_message(m, i) for i, m in enumerate(messages or req.messages)], tools=tools,
-        logprobs=req.logprobs, top_logprobs=req.top_logprobs, response_format=response_format(req.format),
-        chat_template_kwargs=kwargs, **sampling_fields(req))
+        model=name, messages=turns, tools=tools, logprobs=req.logprobs, top_logprobs=req.top_logprobs,
+        response_format=response_format(req.format), chat_template_kwargs=kwargs,
+        add_generation_prompt=not prefill, continue_final_message=prefill, **sampling_fields(req))
+
+
+def _continues(turn: dict) -> bool:
+    """Whether the chat's last turn is one the reply continues: an assistant's text, calling no tool."""
+    return (turn.get("role") == "assistant" and not turn.get("tool_calls")
+            and bool(message_text(turn.get("content")).strip()))
 
 
 def _message(m: Any, i: int) -> dict:
