@@ -124,6 +124,9 @@ def test_an_eos_ends_a_beam_and_the_length_penalty_ranks_the_ends():
     zero = BeamSearch([1, 2], BeamSearchParams(2, 3, length_penalty=0.0), [eos], max_model_len=100)
     zero.completed, zero.beams = search.completed, search.beams
     assert zero.best()[0].tokens == [1, 2, eos]  # no length penalty: the highest sum wins
+    huge = BeamSearch([1, 2], BeamSearchParams(2, 3, length_penalty=1e308), [eos], max_model_len=100)
+    huge.completed, huge.beams = search.completed, search.beams
+    assert huge.best()[0].tokens == [1, 2, 10, 12, 14]  # no overflow: the longer beam, by far
 
 
 def test_the_context_bounds_the_steps_and_the_params_are_checked():

@@ -104,12 +104,17 @@ class BeamSearch:
         """The beam_width best beams, complete and live together, best first."""
         for beam in self.beams:
             beam.finish_reason = "length"
-        ranked = sorted(self.completed + self.beams, key=self.score, reverse=True)
+        ranked = sorted(self.completed + self.beams, key=self.rank, reverse=True)
         return ranked[: self.params.beam_width]
 
-    def score(self, beam: BeamSearchSequence) -> float:
-        generated = len(beam.tokens) - self.prompt_len
-        return beam.cum_logprob / (max(generated, 1) ** self.params.length_penalty)
+    def rank(self, beam: BeamSearchSequence) -> float:
+        """What orders the beams as their score, cum_logprob / generated ** length_penalty, orders
+        them (higher is better), taken in logarithms: a score is never positive, and the power
+        overflows a float where the logarithm does not."""
+        if beam.cum_logprob >= 0:
+            return math.inf
+        generated = max(len(beam.tokens) - self.prompt_len, 1)
+        return self.params.length_penalty * math.log(generated) - math.log(-beam.cum_logprob)
 
     def output_ids(self, beam: BeamSearchSequence) -> list[int]:
         """The beam's generated tokens, without the EOS that ended it unless asked for."""
