@@ -214,6 +214,33 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(clients_server, de
         assert r.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(clients_server, route):
+    """vLLM's stream_options.continuous_usage_stats: each chunk of a choice carries its prompt's
+    tokens and the choice's tokens so far, counting up to the final usage chunk's."""
+    c = client(clients_server)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if route == "completions":
+        chunks = list(c.completions.create(model=MODEL, prompt="Rivers", max_tokens=6, stream=True, n=2,
+                                           stream_options=options, temperature=1.0, seed=4, extra_body={
+                                               "ignore_eos": True}))
+    else:
+        chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Rivers"}],
+                                                max_tokens=6, stream=True, n=2, stream_options=options,
+                                                temperature=1.0, seed=4, extra_body={"ignore_eos": True}))
+    final = chunks[-1].usage
+    assert not chunks[-1].choices and final.completion_tokens == 12
+    for index in (0, 1):
+        seen = [ch.usage for ch in chunks if ch.choices and ch.choices[0].index == index]
+        assert seen and all(u is not None and u.prompt_tokens == final.prompt_tokens for u in seen)
+        counts = [u.completion_tokens for u in seen]
+        assert counts == sorted(counts) and counts[-1] == 6 and all(u.total_tokens == u.prompt_tokens +
+                                                                    u.completion_tokens for u in seen)
+    plain = list(c.completions.create(model=MODEL, prompt="Rivers", max_tokens=3, stream=True,
+                                      stream_options={"include_usage": True}))
+    assert all(ch.usage is None for ch in plain[:-1]) and plain[-1].usage.completion_tokens == 3
+
+
 def test_tokenize_needs_a_tokenizer(odd_checkpoint):
     with LiveServer(real_engine(str(odd_checkpoint), 1, name="odd")) as server:
         server.wait_ready()

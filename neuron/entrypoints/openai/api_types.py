@@ -16,6 +16,7 @@ from msgspec import Struct
 
 class StreamOptions(Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries its choice's usage so far
 
 
 class SamplingRequest(Struct, kw_only=True):

@@ -236,6 +236,21 @@ class Samples:
             out += [base + k for k in ranked(cumulative[base : base + self.per_prompt], self.n)]
         return out
 
+    def running_usage(self, options) -> Callable[[int, Update | None], UsageInfo] | None:
+        """vLLM's continuous_usage_stats (`options`, the request's stream_options): the usage of
+        stream k with an update of it counted (None: before any), its prompt's tokens and the tokens
+        streamed for it so far; None where the request did not ask for it."""
+        if not (options and options.include_usage and options.continuous_usage_stats):
+            return None
+        counts = [0] * len(self.streams)
+
+        def usage(k: int, update: Update | None) -> UsageInfo:
+            counts[k] += len(update.token_ids) if update is not None else 0
+            prompt = self.prompt_lens[k // self.per_prompt]
+            return UsageInfo(prompt, counts[k], prompt + counts[k])
+
+        return usage
+
     def usage(self, returned: list[int] | range) -> UsageInfo:
         """Each prompt's tokens once and the tokens of the choices returned, as vLLM counts them
         (OpenAI bills the best_of samples it drops as well)."""

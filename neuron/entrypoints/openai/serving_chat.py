@@ -316,18 +316,20 @@ def _delta(state: ChoiceState, parsed: Parsed) -> DeltaMessage:
                         tool_calls=calls or None)
 
 
-def _update_chunks(ctx: ChatRequestContext, state: ChoiceState, index: int, update: Update) -> list[bytes]:
-    """The chunks one update of choice `index` makes: its delta, then its finish reason once done."""
+def _update_chunks(ctx: ChatRequestContext, state: ChoiceState, index: int, update: Update,
+                   usage: UsageInfo | None = None) -> list[bytes]:
+    """The chunks one update of choice `index` makes: its delta, then its finish reason once done;
+    each with `usage` (continuous_usage_stats)."""
     parsed = state.parser.feed(update.text)
     if update.finished:
         parsed.extend(state.parser.finish())
     logprobs = state.logprobs(update)
     chunks = []
     if parsed or logprobs:
-        chunks.append(_chunk(ctx, ChatChunkChoice(index, _delta(state, parsed), logprobs)))
+        chunks.append(_chunk(ctx, ChatChunkChoice(index, _delta(state, parsed), logprobs), usage))
     if update.finished:
         reason = state.finish_reason(update.finish_reason)
-        chunks.append(_chunk(ctx, ChatChunkChoice(index, DeltaMessage(), None, reason, update.stop_reason)))
+        chunks.append(_chunk(ctx, ChatChunkChoice(index, DeltaMessage(), None, reason, update.stop_reason), usage))
     return chunks
 
 
@@ -335,12 +337,14 @@ async def _events(ctx: ChatRequestContext, samples: Samples, keepalive_s: float)
     """Every sample is returned when streaming (best_of > n is refused), so stream k is choice k;
     each choice opens with its role, then chunks of all choices interleave as they come."""
     states = [ChoiceState(ctx) for _ in samples.streams]
-    opening = [_chunk(ctx, ChatChunkChoice(i, DeltaMessage(role="assistant", content=""))) for i in range(len(states))]
+    running = samples.running_usage(ctx.req.stream_options)
+    opening = [_chunk(ctx, ChatChunkChoice(i, DeltaMessage(role="assistant", content="")),
+                      running(i, None) if running else None) for i in range(len(states))]
     if ctx.echo:
         opening += [_chunk(ctx, ChatChunkChoice(i, DeltaMessage(content=ctx.echo))) for i in range(len(states))]
 
     async def chunks(k: int, update: Update) -> list[bytes]:
-        return _update_chunks(ctx, states[k], k, update)
+        return _update_chunks(ctx, states[k], k, update, running(k, update) if running else None)
 
     wants_usage = ctx.req.stream_options and ctx.req.stream_options.include_usage
     usage = (lambda u: _chunk(ctx, None, u)) if wants_usage else None

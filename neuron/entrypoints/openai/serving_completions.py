@@ -234,13 +234,15 @@ def _chunk(ctx: _Context, choice: CompletionChoice | None, usage: UsageInfo | No
 
 async def _events(ctx: _Context, samples: Samples, keepalive_s: float) -> AsyncIterator[bytes]:
     """Every sample is returned when streaming (best_of > n is refused), so stream k is choice k."""
+    running = samples.running_usage(ctx.req.stream_options)
 
     async def chunks(k: int, update: Update) -> list[bytes]:
         text, (logprobs, prompt_logprobs) = ctx.text(k, update), await _rendered(ctx, k, update)
+        usage_so_far = running(k, update) if running else None
         if not (text or logprobs or update.finished):
             return []
         reason, stop_reason = (update.finish_reason, update.stop_reason) if update.finished else (None, None)
-        return [_chunk(ctx, CompletionChoice(k, text, logprobs, reason, stop_reason, prompt_logprobs))]
+        return [_chunk(ctx, CompletionChoice(k, text, logprobs, reason, stop_reason, prompt_logprobs), usage_so_far)]
 
     wants_usage = ctx.req.stream_options and ctx.req.stream_options.include_usage
     usage = (lambda u: _chunk(ctx, None, u)) if wants_usage else None
