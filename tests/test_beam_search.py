@@ -61,6 +61,10 @@ def test_use_beam_search_on_the_server(beam_server, default_tokenizer):
     assert out.usage.prompt_tokens == len(PROMPT) and out.usage.completion_tokens == 8
     assert [(c.text, c.finish_reason) for c in out.choices] == [(default_tokenizer.decode(tokens), "length")
                                                                for tokens, _ in want]
+    echoed = client(beam_server).completions.create(model="neuron-default", prompt=PROMPT, n=2, max_tokens=4,
+                                                    echo=True, extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert [c.text for c in echoed.choices] == [default_tokenizer.decode(PROMPT, skip_special_tokens=False) + c.text
+                                                for c in out.choices]
     for field, value in (("stream", True), ("top_p", 0.5), ("logprobs", 2), ("stop", ["x"]), ("seed", 3)):
         r = httpx.post(f"{beam_server.url}/v1/completions", json={
             "model": "neuron-default", "prompt": PROMPT, "n": 2, "use_beam_search": True, field: value})

@@ -180,8 +180,7 @@ class LLM:
         an adapter is loaded the first time a request names it. `use_tqdm`: a progress bar over the
         prompts on a terminal (a callable makes the bar, as in vLLM); `priority`: only 0, the
         scheduling being first come, first served."""
-        if isinstance(prompts, (str, dict)) or (len(prompts) and _is_id(prompts[0])):  # one prompt of ids
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         _check_priority(priority, len(prompts))
         params = sampling_params or self.get_default_sampling_params()
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
@@ -210,8 +209,7 @@ class LLM:
         """vLLM's beam search (engine/beam_search.py): each prompt's `params.beam_width` best beams,
         best first, each with its tokens (the prompt's and its own), text, cumulative logprob and
         finish reason. Every prompt's beams step together, one token a step."""
-        if isinstance(prompts, (str, dict)) or (len(prompts) and _is_id(prompts[0])):  # one prompt of ids
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         tokenized = [self._tokenize(prompt) for prompt in prompts]
         if any(p.images for p in tokenized):
             raise ValueError("beam search takes text or token prompts, not images")
@@ -259,8 +257,7 @@ class LLM:
         params = pooling_params or PoolingParams()
         if truncate_prompt_tokens is not None:
             params = replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
-        if isinstance(prompts, (str, dict)) or (len(prompts) and _is_id(prompts[0])):  # one prompt of ids
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         tokenized = [self._truncated(self._tokenize(prompt), params.truncate_prompt_tokens) for prompt in prompts]
         for prompt in tokenized:
             if prompt.images:
@@ -432,6 +429,13 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (a string, a dict, or token ids) as a list of one; a list of prompts as it is."""
+    if isinstance(prompts, (str, dict)) or (len(prompts) and _is_id(prompts[0])):
+        return [prompts]
+    return list(prompts)
 
 
 def _salted(salt: str | None) -> dict:

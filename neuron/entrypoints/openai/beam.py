@@ -96,15 +96,15 @@ async def _top_logprobs(stream: RequestStream) -> dict[int, float]:
     return last.logprobs[0]
 
 
-def best_beams(engine: AsyncEngine, searches: list[BeamSearch]) -> tuple[list[tuple[BeamSearchSequence, str]],
-                                                                           UsageInfo]:
+def best_beams(engine: AsyncEngine, searches: list[BeamSearch],
+               skip_special_tokens: bool) -> tuple[list[tuple[BeamSearchSequence, str]], UsageInfo]:
     """Each prompt's best beams, in choice order, with their text; and the usage (each prompt once,
     the returned beams' tokens)."""
     out, completion = [], 0
+    tok = engine.tokenizer
     for s in searches:
         for beam in s.best():
-            ids = s.output_ids(beam)
-            out.append((beam, engine.tokenizer.decode(ids) if engine.tokenizer is not None else ""))
+            out.append((beam, tok.decode(s.output_ids(beam), skip_special_tokens) if tok is not None else ""))
             completion += len(beam.tokens) - s.prompt_len
     prompt = sum(s.prompt_len for s in searches)
     return out, UsageInfo(prompt, completion, prompt + completion)

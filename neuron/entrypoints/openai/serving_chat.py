@@ -201,12 +201,8 @@ async def _beam_chat(request: Request, engine: AsyncEngine, req: ChatCompletionR
     check_model(req, engine.model_name)
     _check(req)
     check_ready(engine)
-    if engine.tokenizer is None:
-        raise bad_request("this model has no tokenizer, so it cannot chat", param="messages")
-    max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = getattr(req, max_name)
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"{max_name} must be >= 1 or null, got {max_tokens}", param=max_name)
+    _need_tokenizer(engine)
+    max_tokens, _ = _max_tokens(req)
     params = beam_params(req, max_tokens or engine.default_sampling().get("max_tokens") or engine.max_model_len)
     check_beams(engine, 1, params)
     if req.truncate_prompt_tokens is None:
@@ -217,18 +213,33 @@ async def _beam_chat(request: Request, engine: AsyncEngine, req: ChatCompletionR
     ctx, run = ChatRequestContext(req, engine.model_name, engine.tokenizer, prompt, None, None), BeamRun()
 
     async def collect() -> bytes:
-        beams, usage = best_beams(engine, await run_beams(engine, ctx.id, [ids], params, run, cache_salt, "messages"))
+        searches = await run_beams(engine, ctx.id, [ids], params, run, cache_salt, "messages")
+        beams, usage = best_beams(engine, searches, req.skip_special_tokens)
         choices = []
         for i, (beam, text) in enumerate(beams):
             parser = OutputParser.for_chat(engine.tokenizer, prompt, tools=None)
             parsed = parser.feed(text)
             parsed.extend(parser.finish())
-            content = ctx.echo + parsed.content if ctx.echo or parsed.content or not parsed.reasoning else None
-            message = ChatMessage("assistant", content, parsed.reasoning or None, None)
+            message = ChatMessage("assistant", _content(ctx, parsed, []), parsed.reasoning or None, None)
             choices.append(ChatChoice(i, message, None, beam.finish_reason, beam.stop_reason))
         return await encoded(ChatCompletionResponse(ctx.id, ctx.created, ctx.model, choices, usage))
 
     return await json_unless_disconnected(request, run, collect())
+
+
+def _need_tokenizer(engine: AsyncEngine) -> None:
+    if engine.tokenizer is None:
+        raise bad_request("this model has no tokenizer, so it cannot chat; use /v1/completions with token ids",
+                          param="messages")
+
+
+def _max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
+    """The request's token budget (None: as much as the context leaves) and the field it came in."""
+    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    value = getattr(req, name)
+    if value is not None and value < 1:  # only /v1/completions scores a prompt without generating (echo)
+        raise bad_request(f"{name} must be >= 1 or null, got {value}", param=name)
+    return value, name
 
 
 async def open_chat(engine: AsyncEngine, req: ChatCompletionRequest, limiters: Limiters,
@@ -238,14 +249,9 @@ async def open_chat(engine: AsyncEngine, req: ChatCompletionRequest, limiters: L
     check_model(req, engine.model_name)
     _check(req)
     check_ready(engine)
-    if engine.tokenizer is None:
-        raise bad_request("this model has no tokenizer, so it cannot chat; use /v1/completions with token ids",
-                          param="messages")
+    _need_tokenizer(engine)
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = getattr(req, max_name)
-    if max_tokens is not None and max_tokens < 1:  # only /v1/completions scores a prompt without generating (echo)
-        raise bad_request(f"{max_name} must be >= 1 or null, got {max_tokens}", param=max_name)
+    max_tokens, max_name = _max_tokens(req)
     tools = _tool_format(req, engine.tokenizer)
     params = sampling_params(req, engine.default_sampling(), max_tokens=max_tokens, logprobs=top_logprobs,
                              renames={"logprobs": "top_logprobs", "max_tokens": max_name})
@@ -290,10 +296,16 @@ async def read_sample(ctx: ChatRequestContext, stream: RequestStream) -> _Sample
 def _choice(ctx: ChatRequestContext, index: int, out: _Sample) -> ChatChoice:
     parsed = out.parsed
     calls = out.state.tool_calls(parsed)
-    content = ctx.echo + parsed.content if ctx.echo or parsed.content or not (calls or parsed.reasoning) else None
-    message = ChatMessage("assistant", content, parsed.reasoning or None, calls or None)
+    message = ChatMessage("assistant", _content(ctx, parsed, calls), parsed.reasoning or None, calls or None)
     return ChatChoice(index, message, ChatLogprobs(out.logprobs) if ctx.top_logprobs is not None else None,
                       out.state.finish_reason(out.last.finish_reason), out.last.stop_reason)
+
+
+def _content(ctx: ChatRequestContext, parsed: Parsed, calls: list[ToolCall]) -> str | None:
+    """A reply's content: null where it is only calls or reasoning, as OpenAI's; the echoed text first."""
+    if ctx.echo or parsed.content or not (calls or parsed.reasoning):
+        return ctx.echo + parsed.content
+    return None
 
 
 async def _collect(ctx: ChatRequestContext, samples: Samples) -> bytes:

@@ -80,6 +80,15 @@ async def prompt_ids(engine: AsyncEngine, prompt, limiter: anyio.CapacityLimiter
         raise bad_request(str(exc), param="prompt") from None
 
 
+async def _token_prompts(engine: AsyncEngine, prompts: list, limiter: anyio.CapacityLimiter,
+                         keep: int | None) -> tuple[list[list[int]], list]:
+    """Each prompt's token ids, cut to its last `keep` (truncate_prompt_tokens), and the prompts as
+    echo shows them: a cut one as the tokens the model read."""
+    whole = [await prompt_ids(engine, prompt, limiter, keep is None) for prompt in prompts]
+    ids = [truncated(engine, w, keep) for w in whole]
+    return ids, [p if len(i) == len(w) else i for p, w, i in zip(prompts, whole, ids)]
+
+
 def _check(req: CompletionRequest) -> None:
     check_common(req)
     if req.suffix:
@@ -151,11 +160,7 @@ async def create_completion(request: Request, engine: AsyncEngine, req: Completi
     params = with_prompt_logprobs(params, prompt_topk(req))
     check_sequences(engine, len(prompts), params)  # before compiling or tokenizing anything
     grammar = await compile_guided(engine, req, limiters.grammar)
-    keep = params.truncate_prompt_tokens
-    whole = [await prompt_ids(engine, prompt, limiters.tokenize, keep is None) for prompt in prompts]
-    ids = [truncated(engine, w, keep) for w in whole]
-    # a cut prompt is echoed as the tokens the model read
-    prompts = [p if len(i) == len(w) else i for p, w, i in zip(prompts, whole, ids)]
+    ids, prompts = await _token_prompts(engine, prompts, limiters.tokenize, params.truncate_prompt_tokens)
     ctx = _Context(req, engine.model_name, engine.tokenizer, prompts, ids)
     samples = open_samples(engine, ctx.id, ids, params, "prompt", grammar=grammar, cache_salt=cache_salt)
     ctx.per_prompt = samples.per_prompt
@@ -169,14 +174,21 @@ async def _beam_completion(request: Request, engine: AsyncEngine, req: Completio
     """use_beam_search: the n best beams of each prompt, choice p * n + i the i-th best of prompt p."""
     params = beam_params(req, max_tokens)
     check_beams(engine, len(prompts), params)
-    keep = req.truncate_prompt_tokens
-    ids = [truncated(engine, await prompt_ids(engine, p, limiters.tokenize, keep is None), keep) for p in prompts]
+    ids, shown = await _token_prompts(engine, prompts, limiters.tokenize, req.truncate_prompt_tokens)
     request_id, run = new_id("cmpl"), BeamRun()
 
+    def echoed(p: int) -> str:
+        if not req.echo:
+            return ""
+        prompt = shown[p]
+        return prompt if isinstance(prompt, str) or engine.tokenizer is None else \
+            engine.tokenizer.decode(prompt, skip_special_tokens=False)
+
     async def collect() -> bytes:
-        beams, usage = best_beams(engine, await run_beams(engine, request_id, ids, params, run, cache_salt, "prompt"))
-        choices = [CompletionChoice(i, text, None, beam.finish_reason, beam.stop_reason)
-                   for i, (beam, text) in enumerate(beams)]
+        searches = await run_beams(engine, request_id, ids, params, run, cache_salt, "prompt")
+        beams, usage = best_beams(engine, searches, req.skip_special_tokens)
+        choices = [CompletionChoice(i, echoed(i // params.beam_width) + text, None, beam.finish_reason,
+                                    beam.stop_reason) for i, (beam, text) in enumerate(beams)]
         return await encoded(CompletionResponse(request_id, now(), engine.model_name, choices, usage))
 
     return await json_unless_disconnected(request, run, collect())
