@@ -17,6 +17,7 @@ _LAZY = {
     "GuidedDecodingParams": "neuron.engine.sampling_params",
     "PoolingParams": "neuron.engine.pooling",
     "EmbeddingRequestOutput": "neuron.entrypoints.llm",
+    "ScoringRequestOutput": "neuron.entrypoints.llm",
     "LoRARequest": "neuron.engine.lora",
     "BeamSearchParams": "neuron.engine.beam_search",
 }
@@ -32,5 +33,6 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLM", "SamplingParams", "GuidedDecodingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
-           "Logprob", "EmbeddingRequestOutput", "BeamSearchParams",
+           "Logprob", "EmbeddingRequestOutput", "ScoringRequestOutput",
+           "BeamSearchParams",
            "__version__"]

@@ -138,6 +138,20 @@ def test_embed_takes_truncate_prompt_tokens(last_token_llm, last_token_checkpoin
     assert same.outputs.embedding == cut.outputs.embedding
 
 
+def test_score_is_the_cosine_of_the_embeddings(last_token_llm, last_token_checkpoint):
+    ref = reference_embeddings(last_token_checkpoint, PROMPTS[:3])
+    cos = [[float(torch.dot(a, b) / (a.norm() * b.norm())) for b in ref] for a in ref]
+    one = last_token_llm.score({"prompt_token_ids": PROMPTS[0]}, [{"prompt_token_ids": p} for p in PROMPTS[:3]])
+    assert [o.outputs.score for o in one] == pytest.approx(cos[0], abs=1e-4)
+    assert one[2].prompt_token_ids == PROMPTS[0] + PROMPTS[2]
+    pairs = last_token_llm.score([{"prompt_token_ids": p} for p in PROMPTS[1:3]],
+                                 [{"prompt_token_ids": p} for p in PROMPTS[:2]])
+    assert [o.outputs.score for o in pairs] == pytest.approx([cos[1][0], cos[2][1]], abs=1e-4)
+    with pytest.raises(ValueError, match="data_1 has 2 prompts and data_2 3"):
+        last_token_llm.score([{"prompt_token_ids": p} for p in PROMPTS[:2]],
+                             [{"prompt_token_ids": p} for p in PROMPTS[:3]])
+
+
 def test_a_cached_prefix_still_gives_the_right_vector(last_token_llm, last_token_checkpoint):
     engine = last_token_llm.engine
     prefix = [(11 * i + 1) % 250 for i in range(48)]  # three full 16-token blocks
@@ -290,6 +304,38 @@ def test_truncate_prompt_tokens_embeds_each_inputs_last_tokens(embed_server, las
              400, "truncate_prompt_tokens", "truncate_prompt_tokens must be -1, an integer >= 1, or null")
     _refused(lambda: c.embeddings.create(model="embedder", input="x", extra_body={"truncate_prompt_tokens": 257}),
              400, "truncate_prompt_tokens", "greater than this model's context (256 tokens)")
+
+
+def test_score_and_rerank_are_the_cosines_of_the_embeddings(embed_server, last_token_checkpoint, text_ids):
+    """vLLM's score and rerank APIs on an embedding model: the cosine similarity of the two texts'
+    embeddings (transformers' here), one text against many or pairwise; rerank best first."""
+    ref = reference_embeddings(last_token_checkpoint, text_ids)
+    cos = [[float(torch.dot(a, b) / (a.norm() * b.norm())) for b in ref] for a in ref]
+    r = httpx.post(f"{embed_server.url}/v1/score", json={"model": "embedder", "text_1": TEXTS[0], "text_2": TEXTS})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [d["index"] for d in body["data"]] == [0, 1, 2] and body["object"] == "list"
+    assert [d["score"] for d in body["data"]] == pytest.approx(cos[0], abs=1e-4)
+    assert body["usage"]["prompt_tokens"] == sum(map(len, text_ids))  # each distinct text embedded once
+    pairwise = httpx.post(f"{embed_server.url}/score", json={"model": "embedder", "text_1": TEXTS[1:],
+                                                              "text_2": TEXTS[:2]}).json()
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx([cos[1][0], cos[2][1]], abs=1e-4)
+    ranked = httpx.post(f"{embed_server.url}/v1/rerank", json={"model": "embedder", "query": TEXTS[2],
+                                                               "documents": TEXTS[:2] * 2, "top_n": 3}).json()
+    want = sorted(range(4), key=lambda k: cos[2][k % 2], reverse=True)[:3]
+    assert [r["index"] for r in ranked["results"]] == want
+    assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx([cos[2][k % 2] for k in want],
+                                                                              abs=1e-4)
+    assert [r["document"]["text"] for r in ranked["results"]] == [TEXTS[k % 2] for k in want]
+    bare = httpx.post(f"{embed_server.url}/v2/rerank", json={"model": "embedder", "query": "x", "documents": ["y"],
+                                                             "return_documents": False}).json()
+    assert set(bare["results"][0]) == {"index", "relevance_score"}
+    for path, body, param in (("/v1/score", {"text_1": TEXTS[:2], "text_2": TEXTS}, "text_1"),
+                              ("/v1/score", {"text_1": "a", "text_2": []}, "text_2"),
+                              ("/rerank", {"query": "", "documents": ["a"]}, "query"),
+                              ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n")):
+        r = httpx.post(f"{embed_server.url}{path}", json={"model": "embedder", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def _refused(call, status: int, param: str | None, message: str, code: str | None = None) -> None:

@@ -81,6 +81,13 @@ class Pooled:
         return finish(v.cpu(), cfg.normalize, self.dimensions)
 
 
+def cosine_similarities(vectors: list[list[float]], firsts: list[int], seconds: list[int]) -> list[float]:
+    """The cosine similarity of rows firsts[k] and seconds[k] of `vectors` (0 where one is zero):
+    how vLLM scores a pair of texts with an embedding model."""
+    unit = torch.nn.functional.normalize(torch.tensor(vectors, dtype=torch.float64), dim=-1)
+    return (unit[firsts] * unit[seconds]).sum(-1).tolist()
+
+
 def finish(v: torch.Tensor, normalize: bool, dimensions: int | None = None) -> list[float]:
     """The embedding as a client gets it: its first `dimensions` values (Matryoshka truncation),
     L2-normalized after the cut when the model normalizes."""

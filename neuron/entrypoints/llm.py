@@ -24,7 +24,7 @@ from neuron.engine.input_processor import check_cache_salt
 from neuron.engine.llm_engine import EngineConfig, LLMEngine, Update, encode_prompt
 from neuron.engine.lora import LoRARequest
 from neuron.engine.parallel_sampling import cumulative_logprob, ranked, sample_id, sample_params
-from neuron.engine.pooling import PoolingParams
+from neuron.engine.pooling import PoolingParams, cosine_similarities
 from neuron.engine.sampling_params import SamplingParams, token_ids
 from neuron.errors import NeuronError
 from neuron.multimodal.image import ImageInput
@@ -88,6 +88,21 @@ class EmbeddingRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """One pair's score, as vLLM's `LLM.score` returns it."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
     finished: bool = True
 
 
@@ -244,6 +259,21 @@ class LLM:
                 beam.text = tok.decode(s.output_ids(beam)) if tok is not None else None
             results.append(BeamSearchOutput(best))
         return results
+
+    def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType], *,
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's score for an embedding model: the cosine similarity of each pair's embeddings,
+        `data_1` one prompt against each of `data_2`, or a list as long as `data_2`, pairwise."""
+        first, second = _prompt_list(data_1), _prompt_list(data_2)
+        m, n = len(first), len(second)
+        if not n or m not in (1, n):
+            raise ValueError(f"data_1 has {m} prompts and data_2 {n}: give one data_1, or as many as data_2")
+        outs = self.embed(first + second, truncate_prompt_tokens=truncate_prompt_tokens)  # data_1 once each
+        firsts = [0] * n if m == 1 else list(range(n))
+        scores = cosine_similarities([o.outputs.embedding for o in outs], firsts, list(range(m, m + n)))
+        return [ScoringRequestOutput(f"{outs[a].request_id}-{b.request_id}", ScoringOutput(s),
+                                     outs[a].prompt_token_ids + b.prompt_token_ids)
+                for a, b, s in zip(firsts, outs[m:], scores)]
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | None = None, *,

@@ -52,6 +52,7 @@ from neuron.entrypoints.openai.serving_completions import create_completion
 from neuron.entrypoints.openai.serving_embeddings import create_embedding
 from neuron.entrypoints.openai.serving_messages import count_tokens, create_message, error_response
 from neuron.entrypoints.openai.serving_responses import create_response, delete_response, retrieve_response
+from neuron.entrypoints.openai.serving_score import RerankRequest, ScoreRequest, create_rerank, create_score
 from neuron.entrypoints.openai.serving_tokenization import detokenize, tokenize, tokenizer_info
 from neuron.errors import ConfigError
 
@@ -111,6 +112,10 @@ def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
         Route("/v1/chat/completions", api.endpoint("chat", api.chat), methods=["POST"]),
         Route("/v1/completions", api.endpoint("completions", api.completions), methods=["POST"]),
         Route("/v1/embeddings", api.endpoint("embeddings", api.embeddings), methods=["POST"]),
+        # vLLM's score and rerank APIs (Jina's and Cohere's rerank shape), for embedding models
+        *[Route(path, api.endpoint("score", api.score), methods=["POST"]) for path in ("/score", "/v1/score")],
+        *[Route(path, api.endpoint("rerank", api.rerank), methods=["POST"])
+          for path in ("/rerank", "/v1/rerank", "/v2/rerank")],
         # Anthropic's Messages API: its clients send the key as x-api-key, and read its error shape
         Route("/v1/messages", api.endpoint("messages", api.messages, api.authenticate_either, error_response),
               methods=["POST"]),
@@ -291,6 +296,16 @@ class _Api:
         req = await self._decode(request, EmbeddingRequest)
         engine = await self._engine(req.model)
         return await create_embedding(request, engine, req, self.limiters.tokenize, self._salt(request, req))
+
+    async def score(self, request: Request) -> Response:
+        req = await self._decode(request, ScoreRequest)
+        engine = await self._engine(req.model)
+        return await create_score(request, engine, req, self.limiters.tokenize, self._salt(request, req))
+
+    async def rerank(self, request: Request) -> Response:
+        req = await self._decode(request, RerankRequest)
+        engine = await self._engine(req.model)
+        return await create_rerank(request, engine, req, self.limiters.tokenize, self._salt(request, req))
 
     async def messages(self, request: Request) -> Response:
         req = await self._decode(request, MessagesRequest)

@@ -48,8 +48,8 @@ async def create_embedding(request: Request, engine: AsyncEngine, req: Embedding
         params = PoolingParams(req.dimensions, req.truncate_prompt_tokens)
     except InvalidParams as exc:
         raise bad_request(str(exc), param=exc.param) from None
-    ids = await _token_ids(engine, inputs, limiter, params.truncate_prompt_tokens)
-    batch = _Batch(engine, new_id("embd"), ids, params, cache_salt)
+    ids = await tokenized_inputs(engine, inputs, limiter, params.truncate_prompt_tokens)
+    batch = EmbeddingBatch(engine, new_id("embd"), ids, params, cache_salt)
     return await json_unless_disconnected(request, batch, _respond(engine, req, batch))
 
 
@@ -76,7 +76,7 @@ def _is_ids(value) -> bool:
                                                            for t in value)
 
 
-async def _token_ids(engine: AsyncEngine, inputs: list, limiter: anyio.CapacityLimiter,
+async def tokenized_inputs(engine: AsyncEngine, inputs: list, limiter: anyio.CapacityLimiter,
                      keep: int | None) -> list[list[int]]:
     """Each input's token ids (text bounded by its length, then tokenized off the event loop, as a
     completion's prompt is; `keep`, truncate_prompt_tokens, cuts each to its last tokens instead),
@@ -99,7 +99,7 @@ async def _token_ids(engine: AsyncEngine, inputs: list, limiter: anyio.CapacityL
     return out
 
 
-class _Batch:
+class EmbeddingBatch:
     """The engine requests behind one embeddings request, at most `max_per_request` in flight."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, ids: list[list[int]], params: PoolingParams,
@@ -144,7 +144,7 @@ class _Batch:
         self.open.clear()
 
 
-async def _respond(engine: AsyncEngine, req: EmbeddingRequest, batch: _Batch) -> bytes:
+async def _respond(engine: AsyncEngine, req: EmbeddingRequest, batch: EmbeddingBatch) -> bytes:
     """The response body once every input has its vector; shaping thousands of vectors runs in a
     worker thread, as their JSON is encoded."""
     vectors = await batch.run()

@@ -1,0 +1,169 @@
+"""vLLM's score and rerank APIs for embedding models: POST /score (and /v1/score) and POST /rerank
+(and /v1/rerank, /v2/rerank: Jina's and Cohere's shape).
+
+A model that embeds scores a pair of texts as vLLM scores one with an embedding model: the cosine
+similarity of their two embeddings. Every distinct text is embedded once, through the embeddings
+path (`serving_embeddings`: batched with the rest, at most `max_per_request` in flight).
+"""
+
+from __future__ import annotations
+
+import anyio
+from msgspec import Struct
+from starlette.requests import Request
+from starlette.responses import Response
+
+from neuron.engine.async_engine import AsyncEngine
+from neuron.engine.pooling import EMBED, PoolingParams, cosine_similarities
+from neuron.engine.sampling_params import InvalidParams
+from neuron.entrypoints.openai.api_errors import bad_request
+from neuron.entrypoints.openai.common import check_serves, encoded, new_id, now
+from neuron.entrypoints.openai.serving_embeddings import MAX_INPUTS, EmbeddingBatch, tokenized_inputs
+from neuron.entrypoints.openai.streaming import json_unless_disconnected
+
+
+class ScoreRequest(Struct, kw_only=True):
+    """vLLM's: `text_1` a text or a list, `text_2` a text or a list of the same length (or any
+    length against one `text_1`); `queries`/`documents` name them too."""
+
+    model: str | None = None
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    cache_salt: str | None = None
+    user: str | None = None
+
+
+class RerankRequest(Struct, kw_only=True):
+    """Jina's and Cohere's rerank request, as vLLM takes it."""
+
+    query: str
+    documents: list[str]
+    model: str | None = None
+    top_n: int | None = None  # the best this many; None or 0: all
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None
+    cache_salt: str | None = None
+
+
+class ScoreData(Struct):
+    index: int
+    score: float
+    object: str = "score"
+
+
+class ScoreUsage(Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class ScoreResponse(Struct):
+    id: str
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: ScoreUsage
+    object: str = "list"
+
+
+class RerankDocument(Struct):
+    text: str
+
+
+class RerankResult(Struct, omit_defaults=True):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(Struct):
+    total_tokens: int
+
+
+class RerankResponse(Struct):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
+async def create_score(request: Request, engine: AsyncEngine, req: ScoreRequest, limiter: anyio.CapacityLimiter,
+                       cache_salt: str | None) -> Response:
+    first = _texts(req.text_1 if req.text_1 is not None else req.queries, "text_1")
+    second = _texts(req.text_2 if req.text_2 is not None else req.documents, "text_2")
+    if len(first) == 1:
+        first = first * len(second)
+    elif len(first) != len(second):
+        raise bad_request(f"text_1 has {len(first)} texts and text_2 {len(second)}: send one text_1, or as many as "
+                          "text_2", param="text_1")
+    pairs = list(zip(first, second))
+    scorer = await _Scorer.open(engine, [t for pair in pairs for t in pair], req.truncate_prompt_tokens, limiter,
+                                cache_salt, new_id("score"))
+
+    async def collect() -> bytes:
+        scores = await scorer.scores(pairs)
+        data = [ScoreData(k, s) for k, s in enumerate(scores)]
+        return await encoded(ScoreResponse(scorer.batch.request_id, now(), engine.model_name, data,
+                                           ScoreUsage(scorer.tokens, scorer.tokens)))
+
+    return await json_unless_disconnected(request, scorer.batch, collect())
+
+
+async def create_rerank(request: Request, engine: AsyncEngine, req: RerankRequest, limiter: anyio.CapacityLimiter,
+                        cache_salt: str | None) -> Response:
+    query = _texts(req.query, "query")[0]
+    documents = _texts(req.documents, "documents")
+    if req.top_n is not None and req.top_n < 0:
+        raise bad_request(f"top_n must be 0 (all) or more, got {req.top_n}", param="top_n")
+    scorer = await _Scorer.open(engine, [query, *documents], req.truncate_prompt_tokens, limiter, cache_salt,
+                                new_id("rerank"))
+
+    async def collect() -> bytes:
+        scores = await scorer.scores([(query, d) for d in documents])
+        ranked = sorted(range(len(documents)), key=lambda k: scores[k], reverse=True)[: req.top_n or None]
+        results = [RerankResult(k, scores[k], RerankDocument(documents[k]) if req.return_documents else None)
+                   for k in ranked]
+        return await encoded(RerankResponse(scorer.batch.request_id, engine.model_name, RerankUsage(scorer.tokens),
+                                            results))
+
+    return await json_unless_disconnected(request, scorer.batch, collect())
+
+
+class _Scorer:
+    """The embeddings of a request's distinct texts, and the cosine similarity of pairs of them."""
+
+    def __init__(self, texts: list[str], batch: EmbeddingBatch):
+        self.texts, self.batch = texts, batch
+        self.tokens = sum(map(len, batch.ids))
+
+    @classmethod
+    async def open(cls, engine: AsyncEngine, texts: list[str], keep: int | None, limiter: anyio.CapacityLimiter,
+                   cache_salt: str | None, request_id: str) -> "_Scorer":
+        check_serves(engine, EMBED)
+        distinct = list(dict.fromkeys(texts))
+        if len(distinct) > MAX_INPUTS:
+            raise bad_request(f"the request has {len(distinct)} distinct texts; at most {MAX_INPUTS} are scored at "
+                              "once", param="documents")
+        try:
+            params = PoolingParams(truncate_prompt_tokens=keep)
+        except InvalidParams as exc:
+            raise bad_request(str(exc), param=exc.param) from None
+        ids = await tokenized_inputs(engine, distinct, limiter, keep)
+        return cls(distinct, EmbeddingBatch(engine, request_id, ids, params, cache_salt))
+
+    async def scores(self, pairs: list[tuple[str, str]]) -> list[float]:
+        vectors = await self.batch.run()
+        row = {text: k for k, text in enumerate(self.texts)}
+        firsts, seconds = [row[a] for a, _ in pairs], [row[b] for _, b in pairs]
+        return await anyio.to_thread.run_sync(cosine_similarities, vectors, firsts, seconds)
+
+
+def _texts(value, param: str) -> list[str]:
+    """A text or a non-empty list of texts, each a non-empty string."""
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+        raise bad_request(f"{param} must be a non-empty string or a non-empty list of non-empty strings",
+                          param=param)
+    return texts
