@@ -11,11 +11,12 @@ import shutil
 import struct
 
 import httpx
+import ollama
 import openai
 import pytest
 import torch
 from checkpoints import build_checkpoint, build_embedding_checkpoint, model_config, reference_embeddings
-from server_harness import LiveServer, client, metric, real_engine, wait_until
+from server_harness import LiveServer, client, metric, ollama_client, real_engine, wait_until
 
 from neuron import LLM, PoolingParams, SamplingParams
 from neuron.engine.host import HostError, ModelSpec
@@ -304,6 +305,31 @@ def test_truncate_prompt_tokens_embeds_each_inputs_last_tokens(embed_server, las
              400, "truncate_prompt_tokens", "truncate_prompt_tokens must be -1, an integer >= 1, or null")
     _refused(lambda: c.embeddings.create(model="embedder", input="x", extra_body={"truncate_prompt_tokens": 257}),
              400, "truncate_prompt_tokens", "greater than this model's context (256 tokens)")
+
+
+def test_ollamas_embed_routes(embed_server, last_token_checkpoint, text_ids):
+    """Ollama's /api/embed (L2-normalized vectors; an input past the context cut from its end, as
+    Ollama's truncate does, or refused without it) and the older /api/embeddings (the model's vector)."""
+    c = ollama_client(embed_server)
+    out = c.embed("embedder", TEXTS)
+    for got, ref in zip(out.embeddings, reference_embeddings(last_token_checkpoint, text_ids)):
+        _close(got, torch.nn.functional.normalize(ref, dim=0))
+    assert out.prompt_eval_count == sum(map(len, text_ids)) and out.total_duration > 0
+    long = " ".join(["river"] * 400)
+    from neuron.engine.tokenizer import Tokenizer
+
+    head = Tokenizer.from_dir(last_token_checkpoint).encode(long, add_special_tokens=True)[:256]
+    cut = c.embed("embedder", long)
+    _close(cut.embeddings[0], torch.nn.functional.normalize(reference_embeddings(last_token_checkpoint,
+                                                                                  [head])[0], dim=0))
+    with pytest.raises(ollama.ResponseError) as err:
+        c.embed("embedder", long, truncate=False)
+    assert err.value.status_code == 400 and "maximum context length" in err.value.error
+    assert c.embed("embedder", "").embeddings == []  # loads the model, embeds nothing
+    legacy = c.embeddings("embedder", TEXTS[0]).embedding
+    _close(legacy, reference_embeddings(last_token_checkpoint, text_ids[:1])[0])
+    shorter = c.embed("embedder", TEXTS[0], dimensions=8).embeddings[0]
+    assert len(shorter) == 8
 
 
 def test_score_and_rerank_are_the_cosines_of_the_embeddings(embed_server, last_token_checkpoint, text_ids):

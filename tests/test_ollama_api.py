@@ -1,7 +1,8 @@
 """Ollama's API through the official `ollama` client: chat and generate, streamed (NDJSON, the
 default) and not, with the same tokens as /v1/chat/completions and /v1/completions; options, stop
 strings, format (JSON and a schema), tools and tool results, think, logprobs; tags, ps, show and
-version; keep_alive on an on-demand model; pull and embed refused; bad input in Ollama's error
+version; keep_alive on an on-demand model; pull refused, embed refused to a generation model (see
+test_embeddings for an embedding model's); bad input in Ollama's error
 shape; an oversized body and a client leaving mid-stream. Also vLLM's /tokenizer_info, as lm-eval's
 remote tokenizer reads it."""
 
@@ -364,8 +365,8 @@ def test_pull_and_the_other_model_management_routes_are_refused(ollama_server):
         assert err.status_code == 403 and "never downloads" in err.error
     streamed = refused(lambda: list(c.pull(MODEL, stream=True)))
     assert streamed.status_code == 403
-    err = refused(lambda: c.embed(MODEL, "hello"))
-    assert err.status_code == 400 and "/v1/embeddings" in err.error
+    err = refused(lambda: c.embed(MODEL, "hello"))  # a generation model (embed_server's model embeds)
+    assert err.status_code == 400 and "is a generation model" in err.error
 
 
 BAD = [

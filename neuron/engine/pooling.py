@@ -81,6 +81,11 @@ class Pooled:
         return finish(v.cpu(), cfg.normalize, self.dimensions)
 
 
+def normalized(vector: list[float]) -> list[float]:
+    """`vector` over its L2 norm (a zero vector as it is), as Ollama's /api/embed returns each."""
+    return torch.nn.functional.normalize(torch.tensor(vector, dtype=torch.float64), dim=0).tolist()
+
+
 def cosine_similarities(vectors: list[list[float]], firsts: list[int], seconds: list[int]) -> list[float]:
     """The cosine similarity of rows firsts[k] and seconds[k] of `vectors` (0 where one is zero):
     how vLLM scores a pair of texts with an embedding model."""

@@ -77,10 +77,11 @@ def _is_ids(value) -> bool:
 
 
 async def tokenized_inputs(engine: AsyncEngine, inputs: list, limiter: anyio.CapacityLimiter,
-                     keep: int | None) -> list[list[int]]:
+                           keep: int | None, keep_start: bool = False) -> list[list[int]]:
     """Each input's token ids (text bounded by its length, then tokenized off the event loop, as a
-    completion's prompt is; `keep`, truncate_prompt_tokens, cuts each to its last tokens instead),
-    each checked against the model's length and vocabulary."""
+    completion's prompt is; `keep`, truncate_prompt_tokens, cuts each to its last tokens instead,
+    or with `keep_start` to its first, as Ollama does), each checked against the model's length
+    and vocabulary."""
     out = []
     for value in inputs:
         if isinstance(value, str):
@@ -90,7 +91,7 @@ async def tokenized_inputs(engine: AsyncEngine, inputs: list, limiter: anyio.Cap
                 value = await off_loop(limiter, engine.encode_prompt, value)
             except RequestError as exc:
                 raise bad_request(str(exc), param="input") from None
-        value = truncated(engine, value, keep)
+        value = value[:keep] if keep_start and keep is not None else truncated(engine, value, keep)
         try:
             engine.validate_embedding(value)
         except RequestError as exc:

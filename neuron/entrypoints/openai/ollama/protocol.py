@@ -61,6 +61,29 @@ class OllamaGenerateRequest(OllamaRequest, kw_only=True):
     context: list[int] | None = None
 
 
+class OllamaEmbedRequest(Struct, kw_only=True):
+    """/api/embed: `input` a text or a list; `truncate` (Ollama's default) cuts each to the context
+    from its end; `dimensions` keeps the first values."""
+
+    model: str = ""
+    input: str | list[str] = ""
+    truncate: bool = True
+    dimensions: int | None = None
+    options: Options | None = None
+    keep_alive: float | str | None = None
+    cache_salt: str | None = None
+
+
+class OllamaEmbeddingsRequest(Struct, kw_only=True):
+    """The older /api/embeddings: one `prompt`."""
+
+    model: str = ""
+    prompt: str = ""
+    options: Options | None = None
+    keep_alive: float | str | None = None
+    cache_salt: str | None = None
+
+
 class OllamaShowRequest(Struct, kw_only=True):
     model: str = ""
     name: str = ""  # the older clients' name for `model`

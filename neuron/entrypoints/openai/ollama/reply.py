@@ -80,9 +80,9 @@ class Reply:
         first = stream.first_token_at or now
         body = self.part(parsed, logprobs)
         body.update(done=True, done_reason="length" if final.finish_reason == "length" else "stop",
-                    total_duration=_ns(now - self.started), load_duration=_ns(self.load_s),
-                    prompt_eval_count=stream.num_prompt_tokens, prompt_eval_duration=_ns(first - stream.arrival),
-                    eval_count=stream.num_output_tokens, eval_duration=_ns((stream.last_token_at or first) - first))
+                    total_duration=ns(now - self.started), load_duration=ns(self.load_s),
+                    prompt_eval_count=stream.num_prompt_tokens, prompt_eval_duration=ns(first - stream.arrival),
+                    eval_count=stream.num_output_tokens, eval_duration=ns((stream.last_token_at or first) - first))
         return body
 
     def _text(self, parsed: Parsed) -> dict:
@@ -148,5 +148,5 @@ def timestamp() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def _ns(seconds: float) -> int:
+def ns(seconds: float) -> int:
     return max(0, int(seconds * 1e9))

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -15,10 +16,19 @@ from starlette.routing import Route
 import neuron
 from neuron.engine.async_engine import AsyncEngine
 from neuron.engine.host import HostError, ModelHost
+from neuron.engine.pooling import EMBED, PoolingParams, normalized
 from neuron.entrypoints.openai.admin import host_error
 from neuron.entrypoints.openai.api_errors import APIError, bad_request
 from neuron.entrypoints.openai.api_types import CompletionRequest
-from neuron.entrypoints.openai.common import Samples, check_model, check_ready, new_id, open_samples, sampling_params
+from neuron.entrypoints.openai.common import (
+    Samples,
+    check_model,
+    check_ready,
+    check_serves,
+    new_id,
+    open_samples,
+    sampling_params,
+)
 from neuron.entrypoints.openai.guided import compile_guided
 from neuron.entrypoints.openai.ollama.models import (
     SPEC_KEEP_ALIVE,
@@ -32,12 +42,14 @@ from neuron.entrypoints.openai.ollama.models import (
 from neuron.entrypoints.openai.ollama.protocol import (
     OLLAMA_API_VERSION,
     OllamaChatRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
     OllamaGenerateRequest,
     OllamaRequest,
     OllamaShowRequest,
     ollama_error,
 )
-from neuron.entrypoints.openai.ollama.reply import PlainText, RawLogprobs, Reply, collect, ndjson_lines, timestamp
+from neuron.entrypoints.openai.ollama.reply import PlainText, RawLogprobs, Reply, collect, ndjson_lines, ns, timestamp
 from neuron.entrypoints.openai.ollama.translate import (
     chat_request,
     check_generate,
@@ -50,6 +62,7 @@ from neuron.entrypoints.openai.ollama.translate import (
 from neuron.entrypoints.openai.prompt_input import Limiters
 from neuron.entrypoints.openai.serving_chat import ChoiceState, open_chat
 from neuron.entrypoints.openai.serving_completions import prompt_ids
+from neuron.entrypoints.openai.serving_embeddings import MAX_INPUTS, EmbeddingBatch, tokenized_inputs
 from neuron.entrypoints.openai.streaming import NDJSONResponse, json_unless_disconnected
 
 
@@ -77,6 +90,7 @@ def ollama_routes(served: Served, endpoint: Callable) -> list[Route]:
 
     routes = [route("/api/chat", api.chat), route("/api/generate", api.generate), route("/api/show", api.show),
               route("/api/tags", api.tags, "GET"), route("/api/ps", api.ps, "GET"),
+              route("/api/embed", api.embed), route("/api/embeddings", api.embeddings),
               route("/api/version", api.version, "GET")]
     for path, method in _REFUSED.items():
         routes.append(route(path, api.refused, method))
@@ -86,7 +100,7 @@ def ollama_routes(served: Served, endpoint: Callable) -> list[Route]:
 _NO_DOWNLOADS = ("neuron serves the models it was started with (or that its admin API loads) and never downloads, "
                  "pushes, creates, copies or deletes models; /api/tags lists the models served")
 _REFUSED = {"/api/pull": "POST", "/api/push": "POST", "/api/create": "POST", "/api/copy": "POST",
-            "/api/delete": "DELETE", "/api/embed": "POST", "/api/embeddings": "POST"}
+            "/api/delete": "DELETE"}
 
 
 class _Ollama:
@@ -210,9 +224,53 @@ class _Ollama:
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": OLLAMA_API_VERSION, "neuron": neuron.__version__})
 
+    async def embed(self, request: Request) -> Response:
+        """/api/embed: each input's embedding, L2-normalized as Ollama's are, through the embeddings
+        path; an input past the context is cut from its end unless `truncate` is false."""
+        started = time.monotonic()
+        req = await self.served.decode(request, OllamaEmbedRequest)
+        name, engine, load_s = await self._model(req)
+        texts = [req.input] if isinstance(req.input, str) else req.input
+        if texts in ([], [""]):  # Ollama's way to load a model for embedding
+            check_ready(engine)
+            return JSONResponse({"model": name, "embeddings": []})
+        batch = await self._embedding_batch(request, engine, texts, req.dimensions, req.truncate, req)
+
+        async def collect() -> bytes:
+            vectors = [normalized(v) for v in await batch.run()]
+            return msgspec.json.encode({"model": name, "embeddings": vectors,
+                                        "total_duration": ns(time.monotonic() - started), "load_duration": ns(load_s),
+                                        "prompt_eval_count": sum(map(len, batch.ids))})
+
+        return await json_unless_disconnected(request, batch, collect())
+
+    async def embeddings(self, request: Request) -> Response:
+        """The older /api/embeddings: one prompt's embedding, as the model pools it."""
+        req = await self.served.decode(request, OllamaEmbeddingsRequest)
+        name, engine, _ = await self._model(req)
+        if not req.prompt:
+            check_ready(engine)
+            return JSONResponse({"embedding": []})
+        batch = await self._embedding_batch(request, engine, [req.prompt], None, False, req)
+
+        async def collect() -> bytes:
+            return msgspec.json.encode({"embedding": (await batch.run())[0]})
+
+        return await json_unless_disconnected(request, batch, collect())
+
+    async def _embedding_batch(self, request: Request, engine: AsyncEngine, texts: list, dimensions: int | None,
+                               cut: bool, req) -> EmbeddingBatch:
+        if not all(isinstance(t, str) and t for t in texts) or len(texts) > MAX_INPUTS:
+            raise bad_request(f"input must be a text or a list of at most {MAX_INPUTS} non-empty texts",
+                              param="input")
+        check_serves(engine, EMBED)
+        if dimensions is not None and not 0 < dimensions <= engine.hidden_size:
+            raise bad_request(f"dimensions must be in 1..{engine.hidden_size} (this model's embedding size), got "
+                              f"{dimensions}", param="dimensions")
+        keep = engine.max_model_len if cut else None
+        ids = await tokenized_inputs(engine, texts, self.served.limiters.tokenize, keep, keep_start=True)
+        return EmbeddingBatch(engine, new_id("embd"), ids, PoolingParams(dimensions), self.served.salt(request, req))
+
     async def refused(self, request: Request) -> Response:
         path = request.url.path
-        if path in ("/api/embed", "/api/embeddings"):
-            raise APIError(400, f"{path} is not served: neuron serves embeddings at /v1/embeddings (OpenAI's API)",
-                           code="unsupported_endpoint")
         raise APIError(403, f"{path} is refused: {_NO_DOWNLOADS}", code="unsupported_endpoint")
