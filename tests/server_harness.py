@@ -103,10 +103,11 @@ class ScriptedEngine:
                                      tasks=frozenset({"generate"}), pooling=None)
         self.executor = SimpleNamespace(kernels=dict, memory=list)
         self.inputs = self
+        self.eos_token_ids: list[int] = []
         self.gate = threading.Event()
         self.gate.set()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._active: dict[str, tuple[int, list]] = {}
+        self._active: dict[str, tuple[int, list, bool]] = {}  # prompt tokens, script, whether it wants logprobs
         self.cache_salts: dict[str, str | None] = {}  # each request's cache salt, by request id
         self.was_shut_down = False
 
@@ -133,7 +134,8 @@ class ScriptedEngine:
         prompt = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
         script = next((s for key, s in self.scripts.items() if key in prompt), ["ok"])
         self.cache_salts[request_id] = cache_salt
-        self._inbox.put((request_id, (len(prompt_token_ids), list(script))))
+        wants_logprobs = getattr(params, "logprobs", None) is not None
+        self._inbox.put((request_id, (len(prompt_token_ids), list(script), wants_logprobs)))
 
     def abort(self, request_id) -> None:
         self._inbox.put((request_id, None))
@@ -166,7 +168,7 @@ class ScriptedEngine:
         if not self.gate.wait(0.01):
             return []
         updates = []
-        for rid, (n_prompt, pieces) in list(self._active.items()):
+        for rid, (n_prompt, pieces, wants_logprobs) in list(self._active.items()):
             piece = pieces.pop(0)
             if isinstance(piece, float):
                 time.sleep(piece)
@@ -180,7 +182,8 @@ class ScriptedEngine:
             done = not pieces
             if done:
                 del self._active[rid]
-            updates.append(Update(rid, [1], piece, None, done, "stop" if done else None, None, None, n_prompt))
+            logprobs = [{1: 0.0}] if wants_logprobs else None  # token 1, certain: what the script writes
+            updates.append(Update(rid, [1], piece, logprobs, done, "stop" if done else None, None, None, n_prompt))
         return updates
 
     def fail_in_flight(self, message: str) -> list[Update]:

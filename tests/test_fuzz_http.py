@@ -48,9 +48,11 @@ nasty = st.one_of(json_values, odd_text, huge_numbers, st.integers(-(2**70), 2**
 SHARED_FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
                  "skip_special_tokens", "n", "logit_bias", "stream", "stream_options", "return_tokens_as_token_ids",
-                 "user", "metadata"]
+                 "user", "metadata", "truncate_prompt_tokens", "use_beam_search", "length_penalty", "bad_words",
+                 "allowed_token_ids"]
 CHAT_FIELDS = SHARED_FIELDS + ["max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-                               "chat_template_kwargs", "response_format", "parallel_tool_calls"]
+                               "chat_template_kwargs", "response_format", "parallel_tool_calls", "add_generation_prompt",
+                               "continue_final_message", "echo"]
 COMPLETION_FIELDS = SHARED_FIELDS + ["logprobs", "echo", "best_of", "suffix"]
 MESSAGE_FIELDS = ["role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"]
 
@@ -70,6 +72,9 @@ plausible = {
     "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "documents", "x"]), json_values,
                                             max_size=2),
     "user": odd_text, "echo": st.booleans(), "best_of": st.sampled_from([None, 1]), "suffix": st.none(),
+    "truncate_prompt_tokens": st.sampled_from([None, -1, 0, 1, 3, 10**6]), "use_beam_search": st.booleans(),
+    "length_penalty": st.floats(-3, 3) | huge_numbers, "add_generation_prompt": st.booleans(),
+    "continue_final_message": st.booleans(),
 }
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",

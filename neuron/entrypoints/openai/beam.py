@@ -14,7 +14,7 @@ from neuron.engine.async_engine import AsyncEngine, RequestStream
 from neuron.engine.beam_search import BeamSearch, BeamSearchParams, BeamSearchSequence
 from neuron.engine.parallel_sampling import sample_id
 from neuron.engine.sampling_params import InvalidParams, SamplingParams, check_truncation
-from neuron.entrypoints.openai.api_errors import bad_request
+from neuron.entrypoints.openai.api_errors import bad_request, internal
 from neuron.entrypoints.openai.api_types import SamplingRequest, UsageInfo
 from neuron.entrypoints.openai.common import check_sequences, open_stream, stream_error
 
@@ -91,8 +91,10 @@ async def _top_logprobs(stream: RequestStream) -> dict[int, float]:
     last = None
     async for update in stream:
         last = update
-    if last is None or last.finish_reason == "error" or not last.logprobs:
+    if last is None or last.finish_reason == "error":
         raise stream_error(stream, last.error if last is not None else None)
+    if not last.logprobs:
+        raise internal("a beam search step came back without its log-probabilities; see the server log")
     return last.logprobs[0]
 
 
