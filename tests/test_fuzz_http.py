@@ -51,8 +51,8 @@ SHARED_FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                  "user", "metadata", "truncate_prompt_tokens", "use_beam_search", "length_penalty", "bad_words",
                  "allowed_token_ids"]
 CHAT_FIELDS = SHARED_FIELDS + ["max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-                               "chat_template_kwargs", "response_format", "parallel_tool_calls", "add_generation_prompt",
-                               "continue_final_message", "echo"]
+                               "chat_template_kwargs", "response_format", "parallel_tool_calls",
+                               "add_generation_prompt", "continue_final_message", "echo"]
 COMPLETION_FIELDS = SHARED_FIELDS + ["logprobs", "echo", "best_of", "suffix"]
 MESSAGE_FIELDS = ["role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"]
 
