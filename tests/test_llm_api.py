@@ -117,6 +117,18 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tp2_llm):
         tp2_llm.generate({"prompt_token_ids": ids}, SamplingParams(truncate_prompt_tokens=257))
 
 
+def test_beam_search_takes_text_and_returns_vllms_text(tp2_llm):
+    """A text prompt's beams: `text` is the prompt's and the beam's, as vLLM's offline beam search
+    gives it; `tokens` the ids it decodes."""
+    from neuron import BeamSearchParams
+
+    [out] = tp2_llm.beam_search(["The river"], BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))
+    tok = tp2_llm.get_tokenizer()
+    assert len(out.sequences) == 2 and out.sequences[0].cum_logprob >= out.sequences[1].cum_logprob
+    for beam in out.sequences:
+        assert beam.text == tok.decode(beam.tokens) and beam.text.startswith("The river")
+
+
 def test_chat_takes_vllms_arguments(tp2_llm):
     """vLLM's chat arguments: chat_template_kwargs reach the template, continue_final_message
     continues the last message, chat_template replaces the checkpoint's, use_tqdm a bar of the

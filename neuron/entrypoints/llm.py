@@ -222,8 +222,8 @@ class LLM:
                     lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
                     use_tqdm: bool | Callable[..., Any] = False) -> list[BeamSearchOutput]:
         """vLLM's beam search (engine/beam_search.py): each prompt's `params.beam_width` best beams,
-        best first, each with its tokens (the prompt's and its own), text, cumulative logprob and
-        finish reason. Every prompt's beams step together, one token a step."""
+        best first, each with its tokens and text (the prompt's and its own, as vLLM's), cumulative
+        logprob and finish reason. Every prompt's beams step together, one token a step."""
         prompts = _prompt_list(prompts)
         tokenized = [self._tokenize(prompt) for prompt in prompts]
         if any(p.images for p in tokenized):
@@ -256,7 +256,7 @@ class LLM:
         for s in searches:
             best = s.best()
             for beam in best:
-                beam.text = tok.decode(s.output_ids(beam)) if tok is not None else None
+                beam.text = tok.decode(beam.tokens[: s.prompt_len] + s.output_ids(beam)) if tok is not None else None
             results.append(BeamSearchOutput(best))
         return results
 
