@@ -432,7 +432,6 @@ RESPONSES_TOOL_CHOICE = 'tool_choice must be "none", "auto", "required" or {"typ
      "text.format.schema cannot be compiled"),
     ({"model": MODEL, "input": "x", "background": True}, 400, "background", "background responses are not supported"),
     ({"model": MODEL, "input": "x", "conversation": "conv_1"}, 400, "conversation", "conversations are not supported"),
-    ({"model": MODEL, "input": "x", "truncation": "auto"}, 400, "truncation", 'truncation "auto" is not supported'),
     ({"model": MODEL, "input": "x", "previous_response_id": "resp_never"}, 404, "previous_response_id",
      "Previous response with id 'resp_never' not found"),
     ({"model": "gpt-5", "input": "x"}, 404, "model", "the model `gpt-5` does not exist"),
@@ -443,6 +442,28 @@ def test_bad_requests_get_openai_errors(model_server, body, status, param, words
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and words in error["message"], error
+
+
+def test_truncation_auto_drops_the_oldest_turns_to_fit(model_server):
+    """truncation "auto": a conversation past the context loses its oldest turns, from a user message
+    on, until the prompt leaves room for max_output_tokens; "disabled" (the default) refuses it."""
+    turns = []
+    for k in range(6):  # about 1,300 tokens in all, against a context of 1,024
+        turns += [{"role": "user", "content": f"Turn {k}: " + "river " * 200},
+                  {"role": "assistant", "content": f"Noted {k}."}]
+    turns.append({"role": "user", "content": "Which turn was the last?"})
+    body = {"model": MODEL, "input": turns, "max_output_tokens": 8, "temperature": 0, "instructions": "Be brief."}
+    refused = _post(model_server, body)
+    assert refused.status_code == 400 and "maximum context length" in refused.json()["error"]["message"]
+    out = _post(model_server, {**body, "truncation": "auto"})
+    assert out.status_code == 200, out.text
+    response = out.json()
+    assert response["truncation"] == "auto" and 0 < response["usage"]["input_tokens"] <= 1024 - 8
+    system = [{"role": "system", "content": "Be brief."}]
+    counts = [httpx.post(f"{model_server.url}/tokenize", json={"model": MODEL, "messages": system + turns[start:]})
+              .json()["count"] for start in range(0, len(turns), 2)]  # each cut at a user message
+    assert response["usage"]["input_tokens"] == max(c for c in counts if c <= 1024 - 8) < counts[0]
+
 
 
 RESPONSES_FIELDS = ["input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",

@@ -23,7 +23,7 @@ from neuron.engine.llm_engine import Update
 from neuron.entrypoints.openai.api_errors import APIError, bad_request, renamed, unsupported
 from neuron.entrypoints.openai.api_types import ChatCompletionRequest
 from neuron.entrypoints.openai.common import Samples, encoded, now, stream_error
-from neuron.entrypoints.openai.prompt_input import Limiters
+from neuron.entrypoints.openai.prompt_input import Limiters, off_loop
 from neuron.entrypoints.openai.response_parser import Parsed, ParsedToolCall
 from neuron.entrypoints.openai.response_store import OwnedResponses, StoredResponse
 from neuron.entrypoints.openai.responses_types import (
@@ -52,7 +52,7 @@ from neuron.entrypoints.openai.responses_types import (
     ResponsesRequest,
     ResponseUsage,
 )
-from neuron.entrypoints.openai.serving_chat import ChatRequestContext, ChoiceState, open_chat
+from neuron.entrypoints.openai.serving_chat import ChatRequestContext, ChoiceState, open_chat, render_chat
 from neuron.entrypoints.openai.streaming import KEEPALIVE, EventStreamResponse, json_unless_disconnected, merged_updates
 
 _REFUSED_FIELDS = {
@@ -82,9 +82,6 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
     for name, why in _REFUSED_FIELDS.items():
         if getattr(req, name) not in (None, False, 0):
             raise unsupported(name, why)
-    if req.truncation == "auto":
-        raise unsupported("truncation", 'truncation "auto" is not supported: a conversation longer than the '
-                                        "context is refused, never cut")
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise bad_request(f"max_output_tokens must be >= 1 or null, got {req.max_output_tokens}",
                           param="max_output_tokens")
@@ -367,7 +364,7 @@ class _Run:
             top_p=_used(req.top_p, defaults, "top_p"),
             text={"format": req.text.format if req.text and req.text.format else {"type": "text"}},
             tool_choice=req.tool_choice or "auto", tools=req.tools or [], metadata=req.metadata or {},
-            user=req.user)
+            user=req.user, truncation=req.truncation or "disabled")
 
     def update(self, update: Update) -> None:
         reasoning = self.parser.in_reasoning  # this update's tokens continue <think>
@@ -425,16 +422,47 @@ async def create_response(request: Request, engine: AsyncEngine, req: ResponsesR
     _refuse_unsupported(req)
     history = previous_conversation(store, req.previous_response_id)
     turn = input_messages(req.input, vision=engine.vision is not None)
-    messages = ([{"role": "system", "content": req.instructions}] if req.instructions is not None else []) + \
-        history + turn
+    head = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+    conversation = history + turn
     try:
-        ctx, samples = await open_chat(engine, _chat_request(req, messages), limiters, cache_salt, "resp")
+        if req.truncation == "auto":
+            conversation = await _fitted(engine, req, head, conversation, limiters)
+        ctx, samples = await open_chat(engine, _chat_request(req, head + conversation), limiters, cache_salt,
+                                       "resp")
     except APIError as exc:
         raise renamed(exc, _RENAMES, param_only=("messages",)) from None
     run = _Run(req, ctx, samples, engine, history + turn)
     if req.stream:
         return EventStreamResponse(_events(run, keepalive_s, store), on_close=samples.close)
     return await json_unless_disconnected(request, samples, _collect(run, store))
+
+
+async def _fitted(engine: AsyncEngine, req: ResponsesRequest, head: list[dict], conversation: list[dict],
+                  limiters: Limiters) -> list[dict]:
+    """truncation "auto": the conversation with its oldest turns dropped, so that it opens at a user
+    message, as few as leave the prompt room for the reply (max_output_tokens, else one token).
+    Where even its last user message on does not fit, it is left whole, and refused as too long."""
+    room = engine.max_model_len - (req.max_output_tokens or 1)
+
+    async def fits(start: int) -> bool:
+        chat = _chat_request(req, head + conversation[start:])
+        try:
+            _, ids, _ = await off_loop(limiters.tokenize, render_chat, engine, chat)
+        except APIError:  # too long to render or tokenize: not this cut
+            return False
+        return len(ids) <= room
+
+    if await fits(0):
+        return conversation
+    starts = [i for i, m in enumerate(conversation) if i > 0 and m.get("role") == "user"]
+    lo, hi = 0, len(starts)  # the first start that fits is in starts[lo:hi], or none does (hi)
+    while lo < hi:  # later starts leave less to render, so the ones that fit come after those that do not
+        mid = (lo + hi) // 2
+        if await fits(starts[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return conversation[starts[lo]:] if lo < len(starts) else conversation
 
 
 def previous_conversation(store: OwnedResponses, response_id: str | None) -> list[dict]:
