@@ -241,6 +241,41 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(clients_serv
     assert all(ch.usage is None for ch in plain[:-1]) and plain[-1].usage.completion_tokens == 3
 
 
+def test_suffix_fills_in_the_middle_in_the_models_format(tmp_path, clients_server):
+    """OpenAI's (and Ollama's) `suffix`: a model whose vocabulary has Qwen's fill-in-the-middle tokens
+    is asked for the middle in that format, the same tokens as sending the format's prompt itself;
+    a model without them refuses the suffix by name."""
+    import shutil
+
+    import ollama
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Backend
+
+    from neuron.utils.default_checkpoint import default_model_dir
+
+    coder = tmp_path / "coder"
+    shutil.copytree(default_model_dir(), coder)
+    backend = Backend.from_file(str(coder / "tokenizer.json"))
+    backend.add_special_tokens([AddedToken(t, special=True) for t in ("<|fim_prefix|>", "<|fim_suffix|>",
+                                                                       "<|fim_middle|>")])
+    backend.save(str(coder / "tokenizer.json"))
+    prefix, suffix = "def add(a, b):\n", "\n    return c\n"
+    fim = f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>"
+    greedy = dict(max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    with LiveServer(real_engine(str(coder), 1, name="coder", max_model_len=256)) as server:
+        server.wait_ready()
+        middle = client(server).completions.create(model="coder", prompt=prefix, suffix=suffix, **greedy)
+        direct = client(server).completions.create(model="coder", prompt=fim, **greedy)
+        assert middle.choices[0].text == direct.choices[0].text
+        assert middle.usage.prompt_tokens == direct.usage.prompt_tokens
+        generated = ollama.Client(host=server.url).generate("coder", prefix, suffix=suffix,
+                                                            options={"temperature": 0, "num_predict": 6})
+        assert generated.response == direct.choices[0].text[: len(generated.response)]
+    r = httpx.post(f"{clients_server.url}/v1/completions", json={"model": MODEL, "prompt": prefix, "suffix": suffix})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
+    assert "no fill-in-the-middle tokens" in r.json()["error"]["message"]
+
+
 def test_tokenize_needs_a_tokenizer(odd_checkpoint):
     with LiveServer(real_engine(str(odd_checkpoint), 1, name="odd")) as server:
         server.wait_ready()

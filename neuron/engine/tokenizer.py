@@ -149,6 +149,15 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def fill_in_the_middle(self, prefix: str, suffix: str) -> str | None:
+        """The prompt that asks the model for the text between `prefix` and `suffix`, in the
+        fill-in-the-middle format its vocabulary has tokens for (Qwen's coders, StarCoder's,
+        DeepSeek-Coder's, Codestral's); None when it has none."""
+        for tokens, layout in _FIM_FORMATS:
+            if all(self.token_to_id(t) is not None for t in tokens):
+                return layout.format(*tokens, prefix=prefix, suffix=suffix)
+        return None
+
     def id_to_token(self, id: int) -> str | None:
         return self._backend.id_to_token(id) if id >= 0 else None
 
@@ -222,6 +231,15 @@ class Tokenizer:
         except Exception as exc:  # a template is untrusted code; any failure is the chat's, not ours
             raise TokenizerError(f"chat template failed: {type(exc).__name__}: {exc}") from None
 
+
+# Fill-in-the-middle prompts: the tokens a vocabulary must have, and how the prompt lays them out.
+_FIM_FORMATS = (
+    (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), "{0}{prefix}{1}{suffix}{2}"),  # Qwen2.5-Coder, Qwen3
+    (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"), "{0}{prefix}{1}{suffix}{2}"),  # StarCoder, Granite Code
+    (("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>"),
+     "{0}{prefix}{1}{suffix}{2}"),  # DeepSeek-Coder
+    (("[SUFFIX]", "[PREFIX]"), "{0}{suffix}{1}{prefix}"),  # Codestral: the suffix first
+)
 
 # How many characters of input one character of a normalizer's output can come from. NFC and NFKC
 # compose: an output character comes from at most as many input characters as its canonical

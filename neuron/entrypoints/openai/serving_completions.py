@@ -15,7 +15,7 @@ from neuron.engine.async_engine import AsyncEngine, RequestStream
 from neuron.engine.llm_engine import RequestError
 from neuron.engine.output_processor import Update
 from neuron.engine.parallel_sampling import cumulative_logprob
-from neuron.entrypoints.openai.api_errors import bad_request, unsupported
+from neuron.entrypoints.openai.api_errors import bad_request
 from neuron.entrypoints.openai.api_types import (
     CompletionChoice,
     CompletionLogprobs,
@@ -91,8 +91,19 @@ async def _token_prompts(engine: AsyncEngine, prompts: list, limiter: anyio.Capa
 
 def _check(req: CompletionRequest) -> None:
     check_common(req)
-    if req.suffix:
-        raise unsupported("suffix", "suffix is not supported")
+
+
+def fill_in_the_middle(engine: AsyncEngine, prompt, suffix: str) -> str:
+    """`suffix`: the prompt that asks for the text between `prompt` and it, in the model's
+    fill-in-the-middle format; a 400 for a model without one."""
+    if not isinstance(prompt, str):
+        raise bad_request("suffix needs one text prompt (the text before the gap)", param="suffix")
+    text = engine.tokenizer.fill_in_the_middle(prompt, suffix) if engine.tokenizer is not None else None
+    if text is None:
+        raise bad_request("this model's tokenizer has no fill-in-the-middle tokens, so it cannot take a suffix (code "
+                          "models such as Qwen2.5-Coder, StarCoder, DeepSeek-Coder and Codestral have them)",
+                          param="suffix")
+    return text
 
 
 class _Context:
@@ -153,6 +164,10 @@ async def create_completion(request: Request, engine: AsyncEngine, req: Completi
     _check(req)
     check_ready(engine)
     prompts = _prompt_list(req.prompt)
+    if req.suffix:
+        if len(prompts) != 1 or req.echo:
+            raise bad_request("suffix takes one text prompt, without echo", param="suffix")
+        prompts = [fill_in_the_middle(engine, prompts[0], req.suffix)]
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     if req.use_beam_search:
         return await _beam_completion(request, engine, req, prompts, max_tokens, limiters, cache_salt)

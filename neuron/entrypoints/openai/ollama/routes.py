@@ -61,7 +61,7 @@ from neuron.entrypoints.openai.ollama.translate import (
 )
 from neuron.entrypoints.openai.prompt_input import Limiters
 from neuron.entrypoints.openai.serving_chat import ChoiceState, open_chat
-from neuron.entrypoints.openai.serving_completions import prompt_ids
+from neuron.entrypoints.openai.serving_completions import fill_in_the_middle, prompt_ids
 from neuron.entrypoints.openai.serving_embeddings import MAX_INPUTS, EmbeddingBatch, tokenized_inputs
 from neuron.entrypoints.openai.streaming import NDJSONResponse, json_unless_disconnected
 
@@ -126,8 +126,9 @@ class _Ollama:
         name, engine, load_s = await self._model(req)
         if not req.prompt and not req.images:
             return self._loaded(name, engine, "response")
-        if req.raw:
-            samples, reply = await self._raw(request, name, engine, req, started, load_s)
+        if req.raw or req.suffix:  # a suffix asks for the middle, in the model's fill-in-the-middle format
+            prompt = fill_in_the_middle(engine, req.prompt, req.suffix) if req.suffix else req.prompt
+            samples, reply = await self._raw(request, name, engine, req, prompt, started, load_s)
         else:
             chat = chat_request(name, req, engine, prompt_messages(req))
             ctx, samples = await opened(open_chat(engine, chat, self.served.limiters, self.served.salt(request, chat)))
@@ -135,14 +136,14 @@ class _Ollama:
             reply = Reply(name, "response", state.parser, state, started, load_s)
         return await self._respond(request, req.stream, samples, reply)
 
-    async def _raw(self, request: Request, name: str, engine: AsyncEngine, req: OllamaGenerateRequest,
+    async def _raw(self, request: Request, name: str, engine: AsyncEngine, req: OllamaGenerateRequest, prompt: str,
                    started: float, load_s: float) -> tuple[Samples, Reply]:
-        """The prompt as it is, no template (as /v1/completions takes a text prompt); the reply is text."""
+        """`prompt` as it is, no chat template (as /v1/completions takes a text prompt); the reply is text."""
         if req.images:
             raise bad_request("images need the chat template, which raw leaves out; send raw false", param="images")
         if req.think:
             raise bad_request("think needs the chat template, which raw leaves out; send raw false", param="think")
-        completion = CompletionRequest(model=name, prompt=req.prompt, response_format=response_format(req.format),
+        completion = CompletionRequest(model=name, prompt=prompt, response_format=response_format(req.format),
                                        **sampling_fields(req))
         check_model(completion, engine.model_name)
         check_ready(engine)
@@ -151,7 +152,7 @@ class _Ollama:
             params = sampling_params(completion, engine.default_sampling(), max_tokens=completion.max_tokens,
                                      logprobs=top, renames={"logprobs": "top_logprobs"})
             grammar = await compile_guided(engine, completion, self.served.limiters.grammar)
-            ids = await prompt_ids(engine, req.prompt, self.served.limiters.tokenize)
+            ids = await prompt_ids(engine, prompt, self.served.limiters.tokenize)
             samples = open_samples(engine, new_id("cmpl"), [ids], params, "prompt", grammar=grammar,
                                    cache_salt=self.served.salt(request, completion))
         except APIError as exc:

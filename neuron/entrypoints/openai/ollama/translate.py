@@ -26,8 +26,11 @@ _OLLAMA_NAMES = {"temperature": "options.temperature", "top_p": "options.top_p",
 
 
 def check_generate(req: OllamaGenerateRequest) -> None:
-    if req.suffix:
-        raise unsupported("suffix", "suffix (fill in the middle) is not supported")
+    if req.suffix and req.raw:
+        raise bad_request("suffix needs the model's fill-in-the-middle format, which raw leaves out; send raw false",
+                          param="suffix")
+    if req.suffix and req.images:
+        raise bad_request("suffix (fill in the middle) takes text alone; leave the images out", param="images")
     if req.template:
         raise unsupported("template", "template is not supported: neuron renders the checkpoint's own chat template "
                                       "(Jinja); send raw true with a prompt you rendered yourself")
