@@ -276,6 +276,29 @@ def test_suffix_fills_in_the_middle_in_the_models_format(tmp_path, clients_serve
     assert "no fill-in-the-middle tokens" in r.json()["error"]["message"]
 
 
+def test_a_chat_returns_its_prompts_logprobs_as_vllm_does(clients_server):
+    """vLLM's prompt_logprobs on /v1/chat/completions: the rendered prompt's tokens' logprobs, on the
+    response, as /v1/completions gives them for the same tokens; priority other than 0 is refused."""
+    messages = [{"role": "user", "content": "Rivers carry water."}]
+    chat = client(clients_server).chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                                          extra_body={"prompt_logprobs": 2})
+    ids = httpx.post(f"{clients_server.url}/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
+    plain = httpx.post(f"{clients_server.url}/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1,
+                                                                      "prompt_logprobs": 2}).json()
+    got, want = chat.model_extra["prompt_logprobs"], plain["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(ids) == chat.usage.prompt_tokens and got[0] is None
+    assert all(str(t) in entry for t, entry in zip(ids[1:], got[1:]))
+    for a, b in zip(got[1:], want[1:]):
+        assert a.keys() == b.keys()
+        assert [a[k]["logprob"] for k in a] == pytest.approx([b[k]["logprob"] for k in b], abs=1e-4)
+    plain_chat = client(clients_server).chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert plain_chat.model_extra.get("prompt_logprobs") is None
+    for body, param in (({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"), ({"priority": 1}, "priority")):
+        r = httpx.post(f"{clients_server.url}/v1/chat/completions", json={"model": MODEL, "messages": messages,
+                                                                          "max_tokens": 1, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_tokenize_needs_a_tokenizer(odd_checkpoint):
     with LiveServer(real_engine(str(odd_checkpoint), 1, name="odd")) as server:
         server.wait_ready()

@@ -59,6 +59,7 @@ class SamplingRequest(Struct, kw_only=True):
     # vLLM's beam search (entrypoints/openai/beam.py): the n best of n beams
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    priority: int = 0  # vLLM's; scheduling is first come, first served, so other values are refused
 
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True):
@@ -75,6 +76,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, on the response
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):
@@ -146,6 +148,7 @@ class ChatCompletionResponse(Struct):
     choices: list[ChatChoice]
     usage: UsageInfo
     object: str = "chat.completion"
+    prompt_logprobs: list[dict[str, dict] | None] | None = None  # vLLM's, when the request asked
 
 
 class DeltaFunctionCall(Struct, omit_defaults=True):

@@ -68,6 +68,9 @@ def check_model(req: SamplingRequest, served_name: str) -> None:
 def check_common(req: SamplingRequest) -> None:
     """Refuse what we would otherwise have to ignore."""
     n = 1 if req.n is None else req.n
+    if req.priority != 0:
+        raise bad_request(f"priority must be 0, got {req.priority}: this server schedules requests first come, "
+                          "first served", param="priority")
     if req.stream and req.best_of is not None and req.best_of > n:
         raise unsupported("best_of", "best_of > n cannot be streamed: which samples are the best is known only "
                                      "when all have finished")

@@ -49,6 +49,7 @@ from neuron.entrypoints.openai.common import (
     stream_events,
     truncated,
 )
+from neuron.entrypoints.openai.echo import vllm_prompt_logprobs, with_prompt_logprobs
 from neuron.entrypoints.openai.guided import compile_guided, function_tools, named_tool
 from neuron.entrypoints.openai.logprobs import LogprobRenderer
 from neuron.entrypoints.openai.prompt_input import Limiters, check_prompt_chars, off_loop
@@ -80,6 +81,7 @@ class ChatRequestContext:
         self.tokenizer = tokenizer
         self.prompt = prompt
         self.top_logprobs = top_logprobs
+        self.prompt_ids: list[int] = []  # the rendered prompt's tokens, once opened
 
 
 class ChoiceState:
@@ -145,6 +147,8 @@ def _check(req: ChatCompletionRequest) -> None:
     check_common(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs come on a whole response; send stream false", param="prompt_logprobs")
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request("continue_final_message continues the last message, so it needs add_generation_prompt "
                           "false", param="continue_final_message")
@@ -255,6 +259,7 @@ async def open_chat(engine: AsyncEngine, req: ChatCompletionRequest, limiters: L
     tools = _tool_format(req, engine.tokenizer)
     params = sampling_params(req, engine.default_sampling(), max_tokens=max_tokens, logprobs=top_logprobs,
                              renames={"logprobs": "top_logprobs", "max_tokens": max_name})
+    params = with_prompt_logprobs(params, req.prompt_logprobs)
     if tools == "mistral":  # its calls open with a special token, which the parser must see
         params.skip_special_tokens = False
     check_sequences(engine, 1, params)  # before compiling or rendering anything
@@ -263,6 +268,7 @@ async def open_chat(engine: AsyncEngine, req: ChatCompletionRequest, limiters: L
         check_prompt_chars(engine, template_content_chars(req.messages), "messages")
     prompt, prompt_ids, images = await off_loop(limiters.tokenize, render_chat, engine, req)
     ctx = ChatRequestContext(req, engine.model_name, engine.tokenizer, prompt, top_logprobs, tools, id_prefix)
+    ctx.prompt_ids = prompt_ids
     samples = open_samples(engine, ctx.id, [prompt_ids], params, "messages", images, grammar, cache_salt)
     return ctx, samples
 
@@ -276,6 +282,7 @@ class _Sample:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     last: Update | None = None
+    first: Update | None = None  # it carries the prompt's logprobs, where asked
 
 
 async def read_sample(ctx: ChatRequestContext, stream: RequestStream) -> _Sample:
@@ -286,6 +293,7 @@ async def read_sample(ctx: ChatRequestContext, stream: RequestStream) -> _Sample
             out.logprobs += lp.content
         if update.logprobs is not None:
             out.cumulative_logprob += cumulative_logprob(update.token_ids, update.logprobs)
+        out.first = out.first or update
         out.last = update
     if out.last.finish_reason == "error":
         raise stream_error(stream, out.last.error)
@@ -312,7 +320,13 @@ async def _collect(ctx: ChatRequestContext, samples: Samples) -> bytes:
     outs = [await read_sample(ctx, stream) for stream in samples.streams]
     chosen = samples.chosen([o.cumulative_logprob for o in outs])
     choices = [_choice(ctx, index, outs[k]) for index, k in enumerate(chosen)]
-    return await encoded(ChatCompletionResponse(ctx.id, ctx.created, ctx.model, choices, samples.usage(chosen)))
+    first = outs[0].first
+    prompt_logprobs = None
+    if ctx.req.prompt_logprobs is not None and first is not None and first.prompt_logprobs is not None:
+        render = LogprobRenderer(ctx.tokenizer, ctx.req.return_tokens_as_token_ids)
+        prompt_logprobs = vllm_prompt_logprobs(render, ctx.prompt_ids, first.prompt_logprobs, first.prompt_token_ranks)
+    return await encoded(ChatCompletionResponse(ctx.id, ctx.created, ctx.model, choices, samples.usage(chosen),
+                                                prompt_logprobs=prompt_logprobs))
 
 
 def _chunk(ctx: ChatRequestContext, choice: ChatChunkChoice | None, usage: UsageInfo | None = None) -> bytes:
