@@ -100,6 +100,32 @@ def test_a_text_prompt_gets_the_bos_its_tokenizer_adds(family):
     assert want == ([tok.token_to_id(bos)] if bos else []) + tok.encode(text)
 
 
+MODEL_NAME = "llama3"
+
+
+def test_add_special_tokens_on_the_openai_routes(checkpoints):
+    """vLLM's add_special_tokens: a completion's text prompt has Llama 3's BOS unless it is false; a
+    chat, whose template writes its own, gets the tokenizer's on top only when it is true."""
+    path = checkpoints("llama3")
+    tok = Tokenizer.from_dir(path)
+    bos = tok.token_to_id("<|begin_of_text|>")
+    messages = [{"role": "user", "content": "Hello there"}]
+    with LiveServer(real_engine(str(path), 1, name=MODEL_NAME, max_model_len=256)) as server:
+        server.wait_ready()
+        api = client(server)
+        text = "Hello there, how are you?"
+        with_bos = api.completions.create(model=MODEL_NAME, prompt=text, max_tokens=1)
+        without = api.completions.create(model=MODEL_NAME, prompt=text, max_tokens=1,
+                                         extra_body={"add_special_tokens": False})
+        assert with_bos.usage.prompt_tokens == len(tok.encode(text)) + 1 == without.usage.prompt_tokens + 1
+        chat = api.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1)
+        doubled = api.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1,
+                                              extra_body={"add_special_tokens": True})
+        rendered = tok.apply_chat_template(messages)
+        assert chat.usage.prompt_tokens == len(tok.encode(rendered)) and rendered.startswith("<|begin_of_text|>")
+        assert doubled.usage.prompt_tokens == chat.usage.prompt_tokens + 1 and bos is not None
+
+
 @pytest.mark.slow
 def test_forced_tool_calls_round_trip_through_the_openai_client(tool_family):
     """tool_choice holds the real model to its family's call format, which the parser then reads."""

@@ -91,11 +91,11 @@ class EngineClient:
         """generation_config.json's sampling defaults."""
         return self._loaded().model.default_sampling()
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A completion prompt's token ids (RequestError without a tokenizer). CPU-heavy."""
         from neuron.engine.llm_engine import encode_prompt
 
-        return encode_prompt(self._loaded(), text)
+        return encode_prompt(self._loaded(), text, add_special_tokens)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  images: list[ImageInput] | None = None) -> int:

@@ -395,13 +395,14 @@ def _internal(doing: str, exc: Exception) -> str:
     return f"internal error while {doing}: {type(exc).__name__}: {exc}"
 
 
-def encode_prompt(engine: LLMEngine, prompt: str) -> list[int]:
+def encode_prompt(engine: LLMEngine, prompt: str, add_special_tokens: bool = True) -> list[int]:
     """A text prompt's ids with the special tokens the tokenizer's post-processor adds (Llama's and
-    Mistral's BOS; nothing for Qwen's), as transformers and vLLM encode a completion's prompt. A
-    chat's template writes its own BOS, so rendered chats are encoded without them."""
+    Mistral's BOS; nothing for Qwen's), as transformers and vLLM encode a completion's prompt
+    (vLLM's `add_special_tokens` false leaves them out). A chat's template writes its own BOS, so
+    rendered chats are encoded without them."""
     if engine.tokenizer is None:
         raise RequestError("this checkpoint has no tokenizer.json: send token ids instead of text", param="prompt")
-    return engine.tokenizer.encode(prompt, add_special_tokens=True)
+    return engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
 
 __all__ = ["EngineConfig", "ImageError", "LLMEngine", "PoolingParams", "RequestError", "Update", "encode_prompt"]

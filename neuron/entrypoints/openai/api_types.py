@@ -77,6 +77,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     continue_final_message: bool = False
     echo: bool = False
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, on the response
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens too, beyond the template's
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):
@@ -85,6 +86,7 @@ class CompletionRequest(SamplingRequest, kw_only=True):
     echo: bool = False
     suffix: str | None = None
     prompt_logprobs: int | None = None  # vLLM's extension: the prompt tokens' logprobs on the choice
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (Llama's, Mistral's) before a text prompt
 
 
 # ---- responses ----

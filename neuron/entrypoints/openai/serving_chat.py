@@ -176,7 +176,7 @@ def render_chat(engine: AsyncEngine, req: ChatCompletionRequest) -> tuple[str, l
     keep = req.truncate_prompt_tokens
     if keep is None:
         check_prompt_chars(engine, len(prompt), "messages")
-    ids = engine.tokenizer.encode(prompt)
+    ids = engine.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
     if not uris:
         return prompt, truncated(engine, ids, keep), []
     try:

@@ -65,9 +65,11 @@ def _prompt_list(prompt) -> list:
                       "either", param="prompt")
 
 
-async def prompt_ids(engine: AsyncEngine, prompt, limiter: anyio.CapacityLimiter, bounded: bool = True) -> list[int]:
+async def prompt_ids(engine: AsyncEngine, prompt, limiter: anyio.CapacityLimiter, bounded: bool = True,
+                     add_special_tokens: bool = True) -> list[int]:
     """One prompt's token ids; text is bounded by its length (unless the request truncates it to
-    fit: `bounded` false), then tokenized off the event loop."""
+    fit: `bounded` false), then tokenized off the event loop, with the special tokens the
+    tokenizer adds unless `add_special_tokens` is false (vLLM's field)."""
     if bounded:
         check_prompt_ids(engine, prompt, "prompt")
     if isinstance(prompt, list):
@@ -75,16 +77,17 @@ async def prompt_ids(engine: AsyncEngine, prompt, limiter: anyio.CapacityLimiter
     if bounded:
         check_prompt_chars(engine, len(prompt), "prompt")
     try:
-        return await off_loop(limiter, engine.encode_prompt, prompt)
+        return await off_loop(limiter, engine.encode_prompt, prompt, add_special_tokens)
     except RequestError as exc:
         raise bad_request(str(exc), param="prompt") from None
 
 
-async def _token_prompts(engine: AsyncEngine, prompts: list, limiter: anyio.CapacityLimiter,
-                         keep: int | None) -> tuple[list[list[int]], list]:
-    """Each prompt's token ids, cut to its last `keep` (truncate_prompt_tokens), and the prompts as
-    echo shows them: a cut one as the tokens the model read."""
-    whole = [await prompt_ids(engine, prompt, limiter, keep is None) for prompt in prompts]
+async def _token_prompts(engine: AsyncEngine, req: CompletionRequest, prompts: list,
+                         limiter: anyio.CapacityLimiter) -> tuple[list[list[int]], list]:
+    """Each prompt's token ids, cut to its last `truncate_prompt_tokens`, and the prompts as echo
+    shows them: a cut one as the tokens the model read."""
+    keep = req.truncate_prompt_tokens
+    whole = [await prompt_ids(engine, prompt, limiter, keep is None, req.add_special_tokens) for prompt in prompts]
     ids = [truncated(engine, w, keep) for w in whole]
     return ids, [p if len(i) == len(w) else i for p, w, i in zip(prompts, whole, ids)]
 
@@ -175,7 +178,7 @@ async def create_completion(request: Request, engine: AsyncEngine, req: Completi
     params = with_prompt_logprobs(params, prompt_topk(req))
     check_sequences(engine, len(prompts), params)  # before compiling or tokenizing anything
     grammar = await compile_guided(engine, req, limiters.grammar)
-    ids, prompts = await _token_prompts(engine, prompts, limiters.tokenize, params.truncate_prompt_tokens)
+    ids, prompts = await _token_prompts(engine, req, prompts, limiters.tokenize)
     ctx = _Context(req, engine.model_name, engine.tokenizer, prompts, ids)
     samples = open_samples(engine, ctx.id, ids, params, "prompt", grammar=grammar, cache_salt=cache_salt)
     ctx.per_prompt = samples.per_prompt
@@ -189,7 +192,7 @@ async def _beam_completion(request: Request, engine: AsyncEngine, req: Completio
     """use_beam_search: the n best beams of each prompt, choice p * n + i the i-th best of prompt p."""
     params = beam_params(req, max_tokens)
     check_beams(engine, len(prompts), params)
-    ids, shown = await _token_prompts(engine, prompts, limiters.tokenize, req.truncate_prompt_tokens)
+    ids, shown = await _token_prompts(engine, req, prompts, limiters.tokenize)
     request_id, run = new_id("cmpl"), BeamRun()
 
     def echoed(p: int) -> str:
