@@ -100,6 +100,28 @@ def test_a_text_prompt_gets_the_bos_its_tokenizer_adds(family):
     assert want == ([tok.token_to_id(bos)] if bos else []) + tok.encode(text)
 
 
+def test_special_tokens_decode_as_transformers_fast_tokenizers_with_either_spacing(family):
+    """vLLM's spaces_between_special_tokens is taken; neuron decodes as transformers' fast tokenizers,
+    for which it changes nothing (Metaspace ones included), streamed a token at a time or whole."""
+    import transformers
+
+    from neuron import SamplingParams
+    from neuron.engine.tokenizer import IncrementalDetokenizer
+
+    name, path = family
+    ours, theirs = Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(path)
+    specials = [ours.token_to_id(t) for t in FAMILIES[name][2][:2]]
+    ids = ours.encode("Hello world") + specials * 2 + ours.encode(" again")
+    streamed = IncrementalDetokenizer(ours, [], skip_special_tokens=False)
+    text = "".join(streamed.push(t) for t in ids) + streamed.flush()
+    for spaces in (True, False):
+        assert SamplingParams(spaces_between_special_tokens=spaces).spaces_between_special_tokens is spaces
+        want = theirs.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        assert text == ours.decode(ids, skip_special_tokens=False) == want, name
+    with pytest.raises(ValueError, match="spaces_between_special_tokens must be true or false"):
+        SamplingParams(spaces_between_special_tokens="no")
+
+
 MODEL_NAME = "llama3"
 
 

@@ -77,6 +77,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the prompt tokens' own logprobs and this many top-k at each
     skip_special_tokens: bool = True
+    # vLLM's. Text is decoded by the checkpoint's tokenizer.json as transformers' fast tokenizers
+    # decode it, where this changes nothing (as in vLLM's fast detokenizer): taken, and checked
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # a stop string, EOS or stop token that ends the text stays in it
     logit_bias: dict[int, float] | None = None  # added to these tokens' logits before the penalties
     allowed_token_ids: list[int] | None = None  # the only tokens that may be sampled
@@ -180,6 +183,8 @@ class SamplingParams:
             self.allowed_token_ids = token_ids(allowed, "allowed_token_ids")
 
     def _check_outputs(self) -> None:
+        _check(isinstance(self.spaces_between_special_tokens, bool), "spaces_between_special_tokens",
+               "true or false", self.spaces_between_special_tokens)
         if self.bad_words is not None:
             words_ok = (isinstance(self.bad_words, (list, tuple)) and len(self.bad_words) <= MAX_STOP_STRINGS
                         and all(isinstance(w, str) and 0 < len(w.strip()) and len(w) <= MAX_STOP_CHARS

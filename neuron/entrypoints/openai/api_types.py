@@ -37,6 +37,7 @@ class SamplingRequest(Struct, kw_only=True):
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # vLLM's; changes nothing with tokenizer.json (SamplingParams)
     include_stop_str_in_output: bool = False
     n: int | None = None
     best_of: int | None = None  # OpenAI's completions field; vLLM takes it on chat too

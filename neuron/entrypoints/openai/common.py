@@ -172,6 +172,7 @@ def sampling_params(req: SamplingRequest, defaults: dict, *, max_tokens: int | N
             min_tokens=req.min_tokens, stop=req.stop,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
             logit_bias=_logit_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
