@@ -22,8 +22,9 @@ from neuron.entrypoints.openai.common import check_sequences, open_stream, strea
 _TAKEN = frozenset({
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "temperature", "length_penalty",
     "ignore_eos", "include_stop_str_in_output", "use_beam_search", "cache_salt", "truncate_prompt_tokens",
-    "skip_special_tokens", "spaces_between_special_tokens", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "echo",
-    "stream_options", "return_tokens_as_token_ids", "parallel_tool_calls", "tool_choice", "add_special_tokens",
+    "skip_special_tokens", "spaces_between_special_tokens", "chat_template_kwargs", "add_generation_prompt",
+    "continue_final_message", "echo", "stream_options", "return_tokens_as_token_ids", "parallel_tool_calls",
+    "tool_choice", "add_special_tokens",
 })
 
 
