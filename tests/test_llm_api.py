@@ -129,6 +129,23 @@ def test_beam_search_takes_text_and_returns_vllms_text(tp2_llm):
         assert beam.text == tok.decode(beam.tokens) and beam.text.startswith("The river")
 
 
+def test_llm_takes_vllms_seed_and_engine_arguments():
+    """LLM(seed=...) makes a script's unseeded draws the same from run to run, as vLLM's does;
+    trust_remote_code, served_model_name and max_num_batched_tokens are taken too."""
+    drawn = []
+    for _ in range(2):
+        with LLM(device="cpu", max_model_len=128, seed=7, trust_remote_code=True, served_model_name="mine",
+                 max_num_batched_tokens=256) as llm:
+            assert llm.engine.model_name == "mine" and llm.engine.model.step_tokens == 256
+            params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+            drawn.append([o.outputs[0].token_ids for o in llm.generate(["Once upon", "The river"], params)])
+    assert drawn[0] == drawn[1]
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        LLM(seed=2**70)
+    with pytest.raises(TypeError, match="trust_remote_code must be true or false"):
+        LLM(trust_remote_code="yes")
+
+
 def test_chat_takes_vllms_arguments(tp2_llm):
     """vLLM's chat arguments: chat_template_kwargs reach the template, continue_final_message
     continues the last message, chat_template replaces the checkpoint's, use_tqdm a bar of the

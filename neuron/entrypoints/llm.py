@@ -19,13 +19,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
+import torch
+
 from neuron.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from neuron.engine.input_processor import check_cache_salt
 from neuron.engine.llm_engine import EngineConfig, LLMEngine, Update, encode_prompt
 from neuron.engine.lora import LoRARequest
 from neuron.engine.parallel_sampling import cumulative_logprob, ranked, sample_id, sample_params
 from neuron.engine.pooling import PoolingParams, cosine_similarities
-from neuron.engine.sampling_params import SamplingParams, token_ids
+from neuron.engine.sampling_params import SEED_RANGE, SamplingParams, token_ids
 from neuron.errors import NeuronError
 from neuron.multimodal.image import ImageInput
 
@@ -123,7 +125,10 @@ class _Prompt:
 
 
 class LLM:
-    """An argument left at None takes its setting (neuron.config: NEURON_* or the default)."""
+    """An argument left at None takes its setting (neuron.config: NEURON_* or the default). As in
+    vLLM, `seed` seeds the sampler's random state at start, so a script's runs draw the same tokens
+    for requests without a seed of their own; `trust_remote_code` is taken and changes nothing, since
+    neuron never runs code a checkpoint ships."""
 
     def __init__(
         self,
@@ -152,10 +157,19 @@ class LLM:
         enable_lora: bool | None = None,
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        served_model_name: str | None = None,
+        seed: int | None = None,
+        trust_remote_code: bool = False,
         **kwargs,
     ):
         if kwargs:
             raise TypeError(f"LLM() got unsupported arguments: {', '.join(sorted(kwargs))}")
+        if not isinstance(trust_remote_code, bool):
+            raise TypeError(f"trust_remote_code must be true or false, got {trust_remote_code!r:.40}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+            raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {seed!r:.40}")
         given = dict(model=model, task=task, tp=tensor_parallel_size, device=device, dtype=dtype, max_model_len=max_model_len,
                      max_num_seqs=max_num_seqs, hf_cache_dir=download_dir, block_size=block_size,
                      kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
@@ -164,9 +178,12 @@ class LLM:
                      quantization=quantization, tokenizer=tokenizer, speculative_config=speculative_config,
                      hosts=hosts, worker_launcher=worker_launcher, cluster_address=cluster_address,
                      cluster_interface=cluster_interface, cluster_port=cluster_port, enable_lora=enable_lora,
-                     max_loras=max_loras, max_lora_rank=max_lora_rank)
+                     max_loras=max_loras, max_lora_rank=max_lora_rank,
+                     max_num_batched_tokens=max_num_batched_tokens, served_model_name=served_model_name)
         cfg = EngineConfig(**{k: v for k, v in given.items() if v is not None})
         self.engine = LLMEngine.load(cfg)
+        if seed is not None:  # the draws of requests without a seed come from the global generator
+            torch.manual_seed(seed)
         self._ids = itertools.count()
         self._finalizer = weakref.finalize(self, _shutdown_engine, self.engine)
         atexit.register(self._finalizer)
