@@ -41,9 +41,7 @@ async def create_embedding(request: Request, engine: AsyncEngine, req: Embedding
     if req.encoding_format not in _FORMATS:
         raise bad_request(f"encoding_format must be float or base64, got {req.encoding_format!r}",
                           param="encoding_format")
-    if req.dimensions is not None and not 0 < req.dimensions <= engine.hidden_size:
-        raise bad_request(f"dimensions must be in 1..{engine.hidden_size} (this model's embedding size), got "
-                          f"{req.dimensions}", param="dimensions")
+    check_dimensions(engine, req.dimensions)
     try:
         params = PoolingParams(req.dimensions, req.truncate_prompt_tokens)
     except InvalidParams as exc:
@@ -51,6 +49,13 @@ async def create_embedding(request: Request, engine: AsyncEngine, req: Embedding
     ids = await tokenized_inputs(engine, inputs, limiter, params.truncate_prompt_tokens)
     batch = EmbeddingBatch(engine, new_id("embd"), ids, params, cache_salt)
     return await json_unless_disconnected(request, batch, _respond(engine, req, batch))
+
+
+def check_dimensions(engine: AsyncEngine, dimensions: int | None) -> None:
+    """`dimensions` (Matryoshka) within the model's embedding size, or a 400."""
+    if dimensions is not None and not 0 < dimensions <= engine.hidden_size:
+        raise bad_request(f"dimensions must be in 1..{engine.hidden_size} (this model's embedding size), got "
+                          f"{dimensions}", param="dimensions")
 
 
 def _inputs(value) -> list:

@@ -62,7 +62,7 @@ from neuron.entrypoints.openai.ollama.translate import (
 from neuron.entrypoints.openai.prompt_input import Limiters
 from neuron.entrypoints.openai.serving_chat import ChoiceState, open_chat
 from neuron.entrypoints.openai.serving_completions import fill_in_the_middle, prompt_ids
-from neuron.entrypoints.openai.serving_embeddings import MAX_INPUTS, EmbeddingBatch, tokenized_inputs
+from neuron.entrypoints.openai.serving_embeddings import MAX_INPUTS, EmbeddingBatch, check_dimensions, tokenized_inputs
 from neuron.entrypoints.openai.streaming import NDJSONResponse, json_unless_disconnected
 
 
@@ -265,9 +265,7 @@ class _Ollama:
             raise bad_request(f"input must be a text or a list of at most {MAX_INPUTS} non-empty texts",
                               param="input")
         check_serves(engine, EMBED)
-        if dimensions is not None and not 0 < dimensions <= engine.hidden_size:
-            raise bad_request(f"dimensions must be in 1..{engine.hidden_size} (this model's embedding size), got "
-                              f"{dimensions}", param="dimensions")
+        check_dimensions(engine, dimensions)
         keep = engine.max_model_len if cut else None
         ids = await tokenized_inputs(engine, texts, self.served.limiters.tokenize, keep, keep_start=True)
         return EmbeddingBatch(engine, new_id("embd"), ids, PoolingParams(dimensions), self.served.salt(request, req))
