@@ -22,7 +22,7 @@ from neuron.engine.async_engine import AsyncEngine
 from neuron.engine.llm_engine import Update
 from neuron.entrypoints.openai.api_errors import APIError, bad_request, renamed, unsupported
 from neuron.entrypoints.openai.api_types import ChatCompletionRequest
-from neuron.entrypoints.openai.common import Samples, encoded, now, stream_error
+from neuron.entrypoints.openai.common import Samples, check_ready, encoded, now, stream_error
 from neuron.entrypoints.openai.prompt_input import Limiters, off_loop
 from neuron.entrypoints.openai.response_parser import Parsed, ParsedToolCall
 from neuron.entrypoints.openai.response_store import OwnedResponses, StoredResponse
@@ -442,6 +442,9 @@ async def _fitted(engine: AsyncEngine, req: ResponsesRequest, head: list[dict], 
     """truncation "auto": the conversation with its oldest turns dropped, so that it opens at a user
     message, as few as leave the prompt room for the reply (max_output_tokens, else one token).
     Where even its last user message on does not fit, it is left whole, and refused as too long."""
+    check_ready(engine)
+    if engine.tokenizer is None:  # the chat path refuses it, saying why
+        return conversation
     room = engine.max_model_len - (req.max_output_tokens or 1)
 
     async def fits(start: int) -> bool:
