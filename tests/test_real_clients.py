@@ -299,6 +299,33 @@ def test_a_chat_returns_its_prompts_logprobs_as_vllm_does(clients_server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_return_token_ids_gives_the_prompts_and_each_choices_tokens(clients_server, default_tokenizer):
+    """vLLM's return_token_ids: the prompt's token ids and each choice's, on whole responses and on
+    streams (the prompt's on a choice's first chunk, each chunk its own tokens), on both routes."""
+    c = client(clients_server)
+    greedy = dict(max_tokens=6, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    text = "Rivers carry water"
+    whole = c.completions.create(model=MODEL, prompt=text, **greedy).choices[0].model_extra
+    assert whole["prompt_token_ids"] == default_tokenizer.encode(text, add_special_tokens=True)
+    assert len(whole["token_ids"]) == 6
+    chunks = [ch.choices[0].model_extra for ch in c.completions.create(model=MODEL, prompt=text, stream=True,
+                                                                        **greedy) if ch.choices]
+    assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert all(ch["prompt_token_ids"] is None for ch in chunks[1:])
+    assert [t for ch in chunks for t in ch["token_ids"]] == whole["token_ids"]
+
+    messages = [{"role": "user", "content": text}]
+    chat = c.chat.completions.create(model=MODEL, messages=messages, **greedy)
+    ids = httpx.post(f"{clients_server.url}/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
+    assert chat.model_extra["prompt_token_ids"] == ids and len(chat.choices[0].model_extra["token_ids"]) == 6
+    streamed = list(c.chat.completions.create(model=MODEL, messages=messages, stream=True, **greedy))
+    assert streamed[0].model_extra["prompt_token_ids"] == ids
+    assert [t for ch in streamed for t in ch.choices[0].model_extra["token_ids"]] == \
+        chat.choices[0].model_extra["token_ids"]
+    plain = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert "prompt_token_ids" not in plain.model_extra and "token_ids" not in plain.choices[0].model_extra
+
+
 def test_tokenize_needs_a_tokenizer(odd_checkpoint):
     with LiveServer(real_engine(str(odd_checkpoint), 1, name="odd")) as server:
         server.wait_ready()

@@ -47,6 +47,7 @@ class SamplingRequest(Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
     # Structured output, one at most: OpenAI's response_format, vLLM's guided_* (and tool_choice on chat).
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -144,6 +145,10 @@ class ChatChoice(Struct):
     stop_reason: int | str | None = None
 
 
+class ChatChoiceWithIds(ChatChoice):
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: the choice's tokens
+
+
 class ChatCompletionResponse(Struct):
     id: str
     created: int
@@ -152,6 +157,10 @@ class ChatCompletionResponse(Struct):
     usage: UsageInfo
     object: str = "chat.completion"
     prompt_logprobs: list[dict[str, dict] | None] | None = None  # vLLM's, when the request asked
+
+
+class ChatCompletionResponseWithIds(ChatCompletionResponse):
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class DeltaFunctionCall(Struct, omit_defaults=True):
@@ -185,6 +194,10 @@ class ChatChunkChoice(Struct):
     stop_reason: int | str | None = None
 
 
+class ChatChunkChoiceWithIds(ChatChunkChoice):
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: this chunk's tokens
+
+
 class ChatCompletionChunk(Struct):
     id: str
     created: int
@@ -192,6 +205,10 @@ class ChatCompletionChunk(Struct):
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
     object: str = "chat.completion.chunk"
+
+
+class ChatCompletionChunkWithIds(ChatCompletionChunk):
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: on a stream's first chunk
 
 
 class CompletionLogprobs(Struct):
@@ -208,6 +225,14 @@ class CompletionChoice(Struct):
     finish_reason: str | None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[str, dict] | None] | None = None  # vLLM's, when the request asked
+
+
+class CompletionChoiceWithIds(CompletionChoice):
+    """A choice with vLLM's return_token_ids: the prompt's ids (a stream's first chunk of it) and
+    the choice's own (a chunk's)."""
+
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(Struct):

@@ -263,6 +263,25 @@ class Samples:
         return UsageInfo(prompt, completion, prompt + completion)
 
 
+class StreamedIds:
+    """vLLM's return_token_ids on a stream: each chunk's token ids, those of updates that made no
+    chunk (text held back) carried to the next one; and whether a choice's first chunk is still to go."""
+
+    def __init__(self, count: int):
+        self._held: list[list[int]] = [[] for _ in range(count)]
+        self._started: set[int] = set()
+
+    def hold(self, k: int, update: Update) -> None:
+        self._held[k] += update.token_ids
+
+    def take(self, k: int) -> tuple[list[int], bool]:
+        """Choice k's ids since its last chunk, and whether this is its first chunk."""
+        ids, self._held[k] = self._held[k], []
+        first = k not in self._started
+        self._started.add(k)
+        return ids, first
+
+
 def check_sequences(engine: AsyncEngine, num_prompts: int, params: SamplingParams) -> None:
     """Refuse, before any prompt is tokenized, a request for more sequences than one request may
     hold: `n` (or `best_of`) up to the running slots, and all its prompts' samples together up to

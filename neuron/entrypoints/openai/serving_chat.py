@@ -17,10 +17,14 @@ from neuron.engine.tokenizer import TokenizerError
 from neuron.entrypoints.openai.api_errors import APIError, bad_request
 from neuron.entrypoints.openai.api_types import (
     ChatChoice,
+    ChatChoiceWithIds,
     ChatChunkChoice,
+    ChatChunkChoiceWithIds,
     ChatCompletionChunk,
+    ChatCompletionChunkWithIds,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatCompletionResponseWithIds,
     ChatLogprobs,
     ChatMessage,
     DeltaFunctionCall,
@@ -35,6 +39,7 @@ from neuron.entrypoints.openai.beam import BeamRun, beam_params, best_beams, che
 from neuron.entrypoints.openai.chat_utils import message_text, normalise_messages, template_content_chars
 from neuron.entrypoints.openai.common import (
     Samples,
+    StreamedIds,
     check_common,
     check_model,
     check_ready,
@@ -283,6 +288,7 @@ class _Sample:
     cumulative_logprob: float = 0.0
     last: Update | None = None
     first: Update | None = None  # it carries the prompt's logprobs, where asked
+    token_ids: list[int] = field(default_factory=list)
 
 
 async def read_sample(ctx: ChatRequestContext, stream: RequestStream) -> _Sample:
@@ -294,6 +300,7 @@ async def read_sample(ctx: ChatRequestContext, stream: RequestStream) -> _Sample
         if update.logprobs is not None:
             out.cumulative_logprob += cumulative_logprob(update.token_ids, update.logprobs)
         out.first = out.first or update
+        out.token_ids += update.token_ids
         out.last = update
     if out.last.finish_reason == "error":
         raise stream_error(stream, out.last.error)
@@ -305,8 +312,9 @@ def _choice(ctx: ChatRequestContext, index: int, out: _Sample) -> ChatChoice:
     parsed = out.parsed
     calls = out.state.tool_calls(parsed)
     message = ChatMessage("assistant", _content(ctx, parsed, calls), parsed.reasoning or None, calls or None)
-    return ChatChoice(index, message, ChatLogprobs(out.logprobs) if ctx.top_logprobs is not None else None,
-                      out.state.finish_reason(out.last.finish_reason), out.last.stop_reason)
+    fields = (index, message, ChatLogprobs(out.logprobs) if ctx.top_logprobs is not None else None,
+              out.state.finish_reason(out.last.finish_reason), out.last.stop_reason)
+    return ChatChoiceWithIds(*fields, out.token_ids) if ctx.req.return_token_ids else ChatChoice(*fields)
 
 
 def _content(ctx: ChatRequestContext, parsed: Parsed, calls: list[ToolCall]) -> str | None:
@@ -325,12 +333,30 @@ async def _collect(ctx: ChatRequestContext, samples: Samples) -> bytes:
     if ctx.req.prompt_logprobs is not None and first is not None and first.prompt_logprobs is not None:
         render = LogprobRenderer(ctx.tokenizer, ctx.req.return_tokens_as_token_ids)
         prompt_logprobs = vllm_prompt_logprobs(render, ctx.prompt_ids, first.prompt_logprobs, first.prompt_token_ranks)
+    if ctx.req.return_token_ids:
+        return await encoded(ChatCompletionResponseWithIds(ctx.id, ctx.created, ctx.model, choices,
+                                                           samples.usage(chosen), prompt_logprobs=prompt_logprobs,
+                                                           prompt_token_ids=ctx.prompt_ids))
     return await encoded(ChatCompletionResponse(ctx.id, ctx.created, ctx.model, choices, samples.usage(chosen),
                                                 prompt_logprobs=prompt_logprobs))
 
 
-def _chunk(ctx: ChatRequestContext, choice: ChatChunkChoice | None, usage: UsageInfo | None = None) -> bytes:
-    return sse(ChatCompletionChunk(ctx.id, ctx.created, ctx.model, [choice] if choice else [], usage))
+def _chunk(ctx: ChatRequestContext, choice: ChatChunkChoice | None, usage: UsageInfo | None = None,
+           prompt_token_ids: list[int] | None = None) -> bytes:
+    """A chunk; with `prompt_token_ids` (return_token_ids, a choice's first chunk) carrying them."""
+    choices = [choice] if choice else []
+    if prompt_token_ids is not None:
+        return sse(ChatCompletionChunkWithIds(ctx.id, ctx.created, ctx.model, choices, usage,
+                                              prompt_token_ids=prompt_token_ids))
+    return sse(ChatCompletionChunk(ctx.id, ctx.created, ctx.model, choices, usage))
+
+
+def _chunk_choice(ids: StreamedIds | None, index: int, delta: DeltaMessage, logprobs: ChatLogprobs | None = None,
+                  reason: str | None = None, stop_reason: int | str | None = None) -> ChatChunkChoice:
+    """A chunk's choice; with return_token_ids (`ids`), the tokens since the choice's last chunk."""
+    if ids is None:
+        return ChatChunkChoice(index, delta, logprobs, reason, stop_reason)
+    return ChatChunkChoiceWithIds(index, delta, logprobs, reason, stop_reason, ids.take(index)[0])
 
 
 def _delta(state: ChoiceState, parsed: Parsed) -> DeltaMessage:
@@ -343,19 +369,21 @@ def _delta(state: ChoiceState, parsed: Parsed) -> DeltaMessage:
 
 
 def _update_chunks(ctx: ChatRequestContext, state: ChoiceState, index: int, update: Update,
-                   usage: UsageInfo | None = None) -> list[bytes]:
+                   usage: UsageInfo | None = None, ids: StreamedIds | None = None) -> list[bytes]:
     """The chunks one update of choice `index` makes: its delta, then its finish reason once done;
-    each with `usage` (continuous_usage_stats)."""
+    each with `usage` (continuous_usage_stats), and with `ids` its tokens (return_token_ids)."""
     parsed = state.parser.feed(update.text)
     if update.finished:
         parsed.extend(state.parser.finish())
     logprobs = state.logprobs(update)
     chunks = []
+    if ids is not None:
+        ids.hold(index, update)
     if parsed or logprobs:
-        chunks.append(_chunk(ctx, ChatChunkChoice(index, _delta(state, parsed), logprobs), usage))
+        chunks.append(_chunk(ctx, _chunk_choice(ids, index, _delta(state, parsed), logprobs), usage))
     if update.finished:
         reason = state.finish_reason(update.finish_reason)
-        chunks.append(_chunk(ctx, ChatChunkChoice(index, DeltaMessage(), None, reason, update.stop_reason), usage))
+        chunks.append(_chunk(ctx, _chunk_choice(ids, index, DeltaMessage(), None, reason, update.stop_reason), usage))
     return chunks
 
 
@@ -364,13 +392,15 @@ async def _events(ctx: ChatRequestContext, samples: Samples, keepalive_s: float)
     each choice opens with its role, then chunks of all choices interleave as they come."""
     states = [ChoiceState(ctx) for _ in samples.streams]
     running = samples.running_usage(ctx.req.stream_options)
-    opening = [_chunk(ctx, ChatChunkChoice(i, DeltaMessage(role="assistant", content="")),
-                      running(i, None) if running else None) for i in range(len(states))]
+    ids = StreamedIds(len(states)) if ctx.req.return_token_ids else None
+    opening = [_chunk(ctx, _chunk_choice(ids, i, DeltaMessage(role="assistant", content="")),
+                      running(i, None) if running else None, ctx.prompt_ids if ids is not None else None)
+               for i in range(len(states))]
     if ctx.echo:
         opening += [_chunk(ctx, ChatChunkChoice(i, DeltaMessage(content=ctx.echo))) for i in range(len(states))]
 
     async def chunks(k: int, update: Update) -> list[bytes]:
-        return _update_chunks(ctx, states[k], k, update, running(k, update) if running else None)
+        return _update_chunks(ctx, states[k], k, update, running(k, update) if running else None, ids)
 
     wants_usage = ctx.req.stream_options and ctx.req.stream_options.include_usage
     usage = (lambda u: _chunk(ctx, None, u)) if wants_usage else None

@@ -18,6 +18,7 @@ from neuron.engine.parallel_sampling import cumulative_logprob
 from neuron.entrypoints.openai.api_errors import bad_request
 from neuron.entrypoints.openai.api_types import (
     CompletionChoice,
+    CompletionChoiceWithIds,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
@@ -26,6 +27,7 @@ from neuron.entrypoints.openai.api_types import (
 from neuron.entrypoints.openai.beam import BeamRun, beam_params, best_beams, check_beams, run_beams
 from neuron.entrypoints.openai.common import (
     Samples,
+    StreamedIds,
     check_common,
     check_model,
     check_ready,
@@ -221,6 +223,7 @@ class _Sample:
     cumulative_logprob: float = 0.0
     last: Update | None = None
     prompt_logprobs: list | None = None
+    token_ids: list[int] = field(default_factory=list)
 
 
 async def _rendered(ctx: _Context, k: int, update: Update) -> tuple[CompletionLogprobs | None, list | None]:
@@ -239,6 +242,7 @@ async def _read(ctx: _Context, k: int, stream: RequestStream) -> _Sample:
         if lp is not None:
             _joined(out.logprobs, lp)
         out.prompt_logprobs = out.prompt_logprobs or prompt_lp
+        out.token_ids += update.token_ids
         if update.logprobs is not None:
             out.cumulative_logprob += cumulative_logprob(update.token_ids, update.logprobs)
         out.last = update
@@ -253,8 +257,10 @@ async def _collect(ctx: _Context, samples: Samples) -> bytes:
     choices = []
     for index, k in enumerate(chosen):
         o = outs[k]
-        choices.append(CompletionChoice(index, "".join(o.text), o.logprobs if ctx.req.logprobs is not None else None,
-                                        o.last.finish_reason, o.last.stop_reason, o.prompt_logprobs))
+        fields = (index, "".join(o.text), o.logprobs if ctx.req.logprobs is not None else None, o.last.finish_reason,
+                  o.last.stop_reason, o.prompt_logprobs)
+        choices.append(CompletionChoiceWithIds(*fields, ctx.ids[k // ctx.per_prompt], o.token_ids)
+                       if ctx.req.return_token_ids else CompletionChoice(*fields))
     return await encoded(CompletionResponse(ctx.id, ctx.created, ctx.model, choices, samples.usage(chosen)))
 
 
@@ -265,14 +271,22 @@ def _chunk(ctx: _Context, choice: CompletionChoice | None, usage: UsageInfo | No
 async def _events(ctx: _Context, samples: Samples, keepalive_s: float) -> AsyncIterator[bytes]:
     """Every sample is returned when streaming (best_of > n is refused), so stream k is choice k."""
     running = samples.running_usage(ctx.req.stream_options)
+    ids = StreamedIds(len(samples.streams)) if ctx.req.return_token_ids else None
 
     async def chunks(k: int, update: Update) -> list[bytes]:
         text, (logprobs, prompt_logprobs) = ctx.text(k, update), await _rendered(ctx, k, update)
         usage_so_far = running(k, update) if running else None
+        if ids is not None:
+            ids.hold(k, update)
         if not (text or logprobs or update.finished):
             return []
         reason, stop_reason = (update.finish_reason, update.stop_reason) if update.finished else (None, None)
-        return [_chunk(ctx, CompletionChoice(k, text, logprobs, reason, stop_reason, prompt_logprobs), usage_so_far)]
+        fields = (k, text, logprobs, reason, stop_reason, prompt_logprobs)
+        if ids is None:
+            return [_chunk(ctx, CompletionChoice(*fields), usage_so_far)]
+        token_ids, first = ids.take(k)
+        prompt_ids = ctx.ids[k // ctx.per_prompt] if first else None
+        return [_chunk(ctx, CompletionChoiceWithIds(*fields, prompt_ids, token_ids), usage_so_far)]
 
     wants_usage = ctx.req.stream_options and ctx.req.stream_options.include_usage
     usage = (lambda u: _chunk(ctx, None, u)) if wants_usage else None
