@@ -326,6 +326,38 @@ def test_return_token_ids_gives_the_prompts_and_each_choices_tokens(clients_serv
     assert "prompt_token_ids" not in plain.model_extra and "token_ids" not in plain.choices[0].model_extra
 
 
+def test_documents_reach_the_template_and_unimplemented_extensions_are_refused(tmp_path, clients_server):
+    """vLLM's `documents` reach a chat template that renders them (chat_template_kwargs' win where both
+    set them); vLLM's extensions neuron does not implement are refused by name, not ignored."""
+    import shutil
+
+    from neuron.engine.tokenizer import Tokenizer
+    from neuron.utils.default_checkpoint import default_model_dir
+
+    rag = tmp_path / "rag"
+    shutil.copytree(default_model_dir(), rag)
+    config = json.loads((rag / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for d in documents or [] %}DOC {{ d['text'] }}\n{% endfor %}"
+                               "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    (rag / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_dir(rag)
+    messages = [{"role": "user", "content": "Which river?"}]
+    docs = [{"text": "The Seine flows through Paris."}]
+    with LiveServer(real_engine(str(rag), 1, name="rag", max_model_len=128)) as server:
+        server.wait_ready()
+        api = client(server)
+        out = api.chat.completions.create(model="rag", messages=messages, max_tokens=1, extra_body={"documents": docs})
+        want = "DOC The Seine flows through Paris.\nuser: Which river?\n"
+        assert out.usage.prompt_tokens == len(tok.encode(want))
+        both = api.chat.completions.create(model="rag", messages=messages, max_tokens=1, extra_body={
+            "documents": docs, "chat_template_kwargs": {"documents": [{"text": "x"}]}})
+        assert both.usage.prompt_tokens == len(tok.encode("DOC x\nuser: Which river?\n"))
+    for name in ("structural_tag", "guided_whitespace_pattern", "logits_processors", "kv_transfer_params"):
+        r = httpx.post(f"{clients_server.url}/v1/chat/completions", json={
+            "model": MODEL, "messages": messages, "max_tokens": 1, name: {"x": 1}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+
+
 def test_tokenize_needs_a_tokenizer(odd_checkpoint):
     with LiveServer(real_engine(str(odd_checkpoint), 1, name="odd")) as server:
         server.wait_ready()

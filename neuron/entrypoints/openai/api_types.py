@@ -62,6 +62,13 @@ class SamplingRequest(Struct, kw_only=True):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     priority: int = 0  # vLLM's; scheduling is first come, first served, so other values are refused
+    # vLLM's extensions neuron does not implement: named here so that setting one is a 400, not ignored
+    structural_tag: Any = None
+    guided_whitespace_pattern: Any = None
+    guided_decoding_backend: Any = None
+    logits_processors: Any = None
+    mm_processor_kwargs: Any = None
+    kv_transfer_params: Any = None
 
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True):
@@ -80,6 +87,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     echo: bool = False
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, on the response
     add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens too, beyond the template's
+    documents: list[dict[str, Any]] | None = None  # vLLM's: for templates that render retrieved documents
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):

@@ -24,7 +24,7 @@ _TAKEN = frozenset({
     "ignore_eos", "include_stop_str_in_output", "use_beam_search", "cache_salt", "truncate_prompt_tokens",
     "skip_special_tokens", "spaces_between_special_tokens", "chat_template_kwargs", "add_generation_prompt",
     "continue_final_message", "echo", "stream_options", "return_tokens_as_token_ids", "parallel_tool_calls",
-    "tool_choice", "add_special_tokens",
+    "tool_choice", "add_special_tokens", "documents",
 })
 
 

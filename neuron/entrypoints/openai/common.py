@@ -65,9 +65,17 @@ def check_model(req: SamplingRequest, served_name: str) -> None:
                        param="model", code="model_not_found")
 
 
+# vLLM's request extensions neuron does not implement (SamplingRequest names them to refuse them).
+_NOT_IMPLEMENTED = ("structural_tag", "guided_whitespace_pattern", "guided_decoding_backend", "logits_processors",
+                    "mm_processor_kwargs", "kv_transfer_params")
+
+
 def check_common(req: SamplingRequest) -> None:
     """Refuse what we would otherwise have to ignore."""
     n = 1 if req.n is None else req.n
+    for name in _NOT_IMPLEMENTED:
+        if getattr(req, name) is not None:
+            raise unsupported(name, f"{name} is not supported by this server")
     if req.priority != 0:
         raise bad_request(f"priority must be 0, got {req.priority}: this server schedules requests first come, "
                           "first served", param="priority")

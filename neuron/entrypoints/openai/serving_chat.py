@@ -173,9 +173,11 @@ def render_chat(engine: AsyncEngine, req: ChatCompletionRequest) -> tuple[str, l
     messages, uris = normalise_messages(req.messages, vision=engine.vision is not None)
     tools = req.tools if _uses_tools(req) else None
     try:
+        extra = {"documents": req.documents} if req.documents is not None else {}
+        extra |= req.chat_template_kwargs or {}  # which may set documents too, and then wins (as in vLLM)
         prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                                    continue_final_message=req.continue_final_message, tools=tools,
-                                                   **(req.chat_template_kwargs or {}))
+                                                   **extra)
     except TokenizerError as exc:
         raise bad_request(str(exc), param="messages") from None
     keep = req.truncate_prompt_tokens
