@@ -216,9 +216,7 @@ async def _beam_chat(request: Request, engine: AsyncEngine, req: ChatCompletionR
     max_tokens, _ = _max_tokens(req)
     params = beam_params(req, max_tokens or engine.default_sampling().get("max_tokens") or engine.max_model_len)
     check_beams(engine, 1, params)
-    if req.truncate_prompt_tokens is None:
-        check_prompt_chars(engine, template_content_chars(req.messages), "messages")
-    prompt, ids, images = await off_loop(limiters.tokenize, render_chat, engine, req)
+    prompt, ids, images = await _rendered(engine, req, limiters)
     if images:
         raise bad_request("use_beam_search takes text messages, not images", param="messages")
     ctx, run = ChatRequestContext(req, engine.model_name, engine.tokenizer, prompt, None, None), BeamRun()
@@ -236,6 +234,15 @@ async def _beam_chat(request: Request, engine: AsyncEngine, req: ChatCompletionR
         return await encoded(ChatCompletionResponse(ctx.id, ctx.created, ctx.model, choices, usage))
 
     return await json_unless_disconnected(request, run, collect())
+
+
+async def _rendered(engine: AsyncEngine, req: ChatCompletionRequest,
+                    limiters: Limiters) -> tuple[str, list[int], list[ImageInput]]:
+    """render_chat off the event loop, the messages' text bounded at once before it (unless the
+    request truncates the prompt to fit)."""
+    if req.truncate_prompt_tokens is None:
+        check_prompt_chars(engine, template_content_chars(req.messages), "messages")
+    return await off_loop(limiters.tokenize, render_chat, engine, req)
 
 
 def _need_tokenizer(engine: AsyncEngine) -> None:
@@ -271,9 +278,7 @@ async def open_chat(engine: AsyncEngine, req: ChatCompletionRequest, limiters: L
         params.skip_special_tokens = False
     check_sequences(engine, 1, params)  # before compiling or rendering anything
     grammar = await compile_guided(engine, req, limiters.grammar)
-    if params.truncate_prompt_tokens is None:  # at once, before the template
-        check_prompt_chars(engine, template_content_chars(req.messages), "messages")
-    prompt, prompt_ids, images = await off_loop(limiters.tokenize, render_chat, engine, req)
+    prompt, prompt_ids, images = await _rendered(engine, req, limiters)
     ctx = ChatRequestContext(req, engine.model_name, engine.tokenizer, prompt, top_logprobs, tools, id_prefix)
     ctx.prompt_ids = prompt_ids
     samples = open_samples(engine, ctx.id, [prompt_ids], params, "messages", images, grammar, cache_salt)

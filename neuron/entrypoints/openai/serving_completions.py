@@ -94,6 +94,13 @@ async def _token_prompts(engine: AsyncEngine, req: CompletionRequest, prompts: l
     return ids, [p if len(i) == len(w) else i for p, w, i in zip(prompts, whole, ids)]
 
 
+def _echo_text(tokenizer, prompt) -> str:
+    """What echo puts before a completion: a text prompt as sent, token ids decoded ("" without a tokenizer)."""
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.decode(prompt, skip_special_tokens=False) if tokenizer is not None else ""
+
+
 def _check(req: CompletionRequest) -> None:
     check_common(req)
 
@@ -129,10 +136,7 @@ class _Context:
         if not self.req.echo or k in self.echoed:
             return update.text
         self.echoed.add(k)
-        prompt = self.prompts[k // self.per_prompt]
-        if not isinstance(prompt, str):
-            prompt = self.tokenizer.decode(prompt, skip_special_tokens=False) if self.tokenizer else ""
-        return prompt + update.text
+        return _echo_text(self.tokenizer, self.prompts[k // self.per_prompt]) + update.text
 
     def logprobs(self, k: int, update: Update) -> CompletionLogprobs | None:
         """The update's tokens in the completions shape, the echoed prompt's first."""
@@ -198,11 +202,7 @@ async def _beam_completion(request: Request, engine: AsyncEngine, req: Completio
     request_id, run = new_id("cmpl"), BeamRun()
 
     def echoed(p: int) -> str:
-        if not req.echo:
-            return ""
-        prompt = shown[p]
-        return prompt if isinstance(prompt, str) or engine.tokenizer is None else \
-            engine.tokenizer.decode(prompt, skip_special_tokens=False)
+        return _echo_text(engine.tokenizer, shown[p]) if req.echo else ""
 
     async def collect() -> bytes:
         searches = await run_beams(engine, request_id, ids, params, run, cache_salt, "prompt")

@@ -42,13 +42,18 @@ async def create_embedding(request: Request, engine: AsyncEngine, req: Embedding
         raise bad_request(f"encoding_format must be float or base64, got {req.encoding_format!r}",
                           param="encoding_format")
     check_dimensions(engine, req.dimensions)
-    try:
-        params = PoolingParams(req.dimensions, req.truncate_prompt_tokens)
-    except InvalidParams as exc:
-        raise bad_request(str(exc), param=exc.param) from None
+    params = pooling_params(req.dimensions, req.truncate_prompt_tokens)
     ids = await tokenized_inputs(engine, inputs, limiter, params.truncate_prompt_tokens)
     batch = EmbeddingBatch(engine, new_id("embd"), ids, params, cache_salt)
     return await json_unless_disconnected(request, batch, _respond(engine, req, batch))
+
+
+def pooling_params(dimensions: int | None = None, keep: int | None = None) -> PoolingParams:
+    """The request's PoolingParams (`keep`: truncate_prompt_tokens), or a 400 naming the bad field."""
+    try:
+        return PoolingParams(dimensions, keep)
+    except InvalidParams as exc:
+        raise bad_request(str(exc), param=exc.param) from None
 
 
 def check_dimensions(engine: AsyncEngine, dimensions: int | None) -> None:

@@ -14,11 +14,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from neuron.engine.async_engine import AsyncEngine
-from neuron.engine.pooling import EMBED, PoolingParams, cosine_similarities
-from neuron.engine.sampling_params import InvalidParams
+from neuron.engine.pooling import EMBED, cosine_similarities
 from neuron.entrypoints.openai.api_errors import bad_request
 from neuron.entrypoints.openai.common import check_serves, encoded, new_id, now
-from neuron.entrypoints.openai.serving_embeddings import MAX_INPUTS, EmbeddingBatch, tokenized_inputs
+from neuron.entrypoints.openai.serving_embeddings import MAX_INPUTS, EmbeddingBatch, pooling_params, tokenized_inputs
 from neuron.entrypoints.openai.streaming import json_unless_disconnected
 
 
@@ -146,10 +145,7 @@ class _Scorer:
         if len(distinct) > MAX_INPUTS:
             raise bad_request(f"the request has {len(distinct)} distinct texts; at most {MAX_INPUTS} are scored at "
                               "once", param="documents")
-        try:
-            params = PoolingParams(truncate_prompt_tokens=keep)
-        except InvalidParams as exc:
-            raise bad_request(str(exc), param=exc.param) from None
+        params = pooling_params(keep=keep)
         ids = await tokenized_inputs(engine, distinct, limiter, keep)
         return cls(distinct, EmbeddingBatch(engine, request_id, ids, params, cache_salt))
 

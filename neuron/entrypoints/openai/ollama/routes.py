@@ -16,7 +16,7 @@ from starlette.routing import Route
 import neuron
 from neuron.engine.async_engine import AsyncEngine
 from neuron.engine.host import HostError, ModelHost
-from neuron.engine.pooling import EMBED, PoolingParams, normalized
+from neuron.engine.pooling import EMBED, normalized
 from neuron.entrypoints.openai.admin import host_error
 from neuron.entrypoints.openai.api_errors import APIError, bad_request
 from neuron.entrypoints.openai.api_types import CompletionRequest
@@ -62,7 +62,13 @@ from neuron.entrypoints.openai.ollama.translate import (
 from neuron.entrypoints.openai.prompt_input import Limiters
 from neuron.entrypoints.openai.serving_chat import ChoiceState, open_chat
 from neuron.entrypoints.openai.serving_completions import fill_in_the_middle, prompt_ids
-from neuron.entrypoints.openai.serving_embeddings import MAX_INPUTS, EmbeddingBatch, check_dimensions, tokenized_inputs
+from neuron.entrypoints.openai.serving_embeddings import (
+    MAX_INPUTS,
+    EmbeddingBatch,
+    check_dimensions,
+    pooling_params,
+    tokenized_inputs,
+)
 from neuron.entrypoints.openai.streaming import NDJSONResponse, json_unless_disconnected
 
 
@@ -268,7 +274,7 @@ class _Ollama:
         check_dimensions(engine, dimensions)
         keep = engine.max_model_len if cut else None
         ids = await tokenized_inputs(engine, texts, self.served.limiters.tokenize, keep, keep_start=True)
-        return EmbeddingBatch(engine, new_id("embd"), ids, PoolingParams(dimensions), self.served.salt(request, req))
+        return EmbeddingBatch(engine, new_id("embd"), ids, pooling_params(dimensions), self.served.salt(request, req))
 
     async def refused(self, request: Request) -> Response:
         path = request.url.path
