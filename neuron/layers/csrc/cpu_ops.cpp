@@ -358,9 +358,8 @@ void panels_rows(const float* x, int64_t m, int64_t xs, const PanelLayout& w, in
     const float* b = bias ? bias + o : nullptr;
     if (count == 2) {
         // the next unit's bytes, a part per tile of this unit: 64 or 128 of them per input
-        const int64_t unit_bytes = 2 * k * PN * int64_t(sizeof(float));
-        const int64_t left = (w.n + PN - 1) / PN * k * PN * int64_t(sizeof(float)) - (first + 2) * k * PN * int64_t(sizeof(float));
-        const int64_t ahead = std::min(unit_bytes, left), tiles = (m + RB_PAIR - 1) / RB_PAIR;
+        const int64_t panel_bytes = k * PN * int64_t(sizeof(float)), panels = (w.n + PN - 1) / PN;
+        const int64_t ahead = std::min<int64_t>(2, panels - first - 2) * panel_bytes, tiles = (m + RB_PAIR - 1) / RB_PAIR;
         const int64_t stride = tiles >= 4 ? 64 : 128;
         const char* next = reinterpret_cast<const char*>(panel + 2 * k * PN);
         int64_t at = 0;
