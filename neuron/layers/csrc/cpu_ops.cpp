@@ -359,8 +359,8 @@ void panels_rows(const float* x, int64_t m, int64_t xs, const PanelLayout& w, in
     if (count == 2) {
         // the next unit's bytes, a part per tile of this unit: 64 or 128 of them per input
         const int64_t panel_bytes = k * PN * int64_t(sizeof(float)), panels = (w.n + PN - 1) / PN;
-        const int64_t ahead = std::min<int64_t>(2, panels - first - 2) * panel_bytes, tiles = (m + RB_PAIR - 1) / RB_PAIR;
-        const int64_t stride = tiles >= 4 ? 64 : 128;
+        const int64_t ahead = std::min<int64_t>(2, panels - first - 2) * panel_bytes;
+        const int64_t stride = (m + RB_PAIR - 1) / RB_PAIR >= 4 ? 64 : 128;  // four tiles or more: a line each
         const char* next = reinterpret_cast<const char*>(panel + 2 * k * PN);
         int64_t at = 0;
         row_tiles<RB_PAIR>(m, [&](int64_t r, auto rb) {
