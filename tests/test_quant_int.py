@@ -337,9 +337,10 @@ def test_integer_kernel_multiplies_the_rounded_activations(kind, k, rows):
 def _super_expected(w: QuantizedWeight, rows: int) -> bool:
     """Whether this run's build rounds x per 256 inputs for W at `rows` rows: two-level factors over
     256 inputs (the K-quants, IQ4_XS) in groups of 32 (4-bit codes) or 16 and 32 (int8 codes), at
-    fewer than 4 rows, in builds with AVX-512 BW and VL but not VNNI, or AVX2 without them."""
+    fewer than 4 rows, in builds with AVX-512 BW and VL but not VNNI, or AVX2 without AVX-512 (with
+    AVX-VNNI too: its dpbusd serves the many-row path there, not the few-row one)."""
     width, vnni = _build_isa()
-    built = width is not None and not vnni
+    built = width == "avx2" or (width == "avx512" and not vnni)
     groups = w.group == 32 if w.bits == 4 else w.group in (16, 32)
     return (built and groups and w.scale_sub is not None and w.group * w.per_super == 256
             and (w.offset is None or w.offset_sub is not None) and rows < 4)
