@@ -306,12 +306,12 @@ constexpr int RB_PAIR = 6;
 // from here two panels at a time (fewer rows: one, for the threads' balance)
 constexpr int64_t PAIR_ROWS = VL == 16 ? 8 : std::numeric_limits<int64_t>::max();
 
-//
 // A unit's first row tile reads its panels from memory, the rest from L2; on its own that tile ran at
 // memory latency, and a step of 16-64 rows (decode) at 60-75 % of the FMA peak on an Intel AVX-512
 // VM. So each tile also asks for a share of the next unit's panels into L2 (`next`, `stride` bytes
 // of it per input: the unit's first tiles between them cover the whole next unit), and the first
-// tile finds them there: 16-64 rows 15-40 % faster, 512 level (docs/benchmarks.md).
+// tile finds them there: SmolLM2's products of 16-64 rows 11-19 % faster, 512 rows level
+// (docs/benchmarks.md, twenty-fifth session).
 template <int RB>
 void pair_tile(const float* x, int64_t xs, const float* panel, int64_t k, float* y, int64_t ys, const float* bias,
                const char* next, int64_t stride) {
