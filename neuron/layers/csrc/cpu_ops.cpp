@@ -537,7 +537,7 @@ void neuron_panel_linear(const float* x, int64_t m, int64_t xs, const PanelLayou
         }
         return;
     }
-    if (per == 1 && parallel && m >= STREAM_ROWS) {
+    if (per == 1 && parallel) {  // STREAM_ROWS rows or more here
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
         for (int64_t u = 0; u < units; ++u) panel_unit(x, xs, w, u, per, 0, m, bias, y, ys);
         return;
