@@ -50,6 +50,25 @@ def test_out_of_blocks_admission_changes_nothing():
     assert bm.allocate(b)
 
 
+def test_freed_blocks_go_out_again_before_untouched_ones():
+    """A CPU pool's pages become resident as blocks are first written: a server whose requests come
+    and go one after another keeps reusing the same few blocks instead of walking the whole pool."""
+    bm = BlockManager(1000, 4, enable_prefix_caching=False)
+    touched: set[int] = set()
+    for i in range(200):
+        s = seq(range(i, i + 10), f"r{i}")
+        assert bm.allocate(s)
+        bm.append(s)
+        touched.update(s.block_table)
+        bm.release(s)
+    assert touched == {0, 1, 2}  # three blocks a request, the lowest ids, every time
+    a, b = seq(range(10), "a"), seq(range(20), "b")
+    assert bm.allocate(a) and bm.allocate(b)
+    assert sorted(a.block_table + b.block_table) == list(range(8))  # then on in id order
+    bm.release(a)
+    c = seq(range(5), "c")
+    assert bm.allocate(c) and set(c.block_table) <= {0, 1, 2}  # what a released
+
 def test_shared_prefix_is_reused_with_refcounts():
     bm = BlockManager(16, 4)
     a = seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], "a")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,7 +57,13 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: deque[int] = deque(range(num_blocks))  # unused and holding nothing worth keeping
+        # Unused and holding nothing worth keeping, taken from the end: the block freed last goes out
+        # first, and untouched ones in id order after those. A CPU pool's pages become resident as
+        # blocks are first written, so reusing freed blocks keeps its memory at what the sequences
+        # and the prefix cache hold (and the blocks warm in the CPU's caches), where handing out the
+        # oldest would walk the whole pool, faulting in and zeroing fresh pages until all of it were
+        # resident.
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # unused but cached; evicted from the front
         self.cached: dict[bytes, int] = {}  # hash -> block id
 
@@ -191,7 +197,7 @@ class BlockManager:
 
     def _new_block(self) -> int:
         if self.free:
-            b = self.free.popleft()
+            b = self.free.pop()
         else:
             b, _ = self.evictable.popitem(last=False)
             block = self.blocks[b]
