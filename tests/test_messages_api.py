@@ -29,9 +29,10 @@ from server_harness import (
 )
 from test_fuzz_http import FUZZ, nasty, odd_text
 
+from neuron.entrypoints.openai.api_errors import APIError
 from neuron.entrypoints.openai.app import ServerConfig
 from neuron.entrypoints.openai.messages_types import Message, MessagesRequest
-from neuron.entrypoints.openai.serving_messages import chat_request
+from neuron.entrypoints.openai.serving_messages import chat_request, model_page
 
 KEY = "sekrit"
 MODEL = "neuron-default"
@@ -225,6 +226,10 @@ def test_the_key_as_x_api_key_or_a_bearer_token(real_server):
         assert err.value.status_code == 401
         assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "authentication_error"
         assert "x-api-key" in err.value.body["error"]["message"]
+    assert [m.id for m in anthropic_client(real_server, KEY).models.list()] == [MODEL]  # the key as x-api-key
+    with pytest.raises(anthropic.AuthenticationError) as err:
+        anthropic_client(real_server, "wrong").models.list()
+    assert err.value.body["error"]["type"] == "authentication_error"
 
 
 # ---- a scripted engine: what the model writes is known ----
@@ -367,6 +372,46 @@ def test_unknown_methods_and_paths_answer_in_anthropics_shape(stub_server):
     r = httpx.post(f"{stub_server.url}/v1/messages/batches", json={})
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     assert httpx.get(f"{stub_server.url}/v1/messagesx").json()["error"]["code"] == "not_found"  # OpenAI's beside it
+
+
+def test_models_are_listed_to_anthropics_client_in_its_shape(stub_server):
+    api = anthropic_client(stub_server)
+    page = api.models.list()
+    assert [(m.type, m.id, m.display_name) for m in page.data] == [("model", "stub", "stub")]
+    assert (page.first_id, page.last_id, page.has_more) == ("stub", "stub", False)
+    assert page.data[0].created_at.tzinfo is not None and api.models.retrieve("stub").id == "stub"
+    with pytest.raises(anthropic.NotFoundError) as err:
+        api.models.retrieve("nope")
+    assert err.value.body["error"]["type"] == "not_found_error" and "`stub`" in err.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        api.models.list(limit=0)
+    assert err.value.body["error"]["type"] == "invalid_request_error"
+    plain = httpx.get(f"{stub_server.url}/v1/models").json()  # OpenAI's clients, at the same path
+    assert plain["object"] == "list" and [c["id"] for c in plain["data"]] == ["stub"]
+    assert httpx.get(f"{stub_server.url}/v1/models/stub").json()["object"] == "model"
+
+
+def test_anthropic_model_pages_follow_their_cursors():
+    names = [f"m{i}" for i in range(5)]
+
+    def ids(page: dict) -> list[str]:
+        return [m["id"] for m in page["data"]]
+
+    first = model_page(names, 0, {"limit": "2"})
+    assert ids(first) == ["m0", "m1"] and first["has_more"] and (first["first_id"], first["last_id"]) == ("m0", "m1")
+    last = model_page(names, 0, {"limit": "2", "after_id": "m3"})
+    assert ids(last) == ["m4"] and not last["has_more"]
+    assert ids(model_page(names, 0, {"limit": "2", "before_id": "m3"})) == ["m1", "m2"]
+    assert model_page(names, 0, {"limit": "2", "before_id": "m3"})["has_more"]
+    assert not model_page(names, 0, {"before_id": "m3"})["has_more"]
+    assert model_page(names, 0, {"after_id": "m4"}) == {"data": [], "has_more": False, "first_id": None,
+                                                        "last_id": None}
+    assert model_page(names, 0, {})["data"][0]["created_at"] == "1970-01-01T00:00:00Z"
+    for query, words in [({"limit": "1001"}, "limit must be"), ({"limit": "x"}, "limit must be"),
+                         ({"after_id": "zz"}, "after_id 'zz' is not"),
+                         ({"after_id": "m1", "before_id": "m2"}, "not both")]:
+        with pytest.raises(APIError, match=words):
+            model_page(names, 0, query)
 
 
 def test_a_client_leaving_mid_stream_frees_its_place(stub_server, stub):

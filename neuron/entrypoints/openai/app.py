@@ -50,7 +50,14 @@ from neuron.entrypoints.openai.responses_types import ResponsesRequest
 from neuron.entrypoints.openai.serving_chat import create_chat_completion
 from neuron.entrypoints.openai.serving_completions import create_completion
 from neuron.entrypoints.openai.serving_embeddings import create_embedding
-from neuron.entrypoints.openai.serving_messages import count_tokens, create_message, error_response
+from neuron.entrypoints.openai.serving_messages import (
+    count_tokens,
+    create_message,
+    error_response,
+    is_anthropic,
+    model_object,
+    model_page,
+)
 from neuron.entrypoints.openai.serving_responses import create_response, delete_response, retrieve_response
 from neuron.entrypoints.openai.serving_score import RerankRequest, ScoreRequest, create_rerank, create_score
 from neuron.entrypoints.openai.serving_tokenization import detokenize, tokenize, tokenizer_info
@@ -106,8 +113,14 @@ def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
-        Route("/v1/models", api.endpoint("models", api.models), methods=["GET"]),
-        Route("/v1/models/{model:path}", api.endpoint("models", api.model_card), methods=["GET"]),
+        # OpenAI's list and cards, or Anthropic's to its clients (they send `anthropic-version`)
+        Route("/v1/models", api.either(api.endpoint("models", api.models),
+                                       api.endpoint("models", api.anthropic_models, api.authenticate_either,
+                                                    error_response)), methods=["GET"]),
+        Route("/v1/models/{model:path}", api.either(api.endpoint("models", api.model_card),
+                                                    api.endpoint("models", api.anthropic_model_card,
+                                                                 api.authenticate_either, error_response)),
+              methods=["GET"]),
         Route("/version", api.version, methods=["GET"]),
         Route("/v1/chat/completions", api.endpoint("chat", api.chat), methods=["POST"]),
         Route("/v1/completions", api.endpoint("completions", api.completions), methods=["POST"]),
@@ -253,13 +266,34 @@ class _Api:
 
     async def model_card(self, request: Request) -> Response:
         """GET /v1/models/{model}: one model's card (OpenAI's `models.retrieve`), 404 naming those served."""
-        name = request.path_params["model"]
-        card = next((c for c in self._cards() if c.id == name), None)
+        return Response(msgspec.json.encode(self._card(request.path_params["model"])), media_type="application/json")
+
+    def _card(self, name: str) -> ModelCard:
+        """The card of the model named `name`; 404 naming those served."""
+        cards = self._cards()
+        card = next((c for c in cards if c.id == name), None)
         if card is None:
-            served = ", ".join(f"`{c.id}`" for c in self._cards()) or "no model"
+            served = ", ".join(f"`{c.id}`" for c in cards) or "no model"
             raise APIError(404, f"the model `{name[:256]}` does not exist; this server serves {served}", param="model",
                            code="model_not_found")
-        return Response(msgspec.json.encode(card), media_type="application/json")
+        return card
+
+    @staticmethod
+    def either(openai, anthropic):
+        """A route both APIs share: Anthropic's handler for its clients, OpenAI's for the rest."""
+
+        async def run(request: Request) -> Response:
+            return await (anthropic if is_anthropic(request) else openai)(request)
+
+        return run
+
+    async def anthropic_models(self, request: Request) -> Response:
+        """GET /v1/models as Anthropic's `models.list`: a page of the served models (and adapters)."""
+        return JSONResponse(model_page([c.id for c in self._cards()], self.started, request.query_params))
+
+    async def anthropic_model_card(self, request: Request) -> Response:
+        """GET /v1/models/{model} as Anthropic's `models.retrieve`."""
+        return JSONResponse(model_object(self._card(request.path_params["model"]).id, self.started))
 
     async def version(self, request: Request) -> Response:
         """GET /version, as vLLM answers it: the server's version."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from datetime import datetime, timezone
 
 import msgspec
 from starlette.requests import Request
@@ -77,6 +78,51 @@ def error_response(exc: APIError) -> Response:
 
 def _error_event(exc: APIError) -> bytes:
     return b"event: error\ndata: " + msgspec.json.encode(error_body(exc)) + b"\n\n"
+
+
+# ---- GET /v1/models, as Anthropic lists them ----
+
+_MAX_PAGE = 1000
+
+
+def is_anthropic(request: Request) -> bool:
+    """Anthropic's clients send the version of its API they speak with every request; OpenAI's never
+    do, so GET /v1/models answers each in its own shape."""
+    return "anthropic-version" in request.headers
+
+
+def model_object(name: str, created: float) -> dict:
+    """One model as Anthropic describes it: its id, a name to show (the same) and when it was made
+    (the server's start, RFC 3339)."""
+    at = datetime.fromtimestamp(created, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return {"type": "model", "id": name, "display_name": name, "created_at": at}
+
+
+def model_page(names: list[str], created: float, query) -> dict:
+    """A page of the served models: `limit` of them (1-1000, 20 unless given) after `after_id` or
+    before `before_id`, with the ids at its ends and whether more lie past the end it was taken
+    from, as Anthropic pages them."""
+    raw = query.get("limit", "20")
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= _MAX_PAGE:
+        raise bad_request(f"limit must be an integer from 1 to {_MAX_PAGE}, got {raw[:64]!r}", param="limit")
+    after, before = query.get("after_id"), query.get("before_id")
+    if after is not None and before is not None:
+        raise bad_request("send after_id or before_id, not both", param="before_id")
+    for field, cursor in (("after_id", after), ("before_id", before)):
+        if cursor is not None and cursor not in names:
+            raise bad_request(f"{field} {cursor[:256]!r} is not a model this server serves", param=field)
+    if before is not None:
+        end = names.index(before)
+        page, more = names[max(end - limit, 0):end], end > limit
+    else:
+        start = names.index(after) + 1 if after is not None else 0
+        page, more = names[start:start + limit], start + limit < len(names)
+    return {"data": [model_object(n, created) for n in page], "has_more": more,
+            "first_id": page[0] if page else None, "last_id": page[-1] if page else None}
 
 
 # ---- the request, as a chat ----
