@@ -158,7 +158,7 @@ def test_tokenize_and_detokenize_round_trip(clients_server, default_tokenizer):
     ids = default_tokenizer.encode(text)
     assert r.json() == {"tokens": ids, "count": len(ids), "max_model_len": MAX_MODEL_LEN}
     back = httpx.post(f"{clients_server.url}/detokenize", json={"model": MODEL, "tokens": ids})
-    assert back.json() == {"prompt": text}
+    assert back.json() == {"prompt": text, "content": text}  # vLLM's name, and llama-server's
     messages = [{"role": "user", "content": text}]
     chat = httpx.post(f"{clients_server.url}/tokenize", json={"model": MODEL, "messages": messages}).json()
     assert chat["tokens"] == default_tokenizer.encode(default_tokenizer.apply_chat_template(messages))

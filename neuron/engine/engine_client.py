@@ -87,6 +87,12 @@ class EngineClient:
         """Each rank's weight, KV cache and resident bytes (Executor.memory)."""
         return self._loaded().executor.memory()
 
+    @property
+    def model_path(self) -> str:
+        """Where the model was loaded from: its GGUF file, else its folder."""
+        model = self._loaded().model
+        return str(model.gguf or model.model_dir)
+
     def default_sampling(self) -> dict:
         """generation_config.json's sampling defaults."""
         return self._loaded().model.default_sampling()

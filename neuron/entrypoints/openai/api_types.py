@@ -278,7 +278,8 @@ class ModelList(Struct):
 
 
 class TokenizeRequest(Struct, kw_only=True):
-    """Either `prompt` (text, as /v1/completions tokenizes it) or `messages` (a chat through the template)."""
+    """Either `prompt` (text, as /v1/completions tokenizes it) or `messages` (a chat through the
+    template); or llama-server's `content`, with its `add_special`, `parse_special` and `with_pieces`."""
 
     model: str | None = None
     prompt: str | None = None
@@ -289,6 +290,10 @@ class TokenizeRequest(Struct, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+    content: str | None = None
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
 
 
 class TokenizeResponse(Struct, omit_defaults=True):
@@ -305,6 +310,7 @@ class DetokenizeRequest(Struct, kw_only=True):
 
 class DetokenizeResponse(Struct):
     prompt: str
+    content: str  # the same text under llama-server's name
 
 
 # ---- /v1/embeddings ----

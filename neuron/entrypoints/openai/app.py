@@ -40,6 +40,7 @@ from neuron.entrypoints.openai.api_types import (
 )
 from neuron.entrypoints.openai.common import check_ready, check_serves, request_salt
 from neuron.entrypoints.openai.connections import BodyTimeout, RequestGuard, parse_origins
+from neuron.entrypoints.openai.llamacpp import llamacpp_routes
 from neuron.entrypoints.openai.lora_routes import lora_routes
 from neuron.entrypoints.openai.messages_types import CountTokensRequest, MessagesRequest
 from neuron.entrypoints.openai.ollama import Served, ollama_error, ollama_routes
@@ -143,7 +144,9 @@ def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
     ]
     if cfg.allow_runtime_lora_updating:  # off without it: its paths are unknown (404), as vLLM's
         routes += lora_routes(host, api.endpoint, api._decode)
-    routes += ollama_routes(Served(host, api.limiters, api._decode, api._engine, api._salt, api.started), api.endpoint)
+    served = Served(host, api.limiters, api._decode, api._engine, api._salt, api.started, cfg.keepalive_s)
+    routes += ollama_routes(served, api.endpoint)
+    routes += llamacpp_routes(served, api.endpoint)
     if cfg.admin_key is not None:  # off without a key: its paths are unknown (404)
         routes += admin_routes(host, cfg.admin_key, api.endpoint)
 

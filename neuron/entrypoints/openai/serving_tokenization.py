@@ -1,5 +1,6 @@
 """POST /tokenize and /detokenize, in vLLM's shapes: the token ids the server makes of a prompt or a
-chat (as /v1/completions and /v1/chat/completions would), and the text of token ids. Tokenizing
+chat (as /v1/completions and /v1/chat/completions would), and the text of token ids; and in
+llama-server's (`content` in, `tokens` out; the text out as `content` too). Tokenizing
 and decoding run in worker threads, a few at a time (prompt_input), so the event loop stays free.
 GET /tokenizer_info, vLLM's too: the tokenizer's configuration, which lm-eval's remote tokenizer
 reads beside the other two."""
@@ -12,18 +13,20 @@ from starlette.responses import Response
 
 from neuron.engine.async_engine import AsyncEngine
 from neuron.engine.tokenizer import TokenizerError
-from neuron.entrypoints.openai.api_errors import bad_request
+from neuron.entrypoints.openai.api_errors import bad_request, unsupported
 from neuron.entrypoints.openai.api_types import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from neuron.entrypoints.openai.chat_utils import normalise_messages
 from neuron.entrypoints.openai.common import check_ready
 from neuron.entrypoints.openai.guided import function_tools
-from neuron.entrypoints.openai.prompt_input import off_loop
+from neuron.entrypoints.openai.prompt_input import check_prompt_chars, off_loop
 
 # Set by the server itself when it renders the template.
 _TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message"})
 
 
 async def tokenize(engine: AsyncEngine, req: TokenizeRequest, limiter: anyio.CapacityLimiter) -> Response:
+    if req.content is not None:
+        return await _llamacpp_tokenize(engine, req, limiter)
     _check(engine, req.model, "prompt" if req.messages is None else "messages")
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("send exactly one of prompt (text) and messages (a chat)", param="prompt")
@@ -38,19 +41,55 @@ async def tokenize(engine: AsyncEngine, req: TokenizeRequest, limiter: anyio.Cap
     return _json(TokenizeResponse(ids, len(ids), engine.max_model_len, strs))
 
 
+async def _llamacpp_tokenize(engine: AsyncEngine, req: TokenizeRequest, limiter: anyio.CapacityLimiter) -> Response:
+    """llama-server's shape: `{"tokens": [ids]}`, or with `with_pieces` each id with its piece (its
+    text, or its bytes where they are not whole UTF-8)."""
+    _check(engine, req.model, "content")
+    if req.prompt is not None or req.messages is not None:
+        raise bad_request("send content (llama-server's field) or prompt or messages, not both", param="content")
+    if not req.parse_special:
+        raise unsupported("parse_special", "parse_special false is not supported: special tokens written in the "
+                                           "text are always read as those tokens")
+    check_prompt_chars(engine, len(req.content), "content")
+    tok = engine.tokenizer
+    ids = await off_loop(limiter, lambda: tok.encode(req.content, add_special_tokens=req.add_special))
+    if not req.with_pieces:
+        return _json({"tokens": ids})
+    return _json({"tokens": [{"id": t, "piece": _piece(tok.token_bytes(t))} for t in ids]})
+
+
+def _piece(raw: bytes) -> str | list[int]:
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return list(raw)
+
+
 def _token_ids(engine, req: TokenizeRequest) -> list[int]:
     text = req.prompt
     if req.messages is not None:
-        messages, images = normalise_messages(req.messages, vision=engine.vision is not None)
-        if images:
-            raise bad_request("/tokenize counts text only; leave the images out of the messages", param="messages")
-        try:
-            text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                     continue_final_message=req.continue_final_message,
-                                                     tools=req.tools, **(req.chat_template_kwargs or {}))
-        except TokenizerError as exc:
-            raise bad_request(str(exc), param="messages") from None
+        text = rendered_chat(engine, req.messages, req.add_generation_prompt, req.continue_final_message, req.tools,
+                             req.chat_template_kwargs)
     return engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+
+
+def rendered_chat(engine, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+                  tools: list[dict] | None, template_kwargs: dict | None) -> str:
+    """A chat of text as the model's template renders it (images are refused: this counts text).
+    CPU-heavy: run it off the event loop."""
+    if engine.tokenizer is None:
+        raise bad_request("this checkpoint has no tokenizer.json, so the server cannot render a chat",
+                          param="messages")
+    messages, images = normalise_messages(messages, vision=engine.vision is not None)
+    if images:
+        raise bad_request("a chat rendered without generating holds text only; leave the images out of the messages",
+                          param="messages")
+    try:
+        return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                    continue_final_message=continue_final_message, tools=tools,
+                                                    **(template_kwargs or {}))
+    except TokenizerError as exc:
+        raise bad_request(str(exc), param="messages") from None
 
 
 async def detokenize(engine: AsyncEngine, req: DetokenizeRequest, limiter: anyio.CapacityLimiter) -> Response:
@@ -59,7 +98,7 @@ async def detokenize(engine: AsyncEngine, req: DetokenizeRequest, limiter: anyio
     if bad is not None:
         raise bad_request(f"token id {bad} is outside the vocabulary (0..{engine.vocab_size - 1})", param="tokens")
     text = await off_loop(limiter, lambda: engine.tokenizer.decode(req.tokens, skip_special_tokens=False))
-    return _json(DetokenizeResponse(text))
+    return _json(DetokenizeResponse(text, text))
 
 
 # Always present, null where the checkpoint names none: clients test for the key (lm-eval, eos_token).

@@ -83,6 +83,7 @@ class Served:
     engine: Callable[[str], Awaitable[AsyncEngine]]
     salt: Callable[[Request, Any], str | None]
     started: float  # the server's start (time.time()), when a model's files are not known
+    keepalive_s: float = 15.0  # how often a quiet SSE stream says something (NDJSON ones say nothing)
 
 
 def ollama_routes(served: Served, endpoint: Callable) -> list[Route]:
