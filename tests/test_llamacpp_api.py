@@ -189,8 +189,7 @@ def test_logit_bias_in_each_of_its_forms(server, tokenizer):
     ({"mirostat": 2}, "mirostat (Mirostat sampling) is not supported"),
     ({"dry_multiplier": 0.8}, "DRY sampling"),
     ({"typical_p": 0.5}, "typical_p"),
-    ({"repeat_penalty": 1.1}, "send repeat_last_n -1"),
-    ({"repeat_penalty": 1.1, "repeat_last_n": 32}, "repeat_last_n"),
+    ({"repeat_penalty": 1.1, "repeat_last_n": -3}, "repeat_last_n must be"),
     ({"post_sampling_probs": True}, "post_sampling_probs"),
     ({"image_data": [{"data": "eA==", "id": 1}]}, "images are not supported"),
     ({"lora": [{"id": 0, "scale": 1.0}]}, "lora"),
@@ -212,7 +211,7 @@ def test_what_cannot_be_honoured_is_refused_in_llama_servers_shape(server, body,
     assert error["code"] == 400 and error["type"] == "invalid_request_error" and words in error["message"], error
 
 
-def test_a_penalty_over_the_whole_context_or_none(server):
+def test_a_penalty_over_a_window_the_whole_context_or_none(server):
     prompt = "Rivers carry water to the"
     plain = post(server, "/completion", {"prompt": prompt, "n_predict": 12, **GREEDY}).json()["content"]
     off = post(server, "/completion", {"prompt": prompt, "n_predict": 12, "repeat_penalty": 1.5,
@@ -221,6 +220,12 @@ def test_a_penalty_over_the_whole_context_or_none(server):
                                          "repeat_last_n": -1, **GREEDY})
     want = openai_completion(server, prompt, max_tokens=12, repetition_penalty=1.5, **GREEDY)["choices"][0]["text"]
     assert off == plain and whole.json()["content"] == want
+    for last_n, window in ((None, 64), (3, 3)):  # llama-server's window: 64 unless given
+        body = {"prompt": prompt, "n_predict": 12, "repeat_penalty": 1.5, **GREEDY}
+        got = post(server, "/completion", body if last_n is None else {**body, "repeat_last_n": last_n}).json()
+        want = openai_completion(server, prompt, max_tokens=12, repetition_penalty=1.5, repetition_window=window,
+                                 **GREEDY)["choices"][0]["text"]
+        assert got["content"] == want and got["generation_settings"]["repeat_last_n"] == window
 
 
 def test_infill_asks_for_the_middle_after_the_files(server, tokenizer):

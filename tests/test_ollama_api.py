@@ -175,6 +175,12 @@ def test_options_map_onto_the_sampling_params(ollama_server):
     assert repeats == " river" * 5 and " river" not in penalised
     assert penalised == openai.completions.create(model=MODEL, prompt="The river", temperature=0, max_tokens=5,
                                                   extra_body={"repetition_penalty": 2.0}).choices[0].text
+    # over the last repeat_last_n tokens only (64 unless given): neuron's repetition_window
+    windowed = c.generate(MODEL, "The river", raw=True, options={"temperature": 0, "num_predict": 8,
+                                                                "repeat_penalty": 2.0, "repeat_last_n": 2}).response
+    assert windowed == openai.completions.create(model=MODEL, prompt="The river", temperature=0, max_tokens=8,
+                                                 extra_body={"repetition_penalty": 2.0, "repetition_window": 2}
+                                                 ).choices[0].text
     # a stop string cuts the text before it, and the answer ends as "stop"
     full = c.generate(MODEL, "The river", raw=True, options={"temperature": 0, "num_predict": 12}).response
     stop = next(full[k: k + 3] for k in range(2, len(full) - 3) if full.index(full[k: k + 3]) == k)
@@ -377,8 +383,8 @@ BAD = [
     ("/api/chat", {"model": MODEL, "messages": HI, "options": {"repeat_penalty": 0}}, 400, "options.repeat_penalty"),
     ("/api/chat", {"model": MODEL, "messages": HI, "options": {"mirostat": 2}}, 400, "options.mirostat"),
     ("/api/chat", {"model": MODEL, "messages": HI, "options": {"num_predict": 0}}, 400, "options.num_predict"),
-    ("/api/chat", {"model": MODEL, "messages": HI, "options": {"repeat_penalty": 1.2, "repeat_last_n": 64}}, 400,
-     "repeat_last_n"),
+    ("/api/chat", {"model": MODEL, "messages": HI, "options": {"repeat_penalty": 1.2, "repeat_last_n": -5}}, 400,
+     "options.repeat_last_n"),
     ("/api/chat", {"model": MODEL, "messages": HI, "format": "xml"}, 400, "format"),
     ("/api/chat", {"model": MODEL, "messages": HI, "format": {"type": 7}}, 400, "format"),
     ("/api/chat", {"model": MODEL, "messages": HI, "think": "max"}, 400, "think"),

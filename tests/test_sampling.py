@@ -280,6 +280,34 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     assert row.tolist() == [1.0, 1.5, -2.0, 0.25]
 
 
+def test_a_windowed_repetition_penalty_sees_only_the_last_tokens():
+    """llama.cpp's repeat_last_n: the tokens of the prompt and output within the window are
+    penalised, those that left it no longer, whatever the frequency and presence penalties count."""
+    rng = np.random.default_rng(0)
+    prompt = [1, 2, 3, 4, 5, 1]
+    window = 4
+    s = _sampler(prompt, vocab=8, repetition_penalty=2.0, repetition_window=window, presence_penalty=0.5)
+    history = list(prompt)
+    for token in (6, 6, 7, 0, 2, 2, 3):
+        row = torch.tensor(rng.standard_normal(8), dtype=torch.float32)
+        want = row.clone()
+        seen = set(history[-window:])
+        for t in seen:
+            want[t] = want[t] / 2.0 if want[t] > 0 else want[t] * 2.0
+        outputs = history[len(prompt):]
+        want -= 0.5 * torch.tensor([t in outputs for t in range(8)], dtype=torch.float32)
+        s.adjust(row, ())
+        assert torch.equal(row, want), (history, row, want)
+        s.append(token)
+        history.append(token)
+
+
+@pytest.mark.parametrize("window", [0, -1, 2.5])
+def test_a_repetition_window_is_a_count_of_tokens(window):
+    with pytest.raises(InvalidParams, match="repetition_window"):
+        SamplingParams(repetition_penalty=1.1, repetition_window=window)
+
+
 @pytest.mark.parametrize(
     ("logits", "penalty", "expected"),
     [

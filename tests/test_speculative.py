@@ -77,14 +77,16 @@ def plain_runs() -> dict:
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("temperature,seed,penalty", [(0.0, None, 1.0), (0.02, 11, 1.0), (0.9, 12, 1.1)])
+@pytest.mark.parametrize("temperature,seed,penalty,window", [(0.0, None, 1.0, None), (0.02, 11, 1.0, None),
+                                                              (0.9, 12, 1.1, None), (0.0, None, 1.3, 4)])
 def test_output_equals_decoding_without_speculation(repetitive, draft, plain_runs, method, tp, temperature, seed,
-                                                   penalty):
+                                                   penalty, window):
     """Greedy, and seeded sampling (with a repetition penalty, which counts the tokens kept before
-    each position): the same tokens and logprobs with and without speculation, for each proposer."""
+    each position, over the whole context or a window): the same tokens and logprobs with and
+    without speculation, for each proposer."""
     params = SamplingParams(temperature=temperature, seed=seed, max_tokens=40, logprobs=2, ignore_eos=True,
-                            repetition_penalty=penalty)
-    key = (tp, temperature, seed, penalty)  # the three proposers compare with one run without speculation
+                            repetition_penalty=penalty, repetition_window=window)
+    key = (tp, temperature, seed, penalty, window)  # the three proposers compare with one run without speculation
     if key not in plain_runs:
         plain_runs[key] = _run(repetitive, params, tp=tp)[0]
     plain = plain_runs[key]

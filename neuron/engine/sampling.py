@@ -2,7 +2,8 @@
 
 Order of operations (vLLM's): allowed_token_ids masks every other token, bad_words the last
 token of each bad word the output has begun, min_tokens masks EOS and stop ids, logit_bias is
-added, then the repetition, frequency and presence penalties, then the
+added, then the repetition (over the whole context, or the last `repetition_window` tokens),
+frequency and presence penalties, then the
 structured-output grammar's mask, then
 greedy argmax or temperature, top_k, top_p, min_p and a draw (draw.py): the unseeded rows of the batch
 together from the global generator, a seeded row from its own. Logprobs are always those of the
@@ -19,6 +20,7 @@ it is reported as failed, with the reason, and the other rows are sampled as if 
 from __future__ import annotations
 
 import functools
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,7 +37,7 @@ class SequenceSampler:
     """What one generated sequence needs at each step: its params, penalty counts, generator."""
 
     __slots__ = ("params", "vocab_size", "output_token_ids", "generator", "_prompt_mask", "_counts", "_blocked",
-                 "_bias_ids", "_bias", "_bad")
+                 "_bias_ids", "_bias", "_bad", "_recent", "_recent_counts")
 
     def __init__(
         self,
@@ -57,7 +59,16 @@ class SequenceSampler:
         self._counts: torch.Tensor | None = None
         if params.penalised:
             self._counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-        if params.repetition_penalty != 1.0:
+        # A windowed repetition penalty counts the tokens of its window instead (oldest first in _recent).
+        self._recent: deque[int] | None = None
+        self._recent_counts: torch.Tensor | None = None
+        window = params.repetition_window
+        if params.repetition_penalty != 1.0 and window is not None:
+            self._recent = deque(t for t in prompt_token_ids[-window:] if 0 <= t < vocab_size)
+            self._recent_counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+            ids = to_device(list(self._recent), device, torch.long)
+            self._recent_counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        elif params.repetition_penalty != 1.0:
             self._prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             ids = [t for t in prompt_token_ids if 0 <= t < vocab_size]
             self._prompt_mask[to_device(ids, device, torch.long)] = True
@@ -80,8 +91,15 @@ class SequenceSampler:
 
     def append(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        if self._counts is not None and 0 <= token_id < self.vocab_size:
+        if not 0 <= token_id < self.vocab_size:
+            return
+        if self._counts is not None:
             self._counts[token_id] += 1
+        if self._recent is not None:
+            self._recent.append(token_id)
+            self._recent_counts[token_id] += 1
+            if len(self._recent) > self.params.repetition_window:
+                self._recent_counts[self._recent.popleft()] -= 1
 
     @property
     def below_min_tokens(self) -> bool:
@@ -110,8 +128,8 @@ class SequenceSampler:
             self._block_stops(row, eos_token_ids)
         if self._bias is not None:
             row.index_add_(0, self._bias_ids, self._bias.to(row.dtype))
-        if self._prompt_mask is not None:
-            seen = self._prompt_mask | (self._counts > 0)
+        if self._prompt_mask is not None or self._recent is not None:
+            seen = self._prompt_mask | (self._counts > 0) if self._recent is None else self._recent_counts > 0
             penalty = self.params.repetition_penalty
             row.copy_(torch.where(seen, torch.where(row > 0, row / penalty, row * penalty), row))
             # An extreme penalty overflows to +-inf; +inf would turn the softmax into NaN.

@@ -68,6 +68,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # neuron's: the repetition penalty sees only the last this many tokens of the prompt and output
+    # (llama.cpp's and Ollama's repeat_last_n); None: all of them, as vLLM's does
+    repetition_window: int | None = None
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -137,6 +140,9 @@ class SamplingParams:
             value = getattr(self, name)
             _check(-2 <= value <= 2, name, "in [-2, 2]", value)
         _check(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
+        if self.repetition_window is not None:
+            _check(isinstance(self.repetition_window, int) and self.repetition_window >= 1, "repetition_window",
+                   ">= 1 or null (the whole context)", self.repetition_window)
 
     def _check_lengths(self) -> None:
         _check(self.min_tokens >= 0, "min_tokens", ">= 0", self.min_tokens)

@@ -34,6 +34,7 @@ class SamplingRequest(Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    repetition_window: int | None = None  # neuron's: the repetition penalty over the last this many tokens
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True

@@ -177,6 +177,7 @@ def sampling_params(req: SamplingRequest, defaults: dict, *, max_tokens: int | N
             **{name: pick(name) for name in _OPENAI_DEFAULTS},
             n=1 if req.n is None else req.n, best_of=req.best_of,
             seed=req.seed, max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens,
+            repetition_window=req.repetition_window,
             min_tokens=req.min_tokens, stop=req.stop,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,

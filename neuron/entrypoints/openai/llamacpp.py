@@ -11,9 +11,8 @@ deltas, the last closing each answer with its `stop_type`, counts and timings.
 
 Sampling fields a request leaves out take the model's generation_config.json, as on the other routes,
 not llama-server's command-line defaults; /props shows what they are. Samplers neuron does not have
-(Mirostat, DRY, XTC, typical, dynamic temperature, top-n-sigma) are refused by name unless off, as is
-a repetition penalty over a window of the last tokens (neuron's covers the whole context:
-`repeat_last_n` -1). The server's own settings (`id_slot`, `cache_prompt`, `n_keep`, `samplers`'
+(Mirostat, DRY, XTC, typical, dynamic temperature, top-n-sigma) are refused by name unless off. The
+server's own settings (`id_slot`, `cache_prompt`, `n_keep`, `samplers`'
 order, ...) are ignored, as are fields it does not know.
 """
 
@@ -49,6 +48,7 @@ from neuron.entrypoints.openai.common import (
 from neuron.entrypoints.openai.guided import compile_guided
 from neuron.entrypoints.openai.logprobs import LogprobRenderer, clamp_logprob
 from neuron.entrypoints.openai.ollama import Served
+from neuron.entrypoints.openai.ollama.translate import repetition
 from neuron.entrypoints.openai.prompt_input import check_prompt_ids, off_loop
 from neuron.entrypoints.openai.serving_completions import fill_in_the_middle, prompt_ids
 from neuron.entrypoints.openai.serving_tokenization import rendered_chat
@@ -109,8 +109,8 @@ _OFF = (("typical_p", 1.0, "locally typical sampling"), ("dynatemp_range", 0.0, 
         ("n_indent", 0, "a minimum indentation"), ("t_max_predict_ms", 0, "a time limit on generation"))
 _SAMPLES = "neuron samples with temperature, top_k, top_p, min_p and the repetition, presence and frequency penalties"
 # The completions path's names for what a llama.cpp request calls otherwise, in the errors it raises.
-_NAMES = {"max_tokens": "n_predict", "repetition_penalty": "repeat_penalty", "logprobs": "n_probs", "n": "n_cmpl",
-          "guided_grammar": "grammar", "response_format": "json_schema",
+_NAMES = {"max_tokens": "n_predict", "repetition_penalty": "repeat_penalty", "repetition_window": "repeat_last_n",
+          "logprobs": "n_probs", "n": "n_cmpl", "guided_grammar": "grammar", "response_format": "json_schema",
           "response_format.json_schema.schema": "json_schema"}
 # the SSE line of an error, as llama-server writes one mid-stream
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -254,13 +254,7 @@ class _LlamaCpp:
         if req.image_data or req.multimodal_data:
             raise unsupported("image_data", "images are not supported on /completion; send them to "
                                             "/v1/chat/completions")
-        penalty = req.repeat_penalty
-        if req.repeat_last_n == 0:  # llama-server's way to turn the penalty off
-            penalty = None
-        elif penalty not in (None, 1.0) and req.repeat_last_n != -1:
-            raise unsupported("repeat_last_n", "a repetition penalty over the last repeat_last_n tokens (64 unless "
-                                               "given) is not supported: neuron's covers the whole context; send "
-                                               "repeat_last_n -1")
+        penalty, window = repetition(req.repeat_penalty, req.repeat_last_n, "repeat_last_n")
         n_predict = req.n_predict if req.n_predict is not None else req.max_tokens
         if n_predict is not None and n_predict < -2:
             raise bad_request(f"n_predict must be -1 (no limit) or >= 0, got {n_predict}", param="n_predict")
@@ -274,7 +268,7 @@ class _LlamaCpp:
         completion = CompletionRequest(
             model=req.model, prompt="", temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
             min_p=req.min_p, seed=None if req.seed == -1 else req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
-            repetition_penalty=penalty, presence_penalty=req.presence_penalty,
+            repetition_penalty=penalty, repetition_window=window, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, n=req.n_cmpl, stream=req.stream,
             max_tokens=1 if warm else n_predict if n_predict is not None and n_predict > 0 else None,
             logit_bias=await self._logit_bias(engine, req.logit_bias), guided_grammar=req.grammar,
@@ -394,7 +388,8 @@ def _settings(params: SamplingParams, stream: bool) -> dict:
     stop = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
     return {"n_predict": limit, "max_tokens": limit, "seed": -1 if params.seed is None else params.seed,
             "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
-            "repeat_penalty": params.repetition_penalty, "repeat_last_n": -1,
+            "repeat_penalty": params.repetition_penalty,
+            "repeat_last_n": -1 if params.repetition_window is None else params.repetition_window,
             "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
             "stop": stop, "ignore_eos": params.ignore_eos, "stream": stream, "n_probs": params.logprobs or 0,
             "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"]}

@@ -19,7 +19,8 @@ _THINK_LEVELS = ("low", "medium", "high")
 # The engine's names for what Ollama's requests call otherwise, for the errors the chat path raises.
 _OLLAMA_NAMES = {"temperature": "options.temperature", "top_p": "options.top_p", "top_k": "options.top_k",
                  "min_p": "options.min_p", "seed": "options.seed", "stop": "options.stop",
-                 "repetition_penalty": "options.repeat_penalty", "presence_penalty": "options.presence_penalty",
+                 "repetition_penalty": "options.repeat_penalty", "repetition_window": "options.repeat_last_n",
+                 "presence_penalty": "options.presence_penalty",
                  "frequency_penalty": "options.frequency_penalty", "max_tokens": "options.num_predict",
                  "response_format": "format", "response_format.json_schema.schema": "format",
                  "chat_template_kwargs": "think"}
@@ -150,19 +151,28 @@ def sampling_fields(req: OllamaRequest) -> dict:
         if getattr(o, name) not in (None, off):
             raise unsupported(f"options.{name}", f"options.{name} is not supported (neuron samples with "
                                                  f"temperature, top_k, top_p and min_p); leave it at {off}")
-    penalty = o.repeat_penalty
-    if o.repeat_last_n == 0:  # Ollama's way to turn the penalty off
-        penalty = None
-    elif o.repeat_last_n not in (None, -1) and penalty not in (None, 1.0):
-        raise unsupported("options.repeat_last_n", "options.repeat_last_n is not supported: repeat_penalty applies "
-                                                   "to the whole context (repeat_last_n -1)")
+    penalty, window = repetition(o.repeat_penalty, o.repeat_last_n, "options.repeat_last_n")
     if o.num_predict is not None and not (o.num_predict >= 1 or o.num_predict in (-1, -2)):
         raise bad_request(f"options.num_predict must be >= 1, or -1 for no limit, got {o.num_predict}",
                           param="options.num_predict")
     max_tokens = o.num_predict if o.num_predict is not None and o.num_predict > 0 else None
     return dict(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p, seed=o.seed, stop=o.stop,
-                repetition_penalty=penalty, presence_penalty=o.presence_penalty,
+                repetition_penalty=penalty, repetition_window=window, presence_penalty=o.presence_penalty,
                 frequency_penalty=o.frequency_penalty, max_tokens=max_tokens, stream=req.stream)
+
+
+# Ollama's and llama-server's window for the repetition penalty when a request names none.
+DEFAULT_REPEAT_LAST_N = 64
+
+
+def repetition(penalty: float | None, last_n: int | None, param: str) -> tuple[float | None, int | None]:
+    """Ollama's and llama-server's repeat_penalty and repeat_last_n as the repetition penalty and its
+    window: the last 64 tokens unless given, -1 all of them, 0 no penalty."""
+    if last_n == 0:
+        return None, None
+    if last_n is not None and last_n < -1:
+        raise bad_request(f"{param} must be -1 (the whole context), 0 (no penalty) or > 0, got {last_n}", param=param)
+    return penalty, DEFAULT_REPEAT_LAST_N if last_n is None else None if last_n == -1 else last_n
 
 
 async def opened(opening: Awaitable):
