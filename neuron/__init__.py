@@ -10,6 +10,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "neuron.entrypoints.llm",
+    "AsyncLLM": "neuron.entrypoints.async_llm",
+    "RequestOutputKind": "neuron.engine.sampling_params",
     "RequestOutput": "neuron.entrypoints.llm",
     "CompletionOutput": "neuron.entrypoints.llm",
     "Logprob": "neuron.entrypoints.llm",
@@ -32,7 +34,7 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["LLM", "SamplingParams", "GuidedDecodingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "AsyncLLM", "RequestOutputKind", "SamplingParams", "GuidedDecodingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
            "Logprob", "EmbeddingRequestOutput", "ScoringRequestOutput",
            "BeamSearchParams",
            "__version__"]

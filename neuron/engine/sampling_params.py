@@ -9,6 +9,7 @@ and JSON nesting.
 
 from __future__ import annotations
 
+import enum
 import json
 import operator
 import re
@@ -55,6 +56,15 @@ def _check(ok: bool, param: str, allowed: str, value: object) -> None:
         raise InvalidParams(param, f"{param} must be {allowed}, got {value!r}")
 
 
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's: what a streaming API (AsyncLLM.generate) yields as a request runs. The batch APIs
+    return finished outputs whatever it says."""
+
+    CUMULATIVE = 0  # everything so far, at every step
+    DELTA = 1  # what the step added
+    FINAL_ONLY = 2  # the finished output alone
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling settings, named and defaulted as in vLLM."""
@@ -91,6 +101,7 @@ class SamplingParams:
     # Structured output: what the output must match; compiled when the request is added, unless the
     # caller compiled it already (off the event loop) and adds it with the request, beside these params
     guided_decoding: GuidedDecodingParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -189,6 +200,10 @@ class SamplingParams:
             self.allowed_token_ids = token_ids(allowed, "allowed_token_ids")
 
     def _check_outputs(self) -> None:
+        kinds = ", ".join(k.name for k in RequestOutputKind)
+        _check(self.output_kind in tuple(RequestOutputKind), "output_kind", f"a RequestOutputKind ({kinds})",
+               self.output_kind)
+        self.output_kind = RequestOutputKind(self.output_kind)
         _check(isinstance(self.spaces_between_special_tokens, bool), "spaces_between_special_tokens",
                "true or false", self.spaces_between_special_tokens)
         if self.bad_words is not None:

@@ -124,63 +124,73 @@ class _Prompt:
     cache_salt: str | None = None
 
 
+def engine_config(
+    model: str | None = None,
+    task: str | None = None,
+    tensor_parallel_size: int | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    max_model_len: int | None = None,
+    max_num_seqs: int | None = None,
+    download_dir: str | None = None,
+    block_size: int | None = None,
+    kv_cache_memory: int | str | None = None,
+    kv_cache_dtype: str | None = None,
+    gpu_memory_utilization: float | None = None,
+    enable_prefix_caching: bool | None = None,
+    hf_overrides: dict | None = None,
+    quantization: str | None = None,
+    tokenizer: str | None = None,
+    speculative_config: dict | str | None = None,
+    hosts: str | None = None,
+    worker_launcher: str | None = None,
+    cluster_address: str | None = None,
+    cluster_interface: str | None = None,
+    cluster_port: int | None = None,
+    enable_lora: bool | None = None,
+    max_loras: int | None = None,
+    max_lora_rank: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    served_model_name: str | None = None,
+    seed: int | None = None,
+    trust_remote_code: bool = False,
+    **kwargs,
+) -> tuple[EngineConfig, int | None]:
+    """The engine an offline API (LLM, AsyncLLM) runs, from vLLM's argument names; an argument left at
+    None takes its setting (neuron.config: NEURON_* or the default). `seed` seeds the sampler's
+    random state at start (returned, for the caller to apply); `trust_remote_code` is taken and
+    changes nothing, since neuron never runs code a checkpoint ships."""
+    if kwargs:
+        raise TypeError(f"got unsupported arguments: {', '.join(sorted(kwargs))}")
+    if not isinstance(trust_remote_code, bool):
+        raise TypeError(f"trust_remote_code must be true or false, got {trust_remote_code!r:.40}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+        raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {seed!r:.40}")
+    given = dict(model=model, task=task, tp=tensor_parallel_size, device=device, dtype=dtype,
+                 max_model_len=max_model_len, max_num_seqs=max_num_seqs, hf_cache_dir=download_dir,
+                 block_size=block_size,
+                 kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
+                 gpu_memory_utilization=gpu_memory_utilization,
+                 enable_prefix_caching=enable_prefix_caching, hf_overrides=hf_overrides,
+                 quantization=quantization, tokenizer=tokenizer, speculative_config=speculative_config,
+                 hosts=hosts, worker_launcher=worker_launcher, cluster_address=cluster_address,
+                 cluster_interface=cluster_interface, cluster_port=cluster_port, enable_lora=enable_lora,
+                 max_loras=max_loras, max_lora_rank=max_lora_rank,
+                 max_num_batched_tokens=max_num_batched_tokens, served_model_name=served_model_name)
+    return EngineConfig(**{k: v for k, v in given.items() if v is not None}), seed
+
+
 class LLM:
     """An argument left at None takes its setting (neuron.config: NEURON_* or the default). As in
     vLLM, `seed` seeds the sampler's random state at start, so a script's runs draw the same tokens
     for requests without a seed of their own; `trust_remote_code` is taken and changes nothing, since
     neuron never runs code a checkpoint ships."""
 
-    def __init__(
-        self,
-        model: str | None = None,
-        task: str | None = None,
-        tensor_parallel_size: int | None = None,
-        device: str | None = None,
-        dtype: str | None = None,
-        max_model_len: int | None = None,
-        max_num_seqs: int | None = None,
-        download_dir: str | None = None,
-        block_size: int | None = None,
-        kv_cache_memory: int | str | None = None,
-        kv_cache_dtype: str | None = None,
-        gpu_memory_utilization: float | None = None,
-        enable_prefix_caching: bool | None = None,
-        hf_overrides: dict | None = None,
-        quantization: str | None = None,
-        tokenizer: str | None = None,
-        speculative_config: dict | str | None = None,
-        hosts: str | None = None,
-        worker_launcher: str | None = None,
-        cluster_address: str | None = None,
-        cluster_interface: str | None = None,
-        cluster_port: int | None = None,
-        enable_lora: bool | None = None,
-        max_loras: int | None = None,
-        max_lora_rank: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        served_model_name: str | None = None,
-        seed: int | None = None,
-        trust_remote_code: bool = False,
-        **kwargs,
-    ):
-        if kwargs:
-            raise TypeError(f"LLM() got unsupported arguments: {', '.join(sorted(kwargs))}")
-        if not isinstance(trust_remote_code, bool):
-            raise TypeError(f"trust_remote_code must be true or false, got {trust_remote_code!r:.40}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                                 or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
-            raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {seed!r:.40}")
-        given = dict(model=model, task=task, tp=tensor_parallel_size, device=device, dtype=dtype, max_model_len=max_model_len,
-                     max_num_seqs=max_num_seqs, hf_cache_dir=download_dir, block_size=block_size,
-                     kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
-                     gpu_memory_utilization=gpu_memory_utilization,
-                     enable_prefix_caching=enable_prefix_caching, hf_overrides=hf_overrides,
-                     quantization=quantization, tokenizer=tokenizer, speculative_config=speculative_config,
-                     hosts=hosts, worker_launcher=worker_launcher, cluster_address=cluster_address,
-                     cluster_interface=cluster_interface, cluster_port=cluster_port, enable_lora=enable_lora,
-                     max_loras=max_loras, max_lora_rank=max_lora_rank,
-                     max_num_batched_tokens=max_num_batched_tokens, served_model_name=served_model_name)
-        cfg = EngineConfig(**{k: v for k, v in given.items() if v is not None})
+    def __init__(self, model: str | None = None, **engine_args):
+        """`engine_args`: those of `engine_config` (vLLM's names: tensor_parallel_size, dtype,
+        max_model_len, ...)."""
+        cfg, seed = engine_config(model, **engine_args)
         self.engine = LLMEngine.load(cfg)
         if seed is not None:  # the draws of requests without a seed come from the global generator
             torch.manual_seed(seed)
@@ -219,7 +229,7 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         # every prompt checked before any is queued
-        tokenized = [self._truncated(self._tokenize(prompt), p.truncate_prompt_tokens)
+        tokenized = [truncated_prompt(self.engine, tokenized_prompt(self.engine, prompt), p.truncate_prompt_tokens)
                      for prompt, p in zip(prompts, params_list)]
         adapters = self._adapters(lora_request, len(prompts))
         samples = [sample_params(p) for p in params_list]
@@ -242,7 +252,7 @@ class LLM:
         best first, each with its tokens and text (the prompt's and its own, as vLLM's), cumulative
         logprob and finish reason. Every prompt's beams step together, one token a step."""
         prompts = _prompt_list(prompts)
-        tokenized = [self._tokenize(prompt) for prompt in prompts]
+        tokenized = [tokenized_prompt(self.engine, prompt) for prompt in prompts]
         if any(p.images for p in tokenized):
             raise ValueError("beam search takes text or token prompts, not images")
         adapters = self._adapters(lora_request, len(prompts))
@@ -305,7 +315,8 @@ class LLM:
         if truncate_prompt_tokens is not None:
             params = replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
         prompts = _prompt_list(prompts)
-        tokenized = [self._truncated(self._tokenize(prompt), params.truncate_prompt_tokens) for prompt in prompts]
+        tokenized = [truncated_prompt(self.engine, tokenized_prompt(self.engine, prompt), params.truncate_prompt_tokens)
+                     for prompt in prompts]
         for prompt in tokenized:
             if prompt.images:
                 raise ValueError("embeddings take text or token ids, not images")
@@ -394,45 +405,6 @@ class LLM:
             prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
         return self.generate(prompts, sampling_params, lora_request, use_tqdm=use_tqdm)
 
-    def _tokenize(self, prompt: PromptType) -> _Prompt:
-        """One prompt: a string, token ids, or a dict of vLLM's keys (`prompt` or `prompt_token_ids`,
-        and `multi_modal_data`, `cache_salt`)."""
-        if isinstance(prompt, str):
-            return _Prompt(prompt, encode_prompt(self.engine, prompt))
-        if not isinstance(prompt, dict):
-            return _Prompt(None, token_ids(prompt, "prompt"))
-        unknown = set(prompt) - _PROMPT_KEYS
-        if unknown:  # refused, not ignored: a key neuron does not read would do nothing
-            raise ValueError(f"a prompt dict takes {', '.join(sorted(_PROMPT_KEYS))}; got {', '.join(sorted(unknown))}")
-        if "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), token_ids(prompt["prompt_token_ids"], "prompt_token_ids")
-        elif "prompt" in prompt:
-            text, ids = prompt["prompt"], encode_prompt(self.engine, prompt["prompt"])
-        else:
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        salt = prompt.get("cache_salt")
-        check_cache_salt(salt)
-        images = self._images(prompt.get("multi_modal_data"))
-        if images:
-            ids = self.engine.inputs.expand_images(ids, images)
-        return _Prompt(text, ids, images, salt)
-
-    def _truncated(self, prompt: _Prompt, keep: int | None) -> _Prompt:
-        """The prompt cut to its last `keep` tokens (truncate_prompt_tokens); its text stays as given."""
-        ids = self.engine.inputs.truncated(prompt.ids, keep, prompt.images)
-        return prompt if ids is prompt.ids else replace(prompt, ids=ids)
-
-    def _images(self, data: dict | None) -> list[ImageInput]:
-        """`multi_modal_data={"image": ...}`: one image or a list, each a base64 `data:` URI or a
-        PIL image, filling the prompt's image placeholders in order."""
-        if not data:
-            return []
-        unknown = set(data) - {"image"}
-        if unknown:
-            raise ValueError(f"multi_modal_data supports only 'image', got {', '.join(sorted(unknown))}")
-        items = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
-        return self.engine.inputs.check_images([image_data_uri(x) for x in items])
-
     def _need_tokenizer(self):
         if self.engine.tokenizer is None:
             raise NeuronError("this checkpoint has no tokenizer.json")
@@ -476,6 +448,46 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+
+
+def tokenized_prompt(engine: LLMEngine, prompt: PromptType) -> _Prompt:
+    """One prompt of the offline APIs: a string, token ids, or a dict of vLLM's keys (`prompt` or `prompt_token_ids`,
+    and `multi_modal_data`, `cache_salt`)."""
+    if isinstance(prompt, str):
+        return _Prompt(prompt, encode_prompt(engine, prompt))
+    if not isinstance(prompt, dict):
+        return _Prompt(None, token_ids(prompt, "prompt"))
+    unknown = set(prompt) - _PROMPT_KEYS
+    if unknown:  # refused, not ignored: a key neuron does not read would do nothing
+        raise ValueError(f"a prompt dict takes {', '.join(sorted(_PROMPT_KEYS))}; got {', '.join(sorted(unknown))}")
+    if "prompt_token_ids" in prompt:
+        text, ids = prompt.get("prompt"), token_ids(prompt["prompt_token_ids"], "prompt_token_ids")
+    elif "prompt" in prompt:
+        text, ids = prompt["prompt"], encode_prompt(engine, prompt["prompt"])
+    else:
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    salt = prompt.get("cache_salt")
+    check_cache_salt(salt)
+    images = _images(engine, prompt.get("multi_modal_data"))
+    if images:
+        ids = engine.inputs.expand_images(ids, images)
+    return _Prompt(text, ids, images, salt)
+
+def truncated_prompt(engine: LLMEngine, prompt: _Prompt, keep: int | None) -> _Prompt:
+    """The prompt cut to its last `keep` tokens (truncate_prompt_tokens); its text stays as given."""
+    ids = engine.inputs.truncated(prompt.ids, keep, prompt.images)
+    return prompt if ids is prompt.ids else replace(prompt, ids=ids)
+
+def _images(engine: LLMEngine, data: dict | None) -> list[ImageInput]:
+    """`multi_modal_data={"image": ...}`: one image or a list, each a base64 `data:` URI or a
+    PIL image, filling the prompt's image placeholders in order."""
+    if not data:
+        return []
+    unknown = set(data) - {"image"}
+    if unknown:
+        raise ValueError(f"multi_modal_data supports only 'image', got {', '.join(sorted(unknown))}")
+    items = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
+    return engine.inputs.check_images([image_data_uri(x) for x in items])
 
 
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
