@@ -121,6 +121,9 @@ def test_what_it_refuses():
             with pytest.raises(ValueError, match="in use"):
                 await anext(llm.generate("Rivers", long, "same"))
             await running.aclose()
+            twins = await asyncio.gather(collect(llm.generate("Rivers", long, "twin")),
+                                         collect(llm.generate("Rivers", long, "twin")), return_exceptions=True)
+            assert sorted(type(t).__name__ for t in twins) == ["ValueError", "list"]  # one id, one request
             with pytest.raises(ValueError, match="FINAL_ONLY"):
                 await anext(llm.generate("x", SamplingParams(n=1, best_of=2)))
             with pytest.raises(RequestError):

@@ -118,19 +118,21 @@ class AsyncLLM:
                 and params.output_kind is not RequestOutputKind.FINAL_ONLY:
             raise ValueError("best_of > n returns the best samples, known only when all have finished: send "
                              "output_kind=RequestOutputKind.FINAL_ONLY")
-        rid = str(next(self._ids)) if request_id is None else request_id
-        if rid in self._requests:
-            raise ValueError(f"request_id {rid!r} is in use by a running request")
-        streams, tokenized, children = await self._open(rid, prompt, params, lora_request)
-        self._requests[rid] = streams
+        if request_id is None:  # the next of ours that no caller took
+            rid = next(r for r in (f"request-{n}" for n in self._ids) if r not in self._requests)
+        elif request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is in use by a running request")
+        else:
+            rid = request_id
+        self._requests[rid] = []  # taken from now, while its prompt is tokenized
         try:
+            streams, tokenized, children = await self._open(rid, prompt, params, lora_request)
+            self._requests[rid] = streams
             async for out in self._outputs(rid, streams, tokenized, params, children):
                 yield out
         finally:
-            for stream in streams:
+            for stream in self._requests.pop(rid):
                 stream.close()
-            if self._requests.get(rid) is streams:
-                del self._requests[rid]
 
     async def abort(self, request_id: str) -> None:
         """End a running request at the next step: its iterator yields a last output (finish reason

@@ -112,7 +112,7 @@ _SAMPLES = "neuron samples with temperature, top_k, top_p, min_p and the repetit
 _NAMES = {"max_tokens": "n_predict", "repetition_penalty": "repeat_penalty", "repetition_window": "repeat_last_n",
           "logprobs": "n_probs", "n": "n_cmpl", "guided_grammar": "grammar", "response_format": "json_schema",
           "response_format.json_schema.schema": "json_schema"}
-# the SSE line of an error, as llama-server writes one mid-stream
+# llama-server's error types by status
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 501: "not_supported_error", 503: "unavailable_error"}
 
