@@ -295,13 +295,45 @@ struct PanelLayout {
     int64_t n, k;
 };
 
-// RB rows of x times two neighbouring panels (2 PN outputs): 4 RB accumulators, four panel loads and
-// RB broadcasts per 4 RB multiply-adds, half the broadcasts per multiply-add of panel_tile's, with
-// few enough rows of x that their addresses stay in registers. Each output is summed as
-// panel_tile sums it (one accumulator, in input order), so the bits are the same.
-// 24 accumulators, four panel vectors and the broadcast: 29 of AVX-512's 32 registers. AVX2's 16 hold
-// no such tile with more reuse than panel_tile's (6 rows by one panel), so there the panels go one
-// at a time.
+// RB rows of x times U whole neighbouring panels (U PN outputs): 2 U RB accumulators, 2 U panel
+// loads and RB broadcasts per 2 U RB multiply-adds. Each output is summed as panel_tile sums it (one
+// accumulator, in input order), so the bits are the same. At each input `ahead(c, panel_row)` asks
+// for what the tile will want later (the two uses below).
+template <int RB, int U, class Ahead>
+void panels_tile(const float* x, int64_t xs, const float* panel, int64_t k, float* y, int64_t ys, const float* bias,
+                 Ahead ahead) {
+    vecf acc[RB][U][2];  // zeroed lane by lane: `= {}` had GCC memset a copy of them on the stack at every call
+    for (int r = 0; r < RB; ++r)
+        for (int u = 0; u < U; ++u) acc[r][u][0] = acc[r][u][1] = vecf{};
+    for (int64_t c = 0; c < k; ++c) {
+        ahead(c, panel + c * PN);
+        vecf p[U][2];
+        for (int u = 0; u < U; ++u) {
+            p[u][0] = vload(panel + u * k * PN + c * PN);
+            p[u][1] = vload(panel + u * k * PN + c * PN + VL);
+        }
+        for (int r = 0; r < RB; ++r) {
+            const float xv = x[r * xs + c];
+            for (int u = 0; u < U; ++u) {
+                acc[r][u][0] += xv * p[u][0];
+                acc[r][u][1] += xv * p[u][1];
+            }
+        }
+    }
+    for (int r = 0; r < RB; ++r)
+        for (int u = 0; u < U; ++u)
+            for (int j = 0; j < 2; ++j) {
+                vecf out = acc[r][u][j];
+                if (bias) out += vload(bias + u * PN + j * VL);
+                vstore(y + r * ys + u * PN + j * VL, out);
+            }
+}
+
+// Two panels at a time where the arithmetic binds: RB_PAIR rows, 4 RB_PAIR accumulators, half the
+// broadcasts per multiply-add of panel_tile's, with few enough rows of x that their addresses stay in
+// registers. 24 accumulators, four panel vectors and the broadcast: 29 of AVX-512's 32 registers.
+// AVX2's 16 hold no such tile with more reuse than panel_tile's (6 rows by one panel), so there the
+// panels go one at a time.
 constexpr int RB_PAIR = 6;
 // from here two panels at a time (fewer rows: one, for the threads' balance)
 constexpr int64_t PAIR_ROWS = VL == 16 ? 8 : std::numeric_limits<int64_t>::max();
@@ -312,35 +344,16 @@ constexpr int64_t PAIR_ROWS = VL == 16 ? 8 : std::numeric_limits<int64_t>::max()
 // of it per input: the unit's first tiles between them cover the whole next unit), and the first
 // tile finds them there: SmolLM2's products of 16-64 rows 11-19 % faster, 512 rows level
 // (docs/benchmarks.md, twenty-fifth session).
-template <int RB>
-void pair_tile(const float* x, int64_t xs, const float* panel, int64_t k, float* y, int64_t ys, const float* bias,
-               const char* next, int64_t stride) {
-    vecf acc[RB][4];  // zeroed lane by lane: `= {}` had GCC memset a copy of them on the stack at every call
-    for (int r = 0; r < RB; ++r)
-        for (int v = 0; v < 4; ++v) acc[r][v] = vecf{};
-    const float* second = panel + k * PN;
-    for (int64_t c = 0; c < k; ++c) {
+struct NextUnit {
+    const char* next;
+    int64_t stride;
+    void operator()(int64_t c, const float*) const {
         if (next) {
             __builtin_prefetch(next + c * stride, 0, 2);
             if (stride > 64) __builtin_prefetch(next + c * stride + 64, 0, 2);
         }
-        const vecf p0 = vload(panel + c * PN), p1 = vload(panel + c * PN + VL);
-        const vecf p2 = vload(second + c * PN), p3 = vload(second + c * PN + VL);
-        for (int r = 0; r < RB; ++r) {
-            const float xv = x[r * xs + c];
-            acc[r][0] += xv * p0;
-            acc[r][1] += xv * p1;
-            acc[r][2] += xv * p2;
-            acc[r][3] += xv * p3;
-        }
     }
-    for (int r = 0; r < RB; ++r)
-        for (int v = 0; v < 4; ++v) {
-            vecf out = acc[r][v];
-            if (bias) out += vload(bias + v * VL);
-            vstore(y + r * ys + v * VL, out);
-        }
-}
+};
 
 // Below STREAM_ROWS rows a product is bound by reading the panels, each thread one run of memory at
 // a time. The hardware's prefetcher alone kept fewer lines in flight than the row-major tiles'
@@ -359,34 +372,17 @@ constexpr int64_t STREAM_AHEAD = 32;
 template <int RB>
 constexpr int STREAM_PANELS = VL != 16 ? 1 : RB <= 3 ? 4 : 2;
 
-// RB rows of x times U whole neighbouring panels, each output summed as panel_tile sums it (one
-// accumulator, in input order), so the bits are the same.
-template <int RB, int U>
-void stream_tile(const float* x, int64_t xs, const float* panel, int64_t k, float* y, int64_t ys, const float* bias) {
-    vecf acc[RB][U][2];
-    for (int r = 0; r < RB; ++r)
-        for (int u = 0; u < U; ++u) acc[r][u][0] = acc[r][u][1] = vecf{};
-    for (int64_t c = 0; c < k; ++c) {
+// Each of U panels asked for STREAM_AHEAD inputs ahead of the one read now.
+template <int U>
+struct PanelsAhead {
+    int64_t k;
+    void operator()(int64_t, const float* row) const {
         for (int u = 0; u < U; ++u) {
-            const float* p = panel + u * k * PN + c * PN;
-            prefetch_line(p + STREAM_AHEAD * PN);
-            prefetch_line(p + STREAM_AHEAD * PN + VL);
-            const vecf p0 = vload(p), p1 = vload(p + VL);
-            for (int r = 0; r < RB; ++r) {
-                const float xv = x[r * xs + c];
-                acc[r][u][0] += xv * p0;
-                acc[r][u][1] += xv * p1;
-            }
+            prefetch_line(row + u * k * PN + STREAM_AHEAD * PN);
+            prefetch_line(row + u * k * PN + STREAM_AHEAD * PN + VL);
         }
     }
-    for (int r = 0; r < RB; ++r)
-        for (int u = 0; u < U; ++u)
-            for (int j = 0; j < 2; ++j) {
-                vecf out = acc[r][u][j];
-                if (bias) out += vload(bias + u * PN + j * VL);
-                vstore(y + r * ys + u * PN + j * VL, out);
-            }
-}
+};
 
 // The rows of x (fewer than STREAM_ROWS) times panels [p0, p1): STREAM_PANELS at a time while they
 // are whole, the rest one at a time.
@@ -398,7 +394,8 @@ void stream_panels(const float* x, int64_t m, int64_t xs, const PanelLayout& w, 
         int64_t p = p0;
         if constexpr (U > 1)
             for (; p + U <= std::min(p1, whole); p += U)
-                stream_tile<RB, U>(x, xs, w.data + p * k * PN, k, y + p * PN, ys, bias ? bias + p * PN : nullptr);
+                panels_tile<RB, U>(x, xs, w.data + p * k * PN, k, y + p * PN, ys, bias ? bias + p * PN : nullptr,
+                                   PanelsAhead<U>{k});
         for (; p < p1; ++p) {
             const float* panel = w.data + p * k * PN;
             const int64_t o = p * PN, cols = std::min<int64_t>(PN, w.n - o);
@@ -424,7 +421,7 @@ void panels_rows(const float* x, int64_t m, int64_t xs, const PanelLayout& w, in
         row_tiles<RB_PAIR>(m, [&](int64_t r, auto rb) {
             const char* part = at < ahead ? next + at : nullptr;
             at += k * stride;
-            pair_tile<decltype(rb)::value>(x + r * xs, xs, panel, k, y + r * ys + o, ys, b, part, stride);
+            panels_tile<decltype(rb)::value, 2>(x + r * xs, xs, panel, k, y + r * ys + o, ys, b, NextUnit{part, stride});
         });
         return;
     }
