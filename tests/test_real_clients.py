@@ -8,6 +8,7 @@ import json
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -420,3 +421,29 @@ def test_generate_with_an_unknown_model_prints_one_line():
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr == "neuron generate: model path /nonexistent does not exist\n"
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+
+
+def test_vllms_request_id_names_the_response_and_never_joins_two_requests(clients_server):
+    """vLLM's `request_id`: the response's id is `chatcmpl-<id>` (`cmpl-<id>`, streamed too), and two
+    requests that send the same one run side by side, each to its own end."""
+    c = client(clients_server)
+    messages = [{"role": "user", "content": "Rivers"}]
+    chat = c.chat.completions.create(model=MODEL, messages=messages, **{**GREEDY, "extra_body": {
+        "ignore_eos": True, "request_id": "trace-1"}})
+    assert chat.id == "chatcmpl-trace-1"
+    body = {"model": MODEL, "prompt": "Rivers", "max_tokens": 12, "ignore_eos": True, "request_id": "same"}
+
+    def complete(_):
+        return httpx.post(f"{clients_server.url}/v1/completions", json=body, timeout=60).json()
+
+    with ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(complete, range(2)))
+    assert [b["id"] for b in both] == ["cmpl-same"] * 2
+    assert [b["usage"]["completion_tokens"] for b in both] == [12, 12]
+    chunks = list(c.completions.create(model=MODEL, prompt="Rivers", stream=True, max_tokens=2,
+                                       extra_body={"request_id": "streamed"}))
+    assert {ch.id for ch in chunks} == {"cmpl-streamed"}
+    for bad in ("", "a\nb", "x" * 300):
+        r = httpx.post(f"{clients_server.url}/v1/chat/completions",
+                       json={"model": MODEL, "messages": messages, "request_id": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", bad

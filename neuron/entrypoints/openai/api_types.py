@@ -63,6 +63,7 @@ class SamplingRequest(Struct, kw_only=True):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     priority: int = 0  # vLLM's; scheduling is first come, first served, so other values are refused
+    request_id: str | None = None  # vLLM's: the response's id is `chatcmpl-<request_id>` (`cmpl-` for completions)
     # vLLM's extensions neuron does not implement: named here so that setting one is a 400, not ignored
     structural_tag: Any = None
     guided_whitespace_pattern: Any = None

@@ -43,6 +43,22 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+_MAX_REQUEST_ID = 256
+
+
+def request_ids(prefix: str, given: str | None) -> tuple[str, str]:
+    """The response's id and the engine's for it: vLLM's `request_id` names the response
+    (`prefix-<request_id>`), and the engine's, which must be unique among the requests running,
+    adds a suffix of its own, so two clients that send the same id never meet."""
+    if given is None:
+        rid = new_id(prefix)
+        return rid, rid
+    if not 0 < len(given) <= _MAX_REQUEST_ID or not given.isprintable():
+        raise bad_request(f"request_id must be 1 to {_MAX_REQUEST_ID} printable characters", param="request_id")
+    shown = f"{prefix}-{given}"
+    return shown, f"{shown}-{uuid.uuid4().hex[:12]}"
+
+
 def now() -> int:
     return int(time.time())
 

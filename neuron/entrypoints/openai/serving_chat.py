@@ -45,9 +45,9 @@ from neuron.entrypoints.openai.common import (
     check_ready,
     check_sequences,
     encoded,
-    new_id,
     now,
     open_samples,
+    request_ids,
     sampling_params,
     sse,
     stream_error,
@@ -80,7 +80,7 @@ class ChatRequestContext:
         self.req = req
         self.echo = echoed(req)
         self.tools = tools
-        self.id = new_id(id_prefix)
+        self.id, self.engine_id = request_ids(id_prefix, getattr(req, "request_id", None))
         self.created = now()
         self.model = model
         self.tokenizer = tokenizer
@@ -222,7 +222,7 @@ async def _beam_chat(request: Request, engine: AsyncEngine, req: ChatCompletionR
     ctx, run = ChatRequestContext(req, engine.model_name, engine.tokenizer, prompt, None, None), BeamRun()
 
     async def collect() -> bytes:
-        searches = await run_beams(engine, ctx.id, [ids], params, run, cache_salt, "messages")
+        searches = await run_beams(engine, ctx.engine_id, [ids], params, run, cache_salt, "messages")
         beams, usage = best_beams(engine, searches, req.skip_special_tokens)
         choices = []
         for i, (beam, text) in enumerate(beams):
@@ -281,7 +281,7 @@ async def open_chat(engine: AsyncEngine, req: ChatCompletionRequest, limiters: L
     prompt, prompt_ids, images = await _rendered(engine, req, limiters)
     ctx = ChatRequestContext(req, engine.model_name, engine.tokenizer, prompt, top_logprobs, tools, id_prefix)
     ctx.prompt_ids = prompt_ids
-    samples = open_samples(engine, ctx.id, [prompt_ids], params, "messages", images, grammar, cache_salt)
+    samples = open_samples(engine, ctx.engine_id, [prompt_ids], params, "messages", images, grammar, cache_salt)
     return ctx, samples
 
 

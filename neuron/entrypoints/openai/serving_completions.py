@@ -33,9 +33,9 @@ from neuron.entrypoints.openai.common import (
     check_ready,
     check_sequences,
     encoded,
-    new_id,
     now,
     open_samples,
+    request_ids,
     sampling_params,
     sse,
     stream_error,
@@ -121,7 +121,7 @@ def fill_in_the_middle(engine: AsyncEngine, prompt, suffix: str) -> str:
 class _Context:
     def __init__(self, req: CompletionRequest, model: str, tokenizer, prompts: list, ids: list[list[int]]):
         self.req = req
-        self.id = new_id("cmpl")
+        self.id, self.engine_id = request_ids("cmpl", req.request_id)
         self.created = now()
         self.model = model
         self.tokenizer = tokenizer
@@ -186,7 +186,7 @@ async def create_completion(request: Request, engine: AsyncEngine, req: Completi
     grammar = await compile_guided(engine, req, limiters.grammar)
     ids, prompts = await _token_prompts(engine, req, prompts, limiters.tokenize)
     ctx = _Context(req, engine.model_name, engine.tokenizer, prompts, ids)
-    samples = open_samples(engine, ctx.id, ids, params, "prompt", grammar=grammar, cache_salt=cache_salt)
+    samples = open_samples(engine, ctx.engine_id, ids, params, "prompt", grammar=grammar, cache_salt=cache_salt)
     ctx.per_prompt = samples.per_prompt
     if req.stream:
         return EventStreamResponse(_events(ctx, samples, keepalive_s), on_close=samples.close)
@@ -199,17 +199,17 @@ async def _beam_completion(request: Request, engine: AsyncEngine, req: Completio
     params = beam_params(req, max_tokens)
     check_beams(engine, len(prompts), params)
     ids, shown = await _token_prompts(engine, req, prompts, limiters.tokenize)
-    request_id, run = new_id("cmpl"), BeamRun()
+    (shown_id, engine_id), run = request_ids("cmpl", req.request_id), BeamRun()
 
     def echoed(p: int) -> str:
         return _echo_text(engine.tokenizer, shown[p]) if req.echo else ""
 
     async def collect() -> bytes:
-        searches = await run_beams(engine, request_id, ids, params, run, cache_salt, "prompt")
+        searches = await run_beams(engine, engine_id, ids, params, run, cache_salt, "prompt")
         beams, usage = best_beams(engine, searches, req.skip_special_tokens)
         choices = [CompletionChoice(i, echoed(i // params.beam_width) + text, None, beam.finish_reason,
                                     beam.stop_reason) for i, (beam, text) in enumerate(beams)]
-        return await encoded(CompletionResponse(request_id, now(), engine.model_name, choices, usage))
+        return await encoded(CompletionResponse(shown_id, now(), engine.model_name, choices, usage))
 
     return await json_unless_disconnected(request, run, collect())
 
