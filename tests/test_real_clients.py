@@ -353,7 +353,7 @@ def test_documents_reach_the_template_and_unimplemented_extensions_are_refused(t
         both = api.chat.completions.create(model="rag", messages=messages, max_tokens=1, extra_body={
             "documents": docs, "chat_template_kwargs": {"documents": [{"text": "x"}]}})
         assert both.usage.prompt_tokens == len(tok.encode("DOC x\nuser: Which river?\n"))
-    for name in ("structural_tag", "guided_whitespace_pattern", "logits_processors", "kv_transfer_params"):
+    for name in ("structural_tag", "guided_whitespace_pattern", "logits_processors", "kv_transfer_params", "vllm_xargs"):
         r = httpx.post(f"{clients_server.url}/v1/chat/completions", json={
             "model": MODEL, "messages": messages, "max_tokens": 1, name: {"x": 1}})
         assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text

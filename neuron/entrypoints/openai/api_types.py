@@ -71,6 +71,7 @@ class SamplingRequest(Struct, kw_only=True):
     logits_processors: Any = None
     mm_processor_kwargs: Any = None
     kv_transfer_params: Any = None
+    vllm_xargs: Any = None  # arguments for vLLM's custom logits processors, which neuron has none of
 
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True):

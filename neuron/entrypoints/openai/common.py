@@ -83,7 +83,7 @@ def check_model(req: SamplingRequest, served_name: str) -> None:
 
 # vLLM's request extensions neuron does not implement (SamplingRequest names them to refuse them).
 _NOT_IMPLEMENTED = ("structural_tag", "guided_whitespace_pattern", "guided_decoding_backend", "logits_processors",
-                    "mm_processor_kwargs", "kv_transfer_params")
+                    "mm_processor_kwargs", "kv_transfer_params", "vllm_xargs")
 
 
 def check_common(req: SamplingRequest) -> None:
