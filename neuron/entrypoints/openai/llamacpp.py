@@ -11,9 +11,10 @@ deltas, the last closing each answer with its `stop_type`, counts and timings.
 
 Sampling fields a request leaves out take the model's generation_config.json, as on the other routes,
 not llama-server's command-line defaults; /props shows what they are. Samplers neuron does not have
-(Mirostat, DRY, XTC, typical, dynamic temperature, top-n-sigma) are refused by name unless off. The
-server's own settings (`id_slot`, `cache_prompt`, `n_keep`, `samplers`'
-order, ...) are ignored, as are fields it does not know.
+(Mirostat, DRY, XTC, typical, dynamic temperature, top-n-sigma) are refused by name unless off; the
+repetition penalty covers the last `repeat_last_n` tokens, as llama-server's does. The server's own
+settings (`id_slot`, `cache_prompt`, `n_keep`, the `samplers`' order, ...) are ignored, as are fields
+it does not know.
 """
 
 from __future__ import annotations
