@@ -35,9 +35,10 @@ from neuron.entrypoints.llm import (
     RequestOutput,
     _apply,
     _keep_best,
-    _logprobs,
     _Prompt,
+    apply_update,
     engine_config,
+    token_decoder,
     tokenized_prompt,
     truncated_prompt,
 )
@@ -99,7 +100,7 @@ class AsyncLLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The checkpoint's generation_config.json over SamplingParams' own defaults, as LLM's."""
-        return SamplingParams(**self.engine.default_sampling())
+        return SamplingParams(**self._loaded().model.default_sampling())
 
     @property
     def is_running(self) -> bool:
@@ -178,20 +179,16 @@ class AsyncLLM:
         """The request's outputs as `params.output_kind` says, from its samples' updates as they come
         (`children`: each sample's params, which ask for logprobs where best_of ranks them)."""
         out = RequestOutput(rid, tokenized.text, tokenized.ids, [_empty(i, child) for i, child in enumerate(children)])
-        decode = self._token_text
+        decode = token_decoder(self.engine.tokenizer)
         kind = params.output_kind
         async for batch in merged_updates(streams, _QUIET_S):
             deltas: dict[int, CompletionOutput] = {}
             for k, update in batch or ():
                 if update.finish_reason == "error":
                     raise NeuronError(f"generation failed: {update.error}")
-                _apply(out.outputs[k], update, decode)
+                apply_update(out, k, update, decode)
                 if kind is RequestOutputKind.DELTA:
                     _apply(deltas.setdefault(k, _empty(k, children[k])), update, decode)
-                if update.prompt_logprobs is not None and out.prompt_logprobs is None:
-                    out.prompt_logprobs = [None if e is None else _logprobs(e, rank, decode)
-                                           for e, rank in zip(update.prompt_logprobs, update.prompt_token_ranks)]
-                    out.prompt_token_ranks = update.prompt_token_ranks
             if not batch:
                 continue
             out.finished = all(c.finish_reason is not None for c in out.outputs)
@@ -204,11 +201,6 @@ class AsyncLLM:
         if kind is RequestOutputKind.FINAL_ONLY:
             _keep_best(out, params)
             yield out
-
-    def _token_text(self, token: int) -> str | None:
-        """A token's text alone, as a logprob entry names it."""
-        tok = self.engine.tokenizer
-        return None if tok is None else tok.decode([token], skip_special_tokens=False)
 
     def _loaded(self):
         if self.engine.engine is None or self.engine.state not in (EngineState.READY, EngineState.RECOVERING):

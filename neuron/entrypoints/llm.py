@@ -414,15 +414,11 @@ class LLM:
         """Step until every sample of this call finished (see _drain), a bar counting the prompts."""
         bar = _progress_bar(use_tqdm, len({id(out) for out, _ in routes.values()}))
 
-        decode = self._token_text
+        decode = token_decoder(self.engine.tokenizer)
 
         def take(u: Update) -> None:
             out, i = routes[u.request_id]
-            _apply(out.outputs[i], u, decode)
-            if u.prompt_logprobs is not None and out.prompt_logprobs is None:
-                out.prompt_logprobs = [None if e is None else _logprobs(e, rank, decode)
-                                       for e, rank in zip(u.prompt_logprobs, u.prompt_token_ranks)]
-                out.prompt_token_ranks = u.prompt_token_ranks
+            apply_update(out, i, u, decode)
             if u.finished:
                 out.finished = all(c.finish_reason is not None for c in out.outputs)
                 if out.finished and bar is not None:
@@ -433,11 +429,6 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-
-    def _token_text(self, token: int) -> str | None:
-        """A token's text alone, as a logprob entry names it."""
-        tok = self.engine.tokenizer
-        return None if tok is None else tok.decode([token], skip_special_tokens=False)
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -527,6 +518,24 @@ def _check_priority(priority: int | Sequence[int] | None, n: int) -> None:
 def _is_id(value) -> bool:
     """A token id rather than a prompt: anything Python counts as an integer (numpy's included)."""
     return hasattr(value, "__index__") and not isinstance(value, (list, tuple, dict, str))
+
+
+def token_decoder(tokenizer) -> Callable[[int], str | None]:
+    """A token's text alone, as a logprob entry names it (None without a tokenizer)."""
+    def decode(token: int) -> str | None:
+        return None if tokenizer is None else tokenizer.decode([token], skip_special_tokens=False)
+
+    return decode
+
+
+def apply_update(out: RequestOutput, i: int, u: Update, decode: Callable[[int], str | None]) -> None:
+    """One engine update of sample i into the request's output: its text, tokens, logprobs and end,
+    and the prompt's logprobs where the first update carries them."""
+    _apply(out.outputs[i], u, decode)
+    if u.prompt_logprobs is not None and out.prompt_logprobs is None:
+        out.prompt_logprobs = [None if e is None else _logprobs(e, rank, decode)
+                               for e, rank in zip(u.prompt_logprobs, u.prompt_token_ranks)]
+        out.prompt_token_ranks = u.prompt_token_ranks
 
 
 def _apply(c: CompletionOutput, u: Update, decode: Callable[[int], str | None]) -> None:
