@@ -144,7 +144,8 @@ def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
     ]
     if cfg.allow_runtime_lora_updating:  # off without it: its paths are unknown (404), as vLLM's
         routes += lora_routes(host, api.endpoint, api._decode)
-    served = Served(host, api.limiters, api._decode, api._engine, api._salt, api.started, cfg.keepalive_s)
+    served = Served(host, api.limiters, api._decode, api._engine, api._salt, api.started, cfg.keepalive_s,
+                    api._named)
     routes += ollama_routes(served, api.endpoint)
     routes += llamacpp_routes(served, api.endpoint)
     if cfg.admin_key is not None:  # off without a key: its paths are unknown (404)
@@ -403,7 +404,7 @@ class _Api:
         return tokenizer_info(await self._named(request.query_params.get("model")))
 
     async def _named(self, name: str | None) -> AsyncEngine:
-        """The engine of a tokenizer route: the model named, or the server's one model."""
+        """The engine of a tokenizer route or a llama-server one: the model named, or the server's one model."""
         if name is None and self.host.single is not None:
             return self.host.single.engine
         return await self._engine(name)

@@ -50,7 +50,7 @@ from neuron.entrypoints.openai.guided import compile_guided
 from neuron.entrypoints.openai.logprobs import LogprobRenderer, clamp_logprob
 from neuron.entrypoints.openai.ollama import Served
 from neuron.entrypoints.openai.ollama.translate import repetition
-from neuron.entrypoints.openai.prompt_input import check_prompt_ids, off_loop
+from neuron.entrypoints.openai.prompt_input import check_prompt_ids, check_vocabulary, off_loop
 from neuron.entrypoints.openai.serving_completions import fill_in_the_middle, prompt_ids
 from neuron.entrypoints.openai.serving_tokenization import rendered_chat
 from neuron.entrypoints.openai.streaming import EventStreamResponse, json_unless_disconnected
@@ -145,17 +145,9 @@ class _LlamaCpp:
     def __init__(self, served: Served):
         self.served = served
 
-    async def _engine(self, name: str | None) -> AsyncEngine:
-        """The model a request names, or the server's one model where it names none (llama-server
-        serves one)."""
-        single = self.served.host.single
-        if not name and single is not None:
-            return single.engine
-        return await self.served.engine(name)
-
     async def completion(self, request: Request) -> Response:
         req = await self.served.decode(request, LlamaCompletionRequest)
-        engine = await self._engine(req.model)
+        engine = await self.served.named(req.model or None)
         if req.input_prefix is not None or req.input_suffix is not None or req.input_extra:
             raise bad_request("input_prefix, input_suffix and input_extra belong to /infill", param="input_prefix")
         return await self._generate(request, engine, req, await self._prompts(engine, req.prompt))
@@ -165,7 +157,7 @@ class _LlamaCpp:
         files of `input_extra` (in the repository layout where the vocabulary has its tokens), and
         `prompt` after the prompt's middle token, as llama-server builds it."""
         req = await self.served.decode(request, LlamaCompletionRequest)
-        engine = await self._engine(req.model)
+        engine = await self.served.named(req.model or None)
         check_ready(engine)
         if not isinstance(req.prompt, str):
             raise bad_request("an infill's prompt is text, written after the middle", param="prompt")
@@ -207,9 +199,7 @@ class _LlamaCpp:
                 else:
                     ids.append(piece)
             check_prompt_ids(engine, ids, where)
-            bad = next((t for t in ids if not 0 <= t < engine.vocab_size), None)
-            if bad is not None:
-                raise bad_request(f"token id {bad} is outside the vocabulary (0..{engine.vocab_size - 1})", param=where)
+            check_vocabulary(engine, ids, where)
             out.append((await self._shown(engine, p, ids), ids))
         return out
 
@@ -312,7 +302,7 @@ class _LlamaCpp:
     async def props(self, request: Request) -> Response:
         """The server's defaults for /completion, its slots, the model's chat template and path."""
         name = request.query_params.get("model")
-        engine = await self._engine(name)
+        engine = await self.served.named(name or None)
         check_ready(engine)
         defaults = sampling_params(CompletionRequest(model=name, prompt=""), engine.default_sampling(),
                                    max_tokens=None, logprobs=None, renames={})
@@ -335,7 +325,7 @@ class _LlamaCpp:
     async def apply_template(self, request: Request) -> Response:
         """The chat as the model's template renders it for a reply, without generating."""
         req = await self.served.decode(request, _TemplateRequest)
-        engine = await self._engine(req.model)
+        engine = await self.served.named(req.model or None)
         check_ready(engine)
         text = await off_loop(self.served.limiters.tokenize, rendered_chat, engine, req.messages, True, False,
                               None, None)

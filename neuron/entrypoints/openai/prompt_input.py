@@ -56,6 +56,13 @@ def check_prompt_chars(engine, num_chars: int, param: str) -> None:
                    code="context_length_exceeded")
 
 
+def check_vocabulary(engine, ids: list[int], param: str) -> None:
+    """Refuse token ids outside the model's vocabulary before anything decodes them."""
+    bad = next((t for t in ids if not 0 <= t < engine.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside the vocabulary (0..{engine.vocab_size - 1})", param=param)
+
+
 def check_prompt_ids(engine, prompt, param: str) -> None:
     """Refuse a token-id prompt of max_model_len ids or more before looking at each id."""
     if isinstance(prompt, list) and len(prompt) >= engine.max_model_len and isinstance(prompt[0], int):

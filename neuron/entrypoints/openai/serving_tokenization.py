@@ -18,7 +18,7 @@ from neuron.entrypoints.openai.api_types import DetokenizeRequest, DetokenizeRes
 from neuron.entrypoints.openai.chat_utils import normalise_messages
 from neuron.entrypoints.openai.common import check_ready
 from neuron.entrypoints.openai.guided import function_tools
-from neuron.entrypoints.openai.prompt_input import check_prompt_chars, off_loop
+from neuron.entrypoints.openai.prompt_input import check_prompt_chars, check_vocabulary, off_loop
 
 # Set by the server itself when it renders the template.
 _TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message"})
@@ -94,9 +94,7 @@ def rendered_chat(engine, messages: list[dict], add_generation_prompt: bool, con
 
 async def detokenize(engine: AsyncEngine, req: DetokenizeRequest, limiter: anyio.CapacityLimiter) -> Response:
     _check(engine, req.model, "tokens")
-    bad = next((t for t in req.tokens if not 0 <= t < engine.vocab_size), None)
-    if bad is not None:
-        raise bad_request(f"token id {bad} is outside the vocabulary (0..{engine.vocab_size - 1})", param="tokens")
+    check_vocabulary(engine, req.tokens, "tokens")
     text = await off_loop(limiter, lambda: engine.tokenizer.decode(req.tokens, skip_special_tokens=False))
     return _json(DetokenizeResponse(text, text))
 

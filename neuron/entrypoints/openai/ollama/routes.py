@@ -83,7 +83,9 @@ class Served:
     engine: Callable[[str], Awaitable[AsyncEngine]]
     salt: Callable[[Request, Any], str | None]
     started: float  # the server's start (time.time()), when a model's files are not known
-    keepalive_s: float = 15.0  # how often a quiet SSE stream says something (NDJSON ones say nothing)
+    keepalive_s: float  # how often a quiet SSE stream says something (NDJSON ones say nothing)
+    # the engine of the model named, or of the server's one model where none is (llama-server's routes)
+    named: Callable[[str | None], Awaitable[AsyncEngine]]
 
 
 def ollama_routes(served: Served, endpoint: Callable) -> list[Route]:
