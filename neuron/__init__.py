@@ -20,6 +20,7 @@ _LAZY = {
     "PoolingParams": "neuron.engine.pooling",
     "EmbeddingRequestOutput": "neuron.entrypoints.llm",
     "ScoringRequestOutput": "neuron.entrypoints.llm",
+    "ClassificationRequestOutput": "neuron.entrypoints.llm",
     "LoRARequest": "neuron.engine.lora",
     "BeamSearchParams": "neuron.engine.beam_search",
 }
@@ -36,5 +37,6 @@ def __getattr__(name: str):
 
 __all__ = ["LLM", "AsyncLLM", "RequestOutputKind", "SamplingParams", "GuidedDecodingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
            "Logprob", "EmbeddingRequestOutput", "ScoringRequestOutput",
+           "ClassificationRequestOutput",
            "BeamSearchParams",
            "__version__"]

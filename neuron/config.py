@@ -147,9 +147,11 @@ class Settings:
         "to run a model past its native context with YaRN", unset="config.json as it is")
     task: str = _setting(
         str, "auto", "what the model is served for: generate (chat and completions), embed (/v1/embeddings, "
-        "pooling the final hidden states), or generate,embed (both); auto is embed for a sentence-transformers "
-        "checkpoint (modules.json with a Pooling module), else generate", choices=("auto", "generate", "embed",
-                                                                                  "generate,embed"))
+        "pooling the final hidden states), generate,embed (both), or classify (/classify, and /score and /rerank "
+        "as a cross-encoder: a *ForSequenceClassification checkpoint's head over the last token, or "
+        "classifier_from_token in --hf-overrides); auto is embed for a sentence-transformers checkpoint "
+        "(modules.json with a Pooling module), classify for a sequence-classification one, else generate",
+        choices=("auto", "generate", "embed", "generate,embed", "classify"))
     tp: int = _setting(int, 1, "tensor-parallel size: how many ranks (devices) share the model", lo=1)
     hosts: str | None = _setting(
         str, None, "where the ranks run, in rank order: HOST:N entries, comma-separated (the first the leader's "

@@ -99,8 +99,8 @@ def test_the_task_follows_the_checkpoint_unless_set(last_token_checkpoint, gener
     # a causal LM served for embeddings pools its last token, normalized, as Qwen3-Embedding does
     both = model_config(generation_checkpoint, task="generate,embed")
     assert (both.tasks, both.pooling) == ({"generate", "embed"}, PoolingConfig("lasttoken", True))
-    with pytest.raises(ConfigError, match="task must be one of auto, generate, embed, generate,embed"):
-        model_config(generation_checkpoint, task="classify")
+    with pytest.raises(ConfigError, match="task must be one of auto, generate, embed, generate,embed, classify"):
+        model_config(generation_checkpoint, task="embed,classify")
 
 
 def test_serve_and_a_models_file_take_the_task():

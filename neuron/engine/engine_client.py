@@ -66,6 +66,28 @@ class EngineClient:
         """An embedding's length before `dimensions` truncates it."""
         return self._loaded().model.hidden_size
 
+    @property
+    def classifier(self):
+        """A classification model's head (engine/classifier.py: its labels, their probabilities);
+        None for any other model."""
+        pooling = self._loaded().model.pooling
+        return None if pooling is None else pooling.classifier
+
+    def encode_pair(self, first: str, second: str, max_tokens: int | None = None) -> list[int]:
+        """A cross-encoder's input for a pair of texts (Tokenizer.encode_pair); RequestError without
+        a tokenizer, or when `max_tokens` leaves the texts no room. CPU-heavy."""
+        from neuron.engine.llm_engine import RequestError
+        from neuron.engine.tokenizer import TokenizerError
+
+        tokenizer = self._loaded().tokenizer
+        if tokenizer is None:
+            raise RequestError("this checkpoint has no tokenizer.json: a pair of texts cannot be scored",
+                               param="model")
+        try:
+            return tokenizer.encode_pair(first, second, max_tokens)
+        except TokenizerError as exc:
+            raise RequestError(str(exc), param="truncate_prompt_tokens") from None
+
     def validate_embedding(self, prompt_token_ids: list[int]) -> None:
         """Refuse an embedding input that cannot run (RequestError)."""
         self._loaded().inputs.admit_pooling(prompt_token_ids)

@@ -368,9 +368,13 @@ def _named_adapter(loras: LoraSlots | None, name: str | None, model_name: str) -
 
 
 def _check_task(model: ModelConfig, params: SamplingParams | PoolingParams) -> None:
-    """Refuse a generation from a model served for embeddings only and an embedding from one served
-    for generation only (`--task`), or an embedding cut to more dimensions than it has."""
+    """Refuse a generation from a model served for pooling only, a pooling from one served for
+    generation only (`--task`), an embedding from a classifier or a classification from an
+    embedding model, or an embedding cut to more dimensions than it has."""
     if isinstance(params, SamplingParams) and pooling.GENERATE not in model.tasks:
+        if pooling.CLASSIFY in model.tasks:
+            raise RequestError(f"model `{model.name}` is a classification model: it serves /classify, /score and "
+                               "/rerank, not generation", param="model")
         raise RequestError(f"model `{model.name}` is an embedding model: it serves /v1/embeddings, not generation "
                            "(serve it with --task generate,embed to allow both)", param="model")
     if not isinstance(params, PoolingParams):
@@ -378,6 +382,12 @@ def _check_task(model: ModelConfig, params: SamplingParams | PoolingParams) -> N
     if model.pooling is None:
         raise RequestError(f"model `{model.name}` is a generation model: it does not serve embeddings (serve an "
                            "embedding model, or this one with --task generate,embed)", param="model")
+    if params.task is not None and params.task not in model.tasks:
+        served = "classifies" if pooling.CLASSIFY in model.tasks else "embeds"
+        raise RequestError(f"model `{model.name}` {served}: it is not served for {params.task} (--task "
+                           f"{','.join(sorted(model.tasks))})", param="model")
+    if params.dimensions is not None and model.pooling.classifier is not None:
+        raise RequestError("dimensions applies to embeddings, not a classifier's logits", param="dimensions")
     if params.dimensions is not None and not 0 < params.dimensions <= model.hidden_size:
         raise RequestError(f"dimensions must be in 1..{model.hidden_size} (this model's embedding size), got "
                            f"{params.dimensions}", param="dimensions")

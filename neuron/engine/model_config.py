@@ -21,8 +21,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from neuron.config import MAX_MODEL_LEN_CAP, parse_bytes
+from neuron.engine.classifier import is_classification, load_classifier
 from neuron.engine.engine_config import EngineConfig, default_device
-from neuron.engine.pooling import EMBED, GENERATE, PoolingConfig
+from neuron.engine.pooling import CLASSIFY, EMBED, GENERATE, PoolingConfig
 from neuron.engine.sampling_params import REPETITION_PENALTY_RANGE
 from neuron.engine.spec_decode.config import SpeculativeConfig
 from neuron.engine.tokenizer import Tokenizer
@@ -173,7 +174,8 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
     sampling = _check_generation(generation, vocab)
     speculative = _speculative(spec, config)
     _check_lora(spec, config)
-    tasks, pooling = _tasks(spec.task, model_dir)
+    phases("reading what the model is served for")
+    tasks, pooling = _tasks(spec.task, model_dir, config, weight_files(model_dir), gguf, tokenizer)
     device = (spec.devices[0].split(":")[0] if spec.devices else None) or spec.device or default_device()
     check_kv_cache_dtype(spec.kv_cache_dtype, spec.dtype, device)
     return ModelConfig(
@@ -420,14 +422,19 @@ _MODES = {"pooling_mode_lasttoken": "lasttoken", "pooling_mode_mean_tokens": "me
 _UNSUPPORTED = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
 
 
-def _tasks(task: str, model_dir: Path) -> tuple[frozenset[str], PoolingConfig | None]:
-    """What the model serves (`task`: auto, generate, embed or generate,embed) and, when it embeds,
-    how it pools: from the checkpoint's sentence-transformers files, else the last token,
-    normalized. `auto` embeds only when those files say the checkpoint is a pooling model."""
+def _tasks(task: str, model_dir: Path, config: dict, weights: list[str], gguf: Path | None,
+           tokenizer) -> tuple[frozenset[str], PoolingConfig | None]:
+    """What the model serves (`task`: auto, generate, embed, generate,embed or classify) and, when
+    it pools, how: from the checkpoint's sentence-transformers files, else the last token,
+    normalized; a classifier's last token through its head (engine/classifier.py). `auto` embeds
+    when those files say the checkpoint is a pooling model, classifies when config.json names a
+    sequence-classification architecture (or --hf-overrides a head from named tokens)."""
     found = sentence_transformers_pooling(model_dir)
     if task == "auto":
-        task = EMBED if found is not None else GENERATE
+        task = CLASSIFY if is_classification(config) else EMBED if found is not None else GENERATE
     tasks = frozenset(task.split(","))
+    if CLASSIFY in tasks:
+        return tasks, PoolingConfig("lasttoken", False, load_classifier(text_config(config), weights, gguf, tokenizer))
     if EMBED not in tasks:
         return tasks, None
     return tasks, found or PoolingConfig()

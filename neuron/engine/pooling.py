@@ -19,9 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from neuron.engine.sampling_params import check_truncation
+from neuron.engine.classifier import Classifier
+from neuron.engine.sampling_params import InvalidParams, check_truncation
 
-GENERATE, EMBED = "generate", "embed"  # the tasks a model is served for (`--task`)
+# the tasks a model is served for (`--task`): chat and completions; embeddings; a classification
+# head over the last token (engine/classifier.py), for /classify and cross-encoder scoring
+GENERATE, EMBED, CLASSIFY = "generate", "embed", "classify"
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +33,8 @@ class PoolingConfig:
 
     mode: str = "lasttoken"  # lasttoken, mean or cls
     normalize: bool = True  # L2-normalize the pooled vector (and again after `dimensions` truncates it)
+    # a classification model's head: its pooled vector is the head's logits (task classify)
+    classifier: Classifier | None = None
 
     def chunk_op(self, offset: int, length: int, prompt_len: int) -> str | None:
         """What rank 0 returns for a prompt chunk [offset, offset + length) (`SeqStep.pool`):
@@ -46,13 +51,18 @@ class PoolingConfig:
 class PoolingParams:
     """An embedding request's parameters (vLLM's name), where SamplingParams would make it a
     generation: `dimensions` keeps the vector's first values (Matryoshka); `truncate_prompt_tokens`
-    the input's last tokens, as SamplingParams'."""
+    the input's last tokens, as SamplingParams'; `task` what the caller takes the vector for (embed:
+    an embedding, classify: a classifier's logits), refused by a model not served for it (None: what
+    the model pools)."""
 
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = None
+    task: str | None = None
 
     def __post_init__(self) -> None:
         check_truncation(self.truncate_prompt_tokens)
+        if self.task not in (None, EMBED, CLASSIFY):
+            raise InvalidParams("task", f"task must be {EMBED} or {CLASSIFY}, got {self.task!r}")
 
 
 @dataclass(slots=True)
@@ -77,7 +87,10 @@ class Pooled:
         self.total, self.rows = None, 0
 
     def vector(self, cfg: PoolingConfig) -> list[float]:
+        """The embedding, or a classification model's logits."""
         v = self.total / max(self.rows, 1) if cfg.mode == "mean" else self.total
+        if cfg.classifier is not None:
+            return cfg.classifier.logits(v)
         return finish(v.cpu(), cfg.normalize, self.dimensions)
 
 

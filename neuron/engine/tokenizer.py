@@ -58,6 +58,19 @@ def _read_json(path: Path) -> dict:
         raise TokenizerError(f"{path} is not valid JSON: {exc}") from None
 
 
+def _longest_first(a: int, b: int, room: int) -> tuple[int, int]:
+    """The lengths two texts of `a` and `b` tokens keep in `room`, as the tokenizers library's
+    `longest_first` truncation cuts a pair: the shorter keeps up to half the room (rounded down),
+    the longer the rest."""
+    if a + b <= room:
+        return a, b
+    if a <= b:
+        kept = min(a, room // 2)
+        return kept, room - kept
+    kept = min(b, room // 2)
+    return room - kept, kept
+
+
 class Tokenizer:
     """A checkpoint's tokenizer: encode, decode, and render chats with its template."""
 
@@ -139,6 +152,23 @@ class Tokenizer:
             del encoding
             _malloc_trim(0)
         return ids
+
+    def encode_pair(self, first: str, second: str, max_tokens: int | None = None) -> list[int]:
+        """A pair of texts as one input, with the special tokens the post-processor puts around and
+        between them, as transformers encodes `tokenizer(first, second)` for a cross-encoder.
+        `max_tokens` bounds the whole, cutting the texts' ends as its `longest_first` truncation
+        does."""
+        one, two = self._backend.encode_batch([first, second], add_special_tokens=False)
+        if max_tokens is not None:
+            processor = self._backend.post_processor
+            room = max_tokens - (processor.num_special_tokens_to_add(True) if processor is not None else 0)
+            if room < 2:
+                raise TokenizerError(f"{max_tokens} tokens leave no room for the pair's texts and its "
+                                     "special tokens")
+            a, b = _longest_first(len(one.ids), len(two.ids), room)
+            one.truncate(a)
+            two.truncate(b)
+        return self._backend.post_process(one, two, add_special_tokens=True).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         try:

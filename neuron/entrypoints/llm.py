@@ -26,7 +26,7 @@ from neuron.engine.input_processor import check_cache_salt
 from neuron.engine.llm_engine import EngineConfig, LLMEngine, Update, encode_prompt
 from neuron.engine.lora import LoRARequest
 from neuron.engine.parallel_sampling import cumulative_logprob, ranked, sample_id, sample_params
-from neuron.engine.pooling import PoolingParams, cosine_similarities
+from neuron.engine.pooling import CLASSIFY, EMBED, PoolingParams, cosine_similarities
 from neuron.engine.sampling_params import SEED_RANGE, SamplingParams, token_ids
 from neuron.errors import NeuronError
 from neuron.multimodal.image import ImageInput
@@ -96,6 +96,21 @@ class EmbeddingRequestOutput:
 @dataclass(slots=True)
 class ScoringOutput:
     score: float
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    probs: list[float]
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """One input's label probabilities, as vLLM's `LLM.classify` returns them."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
 
 
 @dataclass(slots=True)
@@ -288,19 +303,57 @@ class LLM:
         return results
 
     def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType], *,
-              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
-        """vLLM's score for an embedding model: the cosine similarity of each pair's embeddings,
-        `data_1` one prompt against each of `data_2`, or a list as long as `data_2`, pairwise."""
+              truncate_prompt_tokens: int | None = None, use_activation: bool = True) -> list[ScoringRequestOutput]:
+        """vLLM's score: `data_1` one prompt against each of `data_2`, or a list as long as `data_2`,
+        pairwise. An embedding model scores a pair by the cosine similarity of its embeddings; a
+        cross-encoder (a one-label classification model) encodes the two texts as one input and
+        scores it by its head's sigmoid (`use_activation` false: the logit); `truncate_prompt_tokens`
+        then bounds each pair's whole input, cutting the texts as transformers does."""
         first, second = _prompt_list(data_1), _prompt_list(data_2)
         m, n = len(first), len(second)
         if not n or m not in (1, n):
             raise ValueError(f"data_1 has {m} prompts and data_2 {n}: give one data_1, or as many as data_2")
-        outs = self.embed(first + second, truncate_prompt_tokens=truncate_prompt_tokens)  # data_1 once each
         firsts = [0] * n if m == 1 else list(range(n))
+        if self.engine.model.pooling is not None and self.engine.model.pooling.classifier is not None:
+            return self._cross_encode([(first[a], b) for a, b in zip(firsts, second)], truncate_prompt_tokens,
+                                      use_activation)
+        outs = self.embed(first + second, truncate_prompt_tokens=truncate_prompt_tokens)  # data_1 once each
         scores = cosine_similarities([o.outputs.embedding for o in outs], firsts, list(range(m, m + n)))
         return [ScoringRequestOutput(f"{outs[a].request_id}-{b.request_id}", ScoringOutput(s),
                                      outs[a].prompt_token_ids + b.prompt_token_ids)
                 for a, b, s in zip(firsts, outs[m:], scores)]
+
+    def _cross_encode(self, pairs: list[tuple[PromptType, PromptType]], keep: int | None,
+                      use_activation: bool) -> list[ScoringRequestOutput]:
+        head = self.engine.model.pooling.classifier
+        if head.num_labels != 1:
+            raise NeuronError(f"this model classifies into {head.num_labels} labels; scoring a pair needs a one-label "
+                              "head (a cross-encoder): use classify")
+        if self.engine.tokenizer is None:
+            raise NeuronError("this checkpoint has no tokenizer.json: a pair of texts cannot be scored")
+        if not all(isinstance(a, str) and isinstance(b, str) for a, b in pairs):
+            raise ValueError("a cross-encoder scores pairs of texts: data_1 and data_2 must be strings")
+        room = None if keep is None else self.engine.model.max_model_len if keep == -1 else keep
+        if room is not None and room < 1:
+            raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {keep}")
+        ids = [self.engine.tokenizer.encode_pair(a, b, room) for a, b in pairs]
+        outs = self._pooled([_Prompt(None, i) for i in ids], PoolingParams(task=CLASSIFY))
+        return [ScoringRequestOutput(rid, ScoringOutput(head.probabilities(v)[0] if use_activation else v[0]), i)
+                for rid, i, v in outs]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], *, truncate_prompt_tokens: int | None = None,
+                 use_activation: bool = True) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities (a model served with task classify), in prompt order:
+        a one-label head's sigmoid, several labels' softmax (`use_activation` false: the logits).
+        `truncate_prompt_tokens`: classify each prompt's last this many tokens."""
+        if self.engine.model.pooling is None or self.engine.model.pooling.classifier is None:
+            raise NeuronError("this model does not classify: load a *ForSequenceClassification checkpoint, or one "
+                              "with task=\"classify\" and classifier_from_token in hf_overrides")
+        head = self.engine.model.pooling.classifier
+        params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens, task=CLASSIFY)
+        outs = self._pooled(self._pooling_prompts(prompts, params, "classification"), params)
+        return [ClassificationRequestOutput(rid, i, ClassificationOutput(head.probabilities(v) if use_activation
+                                                                         else v)) for rid, i, v in outs]
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | None = None, *,
@@ -309,31 +362,44 @@ class LLM:
         together, in prompt order. `pooling_params.dimensions`: keep the first this many values
         (Matryoshka), normalized again where the model normalizes. `truncate_prompt_tokens` (or the
         pooling params'): embed each prompt's last this many tokens (-1: as many as the context holds)."""
-        if self.engine.model.pooling is None:
+        pooling = self.engine.model.pooling
+        if pooling is None or pooling.classifier is not None:
             raise NeuronError("this model does not embed: load it with task=\"embed\" (or \"generate,embed\")")
-        params = pooling_params or PoolingParams()
+        params = replace(pooling_params or PoolingParams(), task=EMBED)
         if truncate_prompt_tokens is not None:
             params = replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
-        prompts = _prompt_list(prompts)
+        outs = self._pooled(self._pooling_prompts(prompts, params, "embeddings"), params)
+        return [EmbeddingRequestOutput(rid, i, EmbeddingOutput(v)) for rid, i, v in outs]
+
+    def _pooling_prompts(self, prompts: PromptType | Sequence[PromptType], params: PoolingParams,
+                         what: str) -> list[_Prompt]:
         tokenized = [truncated_prompt(self.engine, tokenized_prompt(self.engine, prompt), params.truncate_prompt_tokens)
-                     for prompt in prompts]
-        for prompt in tokenized:
-            if prompt.images:
-                raise ValueError("embeddings take text or token ids, not images")
+                     for prompt in _prompt_list(prompts)]
+        if any(prompt.images for prompt in tokenized):
+            raise ValueError(f"{what} take text or token ids, not images")
+        return tokenized
+
+    def _pooled(self, prompts: list[_Prompt], params: PoolingParams) -> list[tuple[str, list[int], list[float]]]:
+        """Each prompt's pooled vector (an embedding, or a classifier's logits), batched together:
+        (request id, prompt ids, vector) in prompt order."""
+        for prompt in prompts:
             self.engine.inputs.admit_pooling(prompt.ids)
         if self.engine.failure is not None:
             self.engine.recover()
-        outputs = {}
-        for prompt in tokenized:
+        vectors: dict[str, list[float]] = {}
+        order = []
+        for prompt in prompts:
             rid = str(next(self._ids))
             self.engine.add_request(rid, prompt.ids, params, cache_salt=prompt.cache_salt)
-            outputs[rid] = EmbeddingRequestOutput(rid, prompt.ids, EmbeddingOutput([]))
+            vectors[rid] = []
+            order.append((rid, prompt.ids))
+
         def take(u: Update) -> None:
             if u.finished:
-                outputs[u.request_id].outputs.embedding = u.embedding
+                vectors[u.request_id] = u.embedding
 
-        self._drain(set(outputs), take, "embedding")
-        return list(outputs.values())
+        self._drain(set(vectors), take, "embedding")
+        return [(rid, ids, vectors[rid]) for rid, ids in order]
 
     def _drain(self, pending: set[str], take: Callable[[Update], None], what: str) -> None:
         """Step until each of these requests has its final update, handing each of their updates to

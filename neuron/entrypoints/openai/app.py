@@ -60,7 +60,14 @@ from neuron.entrypoints.openai.serving_messages import (
     model_page,
 )
 from neuron.entrypoints.openai.serving_responses import create_response, delete_response, retrieve_response
-from neuron.entrypoints.openai.serving_score import RerankRequest, ScoreRequest, create_rerank, create_score
+from neuron.entrypoints.openai.serving_score import (
+    ClassifyRequest,
+    RerankRequest,
+    ScoreRequest,
+    create_classify,
+    create_rerank,
+    create_score,
+)
 from neuron.entrypoints.openai.serving_tokenization import detokenize, tokenize, tokenizer_info
 from neuron.errors import ConfigError
 
@@ -126,10 +133,12 @@ def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
         Route("/v1/chat/completions", api.endpoint("chat", api.chat), methods=["POST"]),
         Route("/v1/completions", api.endpoint("completions", api.completions), methods=["POST"]),
         Route("/v1/embeddings", api.endpoint("embeddings", api.embeddings), methods=["POST"]),
-        # vLLM's score and rerank APIs (Jina's and Cohere's rerank shape), for embedding models
+        # vLLM's score and rerank APIs (Jina's and Cohere's rerank shape; llama-server's names too), for
+        # embedding models and cross-encoders, and its classify API
         *[Route(path, api.endpoint("score", api.score), methods=["POST"]) for path in ("/score", "/v1/score")],
         *[Route(path, api.endpoint("rerank", api.rerank), methods=["POST"])
-          for path in ("/rerank", "/v1/rerank", "/v2/rerank")],
+          for path in ("/rerank", "/v1/rerank", "/v2/rerank", "/reranking", "/v1/reranking")],
+        Route("/classify", api.endpoint("classify", api.classify), methods=["POST"]),
         # Anthropic's Messages API: its clients send the key as x-api-key, and read its error shape
         Route("/v1/messages", api.endpoint("messages", api.messages, api.authenticate_either, error_response),
               methods=["POST"]),
@@ -344,6 +353,11 @@ class _Api:
         req = await self._decode(request, RerankRequest)
         engine = await self._engine(req.model)
         return await create_rerank(request, engine, req, self.limiters.tokenize, self._salt(request, req))
+
+    async def classify(self, request: Request) -> Response:
+        req = await self._decode(request, ClassifyRequest)
+        engine = await self._engine(req.model)
+        return await create_classify(request, engine, req, self.limiters.tokenize, self._salt(request, req))
 
     async def messages(self, request: Request) -> Response:
         req = await self._decode(request, MessagesRequest)

@@ -18,7 +18,7 @@ from neuron.engine.async_engine import AsyncEngine, EngineState, NotReady, Overl
 from neuron.engine.input_processor import check_cache_salt
 from neuron.engine.llm_engine import RequestError, Update
 from neuron.engine.parallel_sampling import num_samples, ranked, sample_id, sample_params
-from neuron.engine.pooling import GENERATE
+from neuron.engine.pooling import CLASSIFY, EMBED, GENERATE
 from neuron.engine.sampling_params import LOGIT_BIAS_RANGE, REPETITION_PENALTY_RANGE, InvalidParams, SamplingParams
 from neuron.engine.structured_output import CompiledGrammar
 from neuron.entrypoints.openai.api_errors import (
@@ -141,17 +141,29 @@ def check_ready(engine: AsyncEngine) -> None:
 
 def check_serves(engine: AsyncEngine, task: str) -> None:
     """`check_ready`, then a 400 when the model is not served for `task` (engine/pooling.py:
-    "generate" for chat and completions, "embed" for embeddings), saying how to serve it so."""
+    "generate" for chat and completions, "embed" for embeddings, "classify" for /classify),
+    saying how to serve it so."""
     check_ready(engine)
     if task in engine.tasks:
         return
+    code = {GENERATE: "model_not_generative", EMBED: "model_not_embedding"}.get(task, "model_not_classifier")
+    if CLASSIFY in engine.tasks:
+        raise bad_request(f"model `{engine.model_name}` is a classification model: it serves /classify, and /score "
+                          f"and /rerank as a cross-encoder, not {_ROUTES[task]}", param="model", code=code)
+    if task == CLASSIFY:
+        raise bad_request(f"model `{engine.model_name}` is not a classification model: /classify needs a "
+                          "*ForSequenceClassification checkpoint, or --task classify with classifier_from_token in "
+                          "--hf-overrides", param="model", code=code)
     if task == GENERATE:
         raise bad_request(f"model `{engine.model_name}` is an embedding model: it serves /v1/embeddings only, not "
                           "chat or completions (serve it with --task generate,embed to allow both)",
-                          param="model", code="model_not_generative")
+                          param="model", code=code)
     raise bad_request(f"model `{engine.model_name}` is a generation model: it does not serve /v1/embeddings (serve "
                       "an embedding model, or this one with --task embed or --task generate,embed)",
-                      param="model", code="model_not_embedding")
+                      param="model", code=code)
+
+
+_ROUTES = {GENERATE: "chat or completions", EMBED: "/v1/embeddings"}
 
 
 def _not_ready(exc: NotReady) -> APIError:

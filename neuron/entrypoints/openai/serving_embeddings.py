@@ -37,7 +37,7 @@ async def create_embedding(request: Request, engine: AsyncEngine, req: Embedding
     """`limiter` bounds how many inputs are tokenized at once; `cache_salt` is the request's, as
     the server's isolation makes it (common.request_salt)."""
     check_serves(engine, EMBED)
-    inputs = _inputs(req.input)
+    inputs = embedding_inputs(req.input)
     if req.encoding_format not in _FORMATS:
         raise bad_request(f"encoding_format must be float or base64, got {req.encoding_format!r}",
                           param="encoding_format")
@@ -48,10 +48,10 @@ async def create_embedding(request: Request, engine: AsyncEngine, req: Embedding
     return await json_unless_disconnected(request, batch, _respond(engine, req, batch))
 
 
-def pooling_params(dimensions: int | None = None, keep: int | None = None) -> PoolingParams:
+def pooling_params(dimensions: int | None = None, keep: int | None = None, task: str = EMBED) -> PoolingParams:
     """The request's PoolingParams (`keep`: truncate_prompt_tokens), or a 400 naming the bad field."""
     try:
-        return PoolingParams(dimensions, keep)
+        return PoolingParams(dimensions, keep, task)
     except InvalidParams as exc:
         raise bad_request(str(exc), param=exc.param) from None
 
@@ -63,7 +63,7 @@ def check_dimensions(engine: AsyncEngine, dimensions: int | None) -> None:
                           f"{dimensions}", param="dimensions")
 
 
-def _inputs(value) -> list:
+def embedding_inputs(value) -> list:
     """The request's inputs: a string or a list of token ids is one; a list of either is several."""
     if isinstance(value, str) or _is_ids(value):
         inputs = [value]

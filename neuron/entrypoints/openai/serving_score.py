@@ -1,12 +1,21 @@
-"""vLLM's score and rerank APIs for embedding models: POST /score (and /v1/score) and POST /rerank
-(and /v1/rerank, /v2/rerank: Jina's and Cohere's shape).
+"""vLLM's score, rerank and classify APIs: POST /score (and /v1/score), POST /rerank (and
+/v1/rerank, /v2/rerank: Jina's and Cohere's shape; /reranking and /v1/reranking, llama-server's
+names) and POST /classify.
 
 A model that embeds scores a pair of texts as vLLM scores one with an embedding model: the cosine
 similarity of their two embeddings. Every distinct text is embedded once, through the embeddings
 path (`serving_embeddings`: batched with the rest, at most `max_per_request` in flight).
+
+A classification model (engine/classifier.py) with one label is a cross-encoder: a pair is one
+input, the two texts encoded together as transformers encodes a pair (Tokenizer.encode_pair), and
+its score the sigmoid of the head's logit (`use_activation` false: the logit). /classify gives
+each input's label probabilities and the likeliest label.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
 
 import anyio
 from msgspec import Struct
@@ -14,10 +23,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from neuron.engine.async_engine import AsyncEngine
-from neuron.engine.pooling import EMBED, cosine_similarities
+from neuron.engine.classifier import Classifier
+from neuron.engine.llm_engine import RequestError
+from neuron.engine.pooling import CLASSIFY, EMBED, cosine_similarities
 from neuron.entrypoints.openai.api_errors import bad_request
-from neuron.entrypoints.openai.common import check_serves, encoded, new_id, now
-from neuron.entrypoints.openai.serving_embeddings import MAX_INPUTS, EmbeddingBatch, pooling_params, tokenized_inputs
+from neuron.entrypoints.openai.common import check_ready, check_serves, encoded, new_id, now
+from neuron.entrypoints.openai.prompt_input import check_prompt_chars, off_loop
+from neuron.entrypoints.openai.serving_embeddings import (
+    MAX_INPUTS,
+    EmbeddingBatch,
+    embedding_inputs,
+    pooling_params,
+    tokenized_inputs,
+)
 from neuron.entrypoints.openai.streaming import json_unless_disconnected
 
 
@@ -33,6 +51,7 @@ class ScoreRequest(Struct, kw_only=True):
     truncate_prompt_tokens: int | None = None
     cache_salt: str | None = None
     user: str | None = None
+    use_activation: bool | None = None  # a cross-encoder's sigmoid (default) or raw logit
 
 
 class RerankRequest(Struct, kw_only=True):
@@ -45,6 +64,18 @@ class RerankRequest(Struct, kw_only=True):
     return_documents: bool = True
     truncate_prompt_tokens: int | None = None
     cache_salt: str | None = None
+    use_activation: bool | None = None
+
+
+class ClassifyRequest(Struct, kw_only=True):
+    """vLLM's: `input` a text, token ids, or a list of either."""
+
+    input: Any  # checked as an embedding's input (serving_embeddings.embedding_inputs)
+    model: str | None = None
+    truncate_prompt_tokens: int | None = None
+    cache_salt: str | None = None
+    user: str | None = None
+    use_activation: bool | None = None  # probabilities (default) or the head's logits
 
 
 class ScoreData(Struct):
@@ -64,6 +95,29 @@ class ScoreResponse(Struct):
     model: str
     data: list[ScoreData]
     usage: ScoreUsage
+    object: str = "list"
+
+
+class ClassificationData(Struct):
+    index: int
+    label: str
+    probs: list[float]
+    num_classes: int
+    object: str = "classification"
+
+
+class ClassificationUsage(Struct):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+
+
+class ClassificationResponse(Struct):
+    id: str
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: ClassificationUsage
     object: str = "list"
 
 
@@ -98,8 +152,8 @@ async def create_score(request: Request, engine: AsyncEngine, req: ScoreRequest,
         raise bad_request(f"text_1 has {len(first)} texts and text_2 {len(second)}: send one text_1, or as many as "
                           "text_2", param="text_1")
     pairs = list(zip(first, second))
-    scorer = await _Scorer.open(engine, [t for pair in pairs for t in pair], req.truncate_prompt_tokens, limiter,
-                                cache_salt, new_id("score"))
+    scorer = await _scorer(engine, pairs, req.truncate_prompt_tokens, req.use_activation, limiter, cache_salt,
+                           new_id("score"))
 
     async def collect() -> bytes:
         scores = await scorer.scores(pairs)
@@ -116,8 +170,8 @@ async def create_rerank(request: Request, engine: AsyncEngine, req: RerankReques
     documents = _texts(req.documents, "documents")
     if req.top_n is not None and req.top_n < 0:
         raise bad_request(f"top_n must be 0 (all) or more, got {req.top_n}", param="top_n")
-    scorer = await _Scorer.open(engine, [query, *documents], req.truncate_prompt_tokens, limiter, cache_salt,
-                                new_id("rerank"))
+    scorer = await _scorer(engine, [(query, d) for d in documents], req.truncate_prompt_tokens, req.use_activation,
+                           limiter, cache_salt, new_id("rerank"))
 
     async def collect() -> bytes:
         scores = await scorer.scores([(query, d) for d in documents])
@@ -128,6 +182,39 @@ async def create_rerank(request: Request, engine: AsyncEngine, req: RerankReques
                                             results))
 
     return await json_unless_disconnected(request, scorer.batch, collect())
+
+
+async def create_classify(request: Request, engine: AsyncEngine, req: ClassifyRequest,
+                          limiter: anyio.CapacityLimiter, cache_salt: str | None) -> Response:
+    check_serves(engine, CLASSIFY)
+    head = engine.classifier
+    params = pooling_params(keep=req.truncate_prompt_tokens, task=CLASSIFY)
+    ids = await tokenized_inputs(engine, embedding_inputs(req.input), limiter, params.truncate_prompt_tokens)
+    batch = EmbeddingBatch(engine, new_id("classify"), ids, params, cache_salt)
+
+    async def collect() -> bytes:
+        logits = await batch.run()
+        data = []
+        for k, row in enumerate(logits):
+            probs = head.probabilities(row)
+            best = max(range(len(row)), key=row.__getitem__)
+            data.append(ClassificationData(k, head.labels[best], probs if req.use_activation is not False else row,
+                                           len(row)))
+        tokens = sum(map(len, batch.ids))
+        return await encoded(ClassificationResponse(batch.request_id, now(), engine.model_name, data,
+                                                    ClassificationUsage(tokens, tokens)))
+
+    return await json_unless_disconnected(request, batch, collect())
+
+
+async def _scorer(engine: AsyncEngine, pairs: list[tuple[str, str]], keep: int | None, activation: bool | None,
+                  limiter: anyio.CapacityLimiter, cache_salt: str | None, request_id: str):
+    """The scorer of these pairs: a cross-encoder's for a classification model, else the cosine
+    similarity of embeddings."""
+    check_ready(engine)
+    if CLASSIFY in engine.tasks:
+        return await _CrossEncoder.open(engine, pairs, keep, activation, limiter, cache_salt, request_id)
+    return await _Scorer.open(engine, [t for pair in pairs for t in pair], keep, limiter, cache_salt, request_id)
 
 
 class _Scorer:
@@ -145,7 +232,7 @@ class _Scorer:
         if len(distinct) > MAX_INPUTS:
             raise bad_request(f"the request has {len(distinct)} distinct texts; at most {MAX_INPUTS} are scored at "
                               "once", param="documents")
-        params = pooling_params(keep=keep)
+        params = pooling_params(keep=keep, task=EMBED)
         ids = await tokenized_inputs(engine, distinct, limiter, keep)
         return cls(distinct, EmbeddingBatch(engine, request_id, ids, params, cache_salt))
 
@@ -154,6 +241,46 @@ class _Scorer:
         row = {text: k for k, text in enumerate(self.texts)}
         firsts, seconds = [row[a] for a, _ in pairs], [row[b] for _, b in pairs]
         return await anyio.to_thread.run_sync(cosine_similarities, vectors, firsts, seconds)
+
+
+class _CrossEncoder:
+    """A one-label classifier's score of each pair, the pair encoded as one input."""
+
+    def __init__(self, batch: EmbeddingBatch, head: Classifier, activation: bool):
+        self.batch, self.head, self.activation = batch, head, activation
+        self.tokens = sum(map(len, batch.ids))
+
+    @classmethod
+    async def open(cls, engine: AsyncEngine, pairs: list[tuple[str, str]], keep: int | None, activation: bool | None,
+                   limiter: anyio.CapacityLimiter, cache_salt: str | None, request_id: str) -> "_CrossEncoder":
+        if engine.classifier.num_labels != 1:
+            raise bad_request(f"model `{engine.model_name}` classifies into {engine.classifier.num_labels} labels; "
+                              "scoring a pair needs a one-label head (a cross-encoder): use /classify",
+                              param="model", code="model_not_cross_encoder")
+        if len(pairs) > MAX_INPUTS:
+            raise bad_request(f"the request has {len(pairs)} pairs; at most {MAX_INPUTS} are scored at once",
+                              param="documents")
+        params = pooling_params(keep=keep, task=CLASSIFY)
+        room = None if keep is None else engine.max_model_len if keep == -1 else keep
+        ids = []
+        for first, second in pairs:
+            if room is None:
+                check_prompt_chars(engine, len(first) + len(second), "documents")
+            try:
+                pair = await off_loop(limiter, engine.encode_pair, first, second, room)
+                engine.validate_embedding(pair)
+            except RequestError as exc:
+                raise bad_request(str(exc), param="documents" if exc.param == "input" else exc.param,
+                                  code=exc.code) from None
+            ids.append(pair)
+        # each pair is cut as a whole (encode_pair), not to its last tokens
+        whole = replace(params, truncate_prompt_tokens=None)
+        batch = EmbeddingBatch(engine, request_id, ids, whole, cache_salt)
+        return cls(batch, engine.classifier, activation is not False)
+
+    async def scores(self, pairs: list[tuple[str, str]]) -> list[float]:
+        logits = await self.batch.run()
+        return [self.head.probabilities(row)[0] if self.activation else row[0] for row in logits]
 
 
 def _texts(value, param: str) -> list[str]:

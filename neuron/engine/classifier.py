@@ -1,0 +1,143 @@
+"""Classification and cross-encoder scoring on the leader: a linear head over the last token's
+final-norm hidden state.
+
+A sequence-classification checkpoint (`Qwen3ForSequenceClassification`, `LlamaForSequenceClassification`,
+... in config.json's `architectures`) is the causal LM's body and a `score` matrix of one row per
+label; transformers scores an input by that matrix times its last token's hidden state. A model
+scored by its next-token logits for named tokens (Qwen3-Reranker: "yes" against "no") is served so
+with `--hf-overrides '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token":
+["no", "yes"], "is_original_qwen3_reranker": true}'`, as vLLM takes it: the head is those tokens'
+rows of the LM head, and for two tokens read as a two-way softmax, their difference (one label whose
+sigmoid is the second token's probability against the first).
+
+The ranks pool the last token's hidden state as for a `lasttoken` embedding (models/pooling.py);
+the leader multiplies it by the head (`Classifier.logits`), so no rank holds or runs the head.
+A label's probability (`Classifier.probabilities`) is the sigmoid of a one-label head's logit and
+the softmax of several, as vLLM's classify and score APIs return them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from neuron.errors import ConfigError
+
+_SUFFIX = "ForSequenceClassification"
+_TWO_WAY = "from_2_way_softmax"  # vLLM's `method` for a two-token head read as one label
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Classifier:
+    """A classification head: `weight` [labels, hidden] float32 (and `bias` [labels] or None), on
+    the CPU; `labels` each row's name."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    labels: tuple[str, ...]
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
+
+    def logits(self, hidden: torch.Tensor) -> list[float]:
+        """The head's logits for one pooled hidden state."""
+        out = self.weight @ hidden.float().cpu()
+        if self.bias is not None:
+            out = out + self.bias
+        return out.tolist()
+
+    def probabilities(self, logits: list[float]) -> list[float]:
+        """The labels' probabilities: a one-label head's sigmoid, several labels' softmax."""
+        t = torch.tensor(logits, dtype=torch.float64)
+        return (t.sigmoid() if len(logits) == 1 else t.softmax(-1)).tolist()
+
+
+def is_classification(config: dict) -> bool:
+    """Whether config.json (with --hf-overrides) names a sequence-classification architecture, or
+    asks for a head from named tokens."""
+    archs = config.get("architectures")
+    named = isinstance(archs, list) and any(isinstance(a, str) and a.endswith(_SUFFIX) for a in archs)
+    return named or config.get("classifier_from_token") is not None
+
+
+def load_classifier(config: dict, weight_files: list[str], gguf: Path | None, tokenizer) -> Classifier:
+    """The head of a classification model: rows of its LM head for `classifier_from_token`, else
+    the checkpoint's `score.weight` (and `score.bias`). Refused, naming what is wrong, when the
+    checkpoint has neither or they do not fit the model."""
+    if gguf is not None:
+        raise ConfigError(f"{gguf.name}: classification and cross-encoder scoring read safetensors checkpoints, "
+                          "not GGUF files")
+    from neuron.models.loader import CheckpointReader
+
+    hidden = int(config.get("hidden_size") or 0)
+    reader = CheckpointReader(weight_files)
+    try:
+        tokens = config.get("classifier_from_token")
+        if tokens is not None:
+            return _from_tokens(config, reader, tokens, tokenizer, hidden)
+        if not reader.has("score.weight"):
+            raise ConfigError("a classification model needs `score.weight` in its checkpoint (the head of a "
+                              f"*{_SUFFIX} checkpoint), or `classifier_from_token` in --hf-overrides to score by "
+                              "named tokens' logits")
+        weight = _float(reader, "score.weight")
+        if weight.dim() != 2 or weight.shape[1] != hidden or weight.shape[0] < 1:
+            raise ConfigError(f"score.weight has shape {list(weight.shape)}; expected [num_labels, {hidden}]")
+        bias = _float(reader, "score.bias") if reader.has("score.bias") else None
+        if bias is not None and list(bias.shape) != [weight.shape[0]]:
+            raise ConfigError(f"score.bias has shape {list(bias.shape)}; expected [{weight.shape[0]}]")
+        return Classifier(weight, bias, _label_names(config, weight.shape[0]))
+    finally:
+        reader.close()
+
+
+def _from_tokens(config: dict, reader, tokens, tokenizer, hidden: int) -> Classifier:
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) and t for t in tokens):
+        raise ConfigError("classifier_from_token must be a non-empty list of token strings, such as [\"no\", \"yes\"]")
+    if tokenizer is None:
+        raise ConfigError("classifier_from_token needs the checkpoint's tokenizer to find its tokens")
+    ids = []
+    for token in tokens:
+        id = tokenizer.token_to_id(token)
+        if id is None:
+            raise ConfigError(f"classifier_from_token: {token!r} is not a token of this vocabulary")
+        ids.append(id)
+    name = "lm_head.weight"
+    if config.get("tie_word_embeddings") or not reader.has(name):
+        name = "model.embed_tokens.weight"
+    shape = reader.shape(name)
+    if len(shape) != 2 or shape[1] != hidden:
+        raise ConfigError(f"{name} has shape {shape}; expected [vocab, {hidden}]")
+    if max(ids) >= shape[0]:
+        raise ConfigError(f"classifier_from_token: token id {max(ids)} is past {name}'s {shape[0]} rows")
+    rows = torch.stack([_float(reader, name, row) for row in ids])
+    two_way = config.get("is_original_qwen3_reranker") is True or config.get("method") == _TWO_WAY
+    if two_way:
+        if len(ids) != 2:
+            raise ConfigError(f"a two-way softmax head takes two tokens in classifier_from_token, got {len(ids)}")
+        return Classifier(rows[1:] - rows[:1], None, (tokens[1],))
+    return Classifier(rows, None, tuple(tokens))
+
+
+def _float(reader, name: str, row: int | None = None) -> torch.Tensor:
+    """A floating-point tensor of the checkpoint (one row of it), as float32."""
+    t = reader.read(name) if row is None else reader.read(name, 0, row, row + 1)[0]
+    if not t.is_floating_point():
+        raise ConfigError(f"{name} is stored as {t.dtype}: a classification head is read from a floating-point "
+                          "tensor (a quantized head is not supported)")
+    return t.float().contiguous()
+
+
+def _label_names(config: dict, n: int) -> tuple[str, ...]:
+    """config.json's `id2label` names when they cover every row, else LABEL_0, LABEL_1, ..."""
+    names = config.get("id2label")
+    if isinstance(names, dict):
+        try:
+            by_index = {int(k): str(v) for k, v in names.items()}
+        except (TypeError, ValueError):
+            by_index = {}
+        if sorted(by_index) == list(range(n)):
+            return tuple(by_index[i] for i in range(n))
+    return tuple(f"LABEL_{i}" for i in range(n))

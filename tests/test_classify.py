@@ -1,0 +1,372 @@
+"""Classification models and cross-encoders: a *ForSequenceClassification checkpoint's head, or
+named tokens' rows of a causal LM's head (Qwen3-Reranker's way), over the last token, equal to
+transformers at tp 1 and 2; pairs encoded as transformers encodes them; /classify, and /score and
+/rerank as a cross-encoder through the server, with what they refuse."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import pytest
+import torch
+from checkpoints import BASE, build_checkpoint, cached_model, model_config
+from server_harness import LiveServer, client, real_engine
+
+from neuron import LLM
+from neuron.engine.tokenizer import Tokenizer
+from neuron.errors import ConfigError, NeuronError
+
+TEXTS = ["the quick brown fox", "jumps over the lazy dog", "a", "hello there, how are you today?"]
+QUERY = "what does the fox do"
+RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["Ġno", "Ġyes"],
+            "is_original_qwen3_reranker": True}
+
+
+def _with_tokenizer(path):
+    from neuron.utils.default_checkpoint import default_model_dir
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir() / name, path / name)
+    return path
+
+
+def _vocab() -> int:
+    from neuron.utils.default_checkpoint import default_model_dir
+
+    return Tokenizer.from_dir(default_model_dir()).vocab_size
+
+
+def _build_classifier(path, seed: int, labels: int, **overrides):
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    torch.manual_seed(seed)
+    names = {i: f"class_{i}" for i in range(labels)}
+    config = Qwen3Config(**{**BASE, "vocab_size": _vocab(), "num_labels": labels, "id2label": names,
+                            "label2id": {v: k for k, v in names.items()}, **overrides})
+    model = Qwen3ForSequenceClassification(config).eval()
+    with torch.no_grad():  # logits of a usable size: scores away from 0 and 1, labels well apart
+        model.score.weight.normal_(0, 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return _with_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def three_labels(tmp_path_factory):
+    return _build_classifier(tmp_path_factory.mktemp("cls3"), seed=7, labels=3)
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory):
+    return _build_classifier(tmp_path_factory.mktemp("cls1"), seed=8, labels=1, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def causal_lm(tmp_path_factory):
+    return _with_tokenizer(build_checkpoint(tmp_path_factory.mktemp("reranker"), seed=9, vocab_size=_vocab()))
+
+
+def _ids(path, text: str, pair: str | None = None) -> list[int]:
+    from tokenizers import Tokenizer as Backend
+
+    return Backend.from_file(str(path / "tokenizer.json")).encode(text, pair).ids
+
+
+def _logits(path, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForSequenceClassification
+
+    with torch.no_grad():
+        return cached_model(AutoModelForSequenceClassification, path)(input_ids=torch.tensor([ids])).logits[0]
+
+
+def _reranker_logit(path, ids: list[int]) -> float:
+    """Qwen3-Reranker's score as its model card computes it, before the sigmoid: the causal LM's
+    last-token logit of " yes" less that of " no"."""
+    from transformers import AutoModelForCausalLM
+
+    tok = Tokenizer.from_dir(path)
+    with torch.no_grad():
+        last = cached_model(AutoModelForCausalLM, path)(input_ids=torch.tensor([ids])).logits[0, -1]
+    return float(last[tok.token_to_id("Ġyes")] - last[tok.token_to_id("Ġno")])
+
+
+# ---- what a checkpoint is served for ----
+
+
+def test_a_sequence_classification_checkpoint_classifies(three_labels, causal_lm):
+    cfg = model_config(three_labels)
+    assert cfg.tasks == {"classify"} and cfg.pooling.mode == "lasttoken" and not cfg.pooling.normalize
+    head = cfg.pooling.classifier
+    assert head.labels == ("class_0", "class_1", "class_2") and head.num_labels == 3
+    assert torch.equal(head.weight, cached_model_score(three_labels))
+    assert model_config(causal_lm).tasks == {"generate"}
+    reranker = model_config(causal_lm, hf_overrides=RERANKER).pooling.classifier
+    assert reranker.labels == ("Ġyes",) and reranker.weight.shape == (1, BASE["hidden_size"])
+
+
+def cached_model_score(path) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    return load_file(path / "model.safetensors")["score.weight"].float()
+
+
+@pytest.mark.parametrize("overrides, task, refused", [
+    ({}, "classify", "needs `score.weight`"),
+    ({"classifier_from_token": ["Ġno", "certainly not a token"]}, "auto", "'certainly not a token' is not a token"),
+    ({"classifier_from_token": "Ġyes"}, "auto", "must be a non-empty list"),
+    ({"classifier_from_token": ["Ġno", "Ġyes", "a"], "is_original_qwen3_reranker": True}, "auto",
+     "two-way softmax head takes two tokens"),
+])
+def test_a_head_that_cannot_be_built_is_refused_before_any_rank_starts(causal_lm, overrides, task, refused):
+    with pytest.raises(ConfigError, match=refused):
+        model_config(causal_lm, hf_overrides=overrides or None, task=task)
+
+
+def test_a_head_of_the_wrong_shape_is_refused(tmp_path, three_labels):
+    from safetensors.torch import load_file, save_file
+
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(three_labels / name, tmp_path / name)
+    weights = load_file(three_labels / "model.safetensors")
+    weights["score.weight"] = weights["score.weight"][:, :-1].contiguous()
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"score.weight has shape \[3, 63\]; expected \[num_labels, 64\]"):
+        model_config(tmp_path)
+
+
+# ---- offline: equal to transformers ----
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_classify_equals_transformers(three_labels, tp):
+    with LLM(str(three_labels), device="cpu", dtype="float32", tensor_parallel_size=tp) as llm:
+        outs = llm.classify(TEXTS)
+        raw = llm.classify({"prompt_token_ids": _ids(three_labels, TEXTS[1])}, use_activation=False)
+        with pytest.raises(NeuronError, match="does not embed"):
+            llm.embed(TEXTS[0])
+        with pytest.raises(NeuronError, match="scoring a pair needs a one-label head"):
+            llm.score(QUERY, TEXTS)
+    for text, out in zip(TEXTS, outs):
+        assert out.prompt_token_ids == _ids(three_labels, text)
+        want = _logits(three_labels, out.prompt_token_ids)
+        assert out.outputs.probs == pytest.approx(want.softmax(-1).tolist(), abs=1e-5)
+    assert raw[0].outputs.probs == pytest.approx(_logits(three_labels, _ids(three_labels, TEXTS[1])).tolist(),
+                                                 abs=1e-4)
+
+
+def test_a_llama_classifier_at_tp2_equals_transformers(tmp_path):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(11)
+    shape = {k: v for k, v in BASE.items() if k not in ("head_dim",)}
+    model = LlamaForSequenceClassification(LlamaConfig(**{**shape, "vocab_size": _vocab(), "num_labels": 2,
+                                                          "head_dim": BASE["head_dim"]})).eval()
+    with torch.no_grad():
+        model.score.weight.normal_(0, 0.5)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    _with_tokenizer(tmp_path)
+    with LLM(str(tmp_path), device="cpu", dtype="float32", tensor_parallel_size=2) as llm:
+        outs = llm.classify([{"prompt_token_ids": p} for p in ([5], [9, 8, 7, 6] * 10)])
+    for out in outs:
+        with torch.no_grad():
+            want = model(input_ids=torch.tensor([out.prompt_token_ids])).logits[0].softmax(-1)
+        assert out.outputs.probs == pytest.approx(want.tolist(), abs=1e-5)
+
+
+def test_a_cross_encoder_scores_each_pair_as_one_input(cross_encoder):
+    with LLM(str(cross_encoder), device="cpu", dtype="float32") as llm:
+        one = llm.score(QUERY, TEXTS)
+        pairwise = llm.score(TEXTS[:2], TEXTS[2:], use_activation=False)
+        with pytest.raises(ValueError, match="pairs of texts"):
+            llm.score({"prompt_token_ids": [1, 2]}, TEXTS[0])
+    for out, text in zip(one, TEXTS):
+        assert out.prompt_token_ids == _ids(cross_encoder, QUERY, text)
+        assert out.outputs.score == pytest.approx(float(_logits(cross_encoder, out.prompt_token_ids)[0].sigmoid()),
+                                                  abs=1e-5)
+    for out, (a, b) in zip(pairwise, zip(TEXTS[:2], TEXTS[2:])):
+        assert out.outputs.score == pytest.approx(float(_logits(cross_encoder, _ids(cross_encoder, a, b))[0]),
+                                                  abs=1e-4)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_reranker_scored_by_named_tokens_equals_its_causal_lm(causal_lm, tp):
+    """Qwen3-Reranker's way: the sigmoid of " yes" against " no" at the last token, from the causal
+    LM's own head; with two labels (no two-way softmax) the softmax of the two logits."""
+    with LLM(str(causal_lm), device="cpu", dtype="float32", tensor_parallel_size=tp, hf_overrides=RERANKER) as llm:
+        scores = llm.score(QUERY, TEXTS)
+    for out in scores:
+        assert out.outputs.score == pytest.approx(torch.tensor(_reranker_logit(causal_lm, out.prompt_token_ids))
+                                                  .sigmoid().item(), abs=1e-5)
+    two = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["Ġno", "Ġyes"]}
+    with LLM(str(causal_lm), device="cpu", dtype="float32", hf_overrides=two) as llm:
+        [out] = llm.classify(TEXTS[3])
+    d = _reranker_logit(causal_lm, out.prompt_token_ids)
+    assert out.outputs.probs == pytest.approx(torch.tensor([0.0, d]).softmax(-1).tolist(), abs=1e-5)
+
+
+# ---- pairs as transformers encodes them ----
+
+
+@pytest.fixture(scope="module")
+def templated(tmp_path_factory):
+    """The default tokenizer with a post-processor that marks a pair (BOS A SEP B), as BERT-style
+    and Llama-style tokenizers do."""
+    from neuron.utils.default_checkpoint import default_model_dir
+
+    path = tmp_path_factory.mktemp("pair-template")
+    spec = json.loads((default_model_dir() / "tokenizer.json").read_text())
+    start, end = {"id": "<|im_start|>", "ids": [1379], "tokens": ["<|im_start|>"]}, \
+        {"id": "<|im_end|>", "ids": [1380], "tokens": ["<|im_end|>"]}
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"SpecialToken": {"id": "<|im_end|>", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|im_start|>": start, "<|im_end|>": end}}
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    shutil.copy(default_model_dir() / "tokenizer_config.json", path / "tokenizer_config.json")
+    return path
+
+
+@pytest.mark.parametrize("a, b, max_tokens", [
+    ("the quick brown fox", "jumps over the lazy dog", None),
+    ("the quick brown fox", "jumps over the lazy dog", 9),  # both cut: the shorter to half the room
+    ("a b c d e f g h i j k l", "x", 7),  # the longer cut alone
+    ("x y z", "a b c d e f g h i j k l", 12),
+    ("one two three four", "five six seven eight", 7),  # level: the first keeps the smaller half
+])
+def test_a_pair_is_encoded_and_cut_as_transformers_does(templated, a, b, max_tokens):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(templated)
+    cut = {} if max_tokens is None else {"truncation": "longest_first", "max_length": max_tokens}
+    want = hf(a, b, **cut)["input_ids"]
+    got = Tokenizer.from_dir(templated).encode_pair(a, b, max_tokens)
+    assert got == want
+    assert got[0] == 1379 and 1380 in got
+    if max_tokens is not None:
+        assert len(got) == max_tokens
+
+
+def test_a_bound_that_leaves_the_texts_no_room_is_refused(templated):
+    from neuron.engine.tokenizer import TokenizerError
+
+    with pytest.raises(TokenizerError, match="3 tokens leave no room"):
+        Tokenizer.from_dir(templated).encode_pair("a b", "c d", 3)
+
+
+# ---- served ----
+
+
+@pytest.fixture(scope="module")
+def rerank_server(cross_encoder):
+    engine = real_engine(str(cross_encoder), tp=2, name="ranker", max_model_len=64)
+    with LiveServer(engine) as server:
+        yield server.wait_ready()
+
+
+def _sigmoid_of(path, a: str, b: str) -> float:
+    return float(_logits(path, _ids(path, a, b))[0].sigmoid())
+
+
+def test_score_and_rerank_as_a_cross_encoder(rerank_server, cross_encoder):
+    url = rerank_server.url
+    want = [_sigmoid_of(cross_encoder, QUERY, t) for t in TEXTS]
+    r = httpx.post(f"{url}/v1/score", json={"model": "ranker", "text_1": QUERY, "text_2": TEXTS})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [d["score"] for d in body["data"]] == pytest.approx(want, abs=1e-5)
+    assert body["usage"]["prompt_tokens"] == sum(len(_ids(cross_encoder, QUERY, t)) for t in TEXTS)
+    raw = httpx.post(f"{url}/score", json={"model": "ranker", "text_1": TEXTS[:2], "text_2": TEXTS[2:],
+                                           "use_activation": False}).json()
+    assert [d["score"] for d in raw["data"]] == pytest.approx(
+        [float(_logits(cross_encoder, _ids(cross_encoder, a, b))[0]) for a, b in zip(TEXTS[:2], TEXTS[2:])], abs=1e-4)
+    best = sorted(range(len(TEXTS)), key=want.__getitem__, reverse=True)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank", "/reranking", "/v1/reranking"):
+        ranked = httpx.post(f"{url}{path}", json={"model": "ranker", "query": QUERY, "documents": TEXTS,
+                                                  "top_n": 3}).json()
+        assert [r["index"] for r in ranked["results"]] == best[:3], path
+        assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx([want[k] for k in best[:3]],
+                                                                                  abs=1e-5)
+        assert [r["document"]["text"] for r in ranked["results"]] == [TEXTS[k] for k in best[:3]]
+
+
+def test_classify_route(rerank_server, cross_encoder):
+    r = httpx.post(f"{rerank_server.url}/classify", json={"model": "ranker", "input": TEXTS[:2]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and body["model"] == "ranker" and body["id"].startswith("classify-")
+    for d, text in zip(body["data"], TEXTS[:2]):
+        assert d["num_classes"] == 1 and d["label"] == "class_0"
+        assert d["probs"] == pytest.approx([float(_logits(cross_encoder, _ids(cross_encoder, text))[0].sigmoid())],
+                                           abs=1e-5)
+    assert body["usage"]["prompt_tokens"] == sum(len(_ids(cross_encoder, t)) for t in TEXTS[:2])
+
+
+def test_a_long_pair_is_cut_to_the_bound_or_refused(rerank_server, cross_encoder):
+    url = rerank_server.url
+    long_doc = " ".join(["lazy dog"] * 80)
+    r = httpx.post(f"{url}/v1/score", json={"model": "ranker", "text_1": QUERY, "text_2": long_doc})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    cut = httpx.post(f"{url}/v1/score", json={"model": "ranker", "text_1": QUERY, "text_2": long_doc,
+                                              "truncate_prompt_tokens": 20})
+    assert cut.status_code == 200, cut.text
+    ids = Tokenizer.from_dir(cross_encoder).encode_pair(QUERY, long_doc, 20)
+    assert len(ids) == 20 and ids[: len(_ids(cross_encoder, QUERY))] == _ids(cross_encoder, QUERY)
+    assert cut.json()["data"][0]["score"] == pytest.approx(float(_logits(cross_encoder, ids)[0].sigmoid()), abs=1e-5)
+    assert cut.json()["usage"]["prompt_tokens"] == 20
+    whole = httpx.post(f"{url}/v1/score", json={"model": "ranker", "text_1": QUERY, "text_2": long_doc,
+                                                "truncate_prompt_tokens": -1})
+    assert whole.status_code == 200 and whole.json()["usage"]["prompt_tokens"] == 64, whole.text
+
+
+@pytest.mark.parametrize("path, body, status, param, code", [
+    ("/v1/embeddings", {"input": "hi"}, 400, "model", "model_not_embedding"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, 400, "model", "model_not_generative"),
+    ("/v1/score", {"text_1": QUERY, "text_2": "x", "truncate_prompt_tokens": 1}, 400, "truncate_prompt_tokens",
+     None),
+    ("/v1/score", {"text_1": QUERY, "text_2": "x", "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens",
+     None),
+    ("/classify", {"input": []}, 400, "input", None),
+    ("/classify", {"input": [[1, 99999]]}, 400, "input", None),
+    ("/rerank", {"query": "q", "documents": []}, 400, "documents", None),
+])
+def test_what_a_cross_encoder_refuses(rerank_server, path, body, status, param, code):
+    r = httpx.post(f"{rerank_server.url}{path}", json={"model": "ranker", **body})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    # the server goes on serving
+    ok = httpx.post(f"{rerank_server.url}/classify", json={"model": "ranker", "input": "a"})
+    assert ok.status_code == 200
+
+
+def test_the_openai_client_is_refused_chat_on_a_classifier(rerank_server):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="is a classification model"):
+        client(rerank_server).chat.completions.create(model="ranker", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_only_a_one_label_head_scores_pairs(three_labels):
+    engine = real_engine(str(three_labels), tp=1, name="three")
+    with LiveServer(engine) as server:
+        url = server.wait_ready().url
+        r = httpx.post(f"{url}/v1/rerank", json={"model": "three", "query": "q", "documents": ["d"]})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_cross_encoder", r.text
+        ok = httpx.post(f"{url}/classify", json={"model": "three", "input": [[5, 6, 7]]}).json()
+        assert ok["data"][0]["num_classes"] == 3
+        assert ok["data"][0]["probs"] == pytest.approx(_logits(three_labels, [5, 6, 7]).softmax(-1).tolist(), abs=1e-5)
+        label = int(_logits(three_labels, [5, 6, 7]).argmax())
+        assert ok["data"][0]["label"] == f"class_{label}"
+
+
+def test_an_embedding_or_generation_model_refuses_classify():
+    engine = real_engine(None, tp=1, name="gen")
+    with LiveServer(engine) as server:
+        url = server.wait_ready().url
+        r = httpx.post(f"{url}/classify", json={"model": "gen", "input": "hi"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_classifier", r.text
