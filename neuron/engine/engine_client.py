@@ -73,9 +73,9 @@ class EngineClient:
         pooling = self._loaded().model.pooling
         return None if pooling is None else pooling.classifier
 
-    def encode_pair(self, first: str, second: str, max_tokens: int | None = None) -> list[int]:
-        """A cross-encoder's input for a pair of texts (Tokenizer.encode_pair); RequestError without
-        a tokenizer, or when `max_tokens` leaves the texts no room. CPU-heavy."""
+    def join_pair(self, first: list[int], second: list[int], max_tokens: int | None = None) -> list[int]:
+        """A cross-encoder's input for two texts' ids (Tokenizer.join_pair); RequestError without a
+        tokenizer, or when `max_tokens` leaves the texts no room."""
         from neuron.engine.llm_engine import RequestError
         from neuron.engine.tokenizer import TokenizerError
 
@@ -84,7 +84,12 @@ class EngineClient:
             raise RequestError("this checkpoint has no tokenizer.json: a pair of texts cannot be scored",
                                param="model")
         try:
-            return tokenizer.encode_pair(first, second, max_tokens)
+            if max_tokens is None and len(first) + len(second) + tokenizer.pair_overhead() > self.max_model_len:
+                n = len(first) + len(second) + tokenizer.pair_overhead()
+                raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                                   f"pair has {n} tokens: shorten it, or send truncate_prompt_tokens",
+                                   code="context_length_exceeded", param="input")
+            return tokenizer.join_pair(first, second, max_tokens)
         except TokenizerError as exc:
             raise RequestError(str(exc), param="truncate_prompt_tokens") from None
 

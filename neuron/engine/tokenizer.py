@@ -13,7 +13,7 @@ import math
 import os
 from collections.abc import Sequence
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import jinja2
@@ -154,21 +154,41 @@ class Tokenizer:
         return ids
 
     def encode_pair(self, first: str, second: str, max_tokens: int | None = None) -> list[int]:
-        """A pair of texts as one input, with the special tokens the post-processor puts around and
-        between them, as transformers encodes `tokenizer(first, second)` for a cross-encoder.
-        `max_tokens` bounds the whole, cutting the texts' ends as its `longest_first` truncation
-        does."""
-        one, two = self._backend.encode_batch([first, second], add_special_tokens=False)
+        """A pair of texts as one input, as transformers encodes `tokenizer(first, second)` for a
+        cross-encoder (join_pair)."""
+        return self.join_pair(self.encode(first), self.encode(second), max_tokens)
+
+    def join_pair(self, first: list[int], second: list[int], max_tokens: int | None = None) -> list[int]:
+        """Two texts' ids (encoded without special tokens) as one input, with the special tokens
+        the post-processor's pair template puts around and between them. `max_tokens` bounds the
+        whole, cutting the texts' ends as the tokenizer's `longest_first` truncation does. Each
+        text is encoded once however many pairs it is in: the template is learnt once."""
+        before, between, after = self._pair_template
         if max_tokens is not None:
-            processor = self._backend.post_processor
-            room = max_tokens - (processor.num_special_tokens_to_add(True) if processor is not None else 0)
+            room = max_tokens - len(before) - len(between) - len(after)
             if room < 2:
                 raise TokenizerError(f"{max_tokens} tokens leave no room for the pair's texts and its "
                                      "special tokens")
-            a, b = _longest_first(len(one.ids), len(two.ids), room)
-            one.truncate(a)
-            two.truncate(b)
-        return self._backend.post_process(one, two, add_special_tokens=True).ids
+            a, b = _longest_first(len(first), len(second), room)
+            first, second = first[:a], second[:b]
+        return [*before, *first, *between, *second, *after]
+
+    def pair_overhead(self) -> int:
+        """How many special tokens the pair template adds."""
+        return sum(map(len, self._pair_template))
+
+    @cached_property
+    def _pair_template(self) -> tuple[list[int], list[int], list[int]]:
+        """The special tokens the post-processor puts before, between and after a pair's texts,
+        read off a probe pair."""
+        one, two = self._backend.encode_batch(["a", "b"], add_special_tokens=False)
+        joined = self._backend.post_process(one, two, add_special_tokens=True)
+        content = [i for i, special in enumerate(joined.special_tokens_mask) if not special]
+        if len(content) != len(one.ids) + len(two.ids):
+            raise TokenizerError("the tokenizer's post-processor changes a pair's texts: pairs cannot be encoded")
+        a, b = content[: len(one.ids)], content[len(one.ids):]
+        ids = joined.ids
+        return ids[: a[0]], ids[a[-1] + 1 : b[0]], ids[b[-1] + 1 :]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         try:

@@ -336,7 +336,9 @@ class LLM:
         room = None if keep is None else self.engine.model.max_model_len if keep == -1 else keep
         if room is not None and room < 1:
             raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {keep}")
-        ids = [self.engine.tokenizer.encode_pair(a, b, room) for a, b in pairs]
+        tok = self.engine.tokenizer
+        encoded = {t: tok.encode(t) for t in dict.fromkeys(t for pair in pairs for t in pair)}
+        ids = [tok.join_pair(encoded[a], encoded[b], room) for a, b in pairs]
         outs = self._pooled([_Prompt(None, i) for i in ids], PoolingParams(task=CLASSIFY))
         return [ScoringRequestOutput(rid, ScoringOutput(head.probabilities(v)[0] if use_activation else v[0]), i)
                 for rid, i, v in outs]

@@ -262,20 +262,28 @@ class _CrossEncoder:
                               param="documents")
         params = pooling_params(keep=keep, task=CLASSIFY)
         room = None if keep is None else engine.max_model_len if keep == -1 else keep
-        ids = []
-        for first, second in pairs:
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        for text in texts:  # a text that alone fills the context makes every pair with it too long
             if room is None:
-                check_prompt_chars(engine, len(first) + len(second), "documents")
+                check_prompt_chars(engine, len(text), "documents")
+        ids: dict[str, list[int]] = {}
+        for text in texts:  # each distinct text encoded once, however many pairs it is in
             try:
-                pair = await off_loop(limiter, engine.encode_pair, first, second, room)
+                ids[text] = await off_loop(limiter, engine.encode_prompt, text, False)
+            except RequestError as exc:
+                raise bad_request(str(exc), param="documents") from None
+        inputs = []
+        for first, second in pairs:
+            try:
+                pair = engine.join_pair(ids[first], ids[second], room)
                 engine.validate_embedding(pair)
             except RequestError as exc:
                 raise bad_request(str(exc), param="documents" if exc.param == "input" else exc.param,
                                   code=exc.code) from None
-            ids.append(pair)
-        # each pair is cut as a whole (encode_pair), not to its last tokens
+            inputs.append(pair)
+        # each pair is cut as a whole (join_pair), not to its last tokens
         whole = replace(params, truncate_prompt_tokens=None)
-        batch = EmbeddingBatch(engine, request_id, ids, whole, cache_salt)
+        batch = EmbeddingBatch(engine, request_id, inputs, whole, cache_salt)
         return cls(batch, engine.classifier, activation is not False)
 
     async def scores(self, pairs: list[tuple[str, str]]) -> list[float]:
