@@ -371,3 +371,59 @@ def test_an_embedding_or_generation_model_refuses_classify():
         url = server.wait_ready().url
         r = httpx.post(f"{url}/classify", json={"model": "gen", "input": "hi"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_classifier", r.text
+
+
+# ---- generated bodies: never a 500 ----
+
+_FIELDS = {"/v1/score": ["text_1", "text_2", "queries", "documents", "truncate_prompt_tokens", "use_activation",
+                         "cache_salt", "user"],
+           "/v1/rerank": ["query", "documents", "top_n", "return_documents", "truncate_prompt_tokens",
+                          "use_activation", "cache_salt"],
+           "/classify": ["input", "truncate_prompt_tokens", "use_activation", "cache_salt", "user"]}
+_VALID = {"/v1/score": {"text_1": QUERY, "text_2": TEXTS[:2]}, "/v1/rerank": {"query": QUERY, "documents": TEXTS[:2]},
+          "/classify": {"input": TEXTS[:2]}}
+
+
+def _bodies():
+    from hypothesis import strategies as st
+
+    odd = st.one_of(st.text(max_size=30), st.sampled_from(["", "<|im_end|>", "\ud800", "\x00", " " * 300]))
+    values = st.one_of(st.none(), st.booleans(), st.integers(-(2**65), 2**65), st.sampled_from([-2, -1, 0, 1, 2, 5, 64]),
+                       st.floats(allow_nan=False), odd, st.lists(odd, max_size=4),
+                       st.lists(st.integers(-3, 2000), max_size=5), st.lists(st.lists(st.integers(-3, 2000),
+                                                                                      max_size=3), max_size=3),
+                       st.dictionaries(odd, st.integers(), max_size=2))
+
+    @st.composite
+    def body(draw):
+        path = draw(st.sampled_from(sorted(_FIELDS)))
+        out = {"model": "ranker", **_VALID[path]}
+        for _ in range(draw(st.integers(1, 3))):
+            field = draw(st.sampled_from(_FIELDS[path] + ["model"]))
+            if draw(st.integers(0, 5)) == 0:
+                out.pop(field, None)
+            else:
+                out[field] = draw(values)
+        return path, out
+
+    return body()
+
+
+def test_generated_bodies_never_get_a_500(rerank_server):
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(deadline=None, derandomize=True, database=None, max_examples=60,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(_bodies())
+    def run(case):
+        path, body = case
+        r = httpx.post(f"{rerank_server.url}{path}", content=json.dumps(body, allow_nan=True).encode(),
+                       headers={"content-type": "application/json"}, timeout=60)
+        context = f"{path} {body!r:.400} -> {r.status_code} {r.text[:400]}"
+        assert r.status_code in (200, 400, 404), context
+        if r.status_code != 200:
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], context
+
+    run()
+    assert httpx.get(f"{rerank_server.url}/health").status_code == 200
