@@ -447,3 +447,25 @@ def test_vllms_request_id_names_the_response_and_never_joins_two_requests(client
         r = httpx.post(f"{clients_server.url}/v1/chat/completions",
                        json={"model": MODEL, "messages": messages, "request_id": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", bad
+
+
+def test_an_x_request_id_header_names_the_response_and_comes_back(clients_server):
+    """vLLM's `X-Request-Id`: it names a chat or completion response before the body's
+    `request_id`, and comes back on any response (a refusal too) for tracing; a value that is not
+    visible ASCII of at most 256 characters is neither used nor echoed."""
+    url, messages = clients_server.url, [{"role": "user", "content": "Rivers"}]
+    r = httpx.post(f"{url}/v1/chat/completions", headers={"X-Request-Id": "proxy-7"},
+                   json={"model": MODEL, "messages": messages, "max_tokens": 2, "request_id": "body"})
+    assert r.status_code == 200 and r.json()["id"] == "chatcmpl-proxy-7" and r.headers["x-request-id"] == "proxy-7"
+    r = httpx.post(f"{url}/v1/completions", headers={"X-Request-Id": "c-1"},
+                   json={"model": MODEL, "prompt": "Rivers", "max_tokens": 2, "stream": True})
+    assert r.headers["x-request-id"] == "c-1" and '"id":"cmpl-c-1"' in r.text
+    refused = httpx.post(f"{url}/v1/completions", headers={"X-Request-Id": "bad-1"}, json={"model": MODEL})
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == "bad-1"
+    assert httpx.get(f"{url}/health", headers={"X-Request-Id": "h"}).headers["x-request-id"] == "h"
+    for odd in ("x" * 257, "has space", "caf\u00e9"):
+        r = httpx.post(f"{url}/v1/completions", headers={"X-Request-Id": odd.encode("utf-8")},
+                       json={"model": MODEL, "prompt": "Rivers", "max_tokens": 1})
+        assert r.status_code == 200 and "x-request-id" not in r.headers and r.json()["id"].startswith("cmpl-")
+        assert odd not in r.json()["id"]
+    assert "x-request-id" not in httpx.get(f"{url}/health").headers

@@ -39,7 +39,13 @@ from neuron.entrypoints.openai.api_types import (
     TokenizeRequest,
 )
 from neuron.entrypoints.openai.common import check_ready, check_serves, request_salt
-from neuron.entrypoints.openai.connections import BodyTimeout, RequestGuard, parse_origins
+from neuron.entrypoints.openai.connections import (
+    BodyTimeout,
+    EchoRequestId,
+    RequestGuard,
+    header_request_id,
+    parse_origins,
+)
 from neuron.entrypoints.openai.llamacpp import llamacpp_routes
 from neuron.entrypoints.openai.lora_routes import lora_routes
 from neuron.entrypoints.openai.messages_types import CountTokensRequest, MessagesRequest
@@ -167,11 +173,11 @@ def build_app(served: AsyncEngine | ModelHost, cfg: ServerConfig) -> Starlette:
         await anyio.to_thread.run_sync(host.stop)
 
     origins = parse_origins(cfg.allowed_origins)
-    middleware = [Middleware(RequestGuard, allowed_origins=origins),
+    middleware = [Middleware(EchoRequestId), Middleware(RequestGuard, allowed_origins=origins),
                   Middleware(BodyTimeout, timeout_s=cfg.body_timeout_s, min_rate=cfg.min_body_rate)]
     if origins:  # browser pages of these origins may read the answers too
         middleware.insert(0, Middleware(CORSMiddleware, allow_origins=sorted(origins), allow_methods=["GET", "POST"],
-                                        allow_headers=["authorization", "content-type"]))
+                                        allow_headers=["authorization", "content-type", "x-request-id"]))
     return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                      exception_handlers={HTTPException: _http_error})
 
@@ -327,6 +333,7 @@ class _Api:
 
     async def chat(self, request: Request) -> Response:
         req = await self._decode(request, ChatCompletionRequest)
+        req.request_id = header_request_id(request.headers) or req.request_id
         engine = await self._engine(req.model)
         check_serves(engine, GENERATE)
         return await create_chat_completion(request, engine, req, self.cfg.keepalive_s, self.limiters,
@@ -334,6 +341,7 @@ class _Api:
 
     async def completions(self, request: Request) -> Response:
         req = await self._decode(request, CompletionRequest)
+        req.request_id = header_request_id(request.headers) or req.request_id
         engine = await self._engine(req.model)
         check_serves(engine, GENERATE)
         return await create_completion(request, engine, req, self.cfg.keepalive_s, self.limiters,

@@ -309,6 +309,44 @@ class RequestGuard:
         return None
 
 
+_MAX_REQUEST_ID_HEADER = 256
+
+
+def header_request_id(headers) -> str | None:
+    """The client's (or its proxy's) `X-Request-Id`, when it is 1 to 256 visible ASCII characters:
+    vLLM names a chat or completion response by it, before the body's `request_id`."""
+    value = headers.get("x-request-id")
+    if value is None or not 0 < len(value) <= _MAX_REQUEST_ID_HEADER or not all("!" <= c <= "~" for c in value):
+        return None
+    return value
+
+
+class EchoRequestId:
+    """ASGI middleware: a request's `X-Request-Id` (header_request_id) comes back on its response,
+    for tracing through proxies, as vLLM's `--enable-request-id-headers` does."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = header_request_id({name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]
+                                   if name == b"x-request-id"})
+        if given is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def echoing(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", given.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, echoing)
+
+
 def parse_origins(value: str | None) -> frozenset[str]:
     """`--allowed-origins`: comma-separated origins, each as a browser sends it (no trailing slash)."""
     return frozenset(o.strip().rstrip("/") for o in (value or "").split(",") if o.strip())
