@@ -330,6 +330,7 @@ def test_ollamas_embed_routes(embed_server, last_token_checkpoint, text_ids):
     _close(legacy, reference_embeddings(last_token_checkpoint, text_ids[:1])[0])
     shorter = c.embed("embedder", TEXTS[0], dimensions=8).embeddings[0]
     assert len(shorter) == 8
+    assert c.show("embedder").capabilities == ["embedding"]  # an embedding model, not a completion one
 
 
 def test_score_and_rerank_are_the_cosines_of_the_embeddings(embed_server, last_token_checkpoint, text_ids):

@@ -12,6 +12,7 @@ from typing import Any
 
 from neuron.engine.engine_config import default_device
 from neuron.engine.host import HostedModel, ModelHost
+from neuron.engine.pooling import EMBED, GENERATE
 from neuron.entrypoints.openai.api_errors import bad_request
 from neuron.entrypoints.openai.response_parser import THINK_CLOSE, THINK_OPEN, tool_format
 from neuron.worker.failure import resolve_dtype
@@ -159,8 +160,8 @@ def _expires_at(m: HostedModel) -> str:
 
 def show_body(m: HostedModel, started: float) -> dict:
     """/api/show: the model's template, default parameters, details, architecture and capabilities
-    (`completion`, and `tools`, `thinking`, `vision` where the checkpoint has them); a model not
-    loaded shows what its spec says."""
+    (`completion` for a model that generates, and `tools`, `thinking`, `vision` where the checkpoint
+    has them; `embedding` for one that embeds); a model not loaded shows what its spec says."""
     cfg = _config(m)
     body: dict[str, Any] = {"modelfile": "", "parameters": "", "template": "", "details": _details(m),
                             "model_info": {}, "capabilities": ["completion"],
@@ -168,13 +169,15 @@ def show_body(m: HostedModel, started: float) -> dict:
     if cfg is None:
         return body
     engine, tok = m.engine, m.engine.tokenizer
+    generates = GENERATE in cfg.tasks
+    body["capabilities"] = (["completion"] if generates else []) + (["embedding"] if EMBED in cfg.tasks else [])
     if tok is not None:
         body["template"] = tok.chat_template or ""
-        if tool_format(tok) is not None:
+        if generates and tool_format(tok) is not None:
             body["capabilities"].append("tools")
-        if tok.token_to_id(THINK_OPEN) is not None and tok.token_to_id(THINK_CLOSE) is not None:
+        if generates and tok.token_to_id(THINK_OPEN) is not None and tok.token_to_id(THINK_CLOSE) is not None:
             body["capabilities"].append("thinking")
-    if engine.vision is not None:
+    if generates and engine.vision is not None:
         body["capabilities"].append("vision")
     defaults = engine.default_sampling().items()
     body["parameters"] = "\n".join(f"{_PARAMETER_NAMES.get(k, k)} {v}" for k, v in defaults)
