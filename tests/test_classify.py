@@ -205,6 +205,30 @@ def test_a_reranker_scored_by_named_tokens_equals_its_causal_lm(causal_lm, tp):
     assert out.outputs.probs == pytest.approx(torch.tensor([0.0, d]).softmax(-1).tolist(), abs=1e-5)
 
 
+def test_a_gguf_reranker_reads_its_tokens_rows_dequantized(tmp_path):
+    """A causal LM reranker as a GGUF file (the usual way llama.cpp's users have Qwen3-Reranker),
+    its head a Q8_0 `output.weight`: the named tokens' rows dequantized, equal to transformers on
+    the same file."""
+    from gguf_files import write_gguf
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = _with_tokenizer(build_checkpoint(tmp_path / "hf", seed=12, vocab_size=_vocab(), tie_word_embeddings=False))
+    (tmp_path / "gguf").mkdir()
+    path = write_gguf(hf, tmp_path / "gguf" / "reranker.gguf", {"output.weight": "Q8_0", "default": "F32"})
+    with LLM(str(path), device="cpu", dtype="float32", hf_overrides=RERANKER) as llm:
+        scores = llm.score(QUERY, TEXTS[:2])
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                 config=AutoConfig.from_pretrained(hf)).eval()
+    tok = Tokenizer.from_dir(hf)
+    yes, no = tok.token_to_id("Ġyes"), tok.token_to_id("Ġno")
+    for out in scores:
+        with torch.no_grad():
+            last = model(input_ids=torch.tensor([out.prompt_token_ids])).logits[0, -1]
+        assert out.outputs.score == pytest.approx(float((last[yes] - last[no]).sigmoid()), abs=1e-5)
+    with pytest.raises(ConfigError, match="a GGUF file has no classification head"):
+        model_config(path, task="classify")
+
+
 # ---- pairs as transformers encodes them ----
 
 

@@ -103,6 +103,23 @@ def test_the_task_follows_the_checkpoint_unless_set(last_token_checkpoint, gener
         model_config(generation_checkpoint, task="embed,classify")
 
 
+@pytest.mark.parametrize("kind, mode", [(1, "mean"), (3, "lasttoken")])
+def test_a_gguf_embedding_model_pools_as_its_metadata_says(generation_checkpoint, tmp_path, kind, mode):
+    """llama.cpp's `{arch}.pooling_type` makes a GGUF file an embedding model, normalized as its
+    server and Ollama return vectors; rank pooling (a converted reranker's head) is refused."""
+    from gguf_files import write_gguf
+
+    path = write_gguf(generation_checkpoint, tmp_path / "embed.gguf", "F32", tokenizer=False, pooling=kind)
+    cfg = model_config(path)
+    assert (cfg.tasks, cfg.pooling) == ({"embed"}, PoolingConfig(mode, True))
+    with LLM(str(path), device="cpu", dtype="float32") as llm:
+        [out] = llm.embed({"prompt_token_ids": PROMPTS[2]})
+    _close(out.outputs.embedding, reference_embeddings(generation_checkpoint, PROMPTS[2:3], mode)[0])
+    rank = write_gguf(generation_checkpoint, tmp_path / "rank.gguf", "F32", tokenizer=False, pooling=4)
+    with pytest.raises(ConfigError, match="GGUF pooling type 4 is not supported"):
+        model_config(rank)
+
+
 def test_serve_and_a_models_file_take_the_task():
     engine, _ = serve.configs(_parser().parse_args(["serve", "some-model", "--task", "generate,embed"]))
     assert engine.task == "generate,embed"

@@ -64,18 +64,23 @@ def is_classification(config: dict) -> bool:
 
 
 def load_classifier(config: dict, weight_files: list[str], gguf: Path | None, tokenizer) -> Classifier:
-    """The head of a classification model: rows of its LM head for `classifier_from_token`, else
-    the checkpoint's `score.weight` (and `score.bias`). Refused, naming what is wrong, when the
-    checkpoint has neither or they do not fit the model."""
-    if gguf is not None:
-        raise ConfigError(f"{gguf.name}: classification and cross-encoder scoring read safetensors checkpoints, "
-                          "not GGUF files")
-    from neuron.models.loader import CheckpointReader
-
+    """The head of a classification model: rows of its LM head for `classifier_from_token` (a
+    GGUF file's dequantized), else the checkpoint's `score.weight` (and `score.bias`). Refused,
+    naming what is wrong, when the checkpoint has neither or they do not fit the model."""
     hidden = int(config.get("hidden_size") or 0)
-    reader = CheckpointReader(weight_files)
+    tokens = config.get("classifier_from_token")
+    if gguf is not None and tokens is None:
+        raise ConfigError(f"{gguf.name}: a GGUF file has no classification head; a reranker scored by named tokens "
+                          "is served with classifier_from_token in --hf-overrides")
+    if gguf is not None:
+        from neuron.models.gguf import GGUFReader
+
+        reader = GGUFReader(gguf, config)  # rows of a quantized head, dequantized
+    else:
+        from neuron.models.loader import CheckpointReader
+
+        reader = CheckpointReader(weight_files)
     try:
-        tokens = config.get("classifier_from_token")
         if tokens is not None:
             return _from_tokens(config, reader, tokens, tokenizer, hidden)
         if not reader.has("score.weight"):

@@ -429,7 +429,7 @@ def _tasks(task: str, model_dir: Path, config: dict, weights: list[str], gguf: P
     normalized; a classifier's last token through its head (engine/classifier.py). `auto` embeds
     when those files say the checkpoint is a pooling model, classifies when config.json names a
     sequence-classification architecture (or --hf-overrides a head from named tokens)."""
-    found = sentence_transformers_pooling(model_dir)
+    found = sentence_transformers_pooling(model_dir) or (gguf_pooling(open_file(gguf)) if gguf is not None else None)
     if task == "auto":
         task = CLASSIFY if is_classification(config) else EMBED if found is not None else GENERATE
     tasks = frozenset(task.split(","))
@@ -438,6 +438,24 @@ def _tasks(task: str, model_dir: Path, config: dict, weights: list[str], gguf: P
     if EMBED not in tasks:
         return tasks, None
     return tasks, found or PoolingConfig()
+
+
+# llama.cpp's pooling types ({arch}.pooling_type): 0 none (a generation model), 4 rank (a reranker's head)
+_GGUF_POOLING = {1: "mean", 2: "cls", 3: "lasttoken"}
+
+
+def gguf_pooling(f: GGUFFile) -> PoolingConfig | None:
+    """The pooling a GGUF embedding model's metadata declares (`{arch}.pooling_type`: mean, first
+    or last token), normalized as llama.cpp's server and Ollama return embeddings; None for a
+    generation model. A reranker's rank pooling is refused, saying how its causal LM is served."""
+    kind = f.field(f"{f.field('general.architecture')}.pooling_type")
+    if kind is None or int(kind) == 0:
+        return None
+    if int(kind) not in _GGUF_POOLING:
+        raise ConfigError(f"{f.path.name}: GGUF pooling type {int(kind)} is not supported (mean, cls and last are; "
+                          "a reranker converted with rank pooling is not: serve its causal LM with "
+                          "classifier_from_token in --hf-overrides)")
+    return PoolingConfig(_GGUF_POOLING[int(kind)], True)
 
 
 def sentence_transformers_pooling(model_dir: Path) -> PoolingConfig | None:
