@@ -111,6 +111,19 @@ def cached_model_score(path) -> torch.Tensor:
     return load_file(path / "model.safetensors")["score.weight"].float()
 
 
+def test_the_command_line_and_a_models_file_take_classify():
+    from neuron.engine.host import ModelSpec
+    from neuron.entrypoints import serve
+    from neuron.entrypoints.cli import _parser
+
+    engine, _ = serve.configs(_parser().parse_args(["serve", "some-reranker", "--task", "classify", "--hf-overrides",
+                                                    json.dumps(RERANKER)]))
+    assert engine.task == "classify" and engine.hf_overrides == RERANKER
+    spec = ModelSpec.parse({"name": "r", "model": "some-reranker", "task": "classify", "hf_overrides": RERANKER},
+                           engine, "entry 1")
+    assert (spec.engine.task, spec.engine.hf_overrides) == ("classify", RERANKER)
+
+
 @pytest.mark.parametrize("overrides, task, refused", [
     ({}, "classify", "needs `score.weight`"),
     ({"classifier_from_token": ["Ġno", "certainly not a token"]}, "auto", "'certainly not a token' is not a token"),
