@@ -21,6 +21,7 @@ _LAZY = {
     "EmbeddingRequestOutput": "neuron.entrypoints.llm",
     "ScoringRequestOutput": "neuron.entrypoints.llm",
     "ClassificationRequestOutput": "neuron.entrypoints.llm",
+    "PoolingRequestOutput": "neuron.entrypoints.llm",
     "LoRARequest": "neuron.engine.lora",
     "BeamSearchParams": "neuron.engine.beam_search",
 }
@@ -37,6 +38,6 @@ def __getattr__(name: str):
 
 __all__ = ["LLM", "AsyncLLM", "RequestOutputKind", "SamplingParams", "GuidedDecodingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
            "Logprob", "EmbeddingRequestOutput", "ScoringRequestOutput",
-           "ClassificationRequestOutput",
+           "ClassificationRequestOutput", "PoolingRequestOutput",
            "BeamSearchParams",
            "__version__"]

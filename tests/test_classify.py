@@ -136,6 +136,14 @@ def test_a_head_that_cannot_be_built_is_refused_before_any_rank_starts(causal_lm
         model_config(causal_lm, hf_overrides=overrides or None, task=task)
 
 
+def test_a_classifier_without_an_lm_head_does_not_generate(cross_encoder, three_labels):
+    """Served for generation, an untied classifier would take its tokens from the embedding
+    matrix: refused, saying what it is for. A tied one has its head in its embeddings."""
+    with pytest.raises(ConfigError, match="no LM head .* cannot generate"):
+        model_config(cross_encoder, task="generate")
+    assert model_config(three_labels, task="generate").tasks == {"generate"}
+
+
 def test_a_head_of_the_wrong_shape_is_refused(tmp_path, three_labels):
     from safetensors.torch import load_file, save_file
 
@@ -464,3 +472,30 @@ def test_generated_bodies_never_get_a_500(rerank_server):
 
     run()
     assert httpx.get(f"{rerank_server.url}/health").status_code == 200
+
+
+def test_async_encode_gives_a_classifiers_probabilities(three_labels):
+    """AsyncLLM.encode (vLLM's streaming offline API): a classifier's label probabilities in
+    `outputs.data`, requests run together, and a prompt past the context refused before it runs."""
+    import asyncio
+
+    from neuron import AsyncLLM, PoolingParams
+    from neuron.engine.input_processor import RequestError
+
+    async def main():
+        async with AsyncLLM(str(three_labels), device="cpu", dtype="float32", max_model_len=64) as llm:
+            async def one(text: str, rid: str):
+                return [o async for o in llm.encode(text, request_id=rid)]
+
+            outs = await asyncio.gather(*(one(t, f"r{k}") for k, t in enumerate(TEXTS)))
+            with pytest.raises(RequestError, match="maximum context length"):
+                [o async for o in llm.encode({"prompt_token_ids": [5] * 65})]
+            with pytest.raises(RequestError, match="not served for embed"):
+                [o async for o in llm.encode("a", PoolingParams(task="embed"))]
+            return outs
+
+    outs = asyncio.run(main())
+    for k, (text, [out]) in enumerate(zip(TEXTS, outs)):
+        assert out.request_id == f"r{k}" and out.finished and out.prompt_token_ids == _ids(three_labels, text)
+        want = _logits(three_labels, out.prompt_token_ids).softmax(-1)
+        assert out.outputs.data.tolist() == pytest.approx(want.tolist(), abs=1e-5)

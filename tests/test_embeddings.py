@@ -170,6 +170,33 @@ def test_score_is_the_cosine_of_the_embeddings(last_token_llm, last_token_checkp
                              [{"prompt_token_ids": p} for p in PROMPTS[:3]])
 
 
+def test_async_encode_gives_the_embedding(last_token_checkpoint):
+    import asyncio
+
+    from neuron import AsyncLLM
+
+    async def main():
+        async with AsyncLLM(str(last_token_checkpoint), device="cpu", dtype="float32") as llm:
+            return [o async for o in llm.encode({"prompt_token_ids": PROMPTS[2]}, PoolingParams(dimensions=8))]
+
+    [out] = asyncio.run(main())
+    want = reference_embeddings(last_token_checkpoint, PROMPTS[2:3], normalize=False)[0][:8]
+    _close(out.outputs.data.tolist(), torch.nn.functional.normalize(want, dim=0))
+
+
+def test_a_generation_model_does_not_encode(generation_checkpoint):
+    import asyncio
+
+    from neuron import AsyncLLM
+
+    async def main():
+        async with AsyncLLM(str(generation_checkpoint), device="cpu", dtype="float32") as llm:
+            return [o async for o in llm.encode({"prompt_token_ids": [1, 2]})]
+
+    with pytest.raises(NeuronError, match="this model pools nothing"):
+        asyncio.run(main())
+
+
 def test_a_cached_prefix_still_gives_the_right_vector(last_token_llm, last_token_checkpoint):
     engine = last_token_llm.engine
     prefix = [(11 * i + 1) % 250 for i in range(48)]  # three full 16-token blocks

@@ -176,6 +176,8 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
     _check_lora(spec, config)
     phases("reading what the model is served for")
     tasks, pooling = _tasks(spec.task, model_dir, config, weight_files(model_dir), gguf, tokenizer)
+    if GENERATE in tasks and gguf is None:
+        _check_lm_head(config, weight_files(model_dir))
     device = (spec.devices[0].split(":")[0] if spec.devices else None) or spec.device or default_device()
     check_kv_cache_dtype(spec.kv_cache_dtype, spec.dtype, device)
     return ModelConfig(
@@ -438,6 +440,23 @@ def _tasks(task: str, model_dir: Path, config: dict, weights: list[str], gguf: P
     if EMBED not in tasks:
         return tasks, None
     return tasks, found or PoolingConfig()
+
+
+def _check_lm_head(config: dict, files: list[Path]) -> None:
+    """Refuse to generate from a checkpoint of the dense families without an LM head whose
+    embeddings are not tied to one (a sequence-classification or embedding checkpoint): its
+    tokens would come from the embedding matrix, which is no head."""
+    if config.get("model_type") not in (*DENSE_MODEL_TYPES, "qwen3_moe") or config.get("tie_word_embeddings"):
+        return
+    reader = CheckpointReader(files)
+    try:
+        if reader.has("lm_head.weight"):
+            return
+    finally:
+        reader.close()
+    raise ConfigError("this checkpoint has no LM head (lm_head.weight) and its embeddings are not tied to one: it "
+                      "cannot generate; serve it for what it is (--task embed, or classify for a "
+                      "sequence-classification checkpoint)")
 
 
 # llama.cpp's pooling types ({arch}.pooling_type): 0 none (a generation model), 4 rank (a reranker's head)

@@ -27,10 +27,13 @@ from neuron.engine.async_engine import AsyncEngine, EngineState, NotReady, Overl
 from neuron.engine.llm_engine import Update, interruptible_load
 from neuron.engine.lora import LoRARequest
 from neuron.engine.parallel_sampling import sample_id, sample_params
+from neuron.engine.pooling import PoolingParams
 from neuron.engine.request_stream import RequestStream
 from neuron.engine.sampling_params import RequestOutputKind, SamplingParams
 from neuron.entrypoints.llm import (
     CompletionOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     PromptType,
     RequestOutput,
     _apply,
@@ -119,13 +122,7 @@ class AsyncLLM:
                 and params.output_kind is not RequestOutputKind.FINAL_ONLY:
             raise ValueError("best_of > n returns the best samples, known only when all have finished: send "
                              "output_kind=RequestOutputKind.FINAL_ONLY")
-        if request_id is None:  # the next of ours that no caller took
-            rid = next(r for r in (f"request-{n}" for n in self._ids) if r not in self._requests)
-        elif request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is in use by a running request")
-        else:
-            rid = request_id
-        self._requests[rid] = []  # taken from now, while its prompt is tokenized
+        rid = self._reserve(request_id)  # taken from now, while its prompt is tokenized
         try:
             streams, tokenized, children = await self._open(rid, prompt, params, lora_request)
             self._requests[rid] = streams
@@ -134,6 +131,55 @@ class AsyncLLM:
         finally:
             for stream in self._requests.pop(rid):
                 stream.close()
+
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams | None = None,
+                     request_id: str | None = None) -> AsyncIterator[PoolingRequestOutput]:
+        """One prompt's pooled output, as vLLM's `AsyncLLM.encode` yields it, once: `outputs.data`
+        the embedding of a model served to embed, or the label probabilities of a classifier
+        (LLM.classify's). `request_id` as `generate`'s; a prompt the model cannot take, or a model
+        that pools nothing, raises before anything runs."""
+        rid = self._reserve(request_id)
+        try:
+            engine = self._loaded()
+            pooling = engine.model.pooling
+            if pooling is None:
+                raise NeuronError("this model pools nothing: load an embedding or classification model (task "
+                                  "\"embed\" or \"classify\")")
+            params = pooling_params or PoolingParams()
+            tokenized = await asyncio.to_thread(
+                lambda: truncated_prompt(engine, tokenized_prompt(engine, prompt), params.truncate_prompt_tokens))
+            if tokenized.images:
+                raise ValueError("encode takes text or token ids, not images")
+            engine.inputs.admit_pooling(tokenized.ids)
+            try:
+                stream = self.engine.open(rid, tokenized.ids, params, cache_salt=tokenized.cache_salt)
+            except (NotReady, Overloaded) as exc:
+                raise NeuronError(f"the request cannot run now: {exc}") from None
+            self._requests[rid] = [stream]
+            async for batch in merged_updates([stream], _QUIET_S):
+                for _, update in batch or ():
+                    if update.finish_reason == "error":
+                        raise NeuronError(f"pooling failed: {update.error}")
+                    if update.finished and update.finish_reason != "abort":
+                        vector = update.embedding
+                        if pooling.classifier is not None:
+                            vector = pooling.classifier.probabilities(vector)
+                        yield PoolingRequestOutput(rid, PoolingOutput(torch.tensor(vector)), tokenized.ids)
+        finally:
+            for stream in self._requests.pop(rid):
+                stream.close()
+
+    def _reserve(self, request_id: str | None) -> str:
+        """The request's id, taken from now: the caller's, or the next of ours that no caller
+        took; one in use is a ValueError."""
+        if request_id is None:
+            rid = next(r for r in (f"request-{n}" for n in self._ids) if r not in self._requests)
+        elif request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is in use by a running request")
+        else:
+            rid = request_id
+        self._requests[rid] = []
+        return rid
 
     async def abort(self, request_id: str) -> None:
         """End a running request at the next step: its iterator yields a last output (finish reason

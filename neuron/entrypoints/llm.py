@@ -114,6 +114,22 @@ class ClassificationRequestOutput:
 
 
 @dataclass(slots=True)
+class PoolingOutput:
+    data: torch.Tensor
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """One input's pooled output, as vLLM's `AsyncLLM.encode` yields it: an embedding, or a
+    classifier's label probabilities."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass(slots=True)
 class ScoringRequestOutput:
     """One pair's score, as vLLM's `LLM.score` returns it."""
 
