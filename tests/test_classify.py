@@ -124,6 +124,17 @@ def test_the_command_line_and_a_models_file_take_classify():
     assert (spec.engine.task, spec.engine.hf_overrides) == ("classify", RERANKER)
 
 
+def test_how_a_pair_becomes_one_input_follows_the_head_unless_the_config_says(causal_lm, cross_encoder):
+    """vLLM's `use_sep_token`: a checkpoint's own head is a cross-encoder's (the pair template), a head
+    from named tokens a language model's (one text); config.json (or --hf-overrides) decides over both."""
+    assert model_config(cross_encoder).pooling.classifier.sep is True
+    assert model_config(causal_lm, hf_overrides=RERANKER).pooling.classifier.sep is False
+    assert model_config(causal_lm, hf_overrides={**RERANKER, "use_sep_token": True}).pooling.classifier.sep is True
+    assert model_config(cross_encoder, hf_overrides={"use_pad_token": False}).pooling.classifier.sep is False
+    with pytest.raises(ConfigError, match="use_sep_token must be true or false"):
+        model_config(cross_encoder, hf_overrides={"use_sep_token": "no"})
+
+
 @pytest.mark.parametrize("overrides, task, refused", [
     ({}, "classify", "needs `score.weight`"),
     ({"classifier_from_token": ["Ġno", "certainly not a token"]}, "auto", "'certainly not a token' is not a token"),
@@ -216,7 +227,8 @@ def test_a_reranker_scored_by_named_tokens_equals_its_causal_lm(causal_lm, tp):
     LM's own head; with two labels (no two-way softmax) the softmax of the two logits."""
     with LLM(str(causal_lm), device="cpu", dtype="float32", tensor_parallel_size=tp, hf_overrides=RERANKER) as llm:
         scores = llm.score(QUERY, TEXTS)
-    for out in scores:
+    for out, text in zip(scores, TEXTS):
+        assert out.prompt_token_ids == _ids(causal_lm, QUERY + text)  # an LLM reranker reads one text, as vLLM
         assert out.outputs.score == pytest.approx(torch.tensor(_reranker_logit(causal_lm, out.prompt_token_ids))
                                                   .sigmoid().item(), abs=1e-5)
     two = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["Ġno", "Ġyes"]}
@@ -293,6 +305,17 @@ def test_a_pair_is_encoded_and_cut_as_transformers_does(templated, a, b, max_tok
     assert got[0] == 1379 and got[-1] == 1380 and got.count(1380) == 2
     if max_tokens is not None:
         assert len(got) == max_tokens
+
+
+@pytest.mark.parametrize("max_tokens", [None, 12, 4])
+def test_one_text_is_bounded_as_transformers_truncates_it(templated, max_tokens):
+    from transformers import AutoTokenizer
+
+    text = "the quick brown fox jumps over the lazy dog"
+    cut = {} if max_tokens is None else {"truncation": True, "max_length": max_tokens}
+    tok = Tokenizer.from_dir(templated)
+    assert tok.join_single(tok.encode(text), max_tokens) == AutoTokenizer.from_pretrained(templated)(text, **cut)[
+        "input_ids"]
 
 
 def test_a_bound_that_leaves_the_texts_no_room_is_refused(templated):
@@ -499,3 +522,29 @@ def test_async_encode_gives_a_classifiers_probabilities(three_labels):
         assert out.request_id == f"r{k}" and out.finished and out.prompt_token_ids == _ids(three_labels, text)
         want = _logits(three_labels, out.prompt_token_ids).softmax(-1)
         assert out.outputs.data.tolist() == pytest.approx(want.tolist(), abs=1e-5)
+
+
+def test_an_llm_reranker_served_reads_each_pair_as_one_text(causal_lm, monkeypatch):
+    """Qwen3-Reranker's way through the server: the query and each document joined as one text,
+    scored by " yes" against " no"; truncate_prompt_tokens keeps the joined text's start; the text a
+    request may have tokenized is bounded."""
+    from neuron.entrypoints.openai import serving_score
+
+    engine = real_engine(str(causal_lm), tp=2, name="llm-ranker", max_model_len=64, hf_overrides=RERANKER)
+    with LiveServer(engine) as server:
+        url = server.wait_ready().url
+        ranked = httpx.post(f"{url}/v1/rerank", json={"model": "llm-ranker", "query": QUERY, "documents": TEXTS})
+        assert ranked.status_code == 200, ranked.text
+        want = [float(torch.tensor(_reranker_logit(causal_lm, _ids(causal_lm, QUERY + t))).sigmoid()) for t in TEXTS]
+        got = {r["index"]: r["relevance_score"] for r in ranked.json()["results"]}
+        assert [got[k] for k in range(len(TEXTS))] == pytest.approx(want, abs=1e-5)
+        long_doc = " lazy dog" * 80
+        cut = httpx.post(f"{url}/v1/score", json={"model": "llm-ranker", "text_1": QUERY, "text_2": long_doc,
+                                                  "truncate_prompt_tokens": 16}).json()
+        head = _ids(causal_lm, QUERY + long_doc)[:16]
+        assert cut["usage"]["prompt_tokens"] == 16
+        assert cut["data"][0]["score"] == pytest.approx(
+            float(torch.tensor(_reranker_logit(causal_lm, head)).sigmoid()), abs=1e-5)
+        monkeypatch.setattr(serving_score, "MAX_JOINED_CHARS", 100)
+        r = httpx.post(f"{url}/v1/rerank", json={"model": "llm-ranker", "query": QUERY * 3, "documents": TEXTS})
+        assert r.status_code == 400 and "characters of text to tokenize" in r.json()["error"]["message"], r.text

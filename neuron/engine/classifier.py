@@ -13,7 +13,10 @@ sigmoid is the second token's probability against the first).
 The ranks pool the last token's hidden state as for a `lasttoken` embedding (models/pooling.py);
 the leader multiplies it by the head (`Classifier.logits`), so no rank holds or runs the head.
 A label's probability (`Classifier.probabilities`) is the sigmoid of a one-label head's logit and
-the softmax of several, as vLLM's classify and score APIs return them.
+the softmax of several, as vLLM's classify and score APIs return them. A pair of texts to score is
+one input as vLLM makes it (`Classifier.sep`): a checkpoint's own head is a cross-encoder's, its
+texts joined by the tokenizer's pair template; a head from named tokens is a language model's, its
+texts joined as one text, as the model was prompted (config.json's `use_sep_token` says otherwise).
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ class Classifier:
     weight: torch.Tensor
     bias: torch.Tensor | None
     labels: tuple[str, ...]
+    # how a pair of texts becomes one input (vLLM's `use_sep_token`): the tokenizer's pair template
+    # (a cross-encoder's separator), or the two texts joined as one text (an LLM as a reranker)
+    sep: bool = True
 
     @property
     def num_labels(self) -> int:
@@ -93,7 +99,7 @@ def load_classifier(config: dict, weight_files: list[str], gguf: Path | None, to
         bias = _float(reader, "score.bias") if reader.has("score.bias") else None
         if bias is not None and list(bias.shape) != [weight.shape[0]]:
             raise ConfigError(f"score.bias has shape {list(bias.shape)}; expected [{weight.shape[0]}]")
-        return Classifier(weight, bias, _label_names(config, weight.shape[0]))
+        return Classifier(weight, bias, _label_names(config, weight.shape[0]), _sep(config, True))
     finally:
         reader.close()
 
@@ -122,8 +128,21 @@ def _from_tokens(config: dict, reader, tokens, tokenizer, hidden: int) -> Classi
     if two_way:
         if len(ids) != 2:
             raise ConfigError(f"a two-way softmax head takes two tokens in classifier_from_token, got {len(ids)}")
-        return Classifier(rows[1:] - rows[:1], None, (tokens[1],))
-    return Classifier(rows, None, tuple(tokens))
+        return Classifier(rows[1:] - rows[:1], None, (tokens[1],), _sep(config, False))
+    return Classifier(rows, None, tuple(tokens), _sep(config, False))
+
+
+def _sep(config: dict, default: bool) -> bool:
+    """config.json's `use_sep_token` (or the older `use_pad_token`), else `default`: a checkpoint's
+    own head is a cross-encoder's, with the pair template; a head from named tokens reads the two
+    texts as one, as the language model was prompted."""
+    for key in ("use_sep_token", "use_pad_token"):
+        value = config.get(key)
+        if value is not None:
+            if not isinstance(value, bool):
+                raise ConfigError(f"{key} must be true or false, got {value!r}")
+            return value
+    return default
 
 
 def _float(reader, name: str, row: int | None = None) -> torch.Tensor:

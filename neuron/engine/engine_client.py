@@ -93,6 +93,29 @@ class EngineClient:
         except TokenizerError as exc:
             raise RequestError(str(exc), param="truncate_prompt_tokens") from None
 
+    def joined_text(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """An LLM reranker's input for a pair of texts joined as `text`: its ids with the special
+        tokens of one text (Tokenizer.join_single); RequestError without a tokenizer, when it is
+        longer than the context without `max_tokens`, or when `max_tokens` leaves it no room.
+        CPU-heavy."""
+        from neuron.engine.llm_engine import RequestError
+        from neuron.engine.tokenizer import TokenizerError
+
+        tokenizer = self._loaded().tokenizer
+        if tokenizer is None:
+            raise RequestError("this checkpoint has no tokenizer.json: a pair of texts cannot be scored",
+                               param="model")
+        ids = tokenizer.encode(text)
+        n = len(ids) + tokenizer.single_overhead()
+        if max_tokens is None and n > self.max_model_len:
+            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the pair "
+                               f"has {n} tokens: shorten it, or send truncate_prompt_tokens",
+                               code="context_length_exceeded", param="input")
+        try:
+            return tokenizer.join_single(ids, max_tokens)
+        except TokenizerError as exc:
+            raise RequestError(str(exc), param="truncate_prompt_tokens") from None
+
     def validate_embedding(self, prompt_token_ids: list[int]) -> None:
         """Refuse an embedding input that cannot run (RequestError)."""
         self._loaded().inputs.admit_pooling(prompt_token_ids)

@@ -173,6 +173,31 @@ class Tokenizer:
             first, second = first[:a], second[:b]
         return [*before, *first, *between, *second, *after]
 
+    def join_single(self, ids: list[int], max_tokens: int | None = None) -> list[int]:
+        """One text's ids (encoded without special tokens) with the special tokens the
+        post-processor puts around a single text; `max_tokens` bounds the whole, cutting the
+        text's end (transformers' truncation of one text)."""
+        before, after = self._single_template
+        if max_tokens is not None:
+            room = max_tokens - len(before) - len(after)
+            if room < 1:
+                raise TokenizerError(f"{max_tokens} tokens leave no room for the text and its special tokens")
+            ids = ids[:room]
+        return [*before, *ids, *after]
+
+    def single_overhead(self) -> int:
+        """How many special tokens the post-processor adds to one text."""
+        return sum(map(len, self._single_template))
+
+    @cached_property
+    def _single_template(self) -> tuple[list[int], list[int]]:
+        [one] = self._backend.encode_batch(["a"], add_special_tokens=False)
+        joined = self._backend.post_process(one, None, add_special_tokens=True)
+        content = [i for i, special in enumerate(joined.special_tokens_mask) if not special]
+        if len(content) != len(one.ids):
+            raise TokenizerError("the tokenizer's post-processor changes a text: it cannot be bounded")
+        return joined.ids[: content[0]], joined.ids[content[-1] + 1 :]
+
     def pair_overhead(self) -> int:
         """How many special tokens the pair template adds."""
         return sum(map(len, self._pair_template))

@@ -324,7 +324,9 @@ class LLM:
         pairwise. An embedding model scores a pair by the cosine similarity of its embeddings; a
         cross-encoder (a one-label classification model) encodes the two texts as one input and
         scores it by its head's sigmoid (`use_activation` false: the logit); `truncate_prompt_tokens`
-        then bounds each pair's whole input, cutting the texts as transformers does."""
+        then bounds each pair's whole input, cutting the texts as transformers does. A cross-encoder
+        joins the texts by the tokenizer's pair template, an LLM reranker (a head from named
+        tokens) as one text (engine/classifier.py)."""
         first, second = _prompt_list(data_1), _prompt_list(data_2)
         m, n = len(first), len(second)
         if not n or m not in (1, n):
@@ -353,8 +355,11 @@ class LLM:
         if room is not None and room < 1:
             raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {keep}")
         tok = self.engine.tokenizer
-        encoded = {t: tok.encode(t) for t in dict.fromkeys(t for pair in pairs for t in pair)}
-        ids = [tok.join_pair(encoded[a], encoded[b], room) for a, b in pairs]
+        if head.sep:  # a cross-encoder: the tokenizer's pair template, each distinct text encoded once
+            encoded = {t: tok.encode(t) for t in dict.fromkeys(t for pair in pairs for t in pair)}
+            ids = [tok.join_pair(encoded[a], encoded[b], room) for a, b in pairs]
+        else:  # an LLM reranker: the two texts as one text, as vLLM encodes them
+            ids = [tok.join_single(tok.encode(a + b), room) for a, b in pairs]
         outs = self._pooled([_Prompt(None, i) for i in ids], PoolingParams(task=CLASSIFY))
         return [ScoringRequestOutput(rid, ScoringOutput(head.probabilities(v)[0] if use_activation else v[0]), i)
                 for rid, i, v in outs]

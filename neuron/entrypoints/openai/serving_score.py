@@ -38,6 +38,10 @@ from neuron.entrypoints.openai.serving_embeddings import (
 )
 from neuron.entrypoints.openai.streaming import json_unless_disconnected
 
+# Characters one score or rerank request may have tokenized for an LLM reranker, which encodes each
+# pair whole: a query sent with 2,048 documents is tokenized 2,048 times.
+MAX_JOINED_CHARS = 16 * 2**20
+
 
 class ScoreRequest(Struct, kw_only=True):
     """vLLM's: `text_1` a text or a list, `text_2` a text or a list of the same length (or any
@@ -262,26 +266,11 @@ class _CrossEncoder:
                               param="documents")
         params = pooling_params(keep=keep, task=CLASSIFY)
         room = None if keep is None else engine.max_model_len if keep == -1 else keep
-        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-        for text in texts:  # a text that alone fills the context makes every pair with it too long
-            if room is None:
-                check_prompt_chars(engine, len(text), "documents")
-        ids: dict[str, list[int]] = {}
-        for text in texts:  # each distinct text encoded once, however many pairs it is in
-            try:
-                ids[text] = await off_loop(limiter, engine.encode_prompt, text, False)
-            except RequestError as exc:
-                raise bad_request(str(exc), param="documents") from None
-        inputs = []
-        for first, second in pairs:
-            try:
-                pair = engine.join_pair(ids[first], ids[second], room)
-                engine.validate_embedding(pair)
-            except RequestError as exc:
-                raise bad_request(str(exc), param="documents" if exc.param == "input" else exc.param,
-                                  code=exc.code) from None
-            inputs.append(pair)
-        # each pair is cut as a whole (join_pair), not to its last tokens
+        if engine.classifier.sep:
+            inputs = await _with_template(engine, pairs, room, limiter)
+        else:
+            inputs = await _joined(engine, pairs, room, limiter)
+        # each pair is cut as a whole (join_pair, joined_text), not to its last tokens
         whole = replace(params, truncate_prompt_tokens=None)
         batch = EmbeddingBatch(engine, request_id, inputs, whole, cache_salt)
         return cls(batch, engine.classifier, activation is not False)
@@ -289,6 +278,54 @@ class _CrossEncoder:
     async def scores(self, pairs: list[tuple[str, str]]) -> list[float]:
         logits = await self.batch.run()
         return [self.head.probabilities(row)[0] if self.activation else row[0] for row in logits]
+
+
+async def _with_template(engine: AsyncEngine, pairs: list[tuple[str, str]], room: int | None,
+                         limiter: anyio.CapacityLimiter) -> list[list[int]]:
+    """A cross-encoder's inputs: each distinct text encoded once, however many pairs it is in,
+    and each pair joined by the tokenizer's pair template."""
+    texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+    for text in texts:  # a text that alone fills the context makes every pair with it too long
+        if room is None:
+            check_prompt_chars(engine, len(text), "documents")
+    ids: dict[str, list[int]] = {}
+    for text in texts:
+        ids[text] = await _input(off_loop(limiter, engine.encode_prompt, text, False))
+    return [await _input(_ready(engine.join_pair, ids[first], ids[second], room), engine) for first, second in pairs]
+
+
+async def _joined(engine: AsyncEngine, pairs: list[tuple[str, str]], room: int | None,
+                  limiter: anyio.CapacityLimiter) -> list[list[int]]:
+    """An LLM reranker's inputs: each pair's two texts joined as one text, encoded as one (vLLM's
+    way for such a model), so each pair is tokenized whole; the characters a request may have
+    tokenized so are bounded first."""
+    chars = sum(len(first) + len(second) for first, second in pairs)
+    if chars > MAX_JOINED_CHARS:
+        raise bad_request(f"the request's pairs hold {chars} characters of text to tokenize (the query once for each "
+                          f"document); at most {MAX_JOINED_CHARS} are taken at once", param="documents")
+    inputs = []
+    for first, second in pairs:
+        if room is None:
+            check_prompt_chars(engine, len(first) + len(second), "documents")
+        inputs.append(await _input(off_loop(limiter, engine.joined_text, first + second, room), engine))
+    return inputs
+
+
+async def _ready(fn, *args):
+    return fn(*args)
+
+
+async def _input(making, engine: AsyncEngine | None = None) -> list[int]:
+    """The ids `making` gives, checked against the model's length and vocabulary where `engine`
+    is given; a RequestError on the way is the 400 saying why."""
+    try:
+        ids = await making
+        if engine is not None:
+            engine.validate_embedding(ids)
+    except RequestError as exc:
+        raise bad_request(str(exc), param="documents" if exc.param in (None, "input") else exc.param,
+                          code=exc.code) from None
+    return ids
 
 
 def _texts(value, param: str) -> list[str]:
