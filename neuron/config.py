@@ -141,6 +141,10 @@ class Settings:
     tokenizer: str | None = _setting(
         str, None, "a folder or cached repo id whose tokenizer.json (and chat template, generation_config.json) "
         "to use instead of the checkpoint's", unset="the checkpoint's own, or the one a GGUF file carries")
+    chat_template: str | None = _setting(
+        str, None, "a Jinja chat template used instead of the tokenizer's, as vLLM's --chat-template: a file, or the "
+        "template itself; for a classification model, the template that renders a pair to score (a query message "
+        "and a document message)", unset="the tokenizer's own")
     hf_overrides: str | None = _setting(
         str, None, "a JSON object merged into the checkpoint's config.json as it is read, such as "
         '\'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}\' '

@@ -548,3 +548,31 @@ def test_an_llm_reranker_served_reads_each_pair_as_one_text(causal_lm, monkeypat
         monkeypatch.setattr(serving_score, "MAX_JOINED_CHARS", 100)
         r = httpx.post(f"{url}/v1/rerank", json={"model": "llm-ranker", "query": QUERY * 3, "documents": TEXTS})
         assert r.status_code == 400 and "characters of text to tokenize" in r.json()["error"]["message"], r.text
+
+
+SCORE_TEMPLATE = ("{% for m in messages %}{% if m.role == 'query' %}Query: {{ m.content }}\n"
+                  "{% else %}Document: {{ m.content }}\nRelevant:{% endif %}{% endfor %}")
+
+
+def _scored_text(query: str, document: str) -> str:
+    return f"Query: {query}\nDocument: {document}\nRelevant:"
+
+
+def test_a_score_template_renders_each_pair(causal_lm, cross_encoder):
+    """vLLM's score templates: a pair rendered as a query message and a document message, then
+    encoded as one text; given to LLM.score, or to the server as --chat-template (a cross-encoder's
+    pairs too, in place of the tokenizer's pair template)."""
+    with LLM(str(causal_lm), device="cpu", dtype="float32", hf_overrides=RERANKER) as llm:
+        offline = llm.score(QUERY, TEXTS[:2], chat_template=SCORE_TEMPLATE)
+    for out, text in zip(offline, TEXTS):
+        assert out.prompt_token_ids == _ids(causal_lm, _scored_text(QUERY, text))
+        assert out.outputs.score == pytest.approx(
+            float(torch.tensor(_reranker_logit(causal_lm, out.prompt_token_ids)).sigmoid()), abs=1e-5)
+    engine = real_engine(str(cross_encoder), tp=1, name="templated-ranker", chat_template=SCORE_TEMPLATE)
+    with LiveServer(engine) as server:
+        body = httpx.post(f"{server.wait_ready().url}/v1/score", json={"model": "templated-ranker", "text_1": QUERY,
+                                                                       "text_2": TEXTS[:2]}).json()
+    ids = [_ids(cross_encoder, _scored_text(QUERY, t)) for t in TEXTS[:2]]
+    assert body["usage"]["prompt_tokens"] == sum(map(len, ids))
+    assert [d["score"] for d in body["data"]] == pytest.approx(
+        [float(_logits(cross_encoder, i)[0].sigmoid()) for i in ids], abs=1e-5)

@@ -93,28 +93,38 @@ class EngineClient:
         except TokenizerError as exc:
             raise RequestError(str(exc), param="truncate_prompt_tokens") from None
 
-    def joined_text(self, text: str, max_tokens: int | None = None) -> list[int]:
-        """An LLM reranker's input for a pair of texts joined as `text`: its ids with the special
-        tokens of one text (Tokenizer.join_single); RequestError without a tokenizer, when it is
-        longer than the context without `max_tokens`, or when `max_tokens` leaves it no room.
-        CPU-heavy."""
+    @property
+    def templated_pairs(self) -> bool:
+        """Whether a pair to score is rendered by the server's --chat-template (a query message and
+        a document message), as vLLM renders one where a template is given."""
+        return self._loaded().model.spec.chat_template is not None
+
+    def pair_as_text(self, first: str, second: str, max_tokens: int | None = None) -> list[int]:
+        """An input for a pair of texts made from one text, as vLLM makes an LLM reranker's: the
+        pair rendered by --chat-template where one is given, else the two texts joined; its ids
+        with the special tokens of one text (Tokenizer.join_single). RequestError without a
+        tokenizer, when it is longer than the context without `max_tokens`, when `max_tokens`
+        leaves it no room, or when the template fails. CPU-heavy."""
         from neuron.engine.llm_engine import RequestError
         from neuron.engine.tokenizer import TokenizerError
 
-        tokenizer = self._loaded().tokenizer
+        engine = self._loaded()
+        tokenizer = engine.tokenizer
         if tokenizer is None:
             raise RequestError("this checkpoint has no tokenizer.json: a pair of texts cannot be scored",
                                param="model")
-        ids = tokenizer.encode(text)
-        n = len(ids) + tokenizer.single_overhead()
-        if max_tokens is None and n > self.max_model_len:
-            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the pair "
-                               f"has {n} tokens: shorten it, or send truncate_prompt_tokens",
-                               code="context_length_exceeded", param="input")
         try:
+            template = tokenizer.chat_template if engine.model.spec.chat_template is not None else None
+            text = pair_text(tokenizer, first, second, template)
+            ids = tokenizer.encode(text)
+            n = len(ids) + tokenizer.single_overhead()
+            if max_tokens is None and n > self.max_model_len:
+                raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                                   f"pair has {n} tokens: shorten it, or send truncate_prompt_tokens",
+                                   code="context_length_exceeded", param="input")
             return tokenizer.join_single(ids, max_tokens)
         except TokenizerError as exc:
-            raise RequestError(str(exc), param="truncate_prompt_tokens") from None
+            raise RequestError(str(exc), param="truncate_prompt_tokens" if max_tokens is not None else "input") from None
 
     def validate_embedding(self, prompt_token_ids: list[int]) -> None:
         """Refuse an embedding input that cannot run (RequestError)."""
@@ -186,3 +196,12 @@ class EngineClient:
         if structured is None:
             raise RuntimeError("this model has no tokenizer, so no structured output: check has_structured_output")
         return structured.compile(guided)
+
+
+def pair_text(tokenizer: "Tokenizer", first: str, second: str, template: str | None) -> str:
+    """A scored pair as one text: rendered by `template` (Jinja: a `query` message, then a
+    `document` one, as vLLM's score templates take them) where one is given, else joined."""
+    if template is None:
+        return first + second
+    return tokenizer.apply_chat_template([{"role": "query", "content": first}, {"role": "document", "content": second}],
+                                         add_generation_prompt=False, chat_template=template)

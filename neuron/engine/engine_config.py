@@ -53,6 +53,7 @@ class EngineConfig:
     prefill_chunk_tokens: int = from_settings("prefill_chunk_tokens")
     hf_cache_dir: str | None = None
     tokenizer: str | None = from_settings("tokenizer")  # a folder or cached repo whose tokenizer to use
+    chat_template: str | None = from_settings("chat_template")  # a file or Jinja text over the tokenizer's
     hf_overrides: dict | str | None = from_settings("hf_overrides")  # merged into config.json (JSON text or a dict)
     served_model_name: str | None = from_settings("served_model_name")
     block_size: int = from_settings("kv_block_size")

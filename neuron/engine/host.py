@@ -46,7 +46,8 @@ _MIN_IDLE_S = 1.0  # the least idleness that unloads a model, whatever its keep_
 # `share_devices` are the host's own.
 _ENGINE_KEYS = ("model", "tp", "devices", "dtype", "quantization", "max_model_len", "speculative_config",
                 "hf_overrides", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "kv_cache_dtype",
-                "gpu_memory_utilization", "tokenizer", "task", "enable_lora", "max_loras", "max_lora_rank", "lora_modules")
+                "gpu_memory_utilization", "tokenizer", "chat_template", "task", "enable_lora", "max_loras",
+                "max_lora_rank", "lora_modules")
 SPEC_KEYS = ("name", *_ENGINE_KEYS, "keep_alive", "load", "share_devices")
 
 

@@ -26,7 +26,7 @@ from neuron.engine.engine_config import EngineConfig, default_device
 from neuron.engine.pooling import CLASSIFY, EMBED, GENERATE, PoolingConfig
 from neuron.engine.sampling_params import REPETITION_PENALTY_RANGE
 from neuron.engine.spec_decode.config import SpeculativeConfig
-from neuron.engine.tokenizer import Tokenizer
+from neuron.engine.tokenizer import Tokenizer, TokenizerError
 from neuron.errors import ConfigError
 from neuron.executor.executor import ExecutorConfig
 from neuron.models import (
@@ -317,9 +317,32 @@ def _tokenizer(spec: EngineConfig, model_dir: Path, gguf: Path | None) -> tuple[
         # a GGUF file may carry no tokenizer (then prompts are token ids): no tokenizer.ggml.model, or
         # the "none" llama.cpp's converter writes for a checkpoint without one
         model = open_file(gguf).field("tokenizer.ggml.model")
-        return (Tokenizer.from_gguf(gguf) if model not in (None, "", "none", "no_vocab") else None), None
+        tokenizer = Tokenizer.from_gguf(gguf) if model not in (None, "", "none", "no_vocab") else None
+        return _with_chat_template(tokenizer, spec.chat_template), None
     folder = folder or model_dir
-    return (Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None), folder
+    tokenizer = Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None
+    return _with_chat_template(tokenizer, spec.chat_template), folder
+
+
+def _with_chat_template(tokenizer: Tokenizer | None, given: str | None) -> Tokenizer | None:
+    """The tokenizer with --chat-template in place of its own templates: a file's text, or the
+    template itself (Jinja has `{{` or `{%`), compiled now so that a broken one stops the load."""
+    if given is None or tokenizer is None:
+        if given is not None:
+            raise ConfigError("--chat-template needs the model's tokenizer (tokenizer.json, or a GGUF file's)")
+        return tokenizer
+    path = Path(given).expanduser()
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+    elif "{{" in given or "{%" in given:
+        text = given
+    else:
+        raise ConfigError(f"--chat-template {given!r}: no such file, and not a Jinja template")
+    try:
+        tokenizer.use_chat_template(text)
+    except TokenizerError as exc:
+        raise ConfigError(f"--chat-template: {exc}") from None
+    return tokenizer
 
 
 def _generation_config(folder: Path | None) -> dict:

@@ -268,6 +268,18 @@ class Tokenizer:
                 return bytes([int(piece[3:5], 16)])
         return self.decode([id], skip_special_tokens=False).encode()
 
+    def use_chat_template(self, template: str) -> None:
+        """Render every chat with `template` (Jinja source) in place of the tokenizer's own (its
+        tool-use template too); TokenizerError when it does not compile."""
+        try:
+            _compile(template)
+        except TokenizerError:
+            raise
+        except Exception as exc:
+            raise TokenizerError(f"the chat template does not compile: {type(exc).__name__}: {exc}") from None
+        self.chat_template = template
+        self._templates = {"default": template}
+
     def apply_chat_template(
         self,
         messages: list[dict],

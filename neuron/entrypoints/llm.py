@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from neuron.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from neuron.engine.engine_client import pair_text
 from neuron.engine.input_processor import check_cache_salt
 from neuron.engine.llm_engine import EngineConfig, LLMEngine, Update, encode_prompt
 from neuron.engine.lora import LoRARequest
@@ -319,14 +320,16 @@ class LLM:
         return results
 
     def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType], *,
-              truncate_prompt_tokens: int | None = None, use_activation: bool = True) -> list[ScoringRequestOutput]:
+              truncate_prompt_tokens: int | None = None, use_activation: bool = True,
+              chat_template: str | None = None) -> list[ScoringRequestOutput]:
         """vLLM's score: `data_1` one prompt against each of `data_2`, or a list as long as `data_2`,
         pairwise. An embedding model scores a pair by the cosine similarity of its embeddings; a
         cross-encoder (a one-label classification model) encodes the two texts as one input and
         scores it by its head's sigmoid (`use_activation` false: the logit); `truncate_prompt_tokens`
         then bounds each pair's whole input, cutting the texts as transformers does. A cross-encoder
         joins the texts by the tokenizer's pair template, an LLM reranker (a head from named
-        tokens) as one text (engine/classifier.py)."""
+        tokens) as one text (engine/classifier.py); `chat_template` (or the engine's) renders the
+        pair as a query message and a document message instead, as vLLM's score templates do."""
         first, second = _prompt_list(data_1), _prompt_list(data_2)
         m, n = len(first), len(second)
         if not n or m not in (1, n):
@@ -334,15 +337,15 @@ class LLM:
         firsts = [0] * n if m == 1 else list(range(n))
         if self.engine.model.pooling is not None and self.engine.model.pooling.classifier is not None:
             return self._cross_encode([(first[a], b) for a, b in zip(firsts, second)], truncate_prompt_tokens,
-                                      use_activation)
+                                      use_activation, chat_template)
         outs = self.embed(first + second, truncate_prompt_tokens=truncate_prompt_tokens)  # data_1 once each
         scores = cosine_similarities([o.outputs.embedding for o in outs], firsts, list(range(m, m + n)))
         return [ScoringRequestOutput(f"{outs[a].request_id}-{b.request_id}", ScoringOutput(s),
                                      outs[a].prompt_token_ids + b.prompt_token_ids)
                 for a, b, s in zip(firsts, outs[m:], scores)]
 
-    def _cross_encode(self, pairs: list[tuple[PromptType, PromptType]], keep: int | None,
-                      use_activation: bool) -> list[ScoringRequestOutput]:
+    def _cross_encode(self, pairs: list[tuple[PromptType, PromptType]], keep: int | None, use_activation: bool,
+                      chat_template: str | None) -> list[ScoringRequestOutput]:
         head = self.engine.model.pooling.classifier
         if head.num_labels != 1:
             raise NeuronError(f"this model classifies into {head.num_labels} labels; scoring a pair needs a one-label "
@@ -355,11 +358,13 @@ class LLM:
         if room is not None and room < 1:
             raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {keep}")
         tok = self.engine.tokenizer
-        if head.sep:  # a cross-encoder: the tokenizer's pair template, each distinct text encoded once
+        if chat_template is None and self.engine.model.spec.chat_template is not None:
+            chat_template = tok.chat_template  # the engine's --chat-template
+        if head.sep and chat_template is None:  # a cross-encoder: the pair template, each text encoded once
             encoded = {t: tok.encode(t) for t in dict.fromkeys(t for pair in pairs for t in pair)}
             ids = [tok.join_pair(encoded[a], encoded[b], room) for a, b in pairs]
-        else:  # an LLM reranker: the two texts as one text, as vLLM encodes them
-            ids = [tok.join_single(tok.encode(a + b), room) for a, b in pairs]
+        else:  # an LLM reranker, or any with a score template: the pair as one text, as vLLM encodes it
+            ids = [tok.join_single(tok.encode(pair_text(tok, a, b, chat_template)), room) for a, b in pairs]
         outs = self._pooled([_Prompt(None, i) for i in ids], PoolingParams(task=CLASSIFY))
         return [ScoringRequestOutput(rid, ScoringOutput(head.probabilities(v)[0] if use_activation else v[0]), i)
                 for rid, i, v in outs]

@@ -43,8 +43,8 @@ Example: NEURON_TP=2 NEURON_API_KEY=secret neuron serve ./my-model"""
 # The settings `neuron serve` takes as flags, in the groups and the order --help lists them.
 OPTION_GROUPS = (
     ("model", "what is served, and how its weights are held",
-     ("served_model_name", "models", "task", "tokenizer", "hf_overrides", "dtype", "quantization", "max_model_len",
-      "speculative_config", "load_timeout_s")),
+     ("served_model_name", "models", "task", "tokenizer", "chat_template", "hf_overrides", "dtype", "quantization",
+      "max_model_len", "speculative_config", "load_timeout_s")),
     ("lora", "LoRA adapters on the model (README: LoRA adapters)",
      ("lora_modules", "enable_lora", "max_loras", "max_lora_rank", "allow_runtime_lora_updating")),
     ("parallel", "ranks, devices, batching and the KV cache",

@@ -83,6 +83,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # None: true, as OpenAI has it
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's: refused, as vLLM refuses it unless told to trust it
     # vLLM's: the template's turn for the reply, or the reply continuing the last (assistant) message,
     # whose text `echo` puts before the reply's
     add_generation_prompt: bool = True

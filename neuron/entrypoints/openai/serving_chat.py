@@ -14,7 +14,7 @@ from neuron.engine.async_engine import AsyncEngine, RequestStream
 from neuron.engine.output_processor import Update
 from neuron.engine.parallel_sampling import cumulative_logprob
 from neuron.engine.tokenizer import TokenizerError
-from neuron.entrypoints.openai.api_errors import APIError, bad_request
+from neuron.entrypoints.openai.api_errors import APIError, bad_request, unsupported
 from neuron.entrypoints.openai.api_types import (
     ChatChoice,
     ChatChoiceWithIds,
@@ -157,6 +157,9 @@ def _check(req: ChatCompletionRequest) -> None:
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request("continue_final_message continues the last message, so it needs add_generation_prompt "
                           "false", param="continue_final_message")
+    if req.chat_template is not None:
+        raise unsupported("chat_template", "chat_template in a request is not accepted: a template is code the "
+                                           "server runs; the operator sets one with --chat-template")
     reserved = _TEMPLATE_ARGS & set(req.chat_template_kwargs or ())
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",

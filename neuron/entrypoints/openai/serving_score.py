@@ -266,7 +266,7 @@ class _CrossEncoder:
                               param="documents")
         params = pooling_params(keep=keep, task=CLASSIFY)
         room = None if keep is None else engine.max_model_len if keep == -1 else keep
-        if engine.classifier.sep:
+        if engine.classifier.sep and not engine.templated_pairs:
             inputs = await _with_template(engine, pairs, room, limiter)
         else:
             inputs = await _joined(engine, pairs, room, limiter)
@@ -296,9 +296,9 @@ async def _with_template(engine: AsyncEngine, pairs: list[tuple[str, str]], room
 
 async def _joined(engine: AsyncEngine, pairs: list[tuple[str, str]], room: int | None,
                   limiter: anyio.CapacityLimiter) -> list[list[int]]:
-    """An LLM reranker's inputs: each pair's two texts joined as one text, encoded as one (vLLM's
-    way for such a model), so each pair is tokenized whole; the characters a request may have
-    tokenized so are bounded first."""
+    """An LLM reranker's inputs, or any classifier's under --chat-template: each pair made one text
+    (EngineClient.pair_as_text, vLLM's way), so each pair is tokenized whole; the characters a
+    request may have tokenized so are bounded first."""
     chars = sum(len(first) + len(second) for first, second in pairs)
     if chars > MAX_JOINED_CHARS:
         raise bad_request(f"the request's pairs hold {chars} characters of text to tokenize (the query once for each "
@@ -307,7 +307,7 @@ async def _joined(engine: AsyncEngine, pairs: list[tuple[str, str]], room: int |
     for first, second in pairs:
         if room is None:
             check_prompt_chars(engine, len(first) + len(second), "documents")
-        inputs.append(await _input(off_loop(limiter, engine.joined_text, first + second, room), engine))
+        inputs.append(await _input(off_loop(limiter, engine.pair_as_text, first, second, room), engine))
     return inputs
 
 
