@@ -113,18 +113,20 @@ class EngineClient:
         if tokenizer is None:
             raise RequestError("this checkpoint has no tokenizer.json: a pair of texts cannot be scored",
                                param="model")
+        template = tokenizer.chat_template if engine.model.spec.chat_template is not None else None
         try:
-            template = tokenizer.chat_template if engine.model.spec.chat_template is not None else None
-            text = pair_text(tokenizer, first, second, template)
-            ids = tokenizer.encode(text)
-            n = len(ids) + tokenizer.single_overhead()
-            if max_tokens is None and n > self.max_model_len:
-                raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                                   f"pair has {n} tokens: shorten it, or send truncate_prompt_tokens",
-                                   code="context_length_exceeded", param="input")
+            ids = tokenizer.encode(pair_text(tokenizer, first, second, template))
+        except TokenizerError as exc:  # the template's failure on these texts
+            raise RequestError(str(exc), param="input") from None
+        n = len(ids) + tokenizer.single_overhead()
+        if max_tokens is None and n > self.max_model_len:
+            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the pair "
+                               f"has {n} tokens: shorten it, or send truncate_prompt_tokens",
+                               code="context_length_exceeded", param="input")
+        try:
             return tokenizer.join_single(ids, max_tokens)
         except TokenizerError as exc:
-            raise RequestError(str(exc), param="truncate_prompt_tokens" if max_tokens is not None else "input") from None
+            raise RequestError(str(exc), param="truncate_prompt_tokens") from None
 
     def validate_embedding(self, prompt_token_ids: list[int]) -> None:
         """Refuse an embedding input that cannot run (RequestError)."""

@@ -14,6 +14,7 @@ each input's label probabilities and the likeliest label.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -270,7 +271,7 @@ class _CrossEncoder:
             inputs = await _with_template(engine, pairs, room, limiter)
         else:
             inputs = await _joined(engine, pairs, room, limiter)
-        # each pair is cut as a whole (join_pair, joined_text), not to its last tokens
+        # each pair is cut as a whole (join_pair, pair_as_text), not to its last tokens
         whole = replace(params, truncate_prompt_tokens=None)
         batch = EmbeddingBatch(engine, request_id, inputs, whole, cache_salt)
         return cls(batch, engine.classifier, activation is not False)
@@ -290,8 +291,14 @@ async def _with_template(engine: AsyncEngine, pairs: list[tuple[str, str]], room
             check_prompt_chars(engine, len(text), "documents")
     ids: dict[str, list[int]] = {}
     for text in texts:
-        ids[text] = await _input(off_loop(limiter, engine.encode_prompt, text, False))
-    return [await _input(_ready(engine.join_pair, ids[first], ids[second], room), engine) for first, second in pairs]
+        with _as_400():
+            ids[text] = await off_loop(limiter, engine.encode_prompt, text, False)
+    inputs = []
+    for first, second in pairs:
+        with _as_400():
+            inputs.append(engine.join_pair(ids[first], ids[second], room))
+            engine.validate_embedding(inputs[-1])
+    return inputs
 
 
 async def _joined(engine: AsyncEngine, pairs: list[tuple[str, str]], room: int | None,
@@ -307,25 +314,20 @@ async def _joined(engine: AsyncEngine, pairs: list[tuple[str, str]], room: int |
     for first, second in pairs:
         if room is None:
             check_prompt_chars(engine, len(first) + len(second), "documents")
-        inputs.append(await _input(off_loop(limiter, engine.pair_as_text, first, second, room), engine))
+        with _as_400():
+            inputs.append(await off_loop(limiter, engine.pair_as_text, first, second, room))
+            engine.validate_embedding(inputs[-1])
     return inputs
 
 
-async def _ready(fn, *args):
-    return fn(*args)
-
-
-async def _input(making, engine: AsyncEngine | None = None) -> list[int]:
-    """The ids `making` gives, checked against the model's length and vocabulary where `engine`
-    is given; a RequestError on the way is the 400 saying why."""
+@contextmanager
+def _as_400():
+    """A RequestError from making or checking a pair's input, as the 400 saying why."""
     try:
-        ids = await making
-        if engine is not None:
-            engine.validate_embedding(ids)
+        yield
     except RequestError as exc:
         raise bad_request(str(exc), param="documents" if exc.param in (None, "input") else exc.param,
                           code=exc.code) from None
-    return ids
 
 
 def _texts(value, param: str) -> list[str]:
