@@ -443,10 +443,11 @@ def test_an_embedding_or_generation_model_refuses_classify():
 
 # ---- generated bodies: never a 500 ----
 
+_PAIRING = ["max_tokens_per_query", "max_tokens_per_doc", "instruction", "chat_template_kwargs"]
 _FIELDS = {"/v1/score": ["text_1", "text_2", "queries", "documents", "truncate_prompt_tokens", "use_activation",
-                         "cache_salt", "user"],
+                         "cache_salt", "user", *_PAIRING],
            "/v1/rerank": ["query", "documents", "top_n", "return_documents", "truncate_prompt_tokens",
-                          "use_activation", "cache_salt"],
+                          "use_activation", "cache_salt", *_PAIRING],
            "/classify": ["input", "truncate_prompt_tokens", "use_activation", "cache_salt", "user"]}
 _VALID = {"/v1/score": {"text_1": QUERY, "text_2": TEXTS[:2]}, "/v1/rerank": {"query": QUERY, "documents": TEXTS[:2]},
           "/classify": {"input": TEXTS[:2]}}
@@ -576,3 +577,35 @@ def test_a_score_template_renders_each_pair(causal_lm, cross_encoder):
     assert body["usage"]["prompt_tokens"] == sum(map(len, ids))
     assert [d["score"] for d in body["data"]] == pytest.approx(
         [float(_logits(cross_encoder, i)[0].sigmoid()) for i in ids], abs=1e-5)
+
+
+def test_queries_and_documents_cut_to_tokens_and_an_instruction_for_the_template(causal_lm):
+    """vLLM's max_tokens_per_query and max_tokens_per_doc (each text cut at a token's end before
+    the pair is made) and `instruction` (chat_template_kwargs' for the score template); template
+    arguments where no template takes them are refused."""
+    template = "{{ instruction | default('none') }}|" + SCORE_TEMPLATE
+    tok = Tokenizer.from_dir(causal_lm)
+    doc = "jumps over the lazy dog and runs far away"
+    assert tok.encode(tok.cut(doc, 3)) == tok.encode(doc)[:3] and tok.cut(doc, 99) == doc
+    engine = real_engine(str(causal_lm), tp=1, name="cut", hf_overrides=RERANKER, chat_template=template)
+    with LiveServer(engine) as server:
+        url = server.wait_ready().url
+        body = httpx.post(f"{url}/v1/rerank", json={"model": "cut", "query": QUERY, "documents": [doc],
+                                                    "max_tokens_per_query": 2, "max_tokens_per_doc": 3,
+                                                    "instruction": "Judge it"}).json()
+        text = "Judge it|" + _scored_text(tok.cut(QUERY, 2), tok.cut(doc, 3))
+        want = float(torch.tensor(_reranker_logit(causal_lm, _ids(causal_lm, text))).sigmoid())
+        assert body["results"][0]["relevance_score"] == pytest.approx(want, abs=1e-5)
+        assert body["results"][0]["document"]["text"] == doc  # the document as sent
+        bad = httpx.post(f"{url}/v1/score", json={"model": "cut", "text_1": "q", "text_2": "d",
+                                                  "max_tokens_per_doc": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens_per_doc"
+        reserved = httpx.post(f"{url}/v1/score", json={"model": "cut", "text_1": "q", "text_2": "d",
+                                                       "chat_template_kwargs": {"messages": []}})
+        assert reserved.status_code == 400 and reserved.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_template_arguments_without_a_score_template_are_refused(rerank_server):
+    r = httpx.post(f"{rerank_server.url}/v1/rerank", json={"model": "ranker", "query": "q", "documents": ["d"],
+                                                           "instruction": "Judge it"})
+    assert r.status_code == 400 and "score template" in r.json()["error"]["message"], r.text

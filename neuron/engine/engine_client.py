@@ -99,12 +99,14 @@ class EngineClient:
         a document message), as vLLM renders one where a template is given."""
         return self._loaded().model.spec.chat_template is not None
 
-    def pair_as_text(self, first: str, second: str, max_tokens: int | None = None) -> list[int]:
+    def pair_as_text(self, first: str, second: str, max_tokens: int | None = None,
+                     template_kwargs: dict | None = None) -> list[int]:
         """An input for a pair of texts made from one text, as vLLM makes an LLM reranker's: the
         pair rendered by --chat-template where one is given, else the two texts joined; its ids
         with the special tokens of one text (Tokenizer.join_single). RequestError without a
         tokenizer, when it is longer than the context without `max_tokens`, when `max_tokens`
-        leaves it no room, or when the template fails. CPU-heavy."""
+        leaves it no room, or when the template fails. `template_kwargs` reach the template.
+        CPU-heavy."""
         from neuron.engine.llm_engine import RequestError
         from neuron.engine.tokenizer import TokenizerError
 
@@ -115,7 +117,7 @@ class EngineClient:
                                param="model")
         template = tokenizer.chat_template if engine.model.spec.chat_template is not None else None
         try:
-            ids = tokenizer.encode(pair_text(tokenizer, first, second, template))
+            ids = tokenizer.encode(pair_text(tokenizer, first, second, template, template_kwargs))
         except TokenizerError as exc:  # the template's failure on these texts
             raise RequestError(str(exc), param="input") from None
         n = len(ids) + tokenizer.single_overhead()
@@ -127,6 +129,16 @@ class EngineClient:
             return tokenizer.join_single(ids, max_tokens)
         except TokenizerError as exc:
             raise RequestError(str(exc), param="truncate_prompt_tokens") from None
+
+    def cut_text(self, text: str, max_tokens: int) -> str:
+        """`text` cut after its first `max_tokens` tokens, at the end of the last one kept (vLLM's
+        max_tokens_per_query and max_tokens_per_doc); RequestError without a tokenizer. CPU-heavy."""
+        from neuron.engine.llm_engine import RequestError
+
+        tokenizer = self._loaded().tokenizer
+        if tokenizer is None:
+            raise RequestError("this checkpoint has no tokenizer.json: a text cannot be cut to tokens", param="model")
+        return tokenizer.cut(text, max_tokens)
 
     def validate_embedding(self, prompt_token_ids: list[int]) -> None:
         """Refuse an embedding input that cannot run (RequestError)."""
@@ -200,10 +212,12 @@ class EngineClient:
         return structured.compile(guided)
 
 
-def pair_text(tokenizer: "Tokenizer", first: str, second: str, template: str | None) -> str:
+def pair_text(tokenizer: "Tokenizer", first: str, second: str, template: str | None,
+              template_kwargs: dict | None = None) -> str:
     """A scored pair as one text: rendered by `template` (Jinja: a `query` message, then a
-    `document` one, as vLLM's score templates take them) where one is given, else joined."""
+    `document` one, as vLLM's score templates take them, with `template_kwargs` such as its
+    `instruction`) where one is given, else joined."""
     if template is None:
         return first + second
     return tokenizer.apply_chat_template([{"role": "query", "content": first}, {"role": "document", "content": second}],
-                                         add_generation_prompt=False, chat_template=template)
+                                         add_generation_prompt=False, chat_template=template, **(template_kwargs or {}))

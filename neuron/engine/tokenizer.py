@@ -173,6 +173,14 @@ class Tokenizer:
             first, second = first[:a], second[:b]
         return [*before, *first, *between, *second, *after]
 
+    def cut(self, text: str, max_tokens: int) -> str:
+        """`text` up to the end of its `max_tokens`-th token (encoded without special tokens); the
+        whole text when it has no more."""
+        [encoding] = self._backend.encode_batch([text], add_special_tokens=False)
+        if len(encoding.ids) <= max_tokens:
+            return text
+        return text[: encoding.offsets[max_tokens - 1][1]] if max_tokens > 0 else ""
+
     def join_single(self, ids: list[int], max_tokens: int | None = None) -> list[int]:
         """One text's ids (encoded without special tokens) with the special tokens the
         post-processor puts around a single text; `max_tokens` bounds the whole, cutting the

@@ -15,7 +15,7 @@ each input's label probabilities and the likeliest label.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -42,6 +42,9 @@ from neuron.entrypoints.openai.streaming import json_unless_disconnected
 # Characters one score or rerank request may have tokenized for an LLM reranker, which encodes each
 # pair whole: a query sent with 2,048 documents is tokenized 2,048 times.
 MAX_JOINED_CHARS = 16 * 2**20
+# What a score template's caller sets itself, not a request's chat_template_kwargs.
+_RESERVED_TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
+                                     "chat_template"})
 
 
 class ScoreRequest(Struct, kw_only=True):
@@ -57,6 +60,10 @@ class ScoreRequest(Struct, kw_only=True):
     cache_salt: str | None = None
     user: str | None = None
     use_activation: bool | None = None  # a cross-encoder's sigmoid (default) or raw logit
+    max_tokens_per_query: int = 0  # vLLM's: each query cut to this many tokens (0: not cut)
+    max_tokens_per_doc: int = 0  # and each document
+    instruction: str | None = None  # vLLM's: chat_template_kwargs["instruction"] for a score template
+    chat_template_kwargs: dict[str, Any] | None = None  # to the score template (--chat-template)
 
 
 class RerankRequest(Struct, kw_only=True):
@@ -70,6 +77,10 @@ class RerankRequest(Struct, kw_only=True):
     truncate_prompt_tokens: int | None = None
     cache_salt: str | None = None
     use_activation: bool | None = None
+    max_tokens_per_query: int = 0
+    max_tokens_per_doc: int = 0
+    instruction: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class ClassifyRequest(Struct, kw_only=True):
@@ -156,9 +167,9 @@ async def create_score(request: Request, engine: AsyncEngine, req: ScoreRequest,
     elif len(first) != len(second):
         raise bad_request(f"text_1 has {len(first)} texts and text_2 {len(second)}: send one text_1, or as many as "
                           "text_2", param="text_1")
-    pairs = list(zip(first, second))
-    scorer = await _scorer(engine, pairs, req.truncate_prompt_tokens, req.use_activation, limiter, cache_salt,
-                           new_id("score"))
+    pairing = _Pairing.of(req)
+    pairs = await pairing.cut(engine, list(zip(first, second)), limiter)
+    scorer = await _scorer(engine, pairs, pairing, limiter, cache_salt, new_id("score"))
 
     async def collect() -> bytes:
         scores = await scorer.scores(pairs)
@@ -175,11 +186,12 @@ async def create_rerank(request: Request, engine: AsyncEngine, req: RerankReques
     documents = _texts(req.documents, "documents")
     if req.top_n is not None and req.top_n < 0:
         raise bad_request(f"top_n must be 0 (all) or more, got {req.top_n}", param="top_n")
-    scorer = await _scorer(engine, [(query, d) for d in documents], req.truncate_prompt_tokens, req.use_activation,
-                           limiter, cache_salt, new_id("rerank"))
+    pairing = _Pairing.of(req)
+    pairs = await pairing.cut(engine, [(query, d) for d in documents], limiter)
+    scorer = await _scorer(engine, pairs, pairing, limiter, cache_salt, new_id("rerank"))
 
     async def collect() -> bytes:
-        scores = await scorer.scores([(query, d) for d in documents])
+        scores = await scorer.scores(pairs)
         ranked = sorted(range(len(documents)), key=lambda k: scores[k], reverse=True)[: req.top_n or None]
         results = [RerankResult(k, scores[k], RerankDocument(documents[k]) if req.return_documents else None)
                    for k in ranked]
@@ -212,14 +224,61 @@ async def create_classify(request: Request, engine: AsyncEngine, req: ClassifyRe
     return await json_unless_disconnected(request, batch, collect())
 
 
-async def _scorer(engine: AsyncEngine, pairs: list[tuple[str, str]], keep: int | None, activation: bool | None,
+@dataclass(frozen=True, slots=True)
+class _Pairing:
+    """How a score or rerank request's pairs are read: `keep` (truncate_prompt_tokens) bounds each
+    input, `per_query` and `per_doc` cut each text first (0: not cut), `template_kwargs` reach a
+    score template; `activation`: a cross-encoder's sigmoid, or its logit."""
+
+    keep: int | None
+    activation: bool
+    per_query: int
+    per_doc: int
+    template_kwargs: dict
+
+    @classmethod
+    def of(cls, req: ScoreRequest | RerankRequest) -> "_Pairing":
+        for name in ("max_tokens_per_query", "max_tokens_per_doc"):
+            if getattr(req, name) < 0:
+                raise bad_request(f"{name} must be 0 (no cut) or more, got {getattr(req, name)}", param=name)
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.instruction is not None:
+            kwargs.setdefault("instruction", req.instruction)
+        reserved = _RESERVED_TEMPLATE_ARGS & set(kwargs)
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
+                              param="chat_template_kwargs")
+        return cls(req.truncate_prompt_tokens, req.use_activation is not False, req.max_tokens_per_query,
+                   req.max_tokens_per_doc, kwargs)
+
+    async def cut(self, engine: AsyncEngine, pairs: list[tuple[str, str]],
+                  limiter: anyio.CapacityLimiter) -> list[tuple[str, str]]:
+        """The pairs with each query and document cut to its bound, at a token's end (each distinct
+        text tokenized once)."""
+        if not self.per_query and not self.per_doc:
+            return pairs
+        check_ready(engine)
+        cut: dict[tuple[int, str], str] = {}
+        for side, bound in ((0, self.per_query), (1, self.per_doc)):
+            for text in dict.fromkeys(pair[side] for pair in pairs) if bound else ():
+                with _as_400():
+                    cut[side, text] = await off_loop(limiter, engine.cut_text, text, bound)
+        return [(cut.get((0, a), a), cut.get((1, b), b)) for a, b in pairs]
+
+
+async def _scorer(engine: AsyncEngine, pairs: list[tuple[str, str]], pairing: _Pairing,
                   limiter: anyio.CapacityLimiter, cache_salt: str | None, request_id: str):
     """The scorer of these pairs: a cross-encoder's for a classification model, else the cosine
-    similarity of embeddings."""
+    similarity of embeddings. Template arguments without a score template to take them are refused."""
     check_ready(engine)
+    templated = CLASSIFY in engine.tasks and engine.templated_pairs
+    if pairing.template_kwargs and not templated:
+        raise bad_request("instruction and chat_template_kwargs reach a score template, and this model has none "
+                          "(the server's --chat-template renders a classifier's pairs)", param="chat_template_kwargs")
     if CLASSIFY in engine.tasks:
-        return await _CrossEncoder.open(engine, pairs, keep, activation, limiter, cache_salt, request_id)
-    return await _Scorer.open(engine, [t for pair in pairs for t in pair], keep, limiter, cache_salt, request_id)
+        return await _CrossEncoder.open(engine, pairs, pairing, limiter, cache_salt, request_id)
+    return await _Scorer.open(engine, [t for pair in pairs for t in pair], pairing.keep, limiter, cache_salt,
+                              request_id)
 
 
 class _Scorer:
@@ -256,7 +315,7 @@ class _CrossEncoder:
         self.tokens = sum(map(len, batch.ids))
 
     @classmethod
-    async def open(cls, engine: AsyncEngine, pairs: list[tuple[str, str]], keep: int | None, activation: bool | None,
+    async def open(cls, engine: AsyncEngine, pairs: list[tuple[str, str]], pairing: _Pairing,
                    limiter: anyio.CapacityLimiter, cache_salt: str | None, request_id: str) -> "_CrossEncoder":
         if engine.classifier.num_labels != 1:
             raise bad_request(f"model `{engine.model_name}` classifies into {engine.classifier.num_labels} labels; "
@@ -265,16 +324,17 @@ class _CrossEncoder:
         if len(pairs) > MAX_INPUTS:
             raise bad_request(f"the request has {len(pairs)} pairs; at most {MAX_INPUTS} are scored at once",
                               param="documents")
+        keep = pairing.keep
         params = pooling_params(keep=keep, task=CLASSIFY)
         room = None if keep is None else engine.max_model_len if keep == -1 else keep
         if engine.classifier.sep and not engine.templated_pairs:
             inputs = await _with_template(engine, pairs, room, limiter)
         else:
-            inputs = await _joined(engine, pairs, room, limiter)
+            inputs = await _joined(engine, pairs, room, limiter, pairing.template_kwargs)
         # each pair is cut as a whole (join_pair, pair_as_text), not to its last tokens
         whole = replace(params, truncate_prompt_tokens=None)
         batch = EmbeddingBatch(engine, request_id, inputs, whole, cache_salt)
-        return cls(batch, engine.classifier, activation is not False)
+        return cls(batch, engine.classifier, pairing.activation)
 
     async def scores(self, pairs: list[tuple[str, str]]) -> list[float]:
         logits = await self.batch.run()
@@ -302,7 +362,7 @@ async def _with_template(engine: AsyncEngine, pairs: list[tuple[str, str]], room
 
 
 async def _joined(engine: AsyncEngine, pairs: list[tuple[str, str]], room: int | None,
-                  limiter: anyio.CapacityLimiter) -> list[list[int]]:
+                  limiter: anyio.CapacityLimiter, template_kwargs: dict) -> list[list[int]]:
     """An LLM reranker's inputs, or any classifier's under --chat-template: each pair made one text
     (EngineClient.pair_as_text, vLLM's way), so each pair is tokenized whole; the characters a
     request may have tokenized so are bounded first."""
@@ -315,7 +375,7 @@ async def _joined(engine: AsyncEngine, pairs: list[tuple[str, str]], room: int |
         if room is None:
             check_prompt_chars(engine, len(first) + len(second), "documents")
         with _as_400():
-            inputs.append(await off_loop(limiter, engine.pair_as_text, first, second, room))
+            inputs.append(await off_loop(limiter, engine.pair_as_text, first, second, room, template_kwargs))
             engine.validate_embedding(inputs[-1])
     return inputs
 
