@@ -167,7 +167,7 @@ async def create_score(request: Request, engine: AsyncEngine, req: ScoreRequest,
     elif len(first) != len(second):
         raise bad_request(f"text_1 has {len(first)} texts and text_2 {len(second)}: send one text_1, or as many as "
                           "text_2", param="text_1")
-    pairing = _Pairing.of(req)
+    pairing = _Pairing.of(req, engine)
     pairs = await pairing.cut(engine, list(zip(first, second)), limiter)
     scorer = await _scorer(engine, pairs, pairing, limiter, cache_salt, new_id("score"))
 
@@ -186,7 +186,7 @@ async def create_rerank(request: Request, engine: AsyncEngine, req: RerankReques
     documents = _texts(req.documents, "documents")
     if req.top_n is not None and req.top_n < 0:
         raise bad_request(f"top_n must be 0 (all) or more, got {req.top_n}", param="top_n")
-    pairing = _Pairing.of(req)
+    pairing = _Pairing.of(req, engine)
     pairs = await pairing.cut(engine, [(query, d) for d in documents], limiter)
     scorer = await _scorer(engine, pairs, pairing, limiter, cache_salt, new_id("rerank"))
 
@@ -237,7 +237,10 @@ class _Pairing:
     template_kwargs: dict
 
     @classmethod
-    def of(cls, req: ScoreRequest | RerankRequest) -> "_Pairing":
+    def of(cls, req: ScoreRequest | RerankRequest, engine: AsyncEngine) -> "_Pairing":
+        """The request's pairing, or the 400 for a bad bound or template arguments where the model
+        has no score template to take them."""
+        check_ready(engine)
         for name in ("max_tokens_per_query", "max_tokens_per_doc"):
             if getattr(req, name) < 0:
                 raise bad_request(f"{name} must be 0 (no cut) or more, got {getattr(req, name)}", param=name)
@@ -248,6 +251,10 @@ class _Pairing:
         if reserved:
             raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
                               param="chat_template_kwargs")
+        if kwargs and not (CLASSIFY in engine.tasks and engine.templated_pairs):
+            raise bad_request("instruction and chat_template_kwargs reach a score template, and this model has none "
+                              "(the server's --chat-template renders a classifier's pairs)",
+                              param="chat_template_kwargs")
         return cls(req.truncate_prompt_tokens, req.use_activation is not False, req.max_tokens_per_query,
                    req.max_tokens_per_doc, kwargs)
 
@@ -257,7 +264,9 @@ class _Pairing:
         text tokenized once)."""
         if not self.per_query and not self.per_doc:
             return pairs
-        check_ready(engine)
+        if len(pairs) > MAX_INPUTS:
+            raise bad_request(f"the request has {len(pairs)} pairs; at most {MAX_INPUTS} are scored at once",
+                              param="documents")
         cut: dict[tuple[int, str], str] = {}
         for side, bound in ((0, self.per_query), (1, self.per_doc)):
             for text in dict.fromkeys(pair[side] for pair in pairs) if bound else ():
@@ -269,12 +278,8 @@ class _Pairing:
 async def _scorer(engine: AsyncEngine, pairs: list[tuple[str, str]], pairing: _Pairing,
                   limiter: anyio.CapacityLimiter, cache_salt: str | None, request_id: str):
     """The scorer of these pairs: a cross-encoder's for a classification model, else the cosine
-    similarity of embeddings. Template arguments without a score template to take them are refused."""
+    similarity of embeddings."""
     check_ready(engine)
-    templated = CLASSIFY in engine.tasks and engine.templated_pairs
-    if pairing.template_kwargs and not templated:
-        raise bad_request("instruction and chat_template_kwargs reach a score template, and this model has none "
-                          "(the server's --chat-template renders a classifier's pairs)", param="chat_template_kwargs")
     if CLASSIFY in engine.tasks:
         return await _CrossEncoder.open(engine, pairs, pairing, limiter, cache_salt, request_id)
     return await _Scorer.open(engine, [t for pair in pairs for t in pair], pairing.keep, limiter, cache_salt,
