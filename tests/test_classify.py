@@ -14,7 +14,7 @@ import torch
 from checkpoints import BASE, build_checkpoint, cached_model, model_config
 from server_harness import LiveServer, client, real_engine
 
-from neuron import LLM
+from neuron import LLM, PoolingParams
 from neuron.engine.tokenizer import Tokenizer
 from neuron.errors import ConfigError, NeuronError
 
@@ -174,7 +174,8 @@ def test_a_head_of_the_wrong_shape_is_refused(tmp_path, three_labels):
 def test_classify_equals_transformers(three_labels, tp):
     with LLM(str(three_labels), device="cpu", dtype="float32", tensor_parallel_size=tp) as llm:
         outs = llm.classify(TEXTS)
-        raw = llm.classify({"prompt_token_ids": _ids(three_labels, TEXTS[1])}, use_activation=False)
+        raw = llm.classify({"prompt_token_ids": _ids(three_labels, TEXTS[1])},
+                           pooling_params=PoolingParams(use_activation=False))
         with pytest.raises(NeuronError, match="does not embed"):
             llm.embed(TEXTS[0])
         with pytest.raises(NeuronError, match="scoring a pair needs a one-label head"):
@@ -209,7 +210,7 @@ def test_a_llama_classifier_at_tp2_equals_transformers(tmp_path):
 def test_a_cross_encoder_scores_each_pair_as_one_input(cross_encoder):
     with LLM(str(cross_encoder), device="cpu", dtype="float32") as llm:
         one = llm.score(QUERY, TEXTS)
-        pairwise = llm.score(TEXTS[:2], TEXTS[2:], use_activation=False)
+        pairwise = llm.score(TEXTS[:2], TEXTS[2:], pooling_params=PoolingParams(use_activation=False))
         with pytest.raises(ValueError, match="pairs of texts"):
             llm.score({"prompt_token_ids": [1, 2]}, TEXTS[0])
     for out, text in zip(one, TEXTS):
@@ -512,6 +513,9 @@ def test_async_encode_gives_a_classifiers_probabilities(three_labels):
                 return [o async for o in llm.encode(text, request_id=rid)]
 
             outs = await asyncio.gather(*(one(t, f"r{k}") for k, t in enumerate(TEXTS)))
+            [raw] = [o async for o in llm.encode(TEXTS[0], PoolingParams(use_activation=False))]
+            assert raw.outputs.data.tolist() == pytest.approx(_logits(three_labels, raw.prompt_token_ids).tolist(),
+                                                              abs=1e-4)
             with pytest.raises(RequestError, match="maximum context length"):
                 [o async for o in llm.encode({"prompt_token_ids": [5] * 65})]
             with pytest.raises(RequestError, match="not served for embed"):

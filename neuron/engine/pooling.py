@@ -53,11 +53,13 @@ class PoolingParams:
     generation: `dimensions` keeps the vector's first values (Matryoshka); `truncate_prompt_tokens`
     the input's last tokens, as SamplingParams'; `task` what the caller takes the vector for (embed:
     an embedding, classify: a classifier's logits), refused by a model not served for it (None: what
-    the model pools)."""
+    the model pools); `use_activation` false: a classifier's logits rather than its probabilities
+    (the offline APIs read it; the engine returns logits either way)."""
 
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = None
     task: str | None = None
+    use_activation: bool | None = None
 
     def __post_init__(self) -> None:
         check_truncation(self.truncate_prompt_tokens)

@@ -136,8 +136,9 @@ class AsyncLLM:
                      request_id: str | None = None) -> AsyncIterator[PoolingRequestOutput]:
         """One prompt's pooled output, as vLLM's `AsyncLLM.encode` yields it, once: `outputs.data`
         the embedding of a model served to embed, or the label probabilities of a classifier
-        (LLM.classify's). `request_id` as `generate`'s; a prompt the model cannot take, or a model
-        that pools nothing, raises before anything runs."""
+        (LLM.classify's; its logits with `pooling_params.use_activation` false). `request_id` as
+        `generate`'s; a prompt the model cannot take, or a model that pools nothing, raises before
+        anything runs."""
         rid = self._reserve(request_id)
         try:
             engine = self._loaded()
@@ -162,7 +163,7 @@ class AsyncLLM:
                         raise NeuronError(f"pooling failed: {update.error}")
                     if update.finished and update.finish_reason != "abort":
                         vector = update.embedding
-                        if pooling.classifier is not None:
+                        if pooling.classifier is not None and params.use_activation is not False:
                             vector = pooling.classifier.probabilities(vector)
                         yield PoolingRequestOutput(rid, PoolingOutput(torch.tensor(vector)), tokenized.ids)
         finally:

@@ -320,12 +320,12 @@ class LLM:
         return results
 
     def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType], *,
-              truncate_prompt_tokens: int | None = None, use_activation: bool = True,
+              truncate_prompt_tokens: int | None = None, pooling_params: PoolingParams | None = None,
               chat_template: str | None = None) -> list[ScoringRequestOutput]:
         """vLLM's score: `data_1` one prompt against each of `data_2`, or a list as long as `data_2`,
         pairwise. An embedding model scores a pair by the cosine similarity of its embeddings; a
         cross-encoder (a one-label classification model) encodes the two texts as one input and
-        scores it by its head's sigmoid (`use_activation` false: the logit); `truncate_prompt_tokens`
+        scores it by its head's sigmoid (`pooling_params.use_activation` false: the logit); `truncate_prompt_tokens`
         then bounds each pair's whole input, cutting the texts as transformers does. A cross-encoder
         joins the texts by the tokenizer's pair template, an LLM reranker (a head from named
         tokens) as one text (engine/classifier.py); `chat_template` (or the engine's) renders the
@@ -336,8 +336,9 @@ class LLM:
             raise ValueError(f"data_1 has {m} prompts and data_2 {n}: give one data_1, or as many as data_2")
         firsts = [0] * n if m == 1 else list(range(n))
         if self.engine.model.pooling is not None and self.engine.model.pooling.classifier is not None:
+            activation = pooling_params is None or pooling_params.use_activation is not False
             return self._cross_encode([(first[a], b) for a, b in zip(firsts, second)], truncate_prompt_tokens,
-                                      use_activation, chat_template)
+                                      activation, chat_template)
         outs = self.embed(first + second, truncate_prompt_tokens=truncate_prompt_tokens)  # data_1 once each
         scores = cosine_similarities([o.outputs.embedding for o in outs], firsts, list(range(m, m + n)))
         return [ScoringRequestOutput(f"{outs[a].request_id}-{b.request_id}", ScoringOutput(s),
@@ -369,19 +370,23 @@ class LLM:
         return [ScoringRequestOutput(rid, ScoringOutput(head.probabilities(v)[0] if use_activation else v[0]), i)
                 for rid, i, v in outs]
 
-    def classify(self, prompts: PromptType | Sequence[PromptType], *, truncate_prompt_tokens: int | None = None,
-                 use_activation: bool = True) -> list[ClassificationRequestOutput]:
+    def classify(self, prompts: PromptType | Sequence[PromptType], *, pooling_params: PoolingParams | None = None,
+                 truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
         """Each prompt's label probabilities (a model served with task classify), in prompt order:
-        a one-label head's sigmoid, several labels' softmax (`use_activation` false: the logits).
-        `truncate_prompt_tokens`: classify each prompt's last this many tokens."""
+        a one-label head's sigmoid, several labels' softmax (`pooling_params.use_activation` false:
+        the logits). `truncate_prompt_tokens` (or the pooling params'): classify each prompt's last
+        this many tokens."""
         if self.engine.model.pooling is None or self.engine.model.pooling.classifier is None:
             raise NeuronError("this model does not classify: load a *ForSequenceClassification checkpoint, or one "
                               "with task=\"classify\" and classifier_from_token in hf_overrides")
         head = self.engine.model.pooling.classifier
-        params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens, task=CLASSIFY)
+        params = replace(pooling_params or PoolingParams(), task=CLASSIFY)
+        if truncate_prompt_tokens is not None:
+            params = replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
         outs = self._pooled(self._pooling_prompts(prompts, params, "classification"), params)
-        return [ClassificationRequestOutput(rid, i, ClassificationOutput(head.probabilities(v) if use_activation
-                                                                         else v)) for rid, i, v in outs]
+        activation = params.use_activation is not False
+        return [ClassificationRequestOutput(rid, i, ClassificationOutput(head.probabilities(v) if activation else v))
+                for rid, i, v in outs]
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | None = None, *,
