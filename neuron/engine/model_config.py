@@ -473,7 +473,7 @@ def _check_lm_head(config: dict, files: list[Path]) -> None:
         return
     reader = CheckpointReader(files)
     try:
-        if reader.has("lm_head.weight"):
+        if any(name.startswith("lm_head.") for name in reader.names()):  # a quantized head's parts too
             return
     finally:
         reader.close()
