@@ -138,7 +138,7 @@ class AsyncLLM:
         the embedding of a model served to embed, or the label probabilities of a classifier
         (LLM.classify's; its logits with `pooling_params.use_activation` false). `request_id` as
         `generate`'s; a prompt the model cannot take, or a model that pools nothing, raises before
-        anything runs."""
+        anything runs; one that `abort` ends yields nothing."""
         rid = self._reserve(request_id)
         try:
             engine = self._loaded()
