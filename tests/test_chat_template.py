@@ -66,3 +66,16 @@ def test_a_requests_own_template_is_refused(templated_server):
     error = r.json()["error"]
     assert (error["param"], error["code"]) == ("chat_template", "unsupported_parameter")
     assert "--chat-template" in error["message"]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}),
+    ("/tokenize", {"messages": CHAT}),
+])
+def test_chat_template_kwargs_cannot_carry_a_template(templated_server, path, body):
+    """A template passed as a template argument would be the request's own template by another
+    door: refused like the field."""
+    r = httpx.post(f"{templated_server.url}{path}", json={"model": "templated", **body,
+                                                          "chat_template_kwargs": {"chat_template": "{{ 1 }}"}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "chat_template_kwargs" and "chat_template" in r.json()["error"]["message"]

@@ -8,6 +8,18 @@ from __future__ import annotations
 from neuron.entrypoints.openai.api_errors import APIError, bad_request
 
 _ROLES = ("system", "user", "assistant", "tool")
+# What the server sets itself when it renders a template, so no request's chat_template_kwargs may:
+# the messages and their framing, and the template (a request's own is code the server would run).
+_TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
+                            "chat_template"})
+
+
+def check_template_kwargs(kwargs: dict | None) -> None:
+    """A 400 for chat_template_kwargs that set what the server sets itself (_TEMPLATE_ARGS)."""
+    reserved = _TEMPLATE_ARGS & set(kwargs or ())
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
+                          param="chat_template_kwargs")
 _IMAGE_PARTS = ("image_url", "input_image", "image")
 
 

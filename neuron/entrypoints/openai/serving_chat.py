@@ -36,7 +36,12 @@ from neuron.entrypoints.openai.api_types import (
     UsageInfo,
 )
 from neuron.entrypoints.openai.beam import BeamRun, beam_params, best_beams, check_beams, run_beams
-from neuron.entrypoints.openai.chat_utils import message_text, normalise_messages, template_content_chars
+from neuron.entrypoints.openai.chat_utils import (
+    check_template_kwargs,
+    message_text,
+    normalise_messages,
+    template_content_chars,
+)
 from neuron.entrypoints.openai.common import (
     Samples,
     StreamedIds,
@@ -117,9 +122,6 @@ class ChoiceState:
 
 
 # Set by the server itself when it renders the template.
-_TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message"})
-
-
 def echoed(req: ChatCompletionRequest) -> str:
     """vLLM's `echo`: the last message's text, put before the reply's where that message is the
     reply's role (an assistant's: the reply continues it, or follows it); "" otherwise."""
@@ -160,10 +162,7 @@ def _check(req: ChatCompletionRequest) -> None:
     if req.chat_template is not None:
         raise unsupported("chat_template", "chat_template in a request is not accepted: a template is code the "
                                            "server runs; the operator sets one with --chat-template")
-    reserved = _TEMPLATE_ARGS & set(req.chat_template_kwargs or ())
-    if reserved:
-        raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
-                          param="chat_template_kwargs")
+    check_template_kwargs(req.chat_template_kwargs)
     if req.tools:
         function_tools(req.tools)
 

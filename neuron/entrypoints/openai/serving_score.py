@@ -28,6 +28,7 @@ from neuron.engine.classifier import Classifier
 from neuron.engine.llm_engine import RequestError
 from neuron.engine.pooling import CLASSIFY, EMBED, cosine_similarities
 from neuron.entrypoints.openai.api_errors import bad_request
+from neuron.entrypoints.openai.chat_utils import check_template_kwargs
 from neuron.entrypoints.openai.common import check_ready, check_serves, encoded, new_id, now
 from neuron.entrypoints.openai.prompt_input import check_prompt_chars, off_loop
 from neuron.entrypoints.openai.serving_embeddings import (
@@ -42,9 +43,6 @@ from neuron.entrypoints.openai.streaming import json_unless_disconnected
 # Characters one score or rerank request may have tokenized for an LLM reranker, which encodes each
 # pair whole: a query sent with 2,048 documents is tokenized 2,048 times.
 MAX_JOINED_CHARS = 16 * 2**20
-# What a score template's caller sets itself, not a request's chat_template_kwargs.
-_RESERVED_TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
-                                     "chat_template"})
 
 
 class ScoreRequest(Struct, kw_only=True):
@@ -247,10 +245,7 @@ class _Pairing:
         kwargs = dict(req.chat_template_kwargs or {})
         if req.instruction is not None:
             kwargs.setdefault("instruction", req.instruction)
-        reserved = _RESERVED_TEMPLATE_ARGS & set(kwargs)
-        if reserved:
-            raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
-                              param="chat_template_kwargs")
+        check_template_kwargs(kwargs)
         if kwargs and not (CLASSIFY in engine.tasks and engine.templated_pairs):
             raise bad_request("instruction and chat_template_kwargs reach a score template, and this model has none "
                               "(the server's --chat-template renders a classifier's pairs)",

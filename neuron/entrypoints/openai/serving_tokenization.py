@@ -15,13 +15,10 @@ from neuron.engine.async_engine import AsyncEngine
 from neuron.engine.tokenizer import TokenizerError
 from neuron.entrypoints.openai.api_errors import bad_request, unsupported
 from neuron.entrypoints.openai.api_types import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from neuron.entrypoints.openai.chat_utils import normalise_messages
+from neuron.entrypoints.openai.chat_utils import check_template_kwargs, normalise_messages
 from neuron.entrypoints.openai.common import check_ready
 from neuron.entrypoints.openai.guided import function_tools
 from neuron.entrypoints.openai.prompt_input import check_prompt_chars, check_vocabulary, off_loop
-
-# Set by the server itself when it renders the template.
-_TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message"})
 
 
 async def tokenize(engine: AsyncEngine, req: TokenizeRequest, limiter: anyio.CapacityLimiter) -> Response:
@@ -30,10 +27,7 @@ async def tokenize(engine: AsyncEngine, req: TokenizeRequest, limiter: anyio.Cap
     _check(engine, req.model, "prompt" if req.messages is None else "messages")
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("send exactly one of prompt (text) and messages (a chat)", param="prompt")
-    reserved = _TEMPLATE_ARGS & set(req.chat_template_kwargs or ())
-    if reserved:
-        raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
-                          param="chat_template_kwargs")
+    check_template_kwargs(req.chat_template_kwargs)
     if req.tools:
         function_tools(req.tools)
     ids = await off_loop(limiter, _token_ids, engine, req)
