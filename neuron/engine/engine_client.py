@@ -70,28 +70,16 @@ class EngineClient:
     def classifier(self):
         """A classification model's head (engine/classifier.py: its labels, their probabilities);
         None for any other model."""
-        pooling = self._loaded().model.pooling
-        return None if pooling is None else pooling.classifier
+        return self._loaded().model.classifier
 
     def join_pair(self, first: list[int], second: list[int], max_tokens: int | None = None) -> list[int]:
         """A cross-encoder's input for two texts' ids (Tokenizer.join_pair); RequestError without a
-        tokenizer, or when `max_tokens` leaves the texts no room."""
-        from neuron.engine.llm_engine import RequestError
-        from neuron.engine.tokenizer import TokenizerError
-
-        tokenizer = self._loaded().tokenizer
-        if tokenizer is None:
-            raise RequestError("this checkpoint has no tokenizer.json: a pair of texts cannot be scored",
-                               param="model")
-        try:
-            if max_tokens is None and len(first) + len(second) + tokenizer.pair_overhead() > self.max_model_len:
-                n = len(first) + len(second) + tokenizer.pair_overhead()
-                raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                                   f"pair has {n} tokens: shorten it, or send truncate_prompt_tokens",
-                                   code="context_length_exceeded", param="input")
-            return tokenizer.join_pair(first, second, max_tokens)
-        except TokenizerError as exc:
-            raise RequestError(str(exc), param="truncate_prompt_tokens") from None
+        tokenizer, when it is longer than the context without `max_tokens`, or when `max_tokens`
+        leaves the texts no room."""
+        tokenizer = self._pair_tokenizer()
+        if max_tokens is None:
+            self._check_pair_length(len(first) + len(second) + tokenizer.pair_overhead())
+        return _bounded(tokenizer.join_pair, first, second, max_tokens)
 
     @property
     def templated_pairs(self) -> bool:
@@ -110,35 +98,39 @@ class EngineClient:
         from neuron.engine.llm_engine import RequestError
         from neuron.engine.tokenizer import TokenizerError
 
-        engine = self._loaded()
-        tokenizer = engine.tokenizer
-        if tokenizer is None:
-            raise RequestError("this checkpoint has no tokenizer.json: a pair of texts cannot be scored",
-                               param="model")
-        template = tokenizer.chat_template if engine.model.spec.chat_template is not None else None
+        tokenizer = self._pair_tokenizer()
+        template = tokenizer.chat_template if self.templated_pairs else None
         try:
             ids = tokenizer.encode(pair_text(tokenizer, first, second, template, template_kwargs))
         except TokenizerError as exc:  # the template's failure on these texts
             raise RequestError(str(exc), param="input") from None
-        n = len(ids) + tokenizer.single_overhead()
-        if max_tokens is None and n > self.max_model_len:
-            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the pair "
-                               f"has {n} tokens: shorten it, or send truncate_prompt_tokens",
-                               code="context_length_exceeded", param="input")
-        try:
-            return tokenizer.join_single(ids, max_tokens)
-        except TokenizerError as exc:
-            raise RequestError(str(exc), param="truncate_prompt_tokens") from None
+        if max_tokens is None:
+            self._check_pair_length(len(ids) + tokenizer.single_overhead())
+        return _bounded(tokenizer.join_single, ids, max_tokens)
 
     def cut_text(self, text: str, max_tokens: int) -> str:
         """`text` cut after its first `max_tokens` tokens, at the end of the last one kept (vLLM's
         max_tokens_per_query and max_tokens_per_doc); RequestError without a tokenizer. CPU-heavy."""
+        return self._pair_tokenizer().cut(text, max_tokens)
+
+    def _pair_tokenizer(self) -> "Tokenizer":
+        """The tokenizer that makes a scored pair's input; RequestError without one."""
         from neuron.engine.llm_engine import RequestError
 
         tokenizer = self._loaded().tokenizer
         if tokenizer is None:
-            raise RequestError("this checkpoint has no tokenizer.json: a text cannot be cut to tokens", param="model")
-        return tokenizer.cut(text, max_tokens)
+            raise RequestError("this checkpoint has no tokenizer.json: a pair of texts cannot be scored",
+                               param="model")
+        return tokenizer
+
+    def _check_pair_length(self, n: int) -> None:
+        """A pair of `n` tokens past the context, with no bound asked for, is refused."""
+        from neuron.engine.llm_engine import RequestError
+
+        if n > self.max_model_len:
+            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but the pair "
+                               f"has {n} tokens: shorten it, or send truncate_prompt_tokens",
+                               code="context_length_exceeded", param="input")
 
     def validate_embedding(self, prompt_token_ids: list[int]) -> None:
         """Refuse an embedding input that cannot run (RequestError)."""
@@ -221,3 +213,15 @@ def pair_text(tokenizer: "Tokenizer", first: str, second: str, template: str | N
         return first + second
     return tokenizer.apply_chat_template([{"role": "query", "content": first}, {"role": "document", "content": second}],
                                          add_generation_prompt=False, chat_template=template, **(template_kwargs or {}))
+
+
+def _bounded(join, *args) -> list[int]:
+    """`join(*args)` (a Tokenizer's join_pair or join_single, whose last argument is the bound),
+    its refusal of a bound that leaves no room as the request's RequestError."""
+    from neuron.engine.llm_engine import RequestError
+    from neuron.engine.tokenizer import TokenizerError
+
+    try:
+        return join(*args)
+    except TokenizerError as exc:
+        raise RequestError(str(exc), param="truncate_prompt_tokens") from None

@@ -30,6 +30,12 @@ from neuron.utils.procfs import available_memory
 MAX_CACHE_SALT_CHARS = 1024
 
 
+def kept_tokens(keep: int | None, max_model_len: int) -> int | None:
+    """How many tokens vLLM's truncate_prompt_tokens keeps: -1 as many as the context holds,
+    None no bound."""
+    return max_model_len if keep == -1 else keep
+
+
 class RequestError(NeuronError):
     """A request the engine refuses before any device work; `code` is the OpenAI error code."""
 
@@ -74,7 +80,7 @@ class InputProcessor:
         if keep > self.max_model_len:
             raise RequestError(f"truncate_prompt_tokens ({keep}) is greater than this model's context "
                                f"({self.max_model_len} tokens)", param="truncate_prompt_tokens")
-        keep = self.max_model_len if keep == -1 else keep
+        keep = kept_tokens(keep, self.max_model_len)
         if len(prompt_token_ids) <= keep:
             return prompt_token_ids
         if images:

@@ -386,7 +386,7 @@ def _check_task(model: ModelConfig, params: SamplingParams | PoolingParams) -> N
         served = "classifies" if pooling.CLASSIFY in model.tasks else "embeds"
         raise RequestError(f"model `{model.name}` {served}: it is not served for {params.task} (--task "
                            f"{','.join(sorted(model.tasks))})", param="model")
-    if params.dimensions is not None and model.pooling.classifier is not None:
+    if params.dimensions is not None and model.classifier is not None:
         raise RequestError("dimensions applies to embeddings, not a classifier's logits", param="dimensions")
     if params.dimensions is not None and not 0 < params.dimensions <= model.hidden_size:
         raise RequestError(f"dimensions must be in 1..{model.hidden_size} (this model's embedding size), got "

@@ -87,6 +87,11 @@ class ModelConfig:
         return dict(self.sampling)
 
     @property
+    def classifier(self):
+        """A classification model's head (engine/classifier.py); None for any other model."""
+        return None if self.pooling is None else self.pooling.classifier
+
+    @property
     def hidden_size(self) -> int:
         """The width of its hidden states: an embedding's length."""
         return int(text_config(self.hf_config)["hidden_size"])
@@ -175,14 +180,15 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
     speculative = _speculative(spec, config)
     _check_lora(spec, config)
     phases("reading what the model is served for")
-    tasks, pooling = _tasks(spec.task, model_dir, config, weight_files(model_dir), gguf, tokenizer)
+    files = weight_files(model_dir)
+    tasks, pooling = _tasks(spec.task, model_dir, config, files, gguf, tokenizer)
     if GENERATE in tasks and gguf is None:
-        _check_lm_head(config, weight_files(model_dir))
+        _check_lm_head(config, files)
     device = (spec.devices[0].split(":")[0] if spec.devices else None) or spec.device or default_device()
     check_kv_cache_dtype(spec.kv_cache_dtype, spec.dtype, device)
     return ModelConfig(
         spec=spec, name=spec.served_model_name or spec.model or "neuron-default", model_dir=model_dir,
-        weight_files=tuple(str(f) for f in weight_files(model_dir)), hf_config=config, gguf=gguf,
+        weight_files=tuple(str(f) for f in files), hf_config=config, gguf=gguf,
         device=device,
         stored_format=stored,
         quantization=spec.quantization or _stored_label(gguf, stored),

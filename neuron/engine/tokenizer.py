@@ -198,30 +198,34 @@ class Tokenizer:
         return sum(map(len, self._single_template))
 
     @cached_property
-    def _single_template(self) -> tuple[list[int], list[int]]:
-        [one] = self._backend.encode_batch(["a"], add_special_tokens=False)
-        joined = self._backend.post_process(one, None, add_special_tokens=True)
-        content = [i for i, special in enumerate(joined.special_tokens_mask) if not special]
-        if len(content) != len(one.ids):
-            raise TokenizerError("the tokenizer's post-processor changes a text: it cannot be bounded")
-        return joined.ids[: content[0]], joined.ids[content[-1] + 1 :]
+    def _single_template(self) -> list[list[int]]:
+        """The special tokens the post-processor puts before and after one text."""
+        return self._specials_around(["a"])
 
     def pair_overhead(self) -> int:
         """How many special tokens the pair template adds."""
         return sum(map(len, self._pair_template))
 
     @cached_property
-    def _pair_template(self) -> tuple[list[int], list[int], list[int]]:
-        """The special tokens the post-processor puts before, between and after a pair's texts,
-        read off a probe pair."""
-        one, two = self._backend.encode_batch(["a", "b"], add_special_tokens=False)
-        joined = self._backend.post_process(one, two, add_special_tokens=True)
+    def _pair_template(self) -> list[list[int]]:
+        """The special tokens the post-processor puts before, between and after a pair's texts."""
+        return self._specials_around(["a", "b"])
+
+    def _specials_around(self, probes: list[str]) -> list[list[int]]:
+        """The special tokens the post-processor puts around one text or a pair (`probes`), read
+        off what it makes of them: the runs before, between and after their tokens."""
+        encodings = self._backend.encode_batch(probes, add_special_tokens=False)
+        joined = self._backend.post_process(*encodings, add_special_tokens=True)
         content = [i for i, special in enumerate(joined.special_tokens_mask) if not special]
-        if len(content) != len(one.ids) + len(two.ids):
-            raise TokenizerError("the tokenizer's post-processor changes a pair's texts: pairs cannot be encoded")
-        a, b = content[: len(one.ids)], content[len(one.ids):]
-        ids = joined.ids
-        return ids[: a[0]], ids[a[-1] + 1 : b[0]], ids[b[-1] + 1 :]
+        if len(content) != sum(len(e.ids) for e in encodings):
+            raise TokenizerError("the tokenizer's post-processor changes the texts it frames: a scored pair's input "
+                                 "cannot be made")
+        cuts, at = [0], 0
+        for e in encodings:  # each text's first token, and the one after its last
+            cuts += [content[at], content[at + len(e.ids) - 1] + 1]
+            at += len(e.ids)
+        cuts.append(len(joined.ids))
+        return [joined.ids[cuts[k]:cuts[k + 1]] for k in range(0, len(cuts), 2)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         try:

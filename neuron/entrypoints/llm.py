@@ -23,7 +23,7 @@ import torch
 
 from neuron.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from neuron.engine.engine_client import pair_text
-from neuron.engine.input_processor import check_cache_salt
+from neuron.engine.input_processor import check_cache_salt, kept_tokens
 from neuron.engine.llm_engine import EngineConfig, LLMEngine, Update, encode_prompt
 from neuron.engine.lora import LoRARequest
 from neuron.engine.parallel_sampling import cumulative_logprob, ranked, sample_id, sample_params
@@ -335,7 +335,7 @@ class LLM:
         if not n or m not in (1, n):
             raise ValueError(f"data_1 has {m} prompts and data_2 {n}: give one data_1, or as many as data_2")
         firsts = [0] * n if m == 1 else list(range(n))
-        if self.engine.model.pooling is not None and self.engine.model.pooling.classifier is not None:
+        if self.engine.model.classifier is not None:
             activation = pooling_params is None or pooling_params.use_activation is not False
             return self._cross_encode([(first[a], b) for a, b in zip(firsts, second)], truncate_prompt_tokens,
                                       activation, chat_template)
@@ -347,7 +347,7 @@ class LLM:
 
     def _cross_encode(self, pairs: list[tuple[PromptType, PromptType]], keep: int | None, use_activation: bool,
                       chat_template: str | None) -> list[ScoringRequestOutput]:
-        head = self.engine.model.pooling.classifier
+        head = self.engine.model.classifier
         if head.num_labels != 1:
             raise NeuronError(f"this model classifies into {head.num_labels} labels; scoring a pair needs a one-label "
                               "head (a cross-encoder): use classify")
@@ -355,7 +355,7 @@ class LLM:
             raise NeuronError("this checkpoint has no tokenizer.json: a pair of texts cannot be scored")
         if not all(isinstance(a, str) and isinstance(b, str) for a, b in pairs):
             raise ValueError("a cross-encoder scores pairs of texts: data_1 and data_2 must be strings")
-        room = None if keep is None else self.engine.model.max_model_len if keep == -1 else keep
+        room = kept_tokens(keep, self.engine.model.max_model_len)
         if room is not None and room < 1:
             raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {keep}")
         tok = self.engine.tokenizer
@@ -376,10 +376,10 @@ class LLM:
         a one-label head's sigmoid, several labels' softmax (`pooling_params.use_activation` false:
         the logits). `truncate_prompt_tokens` (or the pooling params'): classify each prompt's last
         this many tokens."""
-        if self.engine.model.pooling is None or self.engine.model.pooling.classifier is None:
+        head = self.engine.model.classifier
+        if head is None:
             raise NeuronError("this model does not classify: load a *ForSequenceClassification checkpoint, or one "
                               "with task=\"classify\" and classifier_from_token in hf_overrides")
-        head = self.engine.model.pooling.classifier
         params = replace(pooling_params or PoolingParams(), task=CLASSIFY)
         if truncate_prompt_tokens is not None:
             params = replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
@@ -395,8 +395,7 @@ class LLM:
         together, in prompt order. `pooling_params.dimensions`: keep the first this many values
         (Matryoshka), normalized again where the model normalizes. `truncate_prompt_tokens` (or the
         pooling params'): embed each prompt's last this many tokens (-1: as many as the context holds)."""
-        pooling = self.engine.model.pooling
-        if pooling is None or pooling.classifier is not None:
+        if self.engine.model.pooling is None or self.engine.model.classifier is not None:
             raise NeuronError("this model does not embed: load it with task=\"embed\" (or \"generate,embed\")")
         params = replace(pooling_params or PoolingParams(), task=EMBED)
         if truncate_prompt_tokens is not None:

@@ -25,6 +25,7 @@ from starlette.responses import Response
 
 from neuron.engine.async_engine import AsyncEngine
 from neuron.engine.classifier import Classifier
+from neuron.engine.input_processor import kept_tokens
 from neuron.engine.llm_engine import RequestError
 from neuron.engine.pooling import CLASSIFY, EMBED, cosine_similarities
 from neuron.entrypoints.openai.api_errors import bad_request
@@ -326,7 +327,7 @@ class _CrossEncoder:
                               param="documents")
         keep = pairing.keep
         params = pooling_params(keep=keep, task=CLASSIFY)
-        room = None if keep is None else engine.max_model_len if keep == -1 else keep
+        room = kept_tokens(keep, engine.max_model_len)
         if engine.classifier.sep and not engine.templated_pairs:
             inputs = await _with_template(engine, pairs, room, limiter)
         else:
