@@ -271,7 +271,7 @@ def _add_tokenizer(writer, hf_dir: Path, vocab_size: int) -> None:
 
 
 def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", tokenizer: bool = True,
-               pooling: int | None = None) -> Path:
+               pooling: int | str | None = None) -> Path:
     """`hf_dir`'s Qwen3 or Llama checkpoint as a GGUF file. `types`: one type for every matrix, or a
     map from GGUF tensor names (or their suffixes after the layer, such as "ffn_down.weight") to
     types with "default" for the rest; 1-D tensors are F32 as llama.cpp writes them. `pooling`:
@@ -296,8 +296,10 @@ def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", to
     rope = config.get("rope_parameters") or {}
     w.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
     w.add_vocab_size(config["vocab_size"])
-    if pooling is not None:
+    if isinstance(pooling, int):
         w.add_pooling_type(gguf.PoolingType(pooling))
+    elif pooling is not None:  # a hostile file's: the key holding a string
+        w.add_string(f"{arch}.pooling_type", pooling)
     if arch == "qwen3moe":
         w.add_expert_count(config.get("num_experts") or config["num_local_experts"])
         w.add_expert_used_count(config["num_experts_per_tok"])

@@ -118,6 +118,9 @@ def test_a_gguf_embedding_model_pools_as_its_metadata_says(generation_checkpoint
     rank = write_gguf(generation_checkpoint, tmp_path / "rank.gguf", "F32", tokenizer=False, pooling=4)
     with pytest.raises(ConfigError, match="GGUF pooling type 4 is not supported"):
         model_config(rank)
+    odd = write_gguf(generation_checkpoint, tmp_path / "odd.gguf", "F32", tokenizer=False, pooling="mean")
+    with pytest.raises(ConfigError, match=r"qwen3.pooling_type must be an integer .*, got 'mean'"):
+        model_config(odd)
 
 
 def test_serve_and_a_models_file_take_the_task():

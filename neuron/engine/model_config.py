@@ -496,14 +496,20 @@ def gguf_pooling(f: GGUFFile) -> PoolingConfig | None:
     """The pooling a GGUF embedding model's metadata declares (`{arch}.pooling_type`: mean, first
     or last token), normalized as llama.cpp's server and Ollama return embeddings; None for a
     generation model. A reranker's rank pooling is refused, saying how its causal LM is served."""
-    kind = f.field(f"{f.field('general.architecture')}.pooling_type")
-    if kind is None or int(kind) == 0:
+    key = f"{f.field('general.architecture')}.pooling_type"
+    kind = f.field(key)
+    if kind is None:
         return None
-    if int(kind) not in _GGUF_POOLING:
-        raise ConfigError(f"{f.path.name}: GGUF pooling type {int(kind)} is not supported (mean, cls and last are; "
+    if isinstance(kind, bool) or not isinstance(kind, int):
+        raise ConfigError(f"{f.path.name}: GGUF metadata {key} must be an integer (llama.cpp's pooling type), got "
+                          f"{kind!r:.40}")
+    if kind == 0:
+        return None
+    if kind not in _GGUF_POOLING:
+        raise ConfigError(f"{f.path.name}: GGUF pooling type {kind} is not supported (mean, cls and last are; "
                           "a reranker converted with rank pooling is not: serve its causal LM with "
                           "classifier_from_token in --hf-overrides)")
-    return PoolingConfig(_GGUF_POOLING[int(kind)], True)
+    return PoolingConfig(_GGUF_POOLING[kind], True)
 
 
 def sentence_transformers_pooling(model_dir: Path) -> PoolingConfig | None:
