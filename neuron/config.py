@@ -154,8 +154,8 @@ class Settings:
         "pooling the final hidden states), generate,embed (both), or classify (/classify, and /score and /rerank "
         "as a cross-encoder: a *ForSequenceClassification checkpoint's head over the last token, or "
         "classifier_from_token in --hf-overrides); auto is embed for a sentence-transformers checkpoint "
-        "(modules.json with a Pooling module) or a GGUF file with a pooling type, classify for a "
-        "sequence-classification one, else generate",
+        "(modules.json with a Pooling module), a GGUF file with a pooling type or an encoder (BERT, RoBERTa), "
+        "classify for a sequence-classification one, else generate",
         choices=("auto", "generate", "embed", "generate,embed", "classify"))
     tp: int = _setting(int, 1, "tensor-parallel size: how many ranks (devices) share the model", lo=1)
     hosts: str | None = _setting(

@@ -225,3 +225,19 @@ def test_a_resting_adapter_leaves_the_ranks_only_while_no_request_uses_it(monkey
     slots.fill(ranks)
     assert loaded[-1] == (b.lora_slot, x.lora_id, "/adapters/x") and x.cache_key(None) != lora.Adapter(
         "x", "/adapters/x", 4, first).cache_key(None)
+
+
+def test_an_encoders_prompts_run_whole_and_wait_for_a_step_they_fit():
+    """With `whole_prompts` (an encoder's), a prompt is never cut: one that does not fit what is
+    left of the budget waits for the next step, and the prompts after it wait behind it."""
+    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=10, prefill_chunk=4, blocks=BlockManager(64, 4, False),
+                      whole_prompts=True)
+    a, b, c = seq(range(1, 7), "a", max_tokens=0), seq(range(10, 17), "b", max_tokens=0), seq([20, 21], "c", 0)
+    for s in (a, b, c):
+        sched.add(s)
+    batch = run(sched)
+    assert [(s.seq, s.offset, len(s.token_ids)) for s in batch] == [(a, 0, 6)]  # past the chunk size; b waits
+    assert b.slot is None and list(sched.waiting) == [b, c]
+    batch = run(sched)
+    assert [(s.seq, s.offset, len(s.token_ids)) for s in batch] == [(b, 0, 7), (c, 0, 2)]
+    assert all(s.completes_prompt for s in batch) and not sched.has_work()

@@ -1,5 +1,5 @@
 """Classification and cross-encoder scoring on the leader: a linear head over the last token's
-final-norm hidden state.
+final-norm hidden state (an encoder's: a dense layer and tanh, then the head, over its first token).
 
 A sequence-classification checkpoint (`Qwen3ForSequenceClassification`, `LlamaForSequenceClassification`,
 ... in config.json's `architectures`) is the causal LM's body and a `score` matrix of one row per
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from neuron.errors import ConfigError
+from neuron.models import is_encoder
 
 _SUFFIX = "ForSequenceClassification"
 _TWO_WAY = "from_2_way_softmax"  # vLLM's `method` for a two-token head read as one label
@@ -43,6 +44,8 @@ class Classifier:
     # how a pair of texts becomes one input (vLLM's `use_sep_token`): the tokenizer's pair template
     # (a cross-encoder's separator), or the two texts joined as one text (an LLM as a reranker)
     sep: bool = True
+    # an encoder's layer before the head (BERT's pooler, RoBERTa's classifier.dense): tanh(W h + b)
+    dense: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_labels(self) -> int:
@@ -50,7 +53,10 @@ class Classifier:
 
     def logits(self, hidden: torch.Tensor) -> list[float]:
         """The head's logits for one pooled hidden state."""
-        out = self.weight @ hidden.float().cpu()
+        hidden = hidden.float().cpu()
+        if self.dense is not None:
+            hidden = torch.tanh(self.dense[0] @ hidden + self.dense[1])
+        out = self.weight @ hidden
         if self.bias is not None:
             out = out + self.bias
         return out.tolist()
@@ -87,8 +93,12 @@ def load_classifier(config: dict, weight_files: list[str], gguf: Path | None, to
 
         reader = CheckpointReader(weight_files)
     try:
+        if tokens is not None and is_encoder(config):
+            raise ConfigError("classifier_from_token reads an LM head's rows, and an encoder has no LM head")
         if tokens is not None:
             return _from_tokens(config, reader, tokens, tokenizer, hidden)
+        if is_encoder(config):
+            return _encoder_head(config, reader, hidden)
         if not reader.has("score.weight"):
             raise ConfigError("a classification model needs `score.weight` in its checkpoint (the head of a "
                               f"*{_SUFFIX} checkpoint), or `classifier_from_token` in --hf-overrides to score by "
@@ -102,6 +112,30 @@ def load_classifier(config: dict, weight_files: list[str], gguf: Path | None, to
         return Classifier(weight, bias, _label_names(config, weight.shape[0]), _sep(config, True))
     finally:
         reader.close()
+
+
+def _encoder_head(config: dict, reader, hidden: int) -> Classifier:
+    """An encoder's head over its first token: RoBERTa's classifier.dense then classifier.out_proj,
+    or BERT's pooler.dense then classifier, each dense layer followed by tanh."""
+    if reader.has("classifier.out_proj.weight"):
+        dense, out = "classifier.dense", "classifier.out_proj"
+    else:
+        pooler = next((f"{p}pooler.dense" for p in ("bert.", "") if reader.has(f"{p}pooler.dense.weight")), None)
+        if pooler is None or not reader.has("classifier.weight"):
+            raise ConfigError("an encoder's classification head needs classifier.weight and the pooler's "
+                              "pooler.dense.weight (BERT), or classifier.dense and classifier.out_proj (RoBERTa)")
+        dense, out = pooler, "classifier"
+    layer = (_float(reader, f"{dense}.weight"), _float(reader, f"{dense}.bias"))
+    if list(layer[0].shape) != [hidden, hidden] or list(layer[1].shape) != [hidden]:
+        raise ConfigError(f"{dense} has shapes {list(layer[0].shape)} and {list(layer[1].shape)}; expected "
+                          f"[{hidden}, {hidden}] and [{hidden}]")
+    weight = _float(reader, f"{out}.weight")
+    if weight.dim() != 2 or weight.shape[1] != hidden or weight.shape[0] < 1:
+        raise ConfigError(f"{out}.weight has shape {list(weight.shape)}; expected [num_labels, {hidden}]")
+    bias = _float(reader, f"{out}.bias")
+    if list(bias.shape) != [weight.shape[0]]:
+        raise ConfigError(f"{out}.bias has shape {list(bias.shape)}; expected [{weight.shape[0]}]")
+    return Classifier(weight, bias, _label_names(config, weight.shape[0]), _sep(config, True), layer)
 
 
 def _from_tokens(config: dict, reader, tokens, tokenizer, hidden: int) -> Classifier:

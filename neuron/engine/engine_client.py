@@ -62,6 +62,11 @@ class EngineClient:
         return self._loaded().model.tasks
 
     @property
+    def encoder(self) -> bool:
+        """Whether the model is an encoder (models/bert.py), which can never be served to generate."""
+        return self._loaded().model.encoder
+
+    @property
     def hidden_size(self) -> int:
         """An embedding's length before `dimensions` truncates it."""
         return self._loaded().model.hidden_size

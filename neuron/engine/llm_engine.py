@@ -50,7 +50,8 @@ class LLMEngine:
         for name, path in parse_lora_modules(model.spec.lora_modules):
             self.loras.register(name, path)  # a bad adapter stops the load, naming it
         self.scheduler = Scheduler(model.spec.max_num_seqs, model.step_tokens, model.spec.prefill_chunk_tokens,
-                                   max_image_bytes=lambda: self.executor.max_image_bytes, loras=self.loras)
+                                   max_image_bytes=lambda: self.executor.max_image_bytes, loras=self.loras,
+                                   whole_prompts=model.encoder)
         self.spec = SpecDecoder(model.speculative, model) if model.speculative is not None else None
         self.executor = Executor(model.executor_config(), **({"worker_cmd": worker_cmd} if worker_cmd else {}))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -375,8 +376,10 @@ def _check_task(model: ModelConfig, params: SamplingParams | PoolingParams) -> N
         if pooling.CLASSIFY in model.tasks:
             raise RequestError(f"model `{model.name}` is a classification model: it serves /classify, /score and "
                                "/rerank, not generation", param="model")
+        both = "an encoder, it generates nothing" if model.encoder else \
+            "serve it with --task generate,embed to allow both"
         raise RequestError(f"model `{model.name}` is an embedding model: it serves /v1/embeddings, not generation "
-                           "(serve it with --task generate,embed to allow both)", param="model")
+                           f"({both})", param="model")
     if not isinstance(params, PoolingParams):
         return
     if model.pooling is None:

@@ -35,6 +35,7 @@ from neuron.models import (
     check_supported,
     check_tp,
     context_length,
+    is_encoder,
     merged,
     parse_config,
     supports_prefix_caching,
@@ -85,6 +86,11 @@ class ModelConfig:
         """Sampling defaults from generation_config.json, applied where a request is silent (as
         SamplingParams' fields: its max_new_tokens is max_tokens)."""
         return dict(self.sampling)
+
+    @property
+    def encoder(self) -> bool:
+        """Whether it is an encoder (models/bert.py): each input whole in one step, nothing generated."""
+        return is_encoder(self.hf_config)
 
     @property
     def classifier(self):
@@ -175,6 +181,7 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
     vocab = text_config(config)["vocab_size"]
     phases("building the tokenizer")
     tokenizer, tokenizer_dir = _tokenizer(spec, model_dir, gguf)
+    config = _with_separator(config, tokenizer)
     generation = _generation_config(tokenizer_dir)
     sampling = _check_generation(generation, vocab)
     speculative = _speculative(spec, config)
@@ -186,16 +193,20 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
         _check_lm_head(config, files)
     device = (spec.devices[0].split(":")[0] if spec.devices else None) or spec.device or default_device()
     check_kv_cache_dtype(spec.kv_cache_dtype, spec.dtype, device)
+    max_model_len = _max_model_len(spec, config)
+    step_tokens = spec.max_num_batched_tokens or max(spec.prefill_chunk_tokens, spec.max_num_seqs)
+    if is_encoder(config):  # an input runs whole in one step
+        step_tokens = max(step_tokens, max_model_len)
     return ModelConfig(
         spec=spec, name=spec.served_model_name or spec.model or "neuron-default", model_dir=model_dir,
         weight_files=tuple(str(f) for f in files), hf_config=config, gguf=gguf,
         device=device,
         stored_format=stored,
         quantization=spec.quantization or _stored_label(gguf, stored),
-        max_model_len=_max_model_len(spec, config), vocab_size=vocab, tokenizer=tokenizer,
+        max_model_len=max_model_len, vocab_size=vocab, tokenizer=tokenizer,
         generation_config=generation, sampling=sampling, eos_token_ids=_eos_ids(config, generation, tokenizer),
         vision=_vision(config, model_dir), speculative=speculative, prefix_caching=_prefix_caching(spec, config),
-        step_tokens=spec.max_num_batched_tokens or max(spec.prefill_chunk_tokens, spec.max_num_seqs),
+        step_tokens=step_tokens,
         kv_cache_bytes=0 if spec.kv_cache_memory is None else parse_bytes(spec.kv_cache_memory, "kv_cache_memory"),
         tasks=tasks, pooling=pooling)
 
@@ -411,6 +422,9 @@ def _vision(config: dict, model_dir: Path) -> VisionSpec | None:
 
 def _speculative(spec: EngineConfig, config: dict) -> SpeculativeConfig | None:
     speculative = SpeculativeConfig.parse(spec.speculative_config)
+    if speculative is not None and is_encoder(config):
+        raise ConfigError(f"speculative decoding is not available for model_type {config.get('model_type')!r}: an "
+                          "encoder generates nothing")
     if speculative is not None and not supports_prefix_caching(config):
         raise ConfigError(f"speculative decoding is not available for model_type {config.get('model_type')!r}: "
                           "its recurrent layers' state cannot be rolled back past rejected tokens")
@@ -437,8 +451,9 @@ def _prefix_caching(spec: EngineConfig, config: dict) -> bool:
     """On for every model whose layers can share prefixes, unless turned off; asked for (True) on
     one that cannot, refused."""
     if spec.enable_prefix_caching and not supports_prefix_caching(config):
-        raise ConfigError(f"prefix caching is not available for model_type {config.get('model_type')!r}: "
-                          "its recurrent layers keep state that cannot be shared between sequences")
+        why = "an encoder attends both ways and keeps nothing between steps" if is_encoder(config) else \
+            "its recurrent layers keep state that cannot be shared between sequences"
+        raise ConfigError(f"prefix caching is not available for model_type {config.get('model_type')!r}: {why}")
     return spec.enable_prefix_caching is not False and supports_prefix_caching(config)
 
 
@@ -461,14 +476,35 @@ def _tasks(task: str, model_dir: Path, config: dict, weights: list[str], gguf: P
     when those files say the checkpoint is a pooling model, classifies when config.json names a
     sequence-classification architecture (or --hf-overrides a head from named tokens)."""
     found = sentence_transformers_pooling(model_dir) or (gguf_pooling(open_file(gguf)) if gguf is not None else None)
+    encoder = is_encoder(config)
     if task == "auto":
-        task = CLASSIFY if is_classification(config) else EMBED if found is not None else GENERATE
+        task = CLASSIFY if is_classification(config) else EMBED if found is not None or encoder else GENERATE
     tasks = frozenset(task.split(","))
+    if encoder and GENERATE in tasks:
+        raise ConfigError(f"model_type {config['model_type']!r} is an encoder: it generates nothing; serve it with "
+                          "--task embed, or classify for a sequence-classification checkpoint")
     if CLASSIFY in tasks:
-        return tasks, PoolingConfig("lasttoken", False, load_classifier(text_config(config), weights, gguf, tokenizer))
+        # an encoder's head reads its first token (BERT's [CLS], RoBERTa's <s>), a decoder's its last
+        head = load_classifier(text_config(config), weights, gguf, tokenizer)
+        return tasks, PoolingConfig("cls" if encoder else "lasttoken", False, head)
     if EMBED not in tasks:
         return tasks, None
-    return tasks, found or PoolingConfig()
+    # without sentence-transformers' files: an encoder's first token, a decoder's last, normalized
+    return tasks, found or PoolingConfig("cls" if encoder else "lasttoken")
+
+
+def _with_separator(config: dict, tokenizer: Tokenizer | None) -> dict:
+    """An encoder's config with `sep_token_id` where its tokenizer's pair template makes the tokens
+    after that separator the second token type (BERT's [SEP]) and config.json does not name it:
+    the ranks mark a pair's second text by it (models/bert.py)."""
+    if not is_encoder(config) or config.get("sep_token_id") is not None or tokenizer is None \
+            or int(config.get("type_vocab_size", 2)) < 2:
+        return config
+    try:
+        sep = tokenizer.second_type_after()
+    except TokenizerError as exc:
+        raise ConfigError(f"the tokenizer's pair template: {exc}") from None
+    return config if sep is None else {**config, "sep_token_id": sep}
 
 
 def _check_lm_head(config: dict, files: list[Path]) -> None:

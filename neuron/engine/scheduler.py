@@ -12,6 +12,8 @@ budget, in a step that prefills nothing; their blocks were reserved when they we
 A prompt with images is chunked like any other; its first step carries the images to every
 rank, in the step's protocol line, so a step admits no more sequences with images than
 `max_image_bytes` of them fit (the others wait a step).
+An encoder's input (models/bert.py) attends both ways, so it is never cut: it runs whole in one
+step, and waits for a step whose budget holds it (the budget is at least the model length).
 A request for a LoRA adapter is admitted only once its adapter holds one of the ranks' adapter
 slots (engine/lora.py); while every slot serves other running adapters it waits, and later
 requests may pass it.
@@ -55,7 +57,7 @@ class Scheduled:
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk: int,
                  blocks: BlockManager | None = None, max_image_bytes: Callable[[], int] | None = None,
-                 loras: LoraSlots | None = None):
+                 loras: LoraSlots | None = None, whole_prompts: bool = False):
         self.max_num_seqs = max_num_seqs
         self.budget = max(max_num_batched_tokens, max_num_seqs)
         self.prefill_chunk = prefill_chunk
@@ -68,6 +70,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.max_image_bytes = max_image_bytes  # encoded image bytes one step carries (None: no bound)
         self.loras = loras  # the ranks' LoRA adapter slots (None: the model serves no adapters)
+        self.whole_prompts = whole_prompts  # an encoder's: each prompt in one step, never in chunks
 
     def use_blocks(self, blocks: BlockManager) -> None:
         """Schedule over a new block pool (at start, and after the ranks were rebuilt)."""
@@ -116,7 +119,7 @@ class Scheduler:
         images waits a step when the step's images would pass `max_image_bytes` (alone it goes)."""
         image_bytes = 0
         for seq in list(self.waiting):
-            if not self.free_slots or budget <= 0:
+            if not self.free_slots or budget <= 0 or (self.whole_prompts and seq.num_tokens > budget):
                 return
             if self.blocks.computing_elsewhere(seq, self.running):
                 continue
@@ -194,7 +197,11 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _chunk(self, seq: Sequence, budget: int, batch: list[Scheduled]) -> int:
-        tokens = seq.pending()[: min(budget, self.prefill_chunk)]
+        tokens = seq.pending()
+        if not self.whole_prompts:
+            tokens = tokens[: min(budget, self.prefill_chunk)]
+        elif len(tokens) > budget:
+            return 0  # it runs whole, in a later step
         batch.append(self._scheduled(seq, tokens))
         return len(tokens)
 

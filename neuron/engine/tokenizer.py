@@ -83,6 +83,11 @@ class Tokenizer:
         named_tokens: dict[str, str] | None = None,
         templates: dict[str, str] | None = None,
     ):
+        # tokenizer.json may carry truncation and padding (sentence-transformers' BERTs: cut at 128,
+        # padded to it), which would cut or pad every prompt unasked: a prompt's length is checked
+        # and cut by the request's own rules, and no input is padded
+        backend.no_truncation()
+        backend.no_padding()
         self._backend = backend
         self._named_tokens = dict(named_tokens or {})
         if eos_token is not None:
@@ -210,6 +215,21 @@ class Tokenizer:
     def _pair_template(self) -> list[list[int]]:
         """The special tokens the post-processor puts before, between and after a pair's texts."""
         return self._specials_around(["a", "b"])
+
+    def second_type_after(self) -> int | None:
+        """The special token after whose first occurrence the pair template's tokens are of the
+        second type (BERT's [SEP]: `[CLS] a [SEP]` type 0, `b [SEP]` type 1); None when the template
+        gives every token one type (RoBERTa's)."""
+        encodings = self._backend.encode_batch(["a", "b"], add_special_tokens=False)
+        joined = self._backend.post_process(*encodings, add_special_tokens=True)
+        types = joined.type_ids
+        if not any(types):
+            return None
+        first = types.index(1)
+        if first == 0 or not joined.special_tokens_mask[first - 1] or any(t != 1 for t in types[first:]):
+            raise TokenizerError(f"its token types {types} are not one run of the first type, ending in a separator, "
+                                 "then one of the second")
+        return joined.ids[first - 1]
 
     def _specials_around(self, probes: list[str]) -> list[list[int]]:
         """The special tokens the post-processor puts around one text or a pair (`probes`), read

@@ -5,7 +5,10 @@ from __future__ import annotations
 from neuron.errors import UnsupportedModel
 
 DENSE_MODEL_TYPES = ("qwen3", "llama", "mistral", "qwen2")  # one decoder (qwen3.py), switches per family
-SUPPORTED_MODEL_TYPES = (*DENSE_MODEL_TYPES, "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+# Encoders (bert.py): embedding and classification models, which attend both ways and generate nothing.
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
+SUPPORTED_MODEL_TYPES = (*DENSE_MODEL_TYPES, "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
+                         *ENCODER_MODEL_TYPES)
 # Multimodal layouts: the language model's settings nested in `text_config`, a vision tower beside it.
 MULTIMODAL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 # Hybrid models whose linear-attention layers keep recurrent state per slot.
@@ -33,8 +36,14 @@ def merged(base: dict, overrides: dict) -> dict:
 
 def supports_prefix_caching(config: dict) -> bool:
     """Whether a cached prefix's KV blocks restore a sequence's whole state. Not for models with
-    recurrent (linear-attention) layers, whose per-slot state the blocks do not hold."""
-    return config.get("model_type") not in RECURRENT_MODEL_TYPES
+    recurrent (linear-attention) layers, whose per-slot state the blocks do not hold, nor for
+    encoders, which keep nothing."""
+    return config.get("model_type") not in (*RECURRENT_MODEL_TYPES, *ENCODER_MODEL_TYPES)
+
+
+def is_encoder(config: dict) -> bool:
+    """Whether the model is an encoder (bert.py): each input runs whole in one step, nothing is generated."""
+    return config.get("model_type") in ENCODER_MODEL_TYPES
 
 
 def text_config(config: dict) -> dict:
@@ -48,12 +57,20 @@ def context_length(config: dict) -> int:
     from neuron.layers.rope import RopeScaling
 
     t = text_config(config)
+    if is_encoder(t):
+        from neuron.models.bert import position_offset
+
+        return int(t.get("max_position_embeddings", 512)) - position_offset(t)
     return RopeScaling.from_config(t).max_len(int(t.get("max_position_embeddings", 2048)))
 
 
 def _architecture(config: dict) -> tuple[type, type]:
     """The model class of `config`'s architecture and the class parsing its config."""
     model_type = check_supported(config)
+    if model_type in ENCODER_MODEL_TYPES:
+        from neuron.models.bert import BertConfig, BertModel
+
+        return BertModel, BertConfig
     if model_type in DENSE_MODEL_TYPES:
         from neuron.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 

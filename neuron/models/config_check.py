@@ -93,7 +93,7 @@ def _shown(value: Any) -> str:
 def check_config(config: Any, where: str) -> None:
     """Refuse a config whose fields the models cannot run (ConfigError naming the field, its value
     and what it takes). `where`: the file it came from, for the message."""
-    from neuron.models import MULTIMODAL_MODEL_TYPES, RECURRENT_MODEL_TYPES
+    from neuron.models import ENCODER_MODEL_TYPES, MULTIMODAL_MODEL_TYPES, RECURRENT_MODEL_TYPES
 
     top = Fields(config, where)
     model_type = config.get("model_type")
@@ -104,7 +104,9 @@ def check_config(config: Any, where: str) -> None:
             raise ConfigError(f"{where}: a {model_type} config needs its text_config")
         if (vision := top.nested("vision_config")) is not None:
             _check_vision(vision)
-    vocab = _check_text(text)
+    vocab = _check_text(text, rotary=model_type not in ENCODER_MODEL_TYPES)
+    if model_type in ENCODER_MODEL_TYPES:
+        _check_encoder(text, vocab)
     if model_type in RECURRENT_MODEL_TYPES:
         _check_hybrid(text)
     if model_type in ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text"):
@@ -116,7 +118,7 @@ def check_config(config: Any, where: str) -> None:
             f.token_ids(key, 1 << 31)
 
 
-def _check_text(t: Fields) -> int:
+def _check_text(t: Fields, rotary: bool = True) -> int:
     vocab = t.int("vocab_size", 1, MAX_VOCAB, required=True)
     hidden = t.int("hidden_size", 1, MAX_HIDDEN, required=True)
     t.int("num_hidden_layers", 1, MAX_LAYERS, required=True)
@@ -127,7 +129,7 @@ def _check_text(t: Fields) -> int:
     head_dim = t.int("head_dim", 2, MAX_HEAD_DIM)
     if head_dim is None and hidden // heads < 2:
         raise t.fail("hidden_size", f"at least 2 x num_attention_heads ({heads}) when head_dim is not given", hidden)
-    if (head_dim or hidden // heads) % 2:
+    if rotary and (head_dim or hidden // heads) % 2:
         raise t.fail("head_dim", "even (the rotary embedding turns pairs of channels)", head_dim or hidden // heads)
     for key in ("intermediate_size", "shared_expert_intermediate_size", "moe_intermediate_size"):
         t.int(key, 1, MAX_WIDTH)
@@ -166,6 +168,21 @@ def _check_rope(t: Fields) -> None:
         raise p.fail("high_freq_factor", f"greater than low_freq_factor ({low})", high)
     p.int_list("mrope_section", 0, MAX_HEAD_DIM, 8)
     p.bool("truncate")
+
+
+def _check_encoder(t: Fields, vocab: int) -> None:
+    """BERT's and RoBERTa's own fields (models/bert.py)."""
+    t.float("layer_norm_eps", 0.0, 1.0, above=True)
+    t.int("type_vocab_size", 1, 1024)
+    for key in ("pad_token_id", "sep_token_id"):  # RoBERTa counts positions past its padding id
+        t.int(key, 0, vocab - 1)
+    pad = t.d.get("pad_token_id") if t.d.get("model_type") in ("roberta", "xlm-roberta") else None
+    if pad is not None and t.d.get("max_position_embeddings", 512) < pad + 3:
+        raise t.fail("max_position_embeddings", f"at least pad_token_id + 3 ({pad + 3}): RoBERTa's positions start "
+                     "past its padding id", t.d.get("max_position_embeddings"))
+    for key in ("hidden_act", "position_embedding_type"):
+        if t.d.get(key) is not None and not isinstance(t.d[key], str):
+            raise t.fail(key, "a name", t.d[key])
 
 
 def _check_hybrid(t: Fields) -> None:

@@ -37,9 +37,12 @@ class MemoryPlan:
 
 
 def kv_bytes_per_token(config: dict, tp: int, dtype_bytes: int) -> int:
-    """K and V of one token on one rank, over the layers that keep KV (full attention)."""
-    from neuron.models import text_config
+    """K and V of one token on one rank, over the layers that keep KV (full attention); none for an
+    encoder, which keeps nothing between steps."""
+    from neuron.models import is_encoder, text_config
 
+    if is_encoder(config):
+        return 0
     t = text_config(config)
     heads = t["num_attention_heads"]
     kv_heads = max(1, (t.get("num_key_value_heads") or heads) // tp)

@@ -23,6 +23,8 @@ def plan_kv_pool(model, req: p.ShardSpec, device: torch.device, held_by_others: 
     if req.block_size < 1:
         raise ConfigError(f"KV block size must be >= 1, got {req.block_size}")
     block_bytes = model.kv_block_bytes(req.block_size)
+    if block_bytes == 0:  # an encoder keeps nothing: the blocks only count tokens for the leader
+        return req.max_slots * blocks_for(req.max_model_len, req.block_size)
     reserve = model.activation_bytes(req.max_num_batched_tokens, req.max_slots, req.max_model_len)
     draft = (req.draft_block_bytes, req.draft_bytes) if rank == 0 else (0, 0)
     num_blocks = plan_num_blocks(block_bytes, req.block_size, max_slots=req.max_slots,

@@ -155,9 +155,10 @@ def check_serves(engine: AsyncEngine, task: str) -> None:
                           "*ForSequenceClassification checkpoint, or --task classify with classifier_from_token in "
                           "--hf-overrides", param="model", code=code)
     if task == GENERATE:
+        both = "an encoder, it generates nothing" if engine.encoder else \
+            "serve it with --task generate,embed to allow both"
         raise bad_request(f"model `{engine.model_name}` is an embedding model: it serves /v1/embeddings only, not "
-                          "chat or completions (serve it with --task generate,embed to allow both)",
-                          param="model", code=code)
+                          f"chat or completions ({both})", param="model", code=code)
     raise bad_request(f"model `{engine.model_name}` is a generation model: it does not serve /v1/embeddings (serve "
                       "an embedding model, or this one with --task embed or --task generate,embed)",
                       param="model", code=code)

@@ -1,0 +1,322 @@
+"""BERT, RoBERTa and XLM-RoBERTa encoders, tensor-parallel: the embedding and reranking models
+people run beside a chat model (sentence-transformers' MiniLM and mpnet-free BERTs, BGE, E5, GTE,
+bge-reranker, ms-marco cross-encoders).
+
+An encoder attends in both directions, so a token's output depends on the tokens after it: an
+input runs whole in one step (the scheduler never cuts it into chunks, engine/scheduler.py) and
+keeps nothing between steps, so the model holds no KV pool; its `cache` only refuses a step that
+does not start an input at its first token. Each layer is post-norm: attention (q, k and v
+column-parallel with biases, the output row-parallel), a residual and LayerNorm, then a GELU MLP,
+a residual and LayerNorm. The embeddings add learned absolute positions (RoBERTa's counted after
+its padding id, as transformers counts them) and token types: a pair's second text (after the
+first separator, `sep_token_id`) is type 1 where the model has two types, as the tokenizer's pair
+template marks it. Rank 0 pools the last layer's output (models/pooling.py); the classification
+heads run on the leader (engine/classifier.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from neuron.distributed.comm import Communicator
+from neuron.errors import ConfigError
+from neuron.layers import quantized
+from neuron.layers.kernels import Kernels
+from neuron.layers.tensor_parallel import (
+    ColumnParallelLinear,
+    HeadLayout,
+    QKVParallelLinear,
+    Reader,
+    RowParallelLinear,
+    Shard,
+    VocabParallelEmbedding,
+)
+from neuron.models import pooling
+from neuron.models.inputs import StepBatch, StepRejected
+
+_ROBERTA = ("roberta", "xlm-roberta")
+# hidden_act values and the GELU each is in transformers
+_ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+# where a checkpoint keeps the encoder: a bare model's names, or under its task model's prefix
+_PREFIXES = ("", "bert.", "roberta.", "model.")
+
+
+def roberta_padding(config: dict) -> int | None:
+    """RoBERTa's padding id, past which its positions are counted (transformers' default 1); None
+    for BERT, whose positions start at 0."""
+    if config.get("model_type") not in _ROBERTA:
+        return None
+    pad = config.get("pad_token_id")
+    return 1 if pad is None else int(pad)
+
+
+def position_offset(config: dict) -> int:
+    """How far an input's first position lies past row 0 of the table: RoBERTa's padding id plus one."""
+    pad = roberta_padding(config)
+    return 0 if pad is None else pad + 1
+
+
+@dataclass(slots=True)
+class BertConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    layer_norm_eps: float
+    max_position_embeddings: int
+    type_vocab_size: int
+    gelu: str  # F.gelu's `approximate`
+    position_offset: int  # RoBERTa: positions start after the padding id
+    padding: int | None  # RoBERTa's padding id, past which it counts positions; None: BERT's from 0
+    sep_token_id: int | None  # where a pair's second text (token type 1) starts
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def max_len(self) -> int:
+        """The longest input: the position table's rows past RoBERTa's offset."""
+        return self.max_position_embeddings - self.position_offset
+
+    @classmethod
+    def from_dict(cls, d: dict) -> BertConfig:
+        act = d.get("hidden_act", "gelu")
+        if act not in _ACTIVATIONS:
+            raise ConfigError(f"hidden_act {act!r} is not supported for an encoder ({', '.join(_ACTIVATIONS)} are)")
+        kind = d.get("position_embedding_type", "absolute")
+        if kind != "absolute":
+            raise ConfigError(f"position_embedding_type {kind!r} is not supported (absolute positions only)")
+        try:
+            heads, hidden = int(d["num_attention_heads"]), int(d["hidden_size"])
+            cfg = cls(vocab_size=int(d["vocab_size"]), hidden_size=hidden,
+                      intermediate_size=int(d["intermediate_size"]), num_layers=int(d["num_hidden_layers"]),
+                      num_heads=heads, layer_norm_eps=float(d.get("layer_norm_eps", 1e-12)),
+                      max_position_embeddings=int(d.get("max_position_embeddings", 512)),
+                      type_vocab_size=int(d.get("type_vocab_size", 2)), gelu=_ACTIVATIONS[act],
+                      position_offset=position_offset(d), padding=roberta_padding(d),
+                      sep_token_id=d.get("sep_token_id"))
+        except KeyError as exc:
+            raise ConfigError(f"config.json lacks required field {exc.args[0]!r}") from None
+        if hidden % heads:
+            raise ConfigError(f"hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads})")
+        if cfg.max_len < 2:
+            raise ConfigError(f"max_position_embeddings ({cfg.max_position_embeddings}) leaves no positions past "
+                              f"the padding id ({cfg.position_offset - 1})")
+        return cfg
+
+
+class _Named(Reader):
+    """The checkpoint under the names the shared layers ask for: the encoder's prefix in front, and
+    q_proj, k_proj, v_proj as BERT's query, key and value."""
+
+    _PROJ = {".q_proj.": ".query.", ".k_proj.": ".key.", ".v_proj.": ".value."}
+
+    def __init__(self, inner: Reader, prefix: str):
+        self.inner, self.prefix = inner, prefix
+
+    def _name(self, name: str) -> str:
+        for ours, theirs in self._PROJ.items():
+            name = name.replace(ours, theirs)
+        return self.prefix + name
+
+    def read(self, name, dim=None, start=0, end=None):
+        return self.inner.read(self._name(name), dim, start, end)
+
+    def read_weight(self, name, dim=None, start=0, end=None, vocab=False):
+        return self.inner.read_weight(self._name(name), dim, start, end, vocab)
+
+    def has(self, name: str) -> bool:
+        return self.inner.has(self._name(name))
+
+    def shape(self, name: str):
+        return self.inner.shape(self._name(name))
+
+    def source(self, name: str) -> str:
+        return self.inner.source(self._name(name))
+
+
+@dataclass(slots=True)
+class LayerNorm:
+    weight: torch.Tensor
+    bias: torch.Tensor
+    eps: float
+
+    @classmethod
+    def load(cls, r: Reader, prefix: str, eps: float, dtype, device) -> LayerNorm:
+        return cls(*(r.read(f"{prefix}.{p}").to(device=device, dtype=dtype) for p in ("weight", "bias")), eps)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class EncoderLayer:
+    def __init__(self, qkv: QKVParallelLinear, o: RowParallelLinear, attn_norm: LayerNorm,
+                 up: ColumnParallelLinear, down: RowParallelLinear, out_norm: LayerNorm, gelu: str):
+        self.qkv, self.o, self.attn_norm = qkv, o, attn_norm
+        self.up, self.down, self.out_norm = up, down, out_norm
+        self.gelu = gelu
+        lay = qkv.layout
+        self.heads, self.head_dim = lay.local_heads, lay.head_dim
+
+    def __call__(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        x = self.attn_norm(x + self.o(self._attend(*self.qkv(x), lengths)))
+        return self.out_norm(x + self.down(F.gelu(self.up(x), approximate=self.gelu)))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """Every input's queries over all of its own keys, in both directions."""
+        out = torch.empty_like(q)
+        start = 0
+        for n in lengths:
+            heads = [t[start:start + n].view(n, self.heads, self.head_dim).transpose(0, 1) for t in (q, k, v)]
+            out[start:start + n] = F.scaled_dot_product_attention(*heads).transpose(0, 1).reshape(n, -1)
+            start += n
+        return out
+
+
+class _NoCache:
+    """An encoder keeps nothing between steps: what the model runner asks of a KV cache, with the
+    one check an encoder needs (every step starts its inputs at their first token)."""
+
+    paged = False
+
+    def check(self, seqs: list, vocab_size: int) -> None:
+        for s in seqs:
+            if s.offset != 0:
+                raise StepRejected(f"slot {s.slot}: an encoder runs an input whole, in one step from its first token "
+                                   f"(this step starts at position {s.offset})")
+
+    def begin(self, seqs: list) -> None:
+        """A step starts."""
+
+    def commit(self, batch: StepBatch) -> None:
+        """The step ran."""
+
+    def clear(self, slots: list[int] | None) -> None:
+        """The slots' inputs are gone; nothing was kept of them."""
+
+
+class BertModel:
+    """This rank's share of a BERT-family encoder."""
+
+    decode_on_device_only = False
+    kv_dtype: torch.dtype | None = None
+    lora_slots = 0
+
+    def __init__(self, config: BertConfig, comm: Communicator, dtype: torch.dtype, device: torch.device,
+                 kernels: Kernels):
+        self.config, self.comm, self.dtype, self.device, self.kernels = config, comm, dtype, device, kernels
+        self.shard = Shard(comm.rank, comm.world_size)
+        BertModel.check_split(config, self.shard)
+        self.layout = HeadLayout(config.num_heads, config.num_heads, config.head_dim, self.shard)
+        self.layers: list[EncoderLayer] = []
+        self.cache: _NoCache | None = None
+
+    @staticmethod
+    def check_split(config: BertConfig, shard: Shard) -> None:
+        """Refuse a tensor-parallel size this model's heads and widths do not split into."""
+        HeadLayout(config.num_heads, config.num_heads, config.head_dim, shard).validate()
+        shard.even(config.intermediate_size, "intermediate_size")
+
+    def load(self, r: Reader, progress: Callable[[int, int], None] | None = None) -> None:
+        c, s, dt, dev, k = self.config, self.shard, self.dtype, self.device, self.kernels
+        prefix = next((p for p in _PREFIXES if r.has(f"{p}embeddings.word_embeddings.weight")), None)
+        if prefix is None:
+            raise ConfigError("an encoder checkpoint needs embeddings.word_embeddings.weight (under bert., roberta. "
+                              "or no prefix)")
+        r = _Named(r, prefix)
+        self.embed = VocabParallelEmbedding.load(r, "embeddings.word_embeddings.weight", c.vocab_size, s, self.comm,
+                                                 dt, dev)
+        self.positions = self._table(r, "embeddings.position_embeddings.weight", c.max_position_embeddings)
+        self.token_types = self._table(r, "embeddings.token_type_embeddings.weight", c.type_vocab_size)
+        self.embed_norm = LayerNorm.load(r, "embeddings.LayerNorm", c.layer_norm_eps, dt, dev)
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"encoder.layer.{i}"
+            qkv = QKVParallelLinear.load(r, f"{p}.attention.self", self.layout, dt, dev, k, bias=True)
+            o = RowParallelLinear.load(r, f"{p}.attention.output.dense", c.hidden_size, s, self.comm, dt, dev, k,
+                                       bias=True)
+            up = ColumnParallelLinear.load(r, f"{p}.intermediate.dense", c.intermediate_size, s, dt, dev, k, bias=True)
+            down = RowParallelLinear.load(r, f"{p}.output.dense", c.intermediate_size, s, self.comm, dt, dev, k,
+                                          bias=True)
+            self.layers.append(EncoderLayer(qkv, o, LayerNorm.load(r, f"{p}.attention.output.LayerNorm",
+                                                                   c.layer_norm_eps, dt, dev),
+                                            up, down, LayerNorm.load(r, f"{p}.output.LayerNorm", c.layer_norm_eps,
+                                                                     dt, dev), c.gelu))
+            if progress:
+                progress(i + 1, c.num_layers)
+
+    def _table(self, r: Reader, name: str, rows: int) -> torch.Tensor:
+        t = r.read(name)
+        if t.dim() != 2 or list(t.shape) != [rows, self.config.hidden_size]:
+            raise ConfigError(f"{name} has shape {list(t.shape)}; expected [{rows}, {self.config.hidden_size}]")
+        return t.to(device=self.device, dtype=self.dtype)
+
+    def layer_tensors(self, layer: EncoderLayer) -> list[torch.Tensor]:
+        return [layer.qkv.weight, layer.o.weight, layer.up.weight, layer.down.weight]
+
+    def weight_bytes(self) -> int:
+        tensors = [self.embed.weight, self.positions, self.token_types]
+        for layer in self.layers:
+            tensors += self.layer_tensors(layer)
+        return sum(t.numel() * t.element_size() for w in tensors for t in quantized.tensors(w))
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        return 0  # nothing is kept between steps
+
+    def activation_bytes(self, step_tokens: int, max_slots: int, max_model_len: int) -> int:
+        """A generous bound on one step's transient memory: the hidden states and MLP rows, and one
+        input's attention scores at full length."""
+        c, size = self.config, torch.finfo(self.dtype).bits // 8
+        hidden = step_tokens * (6 * c.hidden_size + 2 * c.intermediate_size // self.shard.world) * size
+        scores = self.layout.local_heads * max_model_len * max_model_len * 4
+        return 2 * (hidden + scores) + 256 * 2**20
+
+    def allocate(self, num_blocks: int, block_size: int, max_slots: int, max_model_len: int) -> None:
+        if max_model_len > self.config.max_len:
+            raise ConfigError(f"max_model_len {max_model_len} exceeds the encoder's {self.config.max_len} positions")
+        self.cache = _NoCache()
+
+    @staticmethod
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        """What pooling reads: the last layer's output as it is (each layer ends in its own norm)."""
+        return x
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> None:
+        """Encode every input of the step; rank 0 keeps what pooling asks of each. No logits: an
+        encoder generates nothing."""
+        ids = batch.token_ids
+        positions, types = self._positions_and_types(ids, batch)
+        x = self.embed(ids) + self.positions[positions] + self.token_types[types]
+        x = self.embed_norm(x)
+        for layer in self.layers:
+            x = layer(x, batch.lengths)
+        if batch.pool is not None and self.comm.rank == 0:
+            batch.pool_out = pooling.compute(self, x, batch)
+        return None
+
+    def _positions_and_types(self, ids: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's row of the position table (RoBERTa: counted over the non-padding tokens past
+        the padding id, as transformers counts them) and its token type (1 after the first separator
+        where the model has a second type)."""
+        c = self.config
+        types = torch.zeros_like(ids)
+        positions = batch.positions if c.padding is None else torch.empty_like(ids)
+        start = 0
+        for n in batch.lengths:
+            part = ids[start:start + n]
+            if c.padding is not None:
+                real = part.ne(c.padding).to(ids.dtype)
+                positions[start:start + n] = real.cumsum(0) * real + c.padding
+            if c.type_vocab_size > 1 and c.sep_token_id is not None:
+                seps = part.eq(c.sep_token_id).nonzero()
+                if len(seps):
+                    types[start + int(seps[0]) + 1:start + n] = 1
+            start += n
+        return positions, types

@@ -1,0 +1,293 @@
+"""Encoder models (BERT, RoBERTa, XLM-RoBERTa): embeddings, classification and cross-encoder
+scores equal to transformers at tp 1 and 2 on tiny random checkpoints with WordPiece tokenizers
+built here; an input runs whole in one step; what an encoder cannot do is refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from checkpoints import cached_model, model_config
+from server_harness import LiveServer, client, real_engine
+
+from neuron import LLM, PoolingParams
+from neuron.errors import ConfigError, NeuronError
+
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "what", "does", "do", "a", "cat", "sat",
+         "on", "mat", "hello", "there", "how", "are", "you", "today", "?", ",", "."]
+TEXTS = ["the quick brown fox", "jumps over the lazy dog", "a", "hello there, how are you today?"]
+QUERY = "what does the fox do"
+SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+             max_position_embeddings=64)
+
+
+def _tokenizer(path: Path, roberta: bool) -> list[str]:
+    """A WordPiece tokenizer of WORDS (each letter too, as pieces), with BERT's templates ([CLS] a
+    [SEP] b [SEP], the second text type 1) or RoBERTa's (<s> a </s></s> b </s>, one type)."""
+    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import WordPiece
+    from tokenizers.processors import TemplateProcessing
+
+    specials = ["<s>", "<pad>", "</s>", "<unk>"] if roberta else ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
+    letters = sorted({c for w in WORDS for c in w})
+    vocab = {t: i for i, t in enumerate(specials + WORDS + letters + [f"##{c}" for c in letters])}
+    cls, sep, unk = ("<s>", "</s>", "<unk>") if roberta else ("[CLS]", "[SEP]", "[UNK]")
+    tok = Tokenizer(WordPiece(vocab, unk_token=unk))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    pair = f"{cls} $A {sep} {sep} $B {sep}" if roberta else f"{cls} $A {sep} $B:1 {sep}:1"
+    tok.post_processor = TemplateProcessing(single=f"{cls} $A {sep}", pair=pair,
+                                            special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])])
+    tok.add_special_tokens(specials)
+    tok.save(str(path / "tokenizer.json"))
+    named = {"cls_token": cls, "sep_token": sep, "unk_token": unk, "pad_token": specials[1 if roberta else 0]}
+    (path / "tokenizer_config.json").write_text(json.dumps(named))
+    return list(vocab)
+
+
+def _build(path: Path, kind: str, seed: int, labels: int = 0, st_pooling: str | None = None) -> Path:
+    """A tiny random encoder: `kind` bert or xlm-roberta, the bare model (labels 0) or its
+    sequence-classification model; `st_pooling` adds sentence-transformers' files (normalized)."""
+    import transformers as tf
+
+    roberta = kind == "xlm-roberta"
+    vocab = _tokenizer(path, roberta)
+    torch.manual_seed(seed)
+    extra = {"num_labels": labels} if labels else {}
+    if roberta:
+        config = tf.XLMRobertaConfig(vocab_size=len(vocab), pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                                     type_vocab_size=1, **SHAPE, **extra)
+        model = (tf.XLMRobertaForSequenceClassification if labels else tf.XLMRobertaModel)(config)
+    else:
+        config = tf.BertConfig(vocab_size=len(vocab), pad_token_id=0, **SHAPE, **extra)
+        model = (tf.BertForSequenceClassification if labels else tf.BertModel)(config)
+    with torch.no_grad():  # layer norms and biases away from their initial ones and zeros: each must count
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name or name.endswith("bias"):
+                p.uniform_(0.5, 1.5) if name.endswith("weight") else p.normal_(0, 0.2)
+            elif "token_type" in name or "classifier" in name:  # types that tell, logits away from 0
+                p.normal_(0, 0.5)
+    model.eval().save_pretrained(path, safe_serialization=True)
+    if st_pooling is not None:
+        modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                   {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+        (path / "modules.json").write_text(json.dumps(modules))
+        (path / "1_Pooling").mkdir()
+        (path / "1_Pooling" / "config.json").write_text(json.dumps(
+            {"pooling_mode_cls_token": st_pooling == "cls", "pooling_mode_mean_tokens": st_pooling == "mean"}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def bert_mean(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("bert_mean"), "bert", 1, st_pooling="mean")
+
+
+@pytest.fixture(scope="module")
+def xlmr(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("xlmr"), "xlm-roberta", 2)
+
+
+@pytest.fixture(scope="module")
+def bert_labels(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("bert3"), "bert", 3, labels=3)
+
+
+@pytest.fixture(scope="module")
+def bert_cross(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("bert_cross"), "bert", 4, labels=1)
+
+
+@pytest.fixture(scope="module")
+def xlmr_cross(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("xlmr_cross"), "xlm-roberta", 5, labels=1)
+
+
+def _encoded(path: Path, text: str, pair: str | None = None):
+    from tokenizers import Tokenizer as Backend
+
+    return Backend.from_file(str(path / "tokenizer.json")).encode(text, pair)
+
+
+def _hidden(path: Path, text: str, pair: str | None = None) -> torch.Tensor:
+    from transformers import AutoModel
+
+    enc = _encoded(path, text, pair)
+    with torch.no_grad():
+        return cached_model(AutoModel, path)(input_ids=torch.tensor([enc.ids]),
+                                             token_type_ids=torch.tensor([enc.type_ids])).last_hidden_state[0]
+
+
+def _logits(path: Path, text: str, pair: str | None = None) -> torch.Tensor:
+    from transformers import AutoModelForSequenceClassification
+
+    enc = _encoded(path, text, pair)
+    with torch.no_grad():
+        model = cached_model(AutoModelForSequenceClassification, path)
+        return model(input_ids=torch.tensor([enc.ids]), token_type_ids=torch.tensor([enc.type_ids])).logits[0]
+
+
+def _unit(v: torch.Tensor) -> list[float]:
+    return torch.nn.functional.normalize(v, dim=-1).tolist()
+
+
+# ---- what an encoder is served for ----
+
+
+def test_an_encoder_embeds_by_default_and_classifies_with_a_head(bert_mean, xlmr, bert_labels, xlmr_cross):
+    mean = model_config(bert_mean)
+    assert mean.tasks == {"embed"} and (mean.pooling.mode, mean.pooling.normalize) == ("mean", True)
+    bare = model_config(xlmr)  # no sentence-transformers files: its first token, normalized
+    assert bare.tasks == {"embed"} and (bare.pooling.mode, bare.pooling.normalize) == ("cls", True)
+    assert not bare.prefix_caching and bare.max_model_len == 64 - 2  # positions past RoBERTa's padding id
+    labels = model_config(bert_labels)
+    assert labels.tasks == {"classify"} and labels.pooling.mode == "cls" and labels.classifier.num_labels == 3
+    assert labels.classifier.dense is not None and labels.hf_config["sep_token_id"] == 3  # BERT's [SEP]
+    assert "sep_token_id" not in model_config(xlmr_cross).hf_config  # one token type: nothing to mark
+    assert model_config(bert_mean, max_num_batched_tokens=16).step_tokens == 64  # an input runs whole
+
+
+@pytest.mark.parametrize("what, engine, refused", [
+    ("generate", {"task": "generate"}, "is an encoder: it generates nothing"),
+    ("prefix caching", {"enable_prefix_caching": True}, "encoder attends both ways"),
+    ("a speculative draft", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+     "an encoder generates nothing"),
+    ("a head from named tokens", {"task": "classify", "hf_overrides": {"classifier_from_token": ["a", "the"]}},
+     "an encoder has no LM head"),
+    ("a length past its positions", {"max_model_len": 63}, "max_model_len must be in 2..62"),
+])
+def test_what_an_encoder_cannot_do_is_refused_before_any_rank_starts(xlmr, what, engine, refused):
+    with pytest.raises(ConfigError, match=refused):
+        model_config(xlmr, **engine)
+
+
+def test_a_hostile_encoder_config_is_refused_by_field(tmp_path, bert_mean):
+    from neuron.engine.model_config import load_config
+
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((bert_mean / name).read_bytes())
+    base = json.loads((bert_mean / "config.json").read_text())
+    for field, value, said in [("layer_norm_eps", float("nan"), "layer_norm_eps must be a finite number"),
+                               ("type_vocab_size", 0, "type_vocab_size must be an integer in 1..1024"),
+                               ("sep_token_id", 10**9, "sep_token_id must be an integer"),
+                               ("hidden_act", "swish", "hidden_act 'swish' is not supported for an encoder"),
+                               ("position_embedding_type", "relative_key", "absolute positions only")]:
+        (tmp_path / "config.json").write_text(json.dumps({**base, field: value}))
+        with pytest.raises(ConfigError, match=said):
+            load_config(tmp_path)
+
+
+# ---- offline: equal to transformers ----
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bert_embeddings_equal_transformers(bert_mean, tp):
+    with LLM(str(bert_mean), device="cpu", dtype="float32", tensor_parallel_size=tp) as llm:
+        outs = llm.embed(TEXTS)
+        with pytest.raises(NeuronError, match="does not generate|generat"):
+            llm.generate("the fox")
+    for text, out in zip(TEXTS, outs):
+        assert out.prompt_token_ids == _encoded(bert_mean, text).ids
+        assert out.outputs.embedding == pytest.approx(_unit(_hidden(bert_mean, text).mean(0)), abs=2e-5)
+
+
+def test_xlm_roberta_embeddings_at_tp2_equal_transformers(xlmr):
+    with LLM(str(xlmr), device="cpu", dtype="float32", tensor_parallel_size=2) as llm:
+        outs = llm.embed(TEXTS + ["<pad> the <pad> fox"])  # a padding id inside: RoBERTa counts positions past it
+        cut = llm.embed(TEXTS[3], PoolingParams(dimensions=16))
+    for text, out in zip(TEXTS + ["<pad> the <pad> fox"], outs):
+        assert out.outputs.embedding == pytest.approx(_unit(_hidden(xlmr, text)[0]), abs=2e-5)
+    assert cut[0].outputs.embedding == pytest.approx(_unit(_hidden(xlmr, TEXTS[3])[0][:16]), abs=2e-5)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bert_classify_and_cross_encoder_scores_equal_transformers(bert_labels, bert_cross, tp):
+    """A BERT cross-encoder scores a pair with the second text as token type 1 (the pair template
+    says so), through the pooler and the head, as transformers does (sigmoid of one label)."""
+    with LLM(str(bert_labels), device="cpu", dtype="float32", tensor_parallel_size=tp) as llm:
+        outs = llm.classify(TEXTS)
+    for text, out in zip(TEXTS, outs):
+        assert out.outputs.probs == pytest.approx(_logits(bert_labels, text).softmax(-1).tolist(), abs=1e-5)
+    with LLM(str(bert_cross), device="cpu", dtype="float32", tensor_parallel_size=tp) as llm:
+        scores = llm.score(QUERY, TEXTS)
+    for doc, out in zip(TEXTS, scores):
+        want = _logits(bert_cross, QUERY, doc)
+        assert out.outputs.score == pytest.approx(float(want.sigmoid()), abs=1e-5)
+    # the token types count: without them the pair scores otherwise
+    assert any(abs(out.outputs.score - float(_typeless(bert_cross, QUERY, doc).sigmoid())) > 1e-4
+               for doc, out in zip(TEXTS, scores))
+
+
+def _typeless(path: Path, text: str, pair: str) -> torch.Tensor:
+    from transformers import AutoModelForSequenceClassification
+
+    with torch.no_grad():
+        return cached_model(AutoModelForSequenceClassification, path)(
+            input_ids=torch.tensor([_encoded(path, text, pair).ids])).logits[0]
+
+
+def test_an_xlm_roberta_cross_encoder_at_tp2_equals_transformers(xlmr_cross):
+    with LLM(str(xlmr_cross), device="cpu", dtype="float32", tensor_parallel_size=2) as llm:
+        scores = llm.score(QUERY, TEXTS)
+    for doc, out in zip(TEXTS, scores):
+        assert out.outputs.score == pytest.approx(float(_logits(xlmr_cross, QUERY, doc).sigmoid()), abs=1e-5)
+
+
+def test_inputs_run_whole_under_a_small_step_budget_and_a_long_one_is_refused(bert_mean):
+    """A step budget below several inputs' lengths: each input still runs whole (never in chunks),
+    the rest wait a step; an input past the positions is refused by name, the others unharmed."""
+    long = " ".join(["fox"] * 80)
+    with LLM(str(bert_mean), device="cpu", dtype="float32", max_num_batched_tokens=8, max_num_seqs=4) as llm:
+        outs = llm.embed(TEXTS * 3)
+        with pytest.raises(NeuronError, match="64"):
+            llm.embed(long)
+        again = llm.embed(TEXTS[0])
+    for text, out in zip(TEXTS * 3, outs):
+        assert out.outputs.embedding == pytest.approx(_unit(_hidden(bert_mean, text).mean(0)), abs=2e-5)
+    assert again[0].outputs.embedding == outs[0].outputs.embedding
+
+
+# ---- served ----
+
+
+def test_embeddings_and_rerank_are_served_for_encoders(xlmr_cross, bert_mean):
+    with LiveServer(real_engine(str(bert_mean), tp=1, name="embedder")) as server:
+        server.wait_ready()
+        got = client(server).embeddings.create(model="embedder", input=TEXTS[:2])
+        for text, d in zip(TEXTS, got.data):
+            assert d.embedding == pytest.approx(_unit(_hidden(bert_mean, text).mean(0)), abs=2e-5)
+        r = httpx.post(f"{server.url}/v1/chat/completions",
+                       json={"model": "embedder", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "an encoder, it generates nothing" in r.json()["error"]["message"]
+    with LiveServer(real_engine(str(xlmr_cross), tp=2, name="ranker")) as server:
+        server.wait_ready()
+        r = httpx.post(f"{server.url}/rerank", json={"model": "ranker", "query": QUERY, "documents": TEXTS}, timeout=60)
+        assert r.status_code == 200, r.text
+        want = [float(_logits(xlmr_cross, QUERY, doc).sigmoid()) for doc in TEXTS]
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == sorted(range(len(TEXTS)), key=lambda k: -want[k])
+        assert [x["relevance_score"] for x in results] == pytest.approx([want[x["index"]] for x in results], abs=1e-5)
+
+
+def test_a_tokenizer_files_truncation_and_padding_are_not_applied(tmp_path, bert_mean):
+    """sentence-transformers' BERT tokenizer.json files carry truncation and padding (128): a prompt
+    is neither cut nor padded by them (its length is checked, and cut by the request's own rules)."""
+    from tokenizers import Tokenizer as Backend
+
+    from neuron.engine.tokenizer import Tokenizer
+
+    backend = Backend.from_file(str(bert_mean / "tokenizer.json"))
+    backend.enable_truncation(4)
+    backend.enable_padding(length=16, pad_id=0, pad_token="[PAD]")
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text((bert_mean / "tokenizer_config.json").read_text())
+    text = TEXTS[3]
+    assert len(backend.encode(text).ids) == 16  # what the file alone would make of it
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok.encode(text, add_special_tokens=True) == _encoded(bert_mean, text).ids
+    assert tok.join_pair(tok.encode(QUERY), tok.encode(text)) == _encoded(bert_mean, QUERY, text).ids
