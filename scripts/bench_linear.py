@@ -6,6 +6,7 @@ F.linear.
     python scripts/bench_linear.py                       # the 191M model's weights, 1-512 rows
     python scripts/bench_linear.py --rows 8 16 --rounds 9
     python scripts/bench_linear.py --model smollm2       # SmolLM2-135M's
+    python scripts/bench_linear.py --model bert-base     # an encoder layer of BERT-base's shape (no head)
 
 The weights are one layer of the 191M benchmark model (hidden 1024, intermediate 3072, 16 / 8
 heads of 128) and its LM head (32,000), or of SmolLM2-135M (hidden 576, intermediate 1536, 9 / 3
@@ -30,6 +31,7 @@ MODELS = {
              "lm_head": (32000, 1024)},
     "smollm2": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
                 "lm_head": (49152, 576)},
+    "bert-base": {"qkv": (2304, 768), "o": (768, 768), "up": (3072, 768), "down": (768, 3072)},
 }
 
 

@@ -238,6 +238,28 @@ def test_an_xlm_roberta_cross_encoder_at_tp2_equals_transformers(xlmr_cross):
         assert out.outputs.score == pytest.approx(float(_logits(xlmr_cross, QUERY, doc).sigmoid()), abs=1e-5)
 
 
+def test_truncate_prompt_tokens_keeps_an_encoders_frame(bert_mean):
+    """An encoder's input is cut at its text's end, inside [CLS] ... [SEP], as its tokenizer's
+    truncation cuts it (keeping the last tokens would drop the [CLS] it pools or classifies by)."""
+    from tokenizers import Tokenizer as Backend
+
+    backend = Backend.from_file(str(bert_mean / "tokenizer.json"))
+    backend.enable_truncation(5)
+    cut = backend.encode(TEXTS[3]).ids
+    with LLM(str(bert_mean), device="cpu", dtype="float32") as llm:
+        [text] = llm.embed(TEXTS[3], truncate_prompt_tokens=5)
+        [ids] = llm.embed({"prompt_token_ids": _encoded(bert_mean, TEXTS[3]).ids},
+                          PoolingParams(truncate_prompt_tokens=5))
+        with pytest.raises(NeuronError, match="leaves no room for the text"):
+            llm.embed(TEXTS[3], truncate_prompt_tokens=2)
+    assert text.prompt_token_ids == ids.prompt_token_ids == cut and cut[0] == 2 and cut[-1] == 3
+    from transformers import AutoModel
+
+    with torch.no_grad():
+        hidden = cached_model(AutoModel, bert_mean)(input_ids=torch.tensor([cut])).last_hidden_state[0]
+    assert text.outputs.embedding == pytest.approx(_unit(hidden.mean(0)), abs=2e-5)
+
+
 def test_inputs_run_whole_under_a_small_step_budget_and_a_long_one_is_refused(bert_mean):
     """A step budget below several inputs' lengths: each input still runs whole (never in chunks),
     the rest wait a step; an input past the positions is refused by name, the others unharmed."""

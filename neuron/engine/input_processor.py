@@ -69,12 +69,17 @@ class InputProcessor:
     device: str  # rank 0's device, where the vision tower's activations must fit
     dtype: str
     ranks_on_device: int = 1  # ranks that run their own vision tower in that device's memory
+    # an encoder's: the special tokens its tokenizer puts before and after one text, which a cut
+    # keeps, cutting the text's end as the tokenizer's truncation does (None: keep the last tokens)
+    frame: tuple[list[int], list[int]] | None = None
 
     def truncated(self, prompt_token_ids: list[int], keep: int | None,
                   images: list[ImageInput] | None = None) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the
-        context holds; None: all). A count beyond the context is refused, as is a cut through a
-        prompt with images (their placeholders must stay whole)."""
+        context holds; None: all); an encoder's first ones, its text's end cut inside the special
+        tokens that frame it ([CLS] ... [SEP]), as its tokenizer truncates. A count beyond the
+        context is refused, as is a cut through a prompt with images (their placeholders must stay
+        whole)."""
         if keep is None:
             return prompt_token_ids
         if keep > self.max_model_len:
@@ -86,6 +91,8 @@ class InputProcessor:
         if images:
             raise RequestError(f"truncate_prompt_tokens ({keep}) would cut this prompt of {len(prompt_token_ids)} "
                                "tokens, and a prompt with images is not cut", param="truncate_prompt_tokens")
+        if self.frame is not None:
+            return _cut_inside(prompt_token_ids, keep, *self.frame)
         return prompt_token_ids[len(prompt_token_ids) - keep:]
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -233,3 +240,15 @@ class InputProcessor:
         except ValueError as exc:
             raise RequestError(f"the prompt's image placeholders do not match its images: {exc}",
                                param="prompt") from None
+
+
+def _cut_inside(ids: list[int], keep: int, before: list[int], after: list[int]) -> list[int]:
+    """`ids` cut to `keep` tokens at the end of the text inside its frame: the special tokens
+    `before` and `after` it stay where the prompt has them (a prompt without them is cut at its end)."""
+    head = len(before) if ids[:len(before)] == before else 0
+    tail = len(after) if after and len(ids) - head >= len(after) and ids[len(ids) - len(after):] == after else 0
+    room = keep - head - tail
+    if room < 1:
+        raise RequestError(f"truncate_prompt_tokens ({keep}) leaves no room for the text inside its {head + tail} "
+                           "special tokens", param="truncate_prompt_tokens")
+    return ids[:head + room] + ids[len(ids) - tail:]

@@ -62,7 +62,7 @@ class LLMEngine:
         devices = self.executor.devices
         self.inputs = InputProcessor(self.max_model_len, self.vocab_size, eos, model.vision, self.structured,
                                      lambda: self.executor.max_image_bytes, devices[0], model.spec.dtype,
-                                     devices.count(devices[0]))
+                                     devices.count(devices[0]), frame=_frame(model))
 
     def start(self, phases: Callable[[str], None] = lambda what: None) -> "LLMEngine":
         self.executor.start(phases)
@@ -431,3 +431,11 @@ def interruptible_load(cfg: EngineConfig | ModelConfig) -> tuple[Callable[[], LL
             building[0].executor.abort(reason)
 
     return lambda: LLMEngine.load(cfg, building=building.append), interrupt
+
+
+def _frame(model: ModelConfig) -> tuple[list[int], list[int]] | None:
+    """An encoder's special tokens around one text, which truncate_prompt_tokens keeps (InputProcessor)."""
+    if not model.encoder or model.tokenizer is None:
+        return None
+    before, after = model.tokenizer.single_template
+    return list(before), list(after)

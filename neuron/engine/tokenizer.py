@@ -202,6 +202,12 @@ class Tokenizer:
         """How many special tokens the post-processor adds to one text."""
         return sum(map(len, self._single_template))
 
+    @property
+    def single_template(self) -> tuple[list[int], list[int]]:
+        """The special tokens the post-processor puts before and after one text."""
+        before, after = self._single_template
+        return before, after
+
     @cached_property
     def _single_template(self) -> list[list[int]]:
         """The special tokens the post-processor puts before and after one text."""
