@@ -182,6 +182,27 @@ def test_a_hostile_encoder_config_is_refused_by_field(tmp_path, bert_mean):
             load_config(tmp_path)
 
 
+@pytest.mark.parametrize("name, change, said", [
+    ("encoder.layer.1.attention.self.query.weight", lambda w: w[:, :32],
+     r"has shape \[64, 32\], but the config implies \[64, 64\]"),
+    ("embeddings.position_embeddings.weight", lambda w: w[:16],
+     r"has shape \[16, 64\], but the config implies \[64, 64\]"),
+    ("encoder.layer.0.output.LayerNorm.weight", lambda w: w * float("nan"), "holds NaN or infinite values"),
+])
+def test_a_hostile_encoder_weight_fails_the_load_by_name(tmp_path, bert_mean, name, change, said):
+    from safetensors.torch import load_file, save_file
+
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "modules.json"):
+        (tmp_path / f).write_bytes((bert_mean / f).read_bytes())
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_bytes((bert_mean / "1_Pooling" / "config.json").read_bytes())
+    weights = load_file(bert_mean / "model.safetensors")
+    weights[name] = change(weights[name]).contiguous()
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(NeuronError, match=f"tensor {name} {said}"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", tensor_parallel_size=2)
+
+
 # ---- offline: equal to transformers ----
 
 

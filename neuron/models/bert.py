@@ -234,8 +234,9 @@ class BertModel:
         r = _Named(r, prefix)
         self.embed = VocabParallelEmbedding.load(r, "embeddings.word_embeddings.weight", c.vocab_size, s, self.comm,
                                                  dt, dev)
-        self.positions = self._table(r, "embeddings.position_embeddings.weight", c.max_position_embeddings)
-        self.token_types = self._table(r, "embeddings.token_type_embeddings.weight", c.type_vocab_size)
+        # (every read's shape is checked against the config's: weight_shapes.py)
+        self.positions = r.read("embeddings.position_embeddings.weight").to(device=dev, dtype=dt)
+        self.token_types = r.read("embeddings.token_type_embeddings.weight").to(device=dev, dtype=dt)
         self.embed_norm = LayerNorm.load(r, "embeddings.LayerNorm", c.layer_norm_eps, dt, dev)
         self.layers = []
         for i in range(c.num_layers):
@@ -252,12 +253,6 @@ class BertModel:
                                                                      dt, dev), c.gelu))
             if progress:
                 progress(i + 1, c.num_layers)
-
-    def _table(self, r: Reader, name: str, rows: int) -> torch.Tensor:
-        t = r.read(name)
-        if t.dim() != 2 or list(t.shape) != [rows, self.config.hidden_size]:
-            raise ConfigError(f"{name} has shape {list(t.shape)}; expected [{rows}, {self.config.hidden_size}]")
-        return t.to(device=self.device, dtype=self.dtype)
 
     def layer_tensors(self, layer: EncoderLayer) -> list[torch.Tensor]:
         return [layer.qkv.weight, layer.o.weight, layer.up.weight, layer.down.weight]

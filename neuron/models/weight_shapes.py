@@ -29,8 +29,10 @@ _VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")  # may hold paddin
 def expected_shapes(config: dict) -> Callable[[str], Shape | None]:
     """name -> the full shape the config implies for it, or None for a name the table does not
     know (those reads are still checked against the stored extent)."""
-    from neuron.models import RECURRENT_MODEL_TYPES, text_config
+    from neuron.models import RECURRENT_MODEL_TYPES, is_encoder, text_config
 
+    if is_encoder(config):
+        return _encoder_shapes(config)
     t = text_config(config)
     hidden, heads, layers = t["hidden_size"], t["num_attention_heads"], t["num_hidden_layers"]
     kv = t.get("num_key_value_heads") or heads
@@ -74,6 +76,37 @@ def expected_shapes(config: dict) -> Callable[[str], Shape | None]:
         if experts and moe_inter and (e := _EXPERT.fullmatch(rest)) and int(e.group(1)) < experts:
             return (hidden, moe_inter) if e.group(2) == "down_proj" else (moe_inter, hidden)
         return per_layer.get(rest)
+
+    return shape
+
+
+_ENCODER_LAYER = re.compile(r"(?:bert\.|roberta\.|model\.)?encoder\.layer\.(\d+)\.(.+)")
+_ENCODER_PREFIX = re.compile(r"(?:bert\.|roberta\.|model\.)?(embeddings\..+)")
+
+
+def _encoder_shapes(config: dict) -> Callable[[str], Shape | None]:
+    """A BERT-family encoder's tensors (models/bert.py), under any of its prefixes."""
+    from neuron.models.bert import BertConfig
+
+    c = BertConfig.from_dict(config)
+    hidden, inter = c.hidden_size, c.intermediate_size
+    top = {"embeddings.word_embeddings.weight": (c.vocab_size, hidden),
+           "embeddings.position_embeddings.weight": (c.max_position_embeddings, hidden),
+           "embeddings.token_type_embeddings.weight": (c.type_vocab_size, hidden),
+           "embeddings.LayerNorm.weight": (hidden,), "embeddings.LayerNorm.bias": (hidden,)}
+    per_layer: dict[str, Shape] = {"intermediate.dense.weight": (inter, hidden), "intermediate.dense.bias": (inter,),
+                                   "output.dense.weight": (hidden, inter)}
+    for p in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
+        per_layer.update({f"{p}.weight": (hidden, hidden), f"{p}.bias": (hidden,)})
+    for p in ("attention.output.LayerNorm", "output.LayerNorm"):
+        per_layer.update({f"{p}.weight": (hidden,), f"{p}.bias": (hidden,)})
+    per_layer["output.dense.bias"] = (hidden,)
+
+    def shape(name: str) -> Shape | None:
+        if (m := _ENCODER_PREFIX.fullmatch(name)) is not None:
+            return top.get(m.group(1))
+        m = _ENCODER_LAYER.fullmatch(name)
+        return per_layer.get(m.group(2)) if m is not None and int(m.group(1)) < c.num_layers else None
 
     return shape
 
@@ -155,7 +188,7 @@ class CheckedReader(Reader):
             return w
         if not w.is_floating_point() and want is not None:
             raise self._fail(name, f"is stored as {w.dtype}, not a floating-point type")
-        if name.endswith("norm.weight") and not torch.isfinite(w).all():
+        if name.lower().endswith("norm.weight") and not torch.isfinite(w).all():  # BERT's LayerNorm too
             raise self._fail(name, "holds NaN or infinite values")
         return w
 
@@ -165,6 +198,7 @@ class CheckedReader(Reader):
 
 def _agrees(name: str, got: list[int], want: Shape) -> bool:
     """Shapes equal; the vocabulary's rows may be padded past vocab_size."""
-    if name.replace("model.language_model.", "model.", 1) in _VOCAB_ROWS and len(got) == len(want) == 2:
+    vocab = name.replace("model.language_model.", "model.", 1) in _VOCAB_ROWS or name.endswith("word_embeddings.weight")
+    if vocab and len(got) == len(want) == 2:
         return got[0] >= want[0] and got[1] == want[1]
     return tuple(got) == tuple(want)
