@@ -334,3 +334,33 @@ def test_a_tokenizer_files_truncation_and_padding_are_not_applied(tmp_path, bert
     tok = Tokenizer.from_dir(tmp_path)
     assert tok.encode(text, add_special_tokens=True) == _encoded(bert_mean, text).ids
     assert tok.join_pair(tok.encode(QUERY), tok.encode(text)) == _encoded(bert_mean, QUERY, text).ids
+
+
+def test_an_encoder_beside_a_chat_model_in_one_host(tmp_path, bert_mean):
+    """A model host serving a decoder for chat and an encoder for embeddings at once: each answers
+    its own routes (OpenAI's and Ollama's), the encoder's ranks hold no KV cache, and a chat to the
+    encoder is a 400 that leaves both serving."""
+    from checkpoints import build_checkpoint
+
+    from neuron.engine.engine_config import EngineConfig
+    from neuron.engine.host import ModelHost, ModelSpec
+
+    defaults = EngineConfig(device="cpu", dtype="float32", max_num_seqs=4)
+    chat = build_checkpoint(tmp_path / "chat", seed=3)
+    host = ModelHost([ModelSpec.parse({"name": "chat", "model": str(chat), "max_model_len": 128}, defaults, "t"),
+                      ModelSpec.parse({"name": "embed", "model": str(bert_mean), "tp": 2}, defaults, "t")],
+                    defaults=defaults)
+    want = [_unit(_hidden(bert_mean, text).mean(0)) for text in TEXTS[:2]]
+    with LiveServer(host) as server:
+        server.wait_ready()
+        got = client(server).embeddings.create(model="embed", input=TEXTS[:2]).data
+        assert [d.embedding for d in got] == [pytest.approx(w, abs=2e-5) for w in want]
+        ollama = httpx.post(f"{server.url}/api/embed", json={"model": "embed", "input": TEXTS[:2]}).json()
+        assert ollama["embeddings"] == [pytest.approx(w, abs=2e-5) for w in want]
+        r = httpx.post(f"{server.base_url}/chat/completions",
+                       json={"model": "embed", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_generative"
+        done = client(server).completions.create(model="chat", prompt=[5, 6, 7], max_tokens=4, temperature=0)
+        assert done.choices[0].finish_reason in ("length", "stop")
+        memory = httpx.get(f"{server.url}/health").json()["models"]["embed"]["memory"]
+        assert len(memory) == 2 and all(r["kv_bytes"] == 0 and r["weight_bytes"] > 0 for r in memory)
