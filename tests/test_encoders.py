@@ -55,10 +55,15 @@ def _build(path: Path, kind: str, seed: int, labels: int = 0, st_pooling: str | 
     import transformers as tf
 
     roberta = kind == "xlm-roberta"
+    path.mkdir(parents=True, exist_ok=True)
     vocab = _tokenizer(path, roberta)
     torch.manual_seed(seed)
     extra = {"num_labels": labels} if labels else {}
-    if roberta:
+    if kind == "distilbert":
+        config = tf.DistilBertConfig(vocab_size=len(vocab), dim=SHAPE["hidden_size"], n_layers=2, n_heads=4,
+                                     hidden_dim=128, max_position_embeddings=64, pad_token_id=0, **extra)
+        model = (tf.DistilBertForSequenceClassification if labels else tf.DistilBertModel)(config)
+    elif roberta:
         config = tf.XLMRobertaConfig(vocab_size=len(vocab), pad_token_id=1, bos_token_id=0, eos_token_id=2,
                                      type_vocab_size=1, **SHAPE, **extra)
         model = (tf.XLMRobertaForSequenceClassification if labels else tf.XLMRobertaModel)(config)
@@ -114,22 +119,27 @@ def _encoded(path: Path, text: str, pair: str | None = None):
     return Backend.from_file(str(path / "tokenizer.json")).encode(text, pair)
 
 
+def _inputs(model, path: Path, text: str, pair: str | None) -> dict:
+    """transformers' inputs for `text` (and `pair`): the ids, and the token types where the model takes them."""
+    enc = _encoded(path, text, pair)
+    types = {} if model.config.model_type == "distilbert" else {"token_type_ids": torch.tensor([enc.type_ids])}
+    return {"input_ids": torch.tensor([enc.ids]), **types}
+
+
 def _hidden(path: Path, text: str, pair: str | None = None) -> torch.Tensor:
     from transformers import AutoModel
 
-    enc = _encoded(path, text, pair)
+    model = cached_model(AutoModel, path)
     with torch.no_grad():
-        return cached_model(AutoModel, path)(input_ids=torch.tensor([enc.ids]),
-                                             token_type_ids=torch.tensor([enc.type_ids])).last_hidden_state[0]
+        return model(**_inputs(model, path, text, pair)).last_hidden_state[0]
 
 
 def _logits(path: Path, text: str, pair: str | None = None) -> torch.Tensor:
     from transformers import AutoModelForSequenceClassification
 
-    enc = _encoded(path, text, pair)
+    model = cached_model(AutoModelForSequenceClassification, path)
     with torch.no_grad():
-        model = cached_model(AutoModelForSequenceClassification, path)
-        return model(input_ids=torch.tensor([enc.ids]), token_type_ids=torch.tensor([enc.type_ids])).logits[0]
+        return model(**_inputs(model, path, text, pair)).logits[0]
 
 
 def _unit(v: torch.Tensor) -> list[float]:
@@ -250,6 +260,21 @@ def _typeless(path: Path, text: str, pair: str) -> torch.Tensor:
     with torch.no_grad():
         return cached_model(AutoModelForSequenceClassification, path)(
             input_ids=torch.tensor([_encoded(path, text, pair).ids])).logits[0]
+
+
+def test_distilbert_embeds_and_classifies_at_tp2_equal_to_transformers(tmp_path):
+    """DistilBERT: its own config names (dim, n_layers, ...), layer names, no token types, and a
+    head of pre_classifier, ReLU and classifier."""
+    embedder = _build(tmp_path / "embed", "distilbert", 6, st_pooling="mean")
+    classifier = _build(tmp_path / "cls", "distilbert", 7, labels=3)
+    assert model_config(embedder).hidden_size == 64 and model_config(classifier).classifier.dense_activation == "relu"
+    with LLM(str(embedder), device="cpu", dtype="float32", tensor_parallel_size=2) as llm:
+        vectors = llm.embed(TEXTS)
+    with LLM(str(classifier), device="cpu", dtype="float32", tensor_parallel_size=2) as llm:
+        probs = llm.classify(TEXTS)
+    for text, v, p in zip(TEXTS, vectors, probs):
+        assert v.outputs.embedding == pytest.approx(_unit(_hidden(embedder, text).mean(0)), abs=2e-5)
+        assert p.outputs.probs == pytest.approx(_logits(classifier, text).softmax(-1).tolist(), abs=1e-5)
 
 
 def test_an_xlm_roberta_cross_encoder_at_tp2_equals_transformers(xlmr_cross):

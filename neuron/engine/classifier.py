@@ -44,8 +44,10 @@ class Classifier:
     # how a pair of texts becomes one input (vLLM's `use_sep_token`): the tokenizer's pair template
     # (a cross-encoder's separator), or the two texts joined as one text (an LLM as a reranker)
     sep: bool = True
-    # an encoder's layer before the head (BERT's pooler, RoBERTa's classifier.dense): tanh(W h + b)
+    # an encoder's layer before the head (BERT's pooler, RoBERTa's classifier.dense: tanh(W h + b);
+    # DistilBERT's pre_classifier: relu(W h + b))
     dense: tuple[torch.Tensor, torch.Tensor] | None = None
+    dense_activation: str = "tanh"
 
     @property
     def num_labels(self) -> int:
@@ -55,7 +57,8 @@ class Classifier:
         """The head's logits for one pooled hidden state."""
         hidden = hidden.float().cpu()
         if self.dense is not None:
-            hidden = torch.tanh(self.dense[0] @ hidden + self.dense[1])
+            hidden = self.dense[0] @ hidden + self.dense[1]
+            hidden = hidden.relu() if self.dense_activation == "relu" else hidden.tanh()
         out = self.weight @ hidden
         if self.bias is not None:
             out = out + self.bias
@@ -116,14 +119,19 @@ def load_classifier(config: dict, weight_files: list[str], gguf: Path | None, to
 
 def _encoder_head(config: dict, reader, hidden: int) -> Classifier:
     """An encoder's head over its first token: RoBERTa's classifier.dense then classifier.out_proj,
-    or BERT's pooler.dense then classifier, each dense layer followed by tanh."""
+    or BERT's pooler.dense then classifier, each dense layer followed by tanh; DistilBERT's
+    pre_classifier, ReLU, then classifier."""
+    activation = "tanh"
     if reader.has("classifier.out_proj.weight"):
         dense, out = "classifier.dense", "classifier.out_proj"
+    elif reader.has("pre_classifier.weight"):
+        dense, out, activation = "pre_classifier", "classifier", "relu"
     else:
         pooler = next((f"{p}pooler.dense" for p in ("bert.", "") if reader.has(f"{p}pooler.dense.weight")), None)
         if pooler is None or not reader.has("classifier.weight"):
             raise ConfigError("an encoder's classification head needs classifier.weight and the pooler's "
-                              "pooler.dense.weight (BERT), or classifier.dense and classifier.out_proj (RoBERTa)")
+                              "pooler.dense.weight (BERT), classifier.dense and classifier.out_proj (RoBERTa), "
+                              "or pre_classifier and classifier (DistilBERT)")
         dense, out = pooler, "classifier"
     layer = (_float(reader, f"{dense}.weight"), _float(reader, f"{dense}.bias"))
     if list(layer[0].shape) != [hidden, hidden] or list(layer[1].shape) != [hidden]:
@@ -135,7 +143,7 @@ def _encoder_head(config: dict, reader, hidden: int) -> Classifier:
     bias = _float(reader, f"{out}.bias")
     if list(bias.shape) != [weight.shape[0]]:
         raise ConfigError(f"{out}.bias has shape {list(bias.shape)}; expected [{weight.shape[0]}]")
-    return Classifier(weight, bias, _label_names(config, weight.shape[0]), _sep(config, True), layer)
+    return Classifier(weight, bias, _label_names(config, weight.shape[0]), _sep(config, True), layer, activation)
 
 
 def _from_tokens(config: dict, reader, tokens, tokenizer, hidden: int) -> Classifier:

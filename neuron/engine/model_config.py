@@ -38,9 +38,11 @@ from neuron.models import (
     is_encoder,
     merged,
     parse_config,
+    standard_config,
     supports_prefix_caching,
     text_config,
 )
+from neuron.models.bert import token_types
 from neuron.models.config_check import Fields, check_config
 from neuron.models.gguf import ARCHITECTURES, GGUFFile, find_gguf, open_file
 from neuron.models.loader import CheckpointReader, read_json, resolve_model_path, safetensors_files, weight_files
@@ -235,7 +237,7 @@ def load_config(model_dir: Path, overrides: dict | None = None) -> dict:
     Fields(base, where)  # an object, not a list or a number
     if overrides:
         where += " with --hf-overrides"
-    config = merged(base, overrides or {})
+    config = standard_config(merged(base, overrides or {}))
     check_supported(config)
     try:
         check_config(config, where)
@@ -498,7 +500,7 @@ def _with_separator(config: dict, tokenizer: Tokenizer | None) -> dict:
     after that separator the second token type (BERT's [SEP]) and config.json does not name it:
     the ranks mark a pair's second text by it (models/bert.py)."""
     if not is_encoder(config) or config.get("sep_token_id") is not None or tokenizer is None \
-            or int(config.get("type_vocab_size", 2)) < 2:
+            or token_types(config) < 2:
         return config
     try:
         sep = tokenizer.second_type_after()

@@ -6,7 +6,7 @@ from neuron.errors import UnsupportedModel
 
 DENSE_MODEL_TYPES = ("qwen3", "llama", "mistral", "qwen2")  # one decoder (qwen3.py), switches per family
 # Encoders (bert.py): embedding and classification models, which attend both ways and generate nothing.
-ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert")
 SUPPORTED_MODEL_TYPES = (*DENSE_MODEL_TYPES, "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
                          *ENCODER_MODEL_TYPES)
 # Multimodal layouts: the language model's settings nested in `text_config`, a vision tower beside it.
@@ -23,6 +23,16 @@ def check_supported(config: dict) -> str:
             f"model_type {model_type!r} is not supported; supported types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     return model_type
+
+
+def standard_config(config: dict) -> dict:
+    """`config` with the standard field names where its family names them otherwise (DistilBERT's
+    `dim` is `hidden_size`, ...), so that every check and every size reads one set."""
+    if config.get("model_type") not in ENCODER_MODEL_TYPES:
+        return config
+    from neuron.models.bert import standard_config as encoder
+
+    return encoder(config)
 
 
 def merged(base: dict, overrides: dict) -> dict:

@@ -1,6 +1,7 @@
-"""BERT, RoBERTa and XLM-RoBERTa encoders, tensor-parallel: the embedding and reranking models
-people run beside a chat model (sentence-transformers' MiniLM and mpnet-free BERTs, BGE, E5, GTE,
-bge-reranker, ms-marco cross-encoders).
+"""BERT, RoBERTa, XLM-RoBERTa and DistilBERT encoders, tensor-parallel: the embedding and reranking
+models people run beside a chat model (sentence-transformers' MiniLM, BGE, E5, GTE, bge-reranker,
+the ms-marco cross-encoders). The families differ in names (`Layout`; DistilBERT's config too:
+`standard_config`), in where positions start, and in token types; the layers are one.
 
 An encoder attends in both directions, so a token's output depends on the tokens after it: an
 input runs whole in one step (the scheduler never cuts it into chunks, engine/scheduler.py) and
@@ -39,10 +40,52 @@ from neuron.models import pooling
 from neuron.models.inputs import StepBatch, StepRejected
 
 _ROBERTA = ("roberta", "xlm-roberta")
-# hidden_act values and the GELU each is in transformers
-_ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+# hidden_act values and the activation each is in transformers (F.gelu's `approximate`, or ReLU)
+_ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "relu": "relu"}
 # where a checkpoint keeps the encoder: a bare model's names, or under its task model's prefix
-_PREFIXES = ("", "bert.", "roberta.", "model.")
+_PREFIXES = ("", "bert.", "roberta.", "distilbert.", "model.")
+# DistilBERT's config.json names, as the standard ones (transformers' attribute_map, and its FFN width)
+_DISTILBERT_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+                    "hidden_dim": "intermediate_size", "activation": "hidden_act"}
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A family's tensor names within layer `layer.format(i)`: its attention's q, k and v (under
+    `attn`, as q_proj, k_proj, v_proj are read), the attention output, its norm, the MLP's two
+    projections and the closing norm."""
+
+    layer: str
+    attn: str
+    qkv: tuple[str, str, str]
+    o: str
+    attn_norm: str
+    up: str
+    down: str
+    out_norm: str
+
+
+BERT_LAYOUT = Layout("encoder.layer.{}", "attention.self", ("query", "key", "value"), "attention.output.dense",
+                     "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm")
+DISTILBERT_LAYOUT = Layout("transformer.layer.{}", "attention", ("q_lin", "k_lin", "v_lin"), "attention.out_lin",
+                           "sa_layer_norm", "ffn.lin1", "ffn.lin2", "output_layer_norm")
+
+
+def layout(config: dict) -> Layout:
+    return DISTILBERT_LAYOUT if config.get("model_type") == "distilbert" else BERT_LAYOUT
+
+
+def standard_config(config: dict) -> dict:
+    """DistilBERT's config.json with the standard names beside its own (hidden_size for dim, ...),
+    as transformers reads them, so every part of neuron reads one set; any other as it is."""
+    if config.get("model_type") != "distilbert":
+        return config
+    return {**{std: config[own] for own, std in _DISTILBERT_KEYS.items() if own in config}, **config}
+
+
+def token_types(config: dict) -> int:
+    """How many token types the model embeds: none for DistilBERT (no table), else its config's."""
+    return 0 if config.get("model_type") == "distilbert" else int(config.get("type_vocab_size", 2))
 
 
 def roberta_padding(config: dict) -> int | None:
@@ -69,11 +112,12 @@ class BertConfig:
     num_heads: int
     layer_norm_eps: float
     max_position_embeddings: int
-    type_vocab_size: int
-    gelu: str  # F.gelu's `approximate`
+    type_vocab_size: int  # 0: no token-type table (DistilBERT)
+    activation: str  # F.gelu's `approximate`, or relu
     position_offset: int  # RoBERTa: positions start after the padding id
     padding: int | None  # RoBERTa's padding id, past which it counts positions; None: BERT's from 0
     sep_token_id: int | None  # where a pair's second text (token type 1) starts
+    names: Layout = BERT_LAYOUT  # the family's tensor names
 
     @property
     def head_dim(self) -> int:
@@ -98,9 +142,9 @@ class BertConfig:
                       intermediate_size=int(d["intermediate_size"]), num_layers=int(d["num_hidden_layers"]),
                       num_heads=heads, layer_norm_eps=float(d.get("layer_norm_eps", 1e-12)),
                       max_position_embeddings=int(d.get("max_position_embeddings", 512)),
-                      type_vocab_size=int(d.get("type_vocab_size", 2)), gelu=_ACTIVATIONS[act],
+                      type_vocab_size=token_types(d), activation=_ACTIVATIONS[act],
                       position_offset=position_offset(d), padding=roberta_padding(d),
-                      sep_token_id=d.get("sep_token_id"))
+                      sep_token_id=d.get("sep_token_id"), names=layout(d))
         except KeyError as exc:
             raise ConfigError(f"config.json lacks required field {exc.args[0]!r}") from None
         if hidden % heads:
@@ -113,15 +157,14 @@ class BertConfig:
 
 class _Named(Reader):
     """The checkpoint under the names the shared layers ask for: the encoder's prefix in front, and
-    q_proj, k_proj, v_proj as BERT's query, key and value."""
+    q_proj, k_proj, v_proj as the family names them (BERT's query, key and value)."""
 
-    _PROJ = {".q_proj.": ".query.", ".k_proj.": ".key.", ".v_proj.": ".value."}
-
-    def __init__(self, inner: Reader, prefix: str):
+    def __init__(self, inner: Reader, prefix: str, qkv: tuple[str, str, str]):
         self.inner, self.prefix = inner, prefix
+        self.proj = {f".{ours}.": f".{theirs}." for ours, theirs in zip(("q_proj", "k_proj", "v_proj"), qkv)}
 
     def _name(self, name: str) -> str:
-        for ours, theirs in self._PROJ.items():
+        for ours, theirs in self.proj.items():
             name = name.replace(ours, theirs)
         return self.prefix + name
 
@@ -157,16 +200,18 @@ class LayerNorm:
 
 class EncoderLayer:
     def __init__(self, qkv: QKVParallelLinear, o: RowParallelLinear, attn_norm: LayerNorm,
-                 up: ColumnParallelLinear, down: RowParallelLinear, out_norm: LayerNorm, gelu: str):
+                 up: ColumnParallelLinear, down: RowParallelLinear, out_norm: LayerNorm, activation: str):
         self.qkv, self.o, self.attn_norm = qkv, o, attn_norm
         self.up, self.down, self.out_norm = up, down, out_norm
-        self.gelu = gelu
+        self.activation = activation
         lay = qkv.layout
         self.heads, self.head_dim = lay.local_heads, lay.head_dim
 
     def __call__(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         x = self.attn_norm(x + self.o(self._attend(*self.qkv(x), lengths)))
-        return self.out_norm(x + self.down(F.gelu(self.up(x), approximate=self.gelu)))
+        h = self.up(x)
+        h = F.relu(h) if self.activation == "relu" else F.gelu(h, approximate=self.activation)
+        return self.out_norm(x + self.down(h))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """Every input's queries over all of its own keys, in both directions. Each as [1, heads,
@@ -229,28 +274,31 @@ class BertModel:
         c, s, dt, dev, k = self.config, self.shard, self.dtype, self.device, self.kernels
         prefix = next((p for p in _PREFIXES if r.has(f"{p}embeddings.word_embeddings.weight")), None)
         if prefix is None:
-            raise ConfigError("an encoder checkpoint needs embeddings.word_embeddings.weight (under bert., roberta. "
-                              "or no prefix)")
-        r = _Named(r, prefix)
+            raise ConfigError("an encoder checkpoint needs embeddings.word_embeddings.weight (under "
+                              f"{', '.join(p for p in _PREFIXES if p)} or no prefix)")
+        names = c.names
+        r = _Named(r, prefix, names.qkv)
         self.embed = VocabParallelEmbedding.load(r, "embeddings.word_embeddings.weight", c.vocab_size, s, self.comm,
                                                  dt, dev)
         # (every read's shape is checked against the config's: weight_shapes.py)
         self.positions = r.read("embeddings.position_embeddings.weight").to(device=dev, dtype=dt)
-        self.token_types = r.read("embeddings.token_type_embeddings.weight").to(device=dev, dtype=dt)
+        self.token_types = None if not c.type_vocab_size else \
+            r.read("embeddings.token_type_embeddings.weight").to(device=dev, dtype=dt)
         self.embed_norm = LayerNorm.load(r, "embeddings.LayerNorm", c.layer_norm_eps, dt, dev)
         self.layers = []
         for i in range(c.num_layers):
-            p = f"encoder.layer.{i}"
-            qkv = QKVParallelLinear.load(r, f"{p}.attention.self", self.layout, dt, dev, k, bias=True)
-            o = RowParallelLinear.load(r, f"{p}.attention.output.dense", c.hidden_size, s, self.comm, dt, dev, k,
-                                       bias=True)
-            up = ColumnParallelLinear.load(r, f"{p}.intermediate.dense", c.intermediate_size, s, dt, dev, k, bias=True)
-            down = RowParallelLinear.load(r, f"{p}.output.dense", c.intermediate_size, s, self.comm, dt, dev, k,
+            p = names.layer.format(i)
+
+            def norm(name: str) -> LayerNorm:
+                return LayerNorm.load(r, f"{p}.{name}", c.layer_norm_eps, dt, dev)
+
+            qkv = QKVParallelLinear.load(r, f"{p}.{names.attn}", self.layout, dt, dev, k, bias=True)
+            o = RowParallelLinear.load(r, f"{p}.{names.o}", c.hidden_size, s, self.comm, dt, dev, k, bias=True)
+            up = ColumnParallelLinear.load(r, f"{p}.{names.up}", c.intermediate_size, s, dt, dev, k, bias=True)
+            down = RowParallelLinear.load(r, f"{p}.{names.down}", c.intermediate_size, s, self.comm, dt, dev, k,
                                           bias=True)
-            self.layers.append(EncoderLayer(qkv, o, LayerNorm.load(r, f"{p}.attention.output.LayerNorm",
-                                                                   c.layer_norm_eps, dt, dev),
-                                            up, down, LayerNorm.load(r, f"{p}.output.LayerNorm", c.layer_norm_eps,
-                                                                     dt, dev), c.gelu))
+            self.layers.append(EncoderLayer(qkv, o, norm(names.attn_norm), up, down, norm(names.out_norm),
+                                            c.activation))
             if progress:
                 progress(i + 1, c.num_layers)
 
@@ -258,7 +306,7 @@ class BertModel:
         return [layer.qkv.weight, layer.o.weight, layer.up.weight, layer.down.weight]
 
     def weight_bytes(self) -> int:
-        tensors = [self.embed.weight, self.positions, self.token_types]
+        tensors = [t for t in (self.embed.weight, self.positions, self.token_types) if t is not None]
         for layer in self.layers:
             tensors += self.layer_tensors(layer)
         return sum(t.numel() * t.element_size() for w in tensors for t in quantized.tensors(w))
@@ -290,7 +338,9 @@ class BertModel:
         encoder generates nothing."""
         ids = batch.token_ids
         positions, types = self._positions_and_types(ids, batch)
-        x = self.embed(ids) + self.positions[positions] + self.token_types[types]
+        x = self.embed(ids) + self.positions[positions]
+        if self.token_types is not None:
+            x = x + self.token_types[types]
         x = self.embed_norm(x)
         for layer in self.layers:
             x = layer(x, batch.lengths)

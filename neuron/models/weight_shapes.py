@@ -80,8 +80,9 @@ def expected_shapes(config: dict) -> Callable[[str], Shape | None]:
     return shape
 
 
-_ENCODER_LAYER = re.compile(r"(?:bert\.|roberta\.|model\.)?encoder\.layer\.(\d+)\.(.+)")
-_ENCODER_PREFIX = re.compile(r"(?:bert\.|roberta\.|model\.)?(embeddings\..+)")
+_ENCODER_PREFIX = r"(?:bert\.|roberta\.|distilbert\.|model\.)?"
+_ENCODER_LAYER = re.compile(_ENCODER_PREFIX + r"(?:encoder|transformer)\.layer\.(\d+)\.(.+)")
+_ENCODER_TOP = re.compile(_ENCODER_PREFIX + r"(embeddings\..+)")
 
 
 def _encoder_shapes(config: dict) -> Callable[[str], Shape | None]:
@@ -89,21 +90,20 @@ def _encoder_shapes(config: dict) -> Callable[[str], Shape | None]:
     from neuron.models.bert import BertConfig
 
     c = BertConfig.from_dict(config)
-    hidden, inter = c.hidden_size, c.intermediate_size
+    hidden, inter, n = c.hidden_size, c.intermediate_size, c.names
     top = {"embeddings.word_embeddings.weight": (c.vocab_size, hidden),
            "embeddings.position_embeddings.weight": (c.max_position_embeddings, hidden),
            "embeddings.token_type_embeddings.weight": (c.type_vocab_size, hidden),
            "embeddings.LayerNorm.weight": (hidden,), "embeddings.LayerNorm.bias": (hidden,)}
-    per_layer: dict[str, Shape] = {"intermediate.dense.weight": (inter, hidden), "intermediate.dense.bias": (inter,),
-                                   "output.dense.weight": (hidden, inter)}
-    for p in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
+    per_layer: dict[str, Shape] = {f"{n.up}.weight": (inter, hidden), f"{n.up}.bias": (inter,),
+                                   f"{n.down}.weight": (hidden, inter), f"{n.down}.bias": (hidden,)}
+    for p in (*(f"{n.attn}.{q}" for q in n.qkv), n.o):
         per_layer.update({f"{p}.weight": (hidden, hidden), f"{p}.bias": (hidden,)})
-    for p in ("attention.output.LayerNorm", "output.LayerNorm"):
+    for p in (n.attn_norm, n.out_norm):
         per_layer.update({f"{p}.weight": (hidden,), f"{p}.bias": (hidden,)})
-    per_layer["output.dense.bias"] = (hidden,)
 
     def shape(name: str) -> Shape | None:
-        if (m := _ENCODER_PREFIX.fullmatch(name)) is not None:
+        if (m := _ENCODER_TOP.fullmatch(name)) is not None:
             return top.get(m.group(1))
         m = _ENCODER_LAYER.fullmatch(name)
         return per_layer.get(m.group(2)) if m is not None and int(m.group(1)) < c.num_layers else None
@@ -188,7 +188,7 @@ class CheckedReader(Reader):
             return w
         if not w.is_floating_point() and want is not None:
             raise self._fail(name, f"is stored as {w.dtype}, not a floating-point type")
-        if name.lower().endswith("norm.weight") and not torch.isfinite(w).all():  # BERT's LayerNorm too
+        if name.lower().endswith(("norm.weight", "layer_norm.weight")) and not torch.isfinite(w).all():  # BERT's too
             raise self._fail(name, "holds NaN or infinite values")
         return w
 
