@@ -122,7 +122,8 @@ def _encoded(path: Path, text: str, pair: str | None = None):
 def _inputs(model, path: Path, text: str, pair: str | None) -> dict:
     """transformers' inputs for `text` (and `pair`): the ids, and the token types where the model takes them."""
     enc = _encoded(path, text, pair)
-    types = {} if model.config.model_type == "distilbert" else {"token_type_ids": torch.tensor([enc.type_ids])}
+    types = {} if model.config.model_type in ("distilbert", "modernbert") else \
+        {"token_type_ids": torch.tensor([enc.type_ids])}
     return {"input_ids": torch.tensor([enc.ids]), **types}
 
 
@@ -389,3 +390,53 @@ def test_an_encoder_beside_a_chat_model_in_one_host(tmp_path, bert_mean):
         assert done.choices[0].finish_reason in ("length", "stop")
         memory = httpx.get(f"{server.url}/health").json()["models"]["embed"]["memory"]
         assert len(memory) == 2 and all(r["kv_bytes"] == 0 and r["weight_bytes"] > 0 for r in memory)
+
+
+def _modernbert(path: Path, seed: int, labels: int = 0, **extra) -> Path:
+    """A tiny random ModernBERT (three layers: one global, two local with a window of 4 positions
+    either way, so that the inputs here reach past it) with the WordPiece tokenizer above."""
+    import transformers as tf
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = _tokenizer(path, roberta=False)
+    torch.manual_seed(seed)
+    config = tf.ModernBertConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                 num_attention_heads=4, max_position_embeddings=64, local_attention=8,
+                                 pad_token_id=0, cls_token_id=2, sep_token_id=3, bos_token_id=2, eos_token_id=3,
+                                 **({"num_labels": labels} if labels else {}), **extra)
+    model = (tf.ModernBertForSequenceClassification if labels else tf.ModernBertModel)(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5) if name.endswith("weight") else p.normal_(0, 0.2)
+            elif name.endswith("bias") or "classifier" in name or "head" in name:
+                p.normal_(0, 0.5)
+    model.eval().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+LONG = "the quick brown fox jumps over the lazy dog, and what does the cat do on the mat today?"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_modernbert_embeds_and_classifies_equal_to_transformers(tmp_path, tp):
+    """ModernBERT: global and local (windowed) layers with their own rotary bases, the gated MLP and
+    its head (dense, GELU, norm) over the first token or the mean, with and without biases."""
+    embedder = _modernbert(tmp_path / "embed", 8)
+    first = _modernbert(tmp_path / "cls", 9, labels=3, classifier_bias=True)
+    mean = _modernbert(tmp_path / "mean", 10, labels=1, classifier_pooling="mean", norm_bias=True,
+                       attention_bias=True, mlp_bias=True)
+    texts = TEXTS + [LONG]
+    assert len(_encoded(embedder, LONG).ids) > 2 * 4 + 1  # past a local layer's window
+    assert model_config(embedder).pooling.mode == "cls" and model_config(mean).pooling.mode == "mean"
+    with LLM(str(embedder), device="cpu", dtype="float32", tensor_parallel_size=tp) as llm:
+        vectors = llm.embed(texts)
+    for text, v in zip(texts, vectors):
+        assert v.outputs.embedding == pytest.approx(_unit(_hidden(embedder, text)[0]), abs=2e-5)
+    for path in (first, mean):
+        with LLM(str(path), device="cpu", dtype="float32", tensor_parallel_size=tp) as llm:
+            probs = llm.classify(texts)
+        for text, p in zip(texts, probs):
+            logits = _logits(path, text)
+            want = logits.softmax(-1) if len(logits) > 1 else logits.sigmoid()
+            assert p.outputs.probs == pytest.approx(want.tolist(), abs=1e-5), path.name

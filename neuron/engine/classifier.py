@@ -45,9 +45,10 @@ class Classifier:
     # (a cross-encoder's separator), or the two texts joined as one text (an LLM as a reranker)
     sep: bool = True
     # an encoder's layer before the head (BERT's pooler, RoBERTa's classifier.dense: tanh(W h + b);
-    # DistilBERT's pre_classifier: relu(W h + b))
-    dense: tuple[torch.Tensor, torch.Tensor] | None = None
-    dense_activation: str = "tanh"
+    # DistilBERT's pre_classifier: relu(W h + b); ModernBERT's head: norm(gelu(W h)))
+    dense: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    dense_activation: str = "tanh"  # tanh, relu or gelu
+    dense_norm: tuple[torch.Tensor, torch.Tensor | None, float] | None = None  # a LayerNorm after it
 
     @property
     def num_labels(self) -> int:
@@ -57,8 +58,12 @@ class Classifier:
         """The head's logits for one pooled hidden state."""
         hidden = hidden.float().cpu()
         if self.dense is not None:
-            hidden = self.dense[0] @ hidden + self.dense[1]
-            hidden = hidden.relu() if self.dense_activation == "relu" else hidden.tanh()
+            weight, bias = self.dense
+            hidden = weight @ hidden if bias is None else weight @ hidden + bias
+            hidden = getattr(torch.nn.functional, self.dense_activation)(hidden)
+            if self.dense_norm is not None:
+                w, b, eps = self.dense_norm
+                hidden = torch.nn.functional.layer_norm(hidden, w.shape, w, b, eps)
         out = self.weight @ hidden
         if self.bias is not None:
             out = out + self.bias
@@ -122,6 +127,8 @@ def _encoder_head(config: dict, reader, hidden: int) -> Classifier:
     or BERT's pooler.dense then classifier, each dense layer followed by tanh; DistilBERT's
     pre_classifier, ReLU, then classifier."""
     activation = "tanh"
+    if config.get("model_type") == "modernbert":
+        return _modernbert_head(config, reader, hidden)
     if reader.has("classifier.out_proj.weight"):
         dense, out = "classifier.dense", "classifier.out_proj"
     elif reader.has("pre_classifier.weight"):
@@ -144,6 +151,35 @@ def _encoder_head(config: dict, reader, hidden: int) -> Classifier:
     if list(bias.shape) != [weight.shape[0]]:
         raise ConfigError(f"{out}.bias has shape {list(bias.shape)}; expected [{weight.shape[0]}]")
     return Classifier(weight, bias, _label_names(config, weight.shape[0]), _sep(config, True), layer, activation)
+
+
+def _modernbert_head(config: dict, reader, hidden: int) -> Classifier:
+    """ModernBERT's head: head.dense (a bias with classifier_bias), its classifier_activation (GELU),
+    head.norm (a bias with norm_bias), then classifier."""
+    act = config.get("classifier_activation", "gelu")
+    if act not in ("gelu", "relu", "tanh"):
+        raise ConfigError(f"classifier_activation {act!r} is not supported (gelu, relu and tanh are)")
+    need = ["head.dense.weight", "head.norm.weight", "classifier.weight", "classifier.bias"]
+    if config.get("classifier_bias"):
+        need.append("head.dense.bias")
+    if config.get("norm_bias"):
+        need.append("head.norm.bias")
+    missing = [name for name in need if not reader.has(name)]
+    if missing:
+        raise ConfigError(f"a ModernBERT classifier needs {', '.join(missing)} in its checkpoint")
+    dense = _float(reader, "head.dense.weight")
+    dense_bias = _float(reader, "head.dense.bias") if config.get("classifier_bias") else None
+    norm = (_float(reader, "head.norm.weight"), _float(reader, "head.norm.bias") if config.get("norm_bias") else None,
+            float(config.get("norm_eps", 1e-5)))
+    for name, t, shape in (("head.dense.weight", dense, [hidden, hidden]), ("head.norm.weight", norm[0], [hidden])):
+        if list(t.shape) != shape:
+            raise ConfigError(f"{name} has shape {list(t.shape)}; expected {shape}")
+    weight, bias = _float(reader, "classifier.weight"), _float(reader, "classifier.bias")
+    if weight.dim() != 2 or weight.shape[1] != hidden or list(bias.shape) != [weight.shape[0]]:
+        raise ConfigError(f"classifier.weight has shape {list(weight.shape)} and its bias {list(bias.shape)}; expected "
+                          f"[num_labels, {hidden}] and [num_labels]")
+    return Classifier(weight, bias, _label_names(config, weight.shape[0]), _sep(config, True), (dense, dense_bias),
+                      act, norm)
 
 
 def _from_tokens(config: dict, reader, tokens, tokenizer, hidden: int) -> Classifier:

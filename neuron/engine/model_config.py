@@ -488,11 +488,20 @@ def _tasks(task: str, model_dir: Path, config: dict, weights: list[str], gguf: P
     if CLASSIFY in tasks:
         # an encoder's head reads its first token (BERT's [CLS], RoBERTa's <s>), a decoder's its last
         head = load_classifier(text_config(config), weights, gguf, tokenizer)
-        return tasks, PoolingConfig("cls" if encoder else "lasttoken", False, head)
+        return tasks, PoolingConfig(_head_pooling(config) if encoder else "lasttoken", False, head)
     if EMBED not in tasks:
         return tasks, None
     # without sentence-transformers' files: an encoder's first token, a decoder's last, normalized
     return tasks, found or PoolingConfig("cls" if encoder else "lasttoken")
+
+
+def _head_pooling(config: dict) -> str:
+    """What an encoder's classification head reads: its first token, or ModernBERT's mean where its
+    config's classifier_pooling says so."""
+    pooled = config.get("classifier_pooling", "cls") if config.get("model_type") == "modernbert" else "cls"
+    if pooled not in ("cls", "mean"):
+        raise ConfigError(f"classifier_pooling must be cls or mean, got {pooled!r:.40}")
+    return pooled
 
 
 def _with_separator(config: dict, tokenizer: Tokenizer | None) -> dict:

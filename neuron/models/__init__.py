@@ -6,7 +6,7 @@ from neuron.errors import UnsupportedModel
 
 DENSE_MODEL_TYPES = ("qwen3", "llama", "mistral", "qwen2")  # one decoder (qwen3.py), switches per family
 # Encoders (bert.py): embedding and classification models, which attend both ways and generate nothing.
-ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert")
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "modernbert")
 SUPPORTED_MODEL_TYPES = (*DENSE_MODEL_TYPES, "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
                          *ENCODER_MODEL_TYPES)
 # Multimodal layouts: the language model's settings nested in `text_config`, a vision tower beside it.
@@ -77,6 +77,10 @@ def context_length(config: dict) -> int:
 def _architecture(config: dict) -> tuple[type, type]:
     """The model class of `config`'s architecture and the class parsing its config."""
     model_type = check_supported(config)
+    if model_type == "modernbert":
+        from neuron.models.modernbert import ModernBertConfig, ModernBertModel
+
+        return ModernBertModel, ModernBertConfig
     if model_type in ENCODER_MODEL_TYPES:
         from neuron.models.bert import BertConfig, BertModel
 

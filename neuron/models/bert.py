@@ -84,8 +84,8 @@ def standard_config(config: dict) -> dict:
 
 
 def token_types(config: dict) -> int:
-    """How many token types the model embeds: none for DistilBERT (no table), else its config's."""
-    return 0 if config.get("model_type") == "distilbert" else int(config.get("type_vocab_size", 2))
+    """How many token types the model embeds: none for DistilBERT and ModernBERT (no table), else its config's."""
+    return 0 if config.get("model_type") in ("distilbert", "modernbert") else int(config.get("type_vocab_size", 2))
 
 
 def roberta_padding(config: dict) -> int | None:
@@ -187,12 +187,13 @@ class _Named(Reader):
 @dataclass(slots=True)
 class LayerNorm:
     weight: torch.Tensor
-    bias: torch.Tensor
+    bias: torch.Tensor | None
     eps: float
 
     @classmethod
-    def load(cls, r: Reader, prefix: str, eps: float, dtype, device) -> LayerNorm:
-        return cls(*(r.read(f"{prefix}.{p}").to(device=device, dtype=dtype) for p in ("weight", "bias")), eps)
+    def load(cls, r: Reader, prefix: str, eps: float, dtype, device, bias: bool = True) -> LayerNorm:
+        weight = r.read(f"{prefix}.weight").to(device=device, dtype=dtype)
+        return cls(weight, r.read(f"{prefix}.bias").to(device=device, dtype=dtype) if bias else None, eps)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
@@ -208,22 +209,31 @@ class EncoderLayer:
         self.heads, self.head_dim = lay.local_heads, lay.head_dim
 
     def __call__(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        x = self.attn_norm(x + self.o(self._attend(*self.qkv(x), lengths)))
+        t = x.shape[0]
+        q, k, v = (part.view(t, self.heads, self.head_dim) for part in self.qkv(x))
+        x = self.attn_norm(x + self.o(attend_both_ways(q, k, v, lengths)))
         h = self.up(x)
         h = F.relu(h) if self.activation == "relu" else F.gelu(h, approximate=self.activation)
         return self.out_norm(x + self.down(h))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """Every input's queries over all of its own keys, in both directions. Each as [1, heads,
-        n, head_dim]: given three dimensions, PyTorch's CPU attention takes its reference path,
-        4x slower at BERT-base's 12 heads of 64."""
-        out = torch.empty_like(q)
-        start = 0
-        for n in lengths:
-            heads = [t[start:start + n].view(1, n, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v)]
-            out[start:start + n] = F.scaled_dot_product_attention(*heads)[0].transpose(0, 1).reshape(n, -1)
-            start += n
-        return out
+
+def attend_both_ways(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
+                     window: int | None = None) -> torch.Tensor:
+    """Every input's queries ([tokens, heads, head_dim]) over all of its own keys, in both
+    directions, or those within `window` positions either way; [tokens, heads * head_dim]. Each
+    input as [1, heads, n, head_dim]: given three dimensions, PyTorch's CPU attention takes its
+    reference path, 4x slower at BERT-base's 12 heads of 64."""
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+    start = 0
+    for n in lengths:
+        heads = [t[start:start + n].unsqueeze(0).transpose(1, 2) for t in (q, k, v)]
+        mask = None
+        if window is not None and n > window + 1:
+            at = torch.arange(n, device=q.device)
+            mask = (at[:, None] - at[None, :]).abs() <= window
+        out[start:start + n] = F.scaled_dot_product_attention(*heads, attn_mask=mask)[0].transpose(0, 1).reshape(n, -1)
+        start += n
+    return out
 
 
 class _NoCache:

@@ -180,9 +180,14 @@ def _check_encoder(t: Fields, vocab: int) -> None:
     if pad is not None and t.d.get("max_position_embeddings", 512) < pad + 3:
         raise t.fail("max_position_embeddings", f"at least pad_token_id + 3 ({pad + 3}): RoBERTa's positions start "
                      "past its padding id", t.d.get("max_position_embeddings"))
-    for key in ("hidden_act", "position_embedding_type"):
+    for key in ("hidden_act", "hidden_activation", "position_embedding_type", "classifier_activation"):
         if t.d.get(key) is not None and not isinstance(t.d[key], str):
             raise t.fail(key, "a name", t.d[key])
+    t.float("norm_eps", 0.0, 1.0, above=True)  # ModernBERT's
+    t.int("local_attention", 2, MAX_POSITIONS)
+    t.int("global_attn_every_n_layers", 1, t.d["num_hidden_layers"])
+    for key in ("norm_bias", "classifier_bias"):
+        t.bool(key)
 
 
 def _check_hybrid(t: Fields) -> None:

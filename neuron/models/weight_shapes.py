@@ -85,9 +85,42 @@ _ENCODER_LAYER = re.compile(_ENCODER_PREFIX + r"(?:encoder|transformer)\.layer\.
 _ENCODER_TOP = re.compile(_ENCODER_PREFIX + r"(embeddings\..+)")
 
 
+_MODERNBERT = re.compile(r"(?:model\.)?(.+)")
+_MODERNBERT_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+
+
+def _modernbert_shapes(config: dict) -> Callable[[str], Shape | None]:
+    """ModernBERT's tensors (models/modernbert.py), bare or under `model.`."""
+    from neuron.models.modernbert import ModernBertConfig
+
+    c = ModernBertConfig.from_dict(config)
+    h, inter = c.hidden_size, c.intermediate_size
+    top: dict[str, Shape] = {"embeddings.tok_embeddings.weight": (c.vocab_size, h)}
+    per_layer: dict[str, Shape] = {"attn.Wqkv.weight": (3 * h, h), "attn.Wqkv.bias": (3 * h,),
+                                   "attn.Wo.weight": (h, h), "attn.Wo.bias": (h,),
+                                   "mlp.Wi.weight": (2 * inter, h), "mlp.Wi.bias": (2 * inter,),
+                                   "mlp.Wo.weight": (h, inter), "mlp.Wo.bias": (h,)}
+    for norm in ("embeddings.norm", "final_norm"):
+        top.update({f"{norm}.weight": (h,), f"{norm}.bias": (h,)})
+    for norm in ("attn_norm", "mlp_norm"):
+        per_layer.update({f"{norm}.weight": (h,), f"{norm}.bias": (h,)})
+
+    def shape(name: str) -> Shape | None:
+        rest = _MODERNBERT.fullmatch(name).group(1)
+        if rest in top:
+            return top[rest]
+        m = _MODERNBERT_LAYER.fullmatch(rest)
+        return per_layer.get(m.group(2)) if m is not None and int(m.group(1)) < c.num_layers else None
+
+    return shape
+
+
 def _encoder_shapes(config: dict) -> Callable[[str], Shape | None]:
     """A BERT-family encoder's tensors (models/bert.py), under any of its prefixes."""
     from neuron.models.bert import BertConfig
+
+    if config.get("model_type") == "modernbert":
+        return _modernbert_shapes(config)
 
     c = BertConfig.from_dict(config)
     hidden, inter, n = c.hidden_size, c.intermediate_size, c.names
@@ -198,7 +231,8 @@ class CheckedReader(Reader):
 
 def _agrees(name: str, got: list[int], want: Shape) -> bool:
     """Shapes equal; the vocabulary's rows may be padded past vocab_size."""
-    vocab = name.replace("model.language_model.", "model.", 1) in _VOCAB_ROWS or name.endswith("word_embeddings.weight")
+    vocab = name.replace("model.language_model.", "model.", 1) in _VOCAB_ROWS or \
+        name.endswith(("word_embeddings.weight", "tok_embeddings.weight"))
     if vocab and len(got) == len(want) == 2:
         return got[0] >= want[0] and got[1] == want[1]
     return tuple(got) == tuple(want)
