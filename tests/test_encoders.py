@@ -333,6 +333,13 @@ def test_embeddings_and_rerank_are_served_for_encoders(xlmr_cross, bert_mean):
         r = httpx.post(f"{server.url}/v1/chat/completions",
                        json={"model": "embedder", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and "an encoder, it generates nothing" in r.json()["error"]["message"]
+        # vLLM's /tokenize: a prompt as the model reads it ([CLS] ... [SEP]: the count embeddings bill)
+        counted = httpx.post(f"{server.url}/tokenize", json={"model": "embedder", "prompt": TEXTS[0]}).json()
+        billed = client(server).embeddings.create(model="embedder", input=TEXTS[0]).usage.prompt_tokens
+        assert counted["tokens"] == _encoded(bert_mean, TEXTS[0]).ids and counted["count"] == billed
+        bare = httpx.post(f"{server.url}/tokenize",
+                          json={"model": "embedder", "prompt": TEXTS[0], "add_special_tokens": False}).json()
+        assert bare["tokens"] == counted["tokens"][1:-1]
     with LiveServer(real_engine(str(xlmr_cross), tp=2, name="ranker")) as server:
         server.wait_ready()
         r = httpx.post(f"{server.url}/rerank", json={"model": "ranker", "query": QUERY, "documents": TEXTS}, timeout=60)

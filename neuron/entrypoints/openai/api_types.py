@@ -290,7 +290,9 @@ class TokenizeRequest(Struct, kw_only=True):
     messages: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    add_special_tokens: bool = False
+    # vLLM's: a prompt as /v1/completions reads it (the tokenizer's special tokens: true), a chat
+    # through its template alone (false)
+    add_special_tokens: bool | None = None
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False

@@ -60,11 +60,14 @@ def _piece(raw: bytes) -> str | list[int]:
 
 
 def _token_ids(engine, req: TokenizeRequest) -> list[int]:
-    text = req.prompt
-    if req.messages is not None:
-        text = rendered_chat(engine, req.messages, req.add_generation_prompt, req.continue_final_message, req.tools,
-                             req.chat_template_kwargs)
-    return engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    """The ids the request's prompt runs as: a text prompt as /v1/completions encodes it (with the
+    special tokens its tokenizer adds, unless add_special_tokens is false), a chat as its template
+    renders it (and the tokenizer's special tokens only with add_special_tokens true), as vLLM's."""
+    if req.messages is None:
+        return engine.encode_prompt(req.prompt, req.add_special_tokens is not False)
+    text = rendered_chat(engine, req.messages, req.add_generation_prompt, req.continue_final_message, req.tools,
+                         req.chat_template_kwargs)
+    return engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens is True)
 
 
 def rendered_chat(engine, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
