@@ -1,5 +1,6 @@
 """Classification and cross-encoder scoring on the leader: a linear head over the last token's
-final-norm hidden state (an encoder's: a dense layer and tanh, then the head, over its first token).
+final-norm hidden state (an encoder's: a dense layer and its activation, then the head, over its
+first token or, for ModernBERT where its config says so, the mean).
 
 A sequence-classification checkpoint (`Qwen3ForSequenceClassification`, `LlamaForSequenceClassification`,
 ... in config.json's `architectures`) is the causal LM's body and a `score` matrix of one row per
@@ -125,10 +126,10 @@ def load_classifier(config: dict, weight_files: list[str], gguf: Path | None, to
 def _encoder_head(config: dict, reader, hidden: int) -> Classifier:
     """An encoder's head over its first token: RoBERTa's classifier.dense then classifier.out_proj,
     or BERT's pooler.dense then classifier, each dense layer followed by tanh; DistilBERT's
-    pre_classifier, ReLU, then classifier."""
-    activation = "tanh"
+    pre_classifier, ReLU, then classifier; ModernBERT's own (_modernbert_head)."""
     if config.get("model_type") == "modernbert":
         return _modernbert_head(config, reader, hidden)
+    activation = "tanh"
     if reader.has("classifier.out_proj.weight"):
         dense, out = "classifier.dense", "classifier.out_proj"
     elif reader.has("pre_classifier.weight"):

@@ -7,8 +7,9 @@ An encoder attends in both directions, so a token's output depends on the tokens
 input runs whole in one step (the scheduler never cuts it into chunks, engine/scheduler.py) and
 keeps nothing between steps, so the model holds no KV pool; its `cache` only refuses a step that
 does not start an input at its first token. Each layer is post-norm: attention (q, k and v
-column-parallel with biases, the output row-parallel), a residual and LayerNorm, then a GELU MLP,
-a residual and LayerNorm. The embeddings add learned absolute positions (RoBERTa's counted after
+column-parallel with biases, the output row-parallel), a residual and LayerNorm, then an MLP
+(GELU; ReLU where the config says), a residual and LayerNorm (ModernBERT's pre-norm layers are
+modernbert.py's, on the same frame). The embeddings add learned absolute positions (RoBERTa's counted after
 its padding id, as transformers counts them) and token types: a pair's second text (after the
 first separator, `sep_token_id`) is type 1 where the model has two types, as the tokenizer's pair
 template marks it. Rank 0 pools the last layer's output (models/pooling.py); the classification

@@ -104,7 +104,7 @@ def check_config(config: Any, where: str) -> None:
             raise ConfigError(f"{where}: a {model_type} config needs its text_config")
         if (vision := top.nested("vision_config")) is not None:
             _check_vision(vision)
-    vocab = _check_text(text, rotary=model_type not in ENCODER_MODEL_TYPES)
+    vocab = _check_text(text, rotary=model_type not in ENCODER_MODEL_TYPES or model_type == "modernbert")
     if model_type in ENCODER_MODEL_TYPES:
         _check_encoder(text, vocab)
     if model_type in RECURRENT_MODEL_TYPES:
@@ -171,7 +171,7 @@ def _check_rope(t: Fields) -> None:
 
 
 def _check_encoder(t: Fields, vocab: int) -> None:
-    """BERT's and RoBERTa's own fields (models/bert.py)."""
+    """The encoders' own fields: BERT's, RoBERTa's (models/bert.py) and ModernBERT's (modernbert.py)."""
     t.float("layer_norm_eps", 0.0, 1.0, above=True)
     t.int("type_vocab_size", 1, 1024)
     for key in ("pad_token_id", "sep_token_id"):  # RoBERTa counts positions past its padding id
