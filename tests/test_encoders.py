@@ -122,7 +122,7 @@ def _encoded(path: Path, text: str, pair: str | None = None):
 def _inputs(model, path: Path, text: str, pair: str | None) -> dict:
     """transformers' inputs for `text` (and `pair`): the ids, and the token types where the model takes them."""
     enc = _encoded(path, text, pair)
-    types = {} if model.config.model_type in ("distilbert", "modernbert") else \
+    types = {} if model.config.model_type in ("distilbert", "mpnet", "modernbert") else \
         {"token_type_ids": torch.tensor([enc.type_ids])}
     return {"input_ids": torch.tensor([enc.ids]), **types}
 
@@ -447,3 +447,45 @@ def test_modernbert_embeds_and_classifies_equal_to_transformers(tmp_path, tp):
             logits = _logits(path, text)
             want = logits.softmax(-1) if len(logits) > 1 else logits.sigmoid()
             assert p.outputs.probs == pytest.approx(want.tolist(), abs=1e-5), path.name
+
+
+def _mpnet(path: Path, seed: int, labels: int = 0) -> Path:
+    """A tiny random MPNet (the relative-position bias table over 32 buckets, positions past the
+    padding id 1) with RoBERTa's kind of tokenizer (<s> a </s></s> b </s>), as all-mpnet ships."""
+    import transformers as tf
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = _tokenizer(path, roberta=True)
+    torch.manual_seed(seed)
+    config = tf.MPNetConfig(vocab_size=len(vocab), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=128, max_position_embeddings=200, pad_token_id=1, bos_token_id=0,
+                            eos_token_id=2, **({"num_labels": labels} if labels else {}))
+    model = (tf.MPNetForSequenceClassification if labels else tf.MPNetModel)(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name:
+                p.uniform_(0.5, 1.5) if name.endswith("weight") else p.normal_(0, 0.2)
+            elif "relative_attention_bias" in name or "classifier" in name or name.endswith("bias"):
+                p.normal_(0, 0.5)  # a bias per bucket that moves the scores
+    model.eval().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_mpnet_embeds_and_scores_equal_to_transformers(tmp_path, tp):
+    """MPNet (all-mpnet-base-v2's architecture): every layer's scores biased by a learned value per
+    head and relative-position bucket, exact near the query and logarithmic out to 128 positions
+    (an input of 150 tokens reaches the last bucket)."""
+    embedder = _mpnet(tmp_path / "embed", 11)
+    cross = _mpnet(tmp_path / "cross", 12, labels=1)
+    long = " ".join(WORDS * 6)
+    assert 128 < len(_encoded(embedder, long).ids) <= 198
+    texts = TEXTS + [long]
+    with LLM(str(embedder), device="cpu", dtype="float32", tensor_parallel_size=tp) as llm:
+        vectors = llm.embed(texts)
+    for text, v in zip(texts, vectors):
+        assert v.outputs.embedding == pytest.approx(_unit(_hidden(embedder, text)[0]), abs=2e-5)
+    with LLM(str(cross), device="cpu", dtype="float32", tensor_parallel_size=tp) as llm:
+        scores = llm.score(QUERY, texts)
+    for doc, out in zip(texts, scores):
+        assert out.outputs.score == pytest.approx(float(_logits(cross, QUERY, doc).sigmoid()), abs=1e-5)

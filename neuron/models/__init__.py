@@ -6,7 +6,7 @@ from neuron.errors import UnsupportedModel
 
 DENSE_MODEL_TYPES = ("qwen3", "llama", "mistral", "qwen2")  # one decoder (qwen3.py), switches per family
 # Encoders (bert.py): embedding and classification models, which attend both ways and generate nothing.
-ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "modernbert")
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "modernbert")
 SUPPORTED_MODEL_TYPES = (*DENSE_MODEL_TYPES, "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
                          *ENCODER_MODEL_TYPES)
 # Multimodal layouts: the language model's settings nested in `text_config`, a vision tower beside it.

@@ -1,7 +1,8 @@
-"""BERT, RoBERTa, XLM-RoBERTa and DistilBERT encoders, tensor-parallel: the embedding and reranking
-models people run beside a chat model (sentence-transformers' MiniLM, BGE, E5, GTE, bge-reranker,
-the ms-marco cross-encoders). The families differ in names (`Layout`; DistilBERT's config too:
-`standard_config`), in where positions start, and in token types; the layers are one.
+"""BERT, RoBERTa, XLM-RoBERTa, DistilBERT and MPNet encoders, tensor-parallel: the embedding and
+reranking models people run beside a chat model (sentence-transformers' MiniLM and mpnet, BGE, E5,
+GTE, bge-reranker, the ms-marco cross-encoders). The families differ in names (`Layout`;
+DistilBERT's config too: `standard_config`), in where positions start, in token types, and in
+MPNet's relative-position bias on every layer's scores (`relative_buckets`); the layers are one.
 
 An encoder attends in both directions, so a token's output depends on the tokens after it: an
 input runs whole in one step (the scheduler never cuts it into chunks, engine/scheduler.py) and
@@ -18,6 +19,7 @@ heads run on the leader (engine/classifier.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -41,10 +43,11 @@ from neuron.models import pooling
 from neuron.models.inputs import StepBatch, StepRejected
 
 _ROBERTA = ("roberta", "xlm-roberta")
+_NO_TYPES = ("distilbert", "mpnet", "modernbert")  # families without a token-type table
 # hidden_act values and the activation each is in transformers (F.gelu's `approximate`, or ReLU)
 _ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "relu": "relu"}
 # where a checkpoint keeps the encoder: a bare model's names, or under its task model's prefix
-_PREFIXES = ("", "bert.", "roberta.", "distilbert.", "model.")
+_PREFIXES = ("", "bert.", "roberta.", "distilbert.", "mpnet.", "model.")
 # DistilBERT's config.json names, as the standard ones (transformers' attribute_map, and its FFN width)
 _DISTILBERT_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
                     "hidden_dim": "intermediate_size", "activation": "hidden_act"}
@@ -70,10 +73,28 @@ BERT_LAYOUT = Layout("encoder.layer.{}", "attention.self", ("query", "key", "val
                      "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm")
 DISTILBERT_LAYOUT = Layout("transformer.layer.{}", "attention", ("q_lin", "k_lin", "v_lin"), "attention.out_lin",
                            "sa_layer_norm", "ffn.lin1", "ffn.lin2", "output_layer_norm")
+MPNET_LAYOUT = Layout("encoder.layer.{}", "attention.attn", ("q", "k", "v"), "attention.attn.o", "attention.LayerNorm",
+                      "intermediate.dense", "output.dense", "output.LayerNorm")
+MPNET_BIAS = "encoder.relative_attention_bias.weight"  # [buckets, heads], shared by every layer
+_MPNET_BUCKETS, _MPNET_EXACT, _MPNET_REACH = 32, 8, 128  # both sides together; exact offsets a side; log range
 
 
 def layout(config: dict) -> Layout:
-    return DISTILBERT_LAYOUT if config.get("model_type") == "distilbert" else BERT_LAYOUT
+    return {"distilbert": DISTILBERT_LAYOUT, "mpnet": MPNET_LAYOUT}.get(config.get("model_type"), BERT_LAYOUT)
+
+
+def relative_buckets(n: int, device) -> torch.Tensor:
+    """MPNet's bucket for every query and key of an input of `n` tokens ([n, n]): half the buckets
+    for keys before the query, half for keys after; within a side the first offsets exactly, the
+    rest on a log scale out to _MPNET_REACH positions, the farthest sharing the last bucket."""
+    at = torch.arange(n, device=device)
+    offset = at[:, None] - at[None, :]  # the query's position less the key's
+    side = _MPNET_BUCKETS // 2
+    distance = offset.abs()
+    far = _MPNET_EXACT + (torch.log(distance.float().clamp(min=1) / _MPNET_EXACT)
+                          / math.log(_MPNET_REACH / _MPNET_EXACT) * (side - _MPNET_EXACT)).long()
+    near = distance < _MPNET_EXACT
+    return (offset < 0).long() * side + torch.where(near, distance, far.clamp(max=side - 1))
 
 
 def standard_config(config: dict) -> dict:
@@ -85,13 +106,16 @@ def standard_config(config: dict) -> dict:
 
 
 def token_types(config: dict) -> int:
-    """How many token types the model embeds: none for DistilBERT and ModernBERT (no table), else its config's."""
-    return 0 if config.get("model_type") in ("distilbert", "modernbert") else int(config.get("type_vocab_size", 2))
+    """How many token types the model embeds: none for DistilBERT, MPNet and ModernBERT (no table), else its
+    config's."""
+    return 0 if config.get("model_type") in _NO_TYPES else int(config.get("type_vocab_size", 2))
 
 
 def roberta_padding(config: dict) -> int | None:
     """RoBERTa's padding id, past which its positions are counted (transformers' default 1); None
     for BERT, whose positions start at 0."""
+    if config.get("model_type") == "mpnet":
+        return 1  # transformers' MPNet counts past 1 whatever the config's pad_token_id
     if config.get("model_type") not in _ROBERTA:
         return None
     pad = config.get("pad_token_id")
@@ -119,6 +143,7 @@ class BertConfig:
     padding: int | None  # RoBERTa's padding id, past which it counts positions; None: BERT's from 0
     sep_token_id: int | None  # where a pair's second text (token type 1) starts
     names: Layout = BERT_LAYOUT  # the family's tensor names
+    relative: bool = False  # MPNet: a learned bias per head and relative-position bucket on every layer's scores
 
     @property
     def head_dim(self) -> int:
@@ -145,7 +170,7 @@ class BertConfig:
                       max_position_embeddings=int(d.get("max_position_embeddings", 512)),
                       type_vocab_size=token_types(d), activation=_ACTIVATIONS[act],
                       position_offset=position_offset(d), padding=roberta_padding(d),
-                      sep_token_id=d.get("sep_token_id"), names=layout(d))
+                      sep_token_id=d.get("sep_token_id"), names=layout(d), relative=d.get("model_type") == "mpnet")
         except KeyError as exc:
             raise ConfigError(f"config.json lacks required field {exc.args[0]!r}") from None
         if hidden % heads:
@@ -209,26 +234,28 @@ class EncoderLayer:
         lay = qkv.layout
         self.heads, self.head_dim = lay.local_heads, lay.head_dim
 
-    def __call__(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, lengths: list[int], bias: Callable[[int], torch.Tensor] | None = None
+                 ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = (part.view(t, self.heads, self.head_dim) for part in self.qkv(x))
-        x = self.attn_norm(x + self.o(attend_both_ways(q, k, v, lengths)))
+        x = self.attn_norm(x + self.o(attend_both_ways(q, k, v, lengths, bias=bias)))
         h = self.up(x)
         h = F.relu(h) if self.activation == "relu" else F.gelu(h, approximate=self.activation)
         return self.out_norm(x + self.down(h))
 
 
 def attend_both_ways(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, bias: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
     """Every input's queries ([tokens, heads, head_dim]) over all of its own keys, in both
-    directions, or those within `window` positions either way; [tokens, heads * head_dim]. Each
-    input as [1, heads, n, head_dim]: given three dimensions, PyTorch's CPU attention takes its
-    reference path, 4x slower at BERT-base's 12 heads of 64."""
+    directions, or those within `window` positions either way, `bias(n)` ([1, heads, n, n]) added
+    to an input of n tokens' scores; [tokens, heads * head_dim]. Each input as [1, heads, n,
+    head_dim]: given three dimensions, PyTorch's CPU attention takes its reference path, 4x slower
+    at BERT-base's 12 heads of 64."""
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     start = 0
     for n in lengths:
         heads = [t[start:start + n].unsqueeze(0).transpose(1, 2) for t in (q, k, v)]
-        mask = None
+        mask = None if bias is None else bias(n)
         if window is not None and n > window + 1:
             at = torch.arange(n, device=q.device)
             mask = (at[:, None] - at[None, :]).abs() <= window
@@ -274,6 +301,7 @@ class BertModel:
         self.layout = HeadLayout(config.num_heads, config.num_heads, config.head_dim, self.shard)
         self.layers: list[EncoderLayer] = []
         self.cache: _NoCache | None = None
+        self.relative: torch.Tensor | None = None  # MPNet's bias table, this rank's heads
 
     @staticmethod
     def check_split(config: BertConfig, shard: Shard) -> None:
@@ -296,6 +324,9 @@ class BertModel:
         self.token_types = None if not c.type_vocab_size else \
             r.read("embeddings.token_type_embeddings.weight").to(device=dev, dtype=dt)
         self.embed_norm = LayerNorm.load(r, "embeddings.LayerNorm", c.layer_norm_eps, dt, dev)
+        heads = self.layout.local_heads
+        self.relative = None if not c.relative else \
+            r.read(MPNET_BIAS, 1, self.shard.rank * heads, (self.shard.rank + 1) * heads).to(device=dev, dtype=dt)
         self.layers = []
         for i in range(c.num_layers):
             p = names.layer.format(i)
@@ -317,7 +348,7 @@ class BertModel:
         return [layer.qkv.weight, layer.o.weight, layer.up.weight, layer.down.weight]
 
     def weight_bytes(self) -> int:
-        tensors = [t for t in (self.embed.weight, self.positions, self.token_types) if t is not None]
+        tensors = [t for t in (self.embed.weight, self.positions, self.token_types, self.relative) if t is not None]
         for layer in self.layers:
             tensors += self.layer_tensors(layer)
         return sum(t.numel() * t.element_size() for w in tensors for t in quantized.tensors(w))
@@ -353,11 +384,24 @@ class BertModel:
         if self.token_types is not None:
             x = x + self.token_types[types]
         x = self.embed_norm(x)
+        bias = None if self.relative is None else self._relative_bias()
         for layer in self.layers:
-            x = layer(x, batch.lengths)
+            x = layer(x, batch.lengths, bias)
         if batch.pool is not None and self.comm.rank == 0:
             batch.pool_out = pooling.compute(self, x, batch)
         return None
+
+    def _relative_bias(self) -> Callable[[int], torch.Tensor]:
+        """MPNet's score bias for an input of n tokens ([1, this rank's heads, n, n]), made once a
+        step for each length the step holds."""
+        made: dict[int, torch.Tensor] = {}
+
+        def bias(n: int) -> torch.Tensor:
+            if n not in made:
+                made[n] = self.relative[relative_buckets(n, self.device)].permute(2, 0, 1).unsqueeze(0)
+            return made[n]
+
+        return bias
 
     def _positions_and_types(self, ids: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's row of the position table (RoBERTa: counted over the non-padding tokens past

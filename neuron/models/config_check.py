@@ -183,6 +183,7 @@ def _check_encoder(t: Fields, vocab: int) -> None:
     for key in ("hidden_act", "hidden_activation", "position_embedding_type", "classifier_activation"):
         if t.d.get(key) is not None and not isinstance(t.d[key], str):
             raise t.fail(key, "a name", t.d[key])
+    t.int("relative_attention_num_buckets", 32, 1024)  # MPNet's bias table: its buckets reach 31
     t.float("norm_eps", 0.0, 1.0, above=True)  # ModernBERT's
     t.int("local_attention", 2, MAX_POSITIONS)
     t.int("global_attn_every_n_layers", 1, t.d["num_hidden_layers"])

@@ -80,9 +80,9 @@ def expected_shapes(config: dict) -> Callable[[str], Shape | None]:
     return shape
 
 
-_ENCODER_PREFIX = r"(?:bert\.|roberta\.|distilbert\.|model\.)?"
+_ENCODER_PREFIX = r"(?:bert\.|roberta\.|distilbert\.|mpnet\.|model\.)?"
 _ENCODER_LAYER = re.compile(_ENCODER_PREFIX + r"(?:encoder|transformer)\.layer\.(\d+)\.(.+)")
-_ENCODER_TOP = re.compile(_ENCODER_PREFIX + r"(embeddings\..+)")
+_ENCODER_TOP = re.compile(_ENCODER_PREFIX + r"(embeddings\..+|encoder\.relative_attention_bias\.weight)")
 
 
 _MODERNBERT = re.compile(r"(?:model\.)?(.+)")
@@ -127,7 +127,9 @@ def _encoder_shapes(config: dict) -> Callable[[str], Shape | None]:
     top = {"embeddings.word_embeddings.weight": (c.vocab_size, hidden),
            "embeddings.position_embeddings.weight": (c.max_position_embeddings, hidden),
            "embeddings.token_type_embeddings.weight": (c.type_vocab_size, hidden),
-           "embeddings.LayerNorm.weight": (hidden,), "embeddings.LayerNorm.bias": (hidden,)}
+           "embeddings.LayerNorm.weight": (hidden,), "embeddings.LayerNorm.bias": (hidden,),
+           "encoder.relative_attention_bias.weight": (int(config.get("relative_attention_num_buckets", 32)),
+                                                      c.num_heads)}
     per_layer: dict[str, Shape] = {f"{n.up}.weight": (inter, hidden), f"{n.up}.bias": (inter,),
                                    f"{n.down}.weight": (hidden, inter), f"{n.down}.bias": (hidden,)}
     for p in (*(f"{n.attn}.{q}" for q in n.qkv), n.o):
