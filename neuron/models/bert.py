@@ -238,30 +238,39 @@ class EncoderLayer:
                  ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = (part.view(t, self.heads, self.head_dim) for part in self.qkv(x))
-        x = self.attn_norm(x + self.o(attend_both_ways(q, k, v, lengths, bias=bias)))
+        x = self.attn_norm(x + self.o(attend_both_ways(q, k, v, lengths, bias)))
         h = self.up(x)
         h = F.relu(h) if self.activation == "relu" else F.gelu(h, approximate=self.activation)
         return self.out_norm(x + self.down(h))
 
 
 def attend_both_ways(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
-                     window: int | None = None, bias: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
+                     mask: Callable[[int], torch.Tensor | None] | None = None) -> torch.Tensor:
     """Every input's queries ([tokens, heads, head_dim]) over all of its own keys, in both
-    directions, or those within `window` positions either way, `bias(n)` ([1, heads, n, n]) added
-    to an input of n tokens' scores; [tokens, heads * head_dim]. Each input as [1, heads, n,
-    head_dim]: given three dimensions, PyTorch's CPU attention takes its reference path, 4x slower
-    at BERT-base's 12 heads of 64."""
+    directions; [tokens, heads * head_dim]. `mask(n)`: what an input of n tokens' scores take
+    (PyTorch's attn_mask: MPNet's bias added to them, ModernBERT's window of keys kept), or None.
+    Each input as [1, heads, n, head_dim]: given three dimensions, PyTorch's CPU attention takes
+    its reference path, 4x slower at BERT-base's 12 heads of 64."""
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     start = 0
     for n in lengths:
         heads = [t[start:start + n].unsqueeze(0).transpose(1, 2) for t in (q, k, v)]
-        mask = None if bias is None else bias(n)
-        if window is not None and n > window + 1:
-            at = torch.arange(n, device=q.device)
-            mask = (at[:, None] - at[None, :]).abs() <= window
-        out[start:start + n] = F.scaled_dot_product_attention(*heads, attn_mask=mask)[0].transpose(0, 1).reshape(n, -1)
+        kept = None if mask is None else mask(n)
+        out[start:start + n] = F.scaled_dot_product_attention(*heads, attn_mask=kept)[0].transpose(0, 1).reshape(n, -1)
         start += n
     return out
+
+
+def per_length(make: Callable[[int], torch.Tensor | None]) -> Callable[[int], torch.Tensor | None]:
+    """`make`, each length's result kept: a step's inputs of one length, in every layer, share it."""
+    made: dict[int, torch.Tensor | None] = {}
+
+    def get(n: int) -> torch.Tensor | None:
+        if n not in made:
+            made[n] = make(n)
+        return made[n]
+
+    return get
 
 
 class _NoCache:
@@ -394,14 +403,7 @@ class BertModel:
     def _relative_bias(self) -> Callable[[int], torch.Tensor]:
         """MPNet's score bias for an input of n tokens ([1, this rank's heads, n, n]), made once a
         step for each length the step holds."""
-        made: dict[int, torch.Tensor] = {}
-
-        def bias(n: int) -> torch.Tensor:
-            if n not in made:
-                made[n] = self.relative[relative_buckets(n, self.device)].permute(2, 0, 1).unsqueeze(0)
-            return made[n]
-
-        return bias
+        return per_length(lambda n: self.relative[relative_buckets(n, self.device)].permute(2, 0, 1).unsqueeze(0))
 
     def _positions_and_types(self, ids: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's row of the position table (RoBERTa: counted over the non-padding tokens past

@@ -21,7 +21,7 @@ from neuron.layers.norm import rope_heads
 from neuron.layers.rope import RopeScaling, Rotary
 from neuron.layers.tensor_parallel import ColumnParallelLinear, Reader, RowParallelLinear, VocabParallelEmbedding
 from neuron.models import pooling
-from neuron.models.bert import BertModel, LayerNorm, attend_both_ways
+from neuron.models.bert import BertModel, LayerNorm, attend_both_ways, per_length
 from neuron.models.inputs import StepBatch
 
 _ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
@@ -106,6 +106,15 @@ class ModernBertConfig:
         return cfg
 
 
+def _window(n: int, reach: int, device) -> torch.Tensor | None:
+    """A local layer's keys for an input of n tokens: those within `reach` positions of the query
+    either way ([n, n], True where kept); None where the window holds the whole input."""
+    if n <= reach + 1:
+        return None
+    at = torch.arange(n, device=device)
+    return (at[:, None] - at[None, :]).abs() <= reach
+
+
 class ModernBertLayer:
     def __init__(self, attn_norm: LayerNorm | None, qkv: ColumnParallelLinear, o: RowParallelLinear,
                  mlp_norm: LayerNorm, wi: ColumnParallelLinear, wo: RowParallelLinear, local: bool,
@@ -114,7 +123,7 @@ class ModernBertLayer:
         self.mlp_norm, self.wi, self.wo = mlp_norm, wi, wo
         self.local, self.heads, self.head_dim, self.activation = local, heads, head_dim, activation
 
-    def __call__(self, x: torch.Tensor, rope: tuple, lengths: list[int], window: int) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rope: tuple, lengths: list[int], window: Callable) -> torch.Tensor:
         h = x if self.attn_norm is None else self.attn_norm(x)
         t = h.shape[0]
         q, k, v = (part.view(t, self.heads, self.head_dim) for part in self.qkv(h).chunk(3, dim=-1))
@@ -176,8 +185,9 @@ class ModernBertModel(BertModel):
         x = self.embed_norm(self.embed(batch.token_ids))
         ropes = {kind: rotary.tables(batch.positions) for kind, rotary in self.rotary.items()}
         c = self.config
+        window = per_length(lambda n: _window(n, c.window, x.device))
         for layer, kind in zip(self.layers, c.layer_types):
-            x = layer(x, ropes[kind], batch.lengths, c.window)
+            x = layer(x, ropes[kind], batch.lengths, window)
         x = self.final_norm(x)
         if batch.pool is not None and self.comm.rank == 0:
             batch.pool_out = pooling.compute(self, x, batch)
