@@ -106,13 +106,16 @@ class ModernBertConfig:
         return cfg
 
 
-def _window(n: int, reach: int, device) -> torch.Tensor | None:
+def _window(n: int, reach: int, dtype: torch.dtype, device) -> torch.Tensor | None:
     """A local layer's keys for an input of n tokens: those within `reach` positions of the query
-    either way ([n, n], True where kept); None where the window holds the whole input."""
+    either way, as what is added to the scores ([n, n], -inf past the window: PyTorch's CPU
+    attention takes an additive mask 3-4x faster than a boolean one); None where the window holds
+    the whole input."""
     if n <= reach + 1:
         return None
     at = torch.arange(n, device=device)
-    return (at[:, None] - at[None, :]).abs() <= reach
+    return torch.zeros(n, n, dtype=dtype, device=device).masked_fill_((at[:, None] - at[None, :]).abs() > reach,
+                                                                       float("-inf"))
 
 
 class ModernBertLayer:
@@ -185,7 +188,7 @@ class ModernBertModel(BertModel):
         x = self.embed_norm(self.embed(batch.token_ids))
         ropes = {kind: rotary.tables(batch.positions) for kind, rotary in self.rotary.items()}
         c = self.config
-        window = per_length(lambda n: _window(n, c.window, x.device))
+        window = per_length(lambda n: _window(n, c.window, x.dtype, x.device))
         for layer, kind in zip(self.layers, c.layer_types):
             x = layer(x, ropes[kind], batch.lengths, window)
         x = self.final_norm(x)
