@@ -163,6 +163,19 @@ def test_an_encoder_embeds_by_default_and_classifies_with_a_head(bert_mean, xlmr
     assert model_config(bert_mean, max_num_batched_tokens=16).step_tokens == 64  # an input runs whole
 
 
+def test_a_sentence_transformers_max_seq_length_is_the_default_model_length(tmp_path, bert_mean):
+    """sentence_bert_config.json's max_seq_length (the length the checkpoint was trained to, where
+    its library cuts) is the model length unless --max-model-len says otherwise, as vLLM takes it."""
+    import shutil
+
+    path = shutil.copytree(bert_mean, tmp_path / "st")
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 16, "do_lower_case": False}))
+    assert model_config(path).max_model_len == 16 and model_config(path, max_model_len=40).max_model_len == 40
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": "long"}))
+    with pytest.raises(ConfigError, match="max_seq_length must be an integer"):
+        model_config(path)
+
+
 @pytest.mark.parametrize("what, engine, refused", [
     ("generate", {"task": "generate"}, "is an encoder: it generates nothing"),
     ("prefix caching", {"enable_prefix_caching": True}, "encoder attends both ways"),

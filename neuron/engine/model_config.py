@@ -195,7 +195,7 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
         _check_lm_head(config, files)
     device = (spec.devices[0].split(":")[0] if spec.devices else None) or spec.device or default_device()
     check_kv_cache_dtype(spec.kv_cache_dtype, spec.dtype, device)
-    max_model_len = _max_model_len(spec, config)
+    max_model_len = _max_model_len(spec, config, sentence_transformers_length(model_dir))
     step_tokens = spec.max_num_batched_tokens or max(spec.prefill_chunk_tokens, spec.max_num_seqs)
     if is_encoder(config):  # an input runs whole in one step
         step_tokens = max(step_tokens, max_model_len)
@@ -399,10 +399,13 @@ def _eos_ids(config: dict, generation: dict, tokenizer: Tokenizer | None) -> tup
     return tuple(sorted(set(ids)))
 
 
-def _max_model_len(spec: EngineConfig, config: dict) -> int:
+def _max_model_len(spec: EngineConfig, config: dict, trained: int | None = None) -> int:
+    """--max-model-len, checked against the model's positions; unset, the model's limit (the
+    length a sentence-transformers checkpoint was trained to, `trained`, where that is shorter),
+    capped at MAX_MODEL_LEN_CAP."""
     native = context_length(config)
     if spec.max_model_len is None:
-        return min(native, MAX_MODEL_LEN_CAP)
+        return min(native, trained or native, MAX_MODEL_LEN_CAP)
     if not 1 < spec.max_model_len <= native:
         raise ConfigError(f"max_model_len must be in 2..{native} (the model's max_position_embeddings, stretched "
                           f"by its rope scaling if it has one), got {spec.max_model_len}")
@@ -557,6 +560,22 @@ def gguf_pooling(f: GGUFFile) -> PoolingConfig | None:
                           "a reranker converted with rank pooling is not: serve its causal LM with "
                           "classifier_from_token in --hf-overrides)")
     return PoolingConfig(_GGUF_POOLING[kind], True)
+
+
+def sentence_transformers_length(model_dir: Path) -> int | None:
+    """The input length a sentence-transformers checkpoint was trained to and its library cuts at
+    (sentence_bert_config.json's `max_seq_length`, all-MiniLM-L6-v2's 256), as vLLM takes it for
+    the model length; None without one."""
+    path = model_dir / "sentence_bert_config.json"
+    if not path.is_file():
+        return None
+    cfg = read_json(path)
+    length = cfg.get("max_seq_length") if isinstance(cfg, dict) else None
+    if length is None:
+        return None
+    if isinstance(length, bool) or not isinstance(length, int) or length < 2:
+        raise ConfigError(f"{path}: max_seq_length must be an integer of at least 2, got {length!r:.40}")
+    return length
 
 
 def sentence_transformers_pooling(model_dir: Path) -> PoolingConfig | None:
