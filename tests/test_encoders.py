@@ -176,6 +176,30 @@ def test_a_sentence_transformers_max_seq_length_is_the_default_model_length(tmp_
         model_config(path)
 
 
+def test_a_sentence_transformers_do_lower_case_lowercases_every_text(tmp_path, bert_mean):
+    """do_lower_case: sentence-transformers (and vLLM) lowercase a text before a cased tokenizer
+    sees it; every route that tokenizes a text does here (embeddings, pairs, /tokenize)."""
+    import shutil
+
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import normalizers
+
+    path = shutil.copytree(bert_mean, tmp_path / "cased")
+    backend = Backend.from_file(str(path / "tokenizer.json"))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=False)  # "The" is then unknown
+    backend.save(str(path / "tokenizer.json"))
+    text = "The Quick Brown FOX"
+    assert 1 in backend.encode(text).ids  # [UNK]
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 64, "do_lower_case": True}))
+    tok = model_config(path).tokenizer
+    assert tok.encode(text, True) == backend.encode(text.lower()).ids and 1 not in tok.encode(text, True)
+    assert tok.cut("The QUICK brown", 2) == "the quick"
+    with LLM(str(path), device="cpu", dtype="float32") as llm:
+        [out] = llm.embed(text)
+    assert out.prompt_token_ids == backend.encode(text.lower()).ids
+    assert out.outputs.embedding == pytest.approx(_unit(_hidden(bert_mean, text.lower()).mean(0)), abs=2e-5)
+
+
 @pytest.mark.parametrize("what, engine, refused", [
     ("generate", {"task": "generate"}, "is an encoder: it generates nothing"),
     ("prefix caching", {"enable_prefix_caching": True}, "encoder attends both ways"),

@@ -183,6 +183,8 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
     vocab = text_config(config)["vocab_size"]
     phases("building the tokenizer")
     tokenizer, tokenizer_dir = _tokenizer(spec, model_dir, gguf)
+    if tokenizer is not None:
+        tokenizer.lowercase = sentence_transformers_lowercase(model_dir)
     config = _with_separator(config, tokenizer)
     generation = _generation_config(tokenizer_dir)
     sampling = _check_generation(generation, vocab)
@@ -562,20 +564,36 @@ def gguf_pooling(f: GGUFFile) -> PoolingConfig | None:
     return PoolingConfig(_GGUF_POOLING[kind], True)
 
 
+def _sentence_bert_config(model_dir: Path) -> tuple[Path, dict]:
+    """sentence_bert_config.json (its path, and its object: empty without one)."""
+    path = model_dir / "sentence_bert_config.json"
+    cfg = read_json(path) if path.is_file() else {}
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: expected an object (max_seq_length, do_lower_case)")
+    return path, cfg
+
+
 def sentence_transformers_length(model_dir: Path) -> int | None:
     """The input length a sentence-transformers checkpoint was trained to and its library cuts at
     (sentence_bert_config.json's `max_seq_length`, all-MiniLM-L6-v2's 256), as vLLM takes it for
     the model length; None without one."""
-    path = model_dir / "sentence_bert_config.json"
-    if not path.is_file():
-        return None
-    cfg = read_json(path)
-    length = cfg.get("max_seq_length") if isinstance(cfg, dict) else None
+    path, cfg = _sentence_bert_config(model_dir)
+    length = cfg.get("max_seq_length")
     if length is None:
         return None
     if isinstance(length, bool) or not isinstance(length, int) or length < 2:
         raise ConfigError(f"{path}: max_seq_length must be an integer of at least 2, got {length!r:.40}")
     return length
+
+
+def sentence_transformers_lowercase(model_dir: Path) -> bool:
+    """Whether a sentence-transformers checkpoint lowercases its texts before tokenizing them
+    (sentence_bert_config.json's `do_lower_case`), as its library and vLLM do."""
+    path, cfg = _sentence_bert_config(model_dir)
+    value = cfg.get("do_lower_case", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{path}: do_lower_case must be true or false, got {value!r:.40}")
+    return value
 
 
 def sentence_transformers_pooling(model_dir: Path) -> PoolingConfig | None:

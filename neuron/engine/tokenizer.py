@@ -89,6 +89,9 @@ class Tokenizer:
         backend.no_truncation()
         backend.no_padding()
         self._backend = backend
+        # a sentence-transformers checkpoint's do_lower_case: its library lowercases every text
+        # before its tokenizer sees it (set by the model's configuration, model_config.py)
+        self.lowercase = False
         self._named_tokens = dict(named_tokens or {})
         if eos_token is not None:
             self._named_tokens["eos_token"] = eos_token
@@ -151,7 +154,7 @@ class Tokenizer:
         # tokenized in a worker thread leaves the event loop free. The fast one skips offsets
         # (tokenizers >= 0.21), which halves the time and the memory.
         encode_batch = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
-        [encoding] = encode_batch([text], add_special_tokens=add_special_tokens)
+        [encoding] = encode_batch([text.lower() if self.lowercase else text], add_special_tokens=add_special_tokens)
         ids = encoding.ids
         if len(text) >= _TRIM_AFTER_CHARS and _malloc_trim is not None:
             del encoding
@@ -181,6 +184,8 @@ class Tokenizer:
     def cut(self, text: str, max_tokens: int) -> str:
         """`text` up to the end of its `max_tokens`-th token (encoded without special tokens); the
         whole text when it has no more."""
+        if self.lowercase:
+            text = text.lower()  # what is encoded, and so what the offsets index
         [encoding] = self._backend.encode_batch([text], add_special_tokens=False)
         if len(encoding.ids) <= max_tokens:
             return text
