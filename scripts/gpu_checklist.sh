@@ -24,7 +24,7 @@ KERNEL_FILES=${KERNEL_FILES:-test_norm_kernels test_quant_kernels test_paged_att
 FILE_LIMIT=${FILE_LIMIT:-200}  # seconds for each file of `gpu` tests (test_gpu alone has taken 260)
 SKIP=${SKIP:-}  # phase names not to run (collect, doctor, kernels (every kernel file), a test file's name)
 FILES=${FILES:-test_gpu test_sampling test_paged_kv test_moe test_quant_formats test_quantized test_structured_output \
-test_host test_lora}  # the files of `gpu` tests, each its own phase, in this order
+test_host test_lora test_encoders}  # the files of `gpu` tests, each its own phase, in this order
 export PYTHONUNBUFFERED=1 NEURON_LOG_LEVEL=${NEURON_LOG_LEVEL:-WARNING} NEURON_TEST_INSTAFAIL=1
 mkdir -p "$LOGS"
 start=$(date +%s)

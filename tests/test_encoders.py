@@ -526,3 +526,24 @@ def test_mpnet_embeds_and_scores_equal_to_transformers(tmp_path, tp):
         scores = llm.score(QUERY, texts)
     for doc, out in zip(texts, scores):
         assert out.outputs.score == pytest.approx(float(_logits(cross, QUERY, doc).sigmoid()), abs=1e-5)
+
+
+# ---- on a GPU (skipped, with the reason, where there is none) ----
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 2])
+def test_encoders_on_cuda_equal_transformers(tmp_path, bert_cross, tp):
+    """The families' CUDA path (PyTorch's attention with MPNet's bias and ModernBERT's window on
+    the GPU; tp 2 is two ranks on one device): embeddings and cross-encoder scores as on CPU."""
+    cases = [(_mpnet(tmp_path / "mpnet", 13), TEXTS + [" ".join(WORDS * 5)]),  # past MPNet's last bucket
+             (_modernbert(tmp_path / "modernbert", 14), TEXTS + [LONG])]  # past ModernBERT's window
+    for path, texts in cases:
+        with LLM(str(path), device="cuda", dtype="float32", tensor_parallel_size=tp) as llm:
+            vectors = llm.embed(texts)
+        for text, v in zip(texts, vectors):
+            assert v.outputs.embedding == pytest.approx(_unit(_hidden(path, text)[0]), abs=1e-4), path.name
+    with LLM(str(bert_cross), device="cuda", dtype="float32", tensor_parallel_size=tp) as llm:
+        scores = llm.score(QUERY, TEXTS)
+    for doc, out in zip(TEXTS, scores):
+        assert out.outputs.score == pytest.approx(float(_logits(bert_cross, QUERY, doc).sigmoid()), abs=1e-4)
