@@ -19,7 +19,7 @@ from pathlib import Path
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken
+from tokenizers import AddedToken, Encoding
 from tokenizers import Tokenizer as _Backend
 from tokenizers.pre_tokenizers import ByteLevel
 
@@ -195,7 +195,7 @@ class Tokenizer:
         """One text's ids (encoded without special tokens) with the special tokens the
         post-processor puts around a single text; `max_tokens` bounds the whole, cutting the
         text's end (transformers' truncation of one text)."""
-        before, after = self._single_template
+        before, after = self.single_template
         if max_tokens is not None:
             room = max_tokens - len(before) - len(after)
             if room < 1:
@@ -205,34 +205,32 @@ class Tokenizer:
 
     def single_overhead(self) -> int:
         """How many special tokens the post-processor adds to one text."""
-        return sum(map(len, self._single_template))
-
-    @property
-    def single_template(self) -> tuple[list[int], list[int]]:
-        """The special tokens the post-processor puts before and after one text."""
-        before, after = self._single_template
-        return before, after
+        return sum(map(len, self.single_template))
 
     @cached_property
-    def _single_template(self) -> list[list[int]]:
+    def single_template(self) -> tuple[list[int], ...]:
         """The special tokens the post-processor puts before and after one text."""
-        return self._specials_around(["a"])
+        return self._specials_around(*self._framed(["a"]))
 
     def pair_overhead(self) -> int:
         """How many special tokens the pair template adds."""
         return sum(map(len, self._pair_template))
 
     @cached_property
-    def _pair_template(self) -> list[list[int]]:
+    def _pair_template(self) -> tuple[list[int], ...]:
         """The special tokens the post-processor puts before, between and after a pair's texts."""
-        return self._specials_around(["a", "b"])
+        return self._specials_around(*self._pair_probe)
+
+    @cached_property
+    def _pair_probe(self) -> tuple[list[Encoding], Encoding]:
+        """A pair framed once: its template's special tokens and its token types are read off it."""
+        return self._framed(["a", "b"])
 
     def second_type_after(self) -> int | None:
         """The special token after whose first occurrence the pair template's tokens are of the
         second type (BERT's [SEP]: `[CLS] a [SEP]` type 0, `b [SEP]` type 1); None when the template
         gives every token one type (RoBERTa's)."""
-        encodings = self._backend.encode_batch(["a", "b"], add_special_tokens=False)
-        joined = self._backend.post_process(*encodings, add_special_tokens=True)
+        joined = self._pair_probe[1]
         types = joined.type_ids
         if not any(types):
             return None
@@ -242,11 +240,15 @@ class Tokenizer:
                                  "then one of the second")
         return joined.ids[first - 1]
 
-    def _specials_around(self, probes: list[str]) -> list[list[int]]:
-        """The special tokens the post-processor puts around one text or a pair (`probes`), read
-        off what it makes of them: the runs before, between and after their tokens."""
+    def _framed(self, probes: list[str]) -> tuple[list[Encoding], Encoding]:
+        """One text or a pair (`probes`) encoded alone, and as the post-processor frames them."""
         encodings = self._backend.encode_batch(probes, add_special_tokens=False)
-        joined = self._backend.post_process(*encodings, add_special_tokens=True)
+        return encodings, self._backend.post_process(*encodings, add_special_tokens=True)
+
+    @staticmethod
+    def _specials_around(encodings: list[Encoding], joined: Encoding) -> tuple[list[int], ...]:
+        """The special tokens the post-processor put around the texts of `encodings` in `joined`
+        (`_framed`): the runs before, between and after their tokens."""
         content = [i for i, special in enumerate(joined.special_tokens_mask) if not special]
         if len(content) != sum(len(e.ids) for e in encodings):
             raise TokenizerError("the tokenizer's post-processor changes the texts it frames: a scored pair's input "
@@ -256,7 +258,7 @@ class Tokenizer:
             cuts += [content[at], content[at + len(e.ids) - 1] + 1]
             at += len(e.ids)
         cuts.append(len(joined.ids))
-        return [joined.ids[cuts[k]:cuts[k + 1]] for k in range(0, len(cuts), 2)]
+        return tuple(joined.ids[cuts[k]:cuts[k + 1]] for k in range(0, len(cuts), 2))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         try:
