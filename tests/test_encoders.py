@@ -194,6 +194,10 @@ def test_a_sentence_transformers_do_lower_case_lowercases_every_text(tmp_path, b
     tok = model_config(path).tokenizer
     assert tok.encode(text, True) == backend.encode(text.lower()).ids and 1 not in tok.encode(text, True)
     assert tok.cut("The QUICK brown", 2) == "the quick"
+    (path / "sentence_bert_config.json").write_text(json.dumps({"do_lower_case": "yes"}))
+    with pytest.raises(ConfigError, match="do_lower_case must be true or false"):
+        model_config(path)
+    (path / "sentence_bert_config.json").write_text(json.dumps({"do_lower_case": True}))
     with LLM(str(path), device="cpu", dtype="float32") as llm:
         [out] = llm.embed(text)
     assert out.prompt_token_ids == backend.encode(text.lower()).ids

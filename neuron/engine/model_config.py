@@ -183,8 +183,9 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
     vocab = text_config(config)["vocab_size"]
     phases("building the tokenizer")
     tokenizer, tokenizer_dir = _tokenizer(spec, model_dir, gguf)
+    sentence_bert = SentenceBertConfig.read(model_dir)
     if tokenizer is not None:
-        tokenizer.lowercase = sentence_transformers_lowercase(model_dir)
+        tokenizer.lowercase = sentence_bert.do_lower_case
     config = _with_separator(config, tokenizer)
     generation = _generation_config(tokenizer_dir)
     sampling = _check_generation(generation, vocab)
@@ -197,7 +198,7 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
         _check_lm_head(config, files)
     device = (spec.devices[0].split(":")[0] if spec.devices else None) or spec.device or default_device()
     check_kv_cache_dtype(spec.kv_cache_dtype, spec.dtype, device)
-    max_model_len = _max_model_len(spec, config, sentence_transformers_length(model_dir))
+    max_model_len = _max_model_len(spec, config, sentence_bert.max_seq_length)
     step_tokens = spec.max_num_batched_tokens or max(spec.prefill_chunk_tokens, spec.max_num_seqs)
     if is_encoder(config):  # an input runs whole in one step
         step_tokens = max(step_tokens, max_model_len)
@@ -564,36 +565,28 @@ def gguf_pooling(f: GGUFFile) -> PoolingConfig | None:
     return PoolingConfig(_GGUF_POOLING[kind], True)
 
 
-def _sentence_bert_config(model_dir: Path) -> tuple[Path, dict]:
-    """sentence_bert_config.json (its path, and its object: empty without one)."""
-    path = model_dir / "sentence_bert_config.json"
-    cfg = read_json(path) if path.is_file() else {}
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{path}: expected an object (max_seq_length, do_lower_case)")
-    return path, cfg
+@dataclass(frozen=True, slots=True)
+class SentenceBertConfig:
+    """sentence_bert_config.json, as sentence-transformers and vLLM read it: `max_seq_length`, the
+    input length the checkpoint was trained to and its library cuts at (all-MiniLM-L6-v2's 256),
+    the default model length; `do_lower_case`, every text lowercased before the tokenizer sees it."""
 
+    max_seq_length: int | None = None
+    do_lower_case: bool = False
 
-def sentence_transformers_length(model_dir: Path) -> int | None:
-    """The input length a sentence-transformers checkpoint was trained to and its library cuts at
-    (sentence_bert_config.json's `max_seq_length`, all-MiniLM-L6-v2's 256), as vLLM takes it for
-    the model length; None without one."""
-    path, cfg = _sentence_bert_config(model_dir)
-    length = cfg.get("max_seq_length")
-    if length is None:
-        return None
-    if isinstance(length, bool) or not isinstance(length, int) or length < 2:
-        raise ConfigError(f"{path}: max_seq_length must be an integer of at least 2, got {length!r:.40}")
-    return length
-
-
-def sentence_transformers_lowercase(model_dir: Path) -> bool:
-    """Whether a sentence-transformers checkpoint lowercases its texts before tokenizing them
-    (sentence_bert_config.json's `do_lower_case`), as its library and vLLM do."""
-    path, cfg = _sentence_bert_config(model_dir)
-    value = cfg.get("do_lower_case", False)
-    if not isinstance(value, bool):
-        raise ConfigError(f"{path}: do_lower_case must be true or false, got {value!r:.40}")
-    return value
+    @classmethod
+    def read(cls, model_dir: Path) -> SentenceBertConfig:
+        """The checkpoint's (defaults without one), each field refused by name where it is wrong."""
+        path = model_dir / "sentence_bert_config.json"
+        cfg = read_json(path) if path.is_file() else {}
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{path}: expected an object (max_seq_length, do_lower_case)")
+        length, lower = cfg.get("max_seq_length"), cfg.get("do_lower_case", False)
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 2):
+            raise ConfigError(f"{path}: max_seq_length must be an integer of at least 2, got {length!r:.40}")
+        if not isinstance(lower, bool):
+            raise ConfigError(f"{path}: do_lower_case must be true or false, got {lower!r:.40}")
+        return cls(length, lower)
 
 
 def sentence_transformers_pooling(model_dir: Path) -> PoolingConfig | None:
