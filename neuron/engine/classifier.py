@@ -112,12 +112,7 @@ def load_classifier(config: dict, weight_files: list[str], gguf: Path | None, to
             raise ConfigError("a classification model needs `score.weight` in its checkpoint (the head of a "
                               f"*{_SUFFIX} checkpoint), or `classifier_from_token` in --hf-overrides to score by "
                               "named tokens' logits")
-        weight = _float(reader, "score.weight")
-        if weight.dim() != 2 or weight.shape[1] != hidden or weight.shape[0] < 1:
-            raise ConfigError(f"score.weight has shape {list(weight.shape)}; expected [num_labels, {hidden}]")
-        bias = _float(reader, "score.bias") if reader.has("score.bias") else None
-        if bias is not None and list(bias.shape) != [weight.shape[0]]:
-            raise ConfigError(f"score.bias has shape {list(bias.shape)}; expected [{weight.shape[0]}]")
+        weight, bias = _labels_layer(reader, "score", hidden, bias=None)
         return Classifier(weight, bias, _label_names(config, weight.shape[0]), _sep(config, True))
     finally:
         reader.close()
@@ -141,16 +136,8 @@ def _encoder_head(config: dict, reader, hidden: int) -> Classifier:
                               "pooler.dense.weight (BERT), classifier.dense and classifier.out_proj (RoBERTa), "
                               "or pre_classifier and classifier (DistilBERT)")
         dense, out = pooler, "classifier"
-    layer = (_float(reader, f"{dense}.weight"), _float(reader, f"{dense}.bias"))
-    if list(layer[0].shape) != [hidden, hidden] or list(layer[1].shape) != [hidden]:
-        raise ConfigError(f"{dense} has shapes {list(layer[0].shape)} and {list(layer[1].shape)}; expected "
-                          f"[{hidden}, {hidden}] and [{hidden}]")
-    weight = _float(reader, f"{out}.weight")
-    if weight.dim() != 2 or weight.shape[1] != hidden or weight.shape[0] < 1:
-        raise ConfigError(f"{out}.weight has shape {list(weight.shape)}; expected [num_labels, {hidden}]")
-    bias = _float(reader, f"{out}.bias")
-    if list(bias.shape) != [weight.shape[0]]:
-        raise ConfigError(f"{out}.bias has shape {list(bias.shape)}; expected [{weight.shape[0]}]")
+    layer = (_shaped(reader, f"{dense}.weight", [hidden, hidden]), _shaped(reader, f"{dense}.bias", [hidden]))
+    weight, bias = _labels_layer(reader, out, hidden, bias=True)
     return Classifier(weight, bias, _label_names(config, weight.shape[0]), _sep(config, True), layer, activation)
 
 
@@ -168,17 +155,12 @@ def _modernbert_head(config: dict, reader, hidden: int) -> Classifier:
     missing = [name for name in need if not reader.has(name)]
     if missing:
         raise ConfigError(f"a ModernBERT classifier needs {', '.join(missing)} in its checkpoint")
-    dense = _float(reader, "head.dense.weight")
-    dense_bias = _float(reader, "head.dense.bias") if config.get("classifier_bias") else None
-    norm = (_float(reader, "head.norm.weight"), _float(reader, "head.norm.bias") if config.get("norm_bias") else None,
+    dense = _shaped(reader, "head.dense.weight", [hidden, hidden])
+    dense_bias = _shaped(reader, "head.dense.bias", [hidden]) if config.get("classifier_bias") else None
+    norm = (_shaped(reader, "head.norm.weight", [hidden]),
+            _shaped(reader, "head.norm.bias", [hidden]) if config.get("norm_bias") else None,
             float(config.get("norm_eps", 1e-5)))
-    for name, t, shape in (("head.dense.weight", dense, [hidden, hidden]), ("head.norm.weight", norm[0], [hidden])):
-        if list(t.shape) != shape:
-            raise ConfigError(f"{name} has shape {list(t.shape)}; expected {shape}")
-    weight, bias = _float(reader, "classifier.weight"), _float(reader, "classifier.bias")
-    if weight.dim() != 2 or weight.shape[1] != hidden or list(bias.shape) != [weight.shape[0]]:
-        raise ConfigError(f"classifier.weight has shape {list(weight.shape)} and its bias {list(bias.shape)}; expected "
-                          f"[num_labels, {hidden}] and [num_labels]")
+    weight, bias = _labels_layer(reader, "classifier", hidden, bias=True)
     return Classifier(weight, bias, _label_names(config, weight.shape[0]), _sep(config, True), (dense, dense_bias),
                       act, norm)
 
@@ -222,6 +204,25 @@ def _sep(config: dict, default: bool) -> bool:
                 raise ConfigError(f"{key} must be true or false, got {value!r}")
             return value
     return default
+
+
+def _labels_layer(reader, prefix: str, hidden: int, bias: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A head's last layer: `prefix`.weight, one row per label over the hidden state, and its bias
+    (`bias` None: where the checkpoint has one)."""
+    weight = _float(reader, f"{prefix}.weight")
+    if weight.dim() != 2 or weight.shape[1] != hidden or weight.shape[0] < 1:
+        raise ConfigError(f"{prefix}.weight has shape {list(weight.shape)}; expected [num_labels, {hidden}]")
+    if bias is None:
+        bias = reader.has(f"{prefix}.bias")
+    return weight, _shaped(reader, f"{prefix}.bias", [weight.shape[0]]) if bias else None
+
+
+def _shaped(reader, name: str, shape: list[int]) -> torch.Tensor:
+    """`_float`'s tensor, refused by name unless it has `shape`."""
+    t = _float(reader, name)
+    if list(t.shape) != shape:
+        raise ConfigError(f"{name} has shape {list(t.shape)}; expected {shape}")
+    return t
 
 
 def _float(reader, name: str, row: int | None = None) -> torch.Tensor:
