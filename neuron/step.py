@@ -34,7 +34,9 @@ class SeqStep(msgspec.Struct, array_like=True):
     `pool`: a pooling (embedding) request's chunk, what rank 0 returns of its final-norm hidden
     states: `last` (the chunk's last row), `first` (its first row) or `sum` (of its rows); None
     for a chunk that needs none (engine/pooling.py). `lora`: the slot of the rank's LoRA pool
-    whose adapter the sequence runs (-1: the bare base model)."""
+    whose adapter the sequence runs (-1: the bare base model). `types_from`: an encoder's input of
+    two texts, the position from which its tokens are of the second token type (a cross-encoder's
+    second text); None: every token is of the first."""
 
     slot: int
     token_ids: list[int]
@@ -46,6 +48,7 @@ class SeqStep(msgspec.Struct, array_like=True):
     images: list[StepImage] = []
     pool: Literal["last", "first", "sum"] | None = None
     lora: int = -1
+    types_from: int | None = None
 
 
 class VerifyShape(msgspec.Struct, frozen=True):

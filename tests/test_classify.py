@@ -300,9 +300,13 @@ def test_a_pair_is_encoded_and_cut_as_transformers_does(templated, a, b, max_tok
 
     hf = AutoTokenizer.from_pretrained(templated)
     cut = {} if max_tokens is None else {"truncation": "longest_first", "max_length": max_tokens}
-    want = hf(a, b, **cut)["input_ids"]
-    got = Tokenizer.from_dir(templated).encode_pair(a, b, max_tokens)
-    assert got == want
+    want = hf(a, b, return_token_type_ids=True, **cut)
+    tok = Tokenizer.from_dir(templated)
+    got, types_from = tok.encode_pair(a, b, max_tokens)
+    assert got == want["input_ids"] and types_from is None  # a model of one token type reads none
+    tok.typed_pairs = True  # as an encoder with two sets it (model_config)
+    got, types_from = tok.encode_pair(a, b, max_tokens)
+    assert [int(k >= types_from) for k in range(len(got))] == want["token_type_ids"]
     assert got[0] == 1379 and got[-1] == 1380 and got.count(1380) == 2
     if max_tokens is not None:
         assert len(got) == max_tokens
@@ -382,7 +386,7 @@ def test_a_long_pair_is_cut_to_the_bound_or_refused(rerank_server, cross_encoder
     cut = httpx.post(f"{url}/v1/score", json={"model": "ranker", "text_1": QUERY, "text_2": long_doc,
                                               "truncate_prompt_tokens": 20})
     assert cut.status_code == 200, cut.text
-    ids = Tokenizer.from_dir(cross_encoder).encode_pair(QUERY, long_doc, 20)
+    ids, _ = Tokenizer.from_dir(cross_encoder).encode_pair(QUERY, long_doc, 20)
     assert len(ids) == 20 and ids[: len(_ids(cross_encoder, QUERY))] == _ids(cross_encoder, QUERY)
     assert cut.json()["data"][0]["score"] == pytest.approx(float(_logits(cross_encoder, ids)[0].sigmoid()), abs=1e-5)
     assert cut.json()["usage"]["prompt_tokens"] == 20

@@ -158,8 +158,8 @@ def test_an_encoder_embeds_by_default_and_classifies_with_a_head(bert_mean, xlmr
     assert not bare.prefix_caching and bare.max_model_len == 64 - 2  # positions past RoBERTa's padding id
     labels = model_config(bert_labels)
     assert labels.tasks == {"classify"} and labels.pooling.mode == "cls" and labels.classifier.num_labels == 3
-    assert labels.classifier.dense is not None and labels.hf_config["sep_token_id"] == 3  # BERT's [SEP]
-    assert "sep_token_id" not in model_config(xlmr_cross).hf_config  # one token type: nothing to mark
+    assert labels.classifier.dense is not None and labels.tokenizer.typed_pairs  # BERT's: [SEP] b [SEP] type 1
+    assert not model_config(xlmr_cross).tokenizer.typed_pairs  # one token type: nothing to mark
     assert model_config(bert_mean, max_num_batched_tokens=16).step_tokens == 64  # an input runs whole
 
 
@@ -226,7 +226,7 @@ def test_a_hostile_encoder_config_is_refused_by_field(tmp_path, bert_mean):
     base = json.loads((bert_mean / "config.json").read_text())
     for field, value, said in [("layer_norm_eps", float("nan"), "layer_norm_eps must be a finite number"),
                                ("type_vocab_size", 0, "type_vocab_size must be an integer in 1..1024"),
-                               ("sep_token_id", 10**9, "sep_token_id must be an integer"),
+                               ("pad_token_id", 10**9, "pad_token_id must be an integer"),
                                ("hidden_act", "swish", "hidden_act 'swish' is not supported for an encoder"),
                                ("position_embedding_type", "relative_key", "absolute positions only")]:
         (tmp_path / "config.json").write_text(json.dumps({**base, field: value}))
@@ -294,6 +294,40 @@ def test_bert_classify_and_cross_encoder_scores_equal_transformers(bert_labels, 
     # the token types count: without them the pair scores otherwise
     assert any(abs(out.outputs.score - float(_typeless(bert_cross, QUERY, doc).sigmoid())) > 1e-4
                for doc, out in zip(TEXTS, scores))
+
+
+def test_token_types_come_from_the_pair_not_from_a_separator_in_its_text(bert_cross, bert_mean, xlmr):
+    """A pair's second text is type 1 from where the pair template starts it: a [SEP] written inside
+    the first text, or inside a text embedded alone, leaves what follows it type 0, as transformers'
+    tokenizer types it. vLLM's tokens prompt with `token_type_ids` says where offline."""
+    first = "the fox [SEP] jumps"
+    pair = _encoded(bert_cross, first, TEXTS[1])
+    assert pair.ids.count(3) == 3 and pair.type_ids.index(1) > pair.ids.index(3) + 1  # its own [SEP], then the pair's
+    with LLM(str(bert_cross), device="cpu", dtype="float32", tensor_parallel_size=2) as llm:
+        [score] = llm.score(first, TEXTS[1])
+        [given] = llm.classify({"prompt_token_ids": pair.ids, "token_type_ids": pair.type_ids})
+        [typeless] = llm.classify({"prompt_token_ids": pair.ids})
+        mixed = [k % 2 for k in range(len(pair.ids))]
+        for types, said in [(pair.type_ids[:-1], "a list of"), (mixed, "zeros, then ones"),
+                            ([True] * len(pair.ids), "a list of")]:
+            with pytest.raises(ValueError, match=said):
+                llm.classify({"prompt_token_ids": pair.ids, "token_type_ids": types})
+        with pytest.raises(ValueError, match="would cut a prompt with token_type_ids"):
+            llm.classify({"prompt_token_ids": pair.ids, "token_type_ids": pair.type_ids}, truncate_prompt_tokens=4)
+        [again] = llm.score(QUERY, TEXTS[0])  # nothing refused was left queued
+    want = float(_logits(bert_cross, first, TEXTS[1]).sigmoid())
+    assert score.outputs.score == pytest.approx(want, abs=1e-5)
+    assert given.outputs.probs[0] == pytest.approx(want, abs=1e-5)
+    assert typeless.outputs.probs[0] == pytest.approx(float(_typeless(bert_cross, first, TEXTS[1]).sigmoid()), abs=1e-5)
+    assert abs(typeless.outputs.probs[0] - want) > 1e-4
+    assert again.outputs.score == pytest.approx(float(_logits(bert_cross, QUERY, TEXTS[0]).sigmoid()), abs=1e-5)
+    alone = "hello [SEP] there"
+    with LLM(str(bert_mean), device="cpu", dtype="float32") as llm:
+        [vector] = llm.embed(alone)
+    assert vector.outputs.embedding == pytest.approx(_unit(_hidden(bert_mean, alone).mean(0)), abs=2e-5)
+    with LLM(str(xlmr), device="cpu", dtype="float32") as llm:
+        with pytest.raises(NeuronError, match="embeds one token type"):
+            llm.embed({"prompt_token_ids": [0, 7, 2, 9, 2], "token_type_ids": [0, 0, 0, 1, 1]})
 
 
 def _typeless(path: Path, text: str, pair: str) -> torch.Tensor:
@@ -365,7 +399,7 @@ def test_inputs_run_whole_under_a_small_step_budget_and_a_long_one_is_refused(be
 # ---- served ----
 
 
-def test_embeddings_and_rerank_are_served_for_encoders(xlmr_cross, bert_mean):
+def test_embeddings_and_rerank_are_served_for_encoders(bert_cross, bert_mean):
     with LiveServer(real_engine(str(bert_mean), tp=1, name="embedder")) as server:
         server.wait_ready()
         got = client(server).embeddings.create(model="embedder", input=TEXTS[:2])
@@ -381,11 +415,12 @@ def test_embeddings_and_rerank_are_served_for_encoders(xlmr_cross, bert_mean):
         bare = httpx.post(f"{server.url}/tokenize",
                           json={"model": "embedder", "prompt": TEXTS[0], "add_special_tokens": False}).json()
         assert bare["tokens"] == counted["tokens"][1:-1]
-    with LiveServer(real_engine(str(xlmr_cross), tp=2, name="ranker")) as server:
+    query = "what does the fox [SEP] do"  # its own [SEP] leaves it type 0: the documents are type 1
+    with LiveServer(real_engine(str(bert_cross), tp=2, name="ranker")) as server:
         server.wait_ready()
-        r = httpx.post(f"{server.url}/rerank", json={"model": "ranker", "query": QUERY, "documents": TEXTS}, timeout=60)
+        r = httpx.post(f"{server.url}/rerank", json={"model": "ranker", "query": query, "documents": TEXTS}, timeout=60)
         assert r.status_code == 200, r.text
-        want = [float(_logits(xlmr_cross, QUERY, doc).sigmoid()) for doc in TEXTS]
+        want = [float(_logits(bert_cross, query, doc).sigmoid()) for doc in TEXTS]
         results = r.json()["results"]
         assert [x["index"] for x in results] == sorted(range(len(TEXTS)), key=lambda k: -want[k])
         assert [x["relevance_score"] for x in results] == pytest.approx([want[x["index"]] for x in results], abs=1e-5)
@@ -407,7 +442,7 @@ def test_a_tokenizer_files_truncation_and_padding_are_not_applied(tmp_path, bert
     assert len(backend.encode(text).ids) == 16  # what the file alone would make of it
     tok = Tokenizer.from_dir(tmp_path)
     assert tok.encode(text, add_special_tokens=True) == _encoded(bert_mean, text).ids
-    assert tok.join_pair(tok.encode(QUERY), tok.encode(text)) == _encoded(bert_mean, QUERY, text).ids
+    assert tok.join_pair(tok.encode(QUERY), tok.encode(text))[0] == _encoded(bert_mean, QUERY, text).ids
 
 
 def test_an_encoder_beside_a_chat_model_in_one_host(tmp_path, bert_mean):

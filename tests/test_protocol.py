@@ -97,19 +97,22 @@ def test_step_seq_stays_small_and_compatible():
     """A decode step's sequence is a short array; a sender that knows no blocks is still understood,
     and the prompt-logprobs flag, the count of positions whose logits come back, the images of a
     sequence's first step and an embedding's pooling ride at the end (msgspec writes every field of
-    an array: no images is `[]`, no pooling `null`), and last the sequence's LoRA slot (-1: none)."""
-    assert codec.encode(p.SeqStep(slot=2, token_ids=[9], offset=41)) == b"[2,[9],41,[],false,null,1,[],null,-1]\n"
+    an array: no images is `[]`, no pooling `null`), then the sequence's LoRA slot (-1: none), and
+    last where an encoder pair's second token type starts (`null`: none)."""
+    assert codec.encode(p.SeqStep(slot=2, token_ids=[9], offset=41)) == b"[2,[9],41,[],false,null,1,[],null,-1,null]\n"
     flagged = p.SeqStep(slot=2, token_ids=[9, 8], offset=0, prompt_logprobs=1)
-    assert codec.encode(flagged) == b"[2,[9,8],0,[],false,1,1,[],null,-1]\n"
+    assert codec.encode(flagged) == b"[2,[9,8],0,[],false,1,1,[],null,-1,null]\n"
     speculative = p.SeqStep(slot=2, token_ids=[9, 4, 4, 4], offset=7, logits=4)
-    assert codec.encode(speculative) == b"[2,[9,4,4,4],7,[],false,null,4,[],null,-1]\n"
+    assert codec.encode(speculative) == b"[2,[9,4,4,4],7,[],false,null,4,[],null,-1,null]\n"
     pooled = p.SeqStep(slot=1, token_ids=[5, 6], offset=0, fresh=True, pool="last")
-    assert codec.encode(pooled) == b'[1,[5,6],0,[],true,null,1,[],"last",-1]\n'
+    assert codec.encode(pooled) == b'[1,[5,6],0,[],true,null,1,[],"last",-1,null]\n'
     imaged = p.SeqStep(slot=0, token_ids=[3, 7, 7], offset=0, new_blocks=[1], fresh=True,
                        images=[StepImage("data:image/png;base64,AA==", 1)])
-    assert codec.encode(imaged) == b'[0,[3,7,7],0,[1],true,null,1,[["data:image/png;base64,AA==",1]],null,-1]\n'
+    assert codec.encode(imaged) == b'[0,[3,7,7],0,[1],true,null,1,[["data:image/png;base64,AA==",1]],null,-1,null]\n'
     adapted = p.SeqStep(slot=3, token_ids=[4], offset=2, lora=1)
-    assert codec.encode(adapted) == b"[3,[4],2,[],false,null,1,[],null,1]\n"
+    assert codec.encode(adapted) == b"[3,[4],2,[],false,null,1,[],null,1,null]\n"
+    pair = p.SeqStep(slot=1, token_ids=[2, 5, 3, 6, 3], offset=0, fresh=True, pool="first", types_from=3)
+    assert codec.encode(pair) == b'[1,[2,5,3,6,3],0,[],true,null,1,[],"first",-1,3]\n'
     line = b'{"op":"forward_step","seq":5,"model_id":"m","seqs":[[2,[9],41]]}\n'
     step = codec.decode_request(line)
     assert step.seqs == [p.SeqStep(slot=2, token_ids=[9], offset=41, new_blocks=[], fresh=False)]

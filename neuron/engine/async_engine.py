@@ -247,18 +247,18 @@ class AsyncEngine(EngineClient):
     def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
              images: list[ImageInput] | None = None, count_prompt: bool = True,
              grammar: CompiledGrammar | None = None, cache_salt: str | None = None,
-             lora: str | None = None) -> RequestStream:
+             lora: str | None = None, types_from: int | None = None) -> RequestStream:
         """Submit a request (its image placeholders already expanded, its grammar compiled if it has
         one), or with PoolingParams an embedding request, whose one update carries the vector;
         raises NotReady, Overloaded or the engine's RequestError. `count_prompt`: False for
         the further samples of a prompt (n, best_of), whose tokens the prompt-token counter already has.
-        `cache_salt`, `lora`: see LLMEngine.add_request."""
+        `cache_salt`, `lora`, `types_from`: see LLMEngine.add_request."""
         if self._state is not EngineState.READY:
             raise NotReady(self._state, self._error)
         if len(self._streams) >= self.capacity:
             raise Overloaded(f"all {self.capacity} running and waiting places are taken")
         self.engine.add_request(request_id, prompt_token_ids, params, images=images, grammar=grammar,
-                                cache_salt=cache_salt, lora=lora)
+                                cache_salt=cache_salt, lora=lora, types_from=types_from)
         stream = RequestStream(self.metrics, request_id, len(prompt_token_ids), self._close)
         stream.lora = lora
         self._streams[request_id] = stream

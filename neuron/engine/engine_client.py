@@ -77,10 +77,11 @@ class EngineClient:
         None for any other model."""
         return self._loaded().model.classifier
 
-    def join_pair(self, first: list[int], second: list[int], max_tokens: int | None = None) -> list[int]:
-        """A cross-encoder's input for two texts' ids (Tokenizer.join_pair); RequestError without a
-        tokenizer, when it is longer than the context without `max_tokens`, or when `max_tokens`
-        leaves the texts no room."""
+    def join_pair(self, first: list[int], second: list[int],
+                  max_tokens: int | None = None) -> tuple[list[int], int | None]:
+        """A cross-encoder's input for two texts' ids, and where its second token type starts
+        (Tokenizer.join_pair); RequestError without a tokenizer, when it is longer than the context
+        without `max_tokens`, or when `max_tokens` leaves the texts no room."""
         tokenizer = self._pair_tokenizer()
         if max_tokens is None:
             self._check_pair_length(len(first) + len(second) + tokenizer.pair_overhead())
@@ -220,7 +221,7 @@ def pair_text(tokenizer: "Tokenizer", first: str, second: str, template: str | N
                                          add_generation_prompt=False, chat_template=template, **(template_kwargs or {}))
 
 
-def _bounded(join, *args) -> list[int]:
+def _bounded(join, *args):
     """`join(*args)` (a Tokenizer's join_pair or join_single, whose last argument is the bound),
     its refusal of a bound that leaves no room as the request's RequestError."""
     from neuron.engine.llm_engine import RequestError

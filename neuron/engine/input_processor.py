@@ -72,6 +72,7 @@ class InputProcessor:
     # an encoder's: the special tokens its tokenizer puts before and after one text, which a cut
     # keeps, cutting the text's end as the tokenizer's truncation does (None: keep the last tokens)
     frame: tuple[list[int], list[int]] | None = None
+    token_types: int = 0  # how many token types an encoder embeds (ModelConfig.token_types)
 
     def truncated(self, prompt_token_ids: list[int], keep: int | None,
                   images: list[ImageInput] | None = None) -> list[int]:
@@ -121,10 +122,17 @@ class InputProcessor:
         room = self.max_model_len - n
         return (room if params.max_tokens is None else min(params.max_tokens, room)), grammar
 
-    def admit_pooling(self, prompt_token_ids: list[int]) -> None:
+    def admit_pooling(self, prompt_token_ids: list[int], types_from: int | None = None) -> None:
         """Refuse an embedding input that cannot run: empty, past the model length (it may fill
-        it: nothing is generated), or with ids that are no tokens of the vocabulary."""
+        it: nothing is generated), with ids that are no tokens of the vocabulary, or with a second
+        token type (`types_from`, where it starts) that the model lacks or that starts outside it."""
         n = len(prompt_token_ids)
+        if types_from is not None and self.token_types < 2:
+            raise RequestError("this model embeds one token type: an input of two types is for an encoder that "
+                               "embeds two (BERT's)", param="token_type_ids")
+        if types_from is not None and (type(types_from) is not int or not 0 <= types_from <= n):
+            raise RequestError(f"the second token type must start inside the input's {n} tokens, got {types_from!r}",
+                               param="token_type_ids")
         if n > self.max_model_len:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the input has {n} "

@@ -62,7 +62,8 @@ class LLMEngine:
         devices = self.executor.devices
         self.inputs = InputProcessor(self.max_model_len, self.vocab_size, eos, model.vision, self.structured,
                                      lambda: self.executor.max_image_bytes, devices[0], model.spec.dtype,
-                                     devices.count(devices[0]), frame=_frame(model))
+                                     devices.count(devices[0]), frame=_frame(model),
+                                     token_types=model.token_types)
 
     def start(self, phases: Callable[[str], None] = lambda what: None) -> "LLMEngine":
         self.executor.start(phases)
@@ -109,7 +110,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                     images: list[ImageInput] | None = None, grammar: CompiledGrammar | None = None,
-                    cache_salt: str | None = None, lora: str | None = None) -> None:
+                    cache_salt: str | None = None, lora: str | None = None, types_from: int | None = None) -> None:
         """Queue a request (checked first by `inputs`, the InputProcessor). With images, the prompt's
         placeholders are already expanded (`inputs.expand_images`) and must hold each image's run of
         tokens, in order. `grammar`: the
@@ -118,12 +119,16 @@ class LLMEngine:
         With PoolingParams the request is an embedding: its prompt is prefilled like any other,
         batched with the rest, and its final update carries the pooled vector (`Update.embedding`).
         `lora`: the name of a registered LoRA adapter (`self.loras`) the request runs; its cached
-        prefix blocks are the adapter's own."""
+        prefix blocks are the adapter's own. `types_from`: an encoder's input of two texts (a
+        cross-encoder's pair, Tokenizer.join_pair), the position from which its tokens are of the
+        second token type; None: all of the first."""
         check_cache_salt(cache_salt)
         adapter = _named_adapter(self.loras, lora, self.model_name)
         _check_task(self.model, params)
+        if types_from is not None and not isinstance(params, PoolingParams):
+            raise RequestError("token types are an encoder's, and it generates nothing", param="token_type_ids")
         if isinstance(params, PoolingParams):
-            self.inputs.admit_pooling(prompt_token_ids)
+            self.inputs.admit_pooling(prompt_token_ids, types_from)
             pooled, pooled_by, max_tokens, matcher = pooling.Pooled(params.dimensions), self.model.pooling, 0, None
             params = SamplingParams(temperature=0.0, max_tokens=0)  # prefill only
         else:
@@ -137,7 +142,8 @@ class LLMEngine:
         sampler = SequenceSampler(params, prompt_token_ids, self.vocab_size, self.executor.devices[0], bad)
         salt = salt_key(cache_salt) if adapter is None else adapter.cache_key(salt_key(cache_salt))
         seq = Sequence(request_id, list(prompt_token_ids), params, sampler, max_tokens, images=list(images or []),
-                       grammar=matcher, cache_salt=salt, pooling=pooled_by, pooled=pooled, lora=adapter)
+                       grammar=matcher, cache_salt=salt, pooling=pooled_by, pooled=pooled, lora=adapter,
+                       types_from=types_from)
         self._inbox.put(("add", seq))
 
     def abort(self, request_id: str) -> None:
@@ -343,7 +349,8 @@ class LLMEngine:
 def _steps(part: list[Scheduled], vision: VisionSpec | None) -> list[SeqStep]:
     """The step records of the scheduled sequences, for every rank."""
     return [SeqStep(s.seq.slot, s.token_ids, s.offset, s.new_blocks, s.fresh, prompt_logprobs.wanted(s), s.logits,
-                    _step_images(s, vision), pooling.wanted(s), -1 if s.seq.lora_slot is None else s.seq.lora_slot)
+                    _step_images(s, vision), pooling.wanted(s), -1 if s.seq.lora_slot is None else s.seq.lora_slot,
+                    s.seq.types_from)
             for s in part]
 
 

@@ -95,6 +95,12 @@ class ModelConfig:
         return is_encoder(self.hf_config)
 
     @property
+    def token_types(self) -> int:
+        """How many token types an encoder embeds (a pair's second text is type 1 where it has two);
+        0 for any other model."""
+        return token_types(self.hf_config) if self.encoder else 0
+
+    @property
     def classifier(self):
         """A classification model's head (engine/classifier.py); None for any other model."""
         return None if self.pooling is None else self.pooling.classifier
@@ -186,7 +192,7 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
     sentence_bert = SentenceBertConfig.read(model_dir)
     if tokenizer is not None:
         tokenizer.lowercase = sentence_bert.do_lower_case
-    config = _with_separator(config, tokenizer)
+        tokenizer.typed_pairs = _typed_pairs(config, tokenizer)
     generation = _generation_config(tokenizer_dir)
     sampling = _check_generation(generation, vocab)
     speculative = _speculative(spec, config)
@@ -510,18 +516,16 @@ def _head_pooling(config: dict) -> str:
     return pooled
 
 
-def _with_separator(config: dict, tokenizer: Tokenizer | None) -> dict:
-    """An encoder's config with `sep_token_id` where its tokenizer's pair template makes the tokens
-    after that separator the second token type (BERT's [SEP]) and config.json does not name it:
-    the ranks mark a pair's second text by it (models/bert.py)."""
-    if not is_encoder(config) or config.get("sep_token_id") is not None or tokenizer is None \
-            or token_types(config) < 2:
-        return config
+def _typed_pairs(config: dict, tokenizer: Tokenizer) -> bool:
+    """Whether a pair's input marks its second text as the second token type: an encoder that
+    embeds two types (BERT's; RoBERTa's one reads every token as the first, as transformers' RoBERTa
+    tokenizer hands it none) whose tokenizer's pair template types it so."""
+    if not is_encoder(config) or token_types(config) < 2:
+        return False
     try:
-        sep = tokenizer.second_type_after()
+        return tokenizer.second_type_at is not None
     except TokenizerError as exc:
         raise ConfigError(f"the tokenizer's pair template: {exc}") from None
-    return config if sep is None else {**config, "sep_token_id": sep}
 
 
 def _check_lm_head(config: dict, files: list[Path]) -> None:

@@ -54,6 +54,7 @@ class Sequence:
     # an embedding request (engine/pooling.py): how its hidden states are pooled, and its vector so far
     pooling: PoolingConfig | None = None
     pooled: Pooled | None = None
+    types_from: int | None = None  # an encoder's pair: where its second token type starts (SeqStep.types_from)
     # a LoRA adapter's request (engine/lora.py): the adapter, and the ranks' pool slot holding it while it runs
     lora: Adapter | None = None
     lora_slot: int | None = None

@@ -92,6 +92,9 @@ class Tokenizer:
         # a sentence-transformers checkpoint's do_lower_case: its library lowercases every text
         # before its tokenizer sees it (set by the model's configuration, model_config.py)
         self.lowercase = False
+        # whether join_pair marks where a pair's second token type starts: an encoder that embeds
+        # two types (set by the model's configuration too)
+        self.typed_pairs = False
         self._named_tokens = dict(named_tokens or {})
         if eos_token is not None:
             self._named_tokens["eos_token"] = eos_token
@@ -161,16 +164,19 @@ class Tokenizer:
             _malloc_trim(0)
         return ids
 
-    def encode_pair(self, first: str, second: str, max_tokens: int | None = None) -> list[int]:
+    def encode_pair(self, first: str, second: str, max_tokens: int | None = None) -> tuple[list[int], int | None]:
         """A pair of texts as one input, as transformers encodes `tokenizer(first, second)` for a
         cross-encoder (join_pair)."""
         return self.join_pair(self.encode(first), self.encode(second), max_tokens)
 
-    def join_pair(self, first: list[int], second: list[int], max_tokens: int | None = None) -> list[int]:
+    def join_pair(self, first: list[int], second: list[int],
+                  max_tokens: int | None = None) -> tuple[list[int], int | None]:
         """Two texts' ids (encoded without special tokens) as one input, with the special tokens
-        the post-processor's pair template puts around and between them. `max_tokens` bounds the
-        whole, cutting the texts' ends as the tokenizer's `longest_first` truncation does. Each
-        text is encoded once however many pairs it is in: the template is learnt once."""
+        the post-processor's pair template puts around and between them, and where in it the
+        template's second token type starts (BERT's: after the [SEP] between the texts; None where
+        it gives every token the first, as RoBERTa's does). `max_tokens` bounds the whole, cutting
+        the texts' ends as the tokenizer's `longest_first` truncation does. Each text is encoded
+        once however many pairs it is in: the template is learnt once."""
         before, between, after = self._pair_template
         if max_tokens is not None:
             room = max_tokens - len(before) - len(between) - len(after)
@@ -179,7 +185,8 @@ class Tokenizer:
                                      "special tokens")
             a, b = _longest_first(len(first), len(second), room)
             first, second = first[:a], second[:b]
-        return [*before, *first, *between, *second, *after]
+        at = self.second_type_at if self.typed_pairs else None
+        return [*before, *first, *between, *second, *after], None if at is None else len(before) + len(first) + at
 
     def cut(self, text: str, max_tokens: int) -> str:
         """`text` up to the end of its `max_tokens`-th token (encoded without special tokens); the
@@ -226,19 +233,22 @@ class Tokenizer:
         """A pair framed once: its template's special tokens and its token types are read off it."""
         return self._framed(["a", "b"])
 
-    def second_type_after(self) -> int | None:
-        """The special token after whose first occurrence the pair template's tokens are of the
-        second type (BERT's [SEP]: `[CLS] a [SEP]` type 0, `b [SEP]` type 1); None when the template
-        gives every token one type (RoBERTa's)."""
-        joined = self._pair_probe[1]
+    @cached_property
+    def second_type_at(self) -> int | None:
+        """Where the pair template's second token type starts, counted from the end of its first
+        text (BERT's `[CLS] a [SEP] b [SEP]`: type 0 through the first [SEP], so 1); None when it
+        gives every token one type (RoBERTa's). TokenizerError for types that are not one run of
+        the first, then one of the second starting between the texts."""
+        [a, _], joined = self._pair_probe
         types = joined.type_ids
         if not any(types):
             return None
-        first = types.index(1)
-        if first == 0 or not joined.special_tokens_mask[first - 1] or any(t != 1 for t in types[first:]):
-            raise TokenizerError(f"its token types {types} are not one run of the first type, ending in a separator, "
-                                 "then one of the second")
-        return joined.ids[first - 1]
+        before, between, _ = self._pair_template
+        first, end_of_a = types.index(1), len(before) + len(a.ids)
+        if not end_of_a <= first <= end_of_a + len(between) or any(t != 1 for t in types[first:]):
+            raise TokenizerError(f"its token types {types} are not one run of the first type through the first text, "
+                                 "then one of the second from between the texts")
+        return first - end_of_a
 
     def _framed(self, probes: list[str]) -> tuple[list[Encoding], Encoding]:
         """One text or a pair (`probes`) encoded alone, and as the post-processor frames them."""

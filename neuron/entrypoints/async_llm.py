@@ -148,12 +148,14 @@ class AsyncLLM:
                                   "\"embed\" or \"classify\")")
             params = pooling_params or PoolingParams()
             tokenized = await asyncio.to_thread(
-                lambda: truncated_prompt(engine, tokenized_prompt(engine, prompt), params.truncate_prompt_tokens))
+                lambda: truncated_prompt(engine, tokenized_prompt(engine, prompt, pooling=True),
+                                         params.truncate_prompt_tokens))
             if tokenized.images:
                 raise ValueError("encode takes text or token ids, not images")
-            engine.inputs.admit_pooling(tokenized.ids)
+            engine.inputs.admit_pooling(tokenized.ids, tokenized.types_from)
             try:
-                stream = self.engine.open(rid, tokenized.ids, params, cache_salt=tokenized.cache_salt)
+                stream = self.engine.open(rid, tokenized.ids, params, cache_salt=tokenized.cache_salt,
+                                          types_from=tokenized.types_from)
             except (NotReady, Overloaded) as exc:
                 raise NeuronError(f"the request cannot run now: {exc}") from None
             self._requests[rid] = [stream]

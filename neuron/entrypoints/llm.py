@@ -154,6 +154,7 @@ class _Prompt:
     ids: list[int]
     images: list[ImageInput] = field(default_factory=list)
     cache_salt: str | None = None
+    types_from: int | None = None  # an encoder's input of two texts: where its second token type starts
 
 
 def engine_config(
@@ -363,10 +364,12 @@ class LLM:
             chat_template = tok.chat_template  # the engine's --chat-template
         if head.sep and chat_template is None:  # a cross-encoder: the pair template, each text encoded once
             encoded = {t: tok.encode(t) for t in dict.fromkeys(t for pair in pairs for t in pair)}
-            ids = [tok.join_pair(encoded[a], encoded[b], room) for a, b in pairs]
+            joined = [tok.join_pair(encoded[a], encoded[b], room) for a, b in pairs]
+            inputs = [_Prompt(None, ids, types_from=at) for ids, at in joined]
         else:  # an LLM reranker, or any with a score template: the pair as one text, as vLLM encodes it
-            ids = [tok.join_single(tok.encode(pair_text(tok, a, b, chat_template)), room) for a, b in pairs]
-        outs = self._pooled([_Prompt(None, i) for i in ids], PoolingParams(task=CLASSIFY))
+            inputs = [_Prompt(None, tok.join_single(tok.encode(pair_text(tok, a, b, chat_template)), room))
+                      for a, b in pairs]
+        outs = self._pooled(inputs, PoolingParams(task=CLASSIFY))
         return [ScoringRequestOutput(rid, ScoringOutput(head.probabilities(v)[0] if use_activation else v[0]), i)
                 for rid, i, v in outs]
 
@@ -405,8 +408,8 @@ class LLM:
 
     def _pooling_prompts(self, prompts: PromptType | Sequence[PromptType], params: PoolingParams,
                          what: str) -> list[_Prompt]:
-        tokenized = [truncated_prompt(self.engine, tokenized_prompt(self.engine, prompt), params.truncate_prompt_tokens)
-                     for prompt in _prompt_list(prompts)]
+        tokenized = [truncated_prompt(self.engine, tokenized_prompt(self.engine, prompt, pooling=True),
+                                      params.truncate_prompt_tokens) for prompt in _prompt_list(prompts)]
         if any(prompt.images for prompt in tokenized):
             raise ValueError(f"{what} take text or token ids, not images")
         return tokenized
@@ -415,14 +418,14 @@ class LLM:
         """Each prompt's pooled vector (an embedding, or a classifier's logits), batched together:
         (request id, prompt ids, vector) in prompt order."""
         for prompt in prompts:
-            self.engine.inputs.admit_pooling(prompt.ids)
+            self.engine.inputs.admit_pooling(prompt.ids, prompt.types_from)
         if self.engine.failure is not None:
             self.engine.recover()
         vectors: dict[str, list[float]] = {}
         order = []
         for prompt in prompts:
             rid = str(next(self._ids))
-            self.engine.add_request(rid, prompt.ids, params, cache_salt=prompt.cache_salt)
+            self.engine.add_request(rid, prompt.ids, params, cache_salt=prompt.cache_salt, types_from=prompt.types_from)
             vectors[rid] = []
             order.append((rid, prompt.ids))
 
@@ -539,16 +542,19 @@ class LLM:
 
 
 
-def tokenized_prompt(engine: LLMEngine, prompt: PromptType) -> _Prompt:
+def tokenized_prompt(engine: LLMEngine, prompt: PromptType, pooling: bool = False) -> _Prompt:
     """One prompt of the offline APIs: a string, token ids, or a dict of vLLM's keys (`prompt` or `prompt_token_ids`,
-    and `multi_modal_data`, `cache_salt`)."""
+    and `multi_modal_data`, `cache_salt`; with `pooling`, for embed, classify and encode, `token_type_ids` beside
+    `prompt_token_ids`: an encoder's two texts)."""
     if isinstance(prompt, str):
         return _Prompt(prompt, encode_prompt(engine, prompt))
     if not isinstance(prompt, dict):
         return _Prompt(None, token_ids(prompt, "prompt"))
-    unknown = set(prompt) - _PROMPT_KEYS
+    keys = _PROMPT_KEYS | {"token_type_ids"} if pooling else _PROMPT_KEYS
+    unknown = set(prompt) - keys
     if unknown:  # refused, not ignored: a key neuron does not read would do nothing
-        raise ValueError(f"a prompt dict takes {', '.join(sorted(_PROMPT_KEYS))}; got {', '.join(sorted(unknown))}")
+        why = "; token_type_ids are read by an encoder's embed, classify and score" * ("token_type_ids" in unknown)
+        raise ValueError(f"a prompt dict takes {', '.join(sorted(keys))}; got {', '.join(sorted(unknown))}{why}")
     if "prompt_token_ids" in prompt:
         text, ids = prompt.get("prompt"), token_ids(prompt["prompt_token_ids"], "prompt_token_ids")
     elif "prompt" in prompt:
@@ -560,11 +566,29 @@ def tokenized_prompt(engine: LLMEngine, prompt: PromptType) -> _Prompt:
     images = _images(engine, prompt.get("multi_modal_data"))
     if images:
         ids = engine.inputs.expand_images(ids, images)
-    return _Prompt(text, ids, images, salt)
+    types = prompt.get("token_type_ids")
+    types_from = None if types is None else _second_type_from(types, ids, "prompt_token_ids" in prompt)
+    return _Prompt(text, ids, images, salt, types_from)
+
+
+def _second_type_from(types, ids: list[int], given_ids: bool) -> int | None:
+    """vLLM's `token_type_ids` of a tokens prompt, one per token: zeros, then ones from where an
+    encoder's second text starts (as a tokenizer types a pair); that position, None when all are 0."""
+    if not given_ids:
+        raise ValueError("token_type_ids go with prompt_token_ids, one per token")
+    if not isinstance(types, (list, tuple)) or len(types) != len(ids) or \
+            any(type(t) is not int or t not in (0, 1) for t in types):
+        raise ValueError(f"token_type_ids must be a list of {len(ids)} zeros and ones, one per token")
+    start = list(types).index(1) if 1 in types else len(types)
+    if any(t != 1 for t in types[start:]):
+        raise ValueError("token_type_ids must be zeros, then ones from where the second text starts")
+    return start if start < len(types) else None
 
 def truncated_prompt(engine: LLMEngine, prompt: _Prompt, keep: int | None) -> _Prompt:
     """The prompt cut to its last `keep` tokens (truncate_prompt_tokens); its text stays as given."""
     ids = engine.inputs.truncated(prompt.ids, keep, prompt.images)
+    if ids is not prompt.ids and prompt.types_from is not None:
+        raise ValueError("truncate_prompt_tokens would cut a prompt with token_type_ids: cut its texts before")
     return prompt if ids is prompt.ids else replace(prompt, ids=ids)
 
 def _images(engine: LLMEngine, data: dict | None) -> list[ImageInput]:

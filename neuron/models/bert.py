@@ -11,10 +11,10 @@ does not start an input at its first token. Each layer is post-norm: attention (
 column-parallel with biases, the output row-parallel), a residual and LayerNorm, then an MLP
 (GELU; ReLU where the config says), a residual and LayerNorm (ModernBERT's pre-norm layers are
 modernbert.py's, on the same frame). The embeddings add learned absolute positions (RoBERTa's counted after
-its padding id, as transformers counts them) and token types: a pair's second text (after the
-first separator, `sep_token_id`) is type 1 where the model has two types, as the tokenizer's pair
-template marks it. Rank 0 pools the last layer's output (models/pooling.py); the classification
-heads run on the leader (engine/classifier.py).
+its padding id, as transformers counts them) and token types: a pair's second text (from where its
+step says it starts, `SeqStep.types_from`) is type 1 where the model has two types, as the
+tokenizer's pair template marks it. Rank 0 pools the last layer's output (models/pooling.py); the
+classification heads run on the leader (engine/classifier.py).
 """
 
 from __future__ import annotations
@@ -141,7 +141,6 @@ class BertConfig:
     activation: str  # F.gelu's `approximate`, or relu
     position_offset: int  # RoBERTa: positions start after the padding id
     padding: int | None  # RoBERTa's padding id, past which it counts positions; None: BERT's from 0
-    sep_token_id: int | None  # where a pair's second text (token type 1) starts
     names: Layout = BERT_LAYOUT  # the family's tensor names
     relative: bool = False  # MPNet: a learned bias per head and relative-position bucket on every layer's scores
 
@@ -170,7 +169,7 @@ class BertConfig:
                       max_position_embeddings=int(d.get("max_position_embeddings", 512)),
                       type_vocab_size=token_types(d), activation=_ACTIVATIONS[act],
                       position_offset=position_offset(d), padding=roberta_padding(d),
-                      sep_token_id=d.get("sep_token_id"), names=layout(d), relative=d.get("model_type") == "mpnet")
+                      names=layout(d), relative=d.get("model_type") == "mpnet")
         except KeyError as exc:
             raise ConfigError(f"config.json lacks required field {exc.args[0]!r}") from None
         if hidden % heads:
@@ -284,6 +283,9 @@ class _NoCache:
             if s.offset != 0:
                 raise StepRejected(f"slot {s.slot}: an encoder runs an input whole, in one step from its first token "
                                    f"(this step starts at position {s.offset})")
+            if s.types_from is not None and not 0 <= s.types_from <= len(s.token_ids):
+                raise StepRejected(f"slot {s.slot}: the second token type starts at {s.types_from}, outside the "
+                                   f"input's {len(s.token_ids)} tokens")
 
     def begin(self, seqs: list) -> None:
         """A step starts."""
@@ -407,20 +409,18 @@ class BertModel:
 
     def _positions_and_types(self, ids: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's row of the position table (RoBERTa: counted over the non-padding tokens past
-        the padding id, as transformers counts them) and its token type (1 after the first separator
-        where the model has a second type)."""
+        the padding id, as transformers counts them) and its token type (1 from where a pair's
+        second text starts, `SeqStep.types_from`, where the model has a second type)."""
         c = self.config
         types = torch.zeros_like(ids)
         positions = batch.positions if c.padding is None else torch.empty_like(ids)
-        start = 0
-        for n in batch.lengths:
+        start, pair = 0, batch.types_from if c.type_vocab_size > 1 else None
+        for k, n in enumerate(batch.lengths):
             part = ids[start:start + n]
             if c.padding is not None:
                 real = part.ne(c.padding).to(ids.dtype)
                 positions[start:start + n] = real.cumsum(0) * real + c.padding
-            if c.type_vocab_size > 1 and c.sep_token_id is not None:
-                seps = part.eq(c.sep_token_id).nonzero()
-                if len(seps):
-                    types[start + int(seps[0]) + 1:start + n] = 1
+            if pair is not None and pair[k] is not None:
+                types[start + pair[k]:start + n] = 1
             start += n
         return positions, types

@@ -174,8 +174,7 @@ def _check_encoder(t: Fields, vocab: int) -> None:
     """The encoders' own fields: BERT's, RoBERTa's (models/bert.py) and ModernBERT's (modernbert.py)."""
     t.float("layer_norm_eps", 0.0, 1.0, above=True)
     t.int("type_vocab_size", 1, 1024)
-    for key in ("pad_token_id", "sep_token_id"):  # RoBERTa counts positions past its padding id
-        t.int(key, 0, vocab - 1)
+    t.int("pad_token_id", 0, vocab - 1)  # RoBERTa counts positions past its padding id
     pad = t.d.get("pad_token_id") if t.d.get("model_type") in ("roberta", "xlm-roberta") else None
     if pad is not None and t.d.get("max_position_embeddings", 512) < pad + 3:
         raise t.fail("max_position_embeddings", f"at least pad_token_id + 3 ({pad + 3}): RoBERTa's positions start "

@@ -41,6 +41,7 @@ class StepBatch:
     logit_counts: list[int] | None = None  # a speculative step: each sequence's rows of logits (else one each)
     pool: list[str | None] | None = None  # per sequence: what rank 0 pools of its chunk (SeqStep.pool), if any
     pool_out: dict | None = None  # rank 0: each pooled sequence's [hidden] vector by index, filled by the forward
+    types_from: list[int | None] | None = None  # per sequence: where an encoder pair's second token type starts
     lora: LoraRows | None = None  # the LoRA adapter each row runs; None: every row runs the bare base model
 
 

@@ -11,7 +11,7 @@ import msgspec
 
 from neuron.step import SeqStep, VerifyShape
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 def _snake(name: str) -> str:

@@ -133,6 +133,8 @@ class ModelRunner:
             batch.prompt_topk = [s.prompt_logprobs for s in seqs]
         if any(s.pool is not None for s in seqs):
             batch.pool = [s.pool for s in seqs]
+        if any(s.types_from is not None for s in seqs):
+            batch.types_from = [s.types_from for s in seqs]
         if any(s.lora >= 0 for s in seqs):
             batch.lora = LoraRows.build([s.lora for s in seqs], [len(s.token_ids) for s in seqs],
                                         model.lora_slots, tables.device)

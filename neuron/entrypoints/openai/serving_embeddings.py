@@ -114,8 +114,9 @@ class EmbeddingBatch:
     """The engine requests behind one embeddings request, at most `max_per_request` in flight."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, ids: list[list[int]], params: PoolingParams,
-                 cache_salt: str | None):
+                 cache_salt: str | None, types_from: list[int | None] | None = None):
         self.engine, self.request_id, self.ids, self.params, self.cache_salt = engine, request_id, ids, params, cache_salt
+        self.types_from = types_from or [None] * len(ids)  # a cross-encoder's pairs: LLMEngine.add_request's
         self.window = engine.max_per_request
         self.open: dict[int, RequestStream] = {}
         self.vectors: list[list[float] | None] = [None] * len(ids)
@@ -145,8 +146,8 @@ class EmbeddingBatch:
                 return
             k = self.queued
             rid = self.request_id if len(self.ids) == 1 else f"{self.request_id}-{k}"
-            self.open[k] = admitted(lambda: self.engine.open(rid, self.ids[k], self.params, cache_salt=self.cache_salt),
-                                    "input")
+            self.open[k] = admitted(lambda: self.engine.open(rid, self.ids[k], self.params, cache_salt=self.cache_salt,
+                                                             types_from=self.types_from[k]), "input")
             self.queued += 1
 
     def close(self) -> None:

@@ -329,12 +329,12 @@ class _CrossEncoder:
         params = pooling_params(keep=keep, task=CLASSIFY)
         room = kept_tokens(keep, engine.max_model_len)
         if engine.classifier.sep and not engine.templated_pairs:
-            inputs = await _with_template(engine, pairs, room, limiter)
+            inputs, types_from = await _with_template(engine, pairs, room, limiter)
         else:
-            inputs = await _joined(engine, pairs, room, limiter, pairing.template_kwargs)
+            inputs, types_from = await _joined(engine, pairs, room, limiter, pairing.template_kwargs), None
         # each pair is cut as a whole (join_pair, pair_as_text), not to its last tokens
         whole = replace(params, truncate_prompt_tokens=None)
-        batch = EmbeddingBatch(engine, request_id, inputs, whole, cache_salt)
+        batch = EmbeddingBatch(engine, request_id, inputs, whole, cache_salt, types_from)
         return cls(batch, engine.classifier, pairing.activation)
 
     async def scores(self, pairs: list[tuple[str, str]]) -> list[float]:
@@ -343,9 +343,10 @@ class _CrossEncoder:
 
 
 async def _with_template(engine: AsyncEngine, pairs: list[tuple[str, str]], room: int | None,
-                         limiter: anyio.CapacityLimiter) -> list[list[int]]:
+                         limiter: anyio.CapacityLimiter) -> tuple[list[list[int]], list[int | None]]:
     """A cross-encoder's inputs: each distinct text encoded once, however many pairs it is in,
-    and each pair joined by the tokenizer's pair template."""
+    and each pair joined by the tokenizer's pair template; and where each one's second token type
+    starts (Tokenizer.join_pair)."""
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
     for text in texts:  # a text that alone fills the context makes every pair with it too long
         if room is None:
@@ -354,12 +355,14 @@ async def _with_template(engine: AsyncEngine, pairs: list[tuple[str, str]], room
     for text in texts:
         with _as_400():
             ids[text] = await off_loop(limiter, engine.encode_prompt, text, False)
-    inputs = []
+    inputs, types_from = [], []
     for first, second in pairs:
         with _as_400():
-            inputs.append(engine.join_pair(ids[first], ids[second], room))
-            engine.validate_embedding(inputs[-1])
-    return inputs
+            joined, at = engine.join_pair(ids[first], ids[second], room)
+            engine.validate_embedding(joined)
+        inputs.append(joined)
+        types_from.append(at)
+    return inputs, types_from
 
 
 async def _joined(engine: AsyncEngine, pairs: list[tuple[str, str]], room: int | None,
