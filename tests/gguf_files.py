@@ -351,3 +351,71 @@ def write_tensors(out: Path, tensors: dict[str, tuple[np.ndarray, object]], arch
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def write_bert_gguf(hf_dir: Path, out: Path, types: str = "F32", pooling: int | None = 1,
+                    vocabulary: str = "bert", spelled: dict[int, str] | None = None) -> Path:
+    """`hf_dir`'s BERT checkpoint (a bare model, or under `bert.`) as llama.cpp's converter writes an
+    embedding model: the `bert` architecture, the tensors named by gguf's own name map (the pooler
+    and any head left out), 1-D tensors F32 and matrices `types`; the vocabulary in llama.cpp's
+    spelling (a word's first piece after a phantom space, a continuation without its ##, control
+    tokens as they are) and the special tokens' ids; `pooling` llama.cpp's pooling type (1 mean,
+    2 cls). `vocabulary` another tokenizer model's name, and `spelled` tokens written otherwise (by id),
+    for refusals."""
+    import gguf
+
+    hf_dir = Path(hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    w = gguf.GGUFWriter(str(out), "bert")
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_layer_norm_eps(config.get("layer_norm_eps", 1e-12))
+    w.add_causal_attention(False)
+    if pooling is not None:
+        w.add_pooling_type(gguf.PoolingType(pooling))
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = dict(tok["model"]["vocab"])
+    control = {a["id"] for a in tok.get("added_tokens", []) if a.get("special")}
+    tokens = [""] * len(vocab)
+    for text, i in vocab.items():
+        tokens[i] = text
+    kinds = [gguf.TokenType.CONTROL if i in control else gguf.TokenType.NORMAL for i in range(len(tokens))]
+    phantom = [t if k == gguf.TokenType.CONTROL else t[2:] if t.startswith("##") else "\u2581" + t
+               for t, k in zip(tokens, kinds)]
+    for i, text in (spelled or {}).items():
+        phantom[i] = text
+    w.add_token_type_count(config.get("type_vocab_size", 1))
+    w.add_tokenizer_model(vocabulary)
+    w.add_token_list(phantom)
+    w.add_token_types(kinds)
+    named = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    # as its converter names them: [CLS] the BOS token, [SEP] the EOS token and the separator
+    for key, meta in (("cls_token", "bos_token_id"), ("sep_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
+                      ("sep_token", "seperator_token_id"), ("pad_token", "padding_token_id"),
+                      ("mask_token", "mask_token_id")):
+        if named.get(key) in vocab:
+            w.add_uint32(f"tokenizer.ggml.{meta}", vocab[named[key]])
+    w.add_bool("tokenizer.ggml.add_bos_token", True)
+    w.add_bool("tokenizer.ggml.add_eos_token", True)
+    w.add_bool("tokenizer.ggml.normalizer.lowercase", tok["normalizer"].get("lowercase", True))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, config["num_hidden_layers"])
+    tensors = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    for name, value in tensors.items():
+        name = name.removeprefix("bert.")
+        if name.startswith(("pooler.", "classifier.", "cls.")) or name == "embeddings.position_ids":
+            continue
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        x = value.astype(np.float32)
+        # the position and token-type tables stay F32, as the converter keeps them
+        data, qtype = quantize(x, "F32" if x.ndim == 1 or gname.startswith(("position_embd", "token_types")) else types)
+        w.add_tensor(gname, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

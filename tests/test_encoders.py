@@ -31,9 +31,9 @@ def _tokenizer(path: Path, roberta: bool) -> list[str]:
     from tokenizers.models import WordPiece
     from tokenizers.processors import TemplateProcessing
 
-    specials = ["<s>", "<pad>", "</s>", "<unk>"] if roberta else ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
+    specials = ["<s>", "<pad>", "</s>", "<unk>"] if roberta else ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     letters = sorted({c for w in WORDS for c in w})
-    vocab = {t: i for i, t in enumerate(specials + WORDS + letters + [f"##{c}" for c in letters])}
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(specials + WORDS + letters + [f"##{c}" for c in letters]))}
     cls, sep, unk = ("<s>", "</s>", "<unk>") if roberta else ("[CLS]", "[SEP]", "[UNK]")
     tok = Tokenizer(WordPiece(vocab, unk_token=unk))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
@@ -45,6 +45,8 @@ def _tokenizer(path: Path, roberta: bool) -> list[str]:
     tok.add_special_tokens(specials)
     tok.save(str(path / "tokenizer.json"))
     named = {"cls_token": cls, "sep_token": sep, "unk_token": unk, "pad_token": specials[1 if roberta else 0]}
+    if not roberta:
+        named["mask_token"] = "[MASK]"
     (path / "tokenizer_config.json").write_text(json.dumps(named))
     return list(vocab)
 
@@ -424,6 +426,74 @@ def test_embeddings_and_rerank_are_served_for_encoders(bert_cross, bert_mean):
         results = r.json()["results"]
         assert [x["index"] for x in results] == sorted(range(len(TEXTS)), key=lambda k: -want[k])
         assert [x["relevance_score"] for x in results] == pytest.approx([want[x["index"]] for x in results], abs=1e-5)
+
+
+# ---- llama.cpp's `bert` GGUF files ----
+
+
+def _gguf_weights_model(path: Path, gguf_file: Path):
+    """transformers' BertModel of `path` with each weight as gguf dequantizes the file's tensor."""
+    import gguf
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(path)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, model.config.num_hidden_layers)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_file)).tensors}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("pooler."):
+                continue
+            t = tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))]
+            p.copy_(torch.from_numpy(gguf.dequantize(t.data, t.tensor_type).copy()).reshape(p.shape))
+    return model.eval()
+
+
+@pytest.mark.parametrize("types, tp", [("F32", 2), ("F16", 1), ("Q8_0", 2)])
+def test_a_bert_gguf_file_embeds_equal_to_transformers(tmp_path, monkeypatch, bert_mean, types, tp):
+    """A BERT embedding model as llama.cpp writes it (Ollama's all-minilm and mxbai-embed-large):
+    its metadata read as BERT's config, its WordPiece vocabulary read back from llama.cpp's spelling
+    into the checkpoint's own ids, its pooling type; the vectors equal to transformers on the file's
+    weights as gguf dequantizes them (Q8_0 on the exact kernel: the integer one rounds activations,
+    test_quant_int.py bounds it)."""
+    from gguf_files import write_bert_gguf
+
+    monkeypatch.setenv("NEURON_QUANT_EXACT", "1")
+    from neuron.engine.tokenizer import Tokenizer
+
+    path = write_bert_gguf(bert_mean, tmp_path / "model.gguf", types, pooling=1)
+    tok = Tokenizer.from_gguf(path)
+    for text in [*TEXTS, QUERY, "Ünïcode ACCENTS, [SEP] and [MASK] inside", "foxdog jumped"]:
+        assert tok.encode(text, add_special_tokens=True) == _encoded(bert_mean, text).ids, text
+    ids, types_from = tok.encode_pair(QUERY, TEXTS[0])
+    assert ids == _encoded(bert_mean, QUERY, TEXTS[0]).ids and tok.decode(ids) == f"{QUERY} {TEXTS[0]}"
+    config = model_config(path)
+    assert config.encoder and config.pooling.mode == "mean" and config.hf_config["type_vocab_size"] == 2
+    with LLM(str(path), device="cpu", dtype="float32", tensor_parallel_size=tp) as llm:
+        vectors = llm.embed(TEXTS)
+    model = _gguf_weights_model(bert_mean, path)
+    for text, v in zip(TEXTS, vectors):
+        enc = _encoded(bert_mean, text)
+        with torch.no_grad():
+            want = model(input_ids=torch.tensor([enc.ids]), token_type_ids=torch.tensor([enc.type_ids]))
+        assert v.outputs.embedding == pytest.approx(_unit(want.last_hidden_state[0].mean(0)), abs=2e-5)
+    if types == "F32":  # the file's weights are the checkpoint's
+        assert vectors[0].outputs.embedding == pytest.approx(_unit(_hidden(bert_mean, TEXTS[0]).mean(0)), abs=2e-5)
+
+
+def test_what_a_bert_gguf_file_cannot_be_is_refused_by_name(tmp_path, bert_mean):
+    from gguf_files import write_bert_gguf
+
+    t5 = write_bert_gguf(bert_mean, tmp_path / "xlmr.gguf", vocabulary="t5")
+    with pytest.raises(ConfigError, match="a GGUF `bert` file with a 't5' vocabulary .* is not read"):
+        model_config(t5)
+    (tmp_path / "rank").mkdir()
+    ranker = write_bert_gguf(bert_mean, tmp_path / "rank" / "ranker.gguf", pooling=4)
+    with pytest.raises(ConfigError, match="pooling type 4 is not supported"):
+        model_config(ranker)
+    (tmp_path / "twice").mkdir()  # two tokens that read back as one piece: `▁fox` and a second `▁fox`
+    twice = write_bert_gguf(bert_mean, tmp_path / "twice" / "twice.gguf", spelled={6: "\u2581fox"})
+    with pytest.raises(NeuronError, match=r"token 8 \('▁fox'\) reads back as 'fox', as token 6 does"):
+        model_config(twice)
 
 
 def test_a_tokenizer_files_truncation_and_padding_are_not_applied(tmp_path, bert_mean):

@@ -270,9 +270,10 @@ _METADATA_KEYS = {"num_hidden_layers": "block_count", "hidden_size": "embedding_
                   "max_position_embeddings": "context_length", "rope_theta": "rope.freq_base",
                   "intermediate_size": "feed_forward_length", "vocab_size": "vocab_size",
                   "num_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
-                  "moe_intermediate_size": "expert_feed_forward_length"}
+                  "moe_intermediate_size": "expert_feed_forward_length",
+                  "layer_norm_eps": "attention.layer_norm_epsilon"}
 _HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                     "qwen2": "Qwen2ForCausalLM"}
+                     "qwen2": "Qwen2ForCausalLM", "bert": "BertModel"}
 
 
 def _gguf_config(f: GGUFFile) -> dict:
@@ -301,6 +302,8 @@ def _gguf_config(f: GGUFFile) -> dict:
     embed = f.tensors.get("token_embd.weight")
     vocab = number("vocab_size") or f.count("tokenizer.ggml.tokens") or (int(embed.shape[1]) if embed is not None
                                                                          else None)
+    if arch == "bert":
+        return _gguf_bert_config(f, number, vocab)
     config = {
         "model_type": ARCHITECTURES[arch], "architectures": [_HF_ARCHITECTURES[arch]],
         "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": number("block_count"),
@@ -329,6 +332,33 @@ def _gguf_config(f: GGUFFile) -> dict:
     for key, meta in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
         if (value := f.field(meta)) is not None:
             config[key] = value  # an integer in range, or refused by the config check
+    return config
+
+
+def _gguf_bert_config(f: GGUFFile, number: Callable, vocab: int | None) -> dict:
+    """llama.cpp's `bert` architecture as BERT's config.json: a bidirectional encoder of learned
+    positions and token types, post-norm layers with biases and GELU. The files of that architecture
+    that hold another family (XLM-RoBERTa's and RoBERTa's vocabularies, their position tables cut
+    past the padding id) are refused by name."""
+    vocabulary = f.field("tokenizer.ggml.model")
+    if vocabulary not in (None, "", "none", "no_vocab", "bert"):
+        raise ConfigError(f"{f.path.name}: a GGUF `bert` file with a {vocabulary!r} vocabulary (XLM-RoBERTa's, "
+                          "RoBERTa's) is not read; serve the checkpoint's safetensors")
+    if f.field("bert.attention.causal", False) is not False:
+        raise ConfigError(f"{f.path.name}: GGUF metadata bert.attention.causal must be false: BERT attends both ways")
+    types = f.tensors.get("token_types.weight")
+    config = {
+        "model_type": "bert", "architectures": ["BertModel"], "vocab_size": vocab,
+        "hidden_size": number("embedding_length"), "num_hidden_layers": number("block_count"),
+        "num_attention_heads": number("attention.head_count"), "intermediate_size": number("feed_forward_length"),
+        "layer_norm_eps": number("attention.layer_norm_epsilon", 1e-12, float),
+        "max_position_embeddings": number("context_length", 512), "hidden_act": "gelu", "torch_dtype": "float32",
+        # the table's rows where the file has one (the count in the metadata is only a check of it)
+        "type_vocab_size": int(types.shape[1]) if types is not None and len(types.shape) == 2 else
+        f.field("tokenizer.ggml.token_type_count", 2),
+    }
+    if (pad := f.field("tokenizer.ggml.padding_token_id")) is not None:
+        config["pad_token_id"] = pad  # an integer in range, or refused by the config check
     return config
 
 

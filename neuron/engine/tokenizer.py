@@ -139,10 +139,19 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path) -> "Tokenizer":
         """The tokenizer a GGUF file carries in its metadata (tokenizer.ggml.*, tokenizer.chat_template),
-        rebuilt by transformers' GGUF converter."""
+        rebuilt by transformers' GGUF converter; a BERT's WordPiece vocabulary by engine/wordpiece.py."""
         from transformers import AutoTokenizer
 
+        from neuron.engine.wordpiece import VocabularyError, wordpiece_tokenizer
+        from neuron.models.gguf import open_file
+
         path = Path(path)
+        if open_file(path).field("tokenizer.ggml.model") == "bert":  # a WordPiece vocabulary (engine/wordpiece.py)
+            try:
+                backend, named = wordpiece_tokenizer(open_file(path))
+            except VocabularyError as exc:
+                raise TokenizerError(f"cannot build the tokenizer of {path.name}: {exc}") from None
+            return cls(backend, named_tokens=named)
         try:
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         except Exception as exc:  # the converter's errors are of many kinds

@@ -21,6 +21,7 @@ The two-level factors multiply in fp32 as gguf's do (d x sc before the code), so
 rounds the same. F32, F16 and BF16 tensors load as dense ones; any other type (the IQ1-IQ3
 families, TQ1_0, ...) is refused on the leader, naming it and its tensors, before workers start.
 llama.cpp stores Llama's q and k rows permuted for its rotary layout; the reader undoes that.
+Its `bert` architecture (BERT embedding models) is read under BERT's transformers names.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from neuron.layers.quantized import QuantizedWeight, pack_nibbles
 from neuron.layers.tensor_parallel import Reader
 from neuron.models.gguf_layout import check_layout
 
-ARCHITECTURES = {"qwen3": "qwen3", "llama": "llama", "qwen3moe": "qwen3_moe", "qwen2": "qwen2"}
+ARCHITECTURES = {"qwen3": "qwen3", "llama": "llama", "qwen3moe": "qwen3_moe", "qwen2": "qwen2", "bert": "bert"}
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -56,7 +57,17 @@ _LAYER_NAMES = {
 }
 _EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
-              "model.norm.weight": "output_norm.weight"}
+              "model.norm.weight": "output_norm.weight",
+              # BERT's (llama.cpp's `bert` architecture: all-MiniLM, mxbai-embed-large, BGE's English models)
+              "embeddings.word_embeddings.weight": "token_embd.weight",
+              "embeddings.position_embeddings.weight": "position_embd.weight",
+              "embeddings.token_type_embeddings.weight": "token_types.weight",
+              "embeddings.LayerNorm.weight": "token_embd_norm.weight",
+              "embeddings.LayerNorm.bias": "token_embd_norm.bias"}
+_ENCODER_LAYER_NAMES = {"attention.self.query": "attn_q", "attention.self.key": "attn_k",
+                        "attention.self.value": "attn_v", "attention.output.dense": "attn_output",
+                        "attention.output.LayerNorm": "attn_output_norm", "intermediate.dense": "ffn_up",
+                        "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm"}
 QK_K = 256
 
 
@@ -78,6 +89,12 @@ def locate(name: str) -> tuple[str | None, int | None]:
     tensor per projection (blk.N.ffn_gate_exps.weight, [experts, out, in])."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name], None
+    if name.startswith("encoder.layer."):  # encoder.layer.N.attention.self.query.weight
+        _, _, layer, rest = name.split(".", 3)
+        within, _, kind = rest.rpartition(".")
+        if within in _ENCODER_LAYER_NAMES and kind in ("weight", "bias") and layer.isdigit():
+            return f"blk.{layer}.{_ENCODER_LAYER_NAMES[within]}.{kind}", None
+        return None, None
     parts = name.split(".", 3)
     if len(parts) != 4 or parts[:2] != ["model", "layers"]:
         return None, None
@@ -138,6 +155,19 @@ class GGUFFile:
         if len(f.types) != 1 or f.types[0] == _gguf().GGUFValueType.ARRAY:
             raise ConfigError(f"{self.path.name}: GGUF metadata {key} must be a single value, not an array")
         return f.contents()
+
+    def array(self, key: str) -> list | None:
+        """An array field's items (strings decoded as UTF-8), None when the file has no such key; a
+        single value, or a string that is not UTF-8, is refused naming the key."""
+        f = self.reader.fields.get(key)
+        if f is None:
+            return None
+        if len(f.types) < 2 or f.types[0] != _gguf().GGUFValueType.ARRAY:
+            raise ConfigError(f"{self.path.name}: GGUF metadata {key} must be an array")
+        try:
+            return list(f.contents())
+        except UnicodeDecodeError:
+            raise ConfigError(f"{self.path.name}: GGUF metadata {key} holds a string that is not UTF-8") from None
 
     def count(self, key: str) -> int | None:
         """How many items an array field holds, without decoding them."""
