@@ -129,7 +129,8 @@ class ScriptedEngine:
         return params.max_tokens
 
     def add_request(self, request_id, prompt_token_ids, params, images=None, grammar=None, cache_salt=None,
-                    lora=None) -> None:
+                    lora=None, types_from=None) -> None:
+        assert types_from is None  # a scripted decoder: no encoder's pairs
         self.validate(prompt_token_ids, params, images)
         prompt = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
         script = next((s for key, s in self.scripts.items() if key in prompt), ["ok"])
