@@ -458,15 +458,13 @@ def test_a_bert_gguf_file_embeds_equal_to_transformers(tmp_path, monkeypatch, be
     from gguf_files import write_bert_gguf
 
     monkeypatch.setenv("NEURON_QUANT_EXACT", "1")
-    from neuron.engine.tokenizer import Tokenizer
-
     path = write_bert_gguf(bert_mean, tmp_path / "model.gguf", types, pooling=1)
-    tok = Tokenizer.from_gguf(path)
+    config = model_config(path)
+    tok = config.tokenizer
     for text in [*TEXTS, QUERY, "Ünïcode ACCENTS, [SEP] and [MASK] inside", "foxdog jumped"]:
         assert tok.encode(text, add_special_tokens=True) == _encoded(bert_mean, text).ids, text
     ids, types_from = tok.encode_pair(QUERY, TEXTS[0])
     assert ids == _encoded(bert_mean, QUERY, TEXTS[0]).ids and tok.decode(ids) == f"{QUERY} {TEXTS[0]}"
-    config = model_config(path)
     assert config.encoder and config.pooling.mode == "mean" and config.hf_config["type_vocab_size"] == 2
     with LLM(str(path), device="cpu", dtype="float32", tensor_parallel_size=tp) as llm:
         vectors = llm.embed(TEXTS)

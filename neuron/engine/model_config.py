@@ -27,6 +27,7 @@ from neuron.engine.pooling import CLASSIFY, EMBED, GENERATE, PoolingConfig
 from neuron.engine.sampling_params import REPETITION_PENALTY_RANGE
 from neuron.engine.spec_decode.config import SpeculativeConfig
 from neuron.engine.tokenizer import Tokenizer, TokenizerError
+from neuron.engine.wordpiece import GGUFVocabulary
 from neuron.errors import ConfigError
 from neuron.executor.executor import ExecutorConfig
 from neuron.models import (
@@ -375,11 +376,33 @@ def _tokenizer(spec: EngineConfig, model_dir: Path, gguf: Path | None) -> tuple[
         # a GGUF file may carry no tokenizer (then prompts are token ids): no tokenizer.ggml.model, or
         # the "none" llama.cpp's converter writes for a checkpoint without one
         model = open_file(gguf).field("tokenizer.ggml.model")
-        tokenizer = Tokenizer.from_gguf(gguf) if model not in (None, "", "none", "no_vocab") else None
+        tokenizer = None if model in (None, "", "none", "no_vocab") else \
+            Tokenizer.from_wordpiece(_gguf_wordpiece(open_file(gguf)), gguf.name) if model == "bert" else \
+            Tokenizer.from_gguf(gguf)
         return _with_chat_template(tokenizer, spec.chat_template), None
     folder = folder or model_dir
     tokenizer = Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None
     return _with_chat_template(tokenizer, spec.chat_template), folder
+
+
+# each special token's metadata keys, the first a file has: llama.cpp's converter writes [CLS] as the
+# BOS token and [SEP] as the separator and the EOS token
+_WORDPIECE_IDS = {"cls_token": ("tokenizer.ggml.cls_token_id", "tokenizer.ggml.bos_token_id"),
+                  "sep_token": ("tokenizer.ggml.seperator_token_id", "tokenizer.ggml.eos_token_id"),
+                  "unk_token": ("tokenizer.ggml.unknown_token_id",), "pad_token": ("tokenizer.ggml.padding_token_id",),
+                  "mask_token": ("tokenizer.ggml.mask_token_id",)}
+
+
+def _gguf_wordpiece(f: GGUFFile) -> GGUFVocabulary:
+    """A GGUF file's WordPiece vocabulary (engine/wordpiece.py) as its metadata holds it; lowercasing
+    (and stripping accents, unless the file says otherwise) where it does not say, as llama.cpp reads it."""
+    ids = {}
+    for name, keys in _WORDPIECE_IDS.items():
+        if (key := next((k for k in keys if f.field(k) is not None), None)) is not None:
+            ids[name] = (key, f.field(key))
+    return GGUFVocabulary(f.array("tokenizer.ggml.tokens") or [], f.array("tokenizer.ggml.token_type") or [], ids,
+                          f.field("tokenizer.ggml.normalizer.lowercase", True),
+                          f.field("tokenizer.ggml.normalizer.strip_accents"))
 
 
 def _with_chat_template(tokenizer: Tokenizer | None, given: str | None) -> Tokenizer | None:

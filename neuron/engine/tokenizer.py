@@ -23,6 +23,7 @@ from tokenizers import AddedToken, Encoding
 from tokenizers import Tokenizer as _Backend
 from tokenizers.pre_tokenizers import ByteLevel
 
+from neuron.engine.wordpiece import GGUFVocabulary, VocabularyError, wordpiece_tokenizer
 from neuron.errors import NeuronError
 
 # `encode` hands one text at a time to `encode_batch_fast`, a call that releases the GIL. Left on,
@@ -139,19 +140,10 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path) -> "Tokenizer":
         """The tokenizer a GGUF file carries in its metadata (tokenizer.ggml.*, tokenizer.chat_template),
-        rebuilt by transformers' GGUF converter; a BERT's WordPiece vocabulary by engine/wordpiece.py."""
+        rebuilt by transformers' GGUF converter (a BERT's WordPiece vocabulary: from_wordpiece)."""
         from transformers import AutoTokenizer
 
-        from neuron.engine.wordpiece import VocabularyError, wordpiece_tokenizer
-        from neuron.models.gguf import open_file
-
         path = Path(path)
-        if open_file(path).field("tokenizer.ggml.model") == "bert":  # a WordPiece vocabulary (engine/wordpiece.py)
-            try:
-                backend, named = wordpiece_tokenizer(open_file(path))
-            except VocabularyError as exc:
-                raise TokenizerError(f"cannot build the tokenizer of {path.name}: {exc}") from None
-            return cls(backend, named_tokens=named)
         try:
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         except Exception as exc:  # the converter's errors are of many kinds
@@ -160,6 +152,16 @@ class Tokenizer:
         template = tok.chat_template if isinstance(tok.chat_template, str) else None
         return cls(tok.backend_tokenizer, eos_token=named.get("eos_token"), chat_template=template,
                    named_tokens=named, templates={"default": template} if template else {})
+
+    @classmethod
+    def from_wordpiece(cls, vocabulary: GGUFVocabulary, name: str) -> "Tokenizer":
+        """A GGUF file's WordPiece vocabulary (llama.cpp's `bert` tokenizer model, engine/wordpiece.py);
+        `name` the file's, for messages."""
+        try:
+            backend, named = wordpiece_tokenizer(vocabulary)
+        except VocabularyError as exc:
+            raise TokenizerError(f"cannot build the tokenizer of {name}: {exc}") from None
+        return cls(backend, named_tokens=named)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # The batch calls release the GIL while they work and encode does not, so a long prompt

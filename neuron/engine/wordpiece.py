@@ -12,33 +12,38 @@ as llama.cpp reads it), its splitting on whitespace and punctuation, WordPiece, 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from tokenizers import AddedToken, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 from tokenizers.models import WordPiece
 
-if TYPE_CHECKING:
-    from neuron.models.gguf import GGUFFile
-
 PHANTOM_SPACE = "\u2581"
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types (gguf.TokenType)
-# each named token's keys, the first a file has: llama.cpp's converter writes [CLS] as the BOS token
-# and [SEP] as the separator and the EOS token
-_IDS = {"cls_token": ("tokenizer.ggml.cls_token_id", "tokenizer.ggml.bos_token_id"),
-        "sep_token": ("tokenizer.ggml.seperator_token_id", "tokenizer.ggml.eos_token_id"),
-        "unk_token": ("tokenizer.ggml.unknown_token_id",), "pad_token": ("tokenizer.ggml.padding_token_id",),
-        "mask_token": ("tokenizer.ggml.mask_token_id",)}
 
 
 class VocabularyError(ValueError):
     """A GGUF WordPiece vocabulary that cannot be read back."""
 
 
-def wordpiece_tokenizer(f: GGUFFile) -> tuple[_Backend, dict[str, str]]:
-    """The file's tokenizer, and its named special tokens (cls_token, sep_token, ...) as text."""
-    tokens, kinds = f.array("tokenizer.ggml.tokens"), f.array("tokenizer.ggml.token_type")
-    if not tokens or kinds is None or len(kinds) != len(tokens):
+@dataclass(frozen=True)
+class GGUFVocabulary:
+    """A GGUF file's WordPiece vocabulary as its metadata holds it (read by engine/model_config.py):
+    the tokens in llama.cpp's spelling, their types, the named special tokens' ids (`cls_token`,
+    `sep_token`, `unk_token`, `pad_token`, `mask_token`; each from the key it came from, for
+    messages) and the normaliser's flags."""
+
+    tokens: list[str]
+    kinds: list[int]
+    ids: dict[str, tuple[str, object]]  # name: (metadata key, value as the file holds it)
+    lowercase: object = True
+    strip_accents: object = None  # None: as lowercase
+
+
+def wordpiece_tokenizer(v: GGUFVocabulary) -> tuple[_Backend, dict[str, str]]:
+    """The vocabulary's tokenizer, and its named special tokens as text."""
+    tokens, kinds = v.tokens, v.kinds
+    if not tokens or len(kinds) != len(tokens) or not all(isinstance(t, str) for t in tokens):
         raise VocabularyError("a WordPiece vocabulary needs tokenizer.ggml.tokens and one tokenizer.ggml.token_type "
                               "per token")
     readback = [token if kind == CONTROL else token[1:] if token.startswith(PHANTOM_SPACE) else "##" + token
@@ -49,22 +54,18 @@ def wordpiece_tokenizer(f: GGUFFile) -> tuple[_Backend, dict[str, str]]:
             raise VocabularyError(f"token {i} ({tokens[i]!r:.40}) reads back as {piece!r:.40}, as token "
                                   f"{pieces[piece]} does")
     named = {}
-    for name, keys in _IDS.items():
-        key = next((k for k in keys if f.field(k) is not None), None)
-        if key is None:
-            continue
-        at = f.field(key)
+    for name, (key, at) in v.ids.items():
         if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at < len(tokens):
             raise VocabularyError(f"{key} must be a token id below {len(tokens)}, got {at!r:.40}")
         named[name] = readback[at]
     missing = [name for name in ("cls_token", "sep_token", "unk_token") if name not in named]
     if missing:
-        raise VocabularyError(f"a BERT vocabulary needs {', '.join(' or '.join(_IDS[m]) for m in missing)}")
+        raise VocabularyError(f"a BERT vocabulary needs its {', '.join(missing)}'s id")
+    lowercase = _flag("tokenizer.ggml.normalizer.lowercase", v.lowercase)
+    strip = lowercase if v.strip_accents is None else _flag("tokenizer.ggml.normalizer.strip_accents", v.strip_accents)
     backend = _Backend(WordPiece(pieces, unk_token=named["unk_token"], continuing_subword_prefix="##"))
-    lowercase = _flag(f, "tokenizer.ggml.normalizer.lowercase", True)
-    backend.normalizer = normalizers.BertNormalizer(
-        clean_text=True, handle_chinese_chars=True, lowercase=lowercase,
-        strip_accents=_flag(f, "tokenizer.ggml.normalizer.strip_accents", lowercase))
+    backend.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, lowercase=lowercase,
+                                                    strip_accents=strip)
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     backend.decoder = decoders.WordPiece(prefix="##")
     cls, sep = named["cls_token"], named["sep_token"]
@@ -78,8 +79,7 @@ def wordpiece_tokenizer(f: GGUFFile) -> tuple[_Backend, dict[str, str]]:
     return backend, named
 
 
-def _flag(f: GGUFFile, key: str, default: bool) -> bool:
-    value = f.field(key, default)
+def _flag(key: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise VocabularyError(f"{key} must be true or false, got {value!r:.40}")
     return value
