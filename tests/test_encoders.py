@@ -229,6 +229,7 @@ def test_a_hostile_encoder_config_is_refused_by_field(tmp_path, bert_mean):
     for field, value, said in [("layer_norm_eps", float("nan"), "layer_norm_eps must be a finite number"),
                                ("type_vocab_size", 0, "type_vocab_size must be an integer in 1..1024"),
                                ("pad_token_id", 10**9, "pad_token_id must be an integer"),
+                               ("intermediate_size", None, "intermediate_size is required"),
                                ("hidden_act", "swish", "hidden_act 'swish' is not supported for an encoder"),
                                ("position_embedding_type", "relative_key", "absolute positions only")]:
         (tmp_path / "config.json").write_text(json.dumps({**base, field: value}))
@@ -488,6 +489,13 @@ def test_what_a_bert_gguf_file_cannot_be_is_refused_by_name(tmp_path, bert_mean)
     ranker = write_bert_gguf(bert_mean, tmp_path / "rank" / "ranker.gguf", pooling=4)
     with pytest.raises(ConfigError, match="pooling type 4 is not supported"):
         model_config(ranker)
+    (tmp_path / "bytes").mkdir()  # a metadata string that is not UTF-8
+    data = bytearray((tmp_path / "xlmr.gguf").read_bytes())
+    at = data.index(b"tokenizer.ggml.model") + len(b"tokenizer.ggml.model") + 4 + 8  # past its type and length
+    data[at] = 0xFF
+    (tmp_path / "bytes" / "bytes.gguf").write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match="tokenizer.ggml.model is a string that is not UTF-8"):
+        model_config(tmp_path / "bytes" / "bytes.gguf")
     (tmp_path / "twice").mkdir()  # two tokens that read back as one piece: `▁fox` and a second `▁fox`
     twice = write_bert_gguf(bert_mean, tmp_path / "twice" / "twice.gguf", spelled={6: "\u2581fox"})
     with pytest.raises(NeuronError, match=r"token 8 \('▁fox'\) reads back as 'fox', as token 6 does"):

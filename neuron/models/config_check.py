@@ -173,6 +173,7 @@ def _check_rope(t: Fields) -> None:
 def _check_encoder(t: Fields, vocab: int) -> None:
     """The encoders' own fields: BERT's, RoBERTa's (models/bert.py) and ModernBERT's (modernbert.py)."""
     t.float("layer_norm_eps", 0.0, 1.0, above=True)
+    t.int("intermediate_size", 1, MAX_WIDTH, required=True)  # the MLP's width: an encoder has no default
     t.int("type_vocab_size", 1, 1024)
     t.int("pad_token_id", 0, vocab - 1)  # RoBERTa counts positions past its padding id
     pad = t.d.get("pad_token_id") if t.d.get("model_type") in ("roberta", "xlm-roberta") else None

@@ -154,7 +154,10 @@ class GGUFFile:
             return default
         if len(f.types) != 1 or f.types[0] == _gguf().GGUFValueType.ARRAY:
             raise ConfigError(f"{self.path.name}: GGUF metadata {key} must be a single value, not an array")
-        return f.contents()
+        try:
+            return f.contents()
+        except UnicodeDecodeError:
+            raise ConfigError(f"{self.path.name}: GGUF metadata {key} is a string that is not UTF-8") from None
 
     def array(self, key: str) -> list | None:
         """An array field's items (strings decoded as UTF-8), None when the file has no such key; a
