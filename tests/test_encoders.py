@@ -230,6 +230,8 @@ def test_a_hostile_encoder_config_is_refused_by_field(tmp_path, bert_mean):
                                ("type_vocab_size", 0, "type_vocab_size must be an integer in 1..1024"),
                                ("pad_token_id", 10**9, "pad_token_id must be an integer"),
                                ("intermediate_size", None, "intermediate_size is required"),
+                               ("layer_norm_eps", None, r"layer_norm_eps must be a value, or left out \(null"),
+                               ("type_vocab_size", None, "type_vocab_size must be a value, or left out"),
                                ("hidden_act", "swish", "hidden_act 'swish' is not supported for an encoder"),
                                ("position_embedding_type", "relative_key", "absolute positions only")]:
         (tmp_path / "config.json").write_text(json.dumps({**base, field: value}))

@@ -170,8 +170,18 @@ def _check_rope(t: Fields) -> None:
     p.bool("truncate")
 
 
+# fields the encoders read with a default where config.json leaves them out; a null one would build
+# transformers' model with None
+_ENCODER_DEFAULTED = ("layer_norm_eps", "max_position_embeddings", "type_vocab_size", "hidden_act", "hidden_activation",
+                      "position_embedding_type", "norm_eps", "local_attention", "global_attn_every_n_layers",
+                      "global_rope_theta", "local_rope_theta", "classifier_pooling", "classifier_activation")
+
+
 def _check_encoder(t: Fields, vocab: int) -> None:
     """The encoders' own fields: BERT's, RoBERTa's (models/bert.py) and ModernBERT's (modernbert.py)."""
+    for key in _ENCODER_DEFAULTED:
+        if key in t.d and t.d[key] is None:
+            raise t.fail(key, "a value, or left out (null is neither)", None)
     t.float("layer_norm_eps", 0.0, 1.0, above=True)
     t.int("intermediate_size", 1, MAX_WIDTH, required=True)  # the MLP's width: an encoder has no default
     t.int("type_vocab_size", 1, 1024)
