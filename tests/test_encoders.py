@@ -481,6 +481,43 @@ def test_a_bert_gguf_file_embeds_equal_to_transformers(tmp_path, monkeypatch, be
         assert vectors[0].outputs.embedding == pytest.approx(_unit(_hidden(bert_mean, TEXTS[0]).mean(0)), abs=2e-5)
 
 
+def test_llama_servers_embedding_route_and_vllms_use_activation(tmp_path, bert_mean):
+    """llama-server's /embedding (and /embeddings) on a BERT GGUF file, as llama.cpp's clients call
+    it: `content` a text, ids or a list, each pooled vector scaled by `embd_normalize` as
+    llama-server scales it; vLLM's `use_activation` false on /v1/embeddings: the vector as pooled."""
+    from gguf_files import write_bert_gguf
+
+    path = write_bert_gguf(bert_mean, tmp_path / "minilm.gguf", "F32", pooling=1)
+    raw = [_hidden(bert_mean, t).mean(0).double() for t in TEXTS[:2]]
+    scales = {-1: lambda v: v, 0: lambda v: v * 32760 / v.abs().max(), 1: lambda v: v / v.abs().sum(),
+              2: lambda v: v / v.norm(), 3: lambda v: v / (v.abs() ** 3).sum() ** (1 / 3)}
+    with LiveServer(real_engine(str(path), tp=1, name="minilm")) as server:
+        server.wait_ready()
+        for norm, scale in scales.items():
+            r = httpx.post(f"{server.url}/embedding", json={"content": TEXTS[:2], "embd_normalize": norm})
+            assert r.status_code == 200, r.text
+            assert [d["index"] for d in r.json()] == [0, 1]
+            for d, v in zip(r.json(), raw):
+                want = scale(v)
+                assert d["embedding"][0] == pytest.approx(want.tolist(), rel=1e-4, abs=1e-4 * float(want.abs().max()))
+        ids = _encoded(bert_mean, TEXTS[0]).ids
+        by_ids = httpx.post(f"{server.url}/embeddings", json={"input": ids}).json()
+        assert len(by_ids) == 1 and by_ids[0]["embedding"][0] == pytest.approx(_unit(raw[0]), abs=2e-5)
+        unnormalized = client(server).embeddings.create(model="minilm", input=TEXTS[0],
+                                                        extra_body={"use_activation": False})
+        assert unnormalized.data[0].embedding == pytest.approx(raw[0].tolist(), abs=1e-4)
+        for body, said in [({"content": TEXTS[0], "embd_normalize": "2"}, "Expected `int`, got `str`"),
+                           ({"content": TEXTS[0], "embd_normalize": -2}, "embd_normalize must be an integer in -1"),
+                           ({"embd_normalize": 2}, '"input" or "content" must be provided'),
+                           ({"content": [TEXTS[0], ""]}, "content must be a non-empty text"),
+                           ({"content": [[ids[0], "fox"]]}, "content must be a non-empty text"),
+                           ({"content": {"a": 1}}, "content must be a non-empty text")]:
+            r = httpx.post(f"{server.url}/embedding", json=body)
+            assert r.status_code == 400 and said in r.json()["error"]["message"], (body, r.text)
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        assert httpx.get(f"{server.url}/health").status_code == 200
+
+
 def test_what_a_bert_gguf_file_cannot_be_is_refused_by_name(tmp_path, bert_mean):
     from gguf_files import write_bert_gguf
 

@@ -129,7 +129,8 @@ class LLMEngine:
             raise RequestError("token types are an encoder's, and it generates nothing", param="token_type_ids")
         if isinstance(params, PoolingParams):
             self.inputs.admit_pooling(prompt_token_ids, types_from)
-            pooled, pooled_by, max_tokens, matcher = pooling.Pooled(params.dimensions), self.model.pooling, 0, None
+            pooled, pooled_by = pooling.Pooled(params.dimensions, params.use_activation), self.model.pooling
+            max_tokens, matcher = 0, None
             params = SamplingParams(temperature=0.0, max_tokens=0)  # prefill only
         else:
             pooled = pooled_by = None

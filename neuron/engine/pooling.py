@@ -53,8 +53,9 @@ class PoolingParams:
     generation: `dimensions` keeps the vector's first values (Matryoshka); `truncate_prompt_tokens`
     the input's last tokens, as SamplingParams'; `task` what the caller takes the vector for (embed:
     an embedding, classify: a classifier's logits), refused by a model not served for it (None: what
-    the model pools); `use_activation` false: a classifier's logits rather than its probabilities
-    (the offline APIs read it; the engine returns logits either way)."""
+    the model pools); `use_activation` false: an embedding as it is pooled, not L2-normalized
+    (None: as the model's pooling says; true: normalized), and a classifier's logits rather than its
+    probabilities (the offline APIs read that; the engine returns logits either way), as vLLM's."""
 
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = None
@@ -63,6 +64,8 @@ class PoolingParams:
 
     def __post_init__(self) -> None:
         check_truncation(self.truncate_prompt_tokens)
+        if self.use_activation not in (None, True, False):
+            raise InvalidParams("use_activation", f"use_activation must be true or false, got {self.use_activation!r}")
         if self.task not in (None, EMBED, CLASSIFY):
             raise InvalidParams("task", f"task must be {EMBED} or {CLASSIFY}, got {self.task!r}")
 
@@ -73,6 +76,7 @@ class Pooled:
     the vector is read (one copy to the host per request, not one per chunk)."""
 
     dimensions: int | None = None  # PoolingParams.dimensions
+    normalize: bool | None = None  # PoolingParams.use_activation: None as the model's pooling says
     total: torch.Tensor | None = None
     rows: int = 0
 
@@ -93,7 +97,7 @@ class Pooled:
         v = self.total / max(self.rows, 1) if cfg.mode == "mean" else self.total
         if cfg.classifier is not None:
             return cfg.classifier.logits(v)
-        return finish(v.cpu(), cfg.normalize, self.dimensions)
+        return finish(v.cpu(), cfg.normalize if self.normalize is None else self.normalize, self.dimensions)
 
 
 def normalized(vector: list[float]) -> list[float]:

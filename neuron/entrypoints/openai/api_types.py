@@ -333,6 +333,7 @@ class EmbeddingRequest(Struct, kw_only=True):
     user: str | None = None  # OpenAI's end-user id: accepted, not used
     cache_salt: str | None = None  # as on completions: which requests may share cached prefixes
     truncate_prompt_tokens: int | None = None  # as on completions: embed each input's last this many tokens
+    use_activation: bool | None = None  # vLLM's: false, each vector as pooled, not normalized
 
 
 class EmbeddingData(Struct):

@@ -1,6 +1,7 @@
-"""llama.cpp's own server API: POST /completion and /infill, GET /props and POST /apply-template, for
-the clients written against llama-server (front ends, editor plugins' code completion, scripts).
-/tokenize and /detokenize take its shapes too (serving_tokenization).
+"""llama.cpp's own server API: POST /completion and /infill, GET /props, POST /apply-template and
+/embedding (and /embeddings), for the clients written against llama-server (front ends, editor
+plugins' code completion, scripts, its embedding clients). /tokenize and /detokenize take its shapes
+too (serving_tokenization).
 
 A translation, not a second server: a request becomes the completions path's (`CompletionRequest`):
 its sampling fields in neuron's names, `grammar` (GBNF) and `json_schema` through structured output,
@@ -25,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
+import numpy as np
 from msgspec import Struct
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -32,7 +34,7 @@ from starlette.routing import Route
 
 import neuron
 from neuron.engine.async_engine import AsyncEngine, RequestStream
-from neuron.engine.pooling import GENERATE
+from neuron.engine.pooling import EMBED, GENERATE
 from neuron.engine.sampling_params import LOGIT_BIAS_RANGE, MAX_TOKEN_LIST, SamplingParams
 from neuron.entrypoints.openai.api_errors import APIError, bad_request, renamed, unsupported
 from neuron.entrypoints.openai.api_types import CompletionRequest
@@ -52,6 +54,7 @@ from neuron.entrypoints.openai.ollama import Served
 from neuron.entrypoints.openai.ollama.translate import repetition
 from neuron.entrypoints.openai.prompt_input import check_prompt_ids, check_vocabulary, off_loop
 from neuron.entrypoints.openai.serving_completions import fill_in_the_middle, prompt_ids
+from neuron.entrypoints.openai.serving_embeddings import MAX_INPUTS, EmbeddingBatch, pooling_params, tokenized_inputs
 from neuron.entrypoints.openai.serving_tokenization import rendered_chat
 from neuron.entrypoints.openai.streaming import EventStreamResponse, json_unless_disconnected
 
@@ -103,6 +106,23 @@ class LlamaCompletionRequest(Struct, kw_only=True):
     multimodal_data: Any = None
 
 
+class LlamaEmbeddingRequest(Struct, kw_only=True):
+    """A /embedding or /embeddings body, llama-server's own (not OpenAI's /v1/embeddings): `content`
+    (or `input`) a text, token ids, or a list of those; `embd_normalize` how each pooled vector is
+    scaled: -1 not at all, 0 to an int16 range by its largest value, 1 by its sum of magnitudes, 2
+    (the default) to unit length, p > 2 by its p-norm."""
+
+    content: Any = None
+    input: Any = None
+    model: str | None = None
+    embd_normalize: int = 2
+    encoding_format: str = "float"  # checked as llama-server checks it; the answer holds floats
+    cache_salt: str | None = None  # neuron's, as on its other routes
+
+
+_MAX_NORM = 1 << 10  # the largest p of a p-norm
+
+
 # (field, the value that turns it off, what to say)
 _OFF = (("typical_p", 1.0, "locally typical sampling"), ("dynatemp_range", 0.0, "dynamic temperature"),
         ("top_n_sigma", -1.0, "top-n-sigma sampling"), ("mirostat", 0, "Mirostat sampling"),
@@ -138,7 +158,8 @@ def llamacpp_routes(served: Served, endpoint: Callable) -> list[Route]:
         return Route(path, endpoint(name, handler, errors=llamacpp_error), methods=[method])
 
     return [route("/completion", api.completion), route("/infill", api.infill), route("/props", api.props, "GET"),
-            route("/apply-template", api.apply_template)]
+            route("/apply-template", api.apply_template), route("/embedding", api.embedding),
+            route("/embeddings", api.embedding)]
 
 
 class _LlamaCpp:
@@ -164,6 +185,35 @@ class _LlamaCpp:
         text = _extra(engine, req.input_extra) + fill_in_the_middle(engine, req.input_prefix or "",
                                                                     req.input_suffix or "") + req.prompt
         return await self._generate(request, engine, req, await self._prompts(engine, text))
+
+    async def embedding(self, request: Request) -> Response:
+        """Each input's pooled vector, scaled as `embd_normalize` says, as llama-server answers:
+        `[{"index": i, "embedding": [vector]}]` (one vector an input: neuron pools every model)."""
+        req = await self.served.decode(request, LlamaEmbeddingRequest)
+        engine = await self.served.named(req.model or None)
+        value = req.input if req.input is not None else req.content
+        if value is None:
+            raise bad_request('"input" or "content" must be provided', param="content")
+        norm = req.embd_normalize
+        if isinstance(norm, bool) or not isinstance(norm, int) or not -1 <= norm <= _MAX_NORM:
+            raise bad_request(f"embd_normalize must be an integer in -1..{_MAX_NORM}, got {norm!r:.40}",
+                              param="embd_normalize")
+        if req.encoding_format not in ("float", "base64"):
+            raise bad_request("encoding_format must be float or base64", param="encoding_format")
+        check_serves(engine, EMBED)
+        inputs = [value] if isinstance(value, str) or _is_one(value) else value
+        if not isinstance(inputs, list) or not inputs or len(inputs) > MAX_INPUTS or not all(map(_embeddable, inputs)):
+            raise bad_request(f"content must be a non-empty text, token ids, or a list of at most {MAX_INPUTS} of "
+                              "those", param="content")
+        ids = await tokenized_inputs(engine, inputs, self.served.limiters.tokenize, None)
+        raw = pooling_params(use_activation=False)  # as pooled: embd_normalize scales it
+        batch = EmbeddingBatch(engine, new_id("embd"), ids, raw, self.served.salt(request, req))
+
+        async def collect() -> bytes:
+            vectors = await batch.run()
+            return msgspec.json.encode([{"index": i, "embedding": [_scaled(v, norm)]} for i, v in enumerate(vectors)])
+
+        return await json_unless_disconnected(request, batch, collect())
 
     async def _prompts(self, engine: AsyncEngine, prompt: Any) -> list[tuple[str, list[int]]]:
         """Each prompt as text (as the answer shows it) and token ids: a string is one prompt, its
@@ -343,6 +393,25 @@ _MAX_BIASED_TEXTS = 1024  # texts to tokenize for logit_bias, each its own pass
 
 def _is_id(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _embeddable(value: Any) -> bool:
+    """One input of /embedding: a non-empty text or token ids."""
+    return isinstance(value, str) and value != "" or isinstance(value, list) and bool(value) and all(map(_is_id, value))
+
+
+def _scaled(vector: list[float], norm: int) -> list[float]:
+    """A pooled vector scaled as llama-server's `embd_normalize` says (-1: as it is; 0: its largest
+    magnitude to 32,760; p >= 1: to unit p-norm); a zero vector stays zero."""
+    if norm == -1:
+        return vector
+    v = np.asarray(vector, dtype=np.float64)
+    top = float(np.abs(v).max(initial=0.0))
+    if top == 0.0:
+        return [0.0] * len(vector)
+    # the p-norm with the largest magnitude taken out first, so a large p neither overflows nor underflows
+    size = top / 32760.0 if norm == 0 else top * float(np.sum((np.abs(v) / top) ** norm) ** (1.0 / norm))
+    return (v / size).astype(np.float32).tolist()
 
 
 def _is_one(prompt: Any) -> bool:

@@ -5,7 +5,8 @@ batched step beside whatever else runs, its final update carrying the pooled vec
 keeps at most `max_per_request` inputs in the engine at once and queues the next as each
 finishes, so a client that sends a thousand inputs neither takes every place nor gets refused.
 `dimensions` keeps each vector's first values, normalized again where the model normalizes (the
-engine cuts them); `encoding_format` base64 sends them as little-endian float32 bytes, as OpenAI does.
+engine cuts them; vLLM's `use_activation` false leaves every vector as pooled); `encoding_format`
+base64 sends them as little-endian float32 bytes, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -42,16 +43,17 @@ async def create_embedding(request: Request, engine: AsyncEngine, req: Embedding
         raise bad_request(f"encoding_format must be float or base64, got {req.encoding_format!r}",
                           param="encoding_format")
     check_dimensions(engine, req.dimensions)
-    params = pooling_params(req.dimensions, req.truncate_prompt_tokens)
+    params = pooling_params(req.dimensions, req.truncate_prompt_tokens, use_activation=req.use_activation)
     ids = await tokenized_inputs(engine, inputs, limiter, params.truncate_prompt_tokens)
     batch = EmbeddingBatch(engine, new_id("embd"), ids, params, cache_salt)
     return await json_unless_disconnected(request, batch, _respond(engine, req, batch))
 
 
-def pooling_params(dimensions: int | None = None, keep: int | None = None, task: str = EMBED) -> PoolingParams:
+def pooling_params(dimensions: int | None = None, keep: int | None = None, task: str = EMBED,
+                   use_activation: bool | None = None) -> PoolingParams:
     """The request's PoolingParams (`keep`: truncate_prompt_tokens), or a 400 naming the bad field."""
     try:
-        return PoolingParams(dimensions, keep, task)
+        return PoolingParams(dimensions, keep, task, use_activation)
     except InvalidParams as exc:
         raise bad_request(str(exc), param=exc.param) from None
 
