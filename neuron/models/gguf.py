@@ -106,11 +106,23 @@ def locate(name: str) -> tuple[str | None, int | None]:
     return None, None
 
 
+def is_gguf(path: Path) -> bool:
+    """Whether the file at `path` is a GGUF file: named .gguf, or beginning with GGUF's magic (Ollama
+    keeps its GGUF files as blobs named by their digest)."""
+    if path.suffix == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def find_gguf(path: Path) -> Path | None:
-    """`path` itself when it is a .gguf file, the one .gguf file of a directory without safetensors
-    weights (several are refused by name), else None."""
+    """`path` itself when it is a GGUF file (is_gguf), the one .gguf file of a directory without
+    safetensors weights (several are refused by name), else None."""
     if path.is_file():
-        return path if path.suffix == ".gguf" else None
+        return path if is_gguf(path) else None
     files = sorted(path.glob("*.gguf")) if path.is_dir() else []
     if not files or any(path.glob("*.safetensors")):
         return None

@@ -38,13 +38,21 @@ def _snapshot(repo_dir: Path, revision: str) -> Path | None:
 
 
 def resolve_model_path(model: str, cache_dir: str | None = None, revision: str = "main") -> Path:
-    """A local directory or .gguf file as is, or a repo id ("org/name") found in the local Hugging
-    Face cache, optionally followed by a file in it ("org/name/model-Q4_K_M.gguf")."""
+    """A local directory or GGUF file as is, a repo id ("org/name") found in the local Hugging Face
+    cache, optionally followed by a file in it ("org/name/model-Q4_K_M.gguf"), or a model in
+    Ollama's local store by its Ollama name ("llama3.2:1b", models/ollama_store.py). A name of a repo
+    id's shape is looked for in the Hugging Face cache first."""
+    from neuron.models.gguf import is_gguf
+    from neuron.models.ollama_store import find_model, parse_name, store_dirs
+
     path = Path(model).expanduser()
-    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+    if path.is_dir() or (path.is_file() and is_gguf(path)):
         return path.resolve()
     if path.exists():
-        raise ModelNotFound(f"{model} is a file but not a .gguf one; pass the checkpoint's directory or a GGUF file")
+        raise ModelNotFound(f"{model} is a file but not a GGUF one; pass the checkpoint's directory or a GGUF file")
+    ollama = parse_name(model) is not None
+    if ollama and (model.count("/") != 1 or ":" in model) and (blob := find_model(model)) is not None:
+        return blob
     if _is_path(model):
         raise ModelNotFound(f"model path {model} does not exist")
     repo, file = model, None
@@ -63,7 +71,15 @@ def resolve_model_path(model: str, cache_dir: str | None = None, revision: str =
                 return snap / file
             raise ModelNotFound(f"{file} is not in {repo} ({snap}); its GGUF files: "
                                 f"{', '.join(sorted(p.name for p in snap.glob('*.gguf'))) or 'none'}")
+    if ollama and (blob := find_model(model)) is not None:
+        return blob
     looked = f"looked in: {', '.join(searched)}" if searched else "this machine has no Hugging Face cache"
+    if ollama:
+        stores = ", ".join(str(s) for s in store_dirs() if s.is_dir()) or "none on this machine"
+        raise ModelNotFound(
+            f"model {model!r} is neither a local path, a repo in the local Hugging Face cache ({looked}) nor a model "
+            f"in Ollama's store ({stores}). neuron does not download: fetch it first with `hf download {repo}` or "
+            f"`ollama pull {model}`, or pass a local path.")
     raise ModelNotFound(
         f"model {model!r} is neither a local path nor a repo in the local Hugging Face cache ({looked}). neuron "
         f"does not download: fetch it first with `hf download {repo}`, or pass a local path."
@@ -255,7 +271,9 @@ def open_checkpoint(paths: list[str], config: dict, quantization: str = "", stor
     from neuron.models.quant_formats import PrequantizedReader
     from neuron.models.weight_shapes import CheckedReader, expected_shapes
 
-    if len(paths) == 1 and str(paths[0]).endswith(".gguf"):
+    from neuron.models.gguf import is_gguf
+
+    if len(paths) == 1 and is_gguf(Path(paths[0])):
         from neuron.models.gguf import GGUFReader
 
         reader = GGUFReader(paths[0], config)

@@ -60,7 +60,9 @@ def weight_bytes(files: list[Path], dtype_bytes: int, quantization: str = "") ->
     """All weights as the ranks will hold them together: dense floating-point tensors in the model
     dtype (about one byte per value when `quantization` at load takes them: linear layers, and
     under int8 the LM head), everything else as stored."""
-    if len(files) == 1 and files[0].suffix == ".gguf":
+    from neuron.models.gguf import is_gguf
+
+    if len(files) == 1 and is_gguf(Path(files[0])):
         return _gguf_bytes(files[0], dtype_bytes)
     from safetensors import safe_open
 

@@ -1,0 +1,94 @@
+"""Models in Ollama's local store, by the names Ollama gives them (`llama3.2:1b`, `all-minilm`,
+`namespace/model:tag`): what people who run Ollama already have on disk, served without a copy.
+
+Ollama keeps a manifest per model and tag, `manifests/<host>/<namespace>/<model>/<tag>` (an OCI-style
+JSON file listing the model's layers by digest), and each layer once, as `blobs/sha256-<hex>`. The
+weights are the layer of media type `application/vnd.ollama.image.model`: a GGUF file, which the
+GGUF reader takes as it is (its tokenizer and chat template are in its metadata). The store is
+$OLLAMA_MODELS, else ~/.ollama/models, else /usr/share/ollama/.ollama/models (the Linux service's).
+
+A name is read as Ollama reads it: `[host/][namespace/]model[:tag]`, the host registry.ollama.ai,
+the namespace `library` and the tag `latest` where left out. Each part must be a plain name (letters,
+digits, `.`, `_`, `-`), so no name reaches outside the store; the manifest is bounded, and a layer's
+digest must be a SHA-256 in hex. A model whose manifest carries a LoRA adapter layer is refused, as
+serving its base alone would answer otherwise; a vision projector layer is left unread (the model
+is served for text).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from neuron.errors import ConfigError
+
+DEFAULT_HOST, DEFAULT_NAMESPACE, DEFAULT_TAG = "registry.ollama.ai", "library", "latest"
+MODEL_LAYER = "application/vnd.ollama.image.model"
+ADAPTER_LAYER = "application/vnd.ollama.image.adapter"
+MAX_MANIFEST_BYTES = 1 << 20  # a manifest lists a handful of layers: kilobytes
+_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_DIGEST = re.compile(r"sha256[:-]([0-9a-f]{64})")
+
+
+def store_dirs() -> list[Path]:
+    """Where Ollama's store may be, in the order Ollama looks."""
+    if os.environ.get("OLLAMA_MODELS"):
+        return [Path(os.environ["OLLAMA_MODELS"]).expanduser()]
+    return [Path.home() / ".ollama" / "models", Path("/usr/share/ollama/.ollama/models")]
+
+
+def parse_name(name: str) -> tuple[str, str, str, str] | None:
+    """(host, namespace, model, tag) of an Ollama model name; None for a string that is not one."""
+    rest, _, tag = name.rpartition(":") if ":" in name.rsplit("/", 1)[-1] else (name, "", DEFAULT_TAG)
+    parts = rest.split("/")
+    if not 1 <= len(parts) <= 3 or not all(_PART.fullmatch(p) for p in [*parts, tag]) or \
+            any(p in (".", "..") for p in parts):
+        return None
+    host, namespace = (DEFAULT_HOST, DEFAULT_NAMESPACE) if len(parts) == 1 else \
+        (DEFAULT_HOST, parts[0]) if len(parts) == 2 else (parts[0], parts[1])
+    return host, namespace, parts[-1], tag
+
+
+def find_model(name: str) -> Path | None:
+    """The GGUF blob of Ollama model `name` in the local store; None when the store has no such
+    model (or `name` is not an Ollama name). ConfigError for a manifest that is malformed, names no
+    weights or a missing blob, or carries an adapter."""
+    parsed = parse_name(name)
+    if parsed is None:
+        return None
+    host, namespace, model, tag = parsed
+    for store in store_dirs():
+        manifest = store / "manifests" / host / namespace / model / tag
+        if manifest.is_file():
+            return _weights(store, manifest, name)
+    return None
+
+
+def _weights(store: Path, manifest: Path, name: str) -> Path:
+    try:
+        if manifest.stat().st_size > MAX_MANIFEST_BYTES:
+            raise ConfigError(f"Ollama model {name}: its manifest {manifest} is larger than a manifest is")
+        layers = json.loads(manifest.read_bytes()).get("layers")
+    except (OSError, ValueError, AttributeError, RecursionError) as exc:
+        raise ConfigError(f"Ollama model {name}: its manifest {manifest} cannot be read: {exc}") from None
+    if not isinstance(layers, list) or not all(isinstance(layer, dict) for layer in layers):
+        raise ConfigError(f"Ollama model {name}: its manifest {manifest} lists no layers")
+    kinds = [layer.get("mediaType") for layer in layers]
+    if ADAPTER_LAYER in kinds:
+        raise ConfigError(f"Ollama model {name} applies a LoRA adapter layer to its weights, which neuron does not "
+                          "read from Ollama's store; serve the base model and the adapter (--lora-modules) instead")
+    weights = [layer for layer in layers if layer.get("mediaType") == MODEL_LAYER]
+    if len(weights) != 1:
+        raise ConfigError(f"Ollama model {name}: its manifest {manifest} names {len(weights)} weight layers (one "
+                          f"of {MODEL_LAYER} is served)")
+    digest = weights[0].get("digest")
+    match = _DIGEST.fullmatch(digest) if isinstance(digest, str) else None
+    if match is None:
+        raise ConfigError(f"Ollama model {name}: its weight layer's digest {digest!r:.80} is not a sha256 digest")
+    for blob in (store / "blobs" / f"sha256-{match[1]}", store / "blobs" / f"sha256:{match[1]}"):
+        if blob.is_file():
+            return blob
+    raise ConfigError(f"Ollama model {name}: its weights, blob sha256-{match[1][:12]}..., are missing from "
+                      f"{store / 'blobs'} (an interrupted pull: `ollama pull {name}` again)")

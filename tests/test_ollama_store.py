@@ -1,0 +1,105 @@
+"""Models in Ollama's local store served by their Ollama names (neuron/models/ollama_store.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from gguf_files import write_gguf
+
+from neuron import LLM, SamplingParams
+from neuron.errors import ConfigError, ModelNotFound
+from neuron.models.loader import resolve_model_path
+from neuron.models.ollama_store import find_model, parse_name
+
+
+def _manifest(layers: list[dict]) -> dict:
+    return {"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+            "config": {"mediaType": "application/vnd.docker.container.image.v1+json",
+                       "digest": "sha256:" + "0" * 64, "size": 2}, "layers": layers}
+
+
+def _pull(store: Path, name: str, blob: Path | None, extra: list[dict] = (), tag: str = "latest",
+          namespace: str = "library") -> str:
+    """`blob` (a GGUF file) into `store` as Ollama lays out a pulled model: the blob by its digest, a
+    manifest naming it and a template layer."""
+    layers = []
+    if blob is not None:
+        data = blob.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        (store / "blobs").mkdir(parents=True, exist_ok=True)
+        (store / "blobs" / f"sha256-{digest}").write_bytes(data)
+        layers.append({"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest}",
+                       "size": len(data)})
+    layers += [{"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:" + "1" * 64, "size": 3},
+               *extra]
+    manifest = store / "manifests" / "registry.ollama.ai" / namespace / name / tag
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    manifest.write_text(json.dumps(_manifest(layers)))
+    return manifest
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    from neuron.utils.default_checkpoint import default_model_dir
+
+    return write_gguf(default_model_dir(), tmp_path_factory.mktemp("ollama-src") / "model.gguf", "Q8_0")
+
+
+@pytest.mark.parametrize("name, parsed", [
+    ("llama3.2", ("registry.ollama.ai", "library", "llama3.2", "latest")),
+    ("llama3.2:1b", ("registry.ollama.ai", "library", "llama3.2", "1b")),
+    ("huihui_ai/qwen3-abliterated:0.6b", ("registry.ollama.ai", "huihui_ai", "qwen3-abliterated", "0.6b")),
+    ("hf.co/bartowski/SmolLM2-135M-GGUF:Q4_K_M", ("hf.co", "bartowski", "SmolLM2-135M-GGUF", "Q4_K_M")),
+    ("../etc/passwd", None), ("a/../../b", None), ("a/b/c/d", None), ("", None), ("model:", None),
+    ("/abs/path", None), ("name:../x", None), (".hidden", None),
+])
+def test_ollama_names_are_read_as_ollama_reads_them(name, parsed):
+    assert parse_name(name) == parsed
+
+
+def test_a_pulled_model_is_served_by_its_ollama_name(tmp_path, monkeypatch, gguf_file):
+    store = tmp_path / "store"
+    _pull(store, "tinychat", gguf_file, tag="q8")
+    _pull(store, "tinychat", gguf_file)
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    blob = resolve_model_path("tinychat")
+    assert blob.parent == store.resolve() / "blobs" and blob.name.startswith("sha256-")
+    for name in ("tinychat:q8", "library/tinychat:latest", "registry.ollama.ai/library/tinychat"):
+        assert resolve_model_path(name) == blob
+    prompt = [[5, 17, 200, 3]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with LLM("tinychat:q8", device="cpu", dtype="float32") as llm:
+        assert llm.engine.model_name == "tinychat:q8"
+        got = llm.generate(prompt, params)[0].outputs[0].token_ids
+        assert llm.get_tokenizer().chat_template  # the file's own
+    with LLM(str(gguf_file), device="cpu", dtype="float32") as llm:
+        assert got == llm.generate(prompt, params)[0].outputs[0].token_ids
+
+
+def test_what_the_store_cannot_give_is_refused_by_name(tmp_path, monkeypatch, gguf_file):
+    store = tmp_path / "store"
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    with pytest.raises(ModelNotFound, match="nor a model in Ollama's store"):
+        resolve_model_path("absent:7b")
+    _pull(store, "styled", gguf_file, extra=[{"mediaType": "application/vnd.ollama.image.adapter",
+                                              "digest": "sha256:" + "2" * 64, "size": 9}])
+    with pytest.raises(ConfigError, match="applies a LoRA adapter layer"):
+        resolve_model_path("styled")
+    manifest = _pull(store, "torn", gguf_file)
+    shutil.rmtree(store / "blobs")
+    with pytest.raises(ConfigError, match=r"its weights, blob sha256-[0-9a-f]{12}\.\.\., are missing"):
+        resolve_model_path("torn")
+    manifest.write_text(json.dumps(_manifest([{"mediaType": "application/vnd.ollama.image.model",
+                                               "digest": "sha256:../../etc/passwd"}])))
+    with pytest.raises(ConfigError, match="is not a sha256 digest"):
+        resolve_model_path("torn")
+    manifest.write_text("{not json")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        resolve_model_path("torn")
+    _pull(store, "templated", None)
+    with pytest.raises(ConfigError, match="names 0 weight layers"):
+        find_model("templated")
