@@ -271,11 +271,12 @@ def _add_tokenizer(writer, hf_dir: Path, vocab_size: int) -> None:
 
 
 def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", tokenizer: bool = True,
-               pooling: int | str | None = None) -> Path:
+               pooling: int | str | None = None, ids: dict[str, int] | None = None) -> Path:
     """`hf_dir`'s Qwen3 or Llama checkpoint as a GGUF file. `types`: one type for every matrix, or a
     map from GGUF tensor names (or their suffixes after the layer, such as "ffn_down.weight") to
     types with "default" for the rest; 1-D tensors are F32 as llama.cpp writes them. `pooling`:
-    llama.cpp's pooling type for an embedding model (1 mean, 2 cls, 3 last, 4 rank)."""
+    llama.cpp's pooling type for an embedding model (1 mean, 2 cls, 3 last, 4 rank). `ids`: more
+    `tokenizer.ggml.<key>_token_id` entries (eot, eom, ...)."""
     import gguf
 
     hf_dir = Path(hf_dir)
@@ -308,6 +309,8 @@ def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", to
         _add_tokenizer(w, hf_dir, config["vocab_size"])
     else:  # as llama.cpp's converter marks a checkpoint without one; llama.cpp refuses a file without the key
         w.add_tokenizer_model("none")
+    for key, value in (ids or {}).items():
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", value)
     tensors = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
         tensors.update(load_file(f))

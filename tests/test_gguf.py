@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from checkpoints import assert_matches_reference, build_checkpoint, greedy_with_logprobs
+from checkpoints import assert_matches_reference, build_checkpoint, greedy_with_logprobs, model_config
 from gguf_files import quantize, random_blocks, write_gguf, write_tensors
 
 from neuron import LLM, SamplingParams
@@ -279,3 +279,18 @@ def test_qwen3_moe_gguf_keeps_its_experts_quantized(tmp_path, tp):
     reference = _transformers_reference(tmp_path / "hf", path)
     for prompt, out in zip(PROMPTS, outs):
         assert_matches_reference(out.outputs[0], *greedy_with_logprobs(reference, prompt, 8))
+
+
+def test_every_end_of_generation_token_of_the_file_stops(tmp_path):
+    """llama.cpp ends a generation at the file's EOS, EOT and EOM tokens (Llama 3's <|end_of_text|>,
+    <|eot_id|>, <|eom_id|>): each is a stop id, and one outside the vocabulary is refused."""
+    from neuron.utils.default_checkpoint import default_model_dir
+
+    src = default_model_dir()
+    eos = json.loads((src / "config.json").read_text())["eos_token_id"]
+    path = write_gguf(src, tmp_path / "ends.gguf", "Q8_0", ids={"eot": 7, "eom": 11})
+    assert {eos, 7, 11} <= set(model_config(path).eos_token_ids)
+    (tmp_path / "far").mkdir()
+    far = write_gguf(src, tmp_path / "far" / "far.gguf", "Q8_0", ids={"eot": 10**7})
+    with pytest.raises(ConfigError, match="eos_token_id must be a token id"):
+        model_config(far)

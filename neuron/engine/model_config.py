@@ -330,9 +330,13 @@ def _gguf_config(f: GGUFFile) -> dict:
             "rope_type": scaling, "factor": number("rope.scaling.factor", 1.0, float),
             "original_max_position_embeddings": number("rope.scaling.original_context_length",
                                                        config["max_position_embeddings"])}
-    for key, meta in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
-        if (value := f.field(meta)) is not None:
-            config[key] = value  # an integer in range, or refused by the config check
+    if (bos := f.field("tokenizer.ggml.bos_token_id")) is not None:
+        config["bos_token_id"] = bos  # an integer in range, or refused by the config check
+    # llama.cpp ends a generation at any of the file's end-of-generation tokens: its EOS, EOT and EOM
+    # (Llama 3's <|end_of_text|>, <|eot_id|> and <|eom_id|>), each refused by the config check if out of range
+    ends = [v for key in ("eos", "eot", "eom") if (v := f.field(f"tokenizer.ggml.{key}_token_id")) is not None]
+    if ends:
+        config["eos_token_id"] = ends[0] if len(ends) == 1 else list(dict.fromkeys(ends))
     return config
 
 

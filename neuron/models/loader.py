@@ -268,14 +268,11 @@ def open_checkpoint(paths: list[str], config: dict, quantization: str = "", stor
     """This rank's reader over the checkpoint's weight files: a GGUF file's, or safetensors ones
     (kept quantized in the `stored` format, quant_formats.stored_format), quantizing at load where
     asked, each read checked against the shapes the model's `config` implies (weight_shapes)."""
+    from neuron.models.gguf import GGUFReader, is_gguf
     from neuron.models.quant_formats import PrequantizedReader
     from neuron.models.weight_shapes import CheckedReader, expected_shapes
 
-    from neuron.models.gguf import is_gguf
-
     if len(paths) == 1 and is_gguf(Path(paths[0])):
-        from neuron.models.gguf import GGUFReader
-
         reader = GGUFReader(paths[0], config)
     else:
         reader = CheckpointReader(paths)
