@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from checkpoints import model_config
 from gguf_files import write_gguf
 
 from neuron import LLM, SamplingParams
@@ -22,18 +23,22 @@ def _manifest(layers: list[dict]) -> dict:
                        "digest": "sha256:" + "0" * 64, "size": 2}, "layers": layers}
 
 
+def _layer(store: Path, kind: str, data: bytes) -> dict:
+    digest = hashlib.sha256(data).hexdigest()
+    (store / "blobs").mkdir(parents=True, exist_ok=True)
+    (store / "blobs" / f"sha256-{digest}").write_bytes(data)
+    return {"mediaType": f"application/vnd.ollama.image.{kind}", "digest": f"sha256:{digest}", "size": len(data)}
+
+
 def _pull(store: Path, name: str, blob: Path | None, extra: list[dict] = (), tag: str = "latest",
-          namespace: str = "library") -> str:
+          namespace: str = "library", params: dict | None = None) -> str:
     """`blob` (a GGUF file) into `store` as Ollama lays out a pulled model: the blob by its digest, a
-    manifest naming it and a template layer."""
+    manifest naming it, a template layer and `params` as its parameters layer."""
     layers = []
     if blob is not None:
-        data = blob.read_bytes()
-        digest = hashlib.sha256(data).hexdigest()
-        (store / "blobs").mkdir(parents=True, exist_ok=True)
-        (store / "blobs" / f"sha256-{digest}").write_bytes(data)
-        layers.append({"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest}",
-                       "size": len(data)})
+        layers.append(_layer(store, "model", blob.read_bytes()))
+    if params is not None:
+        layers.append(_layer(store, "params", json.dumps(params).encode()))
     layers += [{"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:" + "1" * 64, "size": 3},
                *extra]
     manifest = store / "manifests" / "registry.ollama.ai" / namespace / name / tag
@@ -103,3 +108,21 @@ def test_what_the_store_cannot_give_is_refused_by_name(tmp_path, monkeypatch, gg
     _pull(store, "templated", None)
     with pytest.raises(ConfigError, match="names 0 weight layers"):
         find_model("templated")
+
+
+def test_an_ollama_models_parameters_are_its_sampling_defaults(tmp_path, monkeypatch, gguf_file):
+    """Its parameters layer as generation_config.json's fields (Qwen3's temperature 0.6, top_k 20,
+    ...), and each stop word that is one of the vocabulary's added tokens a stop id."""
+    store = tmp_path / "store"
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    _pull(store, "tuned", gguf_file, params={"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repeat_penalty": 1.1,
+                                             "stop": ["<|im_start|>", "<|im_end|>", "User:"], "num_ctx": 4096})
+    cfg = model_config("tuned")
+    assert cfg.sampling == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.1}
+    start = cfg.tokenizer.added_token_id("<|im_start|>")
+    assert start is not None and start in cfg.eos_token_ids and cfg.tokenizer.added_token_id("User:") is None
+    _pull(store, "hot", gguf_file, params={"temperature": "hot"})
+    with pytest.raises(ConfigError, match="the Ollama model's parameters: temperature must be"):
+        model_config("hot")
+    _pull(store, "plain", gguf_file)
+    assert model_config("plain").sampling == {}

@@ -194,8 +194,10 @@ def resolve_model_config(spec: EngineConfig, phases: Callable[[str], None] = lam
     if tokenizer is not None:
         tokenizer.lowercase = sentence_bert.do_lower_case
         tokenizer.typed_pairs = _typed_pairs(config, tokenizer)
-    generation = _generation_config(tokenizer_dir)
-    sampling = _check_generation(generation, vocab)
+    generation, where = _generation_config(tokenizer_dir), "generation_config.json"
+    if not generation and gguf is not None and spec.tokenizer is None and spec.model is not None:
+        generation, where = _ollama_generation(spec.model, gguf, config, tokenizer), "the Ollama model's parameters"
+    sampling = _check_generation(generation, vocab, where)
     speculative = _speculative(spec, config)
     _check_lora(spec, config)
     phases("reading what the model is served for")
@@ -435,11 +437,11 @@ def _generation_config(folder: Path | None) -> dict:
     return read_json(path) if path is not None and path.is_file() else {}
 
 
-def sampling_defaults(generation: dict) -> dict:
+def sampling_defaults(generation: dict, where: str = "generation_config.json") -> dict:
     """generation_config.json's sampling fields, as vLLM applies them, named as SamplingParams'
     (max_new_tokens is max_tokens; null ones left out). ConfigError for a value of the wrong type
     or out of range, which every request would otherwise meet."""
-    f = Fields(generation, "generation_config.json")
+    f = Fields(generation, where)
     lo, hi = REPETITION_PENALTY_RANGE
     values = {"temperature": f.float("temperature", 0, 1e6), "top_p": f.float("top_p", 0, 1, above=True),
               "top_k": f.int("top_k", -1, 1 << 31), "min_p": f.float("min_p", 0, 1),
@@ -448,11 +450,40 @@ def sampling_defaults(generation: dict) -> dict:
     return {k: v for k, v in values.items() if v is not None}
 
 
-def _check_generation(generation: dict, vocab: int) -> dict:
+def _check_generation(generation: dict, vocab: int, where: str = "generation_config.json") -> dict:
     """What a request would otherwise meet, checked at load: the stop ids, and the sampling
     defaults, which it returns."""
-    Fields(generation, "generation_config.json").token_ids("eos_token_id", vocab)
-    return sampling_defaults(generation)
+    Fields(generation, where).token_ids("eos_token_id", vocab)
+    return sampling_defaults(generation, where)
+
+
+# Ollama's parameter names for generation_config.json's
+_OLLAMA_PARAMETERS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                      "repeat_penalty": "repetition_penalty"}
+
+
+def _ollama_generation(name: str, gguf: Path, config: dict, tokenizer: Tokenizer | None) -> dict:
+    """A model from Ollama's store: its parameters layer as generation_config.json would hold them
+    (sampling defaults under transformers' names; each stop word that is an added token, a chat
+    template's marker, a stop id beside the file's own, as Ollama stops at it). {} for any other
+    model, or one that leaves them out. Other stop words, and Ollama's other parameters (num_ctx,
+    ...), are not read."""
+    from neuron.models.ollama_store import find_model, parameters
+
+    blob = find_model(name)
+    if blob is None or blob.resolve() != gguf.resolve():
+        return {}
+    params = parameters(name) or {}
+    generation = {ours: params[theirs] for theirs, ours in _OLLAMA_PARAMETERS.items() if theirs in params}
+    stops = params.get("stop")
+    if isinstance(stops, str):
+        stops = [stops]
+    ids = [tokenizer.added_token_id(s) for s in stops if isinstance(s, str)] if stops and tokenizer is not None else []
+    if any(i is not None for i in ids):
+        own = config.get("eos_token_id")
+        own = [] if own is None else [own] if isinstance(own, int) else list(own)
+        generation["eos_token_id"] = list(dict.fromkeys([*own, *(i for i in ids if i is not None)]))
+    return generation
 
 
 def _eos_ids(config: dict, generation: dict, tokenizer: Tokenizer | None) -> tuple[int, ...]:

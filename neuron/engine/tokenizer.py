@@ -290,6 +290,12 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def added_token_id(self, text: str) -> int | None:
+        """The id of the added (special or user-defined) token whose text is `text`, as a chat
+        template's markers are; None where no added token is that text."""
+        at = self._backend.token_to_id(text)
+        return at if at is not None and self._added.get(at) == text else None
+
     def fill_in_the_middle(self, prefix: str, suffix: str) -> str | None:
         """The prompt that asks the model for the text between `prefix` and `suffix`, in the
         fill-in-the-middle format its vocabulary has tokens for (Qwen's coders, StarCoder's,

@@ -12,7 +12,8 @@ the namespace `library` and the tag `latest` where left out. Each part must be a
 digits, `.`, `_`, `-`), so no name reaches outside the store; the manifest is bounded, and a layer's
 digest must be a SHA-256 in hex. A model whose manifest carries a LoRA adapter layer is refused, as
 serving its base alone would answer otherwise; a vision projector layer is left unread (the model
-is served for text).
+is served for text). Its parameters layer (the sampling defaults and stop words its publisher set:
+Qwen3's temperature 0.6, top_k 20, ...) is read by `parameters`; its Go template is not.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from neuron.errors import ConfigError
 
 DEFAULT_HOST, DEFAULT_NAMESPACE, DEFAULT_TAG = "registry.ollama.ai", "library", "latest"
 MODEL_LAYER = "application/vnd.ollama.image.model"
+PARAMS_LAYER = "application/vnd.ollama.image.params"
 ADAPTER_LAYER = "application/vnd.ollama.image.adapter"
 MAX_MANIFEST_BYTES = 1 << 20  # a manifest lists a handful of layers: kilobytes
 _PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -55,6 +57,12 @@ def find_model(name: str) -> Path | None:
     """The GGUF blob of Ollama model `name` in the local store; None when the store has no such
     model (or `name` is not an Ollama name). ConfigError for a manifest that is malformed, names no
     weights or a missing blob, or carries an adapter."""
+    found = _manifest(name)
+    return None if found is None else _weights(*found, name)
+
+
+def _manifest(name: str) -> tuple[Path, Path] | None:
+    """(store, manifest file) of Ollama model `name`; None when no store has it."""
     parsed = parse_name(name)
     if parsed is None:
         return None
@@ -62,19 +70,59 @@ def find_model(name: str) -> Path | None:
     for store in store_dirs():
         manifest = store / "manifests" / host / namespace / model / tag
         if manifest.is_file():
-            return _weights(store, manifest, name)
+            return store, manifest
     return None
 
 
-def _weights(store: Path, manifest: Path, name: str) -> Path:
+def parameters(name: str) -> dict | None:
+    """The parameters layer of Ollama model `name` (a JSON object: `temperature`, `top_k`, `stop`,
+    ...); None when `name` is no model of the store or has no such layer. ConfigError for one that
+    is missing, too large or not a JSON object."""
+    found = _manifest(name)
+    if found is None:
+        return None
+    store, manifest = found
+    layer = [layer for layer in _layers(manifest, name) if layer.get("mediaType") == PARAMS_LAYER]
+    if not layer:
+        return None
+    params = _json(_blob(store, layer[0], name, "parameters"), f"Ollama model {name}: its parameters")
+    if not isinstance(params, dict):
+        raise ConfigError(f"Ollama model {name}: its parameters layer is not a JSON object")
+    return params
+
+
+def _json(path: Path, what: str):
     try:
-        if manifest.stat().st_size > MAX_MANIFEST_BYTES:
-            raise ConfigError(f"Ollama model {name}: its manifest {manifest} is larger than a manifest is")
-        layers = json.loads(manifest.read_bytes()).get("layers")
-    except (OSError, ValueError, AttributeError, RecursionError) as exc:
-        raise ConfigError(f"Ollama model {name}: its manifest {manifest} cannot be read: {exc}") from None
+        if path.stat().st_size > MAX_MANIFEST_BYTES:
+            raise ConfigError(f"{what}, {path}, is larger than such a file is")
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"{what}, {path}, cannot be read: {exc}") from None
+
+
+def _layers(manifest: Path, name: str) -> list[dict]:
+    layers = _json(manifest, f"Ollama model {name}: its manifest")
+    layers = layers.get("layers") if isinstance(layers, dict) else None
     if not isinstance(layers, list) or not all(isinstance(layer, dict) for layer in layers):
         raise ConfigError(f"Ollama model {name}: its manifest {manifest} lists no layers")
+    return layers
+
+
+def _blob(store: Path, layer: dict, name: str, what: str) -> Path:
+    """The blob file of a manifest's layer, its digest checked to be a SHA-256."""
+    digest = layer.get("digest")
+    match = _DIGEST.fullmatch(digest) if isinstance(digest, str) else None
+    if match is None:
+        raise ConfigError(f"Ollama model {name}: its {what} layer's digest {digest!r:.80} is not a sha256 digest")
+    for blob in (store / "blobs" / f"sha256-{match[1]}", store / "blobs" / f"sha256:{match[1]}"):
+        if blob.is_file():
+            return blob
+    raise ConfigError(f"Ollama model {name}: its {what}, blob sha256-{match[1][:12]}..., are missing from "
+                      f"{store / 'blobs'} (an interrupted pull: `ollama pull {name}` again)")
+
+
+def _weights(store: Path, manifest: Path, name: str) -> Path:
+    layers = _layers(manifest, name)
     kinds = [layer.get("mediaType") for layer in layers]
     if ADAPTER_LAYER in kinds:
         raise ConfigError(f"Ollama model {name} applies a LoRA adapter layer to its weights, which neuron does not "
@@ -83,12 +131,4 @@ def _weights(store: Path, manifest: Path, name: str) -> Path:
     if len(weights) != 1:
         raise ConfigError(f"Ollama model {name}: its manifest {manifest} names {len(weights)} weight layers (one "
                           f"of {MODEL_LAYER} is served)")
-    digest = weights[0].get("digest")
-    match = _DIGEST.fullmatch(digest) if isinstance(digest, str) else None
-    if match is None:
-        raise ConfigError(f"Ollama model {name}: its weight layer's digest {digest!r:.80} is not a sha256 digest")
-    for blob in (store / "blobs" / f"sha256-{match[1]}", store / "blobs" / f"sha256:{match[1]}"):
-        if blob.is_file():
-            return blob
-    raise ConfigError(f"Ollama model {name}: its weights, blob sha256-{match[1][:12]}..., are missing from "
-                      f"{store / 'blobs'} (an interrupted pull: `ollama pull {name}` again)")
+    return _blob(store, weights[0], name, "weights")
