@@ -64,7 +64,7 @@ class PoolingParams:
 
     def __post_init__(self) -> None:
         check_truncation(self.truncate_prompt_tokens)
-        if self.use_activation not in (None, True, False):
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
             raise InvalidParams("use_activation", f"use_activation must be true or false, got {self.use_activation!r}")
         if self.task not in (None, EMBED, CLASSIFY):
             raise InvalidParams("task", f"task must be {EMBED} or {CLASSIFY}, got {self.task!r}")
