@@ -88,7 +88,8 @@ def test_a_pulled_model_is_served_by_its_ollama_name(tmp_path, monkeypatch, gguf
 def test_what_the_store_cannot_give_is_refused_by_name(tmp_path, monkeypatch, gguf_file):
     store = tmp_path / "store"
     monkeypatch.setenv("OLLAMA_MODELS", str(store))
-    with pytest.raises(ModelNotFound, match="nor a model in Ollama's store"):
+    with pytest.raises(ModelNotFound, match=r"neither a local path nor a model in Ollama's store \(none on this "
+                                            r"machine\)\. .*`ollama pull absent:7b`"):
         resolve_model_path("absent:7b")
     _pull(store, "styled", gguf_file, extra=[{"mediaType": "application/vnd.ollama.image.adapter",
                                               "digest": "sha256:" + "2" * 64, "size": 9}])

@@ -51,7 +51,9 @@ def resolve_model_path(model: str, cache_dir: str | None = None, revision: str =
     if path.exists():
         raise ModelNotFound(f"{model} is a file but not a GGUF one; pass the checkpoint's directory or a GGUF file")
     ollama = parse_name(model) is not None
-    if ollama and (model.count("/") != 1 or ":" in model) and (blob := find_model(model)) is not None:
+    # not a repo id's org/name, nor org/name/file.gguf
+    ollama_shaped = ollama and (model.count("/") != 1 or ":" in model) and not model.endswith(".gguf")
+    if ollama_shaped and (blob := find_model(model)) is not None:
         return blob
     if _is_path(model):
         raise ModelNotFound(f"model path {model} does not exist")
@@ -74,12 +76,11 @@ def resolve_model_path(model: str, cache_dir: str | None = None, revision: str =
     if ollama and (blob := find_model(model)) is not None:
         return blob
     looked = f"looked in: {', '.join(searched)}" if searched else "this machine has no Hugging Face cache"
-    if ollama:
+    if ollama_shaped:
         stores = ", ".join(str(s) for s in store_dirs() if s.is_dir()) or "none on this machine"
         raise ModelNotFound(
-            f"model {model!r} is neither a local path, a repo in the local Hugging Face cache ({looked}) nor a model "
-            f"in Ollama's store ({stores}). neuron does not download: fetch it first with `hf download {repo}` or "
-            f"`ollama pull {model}`, or pass a local path.")
+            f"model {model!r} is neither a local path nor a model in Ollama's store ({stores}). neuron does not "
+            f"download: fetch it first with `ollama pull {model}`, or pass a local path.")
     raise ModelNotFound(
         f"model {model!r} is neither a local path nor a repo in the local Hugging Face cache ({looked}). neuron "
         f"does not download: fetch it first with `hf download {repo}`, or pass a local path."
