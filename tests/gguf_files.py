@@ -358,17 +358,20 @@ def write_tensors(out: Path, tensors: dict[str, tuple[np.ndarray, object]], arch
 
 def write_bert_gguf(hf_dir: Path, out: Path, types: str = "F32", pooling: int | None = 1,
                     vocabulary: str = "bert", spelled: dict[int, str] | None = None) -> Path:
-    """`hf_dir`'s BERT checkpoint (a bare model, or under `bert.`) as llama.cpp's converter writes an
-    embedding model: the `bert` architecture, the tensors named by gguf's own name map (the pooler
-    and any head left out), 1-D tensors F32 and matrices `types`; the vocabulary in llama.cpp's
-    spelling (a word's first piece after a phantom space, a continuation without its ##, control
-    tokens as they are) and the special tokens' ids; `pooling` llama.cpp's pooling type (1 mean,
-    2 cls). `vocabulary` another tokenizer model's name, and `spelled` tokens written otherwise (by id),
-    for refusals."""
+    """`hf_dir`'s BERT or XLM-RoBERTa checkpoint (a bare model, or under `bert.`/`roberta.`) as
+    llama.cpp's converter writes an embedding model: the `bert` architecture, the tensors named by
+    gguf's own name map (the pooler and any head left out), 1-D tensors F32 and matrices `types`;
+    BERT's vocabulary in llama.cpp's spelling (a word's first piece after a phantom space, a
+    continuation without its ##, control tokens as they are), XLM-RoBERTa's as its unigram pieces
+    and scores (the `t5` model), its position table and context length cut past the padding id; the
+    special tokens' ids; `pooling` llama.cpp's pooling type (1 mean, 2 cls). `vocabulary` another
+    tokenizer model's name, and `spelled` tokens written otherwise (by id), for refusals."""
     import gguf
 
     hf_dir = Path(hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
+    if config["model_type"] == "xlm-roberta":
+        return _write_xlmr_gguf(hf_dir, out, config, types, pooling)
     w = gguf.GGUFWriter(str(out), "bert")
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
@@ -415,6 +418,66 @@ def write_bert_gguf(hf_dir: Path, out: Path, types: str = "F32", pooling: int | 
         gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
         x = value.astype(np.float32)
         # the position and token-type tables stay F32, as the converter keeps them
+        data, qtype = quantize(x, "F32" if x.ndim == 1 or gname.startswith(("position_embd", "token_types")) else types)
+        w.add_tensor(gname, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _write_xlmr_gguf(hf_dir: Path, out: Path, config: dict, types: str, pooling: int | None) -> Path:
+    """XLM-RoBERTa as the converter writes it from a tokenizer.json (its `_xlmroberta_set_vocab`)."""
+    import base64
+
+    import gguf
+
+    cut = config["pad_token_id"] + 1  # its positions start past the padding id: the rows before are cut
+    w = gguf.GGUFWriter(str(out), "bert")
+    w.add_context_length(config["max_position_embeddings"] - cut)
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_layer_norm_eps(config.get("layer_norm_eps", 1e-5))
+    w.add_causal_attention(False)
+    if pooling is not None:
+        w.add_pooling_type(gguf.PoolingType(pooling))
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    pieces = tok["model"]["vocab"]
+    unk = tok["model"].get("unk_id", 3)
+    added = {a["id"]: a.get("special", False) for a in tok.get("added_tokens", [])}
+    kinds = [gguf.TokenType.UNKNOWN if i == unk else gguf.TokenType.CONTROL if added.get(i) else
+             gguf.TokenType.USER_DEFINED if i in added else gguf.TokenType.NORMAL for i in range(len(pieces))]
+    w.add_tokenizer_model("t5")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([p for p, _ in pieces])
+    w.add_token_scores([float(x) for _, x in pieces])
+    w.add_token_types(kinds)
+    w.add_add_space_prefix(True)
+    w.add_token_type_count(config.get("type_vocab_size", 1))
+    w.add_remove_extra_whitespaces(False)  # as the converter writes a tokenizer.json checkpoint's
+    charsmap = (tok.get("normalizer") or {}).get("precompiled_charsmap")
+    if charsmap:
+        w.add_precompiled_charsmap(base64.b64decode(charsmap))
+    vocab = {p: i for i, (p, _) in enumerate(pieces)}
+    for meta, text in (("bos_token_id", "<s>"), ("eos_token_id", "</s>"), ("unknown_token_id", "<unk>"),
+                       ("seperator_token_id", "</s>"), ("padding_token_id", "<pad>"), ("mask_token_id", "<mask>")):
+        if text in vocab:
+            w.add_uint32(f"tokenizer.ggml.{meta}", vocab[text])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, config["num_hidden_layers"])
+    tensors = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    for name, value in tensors.items():
+        name = name.removeprefix("roberta.")
+        if name.startswith(("pooler.", "classifier.", "lm_head.")) or name.endswith("position_ids"):
+            continue
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        x = value.astype(np.float32)
+        if gname.startswith("position_embd"):
+            x = x[cut:]
         data, qtype = quantize(x, "F32" if x.ndim == 1 or gname.startswith(("position_embd", "token_types")) else types)
         w.add_tensor(gname, data, raw_dtype=qtype)
     w.write_header_to_file()

@@ -447,7 +447,8 @@ def _gguf_weights_model(path: Path, gguf_file: Path):
             if name.startswith("pooler."):
                 continue
             t = tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))]
-            p.copy_(torch.from_numpy(gguf.dequantize(t.data, t.tensor_type).copy()).reshape(p.shape))
+            value = torch.from_numpy(gguf.dequantize(t.data, t.tensor_type).copy())
+            p[-value.shape[0]:].copy_(value.reshape(-1, *p.shape[1:]))  # XLM-R's positions: the rows kept
     return model.eval()
 
 
@@ -518,12 +519,60 @@ def test_llama_servers_embedding_route_and_vllms_use_activation(tmp_path, bert_m
         assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+def _unigram_xlmr(path: Path) -> Path:
+    """A tiny random XLM-RoBERTa whose tokenizer is transformers' XLMRobertaTokenizer (sentencepiece
+    unigram pieces and scores) over WORDS, as bge-m3 and multilingual-e5 ship theirs."""
+    import transformers as tf
+
+    letters = sorted({c for w in WORDS for c in w})
+    vocab = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + \
+        [("\u2581" + w, -1.0 - 0.1 * i) for i, w in enumerate(WORDS)] + [("\u2581", -4.0)] + \
+        [(c, -5.0 - 0.01 * i) for i, c in enumerate(letters)] + [("<mask>", 0.0)]
+    tf.XLMRobertaTokenizer(vocab=vocab).save_pretrained(path)
+    torch.manual_seed(9)
+    model = tf.XLMRobertaModel(tf.XLMRobertaConfig(vocab_size=len(vocab), pad_token_id=1, bos_token_id=0,
+                                                   eos_token_id=2, type_vocab_size=1, **SHAPE))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name or name.endswith("bias"):
+                p.uniform_(0.5, 1.5) if name.endswith("weight") else p.normal_(0, 0.2)
+    model.eval().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.mark.parametrize("types, tp", [("F32", 2), ("Q8_0", 1)])
+def test_an_xlm_roberta_gguf_file_embeds_equal_to_transformers(tmp_path, monkeypatch, types, tp):
+    """XLM-RoBERTa as llama.cpp writes it (Ollama's bge-m3): a `bert` file with a `t5` unigram
+    vocabulary, read back as transformers' XLMRobertaTokenizer builds it, and its position table,
+    which the converter cut past the padding id, read back; [CLS] pooling as its metadata says."""
+    from gguf_files import write_bert_gguf
+
+    monkeypatch.setenv("NEURON_QUANT_EXACT", "1")
+    src = _unigram_xlmr(tmp_path / "hf")
+    path = write_bert_gguf(src, tmp_path / "bge.gguf", types, pooling=2)
+    config = model_config(path)
+    assert config.hf_config["model_type"] == "xlm-roberta" and config.max_model_len == 64 - 2
+    assert config.pooling.mode == "cls" and not config.tokenizer.typed_pairs
+    tok = config.tokenizer
+    for text in [*TEXTS, QUERY, "  the   lazy\tdog  ", "unknown-ish Ünïcode", "<mask> and </s> inside"]:
+        assert tok.encode(text, add_special_tokens=True) == _encoded(src, text).ids, text
+    assert tok.encode_pair(QUERY, TEXTS[0])[0] == _encoded(src, QUERY, TEXTS[0]).ids
+    assert tok.decode(tok.encode(TEXTS[3])) == TEXTS[3]
+    with LLM(str(path), device="cpu", dtype="float32", tensor_parallel_size=tp) as llm:
+        vectors = llm.embed(TEXTS)
+    model = _gguf_weights_model(src, path)
+    for text, v in zip(TEXTS, vectors):
+        with torch.no_grad():
+            want = model(input_ids=torch.tensor([_encoded(src, text).ids])).last_hidden_state[0, 0]
+        assert v.outputs.embedding == pytest.approx(_unit(want), abs=2e-5)
+
+
 def test_what_a_bert_gguf_file_cannot_be_is_refused_by_name(tmp_path, bert_mean):
     from gguf_files import write_bert_gguf
 
-    t5 = write_bert_gguf(bert_mean, tmp_path / "xlmr.gguf", vocabulary="t5")
-    with pytest.raises(ConfigError, match="a GGUF `bert` file with a 't5' vocabulary .* is not read"):
-        model_config(t5)
+    roberta = write_bert_gguf(bert_mean, tmp_path / "xlmr.gguf", vocabulary="gpt2")
+    with pytest.raises(ConfigError, match="a GGUF `bert` file with a 'gpt2' vocabulary .* is not read"):
+        model_config(roberta)
     (tmp_path / "rank").mkdir()
     ranker = write_bert_gguf(bert_mean, tmp_path / "rank" / "ranker.gguf", pooling=4)
     with pytest.raises(ConfigError, match="pooling type 4 is not supported"):

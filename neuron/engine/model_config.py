@@ -23,11 +23,11 @@ from pathlib import Path
 from neuron.config import MAX_MODEL_LEN_CAP, parse_bytes
 from neuron.engine.classifier import is_classification, load_classifier
 from neuron.engine.engine_config import EngineConfig, default_device
+from neuron.engine.gguf_vocab import GGUFVocabulary
 from neuron.engine.pooling import CLASSIFY, EMBED, GENERATE, PoolingConfig
 from neuron.engine.sampling_params import REPETITION_PENALTY_RANGE
 from neuron.engine.spec_decode.config import SpeculativeConfig
 from neuron.engine.tokenizer import Tokenizer, TokenizerError
-from neuron.engine.wordpiece import GGUFVocabulary
 from neuron.errors import ConfigError
 from neuron.executor.executor import ExecutorConfig
 from neuron.models import (
@@ -344,13 +344,15 @@ def _gguf_config(f: GGUFFile) -> dict:
 
 def _gguf_bert_config(f: GGUFFile, number: Callable, vocab: int | None) -> dict:
     """llama.cpp's `bert` architecture as BERT's config.json: a bidirectional encoder of learned
-    positions and token types, post-norm layers with biases and GELU. The files of that architecture
-    that hold another family (XLM-RoBERTa's and RoBERTa's vocabularies, their position tables cut
-    past the padding id) are refused by name."""
+    positions and token types, post-norm layers with biases and GELU. With a `t5` (sentencepiece
+    unigram) vocabulary it is XLM-RoBERTa (bge-m3, multilingual-e5): positions counted past the
+    padding id, whose rows before it llama.cpp's converter cut from the table and from the context
+    length (the reader puts them back, models/gguf.py). RoBERTa's (a `gpt2` vocabulary) is refused by
+    name."""
     vocabulary = f.field("tokenizer.ggml.model")
-    if vocabulary not in (None, "", "none", "no_vocab", "bert"):
-        raise ConfigError(f"{f.path.name}: a GGUF `bert` file with a {vocabulary!r} vocabulary (XLM-RoBERTa's, "
-                          "RoBERTa's) is not read; serve the checkpoint's safetensors")
+    if vocabulary not in (None, "", "none", "no_vocab", "bert", "t5"):
+        raise ConfigError(f"{f.path.name}: a GGUF `bert` file with a {vocabulary!r} vocabulary (RoBERTa's) is not "
+                          "read; serve the checkpoint's safetensors")
     if f.field("bert.attention.causal", False) is not False:
         raise ConfigError(f"{f.path.name}: GGUF metadata bert.attention.causal must be false: BERT attends both ways")
     types = f.tensors.get("token_types.weight")
@@ -366,6 +368,12 @@ def _gguf_bert_config(f: GGUFFile, number: Callable, vocab: int | None) -> dict:
     }
     if (pad := f.field("tokenizer.ggml.padding_token_id")) is not None:
         config["pad_token_id"] = pad  # an integer in range, or refused by the config check
+    if vocabulary == "t5":
+        if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < (vocab or 0):
+            raise ConfigError(f"{f.path.name}: an XLM-RoBERTa GGUF file needs tokenizer.ggml.padding_token_id, past "
+                              f"which its positions count (got {pad!r:.40})")
+        config.update(model_type="xlm-roberta", architectures=["XLMRobertaModel"],
+                      max_position_embeddings=config["max_position_embeddings"] + pad + 1)
     return config
 
 
@@ -381,34 +389,41 @@ def _tokenizer(spec: EngineConfig, model_dir: Path, gguf: Path | None) -> tuple[
     if folder is None and gguf is not None:
         # a GGUF file may carry no tokenizer (then prompts are token ids): no tokenizer.ggml.model, or
         # the "none" llama.cpp's converter writes for a checkpoint without one
-        model = open_file(gguf).field("tokenizer.ggml.model")
+        f = open_file(gguf)
+        model = f.field("tokenizer.ggml.model")
+        # an encoder's vocabulary (BERT's WordPiece, XLM-RoBERTa's unigram in a `bert` file) is rebuilt
+        # by neuron, any other by transformers' GGUF converter
+        encoder = model == "bert" or (model == "t5" and f.field("general.architecture") == "bert")
         tokenizer = None if model in (None, "", "none", "no_vocab") else \
-            Tokenizer.from_wordpiece(_gguf_wordpiece(open_file(gguf)), gguf.name) if model == "bert" else \
-            Tokenizer.from_gguf(gguf)
+            Tokenizer.from_vocabulary(_gguf_vocabulary(f, model), gguf.name) if encoder else Tokenizer.from_gguf(gguf)
         return _with_chat_template(tokenizer, spec.chat_template), None
     folder = folder or model_dir
     tokenizer = Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None
     return _with_chat_template(tokenizer, spec.chat_template), folder
 
 
-# each special token's metadata keys, the first a file has: llama.cpp's converter writes [CLS] as the
-# BOS token and [SEP] as the separator and the EOS token
-_WORDPIECE_IDS = {"cls_token": ("tokenizer.ggml.cls_token_id", "tokenizer.ggml.bos_token_id"),
-                  "sep_token": ("tokenizer.ggml.seperator_token_id", "tokenizer.ggml.eos_token_id"),
-                  "unk_token": ("tokenizer.ggml.unknown_token_id",), "pad_token": ("tokenizer.ggml.padding_token_id",),
-                  "mask_token": ("tokenizer.ggml.mask_token_id",)}
+# each special token's metadata keys, the first a file has: llama.cpp's converter writes BERT's [CLS]
+# as the BOS token and [SEP] as the separator and the EOS token
+_VOCABULARY_IDS = {"cls_token": ("tokenizer.ggml.cls_token_id", "tokenizer.ggml.bos_token_id"),
+                   "sep_token": ("tokenizer.ggml.seperator_token_id", "tokenizer.ggml.eos_token_id"),
+                   "unk_token": ("tokenizer.ggml.unknown_token_id",), "pad_token": ("tokenizer.ggml.padding_token_id",),
+                   "mask_token": ("tokenizer.ggml.mask_token_id",), "bos_token": ("tokenizer.ggml.bos_token_id",),
+                   "eos_token": ("tokenizer.ggml.eos_token_id",)}
 
 
-def _gguf_wordpiece(f: GGUFFile) -> GGUFVocabulary:
-    """A GGUF file's WordPiece vocabulary (engine/wordpiece.py) as its metadata holds it; lowercasing
-    (and stripping accents, unless the file says otherwise) where it does not say, as llama.cpp reads it."""
+def _gguf_vocabulary(f: GGUFFile, model: str) -> GGUFVocabulary:
+    """A GGUF file's BERT WordPiece or XLM-RoBERTa unigram vocabulary (engine/gguf_vocab.py) as its
+    metadata holds it; lowercasing (and stripping accents, unless the file says otherwise) where it
+    does not say, and a space before the text, as llama.cpp reads it."""
     ids = {}
-    for name, keys in _WORDPIECE_IDS.items():
+    for name, keys in _VOCABULARY_IDS.items():
         if (key := next((k for k in keys if f.field(k) is not None), None)) is not None:
             ids[name] = (key, f.field(key))
-    return GGUFVocabulary(f.array("tokenizer.ggml.tokens") or [], f.array("tokenizer.ggml.token_type") or [], ids,
-                          f.field("tokenizer.ggml.normalizer.lowercase", True),
-                          f.field("tokenizer.ggml.normalizer.strip_accents"))
+    return GGUFVocabulary(model, f.array("tokenizer.ggml.tokens") or [], f.array("tokenizer.ggml.token_type") or [],
+                          ids, f.field("tokenizer.ggml.normalizer.lowercase", True),
+                          f.field("tokenizer.ggml.normalizer.strip_accents"), f.array("tokenizer.ggml.scores"),
+                          f.array("tokenizer.ggml.precompiled_charsmap"),
+                          f.field("tokenizer.ggml.add_space_prefix", True))
 
 
 def _with_chat_template(tokenizer: Tokenizer | None, given: str | None) -> Tokenizer | None:

@@ -23,7 +23,7 @@ from tokenizers import AddedToken, Encoding
 from tokenizers import Tokenizer as _Backend
 from tokenizers.pre_tokenizers import ByteLevel
 
-from neuron.engine.wordpiece import GGUFVocabulary, VocabularyError, wordpiece_tokenizer
+from neuron.engine.gguf_vocab import GGUFVocabulary, VocabularyError, vocabulary_tokenizer
 from neuron.errors import NeuronError
 
 # `encode` hands one text at a time to `encode_batch_fast`, a call that releases the GIL. Left on,
@@ -140,7 +140,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path) -> "Tokenizer":
         """The tokenizer a GGUF file carries in its metadata (tokenizer.ggml.*, tokenizer.chat_template),
-        rebuilt by transformers' GGUF converter (a BERT's WordPiece vocabulary: from_wordpiece)."""
+        rebuilt by transformers' GGUF converter (an encoder's: from_vocabulary)."""
         from transformers import AutoTokenizer
 
         path = Path(path)
@@ -154,11 +154,11 @@ class Tokenizer:
                    named_tokens=named, templates={"default": template} if template else {})
 
     @classmethod
-    def from_wordpiece(cls, vocabulary: GGUFVocabulary, name: str) -> "Tokenizer":
-        """A GGUF file's WordPiece vocabulary (llama.cpp's `bert` tokenizer model, engine/wordpiece.py);
+    def from_vocabulary(cls, vocabulary: GGUFVocabulary, name: str) -> "Tokenizer":
+        """A GGUF file's BERT WordPiece or XLM-RoBERTa unigram vocabulary (engine/gguf_vocab.py);
         `name` the file's, for messages."""
         try:
-            backend, named = wordpiece_tokenizer(vocabulary)
+            backend, named = vocabulary_tokenizer(vocabulary)
         except VocabularyError as exc:
             raise TokenizerError(f"cannot build the tokenizer of {name}: {exc}") from None
         return cls(backend, named_tokens=named)

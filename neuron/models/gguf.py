@@ -69,6 +69,7 @@ _ENCODER_LAYER_NAMES = {"attention.self.query": "attn_q", "attention.self.key": 
                         "attention.output.LayerNorm": "attn_output_norm", "intermediate.dense": "ffn_up",
                         "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm"}
 QK_K = 256
+_POSITIONS = "embeddings.position_embeddings.weight"
 
 
 def _gguf():
@@ -242,6 +243,10 @@ class GGUFReader(Reader):
         heads = config["num_attention_heads"]
         self._heads = {"q": heads, "k": config.get("num_key_value_heads") or heads}
         self._permuted = config["model_type"] == "llama"
+        # XLM-RoBERTa's position rows up to its padding id, which llama.cpp's converter cuts (its
+        # positions are counted past the padding id, so the rows before are never read but by a
+        # padding token inside an input): put back as zeros
+        self._cut = config["pad_token_id"] + 1 if config["model_type"] == "xlm-roberta" else 0
 
     def has(self, name: str) -> bool:
         return gguf_name(name) in self.file.tensors
@@ -249,6 +254,8 @@ class GGUFReader(Reader):
     def shape(self, name: str) -> list[int]:
         _, t, expert = self._tensor(name)
         shape = [int(s) for s in reversed(t.shape)]  # transformers' order: [out, in], [experts, out, in]
+        if self._cut and name.endswith(_POSITIONS):
+            shape[0] += self._cut
         return shape[1:] if expert is not None else shape
 
     def source(self, name: str) -> str:
@@ -303,6 +310,16 @@ class GGUFReader(Reader):
         return w.dequantize() if isinstance(w, QuantizedWeight) else w
 
     def read_weight(self, name, dim=None, start=0, end=None, vocab=False):
+        if self._cut and name.endswith(_POSITIONS):
+            if dim is not None:
+                raise ConfigError(f"{gguf_name(name)}: XLM-RoBERTa's position table is read whole")
+            table = self._slice(name, None, 0, None)
+            table = table.dequantize() if isinstance(table, QuantizedWeight) else table
+            return torch.cat([table.new_zeros(self._cut, table.shape[1]), table])
+        return self._slice(name, dim, start, end)
+
+    def _slice(self, name, dim, start, end):
+        """The tensor's slice: dense in fp32, or quantized as neuron holds it."""
         kind, raw, k = self._raw(name, dim, start, end)
         if kind.name in _DENSE:
             return _DENSE[kind.name](raw)
