@@ -397,3 +397,32 @@ def test_cache_root_resolution(monkeypatch, tmp_path):
     assert default_ckpt.cache_root() == tmp_path / "home" / ".cache" / "neuron"
     monkeypatch.setenv("NEURON_CACHE_DIR", str(tmp_path / "explicit"))
     assert default_ckpt.cache_root() == tmp_path / "explicit"
+
+
+def test_a_tokenizer_failing_on_ordinary_text_is_refused_at_load_and_a_panic_is_its_error():
+    """A tokenizer whose files are corrupt where its loader does not look (a precompiled character
+    map's tables: the library then panics on some text, and a Rust panic is a BaseException no
+    handler expects) is refused when it loads, by a text of many scripts; a panic at a request is
+    that request's TokenizerError."""
+    from neuron.engine.tokenizer import _check_runs, _no_panic
+
+    class PanicException(BaseException):
+        """The name pyo3 gives a Rust panic."""
+
+    class FailsOnKanji:  # a backend whose map is corrupt where one CJK character maps
+        def __init__(self, exc):
+            self.exc = exc
+
+        def encode_batch(self, texts: list[str], add_special_tokens: bool) -> list:
+            if any("\u4e01" in t for t in texts):
+                raise self.exc("corrupt")
+            return []
+
+    for exc in (ValueError, PanicException):
+        FailsOnKanji(exc).encode_batch(["plain text"], False)
+        with pytest.raises(TokenizerError, match="fails on ordinary text of many scripts.*corrupt"):
+            _check_runs(FailsOnKanji(exc))
+    with pytest.raises(TokenizerError, match="the tokenizer failed on this text: boom"), _no_panic():
+        raise PanicException("boom")
+    with pytest.raises(KeyboardInterrupt), _no_panic():
+        raise KeyboardInterrupt

@@ -29,6 +29,7 @@ from neuron.engine.scheduler import Scheduled, Scheduler
 from neuron.engine.sequence import Sequence
 from neuron.engine.spec_decode import SpecDecoder
 from neuron.engine.structured_output import CompiledGrammar, StructuredOutput
+from neuron.engine.tokenizer import TokenizerError
 from neuron.errors import WorkerError
 from neuron.executor.executor import Executor
 from neuron.multimodal.image import ImageError, ImageInput, VisionSpec, image_spans
@@ -423,7 +424,10 @@ def encode_prompt(engine: LLMEngine, prompt: str, add_special_tokens: bool = Tru
     rendered chats are encoded without them."""
     if engine.tokenizer is None:
         raise RequestError("this checkpoint has no tokenizer.json: send token ids instead of text", param="prompt")
-    return engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    try:
+        return engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    except TokenizerError as exc:  # a tokenizer that fails on this text (tokenizer._no_panic)
+        raise RequestError(str(exc), param="prompt") from None
 
 
 __all__ = ["EngineConfig", "ImageError", "LLMEngine", "PoolingParams", "RequestError", "Update", "encode_prompt"]

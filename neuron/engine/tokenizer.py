@@ -12,6 +12,7 @@ import json
 import math
 import os
 from collections.abc import Sequence
+from contextlib import contextmanager
 from datetime import datetime
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -109,6 +110,7 @@ class Tokenizer:
         self._added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
         pre = json.loads(backend.pre_tokenizer.__getstate__()) if backend.pre_tokenizer else None
         self._byte_level = _byte_level(pre)
+        _check_runs(backend)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -168,7 +170,8 @@ class Tokenizer:
         # tokenized in a worker thread leaves the event loop free. The fast one skips offsets
         # (tokenizers >= 0.21), which halves the time and the memory.
         encode_batch = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
-        [encoding] = encode_batch([text.lower() if self.lowercase else text], add_special_tokens=add_special_tokens)
+        with _no_panic():
+            [encoding] = encode_batch([text.lower() if self.lowercase else text], add_special_tokens=add_special_tokens)
         ids = encoding.ids
         if len(text) >= _TRIM_AFTER_CHARS and _malloc_trim is not None:
             del encoding
@@ -204,7 +207,8 @@ class Tokenizer:
         whole text when it has no more."""
         if self.lowercase:
             text = text.lower()  # what is encoded, and so what the offsets index
-        [encoding] = self._backend.encode_batch([text], add_special_tokens=False)
+        with _no_panic():
+            [encoding] = self._backend.encode_batch([text], add_special_tokens=False)
         if len(encoding.ids) <= max_tokens:
             return text
         return text[: encoding.offsets[max_tokens - 1][1]] if max_tokens > 0 else ""
@@ -263,8 +267,9 @@ class Tokenizer:
 
     def _framed(self, probes: list[str]) -> tuple[list[Encoding], Encoding]:
         """One text or a pair (`probes`) encoded alone, and as the post-processor frames them."""
-        encodings = self._backend.encode_batch(probes, add_special_tokens=False)
-        return encodings, self._backend.post_process(*encodings, add_special_tokens=True)
+        with _no_panic():
+            encodings = self._backend.encode_batch(probes, add_special_tokens=False)
+            return encodings, self._backend.post_process(*encodings, add_special_tokens=True)
 
     @staticmethod
     def _specials_around(encodings: list[Encoding], joined: Encoding) -> tuple[list[int], ...]:
@@ -473,6 +478,40 @@ def _byte_level(spec: dict | None) -> bool:
     if spec is None:
         return False
     return spec.get("type") == "ByteLevel" or any(_byte_level(s) for s in spec.get("pretokenizers", []))
+
+
+# Characters of many scripts and forms (Latin and its accents, Greek, Cyrillic, Hebrew, Arabic,
+# Devanagari, Thai, punctuation, letter-like and enclosed symbols, CJK, kana, Hangul, compatibility and
+# full-width forms, mathematical letters, emoji) that a tokenizer encodes once when it loads.
+_PROBE = "".join(chr(c) for a, b in [(0x20, 0x250), (0x300, 0x500), (0x590, 0x700), (0x900, 0x980), (0xE00, 0xE80),
+                                     (0x1E00, 0x1F00), (0x2000, 0x2200), (0x2460, 0x2500), (0x2E80, 0x3400),
+                                     (0x4E00, 0x4F00), (0xAC00, 0xAD00), (0xF900, 0xFB50), (0xFE30, 0xFE70),
+                                     (0xFF00, 0xFFF0), (0x1D400, 0x1D500), (0x1F100, 0x1F200), (0x1F600, 0x1F650)]
+                 for c in range(a, b))
+
+
+@contextmanager
+def _no_panic():
+    """A panic inside the tokenizers library (a Rust panic is a BaseException, which no request's
+    handler expects) as a TokenizerError: a corrupt character map can make one on some text."""
+    try:
+        yield
+    except BaseException as exc:
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise TokenizerError(f"the tokenizer failed on this text: {str(exc).splitlines()[0][:200]}") from None
+
+
+def _check_runs(backend: _Backend) -> None:
+    """Encode _PROBE once (a millisecond or so), so that a tokenizer whose files are corrupt in a way
+    its loader does not see (a precompiled character map's tables) fails at load, not at a request."""
+    try:
+        with _no_panic():
+            backend.encode_batch([_PROBE], add_special_tokens=False)
+    except TokenizerError as exc:
+        raise TokenizerError(f"the tokenizer fails on ordinary text of many scripts: {exc}") from None
+    except Exception as exc:  # the library's own errors
+        raise TokenizerError(f"the tokenizer fails on ordinary text of many scripts: {exc}") from None
 
 
 def _add_missing_tokens(backend: _Backend, added: dict) -> None:
