@@ -38,15 +38,18 @@ def store_dirs() -> list[Path]:
     """Where Ollama's store may be, in the order Ollama looks."""
     if os.environ.get("OLLAMA_MODELS"):
         return [Path(os.environ["OLLAMA_MODELS"]).expanduser()]
-    return [Path.home() / ".ollama" / "models", Path("/usr/share/ollama/.ollama/models")]
+    try:
+        home = [Path.home() / ".ollama" / "models"]
+    except RuntimeError:  # no home directory (a service's user)
+        home = []
+    return [*home, Path("/usr/share/ollama/.ollama/models")]
 
 
 def parse_name(name: str) -> tuple[str, str, str, str] | None:
     """(host, namespace, model, tag) of an Ollama model name; None for a string that is not one."""
     rest, _, tag = name.rpartition(":") if ":" in name.rsplit("/", 1)[-1] else (name, "", DEFAULT_TAG)
     parts = rest.split("/")
-    if not 1 <= len(parts) <= 3 or not all(_PART.fullmatch(p) for p in [*parts, tag]) or \
-            any(p in (".", "..") for p in parts):
+    if not 1 <= len(parts) <= 3 or not all(_PART.fullmatch(p) for p in [*parts, tag]):  # no "..", no "/x"
         return None
     host, namespace = (DEFAULT_HOST, DEFAULT_NAMESPACE) if len(parts) == 1 else \
         (DEFAULT_HOST, parts[0]) if len(parts) == 2 else (parts[0], parts[1])
