@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import anyio
 import msgspec
 import numpy as np
 from msgspec import Struct
@@ -209,9 +210,9 @@ class _LlamaCpp:
         raw = pooling_params(use_activation=False)  # as pooled: embd_normalize scales it
         batch = EmbeddingBatch(engine, new_id("embd"), ids, raw, self.served.salt(request, req))
 
-        async def collect() -> bytes:
+        async def collect() -> bytes:  # thousands of vectors are scaled and encoded off the event loop
             vectors = await batch.run()
-            return msgspec.json.encode([{"index": i, "embedding": [_scaled(v, norm)]} for i, v in enumerate(vectors)])
+            return await anyio.to_thread.run_sync(_embedding_body, vectors, norm)
 
         return await json_unless_disconnected(request, batch, collect())
 
@@ -393,6 +394,10 @@ _MAX_BIASED_TEXTS = 1024  # texts to tokenize for logit_bias, each its own pass
 
 def _is_id(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _embedding_body(vectors: list[list[float]], norm: int) -> bytes:
+    return msgspec.json.encode([{"index": i, "embedding": [_scaled(v, norm)]} for i, v in enumerate(vectors)])
 
 
 def _embeddable(value: Any) -> bool:
