@@ -370,53 +370,37 @@ def write_bert_gguf(hf_dir: Path, out: Path, types: str = "F32", pooling: int | 
 
     hf_dir = Path(hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
-    if config["model_type"] == "xlm-roberta":
-        return _write_xlmr_gguf(hf_dir, out, config, types, pooling)
+    xlmr = config["model_type"] == "xlm-roberta"
+    cut = config["pad_token_id"] + 1 if xlmr else 0  # XLM-R's positions start past the padding id: rows cut
     w = gguf.GGUFWriter(str(out), "bert")
-    w.add_context_length(config["max_position_embeddings"])
+    w.add_context_length(config["max_position_embeddings"] - cut)
     w.add_embedding_length(config["hidden_size"])
     w.add_block_count(config["num_hidden_layers"])
     w.add_feed_forward_length(config["intermediate_size"])
     w.add_head_count(config["num_attention_heads"])
-    w.add_layer_norm_eps(config.get("layer_norm_eps", 1e-12))
+    w.add_layer_norm_eps(config.get("layer_norm_eps", 1e-5 if xlmr else 1e-12))
     w.add_causal_attention(False)
     if pooling is not None:
         w.add_pooling_type(gguf.PoolingType(pooling))
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab = dict(tok["model"]["vocab"])
-    control = {a["id"] for a in tok.get("added_tokens", []) if a.get("special")}
-    tokens = [""] * len(vocab)
-    for text, i in vocab.items():
-        tokens[i] = text
-    kinds = [gguf.TokenType.CONTROL if i in control else gguf.TokenType.NORMAL for i in range(len(tokens))]
-    phantom = [t if k == gguf.TokenType.CONTROL else t[2:] if t.startswith("##") else "\u2581" + t
-               for t, k in zip(tokens, kinds)]
-    for i, text in (spelled or {}).items():
-        phantom[i] = text
     w.add_token_type_count(config.get("type_vocab_size", 1))
-    w.add_tokenizer_model(vocabulary)
-    w.add_token_list(phantom)
-    w.add_token_types(kinds)
-    named = json.loads((hf_dir / "tokenizer_config.json").read_text())
-    # as its converter names them: [CLS] the BOS token, [SEP] the EOS token and the separator
-    for key, meta in (("cls_token", "bos_token_id"), ("sep_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
-                      ("sep_token", "seperator_token_id"), ("pad_token", "padding_token_id"),
-                      ("mask_token", "mask_token_id")):
-        if named.get(key) in vocab:
-            w.add_uint32(f"tokenizer.ggml.{meta}", vocab[named[key]])
-    w.add_bool("tokenizer.ggml.add_bos_token", True)
-    w.add_bool("tokenizer.ggml.add_eos_token", True)
-    w.add_bool("tokenizer.ggml.normalizer.lowercase", tok["normalizer"].get("lowercase", True))
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    if xlmr:
+        _add_unigram_vocabulary(w, tok)
+    else:
+        _add_wordpiece_vocabulary(w, tok, json.loads((hf_dir / "tokenizer_config.json").read_text()), vocabulary,
+                                  spelled or {})
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, config["num_hidden_layers"])
     tensors = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
         tensors.update(load_file(f))
     for name, value in tensors.items():
-        name = name.removeprefix("bert.")
-        if name.startswith(("pooler.", "classifier.", "cls.")) or name == "embeddings.position_ids":
+        name = name.removeprefix("bert.").removeprefix("roberta.")
+        if name.startswith(("pooler.", "classifier.", "cls.", "lm_head.")) or name.endswith("position_ids"):
             continue
         gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
         x = value.astype(np.float32)
+        if gname.startswith("position_embd"):
+            x = x[cut:]
         # the position and token-type tables stay F32, as the converter keeps them
         data, qtype = quantize(x, "F32" if x.ndim == 1 or gname.startswith(("position_embd", "token_types")) else types)
         w.add_tensor(gname, data, raw_dtype=qtype)
@@ -427,24 +411,41 @@ def write_bert_gguf(hf_dir: Path, out: Path, types: str = "F32", pooling: int | 
     return out
 
 
-def _write_xlmr_gguf(hf_dir: Path, out: Path, config: dict, types: str, pooling: int | None) -> Path:
-    """XLM-RoBERTa as the converter writes it from a tokenizer.json (its `_xlmroberta_set_vocab`)."""
+def _add_wordpiece_vocabulary(w, tok: dict, named: dict, vocabulary: str, spelled: dict[int, str]) -> None:
+    """BERT's vocabulary as the converter writes it: in llama.cpp's spelling, [CLS] the BOS token,
+    [SEP] the EOS token and the separator."""
+    import gguf
+
+    vocab = dict(tok["model"]["vocab"])
+    control = {a["id"] for a in tok.get("added_tokens", []) if a.get("special")}
+    tokens = [""] * len(vocab)
+    for text, i in vocab.items():
+        tokens[i] = text
+    kinds = [gguf.TokenType.CONTROL if i in control else gguf.TokenType.NORMAL for i in range(len(tokens))]
+    phantom = [t if k == gguf.TokenType.CONTROL else t[2:] if t.startswith("##") else "\u2581" + t
+               for t, k in zip(tokens, kinds)]
+    for i, text in spelled.items():
+        phantom[i] = text
+    w.add_tokenizer_model(vocabulary)
+    w.add_token_list(phantom)
+    w.add_token_types(kinds)
+    for key, meta in (("cls_token", "bos_token_id"), ("sep_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
+                      ("sep_token", "seperator_token_id"), ("pad_token", "padding_token_id"),
+                      ("mask_token", "mask_token_id")):
+        if named.get(key) in vocab:
+            w.add_uint32(f"tokenizer.ggml.{meta}", vocab[named[key]])
+    w.add_bool("tokenizer.ggml.add_bos_token", True)
+    w.add_bool("tokenizer.ggml.add_eos_token", True)
+    w.add_bool("tokenizer.ggml.normalizer.lowercase", tok["normalizer"].get("lowercase", True))
+
+
+def _add_unigram_vocabulary(w, tok: dict) -> None:
+    """XLM-RoBERTa's vocabulary as the converter writes it from a tokenizer.json (its
+    `_xlmroberta_set_vocab`): the `t5` model's pieces, scores, types and character map."""
     import base64
 
     import gguf
 
-    cut = config["pad_token_id"] + 1  # its positions start past the padding id: the rows before are cut
-    w = gguf.GGUFWriter(str(out), "bert")
-    w.add_context_length(config["max_position_embeddings"] - cut)
-    w.add_embedding_length(config["hidden_size"])
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(config["num_attention_heads"])
-    w.add_layer_norm_eps(config.get("layer_norm_eps", 1e-5))
-    w.add_causal_attention(False)
-    if pooling is not None:
-        w.add_pooling_type(gguf.PoolingType(pooling))
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
     pieces = tok["model"]["vocab"]
     unk = tok["model"].get("unk_id", 3)
     added = {a["id"]: a.get("special", False) for a in tok.get("added_tokens", [])}
@@ -456,7 +457,6 @@ def _write_xlmr_gguf(hf_dir: Path, out: Path, config: dict, types: str, pooling:
     w.add_token_scores([float(x) for _, x in pieces])
     w.add_token_types(kinds)
     w.add_add_space_prefix(True)
-    w.add_token_type_count(config.get("type_vocab_size", 1))
     w.add_remove_extra_whitespaces(False)  # as the converter writes a tokenizer.json checkpoint's
     charsmap = (tok.get("normalizer") or {}).get("precompiled_charsmap")
     if charsmap:
@@ -466,22 +466,3 @@ def _write_xlmr_gguf(hf_dir: Path, out: Path, config: dict, types: str, pooling:
                        ("seperator_token_id", "</s>"), ("padding_token_id", "<pad>"), ("mask_token_id", "<mask>")):
         if text in vocab:
             w.add_uint32(f"tokenizer.ggml.{meta}", vocab[text])
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, config["num_hidden_layers"])
-    tensors = {}
-    for f in sorted(hf_dir.glob("*.safetensors")):
-        tensors.update(load_file(f))
-    for name, value in tensors.items():
-        name = name.removeprefix("roberta.")
-        if name.startswith(("pooler.", "classifier.", "lm_head.")) or name.endswith("position_ids"):
-            continue
-        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        x = value.astype(np.float32)
-        if gname.startswith("position_embd"):
-            x = x[cut:]
-        data, qtype = quantize(x, "F32" if x.ndim == 1 or gname.startswith(("position_embd", "token_types")) else types)
-        w.add_tensor(gname, data, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
