@@ -73,7 +73,7 @@ def resolve_model_path(model: str, cache_dir: str | None = None, revision: str =
                 return snap / file
             raise ModelNotFound(f"{file} is not in {repo} ({snap}); its GGUF files: "
                                 f"{', '.join(sorted(p.name for p in snap.glob('*.gguf'))) or 'none'}")
-    if ollama and (blob := find_model(model)) is not None:
+    if ollama and not ollama_shaped and (blob := find_model(model)) is not None:  # org/name: Ollama's second
         return blob
     looked = f"looked in: {', '.join(searched)}" if searched else "this machine has no Hugging Face cache"
     if ollama_shaped:
