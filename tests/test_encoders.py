@@ -750,3 +750,28 @@ def test_encoders_on_cuda_equal_transformers(tmp_path, bert_cross, tp):
         scores = llm.score(QUERY, TEXTS)
     for doc, out in zip(TEXTS, scores):
         assert out.outputs.score == pytest.approx(float(_logits(bert_cross, QUERY, doc).sigmoid()), abs=1e-4)
+
+
+@pytest.mark.parametrize("change, said", [
+    (dict(scores=[0.0]), "one finite tokenizer.ggml.scores entry per token"),
+    (dict(scores=[0.0, float("nan"), 0.0, 0.0]), "one finite tokenizer.ggml.scores entry per token"),
+    (dict(tokens=["<s>", "<s>", "</s>", "<unk>"]), "holds a token twice"),
+    (dict(kinds=[3, 3, 3, 3]), "needs one unknown token, it has 0"),
+    (dict(ids={"bos_token": ("tokenizer.ggml.bos_token_id", 10**9)}), "bos_token_id must be a token id below 4"),
+    (dict(ids={}), "needs its bos_token, eos_token's id"),
+    (dict(charsmap=[1, 2, 3]), "is not a character map"),
+    (dict(charsmap=[300]), "must hold bytes"),
+    (dict(space_prefix="yes"), "add_space_prefix must be true or false"),
+    (dict(kinds=[3]), "one tokenizer.ggml.token_type per token"),
+])
+def test_a_hostile_unigram_vocabulary_is_refused_by_what_is_wrong(change, said):
+    """A GGUF file's XLM-RoBERTa vocabulary, each of its parts wrong in turn."""
+    from dataclasses import replace
+
+    from neuron.engine.gguf_vocab import GGUFVocabulary, VocabularyError, vocabulary_tokenizer
+
+    ids = {"bos_token": ("tokenizer.ggml.bos_token_id", 0), "eos_token": ("tokenizer.ggml.eos_token_id", 2)}
+    good = GGUFVocabulary("t5", ["<s>", "<pad>", "</s>", "<unk>"], [3, 3, 3, 2], ids, scores=[0.0, 0.0, 0.0, 0.0])
+    vocabulary_tokenizer(good)
+    with pytest.raises(VocabularyError, match=said):
+        vocabulary_tokenizer(replace(good, **change))

@@ -109,6 +109,12 @@ def test_what_the_store_cannot_give_is_refused_by_name(tmp_path, monkeypatch, gg
     _pull(store, "templated", None)
     with pytest.raises(ConfigError, match="names 0 weight layers"):
         find_model("templated")
+    manifest.write_text(" " * (2 << 20) + "{}")  # past what a manifest holds
+    with pytest.raises(ConfigError, match="is larger than such a file is"):
+        resolve_model_path("torn")
+    _pull(store, "listed", gguf_file, params=["temperature", 0.6])
+    with pytest.raises(ConfigError, match="its parameters layer is not a JSON object"):
+        model_config("listed")
 
 
 def test_an_ollama_models_parameters_are_its_sampling_defaults(tmp_path, monkeypatch, gguf_file):
