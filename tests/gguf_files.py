@@ -271,12 +271,14 @@ def _add_tokenizer(writer, hf_dir: Path, vocab_size: int) -> None:
 
 
 def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", tokenizer: bool = True,
-               pooling: int | str | None = None, ids: dict[str, int] | None = None) -> Path:
+               pooling: int | str | None = None, ids: dict[str, int] | None = None, split_max_tensors: int = 0) -> Path:
     """`hf_dir`'s Qwen3 or Llama checkpoint as a GGUF file. `types`: one type for every matrix, or a
     map from GGUF tensor names (or their suffixes after the layer, such as "ffn_down.weight") to
     types with "default" for the rest; 1-D tensors are F32 as llama.cpp writes them. `pooling`:
     llama.cpp's pooling type for an embedding model (1 mean, 2 cls, 3 last, 4 rank). `ids`: more
-    `tokenizer.ggml.<key>_token_id` entries (eot, eom, ...)."""
+    `tokenizer.ggml.<key>_token_id` entries (eot, eom, ...). `split_max_tensors`: split the file as
+    llama.cpp's converter does (OUT-00001-of-0000N.gguf, the metadata in the first); the first
+    shard's path is returned."""
     import gguf
 
     hf_dir = Path(hf_dir)
@@ -284,7 +286,7 @@ def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", to
     arch = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3moe", "qwen2": "qwen2"}[config["model_type"]]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    w = gguf.GGUFWriter(str(out), arch)
+    w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
     w.add_block_count(config["num_hidden_layers"])
@@ -339,7 +341,7 @@ def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", to
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return out
+    return w.format_shard_names(Path(out))[0]
 
 
 def write_tensors(out: Path, tensors: dict[str, tuple[np.ndarray, object]], arch: str = "qwen3") -> Path:

@@ -79,6 +79,55 @@ def test_random_blocks_read_back_exactly_whole_and_split_across_two_ranks(tmp_pa
     assert neuron_gguf.held_bytes(reader.file.tensors["blk.0.ffn_down.weight"], 4) == held  # the memory plan's count
 
 
+@pytest.mark.parametrize("kind", list(neuron_gguf._DENSE))
+def test_dense_types_read_back_whole_and_split_across_two_ranks(tmp_path, kind):
+    """F32, F16 and BF16 tensors split on their inputs as a row-parallel layer's ranks read them
+    (BF16's 16-bit words are its values, not byte pairs)."""
+    x = np.random.default_rng(1).standard_normal((6, 512)).astype(np.float32)
+    data, qtype = quantize(x, kind)
+    path = write_tensors(tmp_path / "dense.gguf", {"blk.0.ffn_down.weight": (data, qtype)})
+    reference = torch.from_numpy(np.asarray(data if kind == "F32" else gguf.dequantize(data, qtype), np.float32))
+    reader = neuron_gguf.GGUFReader(path, {"num_attention_heads": 4, "model_type": "qwen3"})
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(reader.read(name), reference)
+    for start, end in ((0, 256), (256, 512)):
+        assert torch.equal(reader.read(name, dim=1, start=start, end=end), reference[:, start:end])
+    assert torch.equal(reader.read(name, dim=0, start=2, end=5), reference[2:5])
+
+
+def test_the_file_reads_as_the_gguf_package_reads_it(qwen3_gguf, llama_gguf, tmp_path):
+    """neuron's own walk of the header: every metadata value (the vocabulary, its merges, the chat
+    template) and every tensor's type, shape, place and bytes as `gguf.GGUFReader` reads them; the
+    tokenizer is the one transformers' AutoTokenizer builds from the same file."""
+    from transformers import AutoTokenizer
+
+    from neuron.utils.default_checkpoint import default_model_dir
+
+    with_vocabulary = write_gguf(default_model_dir(), tmp_path / "default.gguf", "Q8_0")
+    for path in (qwen3_gguf[1], llama_gguf[1], with_vocabulary):
+        ours, theirs = neuron_gguf.GGUFFile(path), gguf.GGUFReader(str(path))
+        stored = {k: f for k, f in theirs.fields.items() if not k.startswith("GGUF.")}  # gguf's header items
+        assert list(ours.fields) == list(stored)
+        for key, field in stored.items():
+            expected = field.contents()
+            got = ours.array(key) if field.types[0] == gguf.GGUFValueType.ARRAY else ours.field(key)
+            assert got == expected and type(got) is type(expected), key
+        assert list(ours.tensors) == [t.name for t in theirs.tensors]
+        for t in theirs.tensors:
+            mine = ours.tensors[t.name]
+            assert (mine.tensor_type, mine.shape, mine.n_elements, mine.n_bytes, mine.data_offset) == \
+                (t.tensor_type, tuple(int(d) for d in t.shape), t.n_elements, t.n_bytes, t.data_offset), t.name
+            assert mine.data.tobytes() == t.data.tobytes(), t.name
+            if mine.tensor_type.name != "BF16":  # gguf keeps BF16 as bytes; neuron as 16-bit values
+                assert mine.data.shape == t.data.shape and mine.data.dtype == t.data.dtype, t.name
+    merges = ours.array("tokenizer.ggml.merges")
+    assert len(merges) > 1000 and "{%" in ours.field("tokenizer.chat_template")
+    auto = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=with_vocabulary.name)
+    tok = Tokenizer.from_gguf(with_vocabulary, "qwen3")
+    assert tok._backend.to_str() == auto.backend_tokenizer.to_str()
+    assert tok.chat_template == auto.chat_template and tok.eos_token_id == auto.eos_token_id
+
+
 def test_q4_0_scales_whose_offset_passes_fp16_are_read_in_fp32():
     """Q4_0's offset is 8 d: kept fp16 beside d, unless 8 d passes fp16's largest value (d of 60,000
     is a finite fp16); then both are fp32, and the weight still reads and multiplies as gguf's."""
@@ -250,7 +299,7 @@ def test_a_gguf_file_in_a_cached_repo_is_found_by_name(tmp_path, monkeypatch):
     assert resolve_model_path("org/tiny-GGUF/tiny-Q4_K_M.gguf") == snap / "tiny-Q4_K_M.gguf"
     with pytest.raises(ModelNotFound, match="tiny-Q4_K_M.gguf, tiny-Q8_0.gguf"):
         resolve_model_path("org/tiny-GGUF/tiny-Q2_K.gguf")
-    with pytest.raises(ConfigError, match="several GGUF files"):
+    with pytest.raises(ConfigError, match="several GGUF models"):
         neuron_gguf.find_gguf(snap)
 
 
@@ -294,3 +343,47 @@ def test_every_end_of_generation_token_of_the_file_stops(tmp_path):
     far = write_gguf(src, tmp_path / "far" / "far.gguf", "Q8_0", ids={"eot": 10**7})
     with pytest.raises(ConfigError, match="eos_token_id must be a token id"):
         model_config(far)
+
+
+def test_a_split_file_loads_from_its_first_shard_as_the_whole_file_does(llama_gguf, tmp_path):
+    """A file split by llama.cpp's converter (PREFIX-00001-of-00003.gguf: the metadata in the first
+    shard, the tensors spread over all three) generates at tp 2 exactly what the whole file does,
+    named by its folder, its first shard or any other shard; a missing or mislabelled shard is
+    refused by name."""
+    hf, whole = llama_gguf
+    (tmp_path / "split").mkdir()
+    first = write_gguf(hf, tmp_path / "split" / "model.gguf", MIXED, split_max_tensors=8)
+    shards = sorted(first.parent.glob("*.gguf"))
+    assert [s.name for s in shards] == [f"model-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    assert neuron_gguf.open_file(first).tensors.keys() == neuron_gguf.open_file(whole).tensors.keys()
+    assert neuron_gguf.find_gguf(first.parent) == first and neuron_gguf.find_gguf(shards[2]) == first
+    (tmp_path / "blobs").mkdir()  # a Hugging Face cache: each shard a link to a blob named by its hash
+    (tmp_path / "snapshot").mkdir()
+    for i, shard in enumerate(shards):
+        blob = tmp_path / "blobs" / f"{i}abc"
+        blob.write_bytes(shard.read_bytes())
+        (tmp_path / "snapshot" / shard.name).symlink_to(blob)
+    assert neuron_gguf.open_file(tmp_path / "snapshot" / first.name).tensors.keys() == \
+        neuron_gguf.open_file(whole).tensors.keys()
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    outs = {}
+    for path in (whole, first.parent):
+        with LLM(str(path), tensor_parallel_size=2, device="cpu", dtype="float32") as llm:
+            outs[path] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+    assert outs[whole] == outs[first.parent]
+
+    shards[1].rename(shards[1].with_suffix(".part"))
+    with pytest.raises(ConfigError, match=r"model-00001-of-00003\.gguf: shard 2 of 3, model-00002-of-00003\.gguf, "
+                                          r"is missing"):
+        neuron_gguf.GGUFFile(first)
+    shards[1].with_suffix(".part").rename(shards[2].with_name("model-00002-of-00003.gguf"))
+    shards[2].rename(tmp_path / "third.gguf")
+    shards[0].rename(shards[2])  # the first shard's bytes where the third belongs
+    (tmp_path / "third.gguf").rename(shards[0])
+    with pytest.raises(ConfigError, match="one shard of a GGUF file split in 3; name its first shard"):
+        neuron_gguf.GGUFFile(first)
+    shards[0].unlink()
+    with pytest.raises(ConfigError, match=r"the first shard of its split GGUF file, model-00001-of-00003\.gguf, "
+                                          r"is missing"):
+        neuron_gguf.find_gguf(first.parent)

@@ -16,7 +16,7 @@ from neuron import LLM
 from neuron.engine.loading import LoadTimeout, load_within
 from neuron.errors import ConfigError
 from neuron.models import valid_tp_sizes
-from neuron.models.gguf_layout import check_layout
+from neuron.models.gguf_layout import read_layout
 from neuron.models.memory_plan import MemoryPlan, check_fits, kv_bytes_per_token
 
 
@@ -124,13 +124,13 @@ def test_the_gguf_walk_accepts_a_well_formed_file_and_bounds_every_count(base, t
     config = json.loads((base / "config.json").read_text())
     tensors = gguf_tensors(base)
     good = gguf_file(tmp_path / "good.gguf", gguf_meta(config), tensors)
-    check_layout(good)
+    read_layout(good)
     long_name = gguf_file(tmp_path / "name.gguf", gguf_meta(config) + [kv("general.name", STRING, "x" * (1 << 17))],
                           tensors)
-    check_layout(long_name)  # a long string value is fine; a key of that length is not
+    read_layout(long_name)  # a long string value is fine; a key of that length is not
     long_key = gguf_file(tmp_path / "key.gguf", gguf_meta(config) + [kv("k" * (1 << 17), U32, 1)], tensors)
     with pytest.raises(ConfigError, match=r"key\.gguf: a metadata key claims 131072 bytes \(at most 65536\)"):
-        check_layout(long_key)
+        read_layout(long_key)
 
 
 @pytest.mark.parametrize("tied", [False, True])

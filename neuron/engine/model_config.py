@@ -393,9 +393,11 @@ def _tokenizer(spec: EngineConfig, model_dir: Path, gguf: Path | None) -> tuple[
         model = f.field("tokenizer.ggml.model")
         # an encoder's vocabulary (BERT's WordPiece, XLM-RoBERTa's unigram in a `bert` file) is rebuilt
         # by neuron, any other by transformers' GGUF converter
-        encoder = model == "bert" or (model == "t5" and f.field("general.architecture") == "bert")
+        arch = f.field("general.architecture")
+        encoder = model == "bert" or (model == "t5" and arch == "bert")
         tokenizer = None if model in (None, "", "none", "no_vocab") else \
-            Tokenizer.from_vocabulary(_gguf_vocabulary(f, model), gguf.name) if encoder else Tokenizer.from_gguf(gguf)
+            Tokenizer.from_vocabulary(_gguf_vocabulary(f, model), gguf.name) if encoder else \
+            Tokenizer.from_gguf(gguf, ARCHITECTURES.get(arch, arch))
         return _with_chat_template(tokenizer, spec.chat_template), None
     folder = folder or model_dir
     tokenizer = Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None

@@ -21,12 +21,15 @@ The two-level factors multiply in fp32 as gguf's do (d x sc before the code), so
 rounds the same. F32, F16 and BF16 tensors load as dense ones; any other type (the IQ1-IQ3
 families, TQ1_0, ...) is refused on the leader, naming it and its tensors, before workers start.
 llama.cpp stores Llama's q and k rows permuted for its rotary layout; the reader undoes that.
-Its `bert` architecture (BERT embedding models) is read under BERT's transformers names.
+Its `bert` architecture (BERT embedding models) is read under BERT's transformers names. A file
+split into shards (PREFIX-00001-of-0000N.gguf) is read from its first shard's metadata and every
+shard's tensors, each shard checked to be the one its name says.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +38,7 @@ import torch
 from neuron.errors import ConfigError
 from neuron.layers.quantized import QuantizedWeight, pack_nibbles
 from neuron.layers.tensor_parallel import Reader
-from neuron.models.gguf_layout import check_layout
+from neuron.models.gguf_layout import ARRAY, STRING, read_layout
 
 ARCHITECTURES = {"qwen3": "qwen3", "llama": "llama", "qwen3moe": "qwen3_moe", "qwen2": "qwen2", "bert": "bert"}
 _LAYER_NAMES = {
@@ -120,25 +123,46 @@ def is_gguf(path: Path) -> bool:
 
 
 def find_gguf(path: Path) -> Path | None:
-    """`path` itself when it is a GGUF file (is_gguf), the one .gguf file of a directory without
-    safetensors weights (several are refused by name), else None."""
+    """`path` itself when it is a GGUF file (is_gguf; a split file's first shard for any of its
+    shards), the one GGUF file or split set of a directory without safetensors weights (several are
+    refused by name), else None."""
     if path.is_file():
-        return path if is_gguf(path) else None
+        if not is_gguf(path):
+            return None
+        first = _first_shard(path)
+        return first if first.is_file() else path  # a lone shard-like name is refused by GGUFFile
     files = sorted(path.glob("*.gguf")) if path.is_dir() else []
     if not files or any(path.glob("*.safetensors")):
         return None
-    if len(files) > 1:
-        raise ConfigError(f"{path} holds several GGUF files ({', '.join(f.name for f in files)}); "
-                          f"name one: {path / files[0].name}")
-    return files[0]
+    models = sorted({_first_shard(f).name for f in files})
+    if len(models) > 1:
+        raise ConfigError(f"{path} holds several GGUF models ({', '.join(models)}); name one: {path / models[0]}")
+    if not (path / models[0]).is_file():
+        raise ConfigError(f"{path}: the first shard of its split GGUF file, {models[0]}, is missing (a download "
+                          "that did not finish?)")
+    return path / models[0]
+
+
+# a split file's shards, as llama.cpp's gguf-split and converter name them: PREFIX-00001-of-00003.gguf
+_SHARD = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")
+MAX_SHARDS = 99999
+
+
+def _shard_name(prefix: str, number: int, count: int) -> str:
+    return f"{prefix}-{number:05d}-of-{count:05d}.gguf"
+
+
+def _first_shard(path: Path) -> Path:
+    shard = _SHARD.fullmatch(path.name)
+    return path.with_name(_shard_name(shard[1], 1, int(shard[3]))) if shard else path
 
 
 def open_file(path: str | Path) -> GGUFFile:
-    """The GGUF file at `path`, parsed once per process while it is unchanged: the leader reads its
-    config, types and tokenizer and rank 0 its tensors, and parsing a large file's metadata (a
-    vocabulary of 150k tokens) takes seconds."""
+    """The GGUF file at `path`, read once per process while it is unchanged: the leader reads its
+    config, types and tokenizer and rank 0 its tensors. The path is kept as named, not resolved: a
+    split file's shards are found beside its first (in a Hugging Face cache, links to blobs)."""
     st = Path(path).stat()
-    return _opened(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
+    return _opened(str(Path(path).absolute()), st.st_mtime_ns, st.st_size)
 
 
 @functools.lru_cache(maxsize=4)
@@ -147,48 +171,85 @@ def _opened(path: str, mtime_ns: int, size: int) -> GGUFFile:
 
 
 class GGUFFile:
-    """A GGUF file's metadata and tensor index (the tensors stay mapped, unread, until sliced)."""
+    """A GGUF file's metadata and tensor index (the tensors stay mapped, unread, until sliced). A
+    split file (llama.cpp's gguf-split, or its converter's --split-max-size) is read whole from its
+    first shard: that shard's metadata, every shard's tensors."""
 
     def __init__(self, path: str | Path):
-        gguf = _gguf()
         self.path = Path(path)
-        check_layout(path)  # every count bounded before the gguf package trusts it
-        try:
-            self.reader = gguf.GGUFReader(str(path), "r")
-        except (ValueError, OSError, KeyError, IndexError, TypeError) as exc:
-            raise ConfigError(f"{path} is not a readable GGUF file: {exc}") from None
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        layout = read_layout(path)  # every count bounded, every value read once
+        self.fields, self.tensors = layout.fields, layout.tensors
+        count = self._whole("split.count", 1)
+        if count > 1:
+            self._read_shards(count)
+
+    def _whole(self, key: str, default: int, fields: dict | None = None, most: int = MAX_SHARDS) -> int:
+        """A split's count or number: an integer from 0 to `most` (`default` when absent)."""
+        f = (self.fields if fields is None else fields).get(key)
+        if f is None:
+            return default
+        if not isinstance(f.value, int) or isinstance(f.value, bool) or not 0 <= f.value <= most:
+            raise ConfigError(f"{self.path.name}: GGUF metadata {key} must be a whole number up to {most}")
+        return f.value
+
+    def _read_shards(self, count: int) -> None:
+        shard = _SHARD.fullmatch(self.path.name)
+        if self._whole("split.no", 0) != 0 or not shard or int(shard[2]) != 1 or int(shard[3]) != count:
+            raise ConfigError(f"{self.path.name} is one shard of a GGUF file split in {count}; name its first shard, "
+                              f"PREFIX-00001-of-{count:05d}.gguf as llama.cpp names it, with the others beside it")
+        for number in range(2, count + 1):
+            path = self.path.with_name(_shard_name(shard[1], number, count))
+            if not path.is_file():
+                raise ConfigError(f"{self.path.name}: shard {number} of {count}, {path.name}, is missing from "
+                                  f"{path.parent} (a download that did not finish?)")
+            layout = read_layout(path)
+            if self._whole("split.no", -1, layout.fields) != number - 1 or \
+                    self._whole("split.count", -1, layout.fields) != count:
+                raise ConfigError(f"{path.name}: its split.no and split.count do not say it is shard {number} of "
+                                  f"{count} of {self.path.name}")
+            for name, t in layout.tensors.items():
+                if name in self.tensors:
+                    raise ConfigError(f"{path.name}: tensor {name!r} is in an earlier shard of {self.path.name} too")
+                self.tensors[name] = t
+        total = self._whole("split.tensors.count", len(self.tensors), most=1 << 31)
+        if total != len(self.tensors):
+            raise ConfigError(f"{self.path.name}: its {count} shards hold {len(self.tensors)} tensors, not the "
+                              f"{total} split.tensors.count says")
 
     def field(self, key: str, default=None):
         """A metadata value: one number or string (an array is refused by name, never hashed or
         converted by mistake); `tokenizer.*` arrays are read by the tokenizer converter instead."""
-        f = self.reader.fields.get(key)
+        f = self.fields.get(key)
         if f is None:
             return default
-        if len(f.types) != 1 or f.types[0] == _gguf().GGUFValueType.ARRAY:
+        if f.kind == ARRAY:
             raise ConfigError(f"{self.path.name}: GGUF metadata {key} must be a single value, not an array")
+        if f.kind != STRING:
+            return f.value
         try:
-            return f.contents()
+            return f.value.decode("utf-8")
         except UnicodeDecodeError:
             raise ConfigError(f"{self.path.name}: GGUF metadata {key} is a string that is not UTF-8") from None
 
     def array(self, key: str) -> list | None:
         """An array field's items (strings decoded as UTF-8), None when the file has no such key; a
         single value, or a string that is not UTF-8, is refused naming the key."""
-        f = self.reader.fields.get(key)
+        f = self.fields.get(key)
         if f is None:
             return None
-        if len(f.types) < 2 or f.types[0] != _gguf().GGUFValueType.ARRAY:
+        if f.kind != ARRAY:
             raise ConfigError(f"{self.path.name}: GGUF metadata {key} must be an array")
+        if f.items != STRING:
+            return f.value.tolist() if isinstance(f.value, np.ndarray) else list(f.value)
         try:
-            return list(f.contents())
+            return [item.decode("utf-8") for item in f.value]
         except UnicodeDecodeError:
             raise ConfigError(f"{self.path.name}: GGUF metadata {key} holds a string that is not UTF-8") from None
 
     def count(self, key: str) -> int | None:
         """How many items an array field holds, without decoding them."""
-        f = self.reader.fields.get(key)
-        return None if f is None else len(f.data)
+        f = self.fields.get(key)
+        return None if f is None else len(f.value) if f.kind == ARRAY else 1
 
     def check_types(self) -> None:
         """Refuse a file holding a tensor type neuron cannot read, in one line naming each such type
