@@ -361,8 +361,9 @@ def write_tensors(out: Path, tensors: dict[str, tuple[np.ndarray, object]], arch
 def write_bert_gguf(hf_dir: Path, out: Path, types: str = "F32", pooling: int | None = 1,
                     vocabulary: str = "bert", spelled: dict[int, str] | None = None) -> Path:
     """`hf_dir`'s BERT or XLM-RoBERTa checkpoint (a bare model, or under `bert.`/`roberta.`) as
-    llama.cpp's converter writes an embedding model: the `bert` architecture, the tensors named by
-    gguf's own name map (the pooler and any head left out), 1-D tensors F32 and matrices `types`;
+    llama.cpp's converter writes an embedding model or a cross-encoder: the `bert` architecture, the
+    tensors named by gguf's own name map (the pooler left out, a classification head as `cls` and
+    `cls.output` with its labels' names), 1-D tensors F32 and matrices `types`;
     BERT's vocabulary in llama.cpp's spelling (a word's first piece after a phantom space, a
     continuation without its ##, control tokens as they are), XLM-RoBERTa's as its unigram pieces
     and scores (the `t5` model), its position table and context length cut past the padding id; the
@@ -391,14 +392,23 @@ def write_bert_gguf(hf_dir: Path, out: Path, types: str = "F32", pooling: int | 
     else:
         _add_wordpiece_vocabulary(w, tok, json.loads((hf_dir / "tokenizer_config.json").read_text()), vocabulary,
                                   spelled or {})
+    # a sequence-classification checkpoint's head, as the converter keeps it: its labels unless they
+    # are two placeholders; BERT's classifier renamed out_proj when it has labels (its pooler left out)
+    labels = [v for _, v in sorted(config.get("id2label", {}).items(), key=lambda kv: int(kv[0]))]
+    if len(labels) == 2 and labels[0] == "LABEL_0":
+        labels = []
+    if labels and any(a.endswith("ForSequenceClassification") for a in config.get("architectures", [])):
+        w.add_classifier_output_labels(labels)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, config["num_hidden_layers"])
     tensors = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
         tensors.update(load_file(f))
     for name, value in tensors.items():
         name = name.removeprefix("bert.").removeprefix("roberta.")
-        if name.startswith(("pooler.", "classifier.", "cls.", "lm_head.")) or name.endswith("position_ids"):
+        if name.startswith(("pooler.", "cls.", "lm_head.")) or name.endswith("position_ids"):
             continue
+        if labels and name in ("classifier.weight", "classifier.bias"):
+            name = name.replace("classifier.", "classifier.out_proj.")
         gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
         x = value.astype(np.float32)
         if gname.startswith("position_embd"):

@@ -519,9 +519,10 @@ def test_llama_servers_embedding_route_and_vllms_use_activation(tmp_path, bert_m
         assert httpx.get(f"{server.url}/health").status_code == 200
 
 
-def _unigram_xlmr(path: Path) -> Path:
+def _unigram_xlmr(path: Path, labels: int = 0) -> Path:
     """A tiny random XLM-RoBERTa whose tokenizer is transformers' XLMRobertaTokenizer (sentencepiece
-    unigram pieces and scores) over WORDS, as bge-m3 and multilingual-e5 ship theirs."""
+    unigram pieces and scores) over WORDS, as bge-m3 and multilingual-e5 ship theirs; with `labels`,
+    its sequence-classification model (a cross-encoder, as bge-reranker-v2-m3)."""
     import transformers as tf
 
     letters = sorted({c for w in WORDS for c in w})
@@ -530,12 +531,15 @@ def _unigram_xlmr(path: Path) -> Path:
         [(c, -5.0 - 0.01 * i) for i, c in enumerate(letters)] + [("<mask>", 0.0)]
     tf.XLMRobertaTokenizer(vocab=vocab).save_pretrained(path)
     torch.manual_seed(9)
-    model = tf.XLMRobertaModel(tf.XLMRobertaConfig(vocab_size=len(vocab), pad_token_id=1, bos_token_id=0,
-                                                   eos_token_id=2, type_vocab_size=1, **SHAPE))
+    config = tf.XLMRobertaConfig(vocab_size=len(vocab), pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                                 type_vocab_size=1, **SHAPE, **({"num_labels": labels} if labels else {}))
+    model = (tf.XLMRobertaForSequenceClassification if labels else tf.XLMRobertaModel)(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "LayerNorm" in name or name.endswith("bias"):
                 p.uniform_(0.5, 1.5) if name.endswith("weight") else p.normal_(0, 0.2)
+            elif "classifier" in name:  # logits away from 0
+                p.normal_(0, 0.5)
     model.eval().save_pretrained(path, safe_serialization=True)
     return path
 
@@ -565,6 +569,42 @@ def test_an_xlm_roberta_gguf_file_embeds_equal_to_transformers(tmp_path, monkeyp
         with torch.no_grad():
             want = model(input_ids=torch.tensor([_encoded(src, text).ids])).last_hidden_state[0, 0]
         assert v.outputs.embedding == pytest.approx(_unit(want), abs=2e-5)
+
+
+def test_a_gguf_cross_encoder_scores_as_its_head_says(tmp_path):
+    """Cross-encoders as llama.cpp's converter writes them (bge-reranker-v2-m3, ms-marco's MiniLM):
+    XLM-RoBERTa's head as `cls` and `cls.output`, rank pooling, served for scores equal to
+    transformers at tp 2; BERT's classifier as `cls.output` without its pooler, which the converter
+    leaves out (llama.cpp scores the file without it, and so does neuron), with the labels' names
+    the file gives."""
+    from gguf_files import write_bert_gguf
+
+    src = _unigram_xlmr(tmp_path / "xlmr", labels=1)
+    path = write_bert_gguf(src, tmp_path / "reranker.gguf", "F32", pooling=4)
+    config = model_config(path)
+    assert config.hf_config["architectures"] == ["XLMRobertaForSequenceClassification"]
+    assert config.pooling.classifier is not None and config.pooling.classifier.dense is not None
+    with LLM(str(path), device="cpu", dtype="float32", tensor_parallel_size=2) as llm:
+        scores = llm.score(QUERY, TEXTS)
+    for doc, out in zip(TEXTS, scores):
+        assert out.outputs.score == pytest.approx(float(_logits(src, QUERY, doc).sigmoid()), abs=2e-5)
+
+    bert = _build(tmp_path / "bert", "bert", 6, labels=3)
+    hf = json.loads((bert / "config.json").read_text())
+    (bert / "config.json").write_text(json.dumps({**hf, "id2label": {"0": "neg", "1": "mixed", "2": "pos"}}))
+    path = write_bert_gguf(bert, tmp_path / "labels.gguf", "F32")
+    head = model_config(path).pooling.classifier
+    assert head.labels == ("neg", "mixed", "pos") and head.dense is None
+    from transformers import AutoModelForSequenceClassification
+
+    classifier = cached_model(AutoModelForSequenceClassification, bert).classifier
+    with LLM(str(path), device="cpu", dtype="float32") as llm:
+        outs = llm.classify(TEXTS)
+    for text, out in zip(TEXTS, outs):
+        with torch.no_grad():
+            want = classifier(_hidden(bert, text)[0]).softmax(-1)  # [CLS] straight into the classifier
+        assert out.outputs.probs == pytest.approx(want.tolist(), abs=2e-5)
+        assert out.outputs.probs != pytest.approx(_logits(bert, text).softmax(-1).tolist(), abs=1e-3)  # the pooler's
 
 
 def test_what_a_bert_gguf_file_cannot_be_is_refused_by_name(tmp_path, bert_mean):

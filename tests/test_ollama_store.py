@@ -119,17 +119,26 @@ def test_what_the_store_cannot_give_is_refused_by_name(tmp_path, monkeypatch, gg
 
 def test_an_ollama_models_parameters_are_its_sampling_defaults(tmp_path, monkeypatch, gguf_file):
     """Its parameters layer as generation_config.json's fields (Qwen3's temperature 0.6, top_k 20,
-    ...), and each stop word that is one of the vocabulary's added tokens a stop id."""
+    ..., num_predict as the default max_tokens), and each stop word that is one of the vocabulary's
+    added tokens a stop id."""
     store = tmp_path / "store"
     monkeypatch.setenv("OLLAMA_MODELS", str(store))
     _pull(store, "tuned", gguf_file, params={"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repeat_penalty": 1.1,
-                                             "stop": ["<|im_start|>", "<|im_end|>", "User:"], "num_ctx": 4096})
+                                             "stop": ["<|im_start|>", "<|im_end|>", "User:"], "num_ctx": 4096,
+                                             "num_predict": 300})
     cfg = model_config("tuned")
-    assert cfg.sampling == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.1}
+    assert cfg.sampling == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.1,
+                            "max_tokens": 300}
     start = cfg.tokenizer.added_token_id("<|im_start|>")
     assert start is not None and start in cfg.eos_token_ids and cfg.tokenizer.added_token_id("User:") is None
     _pull(store, "hot", gguf_file, params={"temperature": "hot"})
     with pytest.raises(ConfigError, match="the Ollama model's parameters: temperature must be"):
         model_config("hot")
+    for unlimited in (-1, -2):  # Ollama's "no limit" and "fill the context"
+        _pull(store, f"open{-unlimited}", gguf_file, params={"num_predict": unlimited})
+        assert model_config(f"open{-unlimited}").sampling == {}
+    _pull(store, "endless", gguf_file, params={"num_predict": 0.5})
+    with pytest.raises(ConfigError, match="max_new_tokens must be"):
+        model_config("endless")
     _pull(store, "plain", gguf_file)
     assert model_config("plain").sampling == {}

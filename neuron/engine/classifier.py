@@ -90,7 +90,7 @@ def load_classifier(config: dict, weight_files: list[str], gguf: Path | None, to
     naming what is wrong, when the checkpoint has neither or they do not fit the model."""
     hidden = int(config.get("hidden_size") or 0)
     tokens = config.get("classifier_from_token")
-    if gguf is not None and tokens is None:
+    if gguf is not None and tokens is None and not is_encoder(config):
         raise ConfigError(f"{gguf.name}: a GGUF file has no classification head; a reranker scored by named tokens "
                           "is served with classifier_from_token in --hf-overrides")
     if gguf is not None:
@@ -107,7 +107,7 @@ def load_classifier(config: dict, weight_files: list[str], gguf: Path | None, to
         if tokens is not None:
             return _from_tokens(config, reader, tokens, tokenizer, hidden)
         if is_encoder(config):
-            return _encoder_head(config, reader, hidden)
+            return _encoder_head(config, reader, hidden, gguf is not None)
         if not reader.has("score.weight"):
             raise ConfigError("a classification model needs `score.weight` in its checkpoint (the head of a "
                               f"*{_SUFFIX} checkpoint), or `classifier_from_token` in --hf-overrides to score by "
@@ -118,10 +118,12 @@ def load_classifier(config: dict, weight_files: list[str], gguf: Path | None, to
         reader.close()
 
 
-def _encoder_head(config: dict, reader, hidden: int) -> Classifier:
+def _encoder_head(config: dict, reader, hidden: int, gguf: bool = False) -> Classifier:
     """An encoder's head over its first token: RoBERTa's classifier.dense then classifier.out_proj,
     or BERT's pooler.dense then classifier, each dense layer followed by tanh; DistilBERT's
-    pre_classifier, ReLU, then classifier; ModernBERT's own (_modernbert_head)."""
+    pre_classifier, ReLU, then classifier; ModernBERT's own (_modernbert_head). A GGUF file's
+    (`gguf`): cls then cls.output, or cls.output alone where llama.cpp's converter left BERT's
+    pooler out (llama.cpp scores such a file without it, and so does neuron)."""
     if config.get("model_type") == "modernbert":
         return _modernbert_head(config, reader, hidden)
     activation = "tanh"
@@ -136,8 +138,9 @@ def _encoder_head(config: dict, reader, hidden: int) -> Classifier:
                               "pooler.dense.weight (BERT), classifier.dense and classifier.out_proj (RoBERTa), "
                               "or pre_classifier and classifier (DistilBERT)")
         dense, out = pooler, "classifier"
-    layer = (_shaped(reader, f"{dense}.weight", [hidden, hidden]), _shaped(reader, f"{dense}.bias", [hidden]))
-    weight, bias = _labels_layer(reader, out, hidden, bias=True)
+    layer = None if gguf and not reader.has(f"{dense}.weight") else \
+        (_shaped(reader, f"{dense}.weight", [hidden, hidden]), _shaped(reader, f"{dense}.bias", [hidden]))
+    weight, bias = _labels_layer(reader, out, hidden, bias=None if gguf else True)
     return Classifier(weight, bias, _label_names(config, weight.shape[0]), _sep(config, True), layer, activation)
 
 

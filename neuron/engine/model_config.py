@@ -374,6 +374,16 @@ def _gguf_bert_config(f: GGUFFile, number: Callable, vocab: int | None) -> dict:
                               f"which its positions count (got {pad!r:.40})")
         config.update(model_type="xlm-roberta", architectures=["XLMRobertaModel"],
                       max_position_embeddings=config["max_position_embeddings"] + pad + 1)
+    head = f.tensors.get("cls.output.weight")
+    if head is not None:  # a cross-encoder (bge-reranker-v2-m3): its head, and its labels' names
+        rows = int(head.shape[1]) if len(head.shape) == 2 else 0
+        labels = f.array("bert.classifier.output_labels")
+        if labels is not None and (len(labels) != rows or not all(isinstance(x, str) for x in labels)):
+            raise ConfigError(f"{f.path.name}: GGUF metadata bert.classifier.output_labels must name each of the "
+                              f"{rows} rows of cls.output.weight")
+        config.update(architectures=["XLMRobertaForSequenceClassification" if vocabulary == "t5" else
+                                     "BertForSequenceClassification"],
+                      id2label={str(i): x for i, x in enumerate(labels or [f"LABEL_{i}" for i in range(rows)])})
     return config
 
 
@@ -483,8 +493,8 @@ def _ollama_generation(name: str, gguf: Path, config: dict, tokenizer: Tokenizer
     """A model from Ollama's store: its parameters layer as generation_config.json would hold them
     (sampling defaults under transformers' names; each stop word that is an added token, a chat
     template's marker, a stop id beside the file's own, as Ollama stops at it). {} for any other
-    model, or one that leaves them out. Other stop words, and Ollama's other parameters (num_ctx,
-    ...), are not read."""
+    model, or one that leaves them out. `num_predict` is the default max_tokens. Other stop words,
+    and Ollama's other parameters (num_ctx, ...), are not read."""
     from neuron.models.ollama_store import find_model, parameters
 
     blob = find_model(name)
@@ -492,6 +502,8 @@ def _ollama_generation(name: str, gguf: Path, config: dict, tokenizer: Tokenizer
         return {}
     params = parameters(name) or {}
     generation = {ours: params[theirs] for theirs, ours in _OLLAMA_PARAMETERS.items() if theirs in params}
+    if not isinstance(params.get("num_predict", 0), int) or params.get("num_predict", 0) > 0:
+        generation["max_new_tokens"] = params["num_predict"]  # -1 and -2 (no limit, fill the context): none
     stops = params.get("stop")
     if isinstance(stops, str):
         stops = [stops]
@@ -657,7 +669,8 @@ _GGUF_POOLING = {1: "mean", 2: "cls", 3: "lasttoken"}
 def gguf_pooling(f: GGUFFile) -> PoolingConfig | None:
     """The pooling a GGUF embedding model's metadata declares (`{arch}.pooling_type`: mean, first
     or last token), normalized as llama.cpp's server and Ollama return embeddings; None for a
-    generation model. A reranker's rank pooling is refused, saying how its causal LM is served."""
+    generation model, and for rank pooling over a cross-encoder's head (cls.output). Rank pooling
+    without one is refused, saying how a causal LM reranker is served."""
     key = f"{f.field('general.architecture')}.pooling_type"
     kind = f.field(key)
     if kind is None:
@@ -665,7 +678,7 @@ def gguf_pooling(f: GGUFFile) -> PoolingConfig | None:
     if isinstance(kind, bool) or not isinstance(kind, int):
         raise ConfigError(f"{f.path.name}: GGUF metadata {key} must be an integer (llama.cpp's pooling type), got "
                           f"{kind!r:.40}")
-    if kind == 0:
+    if kind == 0 or (kind == 4 and "cls.output.weight" in f.tensors):  # rank: a cross-encoder's head scores
         return None
     if kind not in _GGUF_POOLING:
         raise ConfigError(f"{f.path.name}: GGUF pooling type {kind} is not supported (mean, cls and last are; "

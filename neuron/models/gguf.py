@@ -66,7 +66,11 @@ _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight"
               "embeddings.position_embeddings.weight": "position_embd.weight",
               "embeddings.token_type_embeddings.weight": "token_types.weight",
               "embeddings.LayerNorm.weight": "token_embd_norm.weight",
-              "embeddings.LayerNorm.bias": "token_embd_norm.bias"}
+              "embeddings.LayerNorm.bias": "token_embd_norm.bias",
+              # a cross-encoder's head (RoBERTa's classifier.dense and out_proj; BERT's classifier, which
+              # the converter names out_proj, its pooler left out)
+              "classifier.dense.weight": "cls.weight", "classifier.dense.bias": "cls.bias",
+              "classifier.out_proj.weight": "cls.output.weight", "classifier.out_proj.bias": "cls.output.bias"}
 _ENCODER_LAYER_NAMES = {"attention.self.query": "attn_q", "attention.self.key": "attn_k",
                         "attention.self.value": "attn_v", "attention.output.dense": "attn_output",
                         "attention.output.LayerNorm": "attn_output_norm", "intermediate.dense": "ffn_up",
