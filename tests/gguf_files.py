@@ -271,14 +271,17 @@ def _add_tokenizer(writer, hf_dir: Path, vocab_size: int) -> None:
 
 
 def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", tokenizer: bool = True,
-               pooling: int | str | None = None, ids: dict[str, int] | None = None, split_max_tensors: int = 0) -> Path:
+               pooling: int | str | None = None, ids: dict[str, int] | None = None, split_max_tensors: int = 0,
+               reranker: tuple[str, str, str] | None = None) -> Path:
     """`hf_dir`'s Qwen3 or Llama checkpoint as a GGUF file. `types`: one type for every matrix, or a
     map from GGUF tensor names (or their suffixes after the layer, such as "ffn_down.weight") to
     types with "default" for the rest; 1-D tensors are F32 as llama.cpp writes them. `pooling`:
     llama.cpp's pooling type for an embedding model (1 mean, 2 cls, 3 last, 4 rank). `ids`: more
     `tokenizer.ggml.<key>_token_id` entries (eot, eom, ...). `split_max_tensors`: split the file as
     llama.cpp's converter does (OUT-00001-of-0000N.gguf, the metadata in the first); the first
-    shard's path is returned."""
+    shard's path is returned. `reranker` (yes token, no token, rerank template): a Qwen3-Reranker as
+    the converter writes one, rank pooling, its LM head's two rows as `cls.output` labelled yes and
+    no (the head itself left out), the template as its `rerank` chat template."""
     import gguf
 
     hf_dir = Path(hf_dir)
@@ -318,6 +321,15 @@ def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", to
         tensors.update(load_file(f))
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
+    if reranker is not None:
+        yes, no, template = reranker
+        vocab = json.loads((hf_dir / "tokenizer.json").read_text())["model"]["vocab"]
+        head = tensors.pop("lm_head.weight", None)
+        head = tensors["model.embed_tokens.weight"] if head is None else head
+        w.add_pooling_type(gguf.PoolingType.RANK)
+        w.add_classifier_output_labels(["yes", "no"])
+        w.add_chat_template([{"name": "rerank", "template": template}])
+        w.add_tensor("cls.output.weight", np.stack([head[vocab[yes]], head[vocab[no]]]).astype(np.float32))
     stacked: dict[str, dict[int, np.ndarray]] = {}
     for name in [n for n in tensors if ".mlp.experts." in n]:  # one [experts, out, in] tensor per projection
         _, _, layer, _, _, e, proj, _ = name.split(".")

@@ -259,8 +259,44 @@ def test_a_gguf_reranker_reads_its_tokens_rows_dequantized(tmp_path):
         with torch.no_grad():
             last = model(input_ids=torch.tensor([out.prompt_token_ids])).logits[0, -1]
         assert out.outputs.score == pytest.approx(float((last[yes] - last[no]).sigmoid()), abs=1e-5)
-    with pytest.raises(ConfigError, match="a GGUF file has no classification head"):
+    with pytest.raises(ConfigError, match="a GGUF file without a classification head"):
         model_config(path, task="classify")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_gguf_reranker_as_llama_cpp_converts_it_scores_its_rerank_prompt(tmp_path, tp):
+    """Qwen3-Reranker as llama.cpp's converter writes it: rank pooling, the LM head's `yes` and `no`
+    rows as `cls.output` (the head left out), and a `rerank` template that llama-server fills with
+    the query and the document. Served as a reranker by itself: each pair is that prompt, scored as
+    the softmax of the two rows takes the first, equal to transformers' causal LM on it."""
+    from gguf_files import write_gguf
+    from transformers import AutoModelForCausalLM
+
+    hf = _with_tokenizer(build_checkpoint(tmp_path / "hf", seed=13, vocab_size=_vocab(), tie_word_embeddings=False))
+    template = "<|im_start|>user\nJudge: {query} || {document}<|im_end|>\n<|im_start|>assistant\n"
+    (tmp_path / "gguf").mkdir()
+    path = write_gguf(hf, tmp_path / "gguf" / "reranker.gguf", "F32", reranker=("Ġyes", "Ġno", template))
+    config = model_config(path)
+    assert config.tasks == {"classify"} and config.pooling.classifier.labels == ("yes",)
+    query = "what does the fox do? {document}"  # a placeholder inside a text is not filled again
+    with LLM(str(path), device="cpu", dtype="float32", tensor_parallel_size=tp) as llm:
+        scores = llm.score(query, TEXTS[:3])
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    tok = Tokenizer.from_dir(hf)
+    yes, no = tok.token_to_id("Ġyes"), tok.token_to_id("Ġno")
+    for text, out in zip(TEXTS, scores):
+        prompt = template.replace("{document}", text).replace("{query}", query)
+        assert out.prompt_token_ids == tok.encode(prompt)
+        with torch.no_grad():
+            last = model(input_ids=torch.tensor([out.prompt_token_ids])).logits[0, -1]
+        assert out.outputs.score == pytest.approx(float((last[yes] - last[no]).sigmoid()), abs=1e-5)
+    if tp == 1:  # llama-server's /rerank, and vLLM's, make the same prompt
+        with LiveServer(real_engine(str(path), tp=1, name="ranker")) as server:
+            server.wait_ready()
+            r = httpx.post(f"{server.url}/rerank", json={"query": query, "documents": TEXTS[:3]})
+            assert r.status_code == 200, r.text
+            got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+            assert [got[i] for i in range(3)] == pytest.approx([o.outputs.score for o in scores], abs=1e-6)
 
 
 # ---- pairs as transformers encodes them ----

@@ -90,9 +90,6 @@ def load_classifier(config: dict, weight_files: list[str], gguf: Path | None, to
     naming what is wrong, when the checkpoint has neither or they do not fit the model."""
     hidden = int(config.get("hidden_size") or 0)
     tokens = config.get("classifier_from_token")
-    if gguf is not None and tokens is None and not is_encoder(config):
-        raise ConfigError(f"{gguf.name}: a GGUF file has no classification head; a reranker scored by named tokens "
-                          "is served with classifier_from_token in --hf-overrides")
     if gguf is not None:
         from neuron.models.gguf import GGUFReader
 
@@ -108,12 +105,22 @@ def load_classifier(config: dict, weight_files: list[str], gguf: Path | None, to
             return _from_tokens(config, reader, tokens, tokenizer, hidden)
         if is_encoder(config):
             return _encoder_head(config, reader, hidden, gguf is not None)
+        if not reader.has("score.weight") and gguf is not None:
+            raise ConfigError(f"{gguf.name}: a GGUF file without a classification head (cls.output); a reranker "
+                              "scored by named tokens is served with classifier_from_token in --hf-overrides")
         if not reader.has("score.weight"):
             raise ConfigError("a classification model needs `score.weight` in its checkpoint (the head of a "
                               f"*{_SUFFIX} checkpoint), or `classifier_from_token` in --hf-overrides to score by "
                               "named tokens' logits")
         weight, bias = _labels_layer(reader, "score", hidden, bias=None)
-        return Classifier(weight, bias, _label_names(config, weight.shape[0]), _sep(config, True))
+        labels = _label_names(config, weight.shape[0])
+        if gguf is None:
+            return Classifier(weight, bias, labels, _sep(config, True))
+        # llama.cpp's reranker head (Qwen3-Reranker's `yes` and `no` rows): a softmax over two rows scores
+        # the first, which is the sigmoid of their difference; a pair is one prompt (its `rerank` template)
+        if weight.shape[0] == 2:
+            weight, bias, labels = weight[:1] - weight[1:], None if bias is None else bias[:1] - bias[1:], labels[:1]
+        return Classifier(weight, bias, labels, False)
     finally:
         reader.close()
 

@@ -10,6 +10,7 @@ another process behind the same surface.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from neuron.engine.sampling_params import GuidedDecodingParams, SamplingParams
@@ -214,7 +215,11 @@ def pair_text(tokenizer: "Tokenizer", first: str, second: str, template: str | N
               template_kwargs: dict | None = None) -> str:
     """A scored pair as one text: rendered by `template` (Jinja: a `query` message, then a
     `document` one, as vLLM's score templates take them, with `template_kwargs` such as its
-    `instruction`) where one is given, else joined."""
+    `instruction`) where one is given, else by the tokenizer's pair_format (a GGUF reranker's, as
+    llama-server fills it in; each placeholder once, the texts not searched again), else joined."""
+    if template is None and tokenizer.pair_format is not None:
+        texts = {"{query}": first, "{document}": second}
+        return re.sub(r"\{query\}|\{document\}", lambda m: texts[m[0]], tokenizer.pair_format)
     if template is None:
         return first + second
     return tokenizer.apply_chat_template([{"role": "query", "content": first}, {"role": "document", "content": second}],

@@ -319,6 +319,9 @@ def _gguf_config(f: GGUFFile) -> dict:
     }
     if (ff := number("feed_forward_length")) is not None:
         config["intermediate_size"] = ff
+    if (labels := _gguf_labels(f, arch)) is not None:  # a reranker (llama.cpp's Qwen3-Reranker: yes, no)
+        config.update(architectures=[_HF_ARCHITECTURES[arch].replace("ForCausalLM", "ForSequenceClassification")],
+                      id2label=labels)
     if arch == "qwen3moe":
         config.update(num_experts=number("expert_count"), num_experts_per_tok=number("expert_used_count"),
                       moe_intermediate_size=number("expert_feed_forward_length"),
@@ -374,17 +377,25 @@ def _gguf_bert_config(f: GGUFFile, number: Callable, vocab: int | None) -> dict:
                               f"which its positions count (got {pad!r:.40})")
         config.update(model_type="xlm-roberta", architectures=["XLMRobertaModel"],
                       max_position_embeddings=config["max_position_embeddings"] + pad + 1)
-    head = f.tensors.get("cls.output.weight")
-    if head is not None:  # a cross-encoder (bge-reranker-v2-m3): its head, and its labels' names
-        rows = int(head.shape[1]) if len(head.shape) == 2 else 0
-        labels = f.array("bert.classifier.output_labels")
-        if labels is not None and (len(labels) != rows or not all(isinstance(x, str) for x in labels)):
-            raise ConfigError(f"{f.path.name}: GGUF metadata bert.classifier.output_labels must name each of the "
-                              f"{rows} rows of cls.output.weight")
+    if (labels := _gguf_labels(f, "bert")) is not None:  # a cross-encoder (bge-reranker-v2-m3)
         config.update(architectures=["XLMRobertaForSequenceClassification" if vocabulary == "t5" else
-                                     "BertForSequenceClassification"],
-                      id2label={str(i): x for i, x in enumerate(labels or [f"LABEL_{i}" for i in range(rows)])})
+                                     "BertForSequenceClassification"], id2label=labels)
     return config
+
+
+def _gguf_labels(f: GGUFFile, arch: str) -> dict | None:
+    """A classification head's labels (llama.cpp's `cls.output` tensor, one row a label), named by
+    `{arch}.classifier.output_labels` (or LABEL_0, ...), as config.json's id2label; None without a
+    head."""
+    head = f.tensors.get("cls.output.weight")
+    if head is None:
+        return None
+    rows = int(head.shape[1]) if len(head.shape) == 2 else 0
+    labels = f.array(f"{arch}.classifier.output_labels")
+    if labels is not None and (len(labels) != rows or not all(isinstance(x, str) for x in labels)):
+        raise ConfigError(f"{f.path.name}: GGUF metadata {arch}.classifier.output_labels must name each of the "
+                          f"{rows} rows of cls.output.weight")
+    return {str(i): x for i, x in enumerate(labels or [f"LABEL_{i}" for i in range(rows)])}
 
 
 # ---- the rest of the model's description ---------------------------------------------------------
@@ -408,6 +419,11 @@ def _tokenizer(spec: EngineConfig, model_dir: Path, gguf: Path | None) -> tuple[
         tokenizer = None if model in (None, "", "none", "no_vocab") else \
             Tokenizer.from_vocabulary(_gguf_vocabulary(f, model), gguf.name) if encoder else \
             Tokenizer.from_gguf(gguf, ARCHITECTURES.get(arch, arch))
+        if tokenizer is not None and (rerank := f.field("tokenizer.chat_template.rerank")) is not None:
+            if not isinstance(rerank, str) or "{query}" not in rerank or "{document}" not in rerank:
+                raise ConfigError(f"{gguf.name}: GGUF metadata tokenizer.chat_template.rerank must be a text holding "
+                                  "{query} and {document}")
+            tokenizer.pair_format = rerank
         return _with_chat_template(tokenizer, spec.chat_template), None
     folder = folder or model_dir
     tokenizer = Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None

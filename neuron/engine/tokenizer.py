@@ -97,6 +97,9 @@ class Tokenizer:
         # whether join_pair marks where a pair's second token type starts: an encoder that embeds
         # two types (set by the model's configuration too)
         self.typed_pairs = False
+        # a GGUF reranker's prompt for a scored pair (llama.cpp's `rerank` template: {query} and
+        # {document} filled in), set by the model's configuration; None: the two texts joined
+        self.pair_format: str | None = None
         self._named_tokens = dict(named_tokens or {})
         if eos_token is not None:
             self._named_tokens["eos_token"] = eos_token

@@ -70,7 +70,9 @@ _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight"
               # a cross-encoder's head (RoBERTa's classifier.dense and out_proj; BERT's classifier, which
               # the converter names out_proj, its pooler left out)
               "classifier.dense.weight": "cls.weight", "classifier.dense.bias": "cls.bias",
-              "classifier.out_proj.weight": "cls.output.weight", "classifier.out_proj.bias": "cls.output.bias"}
+              "classifier.out_proj.weight": "cls.output.weight", "classifier.out_proj.bias": "cls.output.bias",
+              # a decoder reranker's (llama.cpp's Qwen3-Reranker: its LM head's `yes` and `no` rows)
+              "score.weight": "cls.output.weight", "score.bias": "cls.output.bias"}
 _ENCODER_LAYER_NAMES = {"attention.self.query": "attn_q", "attention.self.key": "attn_k",
                         "attention.self.value": "attn_v", "attention.output.dense": "attn_output",
                         "attention.output.LayerNorm": "attn_output_norm", "intermediate.dense": "ffn_up",

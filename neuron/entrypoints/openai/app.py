@@ -354,12 +354,12 @@ class _Api:
 
     async def score(self, request: Request) -> Response:
         req = await self._decode(request, ScoreRequest)
-        engine = await self._engine(req.model)
+        engine = await self._named(req.model or None)  # vLLM's and llama-server's leave it out
         return await create_score(request, engine, req, self.limiters.tokenize, self._salt(request, req))
 
     async def rerank(self, request: Request) -> Response:
         req = await self._decode(request, RerankRequest)
-        engine = await self._engine(req.model)
+        engine = await self._named(req.model or None)  # vLLM's, Jina's and llama-server's leave it out
         return await create_rerank(request, engine, req, self.limiters.tokenize, self._salt(request, req))
 
     async def classify(self, request: Request) -> Response:
@@ -426,7 +426,8 @@ class _Api:
         return tokenizer_info(await self._named(request.query_params.get("model")))
 
     async def _named(self, name: str | None) -> AsyncEngine:
-        """The engine of a tokenizer route or a llama-server one: the model named, or the server's one model."""
+        """The engine of a tokenizer, score or rerank route or a llama-server one: the model named, or the
+        server's one model."""
         if name is None and self.host.single is not None:
             return self.host.single.engine
         return await self._engine(name)
