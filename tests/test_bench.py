@@ -255,7 +255,9 @@ async def test_streaming_timings_and_request_body(fake):
     assert fake.headers[0]["authorization"] == "Bearer k"
     for r in result.records:
         assert 45 <= r.ttft_s * 1e3 < 400 and len(r.itl_s) == 4
-        assert all(15 <= g * 1e3 < 300 for g in r.itl_s)
+        # a gap may be short where the client read two chunks late together (a loaded machine): the
+        # median below bounds them from below
+        assert all(0 <= g * 1e3 < 300 for g in r.itl_s)
         assert 125 <= r.e2e_s * 1e3 < 1000 and 15 <= r.tpot_s * 1e3 < 300
     assert 45 <= s.ttft_ms.p50 <= s.ttft_ms.p99 < 400 and 15 <= s.itl_ms.p50 < 300
     assert s.duration_s >= 2 * 0.125 and s.request_throughput == pytest.approx(6 / s.duration_s)
