@@ -79,6 +79,24 @@ def test_random_blocks_read_back_exactly_whole_and_split_across_two_ranks(tmp_pa
     assert neuron_gguf.held_bytes(reader.file.tensors["blk.0.ffn_down.weight"], 4) == held  # the memory plan's count
 
 
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
+def test_the_kernel_librarys_codes_are_numpys(monkeypatch, kind):
+    """Each type's blocks rewritten in one pass by the kernel library (csrc/gguf_codes.h) and by the
+    numpy decoders it stands in for: the same codes, scales and offsets, byte for byte."""
+    from neuron.layers import cpu_ops
+
+    if cpu_ops.library() is None:
+        pytest.skip("the kernel library cannot be built here (no C++ compiler): the numpy decoders run alone")
+    qtype = gguf.GGMLQuantizationType[kind]
+    blocks = random_blocks(kind, 5, 1024, seed=3).reshape(5, -1, gguf.GGML_QUANT_SIZES[qtype][1])
+    fast = neuron_gguf._DECODERS[kind](blocks, 1024)
+    monkeypatch.setattr(neuron_gguf, "_fast_codes", lambda *args: None)
+    slow = neuron_gguf._DECODERS[kind](blocks, 1024)
+    assert len(fast.tensors()) == len(slow.tensors())
+    for a, b in zip(fast.tensors(), slow.tensors()):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("kind", list(neuron_gguf._DENSE))
 def test_dense_types_read_back_whole_and_split_across_two_ranks(tmp_path, kind):
     """F32, F16 and BF16 tensors split on their inputs as a row-parallel layer's ranks read them

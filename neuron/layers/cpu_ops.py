@@ -55,10 +55,11 @@ _SIGNATURES = {
     "neuron_panel_linear": [_P, _I, _I, _P, _P, _P, _I, ctypes.c_int],
     "neuron_panel_width": [],
     "neuron_panel_rows": [_P, _P, _I, _P, _I],
+    "neuron_gguf_codes": [ctypes.c_int, _P, _I, _I, _P, _I, ctypes.c_int],  # models/gguf.py
 }
 _RETURNS = {"neuron_qrows": ctypes.c_int, "neuron_qlinear_int_many_takes": ctypes.c_int,
             "neuron_qlinear_int_stack": ctypes.c_int, "neuron_qlinear_int_block": ctypes.c_int,
-            "neuron_panel_width": ctypes.c_int64, "neuron_panel_rows": ctypes.c_int}
+            "neuron_panel_width": ctypes.c_int64, "neuron_panel_rows": ctypes.c_int, "neuron_gguf_codes": ctypes.c_int}
 
 
 @functools.cache
@@ -235,3 +236,20 @@ if __name__ == "__main__":
     if library() is None:
         raise SystemExit("the CPU kernels could not be built here; see the warning above")
     print(native.build(SOURCE))
+
+
+def gguf_codes(kind: int, blocks, out_bytes: int) -> torch.Tensor | None:
+    """GGUF blocks of ggml type `kind` ([rows, blocks, bytes] uint8, numpy) rewritten into neuron's
+    codes, `out_bytes` a block, [rows, blocks * out_bytes] uint8 (csrc/gguf_codes.h); None where the
+    library is not built or does not rewrite the type (the caller decodes with numpy)."""
+    import numpy as np
+
+    lib = library()
+    if lib is None:
+        return None
+    blocks = np.ascontiguousarray(blocks)
+    rows, n, size = blocks.shape
+    out = torch.empty(rows, n * out_bytes, dtype=torch.uint8)
+    done = lib.neuron_gguf_codes(kind, blocks.ctypes.data, rows * n, size, out.data_ptr(), out_bytes,
+                                 torch.get_num_threads())
+    return out if done == 0 else None

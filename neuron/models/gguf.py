@@ -413,6 +413,15 @@ def _int8_codes(q: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(q.astype(np.int8).reshape(q.shape[0], -1)).view(np.uint8))
 
 
+def _fast_codes(kind: str, blocks: np.ndarray, per_block: int) -> torch.Tensor | None:
+    """The blocks' codes ([rows, blocks, bytes]: `per_block` bytes of codes a block, as the numpy
+    decoders below make them) rewritten by the kernel library in one pass, several times faster
+    than numpy's passes (docs/benchmarks.md); None where the library is not built."""
+    from neuron.layers import cpu_ops
+
+    return cpu_ops.gguf_codes(int(_gguf().GGMLQuantizationType[kind]), blocks, per_block)
+
+
 def _scale_min(blocks: np.ndarray, at: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The K-quants' eight 6-bit scales and mins per super-block, packed in 12 bytes at `at`."""
     s = blocks[..., at:at + 12]
@@ -462,13 +471,18 @@ def _five_bits(blocks: np.ndarray, at: int) -> np.ndarray:
 
 
 def _q5_0(blocks: np.ndarray, k: int) -> QuantizedWeight:
-    q = _five_bits(blocks, 2).astype(np.int16) - 16
-    return QuantizedWeight(codes=_int8_codes(q), k=k, bits=8, group=32, scale=_f16(blocks, 0), format="Q5_0")
+    codes = _fast_codes("Q5_0", blocks, 32)
+    if codes is None:
+        codes = _int8_codes(_five_bits(blocks, 2).astype(np.int16) - 16)
+    return QuantizedWeight(codes=codes, k=k, bits=8, group=32, scale=_f16(blocks, 0), format="Q5_0")
 
 
 def _q5_1(blocks: np.ndarray, k: int) -> QuantizedWeight:
-    return QuantizedWeight(codes=_int8_codes(_five_bits(blocks, 4)), k=k, bits=8, group=32, scale=_f16(blocks, 0),
-                           offset=-_f16(blocks, 2), format="Q5_1")
+    codes = _fast_codes("Q5_1", blocks, 32)
+    if codes is None:
+        codes = _int8_codes(_five_bits(blocks, 4))
+    return QuantizedWeight(codes=codes, k=k, bits=8, group=32, scale=_f16(blocks, 0), offset=-_f16(blocks, 2),
+                           format="Q5_1")
 
 
 def _two_bits(qs: np.ndarray) -> np.ndarray:
@@ -485,7 +499,10 @@ def _int8_subs(x: np.ndarray) -> torch.Tensor:
 
 def _q2_k(blocks: np.ndarray, k: int) -> QuantizedWeight:
     scales = blocks[..., 0:16]  # per 16 values: the scale in the low nibble, the min in the high one
-    return QuantizedWeight(codes=_int8_codes(_two_bits(blocks[..., 16:80])), k=k, bits=8, group=16, per_super=16,
+    codes = _fast_codes("Q2_K", blocks, QK_K)
+    if codes is None:
+        codes = _int8_codes(_two_bits(blocks[..., 16:80]))
+    return QuantizedWeight(codes=codes, k=k, bits=8, group=16, per_super=16,
                            scale=_f16(blocks, 80), scale_sub=_int8_subs(scales & 0x0F), offset=_f16(blocks, 82),
                            offset_sub=_int8_subs(scales >> 4), format="Q2_K")
 
@@ -498,10 +515,13 @@ def _q3_k(blocks: np.ndarray, k: int) -> QuantizedWeight:
     low = _nibbles(s[..., 0:8])
     high = (s[..., None, 8:12] >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 0x03
     scales = (low | (high.reshape(rows, nb, 16) << 4)).astype(np.int16) - 32
-    # bit j of hmask byte l is value j*32 + l's third bit; where it is clear the value is 4 lower
-    hmask = (blocks[..., None, 0:32] >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 0x01
-    q = _two_bits(blocks[..., 32:96]).astype(np.int16) - 4 * (1 - hmask.reshape(rows, nb, QK_K).astype(np.int16))
-    return QuantizedWeight(codes=_int8_codes(q), k=k, bits=8, group=16, per_super=16, scale=_f16(blocks, 108),
+    codes = _fast_codes("Q3_K", blocks, QK_K)
+    if codes is None:
+        # bit j of hmask byte l is value j*32 + l's third bit; where it is clear the value is 4 lower
+        hmask = (blocks[..., None, 0:32] >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 0x01
+        codes = _int8_codes(_two_bits(blocks[..., 32:96]).astype(np.int16)
+                            - 4 * (1 - hmask.reshape(rows, nb, QK_K).astype(np.int16)))
+    return QuantizedWeight(codes=codes, k=k, bits=8, group=16, per_super=16, scale=_f16(blocks, 108),
                            scale_sub=_int8_subs(scales), format="Q3_K")
 
 
@@ -510,8 +530,10 @@ _IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38,
 
 
 def _iq4_nl(blocks: np.ndarray, k: int) -> QuantizedWeight:
-    return QuantizedWeight(codes=_int8_codes(_IQ4_VALUES[_nibbles(blocks[..., 2:18])]), k=k, bits=8, group=32,
-                           scale=_f16(blocks, 0), format="IQ4_NL")
+    codes = _fast_codes("IQ4_NL", blocks, 32)
+    if codes is None:
+        codes = _int8_codes(_IQ4_VALUES[_nibbles(blocks[..., 2:18])])
+    return QuantizedWeight(codes=codes, k=k, bits=8, group=32, scale=_f16(blocks, 0), format="IQ4_NL")
 
 
 def _iq4_xs(blocks: np.ndarray, k: int) -> QuantizedWeight:
@@ -522,38 +544,48 @@ def _iq4_xs(blocks: np.ndarray, k: int) -> QuantizedWeight:
     high16 = blocks[..., 2].astype(np.uint16) | (blocks[..., 3].astype(np.uint16) << 8)
     high = (high16[..., None] >> np.arange(0, 16, 2, dtype=np.uint16)) & 0x03
     scales = (low | (high.astype(np.uint8) << 4)).astype(np.int16) - 32
-    codes = _IQ4_VALUES[_nibbles(blocks[..., 8:136].reshape(rows, nb, 8, 16))]
-    return QuantizedWeight(codes=_int8_codes(codes), k=k, bits=8, group=32, per_super=8, scale=_f16(blocks, 0),
+    codes = _fast_codes("IQ4_XS", blocks, QK_K)
+    if codes is None:
+        codes = _int8_codes(_IQ4_VALUES[_nibbles(blocks[..., 8:136].reshape(rows, nb, 8, 16))])
+    return QuantizedWeight(codes=codes, k=k, bits=8, group=32, per_super=8, scale=_f16(blocks, 0),
                            scale_sub=_int8_subs(scales), format="IQ4_XS")
 
 
 def _q4_k(blocks: np.ndarray, k: int) -> QuantizedWeight:
     rows, nb = blocks.shape[:2]
     sc, mn = _scale_min(blocks, 4)
-    qs = blocks[..., 16:144].reshape(rows, nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
-    q = (qs & 0x0F).reshape(rows, -1)
-    return QuantizedWeight(codes=pack_nibbles(torch.from_numpy(np.ascontiguousarray(q))), k=k, bits=4, group=32, per_super=8, scale=_f16(blocks, 0), scale_sub=sc,
+    codes = _fast_codes("Q4_K", blocks, QK_K // 2)
+    if codes is None:
+        qs = blocks[..., 16:144].reshape(rows, nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        codes = pack_nibbles(torch.from_numpy(np.ascontiguousarray((qs & 0x0F).reshape(rows, -1))))
+    return QuantizedWeight(codes=codes, k=k, bits=4, group=32, per_super=8, scale=_f16(blocks, 0), scale_sub=sc,
                            offset=_f16(blocks, 2), offset_sub=mn, format="Q4_K")
 
 
 def _q5_k(blocks: np.ndarray, k: int) -> QuantizedWeight:
     rows, nb = blocks.shape[:2]
     sc, mn = _scale_min(blocks, 4)
-    qh = blocks[..., 16:48].reshape(rows, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
-    ql = blocks[..., 48:176].reshape(rows, nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
-    q = (ql & 0x0F).reshape(rows, nb, 8, 32) | ((qh & 0x01) << 4)
-    return QuantizedWeight(codes=_int8_codes(q), k=k, bits=8, group=32, per_super=8, scale=_f16(blocks, 0),
+    codes = _fast_codes("Q5_K", blocks, QK_K)
+    if codes is None:
+        qh = blocks[..., 16:48].reshape(rows, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+        ql = blocks[..., 48:176].reshape(rows, nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        codes = _int8_codes((ql & 0x0F).reshape(rows, nb, 8, 32) | ((qh & 0x01) << 4))
+    return QuantizedWeight(codes=codes, k=k, bits=8, group=32, per_super=8, scale=_f16(blocks, 0),
                            scale_sub=sc, offset=_f16(blocks, 2), offset_sub=mn, format="Q5_K")
 
 
 def _q6_k(blocks: np.ndarray, k: int) -> QuantizedWeight:
     rows, nb = blocks.shape[:2]
-    ql = blocks[..., 0:128].reshape(rows, nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
-    qh = blocks[..., 128:192].reshape(rows, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
-    q = (ql & 0x0F).reshape(rows, nb, 8, 32) | ((qh & 0x03).reshape(rows, nb, 8, 32) << 4)
+    codes = _fast_codes("Q6_K", blocks, QK_K)
+    if codes is None:
+        ql = blocks[..., 0:128].reshape(rows, nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        qh = blocks[..., 128:192].reshape(rows, nb, 2, 1, 32) >> \
+            np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+        q = (ql & 0x0F).reshape(rows, nb, 8, 32) | ((qh & 0x03).reshape(rows, nb, 8, 32) << 4)
+        codes = _int8_codes(q.astype(np.int16) - 32)
     scales = torch.from_numpy(np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(rows, -1).copy())
-    return QuantizedWeight(codes=_int8_codes(q.astype(np.int16) - 32), k=k, bits=8, group=16, per_super=16,
-                           scale=_f16(blocks, 208), scale_sub=scales, format="Q6_K")
+    return QuantizedWeight(codes=codes, k=k, bits=8, group=16, per_super=16, scale=_f16(blocks, 208),
+                           scale_sub=scales, format="Q6_K")
 
 
 _DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q2_K": _q2_k,

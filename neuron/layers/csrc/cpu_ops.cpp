@@ -1073,3 +1073,6 @@ void neuron_qlinear_panels(const float* x, int64_t m, int64_t xs, const Quantize
 
 // The same product with the activations rounded to int8 and integer dot products.
 #include "qlinear_int.h"
+
+// GGUF blocks rewritten as neuron's codes at load (models/gguf.py).
+#include "gguf_codes.h"
