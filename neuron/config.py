@@ -138,6 +138,10 @@ class Settings:
         "dtype, quantization, max_model_len, speculative_config, hf_overrides, keep_alive, load (startup or "
         "on_demand), ...}; the other options are every model's defaults (README: Several models)",
         unset="MODEL(s) given on the command line")
+    ollama_store: bool = _setting(
+        bool, False, "also serve every model in Ollama's local store ($OLLAMA_MODELS, ~/.ollama/models) that "
+        "neuron reads, by its Ollama name (qwen3:0.6b), each loaded at its first request and unloaded after "
+        "keep_alive idle, as Ollama's server does")
     tokenizer: str | None = _setting(
         str, None, "a folder or cached repo id whose tokenizer.json (and chat template, generation_config.json) "
         "to use instead of the checkpoint's", unset="the checkpoint's own, or the one a GGUF file carries")

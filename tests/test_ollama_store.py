@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 from checkpoints import model_config
 from gguf_files import write_gguf
@@ -142,3 +143,62 @@ def test_an_ollama_models_parameters_are_its_sampling_defaults(tmp_path, monkeyp
         model_config("endless")
     _pull(store, "plain", gguf_file)
     assert model_config("plain").sampling == {}
+
+
+def test_the_store_is_served_on_demand_by_ollama_names(tmp_path, monkeypatch, gguf_file):
+    """--ollama-store: every model of the store that neuron reads (library, namespaced and hf.co
+    names alike) is a model of the server, loaded at its first request; one of an architecture
+    neuron does not read, or with an adapter layer, is left out with its reason; a name the command
+    line serves is its own."""
+    import gguf
+    import numpy as np
+    from gguf_files import write_tensors
+    from server_harness import LiveServer
+
+    from neuron.engine.engine_config import EngineConfig
+    from neuron.engine.host import ModelHost
+    from neuron.engine.model_config import ollama_models
+    from neuron.entrypoints import serve
+    from neuron.entrypoints.cli import _parser
+    from neuron.entrypoints.openai.app import ServerConfig
+    from neuron.models.ollama_store import list_models
+
+    store = tmp_path / "store"
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    _pull(store, "tiny", gguf_file, tag="0.6b")
+    manifest = _pull(store, "tiny", gguf_file, tag="q8", namespace="me")
+    hf = store / "manifests" / "hf.co" / "org" / "tiny-GGUF" / "Q8_0"
+    hf.parent.mkdir(parents=True)
+    shutil.copy(manifest, hf)
+    gemma = write_tensors(tmp_path / "gemma.gguf", {"x": (np.zeros((2, 32), np.float32), gguf.GGMLQuantizationType.F32)},
+                          "gemma3")
+    _pull(store, "gemma3", gemma, tag="1b")
+    _pull(store, "styled", gguf_file, extra=[{"mediaType": "application/vnd.ollama.image.adapter",
+                                              "digest": "sha256:" + "2" * 64, "size": 9}])
+    (store / "manifests" / "registry.ollama.ai" / "library" / "odd name").mkdir()  # not a name Ollama gives
+    (store / "manifests" / "registry.ollama.ai" / "linked").symlink_to(tmp_path)  # no links out of the store
+    assert list_models() == ["gemma3:1b", "hf.co/org/tiny-GGUF:Q8_0", "me/tiny:q8", "styled:latest", "tiny:0.6b"]
+    served, skipped = ollama_models()
+    assert served == ["hf.co/org/tiny-GGUF:Q8_0", "me/tiny:q8", "tiny:0.6b"]
+    assert "'gemma3' is not one neuron reads" in skipped["gemma3:1b"]
+    assert "LoRA adapter" in skipped["styled:latest"]
+
+    args = _parser().parse_args(["serve", "--ollama-store", "tiny:0.6b", "--device", "cpu", "--dtype", "float32",
+                                 "--max-model-len", "128"])
+    engine, _ = serve.configs(args)
+    specs = serve.model_specs(args, engine)
+    assert [(s.name, s.load) for s in specs] == [("tiny:0.6b", "startup"), ("hf.co/org/tiny-GGUF:Q8_0", "on_demand"),
+                                                 ("me/tiny:q8", "on_demand")]
+    host = ModelHost(specs[1:], defaults=EngineConfig(device="cpu", dtype="float32", max_model_len=128))
+    with LiveServer(host, ServerConfig()) as server:
+        tags = httpx.get(f"{server.url}/api/tags").json()["models"]
+        assert [(t["name"], t["status"]) for t in tags] == [("hf.co/org/tiny-GGUF:Q8_0", "available"),
+                                                            ("me/tiny:q8", "available")]
+        r = httpx.post(f"{server.url}/api/generate", json={"model": "me/tiny:q8", "prompt": "hi", "stream": False,
+                                                           "options": {"num_predict": 3, "temperature": 0}},
+                       timeout=120)
+        assert r.status_code == 200 and r.json()["done"], r.text
+        assert host.models["me/tiny:q8"].status == "ready" and host.models["hf.co/org/tiny-GGUF:Q8_0"].engine is None
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="--ollama-store: Ollama's store .* holds no model neuron reads"):
+        serve.model_specs(_parser().parse_args(["serve", "--ollama-store"]), engine)

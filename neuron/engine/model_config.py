@@ -505,6 +505,27 @@ _OLLAMA_PARAMETERS = {"temperature": "temperature", "top_p": "top_p", "top_k": "
                       "repeat_penalty": "repetition_penalty"}
 
 
+def ollama_models() -> tuple[list[str], dict[str, str]]:
+    """The models of Ollama's store neuron can serve (their weights a GGUF file of an architecture it
+    reads: each file's header is read, a tenth of a second or less), and why each other one is left
+    out."""
+    from neuron.models.ollama_store import find_model, list_models
+
+    served, skipped = [], {}
+    for name in list_models():
+        try:
+            blob = find_model(name)
+            arch = open_file(blob).field("general.architecture") if blob is not None else None
+        except ConfigError as exc:
+            skipped[name] = str(exc)
+            continue
+        if arch in ARCHITECTURES:
+            served.append(name)
+        else:
+            skipped[name] = f"its GGUF architecture {arch!r:.40} is not one neuron reads ({', '.join(ARCHITECTURES)})"
+    return served, skipped
+
+
 def _ollama_generation(name: str, gguf: Path, config: dict, tokenizer: Tokenizer | None) -> dict:
     """A model from Ollama's store: its parameters layer as generation_config.json would hold them
     (sampling defaults under transformers' names; each stop word that is an added token, a chat

@@ -43,8 +43,8 @@ Example: NEURON_TP=2 NEURON_API_KEY=secret neuron serve ./my-model"""
 # The settings `neuron serve` takes as flags, in the groups and the order --help lists them.
 OPTION_GROUPS = (
     ("model", "what is served, and how its weights are held",
-     ("served_model_name", "models", "task", "tokenizer", "chat_template", "hf_overrides", "dtype", "quantization",
-      "max_model_len", "speculative_config", "load_timeout_s")),
+     ("served_model_name", "models", "ollama_store", "task", "tokenizer", "chat_template", "hf_overrides", "dtype",
+      "quantization", "max_model_len", "speculative_config", "load_timeout_s")),
     ("lora", "LoRA adapters on the model (README: LoRA adapters)",
      ("lora_modules", "enable_lora", "max_loras", "max_lora_rank", "allow_runtime_lora_updating")),
     ("parallel", "ranks, devices, batching and the KV cache",
@@ -101,7 +101,8 @@ def model_specs(args: argparse.Namespace, engine_cfg: EngineConfig) -> list | No
 
     models = args.model or []
     file = args.models or settings().models
-    if len(models) <= 1 and not file:
+    store = args.ollama_store or settings().ollama_store
+    if len(models) <= 1 and not file and not store:
         return None
     if engine_cfg.served_model_name is not None:
         raise ConfigError("--served-model-name names one model; with several, each is served under its name as "
@@ -111,6 +112,29 @@ def model_specs(args: argparse.Namespace, engine_cfg: EngineConfig) -> list | No
     if file:
         specs += read_models_file(file, defaults)
     check_unique(specs)
+    if store:
+        specs += _ollama_specs(defaults, {s.name for s in specs})
+    return specs
+
+
+def _ollama_specs(defaults, taken: set[str]) -> list:
+    """--ollama-store: each model of Ollama's store that neuron reads, on demand under its Ollama
+    name (a name the command line or models file serves already is theirs)."""
+    import dataclasses
+
+    from neuron.engine.host import ON_DEMAND_KEEP_ALIVE_S, ModelSpec
+    from neuron.engine.model_config import ollama_models
+    from neuron.models.ollama_store import store_dirs
+
+    served, skipped = ollama_models()
+    for name, why in skipped.items():
+        log.warning("Ollama model %s is not served: %s", name, why)
+    specs = [ModelSpec(name, dataclasses.replace(defaults, model=name, served_model_name=name), "on_demand",
+                       ON_DEMAND_KEEP_ALIVE_S) for name in served if name not in taken]
+    if not specs and not taken:
+        raise ConfigError(f"--ollama-store: Ollama's store ({' or '.join(map(str, store_dirs()))}) holds no model "
+                          "neuron reads" + (f" ({len(skipped)} left out, each logged)" if skipped else ""))
+    log.info("serving %d model(s) of Ollama's store on demand: %s", len(specs), ", ".join(s.name for s in specs))
     return specs
 
 
@@ -119,13 +143,13 @@ def run(args) -> int:
 
     try:
         engine_cfg, server_cfg = configs(args)
-        specs = model_specs(args, engine_cfg)
         log_level = args.log_level or settings().log_level
+        setup_logging(level=log_level)  # model_specs may log (--ollama-store's models)
+        specs = model_specs(args, engine_cfg)
         sock = listen_socket(server_cfg.host, server_cfg.port)  # before anything loads: a busy port fails at once
     except ConfigError as exc:
         print(f"neuron serve: {exc}", file=sys.stderr)
         return 2
-    setup_logging(level=log_level)
     if engine_cfg.model is None and specs is None:
         log.info("no MODEL given: serving the embedded tiny default model (random weights: its output is noise)")
     try:

@@ -30,6 +30,7 @@ MODEL_LAYER = "application/vnd.ollama.image.model"
 PARAMS_LAYER = "application/vnd.ollama.image.params"
 ADAPTER_LAYER = "application/vnd.ollama.image.adapter"
 MAX_MANIFEST_BYTES = 1 << 20  # a manifest lists a handful of layers: kilobytes
+MAX_LISTED = 4096  # models listed from a store (`ollama list` of a large one holds dozens)
 _PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _DIGEST = re.compile(r"sha256[:-]([0-9a-f]{64})")
 
@@ -54,6 +55,46 @@ def parse_name(name: str) -> tuple[str, str, str, str] | None:
     host, namespace = (DEFAULT_HOST, DEFAULT_NAMESPACE) if len(parts) == 1 else \
         (DEFAULT_HOST, parts[0]) if len(parts) == 2 else (parts[0], parts[1])
     return host, namespace, parts[-1], tag
+
+
+def list_models(limit: int = MAX_LISTED) -> list[str]:
+    """The models of Ollama's store by the names `ollama list` gives them (`qwen3:0.6b`,
+    `namespace/model:tag`, `host/namespace/model:tag`), from the first store that has manifests;
+    only plain names (parse_name's), at most `limit` of them, sorted."""
+    for store in store_dirs():
+        root = store / "manifests"
+        if not root.is_dir():
+            continue
+        names = []
+        for manifest in _manifests(root, limit):
+            host, namespace, model, tag = manifest.relative_to(root).parts
+            name = f"{model}:{tag}" if (host, namespace) == (DEFAULT_HOST, DEFAULT_NAMESPACE) else \
+                f"{namespace}/{model}:{tag}" if host == DEFAULT_HOST else f"{host}/{namespace}/{model}:{tag}"
+            if parse_name(name) == (host, namespace, model, tag):
+                names.append(name)
+        return sorted(names)
+    return []
+
+
+def _manifests(root: Path, limit: int) -> list[Path]:
+    """Manifest files four levels under `root` (host, namespace, model, tag), each level a plain name
+    and a real directory (no links out of the store); at most `limit`."""
+    level = [root]
+    for depth in range(4):
+        found = []
+        for folder in level:
+            try:
+                entries = sorted(folder.iterdir())
+            except OSError:
+                continue
+            for entry in entries:
+                if _PART.fullmatch(entry.name) and not entry.is_symlink() and \
+                        (entry.is_file() if depth == 3 else entry.is_dir()):
+                    found.append(entry)
+                if len(found) >= limit:
+                    break
+        level = found
+    return level
 
 
 def find_model(name: str) -> Path | None:
