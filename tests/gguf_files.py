@@ -22,19 +22,77 @@ GGUF_NAMES = {
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.bias": "attn_output.bias",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
 }
 EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 TOP = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
        "model.norm.weight": "output_norm.weight"}
+# Qwen3.5's (llama.cpp's `qwen35`): its linear attention, and the post-attention norm's own name
+QWEN35_NAMES = {
+    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
+    "linear_attn.in_proj_a.weight": "ssm_alpha.weight", "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight", "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight", "linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+}
 
 
-def _gguf_name(name: str) -> str:
+def _gguf_name(name: str, qwen35: bool = False) -> str:
     if name in TOP:
         return TOP[name]
     _, _, layer, rest = name.split(".", 3)
-    return f"blk.{layer}.{GGUF_NAMES[rest]}"
+    return f"blk.{layer}.{QWEN35_NAMES[rest] if qwen35 and rest in QWEN35_NAMES else GGUF_NAMES[rest]}"
+
+
+def _tiled(x: np.ndarray, axis: int, k_heads: int, width: int) -> np.ndarray:
+    """Qwen3.5's value heads from transformers' grouped order (by key head) to llama.cpp's tiled one
+    along `axis`, `width` values a head."""
+    x = np.moveaxis(x, axis, 0)
+    per = x.shape[0] // width // k_heads
+    x = x.reshape(k_heads, per, width, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+    return np.moveaxis(x, 0, axis)
+
+
+def _qwen35_tensor(name: str, x: np.ndarray, config: dict) -> np.ndarray:
+    """A Qwen3.5 tensor as llama.cpp's converter writes it: zero-centred norms plus one, A_log as
+    -exp(A_log), the depthwise kernel squeezed, and the value heads tiled."""
+    k_heads, dv = config["linear_num_key_heads"], config["linear_value_head_dim"]
+    qk = 2 * k_heads * config["linear_key_head_dim"]
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return x + 1
+    leaf = name.rsplit(".linear_attn.", 1)[-1] if ".linear_attn." in name else ""
+    if leaf == "A_log":  # torch's exp, as the converter's (numpy's rounds some values an ulp apart)
+        import torch
+
+        return _tiled(-torch.exp(torch.from_numpy(x)).numpy(), 0, k_heads, 1)
+    if leaf in ("dt_bias", "in_proj_a.weight", "in_proj_b.weight"):
+        return _tiled(x, 0, k_heads, 1)
+    if leaf == "in_proj_z.weight":
+        return _tiled(x, 0, k_heads, dv)
+    if leaf in ("in_proj_qkv.weight", "conv1d.weight"):
+        x = x.reshape(x.shape[0], -1) if leaf == "conv1d.weight" else x
+        return np.concatenate([x[:qk], _tiled(x[qk:], 0, k_heads, dv)])
+    if leaf == "out_proj.weight":
+        return _tiled(x, 1, k_heads, dv)
+    return x
+
+
+def _qwen35_metadata(w, config: dict) -> None:
+    rope = config.get("rope_parameters") or {}
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    sections = list(rope.get("mrope_section", [11, 11, 10]))
+    w.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
+    w.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(config["linear_key_head_dim"])
+    w.add_ssm_group_count(config["linear_num_key_heads"])
+    w.add_ssm_time_step_rank(config["linear_num_value_heads"])
+    w.add_ssm_inner_size(config["linear_value_head_dim"] * config["linear_num_value_heads"])
+    if config.get("layer_types"):
+        w.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in config["layer_types"]])
+    w.add_full_attention_interval(config.get("full_attention_interval", 4))
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25)))
 
 
 def _fp16(x: np.ndarray) -> np.ndarray:
@@ -286,7 +344,8 @@ def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", to
 
     hf_dir = Path(hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
-    arch = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3moe", "qwen2": "qwen2"}[config["model_type"]]
+    arch = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3moe", "qwen2": "qwen2",
+            "qwen3_5_text": "qwen35"}[config["model_type"]]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
@@ -306,6 +365,8 @@ def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", to
         w.add_pooling_type(gguf.PoolingType(pooling))
     elif pooling is not None:  # a hostile file's: the key holding a string
         w.add_string(f"{arch}.pooling_type", pooling)
+    if arch == "qwen35":
+        _qwen35_metadata(w, config)
     if arch == "qwen3moe":
         w.add_expert_count(config.get("num_experts") or config["num_local_experts"])
         w.add_expert_used_count(config["num_experts_per_tok"])
@@ -337,11 +398,13 @@ def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", to
     for gname, experts in stacked.items():
         tensors[gname] = np.stack([experts[e] for e in sorted(experts)])
     for name, value in tensors.items():
-        gname = name if name in stacked else _gguf_name(name)
+        gname = name if name in stacked else _gguf_name(name, arch == "qwen35")
         x = value.astype(np.float32)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "qwen35":
+            x = _qwen35_tensor(name, x, config)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             x = _permute(x, heads if "q_proj" in name else kv_heads)
-        if x.ndim == 1:
+        if x.ndim == 1 or gname.endswith("ssm_conv1d.weight"):  # the converter keeps these F32
             kind = "F32"
         elif isinstance(types, str):
             kind = types

@@ -187,9 +187,14 @@ def _hf_checkpoint(tmp_path, family: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(4)
+    biased = family == "llama-bias"  # q and k biases, which llama.cpp permutes as it permutes their rows
     config = LlamaConfig(**SHAPE, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
-                         eos_token_id=None, bos_token_id=None)
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "hf", safe_serialization=True)
+                         eos_token_id=None, bos_token_id=None, attention_bias=biased)
+    model = LlamaForCausalLM(config)
+    for layer in model.model.layers if biased else []:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj):
+            torch.nn.init.normal_(proj.bias, std=0.3)
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
     return tmp_path / "hf"
 
 
@@ -258,6 +263,21 @@ def test_qwen2_gguf_matches_transformers_reading_the_same_file(tmp_path, tp):
 def test_llama_gguf_matches_transformers_reading_the_same_file(llama_gguf, tp):
     """llama.cpp stores Llama's q and k rows permuted; neuron undoes it as transformers does."""
     _check_against_transformers(*llama_gguf, tp)
+
+
+def test_a_llama_file_with_attention_biases_reads_them_in_transformers_order(tmp_path):
+    """llama.cpp permutes Llama's q and k biases as it permutes those rows; an F32 file generates
+    what transformers generates from the checkpoint itself."""
+    from transformers import AutoModelForCausalLM
+
+    hf = _hf_checkpoint(tmp_path, "llama-bias")
+    path = write_gguf(hf, tmp_path / "biased.gguf", "F32")
+    with LLM(str(path), device="cpu", dtype="float32") as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True))
+    reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    for prompt, out in zip(PROMPTS, outs):
+        assert_matches_reference(out.outputs[0], *greedy_with_logprobs(reference, prompt, 8))
 
 
 def test_a_split_off_the_block_boundaries_is_refused_with_the_sizes(tmp_path):
@@ -405,3 +425,60 @@ def test_a_split_file_loads_from_its_first_shard_as_the_whole_file_does(llama_gg
     with pytest.raises(ConfigError, match=r"the first shard of its split GGUF file, model-00001-of-00003\.gguf, "
                                           r"is missing"):
         neuron_gguf.find_gguf(first.parent)
+
+
+QWEN35 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
+              linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+              initializer_range=0.25, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25,
+                               "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+
+
+def _qwen35(tmp_path, value_dim: int):
+    """A tiny Qwen3.5 text model with the default checkpoint's tokenizer (transformers' GGUF reader
+    sizes the vocabulary by the file's tokens)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from neuron.utils.default_checkpoint import default_model_dir
+
+    vocab = Tokenizer.from_dir(default_model_dir()).vocab_size
+    torch.manual_seed(value_dim)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**QWEN35, "vocab_size": vocab},
+                                                 linear_value_head_dim=value_dim)).eval()
+    with torch.no_grad():  # norms, decays and steps away from their initial values: each must count
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "A_log", "dt_bias")):
+                p.normal_(0, 0.3)
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "hf" / name).write_bytes((default_model_dir() / name).read_bytes())
+    return tmp_path / "hf"
+
+
+@pytest.mark.parametrize("value_dim, types, tp", [
+    (16, "F32", 1),  # the file's weights are the checkpoint's: transformers on the checkpoint itself
+    (32, {"ssm_out.weight": "Q8_0", "attn_qkv.weight": "Q4_0", "default": "Q8_0"}, 2),  # out_proj's heads: whole blocks
+    (64, {"ssm_out.weight": "Q4_K", "default": "F16"}, 2),  # a head is a quarter of a K-quant block: dequantized
+])
+def test_a_qwen3_5_gguf_file_matches_transformers(tmp_path, value_dim, types, tp):
+    """Qwen3.5 as llama.cpp's converter writes it (`qwen35`: norms stored plus one, A as -exp(A_log),
+    the depthwise kernel squeezed, the linear attention's value heads tiled rather than grouped by
+    key head; the tests' writer makes the converter's tensors byte for byte): the same tokens and
+    logprobs as transformers, split across ranks by value heads."""
+    from transformers import AutoModelForCausalLM
+
+    hf = _qwen35(tmp_path, value_dim)
+    (tmp_path / "gguf").mkdir()
+    path = write_gguf(hf, tmp_path / "gguf" / "qwen35.gguf", types)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
+    with LLM(str(path), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
+        assert llm.engine.model.hf_config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    if types == "F32":
+        reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    else:
+        reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                         dtype=torch.float32).eval()
+    for prompt, out in zip(PROMPTS, outs):
+        assert_matches_reference(out.outputs[0], *greedy_with_logprobs(reference, prompt, 8))

@@ -40,7 +40,19 @@ from neuron.layers.quantized import QuantizedWeight, pack_nibbles
 from neuron.layers.tensor_parallel import Reader
 from neuron.models.gguf_layout import ARRAY, STRING, read_layout
 
-ARCHITECTURES = {"qwen3": "qwen3", "llama": "llama", "qwen3moe": "qwen3_moe", "qwen2": "qwen2", "bert": "bert"}
+ARCHITECTURES = {"qwen3": "qwen3", "llama": "llama", "qwen3moe": "qwen3_moe", "qwen2": "qwen2", "qwen35": "qwen3_5_text",
+                 "bert": "bert"}
+# Qwen3.5's linear-attention layers (llama.cpp's `qwen35`), and the one name its layers spell otherwise
+_QWEN35_NAMES = {
+    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
+    "linear_attn.in_proj_a.weight": "ssm_alpha.weight", "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight", "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight", "linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+}
+# its RMSNorm weights, which llama.cpp stores plus one (the multiplier the zero-centred norm applies)
+_QWEN35_OFFSET = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight", "q_norm.weight",
+                  "k_norm.weight")
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -51,6 +63,7 @@ _LAYER_NAMES = {
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.bias": "attn_output.bias",
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
@@ -94,9 +107,14 @@ def gguf_name(name: str) -> str | None:
     return locate(name)[0]
 
 
-def locate(name: str) -> tuple[str | None, int | None]:
+def locate(name: str, qwen35: bool = False) -> tuple[str | None, int | None]:
     """(GGUF tensor, expert) holding a transformers-named weight: MoE experts are stacked in one
-    tensor per projection (blk.N.ffn_gate_exps.weight, [experts, out, in])."""
+    tensor per projection (blk.N.ffn_gate_exps.weight, [experts, out, in]). `qwen35`: in a Qwen3.5
+    file (its linear-attention layers' names)."""
+    if qwen35:
+        parts = name.split(".", 3)
+        if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _QWEN35_NAMES:
+            return f"blk.{parts[2]}.{_QWEN35_NAMES[parts[3]]}", None
     if name in _TOP_NAMES:
         return _TOP_NAMES[name], None
     if name.startswith("encoder.layer."):  # encoder.layer.N.attention.self.query.weight
@@ -310,34 +328,64 @@ class GGUFReader(Reader):
         heads = config["num_attention_heads"]
         self._heads = {"q": heads, "k": config.get("num_key_value_heads") or heads}
         self._permuted = config["model_type"] == "llama"
+        # Qwen3.5: llama.cpp orders the value heads of its linear attention tiled (key head fastest:
+        # v0 of each key head, then v1 of each, ...) where transformers groups them by key head
+        self._qwen35 = config["model_type"] == "qwen3_5_text"
+        if self._qwen35:
+            k_heads, v_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+            # (key heads, value heads per key head, a value head's width, the q (or k) block's rows)
+            self._v = (k_heads, v_heads // k_heads, config["linear_value_head_dim"],
+                       k_heads * config["linear_key_head_dim"])
         # XLM-RoBERTa's position rows up to its padding id, which llama.cpp's converter cuts (its
         # positions are counted past the padding id, so the rows before are never read but by a
         # padding token inside an input): put back as zeros
         self._cut = config["pad_token_id"] + 1 if config["model_type"] == "xlm-roberta" else 0
 
     def has(self, name: str) -> bool:
-        return gguf_name(name) in self.file.tensors
+        return locate(name, self._qwen35)[0] in self.file.tensors
 
     def shape(self, name: str) -> list[int]:
         _, t, expert = self._tensor(name)
         shape = [int(s) for s in reversed(t.shape)]  # transformers' order: [out, in], [experts, out, in]
         if self._cut and name.endswith(_POSITIONS):
             shape[0] += self._cut
+        if self._qwen35 and name.endswith("linear_attn.conv1d.weight"):
+            shape.insert(1, 1)  # llama.cpp squeezes the depthwise kernel's channel axis
         return shape[1:] if expert is not None else shape
 
     def source(self, name: str) -> str:
-        return f"{self.file.path.name} ({gguf_name(name)})"
+        return f"{self.file.path.name} ({locate(name, self._qwen35)[0]})"
 
     def _tensor(self, name: str):
-        key, expert = locate(name)
+        key, expert = locate(name, self._qwen35)
         t = self.file.tensors.get(key) if key else None
         if t is None:
             raise ConfigError(f"weight {name!r} ({key or 'no GGUF name'}) is missing from {self.file.path.name}")
         return key, t, expert
 
+    def _value_heads(self, index: np.ndarray, width: int) -> np.ndarray:
+        """The file's positions of transformers' `index` over Qwen3.5's value heads, `width` values
+        a head: head g = key head k * per + j (grouped) is file head j * key heads + k (tiled)."""
+        k_heads, per = self._v[0], self._v[1]
+        head, within = np.divmod(index, width)
+        k, j = np.divmod(head, per)
+        return (j * k_heads + k) * width + within
+
     def _rows(self, name: str, n: int, start: int, end: int) -> np.ndarray | slice:
         """The file's rows for transformers' rows [start, end): llama.cpp permutes Llama's q and k
-        rows within each head (pairs of the rotary halves interleaved)."""
+        rows within each head (pairs of the rotary halves interleaved), and orders Qwen3.5's value
+        heads tiled (the value block of in_proj_qkv and conv1d, in_proj_z, in_proj_a and _b, A_log,
+        dt_bias)."""
+        if self._qwen35 and ".linear_attn." in name:
+            rows, leaf = np.arange(start, end), name.rsplit(".linear_attn.", 1)[1]
+            dv, qk = self._v[2], self._v[3] * 2
+            if leaf in ("in_proj_qkv.weight", "conv1d.weight"):
+                return np.where(rows < qk, rows, qk + self._value_heads(rows - qk, dv))
+            if leaf == "in_proj_z.weight":
+                return self._value_heads(rows, dv)
+            if leaf in ("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias"):
+                return self._value_heads(rows, 1)
+            return slice(start, end)
         proj = name.rsplit(".", 2)[-2] if self._permuted else ""
         if proj not in ("q_proj", "k_proj"):
             return slice(start, end)
@@ -358,7 +406,8 @@ class GGUFReader(Reader):
         if expert is not None:
             data, shape = data[expert], shape[1:]
         if len(shape) == 1:
-            return kind, np.array(data if dim is None else data[start:end]), shape[0]
+            n = shape[0]
+            return kind, np.array(data[self._rows(name, n, *((0, n) if dim is None else (start, end)))]), n
         n, k = shape
         if dim is None or dim == 0:
             a, b = (0, n) if dim is None else (start, n if end is None else end)
@@ -387,7 +436,16 @@ class GGUFReader(Reader):
 
     def _slice(self, name, dim, start, end):
         """The tensor's slice: dense in fp32, or quantized as neuron holds it."""
+        if self._qwen35 and name.endswith("linear_attn.out_proj.weight"):
+            return self._out_proj(name, dim, start, end)
         kind, raw, k = self._raw(name, dim, start, end)
+        if self._qwen35 and name.endswith(_QWEN35_OFFSET):
+            return _DENSE[kind.name](raw) - 1 if kind.name in _DENSE else self._dense(name, kind, raw, k) - 1
+        if self._qwen35 and name.endswith("linear_attn.conv1d.weight"):
+            return _DENSE[kind.name](raw).unsqueeze(1) if kind.name in _DENSE else \
+                self._dense(name, kind, raw, k).unsqueeze(1)
+        if self._qwen35 and name.endswith("linear_attn.A_log"):
+            return torch.log(-(_DENSE[kind.name](raw) if kind.name in _DENSE else self._dense(name, kind, raw, k)))
         if kind.name in _DENSE:
             return _DENSE[kind.name](raw)
         decode = _DECODERS.get(kind.name)
@@ -395,6 +453,34 @@ class GGUFReader(Reader):
             raise ConfigError(f"{gguf_name(name)}: GGUF tensor type {kind.name} is not supported "
                               f"(supported: {', '.join([*_DENSE, *_DECODERS])})")
         return decode(raw.reshape(raw.shape[0], -1, _gguf().GGML_QUANT_SIZES[kind][1]), k)
+
+    def _dense(self, name: str, kind, raw: np.ndarray, k: int) -> torch.Tensor:
+        """A quantized slice dequantized (a vector stored quantized: a hostile or odd file's)."""
+        decode = _DECODERS.get(kind.name)
+        if decode is None or raw.ndim != 2:
+            raise ConfigError(f"{locate(name, self._qwen35)[0]}: GGUF tensor type {kind.name} is not read here")
+        return decode(raw.reshape(raw.shape[0], -1, _gguf().GGML_QUANT_SIZES[kind][1]), k).dequantize()
+
+    def _out_proj(self, name: str, dim: int | None, start: int, end: int | None):
+        """Qwen3.5's out_proj, whose inputs (the value heads) the file orders tiled: this slice's
+        columns gathered in transformers' order; quantized blocks moved whole where a head's values
+        fill whole blocks, else the rows dequantized first (as transformers reads such a file)."""
+        key, t, _ = self._tensor(name)
+        gguf = _gguf()
+        kind = gguf.GGMLQuantizationType(int(t.tensor_type))
+        n, k = (int(x) for x in reversed(t.shape))
+        a, b = (0, n) if dim == 0 and end is None else (start, end) if dim == 0 else (0, n)
+        c0, c1 = (start, k if end is None else end) if dim == 1 else (0, k)
+        cols = self._value_heads(np.arange(c0, c1), self._v[2])
+        data = t.data[a:b]
+        if kind.name in _DENSE:
+            return _DENSE[kind.name](np.array(data[:, cols]))
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        if self._v[2] % block == 0 and c0 % block == 0 and (c1 - c0) % block == 0:
+            blocks = np.array(data).reshape(b - a, -1, size)[:, cols[::block] // block]
+            return _DECODERS[kind.name](np.ascontiguousarray(blocks), c1 - c0)
+        whole = self._dense(name, kind, np.array(data), k)
+        return whole[:, torch.from_numpy(cols)].contiguous()
 
     def close(self) -> None:
         self.file = None
