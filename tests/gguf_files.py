@@ -36,6 +36,10 @@ QWEN35_NAMES = {
     "linear_attn.conv1d.weight": "ssm_conv1d.weight", "linear_attn.norm.weight": "ssm_norm.weight",
     "linear_attn.out_proj.weight": "ssm_out.weight", "linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias",
     "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
 
 
@@ -90,7 +94,7 @@ def _qwen35_metadata(w, config: dict) -> None:
     w.add_ssm_time_step_rank(config["linear_num_value_heads"])
     w.add_ssm_inner_size(config["linear_value_head_dim"] * config["linear_num_value_heads"])
     if config.get("layer_types"):
-        w.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in config["layer_types"]])
+        w.add_array(f"{w.arch}.attention.recurrent_layers", [t == "linear_attention" for t in config["layer_types"]])
     w.add_full_attention_interval(config.get("full_attention_interval", 4))
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25)))
 
@@ -345,14 +349,16 @@ def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", to
     hf_dir = Path(hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
     arch = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3moe", "qwen2": "qwen2",
-            "qwen3_5_text": "qwen35"}[config["model_type"]]
+            "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe"}[config["model_type"]]
+    qwen35 = arch.startswith("qwen35")
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
     w.add_block_count(config["num_hidden_layers"])
-    w.add_feed_forward_length(config["intermediate_size"])
+    if "intermediate_size" in config and arch != "qwen35moe":  # the converter writes no dense width for it
+        w.add_feed_forward_length(config["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_key_length(head_dim)
@@ -365,12 +371,14 @@ def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", to
         w.add_pooling_type(gguf.PoolingType(pooling))
     elif pooling is not None:  # a hostile file's: the key holding a string
         w.add_string(f"{arch}.pooling_type", pooling)
-    if arch == "qwen35":
+    if qwen35:
         _qwen35_metadata(w, config)
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen35moe"):
         w.add_expert_count(config.get("num_experts") or config["num_local_experts"])
         w.add_expert_used_count(config["num_experts_per_tok"])
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if arch == "qwen35moe":
+        w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     if tokenizer and (hf_dir / "tokenizer.json").is_file():
         _add_tokenizer(w, hf_dir, config["vocab_size"])
     else:  # as llama.cpp's converter marks a checkpoint without one; llama.cpp refuses a file without the key
@@ -398,9 +406,9 @@ def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", to
     for gname, experts in stacked.items():
         tensors[gname] = np.stack([experts[e] for e in sorted(experts)])
     for name, value in tensors.items():
-        gname = name if name in stacked else _gguf_name(name, arch == "qwen35")
+        gname = name if name in stacked else _gguf_name(name, qwen35)
         x = value.astype(np.float32)
-        if arch == "qwen35":
+        if qwen35 and name not in stacked:
             x = _qwen35_tensor(name, x, config)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             x = _permute(x, heads if "q_proj" in name else kv_heads)

@@ -435,20 +435,25 @@ QWEN35 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_at
                                "mrope_section": [2, 1, 1], "mrope_interleaved": True})
 
 
-def _qwen35(tmp_path, value_dim: int):
-    """A tiny Qwen3.5 text model with the default checkpoint's tokenizer (transformers' GGUF reader
-    sizes the vocabulary by the file's tokens)."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+def _qwen35(tmp_path, value_dim: int, moe: bool = False):
+    """A tiny Qwen3.5 text model (`moe`: Qwen3.5-MoE's, 6 experts, top 3, beside a shared one) with
+    the default checkpoint's tokenizer (transformers' GGUF reader sizes the vocabulary by the file's
+    tokens)."""
+    import transformers
 
     from neuron.utils.default_checkpoint import default_model_dir
 
-    vocab = Tokenizer.from_dir(default_model_dir()).vocab_size
+    shape = {**QWEN35, "vocab_size": Tokenizer.from_dir(default_model_dir()).vocab_size,
+             "linear_value_head_dim": value_dim}
+    if moe:
+        shape.update(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+        shape.pop("intermediate_size")
+    name = "Qwen3_5Moe" if moe else "Qwen3_5"
     torch.manual_seed(value_dim)
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**QWEN35, "vocab_size": vocab},
-                                                 linear_value_head_dim=value_dim)).eval()
-    with torch.no_grad():  # norms, decays and steps away from their initial values: each must count
+    model = getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}TextConfig")(**shape)).eval()
+    with torch.no_grad():  # norms, decays, steps and the shared expert's gate away from their initial values
         for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "A_log", "dt_bias")):
+            if name.endswith(("norm.weight", "A_log", "dt_bias", "shared_expert_gate.weight")):
                 p.normal_(0, 0.3)
     model.save_pretrained(tmp_path / "hf", safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -456,19 +461,22 @@ def _qwen35(tmp_path, value_dim: int):
     return tmp_path / "hf"
 
 
-@pytest.mark.parametrize("value_dim, types, tp", [
-    (16, "F32", 1),  # the file's weights are the checkpoint's: transformers on the checkpoint itself
-    (32, {"ssm_out.weight": "Q8_0", "attn_qkv.weight": "Q4_0", "default": "Q8_0"}, 2),  # out_proj's heads: whole blocks
-    (64, {"ssm_out.weight": "Q4_K", "default": "F16"}, 2),  # a head is a quarter of a K-quant block: dequantized
+@pytest.mark.parametrize("value_dim, types, tp, moe", [
+    (16, "F32", 1, False),  # the file's weights are the checkpoint's: transformers on the checkpoint itself
+    (32, {"ssm_out.weight": "Q8_0", "attn_qkv.weight": "Q4_0", "default": "Q8_0"}, 2, False),  # out_proj: whole blocks
+    (64, {"ssm_out.weight": "Q4_K", "default": "F16"}, 2, False),  # a head is a quarter of a K-quant block: dequantized
+    (16, "F32", 2, True),  # Qwen3.5-MoE (`qwen35moe`): experts stacked, a shared expert and its gate
+    (32, {"ffn_gate_exps.weight": "Q4_1", "ffn_up_exps.weight": "Q4_1", "ffn_down_exps.weight": "Q4_0",
+          "default": "Q8_0"}, 1, True),
 ])
-def test_a_qwen3_5_gguf_file_matches_transformers(tmp_path, value_dim, types, tp):
+def test_a_qwen3_5_gguf_file_matches_transformers(tmp_path, value_dim, types, tp, moe):
     """Qwen3.5 as llama.cpp's converter writes it (`qwen35`: norms stored plus one, A as -exp(A_log),
     the depthwise kernel squeezed, the linear attention's value heads tiled rather than grouped by
     key head; the tests' writer makes the converter's tensors byte for byte): the same tokens and
     logprobs as transformers, split across ranks by value heads."""
     from transformers import AutoModelForCausalLM
 
-    hf = _qwen35(tmp_path, value_dim)
+    hf = _qwen35(tmp_path, value_dim, moe)
     (tmp_path / "gguf").mkdir()
     path = write_gguf(hf, tmp_path / "gguf" / "qwen35.gguf", types)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)

@@ -276,7 +276,8 @@ _METADATA_KEYS = {"num_hidden_layers": "block_count", "hidden_size": "embedding_
                   "moe_intermediate_size": "expert_feed_forward_length",
                   "layer_norm_eps": "attention.layer_norm_epsilon"}
 _HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                     "qwen2": "Qwen2ForCausalLM", "qwen35": "Qwen3_5ForCausalLM", "bert": "BertModel"}
+                     "qwen2": "Qwen2ForCausalLM", "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM",
+                     "bert": "BertModel"}
 
 
 def _gguf_config(f: GGUFFile) -> dict:
@@ -329,8 +330,8 @@ def _gguf_config(f: GGUFFile) -> dict:
                       norm_topk_prob=bool(f.field(f"{arch}.expert_weights_norm", True)))
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in f.tensors
-    if arch == "qwen35":
-        config.update(_gguf_qwen35(f, number, config))
+    if arch in ("qwen35", "qwen35moe"):
+        config.update(_gguf_qwen35(f, arch, number, config))
     scaling = f.field(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         config["rope_scaling"] = {
@@ -385,26 +386,27 @@ def _gguf_bert_config(f: GGUFFile, number: Callable, vocab: int | None) -> dict:
     return config
 
 
-def _gguf_qwen35(f: GGUFFile, number: Callable, config: dict) -> dict:
-    """Qwen3.5's text model as llama.cpp's `qwen35` describes it: its linear attention's heads (the
-    value heads' width given whole), which layers are linear (or every fourth one full), an
-    interleaved multimodal rotary embedding over part of each head, and a multi-token-prediction
-    block counted among the layers, which neuron leaves out."""
+def _gguf_qwen35(f: GGUFFile, arch: str, number: Callable, config: dict) -> dict:
+    """Qwen3.5's text model as llama.cpp's `qwen35` and `qwen35moe` describe it: its linear
+    attention's heads (the value heads' width given whole), which layers are linear (or every
+    fourth one full), an interleaved multimodal rotary embedding over part of each head, a
+    multi-token-prediction block counted among the layers, which neuron leaves out, and the MoE's
+    routed and shared experts."""
     missing = [key for key in ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank",
                                "ssm.inner_size", "rope.dimension_count") if number(key) is None]
     if missing:
-        raise ConfigError(f"{f.path.name}: GGUF metadata lacks {', '.join('qwen35.' + k for k in missing)}")
+        raise ConfigError(f"{f.path.name}: GGUF metadata lacks {', '.join(f'{arch}.{k}' for k in missing)}")
     value_heads, head_dim = number("ssm.time_step_rank"), config["head_dim"]
     inner, rotary = number("ssm.inner_size"), number("rope.dimension_count")
     if not value_heads or not inner or inner % value_heads or not head_dim or not rotary:
-        raise ConfigError(f"{f.path.name}: GGUF metadata qwen35.ssm.time_step_rank, ssm.inner_size (a multiple of "
+        raise ConfigError(f"{f.path.name}: GGUF metadata {arch}.ssm.time_step_rank, ssm.inner_size (a multiple of "
                           "it) and rope.dimension_count must be positive")
     layers = config["num_hidden_layers"] - (number("nextn_predict_layers", 0) or 0)
-    sections = f.array("qwen35.rope.dimension_sections") or []
+    sections = f.array(f"{arch}.rope.dimension_sections") or []
     if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= head_dim for x in sections):
-        raise ConfigError(f"{f.path.name}: GGUF metadata qwen35.rope.dimension_sections must be counts of rotary "
+        raise ConfigError(f"{f.path.name}: GGUF metadata {arch}.rope.dimension_sections must be counts of rotary "
                           "dimensions")
-    out = {"model_type": "qwen3_5_text", "num_hidden_layers": layers,
+    out = {"model_type": ARCHITECTURES[arch], "num_hidden_layers": layers,
            "linear_conv_kernel_dim": number("ssm.conv_kernel"), "linear_key_head_dim": number("ssm.state_size"),
            "linear_num_key_heads": number("ssm.group_count"), "linear_num_value_heads": value_heads,
            "linear_value_head_dim": inner // value_heads,
@@ -412,12 +414,16 @@ def _gguf_qwen35(f: GGUFFile, number: Callable, config: dict) -> dict:
            "rope_parameters": {"rope_type": "default", "rope_theta": config.pop("rope_theta"),
                                "partial_rotary_factor": rotary / head_dim, "mrope_interleaved": True,
                                "mrope_section": [x for x in sections if x] or [11, 11, 10]}}
-    recurrent = f.array("qwen35.attention.recurrent_layers")
+    recurrent = f.array(f"{arch}.attention.recurrent_layers")
     if recurrent is not None:
         if not all(isinstance(x, bool) for x in recurrent) or len(recurrent) < layers:
-            raise ConfigError(f"{f.path.name}: GGUF metadata qwen35.attention.recurrent_layers must give each of the "
+            raise ConfigError(f"{f.path.name}: GGUF metadata {arch}.attention.recurrent_layers must give each of the "
                               f"{layers} layers true or false")
         out["layer_types"] = ["linear_attention" if x else "full_attention" for x in recurrent[:layers]]
+    if arch == "qwen35moe":  # routed experts beside a shared one, whose width is the dense MLP's
+        out.update(num_experts=number("expert_count"), num_experts_per_tok=number("expert_used_count"),
+                   moe_intermediate_size=number("expert_feed_forward_length"),
+                   shared_expert_intermediate_size=number("expert_shared_feed_forward_length"))
     return out
 
 

@@ -41,7 +41,7 @@ from neuron.layers.tensor_parallel import Reader
 from neuron.models.gguf_layout import ARRAY, STRING, read_layout
 
 ARCHITECTURES = {"qwen3": "qwen3", "llama": "llama", "qwen3moe": "qwen3_moe", "qwen2": "qwen2", "qwen35": "qwen3_5_text",
-                 "bert": "bert"}
+                 "qwen35moe": "qwen3_5_moe_text", "bert": "bert"}
 # Qwen3.5's linear-attention layers (llama.cpp's `qwen35`), and the one name its layers spell otherwise
 _QWEN35_NAMES = {
     "linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
@@ -49,6 +49,11 @@ _QWEN35_NAMES = {
     "linear_attn.conv1d.weight": "ssm_conv1d.weight", "linear_attn.norm.weight": "ssm_norm.weight",
     "linear_attn.out_proj.weight": "ssm_out.weight", "linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias",
     "post_attention_layernorm.weight": "post_attention_norm.weight",
+    # Qwen3.5-MoE's shared expert and its gate
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
 # its RMSNorm weights, which llama.cpp stores plus one (the multiplier the zero-centred norm applies)
 _QWEN35_OFFSET = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight", "q_norm.weight",
@@ -330,7 +335,7 @@ class GGUFReader(Reader):
         self._permuted = config["model_type"] == "llama"
         # Qwen3.5: llama.cpp orders the value heads of its linear attention tiled (key head fastest:
         # v0 of each key head, then v1 of each, ...) where transformers groups them by key head
-        self._qwen35 = config["model_type"] == "qwen3_5_text"
+        self._qwen35 = config["model_type"] in ("qwen3_5_text", "qwen3_5_moe_text")
         if self._qwen35:
             k_heads, v_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
             # (key heads, value heads per key head, a value head's width, the q (or k) block's rows)
