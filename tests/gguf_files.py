@@ -409,7 +409,7 @@ def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", to
         gname = name if name in stacked else _gguf_name(name, qwen35)
         x = value.astype(np.float32)
         if qwen35 and name not in stacked:
-            x = _qwen35_tensor(name, x, config)
+            x = np.ascontiguousarray(_qwen35_tensor(name, x, config))
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             x = _permute(x, heads if "q_proj" in name else kv_heads)
         if x.ndim == 1 or gname.endswith("ssm_conv1d.weight"):  # the converter keeps these F32

@@ -461,15 +461,17 @@ def _qwen35(tmp_path, value_dim: int, moe: bool = False):
     return tmp_path / "hf"
 
 
-@pytest.mark.parametrize("value_dim, types, tp, moe", [
-    (16, "F32", 1, False),  # the file's weights are the checkpoint's: transformers on the checkpoint itself
-    (32, {"ssm_out.weight": "Q8_0", "attn_qkv.weight": "Q4_0", "default": "Q8_0"}, 2, False),  # out_proj: whole blocks
-    (64, {"ssm_out.weight": "Q4_K", "default": "F16"}, 2, False),  # a head is a quarter of a K-quant block: dequantized
-    (16, "F32", 2, True),  # Qwen3.5-MoE (`qwen35moe`): experts stacked, a shared expert and its gate
+@pytest.mark.parametrize("value_dim, types, tp, moe, quantized", [
+    (16, "F32", 1, False, False),  # the file's weights are the checkpoint's: transformers on the checkpoint itself
+    # out_proj's share of value heads in whole blocks at tp 2 (heads of 32, Q8_0's blocks of 32)
+    (32, {"ssm_out.weight": "Q8_0", "attn_qkv.weight": "Q4_0", "default": "Q8_0"}, 2, False, True),
+    (128, {"ssm_out.weight": "Q4_K", "default": "Q8_0"}, 1, False, True),  # two heads of 128 a K-quant block
+    (64, {"ssm_out.weight": "Q4_K", "default": "F16"}, 2, False, False),  # a rank's heads part blocks: dequantized
+    (16, "F32", 2, True, False),  # Qwen3.5-MoE (`qwen35moe`): experts stacked, a shared expert and its gate
     (32, {"ffn_gate_exps.weight": "Q4_1", "ffn_up_exps.weight": "Q4_1", "ffn_down_exps.weight": "Q4_0",
-          "default": "Q8_0"}, 1, True),
+          "default": "Q8_0"}, 1, True, True),
 ])
-def test_a_qwen3_5_gguf_file_matches_transformers(tmp_path, value_dim, types, tp, moe):
+def test_a_qwen3_5_gguf_file_matches_transformers(tmp_path, value_dim, types, tp, moe, quantized):
     """Qwen3.5 as llama.cpp's converter writes it (`qwen35`: norms stored plus one, A as -exp(A_log),
     the depthwise kernel squeezed, the linear attention's value heads tiled rather than grouped by
     key head; the tests' writer makes the converter's tensors byte for byte): the same tokens and
@@ -482,6 +484,8 @@ def test_a_qwen3_5_gguf_file_matches_transformers(tmp_path, value_dim, types, tp
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
     with LLM(str(path), tensor_parallel_size=tp, device="cpu", dtype="float32") as llm:
         assert llm.engine.model.hf_config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+        out_proj = llm.engine.executor.rank0.models["model"].model.layers[0].mixer.out_proj.weight
+        assert isinstance(out_proj, QuantizedWeight) == quantized  # its value heads reordered as whole blocks
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     if types == "F32":
         reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()

@@ -64,6 +64,13 @@ class Reader:
         """The file that holds tensor `name`, for messages."""
         return "the checkpoint"
 
+    def inputs_order(self, name: str) -> str | None:
+        """How the inputs (columns) of weight `name` are ordered where not as transformers orders
+        them: "tiled" for Qwen3.5's out_proj read from a GGUF file (this rank's value heads key head
+        fastest, as llama.cpp stores them); None otherwise. Wrappers ask the reader they wrap."""
+        inner = getattr(self, "inner", None)
+        return inner.inputs_order(name) if isinstance(inner, Reader) else None
+
     def read_weight(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None,
                     vocab: bool = False) -> torch.Tensor | QuantizedWeight:
         """A linear layer's weight (or this rank's slice of it): quantized where the checkpoint

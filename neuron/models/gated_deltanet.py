@@ -136,6 +136,10 @@ class GatedDeltaNet:
         nk, nv = heads.local_k(), heads.local_v
         self.qkv_sizes = (nk * heads.k_dim, nk * heads.k_dim, nv * heads.v_dim)
         self.sizes = (sum(self.qkv_sizes), nv * heads.v_dim, nv, nv)
+        # out_proj's inputs as a GGUF file orders them (its value heads key head fastest): this rank's
+        # heads, grouped by key head here, are handed over in that order
+        self.tiled = False
+        self.tiled_shape = (max(1, nv // heads.group), min(nv, heads.group), heads.v_dim)
 
     @classmethod
     def load(cls, r: Reader, layer: int, prefix: str, heads: DeltaNetHeads, eps: float, comm: Communicator,
@@ -158,7 +162,9 @@ class GatedDeltaNet:
         norm_weight = r.read(f"{prefix}.norm.weight").float().to(device)
         out_proj = RowParallelLinear.load(r, f"{prefix}.out_proj", heads.num_v_heads * dv, heads.shard, comm, dtype,
                                           device, kernels)
-        return cls(layer, in_proj, conv_weight, neg_a, dt_bias, norm_weight, out_proj, heads, eps)
+        block = cls(layer, in_proj, conv_weight, neg_a, dt_bias, norm_weight, out_proj, heads, eps)
+        block.tiled = r.inputs_order(f"{prefix}.out_proj.weight") == "tiled"
+        return block
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.in_proj.weight, self.conv_weight, self.neg_a, self.dt_bias, self.norm_weight, self.out_proj.weight]
@@ -175,6 +181,8 @@ class GatedDeltaNet:
         g = self.neg_a * F.softplus(a.float() + self.dt_bias)
         o = self._delta(q, k, v.view(t, nv, dv), g, beta, state)
         o = F.rms_norm(o, (dv,), self.norm_weight, self.eps) * F.silu(z.view(t, nv, dv).float())
+        if self.tiled:
+            o = o.view(t, *self.tiled_shape).transpose(1, 2)
         return self.out_proj(o.to(h.dtype).reshape(t, -1))
 
     def _conv(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:

@@ -466,23 +466,30 @@ class GGUFReader(Reader):
             raise ConfigError(f"{locate(name, self._qwen35)[0]}: GGUF tensor type {kind.name} is not read here")
         return decode(raw.reshape(raw.shape[0], -1, _gguf().GGML_QUANT_SIZES[kind][1]), k).dequantize()
 
+    def inputs_order(self, name: str) -> str | None:
+        return "tiled" if self._qwen35 and name.endswith("linear_attn.out_proj.weight") else None
+
     def _out_proj(self, name: str, dim: int | None, start: int, end: int | None):
-        """Qwen3.5's out_proj, whose inputs (the value heads) the file orders tiled: this slice's
-        columns gathered in transformers' order; quantized blocks moved whole where a head's values
-        fill whole blocks, else the rows dequantized first (as transformers reads such a file)."""
+        """Qwen3.5's out_proj, whose inputs (the value heads) the file orders tiled: the columns of
+        this slice's value heads (transformers' [start, end)) in the file's order, which the layer
+        matches by ordering its input so (inputs_order). The whole tensor is the file's as stored;
+        a rank's share is whole blocks wherever its heads' runs fall on block boundaries (a
+        K-quant's 256 values are two heads of 128: an even number of key heads a rank), else its
+        rows are dequantized first."""
         key, t, _ = self._tensor(name)
         gguf = _gguf()
         kind = gguf.GGMLQuantizationType(int(t.tensor_type))
         n, k = (int(x) for x in reversed(t.shape))
-        a, b = (0, n) if dim == 0 and end is None else (start, end) if dim == 0 else (0, n)
+        a, b = (start, n if end is None else end) if dim == 0 else (0, n)
         c0, c1 = (start, k if end is None else end) if dim == 1 else (0, k)
-        cols = self._value_heads(np.arange(c0, c1), self._v[2])
+        cols = np.sort(self._value_heads(np.arange(c0, c1), self._v[2]))
         data = t.data[a:b]
         if kind.name in _DENSE:
             return _DENSE[kind.name](np.array(data[:, cols]))
         block, size = gguf.GGML_QUANT_SIZES[kind]
-        if self._v[2] % block == 0 and c0 % block == 0 and (c1 - c0) % block == 0:
-            blocks = np.array(data).reshape(b - a, -1, size)[:, cols[::block] // block]
+        runs = cols.reshape(-1, block) if cols.size % block == 0 else None
+        if runs is not None and not (runs[:, 0] % block).any() and (np.diff(runs, axis=1) == 1).all():
+            blocks = np.array(data).reshape(b - a, -1, size)[:, runs[:, 0] // block]
             return _DECODERS[kind.name](np.ascontiguousarray(blocks), c1 - c0)
         whole = self._dense(name, kind, np.array(data), k)
         return whole[:, torch.from_numpy(cols)].contiguous()
