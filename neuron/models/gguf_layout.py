@@ -57,7 +57,7 @@ class Field:
     value: object
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: a numpy view has no single truth value
 class Tensor:
     """One tensor of the index. `shape` in GGUF's order (the fastest-moving dimension first);
     `data` a read-only view of the mapped file."""

@@ -87,12 +87,10 @@ def _manifests(root: Path, limit: int) -> list[Path]:
                 entries = sorted(folder.iterdir())
             except OSError:
                 continue
-            for entry in entries:
-                if _PART.fullmatch(entry.name) and not entry.is_symlink() and \
-                        (entry.is_file() if depth == 3 else entry.is_dir()):
-                    found.append(entry)
-                if len(found) >= limit:
-                    break
+            found += [entry for entry in entries if _PART.fullmatch(entry.name) and not entry.is_symlink()
+                      and (entry.is_file() if depth == 3 else entry.is_dir())][:limit - len(found)]
+            if len(found) >= limit:
+                break
         level = found
     return level
 
