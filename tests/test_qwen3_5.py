@@ -174,6 +174,33 @@ def test_delta_rule_chunks_equal_token_by_token():
     assert torch.allclose(torch.cat([o_head, o_tail]), o_ref, atol=1e-4) and torch.allclose(s, s_ref, atol=1e-4)
 
 
+def test_the_fused_decode_update_is_the_delta_rules_step():
+    """The kernel library's one-token update (csrc/delta_step.h): in place on the slots' rows of the
+    state, a fresh sequence's row zeroed first, the other rows untouched; state and output as
+    delta_step computes them. Value heads wider than its buffer are left to PyTorch."""
+    from neuron.layers import cpu_ops
+
+    if cpu_ops.library() is None:
+        pytest.skip("the kernel library cannot be built here (no C++ compiler): decode runs PyTorch's step")
+    torch.manual_seed(1)
+    slots, b, h, dk, dv = 6, 3, 4, 16, 40
+    state = torch.randn(slots, h, dk, dv)
+    rows, fresh = torch.tensor([4, 0, 2]), torch.tensor([0, 1, 0], dtype=torch.uint8)
+    q = torch.nn.functional.normalize(torch.randn(b, h, dk), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(b, h, dk), dim=-1)
+    v, g, beta = torch.randn(b, h, dv), -torch.rand(b, h) * 3, torch.rand(b, h)
+    before = state[rows].clone()
+    before[1] = 0
+    s_ref, o_ref = delta_step(before, q, k, v, g, beta)
+    updated = state.clone()
+    o = cpu_ops.delta_step(updated, rows, fresh, q, k, v, g, beta)
+    assert torch.allclose(o, o_ref, atol=1e-5) and torch.allclose(updated[rows], s_ref, atol=1e-5)
+    assert torch.equal(updated[[1, 3, 5]], state[[1, 3, 5]])
+    wide = torch.randn(1, 1, 2, 1025)
+    assert cpu_ops.delta_step(wide, torch.tensor([0]), torch.tensor([0], dtype=torch.uint8), q[:1, :1, :2],
+                              k[:1, :1, :2], torch.randn(1, 1, 1025), g[:1, :1], beta[:1, :1]) is None
+
+
 def test_mrope_tables_follow_the_reference_sections():
     """Image positions differ per axis; the tables interleave them as transformers does."""
     from transformers import Qwen3_5TextConfig

@@ -56,10 +56,12 @@ _SIGNATURES = {
     "neuron_panel_width": [],
     "neuron_panel_rows": [_P, _P, _I, _P, _I],
     "neuron_gguf_codes": [ctypes.c_int, _P, _I, _I, _P, _I, ctypes.c_int],  # models/gguf.py
+    "neuron_delta_step": [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, ctypes.c_int],  # gated_deltanet.py
 }
 _RETURNS = {"neuron_qrows": ctypes.c_int, "neuron_qlinear_int_many_takes": ctypes.c_int,
             "neuron_qlinear_int_stack": ctypes.c_int, "neuron_qlinear_int_block": ctypes.c_int,
-            "neuron_panel_width": ctypes.c_int64, "neuron_panel_rows": ctypes.c_int, "neuron_gguf_codes": ctypes.c_int}
+            "neuron_panel_width": ctypes.c_int64, "neuron_panel_rows": ctypes.c_int, "neuron_gguf_codes": ctypes.c_int,
+            "neuron_delta_step": ctypes.c_int}
 
 
 @functools.cache
@@ -252,4 +254,23 @@ def gguf_codes(kind: int, blocks, out_bytes: int) -> torch.Tensor | None:
     out = torch.empty(rows, n * out_bytes, dtype=torch.uint8)
     done = lib.neuron_gguf_codes(kind, blocks.ctypes.data, rows * n, size, out.data_ptr(), out_bytes,
                                  torch.get_num_threads())
+    return out if done == 0 else None
+
+
+def delta_step(state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor | None:
+    """The gated delta rule's one-token update in place on `state` [slots, heads, dk, dv] (the rows
+    `slots` int64 [B], zeroed first where `fresh` uint8 [B]), and its output [B, heads, dv]
+    (csrc/delta_step.h); None where the library is not built or the tensors are not fp32 and
+    contiguous on the CPU (the caller keeps PyTorch's way)."""
+    lib = library()
+    if lib is None or not takes(state, q, k, v, g, beta) or not all(
+            t.is_contiguous() for t in (state, q, k, v, g, beta)):
+        return None
+    batch, heads, dk = q.shape
+    dv = v.shape[-1]
+    out = torch.empty(batch, heads, dv, dtype=torch.float32)
+    done = lib.neuron_delta_step(state.data_ptr(), slots.data_ptr(), fresh.data_ptr(), batch, heads, dk, dv,
+                                 q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+                                 out.data_ptr(), torch.get_num_threads())
     return out if done == 0 else None

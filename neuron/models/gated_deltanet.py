@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from neuron.distributed.comm import Communicator
 from neuron.errors import ConfigError
+from neuron.layers import cpu_ops
 from neuron.layers.kernels import Kernels
 from neuron.layers.tensor_parallel import ColumnParallelLinear, Reader, RowParallelLinear, Shard
 from neuron.step import SeqStep
@@ -102,6 +103,9 @@ class DeltaNetState:
         self.slots_t = to_device(self.slots, self.device, torch.long) if len(seqs) > 1 else None
         fresh = [o == 0 for o in self.offsets]
         self.fresh = to_device(fresh, self.device, torch.bool) if any(fresh) and len(seqs) > 1 else None
+        # the fused CPU update's slot rows and fresh flags (cpu_ops.delta_step), once a step
+        self.rows = (torch.tensor(self.slots, dtype=torch.int64), torch.tensor(fresh, dtype=torch.uint8)) \
+            if self.all_decode and torch.device(self.device).type == "cpu" else None
 
     def gather(self, state: torch.Tensor) -> torch.Tensor:
         """A decode step's slot states, [B, ...]."""
@@ -138,7 +142,7 @@ class GatedDeltaNet:
         self.sizes = (sum(self.qkv_sizes), nv * heads.v_dim, nv, nv)
         # out_proj's inputs as a GGUF file orders them (its value heads key head fastest): this rank's
         # heads, grouped by key head here, are handed over in that order
-        self.tiled = False
+        self.tiled = self.fused = False
         self.tiled_shape = (max(1, nv // heads.group), min(nv, heads.group), heads.v_dim)
 
     @classmethod
@@ -164,6 +168,8 @@ class GatedDeltaNet:
                                           device, kernels)
         block = cls(layer, in_proj, conv_weight, neg_a, dt_bias, norm_weight, out_proj, heads, eps)
         block.tiled = r.inputs_order(f"{prefix}.out_proj.weight") == "tiled"
+        # a decode step's state update in one fused pass of the kernel library, where its layers ask for it
+        block.fused = kernels.cpu_ops and torch.device(device).type == "cpu"
         return block
 
     def tensors(self) -> list[torch.Tensor]:
@@ -204,6 +210,11 @@ class GatedDeltaNet:
     def _delta(self, q, k, v, g, beta, state: DeltaNetState) -> torch.Tensor:
         """The gated delta rule over each sequence's new tokens from its slot's state; [T, heads, v_dim]."""
         rec = state.recurrent[self.layer]
+        if state.all_decode and self.fused and state.rows is not None:
+            o = cpu_ops.delta_step(rec, *state.rows, q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
+                                   beta.contiguous())
+            if o is not None:
+                return o
         if state.all_decode:
             s, o = delta_step(state.gather(rec), q, k, v, g, beta)
             state.scatter(rec, s)

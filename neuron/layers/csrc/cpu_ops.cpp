@@ -1076,3 +1076,6 @@ void neuron_qlinear_panels(const float* x, int64_t m, int64_t xs, const Quantize
 
 // GGUF blocks rewritten as neuron's codes at load (models/gguf.py).
 #include "gguf_codes.h"
+
+// The gated delta rule's one-token update (models/gated_deltanet.py).
+#include "delta_step.h"
