@@ -365,3 +365,29 @@ def test_sigterm_exits_within_the_grace_period_at_any_moment(tmp_path, moment):
         assert code == 0 and took < grace + 8, f"SIGTERM: exit {code} after {took:.1f} s; the log ends:\n{log[-3000:]}"
         wait_until(lambda: all(gone(pid) for pid in frozen), 5, "a worker outlived the leader")
         assert log.count("interrupting the ranks") <= 1 and "stopped" in log, log[-3000:]
+
+
+def test_a_worker_stopped_at_birth_does_not_outlive_its_leader(tmp_path):
+    """A worker frozen before its interpreter ties its life to the leader's (a rebuild's new worker
+    stopped at once) is killed when the leader exits, however the pool was left."""
+    import subprocess
+    import sys
+
+    leader = (
+        "import os, signal, sys\n"
+        "from neuron.executor.pool import WorkerPool\n"
+        "stopper = [sys.executable, '-c', 'import os, signal; os.kill(os.getpid(), signal.SIGSTOP)']\n"
+        "pool = WorkerPool(2, worker_cmd=lambda rank, world, device: stopper)\n"
+        "try:\n"
+        "    pool.spawn(0.5)\n"
+        "except Exception:\n"
+        "    pass\n"
+        "print(pool.workers[0].proc.pid, flush=True)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", leader], capture_output=True, text=True, timeout=60)
+    pid = int(out.stdout.split()[-1])
+    try:
+        wait_until(lambda: gone(pid), 5, "a worker outlived the leader")
+    finally:
+        if not gone(pid):
+            os.kill(pid, signal.SIGKILL)

@@ -10,6 +10,7 @@ process is gone without its output closing is reported as exited.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import os
@@ -29,6 +30,24 @@ from neuron.rpc import protocol as p
 from neuron.utils import procfs
 
 log = logging.getLogger("neuron.pool")
+
+# Every worker process this leader started and has not yet seen exit. A worker ties its life to
+# the leader's (PR_SET_PDEATHSIG) only once its interpreter is up, so one stopped before that (a
+# rebuild's new worker frozen at birth) would outlive a leader that exits while it waits; at exit the
+# leader kills whatever is still here.
+_SPAWNED: set[subprocess.Popen] = set()
+_SPAWNED_LOCK = threading.Lock()
+
+
+def _kill_spawned() -> None:
+    with _SPAWNED_LOCK:
+        procs = list(_SPAWNED)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+
+
+atexit.register(_kill_spawned)
 
 _EOF = object()
 _DRAIN_GRACE_S = 2.0
@@ -182,6 +201,8 @@ class WorkerPool:
                 continue
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     env=env, start_new_session=False)
+            with _SPAWNED_LOCK:
+                _SPAWNED.add(proc)
             self._add_worker(rank, proc)
         log.info("spawned %d worker(s)", len(self.workers))
         if dialling:
@@ -330,6 +351,9 @@ class WorkerPool:
     def _forget_workers(self) -> None:
         for w in self.workers:
             w.join_threads()
+        with _SPAWNED_LOCK:
+            _SPAWNED.difference_update(w.proc for w in self.workers if isinstance(w.proc, subprocess.Popen)
+                                       and w.proc.poll() is not None)
         self.workers = []
 
     # ---- fan-out and drain ----
