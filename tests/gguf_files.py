@@ -29,25 +29,21 @@ GGUF_NAMES = {
 EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 TOP = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
        "model.norm.weight": "output_norm.weight"}
-# Qwen3.5's (llama.cpp's `qwen35`): its linear attention, and the post-attention norm's own name
-QWEN35_NAMES = {
-    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
-    "linear_attn.in_proj_a.weight": "ssm_alpha.weight", "linear_attn.in_proj_b.weight": "ssm_beta.weight",
-    "linear_attn.conv1d.weight": "ssm_conv1d.weight", "linear_attn.norm.weight": "ssm_norm.weight",
-    "linear_attn.out_proj.weight": "ssm_out.weight", "linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias",
-    "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
-    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
-    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
-    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
-}
 
 
-def _gguf_name(name: str, qwen35: bool = False) -> str:
+def _gguf_name(name: str) -> str:
     if name in TOP:
         return TOP[name]
     _, _, layer, rest = name.split(".", 3)
-    return f"blk.{layer}.{QWEN35_NAMES[rest] if qwen35 and rest in QWEN35_NAMES else GGUF_NAMES[rest]}"
+    return f"blk.{layer}.{GGUF_NAMES[rest]}"
+
+
+def _qwen35_name(name: str, names) -> str:
+    """A Qwen3.5 tensor's GGUF name by the `gguf` package's own map (`names`, as the converter names
+    them), dt_bias first renamed dt_proj.bias as the converter renames it."""
+    if name.endswith(".linear_attn.dt_bias"):
+        name = name.removesuffix("dt_bias") + "dt_proj.bias"
+    return names.get_name(name, try_suffixes=(".weight", ".bias"))
 
 
 def _tiled(x: np.ndarray, axis: int, k_heads: int, width: int) -> np.ndarray:
@@ -405,8 +401,10 @@ def write_gguf(hf_dir: Path, out: Path, types: str | dict[str, str] = "Q8_0", to
         stacked.setdefault(f"blk.{layer}.{EXPERTS[proj]}.weight", {})[int(e)] = tensors.pop(name)
     for gname, experts in stacked.items():
         tensors[gname] = np.stack([experts[e] for e in sorted(experts)])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE if arch == "qwen35moe" else gguf.MODEL_ARCH.QWEN35,
+                                     config["num_hidden_layers"]) if qwen35 else None
     for name, value in tensors.items():
-        gname = name if name in stacked else _gguf_name(name, qwen35)
+        gname = name if name in stacked else _qwen35_name(name, names) if qwen35 else _gguf_name(name)
         x = value.astype(np.float32)
         if qwen35 and name not in stacked:
             x = np.ascontiguousarray(_qwen35_tensor(name, x, config))
