@@ -583,8 +583,9 @@ def _ollama_generation(name: str, gguf: Path, config: dict, tokenizer: Tokenizer
         return {}
     params = parameters(name) or {}
     generation = {ours: params[theirs] for theirs, ours in _OLLAMA_PARAMETERS.items() if theirs in params}
-    if not isinstance(params.get("num_predict", 0), int) or params.get("num_predict", 0) > 0:
-        generation["max_new_tokens"] = params["num_predict"]  # -1 and -2 (no limit, fill the context): none
+    predict = params.get("num_predict")
+    if predict is not None and not (isinstance(predict, int) and predict <= 0):  # -1, -2: no limit, fill the context
+        generation["max_new_tokens"] = predict  # checked with the other defaults
     stops = params.get("stop")
     if isinstance(stops, str):
         stops = [stops]

@@ -39,7 +39,6 @@ MAX_ITEMS = 1 << 24  # one array
 MAX_DEPTH = 2  # an array may hold arrays, those arrays not
 MAX_DIMS = 4
 MAX_ELEMENTS = 1 << 40
-DEFAULT_ALIGNMENT = 32
 # Arrays with one entry per token: a vocabulary past MAX_VOCAB is refused before anything builds it.
 _PER_TOKEN = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
 # dense tensor types as numpy reads their elements (BF16 as its 16-bit words); the rest are block bytes
@@ -205,7 +204,9 @@ def _read(w: _Walk, file: np.ndarray) -> Layout:
         if key in fields:
             raise w.fail(f"metadata key {key!r} appears twice")
         fields[key] = w.value(w.u32(f"the type of {key}"), key)
-    alignment = DEFAULT_ALIGNMENT
+    import gguf
+
+    alignment = gguf.GGUF_DEFAULT_ALIGNMENT
     if (given := fields.get("general.alignment")) is not None:
         value = given.value
         if given.kind != UINT32 or not value or value & (value - 1) or value > 1 << 16:
