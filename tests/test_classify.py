@@ -278,6 +278,11 @@ def test_a_gguf_reranker_as_llama_cpp_converts_it_scores_its_rerank_prompt(tmp_p
     path = write_gguf(hf, tmp_path / "gguf" / "reranker.gguf", "F32", reranker=("Ġyes", "Ġno", template))
     config = model_config(path)
     assert config.tasks == {"classify"} and config.pooling.classifier.labels == ("yes",)
+    if tp == 1:  # a template missing a placeholder would score every pair alike: refused by name
+        (tmp_path / "bad").mkdir()
+        bad = write_gguf(hf, tmp_path / "bad" / "reranker.gguf", "F32", reranker=("Ġyes", "Ġno", "Judge {query}"))
+        with pytest.raises(ConfigError, match="tokenizer.chat_template.rerank must be a text holding"):
+            model_config(bad)
     query = "what does the fox do? {document}"  # a placeholder inside a text is not filled again
     with LLM(str(path), device="cpu", dtype="float32", tensor_parallel_size=tp) as llm:
         scores = llm.score(query, TEXTS[:3])

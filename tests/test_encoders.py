@@ -571,7 +571,7 @@ def test_an_xlm_roberta_gguf_file_embeds_equal_to_transformers(tmp_path, monkeyp
         assert v.outputs.embedding == pytest.approx(_unit(want), abs=2e-5)
 
 
-def test_a_gguf_cross_encoder_scores_as_its_head_says(tmp_path):
+def test_a_gguf_cross_encoder_scores_as_its_head_says(tmp_path, monkeypatch):
     """Cross-encoders as llama.cpp's converter writes them (bge-reranker-v2-m3, ms-marco's MiniLM):
     XLM-RoBERTa's head as `cls` and `cls.output`, rank pooling, served for scores equal to
     transformers at tp 2; BERT's classifier as `cls.output` without its pooler, which the converter
@@ -605,6 +605,14 @@ def test_a_gguf_cross_encoder_scores_as_its_head_says(tmp_path):
             want = classifier(_hidden(bert, text)[0]).softmax(-1)  # [CLS] straight into the classifier
         assert out.outputs.probs == pytest.approx(want.tolist(), abs=2e-5)
         assert out.outputs.probs != pytest.approx(_logits(bert, text).softmax(-1).tolist(), abs=1e-3)  # the pooler's
+    import gguf  # labels that do not name each row of the head: refused by name
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_classifier_output_labels",
+                        lambda w, labels: w.add_array(f"{w.arch}.classifier.output_labels", [*labels, "extra"]))
+    (tmp_path / "extra").mkdir()
+    extra = write_bert_gguf(bert, tmp_path / "extra" / "labels.gguf", "F32")
+    with pytest.raises(ConfigError, match="bert.classifier.output_labels must name each of the 3 rows"):
+        model_config(extra)
 
 
 def test_what_a_bert_gguf_file_cannot_be_is_refused_by_name(tmp_path, bert_mean):
